@@ -1,0 +1,1 @@
+"""Readers and writers of ordinary hypervisor save files (QEMU, Xen)."""

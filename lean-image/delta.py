@@ -1,0 +1,147 @@
+"""DELTA entries: the changed 8-byte words of a page against its parent (spec §7).
+
+Three encodings of the word positions; the encoder picks the smallest. Values
+are always the new words in ascending position order.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .errors import FormatError
+from .format import DELTA_ENTRY_STRUCT, DELTA_RUNS_STRUCT, WORD_SIZE, DeltaEncoding
+
+_HEAD = DELTA_ENTRY_STRUCT.size
+_RUNS_HEAD = DELTA_RUNS_STRUCT.size
+_RUN_SIZE = 4
+
+
+def _words(page) -> np.ndarray:
+    return np.frombuffer(page, dtype="<u8")
+
+
+def _runs(positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    breaks = np.flatnonzero(np.diff(positions) != 1) + 1
+    starts = positions[np.concatenate(([0], breaks))]
+    ends = positions[np.concatenate((breaks - 1, [len(positions) - 1]))]
+    return starts, ends - starts + 1
+
+
+def encoded_sizes(num_words: int, num_runs: int, page_size: int) -> dict[DeltaEncoding, int]:
+    values = WORD_SIZE * num_words
+    return {
+        DeltaEncoding.INDEX_LIST: _HEAD + 2 * num_words + values,
+        DeltaEncoding.BITMAP: _HEAD + page_size // 64 + values,
+        DeltaEncoding.RUNS: _HEAD + _RUNS_HEAD + _RUN_SIZE * num_runs + values,
+    }
+
+
+def encode(old_page, new_page) -> bytes | None:
+    """The smallest delta entry turning old_page into new_page.
+
+    None when the pages are equal or no entry is smaller than a page (the
+    caller then stores the page, rule LI-DLT-004).
+    """
+    page_size = len(new_page)
+    old, new = _words(old_page), _words(new_page)
+    positions = np.flatnonzero(old != new).astype("<u2")
+    if len(positions) == 0:
+        return None
+    starts, lengths = _runs(positions)
+    sizes = encoded_sizes(len(positions), len(starts), page_size)
+    encoding = min(sizes, key=sizes.get)
+    if sizes[encoding] >= page_size:
+        return None
+    head = DELTA_ENTRY_STRUCT.pack(encoding, 0, len(positions))
+    values = new[positions].astype("<u8").tobytes()
+    if encoding == DeltaEncoding.INDEX_LIST:
+        return head + positions.tobytes() + values
+    if encoding == DeltaEncoding.BITMAP:
+        bits = np.zeros(page_size // WORD_SIZE, dtype=bool)
+        bits[positions] = True
+        return head + np.packbits(bits, bitorder="little").tobytes() + values
+    runs = np.empty((len(starts), 2), dtype="<u2")
+    runs[:, 0], runs[:, 1] = starts, lengths
+    return head + DELTA_RUNS_STRUCT.pack(len(starts)) + runs.tobytes() + values
+
+
+def _fail(rule: str, message: str, offset: int | None, structure: str) -> FormatError:
+    return FormatError(message, rule=rule, offset=offset, structure=structure)
+
+
+def decode_positions(entry, page_size: int, *, offset: int | None = None,
+                     structure: str = "delta_entry") -> tuple[np.ndarray, np.ndarray]:
+    """Word positions and new values of a delta entry, checking every rule of §7."""
+    entry = memoryview(entry)
+    if len(entry) < _HEAD:
+        raise _fail("LI-DLT-002", f"expected at least {_HEAD} bytes, got {len(entry)}", offset, structure)
+    if len(entry) >= page_size:
+        raise _fail("LI-DLT-004", f"expected an entry smaller than {page_size} bytes, got {len(entry)}",
+                    offset, structure)
+    encoding, reserved, num_words = DELTA_ENTRY_STRUCT.unpack_from(entry)
+    words_per_page = page_size // WORD_SIZE
+    if reserved:
+        raise _fail("LI-REC-008", f"expected reserved 0, got {reserved:#x}", offset, structure)
+    if encoding not in DeltaEncoding.__members__.values() or num_words == 0:
+        raise _fail("LI-DLT-002", f"expected encoding 1-3 and num_words >= 1, got encoding "
+                    f"{encoding}, num_words {num_words}", offset, structure)
+    body = entry[_HEAD:]
+    if encoding == DeltaEncoding.INDEX_LIST:
+        positions_len = 2 * num_words
+        _expect_length(body, positions_len + WORD_SIZE * num_words, offset, structure)
+        positions = np.frombuffer(body[:positions_len], dtype="<u2").astype(np.int64)
+    elif encoding == DeltaEncoding.BITMAP:
+        positions_len = page_size // 64
+        _expect_length(body, positions_len + WORD_SIZE * num_words, offset, structure)
+        bits = np.unpackbits(np.frombuffer(body[:positions_len], dtype=np.uint8), bitorder="little")
+        positions = np.flatnonzero(bits)
+        if len(positions) != num_words:
+            raise _fail("LI-DLT-002", f"expected {num_words} bits set, got {len(positions)}",
+                        offset, structure)
+    else:
+        positions, positions_len = _run_positions(body, num_words, offset, structure)
+    _check_ascending(positions, words_per_page, offset, structure)
+    values = np.frombuffer(body[positions_len:], dtype="<u8")
+    return positions, values
+
+
+def _expect_length(body, expected: int, offset, structure) -> None:
+    if len(body) != expected:
+        raise _fail("LI-DLT-002", f"expected {expected + _HEAD} entry bytes, got {len(body) + _HEAD}",
+                    offset, structure)
+
+
+def _run_positions(body, num_words: int, offset, structure):
+    if len(body) < _RUNS_HEAD:
+        raise _fail("LI-DLT-002", "expected a run count, got end of entry", offset, structure)
+    (num_runs,) = DELTA_RUNS_STRUCT.unpack_from(body)
+    positions_len = _RUNS_HEAD + _RUN_SIZE * num_runs
+    _expect_length(body, positions_len + WORD_SIZE * num_words, offset, structure)
+    runs = np.frombuffer(body[_RUNS_HEAD:positions_len], dtype="<u2").reshape(-1, 2).astype(np.int64)
+    starts, lengths = runs[:, 0], runs[:, 1]
+    if num_runs == 0 or (lengths == 0).any():
+        raise _fail("LI-DLT-003", "expected at least one run, each of length >= 1", offset, structure)
+    if int(lengths.sum()) != num_words:
+        raise _fail("LI-DLT-002", f"expected runs totalling {num_words} words, got {int(lengths.sum())}",
+                    offset, structure)
+    if (starts[1:] <= starts[:-1] + lengths[:-1]).any():
+        raise _fail("LI-DLT-003", "expected runs ascending and not touching", offset, structure)
+    positions = np.repeat(starts - np.cumsum(np.concatenate(([0], lengths[:-1]))), lengths) \
+        + np.arange(num_words)
+    return positions, positions_len
+
+
+def _check_ascending(positions: np.ndarray, words_per_page: int, offset, structure) -> None:
+    if (np.diff(positions) <= 0).any():
+        raise _fail("LI-DLT-003", "expected strictly ascending word indexes", offset, structure)
+    if len(positions) and positions[-1] >= words_per_page:
+        raise _fail("LI-DLT-003", f"expected word indexes below {words_per_page}, got {int(positions[-1])}",
+                    offset, structure)
+
+
+def apply(entry, parent_page, *, offset: int | None = None, structure: str = "delta_entry") -> bytes:
+    """The page a delta entry makes of its parent's page."""
+    positions, values = decode_positions(entry, len(parent_page), offset=offset, structure=structure)
+    words = np.frombuffer(parent_page, dtype="<u8").copy()
+    words[positions] = values
+    return words.tobytes()

@@ -1,0 +1,62 @@
+"""The error hierarchy. The library raises nothing else on bad input."""
+
+from __future__ import annotations
+
+
+class LeanImageError(Exception):
+    """Root of every error leanimg reports about its input.
+
+    ``offset`` is the byte offset in the file the error is about (or None),
+    ``structure`` a path such as ``record[12].page_frame``, ``rule`` the spec
+    rule id (e.g. ``LI-REC-003``) when the error is a conformance violation.
+    """
+
+    def __init__(self, message: str, *, offset: int | None = None,
+                 structure: str | None = None, rule: str | None = None,
+                 path: str | None = None):
+        self.message = message
+        self.offset = offset
+        self.structure = structure
+        self.rule = rule
+        self.path = path
+        super().__init__(self.__str__())
+
+    def __str__(self) -> str:
+        parts = []
+        if self.path:
+            parts.append(str(self.path))
+        if self.offset is not None:
+            parts.append(f"offset {self.offset:#x}")
+        if self.structure:
+            parts.append(self.structure)
+        prefix = ": ".join([", ".join(parts)]) if parts else ""
+        rule = f"[{self.rule}] " if self.rule else ""
+        return f"{prefix}: {rule}{self.message}" if prefix else f"{rule}{self.message}"
+
+
+class FormatError(LeanImageError):
+    """The lean image violates the format (a rule of spec/format.md)."""
+
+
+class TruncatedError(FormatError):
+    """The input ended before a structure it declares."""
+
+
+class LimitError(FormatError):
+    """A declared size exceeds a resource limit the reader enforces."""
+
+
+class UnsupportedError(LeanImageError):
+    """Valid input using something this version does not handle."""
+
+
+class ChainError(LeanImageError):
+    """A parent image is missing, replaced, modified or forms a cycle."""
+
+
+class DiskError(LeanImageError):
+    """A referenced disk is missing, of another identity, or changed."""
+
+
+class SourceFormatError(LeanImageError):
+    """A hypervisor save file (QEMU or Xen stream) is malformed."""

@@ -1,0 +1,563 @@
+"""Random-access reader of lean images (spec §6-§10).
+
+``LeanImage.open`` reads header, footer and INDEX, then the small records the
+index points at (regions, disks, page maps, disk references). Frames are read
+on demand, checksum-verified, decompressed within their declared size and kept
+in a small cache. Every page handed out has been checked against its digest.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import numpy as np
+import zstandard
+
+from . import delta as deltacodec
+from .errors import ChainError, DiskError, FormatError, LeanImageError
+from .format import (
+    CHAIN_DEPTH_MAX, DIGEST_SIZE, DISK_SECTOR_SIZE, DISKS_MAX, FRAME_PAGES_MAX_BYTES, REGIONS_MAX,
+    PageClass, RecordType, page_digest,
+)
+from .structures import (
+    Footer, Header, ImageFile, Record, body_problems, header_problems, parse_body, raw_body_dict,
+    read_footer, read_header, read_record, record_path,
+)
+
+FRAME_CACHE_SIZE = 4
+
+
+@dataclass
+class Region:
+    region_id: int
+    name: str
+    size_bytes: int
+    guest_phys_base: int | None
+    page_size: int
+    extents: np.ndarray = field(default=None, repr=False)
+    _starts: np.ndarray = field(default=None, repr=False)
+
+    @property
+    def num_pages(self) -> int:
+        return self.size_bytes // self.page_size
+
+
+@dataclass
+class DiskInfo:
+    disk_id: int
+    name: str
+    size_bytes: int
+    fingerprint: bytes
+
+
+@dataclass
+class SourceState:
+    source_format: int
+    tag: int
+    sequence: int
+    data: bytes
+
+
+def _first_problem(problems):
+    for problem in problems:
+        raise problem
+
+
+class LeanImage:
+    """An open lean image. Use ``LeanImage.open``; close it (or use ``with``)."""
+
+    def __init__(self, path: str, fileobj, header: Header, footer: Footer, records: list):
+        self.path = path
+        self._file = ImageFile(fileobj, path)
+        self.header = header
+        self.footer = footer
+        self.index_entries = records
+        self.page_size = header.page_size
+        self.regions: list[Region] = []
+        self.disks: list[DiskInfo] = []
+        self.source_states: list[SourceState] = []
+        self.parent: LeanImage | None = None
+        self._frame_starts = np.zeros(0, np.int64)
+        self._frame_offsets = np.zeros(0, np.int64)
+        self._delta_starts = np.zeros(0, np.int64)
+        self._delta_offsets = np.zeros(0, np.int64)
+        self._disk_refs = np.zeros(0, np.uint64)
+        self._disk_ref_ids = np.zeros(0, np.uint32)
+        self._digest_records: dict[int, list[int]] = {}
+        self._digests: dict[int, np.ndarray] = {}
+        self._frame_cache: OrderedDict = OrderedDict()
+        self._decompressor = zstandard.ZstdDecompressor()
+        self._disk_sources: dict[int, object] = {}
+
+    # -- opening -----------------------------------------------------------------
+    @classmethod
+    def open(cls, path, *, parents=(), disks=None, _seen: tuple = ()) -> "LeanImage":
+        """Open ``path``; ``parents`` are candidate parent images (paths), matched by UUID;
+        ``disks`` maps disk names to disk sources (paths or restore.disks objects)."""
+        path = os.fspath(path)
+        try:
+            fileobj = open(path, "rb")
+        except OSError as exc:
+            raise LeanImageError(f"cannot open: {exc.strerror}", path=path) from None
+        try:
+            image = cls._load(path, fileobj)
+            image._attach_parent(list(parents), disks, _seen)
+            image.attach_disks(disks or {})
+            return image
+        except LeanImageError as exc:
+            fileobj.close()
+            exc.path = exc.path or path
+            exc.args = (str(exc),)
+            raise
+
+    @classmethod
+    def _load(cls, path: str, fileobj) -> "LeanImage":
+        image_file = ImageFile(fileobj, path)
+        header = read_header(image_file)
+        _first_problem(header_problems(header))
+        footer = read_footer(image_file, header.header_length)
+        index = read_record(image_file, footer.index_offset, footer.offset)
+        if index.record_type != RecordType.INDEX or index.end != footer.offset:
+            raise FormatError(f"expected the INDEX record ending at the footer {footer.offset:#x}, got "
+                              f"{index.name} ending at {index.end:#x}", offset=footer.index_offset,
+                              structure="footer.index_offset", rule="LI-FTR-005")
+        entries = parse_body(index)["entries"]
+        image = cls(path, fileobj, header, footer, entries)
+        image._load_records()
+        return image
+
+    def _record_at(self, i: int, expected_type: int | None = None) -> Record:
+        entry = self.index_entries[i]
+        offset = int(entry["record_offset"])
+        limit = int(self.index_entries[i + 1]["record_offset"]) if i + 1 < len(self.index_entries) \
+            else self.footer.index_offset
+        record = read_record(self._file, offset, limit, i)
+        if record.record_type != int(entry["record_type"]) or record.end != limit:
+            raise FormatError(f"index entry {i} says type {int(entry['record_type']):#x} at {offset:#x} "
+                              f"ending at {limit:#x}, found {record.record_type:#x} ending at {record.end:#x}",
+                              offset=offset, structure=f"index.entries[{i}]", rule="LI-IDX-001")
+        parse_body(record, i)
+        _first_problem(body_problems(record, i, self.page_size))
+        return record
+
+    def _load_records(self) -> None:
+        entries = self.index_entries
+        offsets = entries["record_offset"].astype(np.int64)
+        if len(entries) and (offsets[0] != self.header.header_length or (np.diff(offsets) <= 0).any()):
+            raise FormatError("expected index entries ascending from header_length", structure="index",
+                              offset=self.footer.index_offset, rule="LI-IDX-001")
+        kinds = entries["record_type"]
+        frames = np.flatnonzero(kinds == RecordType.PAGE_FRAME)
+        self._frame_starts = entries["first"][frames].astype(np.int64)
+        self._frame_counts = entries["count"][frames].astype(np.int64)
+        self._frame_entries = frames
+        deltas = np.flatnonzero(kinds == RecordType.DELTA_FRAME)
+        self._delta_starts = entries["first"][deltas].astype(np.int64)
+        self._delta_entries = deltas
+        _check_numbering(self._frame_starts, self._frame_counts, "page_frame", "LI-FRM-001")
+        _check_numbering(self._delta_starts, entries["count"][deltas].astype(np.int64), "delta_frame",
+                         "LI-FRM-001")
+        maps: dict[int, list[np.ndarray]] = {}
+        refs = []
+        for i in np.flatnonzero(np.isin(kinds, [RecordType.REGION, RecordType.DISK, RecordType.SOURCE_STATE,
+                                                 RecordType.PAGE_MAP, RecordType.DISK_REFS])):
+            self._load_small_record(int(i), maps, refs)
+        for i in np.flatnonzero(kinds == RecordType.DIGESTS):
+            self._digest_records.setdefault(int(entries["key"][i]), []).append(int(i))
+        if refs:
+            self._disk_ref_ids = np.concatenate([r["disk_id"] for r in refs])
+            self._disk_refs = np.concatenate([r["sector"] for r in refs])
+        for region in self.regions:
+            region.extents = np.concatenate(maps.get(region.region_id, [])) if region.region_id in maps \
+                else np.zeros(0, dtype=[("first_page", "<u8"), ("num_pages", "<u4")])
+            _check_coverage(region)
+            region._starts = region.extents["first_page"].astype(np.int64)
+
+    def _load_small_record(self, i: int, maps: dict, refs: list) -> None:
+        record = self._record_at(i)
+        p = record.parsed
+        kind = record.record_type
+        if kind == RecordType.REGION:
+            if len(self.regions) >= REGIONS_MAX or any(r.region_id == p["region_id"] or r.name == p["name"]
+                                                       for r in self.regions):
+                raise FormatError(f"region id {p['region_id']} / name {p['name']!r} repeated or too many regions",
+                                  offset=record.offset, structure=record_path(i, record), rule="LI-REG-001")
+            gpa = p["guest_phys_base"] if p["flags"] & 1 else None
+            self.regions.append(Region(p["region_id"], p["name"], p["size_bytes"], gpa, self.page_size))
+        elif kind == RecordType.DISK:
+            if len(self.disks) >= DISKS_MAX or any(d.disk_id == p["disk_id"] or d.name == p["name"]
+                                                   for d in self.disks):
+                raise FormatError(f"disk id {p['disk_id']} / name {p['name']!r} repeated or too many disks",
+                                  offset=record.offset, structure=record_path(i, record), rule="LI-DSK-001")
+            self.disks.append(DiskInfo(p["disk_id"], p["name"], p["size_bytes"], p["fingerprint"]))
+        elif kind == RecordType.SOURCE_STATE:
+            self.source_states.append(SourceState(p["source_format"], p["tag"], p["sequence"], bytes(p["data"])))
+        elif kind == RecordType.PAGE_MAP:
+            if not any(r.region_id == p["region_id"] for r in self.regions):
+                raise FormatError(f"page map of region {p['region_id']} before its REGION record",
+                                  offset=record.offset, structure=record_path(i, record, "region_id"),
+                                  rule="LI-REC-009")
+            maps.setdefault(p["region_id"], []).append(p["extents"])
+        elif kind == RecordType.DISK_REFS:
+            expected = sum(len(r) for r in refs)
+            if p["first_ref"] != expected:
+                raise FormatError(f"expected first_ref {expected}, got {p['first_ref']}", offset=record.offset + 16,
+                                  structure=record_path(i, record, "first_ref"), rule="LI-MAP-004")
+            refs.append(p["refs"])
+
+    def _attach_parent(self, parents: list, disks, seen: tuple) -> None:
+        if not self.header.has_parent:
+            return
+        seen = seen + (self.header.image_uuid,)
+        if self.header.parent_uuid in seen:
+            raise ChainError(f"parent {_uuid(self.header.parent_uuid)} is already in the chain (cycle)",
+                             offset=56, structure="header.parent_uuid", rule="LI-CHN-005")
+        if len(seen) > CHAIN_DEPTH_MAX:
+            raise ChainError(f"chain deeper than {CHAIN_DEPTH_MAX}", offset=56, structure="header.parent_uuid",
+                             rule="LI-CHN-005")
+        for candidate in parents:
+            if isinstance(candidate, LeanImage):
+                if candidate.header.image_uuid == self.header.parent_uuid:
+                    return self._check_parent(candidate)
+                continue
+            if _image_uuid(candidate) == self.header.parent_uuid:
+                parent = LeanImage.open(candidate, parents=[p for p in parents if p is not candidate],
+                                        disks=disks, _seen=seen)
+                return self._check_parent(parent)
+        raise ChainError(f"parent image {_uuid(self.header.parent_uuid)} not found among "
+                         f"{len(parents)} candidate(s); pass it with --parent", offset=56,
+                         structure="header.parent_uuid", rule="LI-CHN-001")
+
+    def _check_parent(self, parent: "LeanImage") -> None:
+        if parent.footer.image_digest != self.header.parent_digest:
+            raise ChainError(f"parent {parent.path} has image_digest {parent.footer.image_digest.hex()}, "
+                             f"expected {self.header.parent_digest.hex()} (parent modified or replaced)",
+                             offset=72, structure="header.parent_digest", rule="LI-CHN-002")
+        if parent.page_size != self.page_size:
+            raise ChainError(f"parent page_size {parent.page_size}, expected {self.page_size}", offset=88,
+                             structure="header.page_size", rule="LI-CHN-003")
+        self.parent = parent
+
+    def attach_disks(self, disks: dict) -> None:
+        from leanimg.restore.disks import open_disk_source
+        for name, source in disks.items():
+            info = next((d for d in self.disks if d.name == name), None)
+            if info is None:
+                known = ", ".join(d.name for d in self.disks) or "none"
+                raise DiskError(f"--disk {name}=...: the image has no disk named {name!r} (its disks: {known})")
+            self._disk_sources[info.disk_id] = open_disk_source(source, info)
+        if self.parent is not None:
+            self.parent.attach_disks({n: s for n, s in disks.items()
+                                      if any(d.name == n for d in self.parent.disks)})
+
+    def close(self) -> None:
+        if self.parent is not None:
+            self.parent.close()
+        for source in self._disk_sources.values():
+            source.close()
+        self._file.fileobj.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # -- lookups -------------------------------------------------------------------
+    def region(self, key) -> Region:
+        for region in self.regions:
+            if region.name == key or (isinstance(key, int) and region.region_id == key):
+                return region
+        raise LeanImageError(f"no region {key!r} (regions: {', '.join(r.name for r in self.regions)})")
+
+    def chain(self) -> list["LeanImage"]:
+        links, image = [], self
+        while image is not None:
+            links.append(image)
+            image = image.parent
+        return links
+
+    def page_location(self, region: Region, page: int) -> tuple[int, int]:
+        """(class, slot) of one page: binary search over the region's extents."""
+        if not 0 <= page < region.num_pages:
+            raise LeanImageError(f"page {page} outside region {region.name!r} of {region.num_pages} pages")
+        i = int(np.searchsorted(region._starts, page, side="right")) - 1
+        extent = region.extents[i]
+        cls = int(extent["page_class"])
+        slot = int(extent["first_slot"]) + page - int(extent["first_page"]) if cls in (1, 4, 6) else 0
+        return cls, slot
+
+    def digests(self, region: Region) -> np.ndarray:
+        """All page digests of a region, (num_pages, 16) uint8, loaded on first use."""
+        if region.region_id not in self._digests:
+            table = np.zeros((region.num_pages, DIGEST_SIZE), np.uint8)
+            covered = 0
+            for i in self._digest_records.get(region.region_id, []):
+                p = self._record_at(i).parsed
+                if p["first_page"] != covered or covered + p["num_pages"] > region.num_pages:
+                    raise FormatError(f"expected digests from page {covered}, got {p['first_page']}+"
+                                      f"{p['num_pages']}", offset=int(self.index_entries[i]["record_offset"]),
+                                      structure=f"record[{i}].digests", rule="LI-DIG-001")
+                table[covered:covered + p["num_pages"]] = p["digests"]
+                covered += p["num_pages"]
+            if covered != region.num_pages:
+                raise FormatError(f"region {region.name!r}: digests cover {covered} of {region.num_pages} pages",
+                                  structure=f"region[{region.region_id}].digests", rule="LI-DIG-001")
+            self._digests[region.region_id] = table
+        return self._digests[region.region_id]
+
+    # -- frames ----------------------------------------------------------------------
+    def frame_pages(self, frame: int) -> bytes:
+        """Decompressed content of PAGE_FRAME number ``frame`` (cached)."""
+        key = ("page", frame)
+        if key in self._frame_cache:
+            self._frame_cache.move_to_end(key)
+            return self._frame_cache[key]
+        i = int(self._frame_entries[frame])
+        record = self._record_at(i)
+        expected = record.parsed["num_pages"] * self.page_size
+        if record.parsed["first_ordinal"] != self._frame_starts[frame] or \
+                record.parsed["num_pages"] != self._frame_counts[frame]:
+            raise FormatError("frame header disagrees with its index entry", offset=record.offset,
+                              structure=record_path(i, record), rule="LI-IDX-001")
+        data = self._decompress(record, i, record.body[16:], expected)
+        return self._cache(key, data)
+
+    def delta_entry(self, slot: int) -> bytes:
+        frame = int(np.searchsorted(self._delta_starts, slot, side="right")) - 1
+        key = ("delta", frame)
+        if key not in self._frame_cache:
+            i = int(self._delta_entries[frame])
+            record = self._record_at(i)
+            p = record.parsed
+            content = self._decompress(record, i, record.body[p["ofs_zstd"] - record.offset - 16:],
+                                       int(p["entry_offsets"][-1]))
+            self._cache(key, (content, p["entry_offsets"], p["first_delta"]))
+        content, offsets, first = self._frame_cache[key]
+        k = slot - first
+        if not 0 <= k < len(offsets) - 1:
+            raise FormatError(f"delta entry {slot} is in no DELTA_FRAME", structure="delta_frame", rule="LI-MAP-004")
+        return content[int(offsets[k]):int(offsets[k + 1])]
+
+    def _cache(self, key, value):
+        self._frame_cache[key] = value
+        while len(self._frame_cache) > FRAME_CACHE_SIZE:
+            self._frame_cache.popitem(last=False)
+        return value
+
+    def _decompress(self, record: Record, i: int, data, expected: int) -> bytes:
+        return decompress_frame(self._decompressor, data, expected, record.offset, record_path(i, record, "zstd"))
+
+    # -- pages -------------------------------------------------------------------------
+    def read_page(self, region, page: int) -> bytes:
+        """One page, resolved through disks and the parent chain, checked against its digest."""
+        region = region if isinstance(region, Region) else self.region(region)
+        cls, slot = self.page_location(region, page)
+        if cls in (PageClass.ZERO, PageClass.FREE):
+            data = bytes(self.page_size)
+            if cls == PageClass.FREE:
+                return data
+        elif cls == PageClass.STORED:
+            data = self._stored_page(slot)
+        elif cls == PageClass.DISK:
+            data = self._disk_page(region, page, slot)
+        else:
+            data = self._chained_page(region, page)
+        self._verify(region, page, data)
+        return data
+
+    def _stored_page(self, ordinal: int) -> bytes:
+        frame = int(np.searchsorted(self._frame_starts, ordinal, side="right")) - 1
+        if frame < 0 or ordinal >= self._frame_starts[frame] + self._frame_counts[frame]:
+            raise FormatError(f"stored ordinal {ordinal} is in no PAGE_FRAME", structure="page_map",
+                              rule="LI-MAP-004")
+        start = (ordinal - int(self._frame_starts[frame])) * self.page_size
+        return self.frame_pages(frame)[start:start + self.page_size]
+
+    def _disk_page(self, region: Region, page: int, slot: int) -> bytes:
+        if slot >= len(self._disk_refs):
+            raise FormatError(f"disk reference {slot} does not exist", structure="page_map", rule="LI-MAP-004")
+        disk_id, sector = int(self._disk_ref_ids[slot]), int(self._disk_refs[slot])
+        source = self._disk_sources.get(disk_id)
+        if source is None:
+            name = next((d.name for d in self.disks if d.disk_id == disk_id), f"#{disk_id}")
+            raise DiskError(f"region {region.name!r} page {page} is on disk {name!r}: pass --disk {name}=PATH")
+        data = source.read(sector * DISK_SECTOR_SIZE, self.page_size)
+        expected = bytes(self.digests(region)[page])
+        if page_digest(data) != expected:
+            raise DiskError(f"region {region.name!r} page {page}: disk {source.name!r} sector {sector} "
+                            "does not hold the page recorded at checkpoint (disk changed since?)",
+                            structure=f"region[{region.region_id}].page[{page}]", rule="LI-DSK-005")
+        return data
+
+    def _chained_page(self, region: Region, page: int) -> bytes:
+        """PARENT/DELTA: walk down to the first link that has the bytes, then apply deltas upward."""
+        deltas, image, name = [], self, region.name
+        while True:
+            r = image.region(name) if image is not self else region
+            cls, slot = image.page_location(r, page)
+            if cls == PageClass.DELTA:
+                deltas.append(image.delta_entry(slot))
+            elif cls != PageClass.PARENT:
+                base = image.read_page(r, page)
+                break
+            parent = image.parent
+            if parent is None:
+                raise ChainError(f"region {name!r} page {page} needs a parent image", rule="LI-MAP-005",
+                                 structure=f"region[{r.region_id}].page[{page}]")
+            if not any(pr.name == name and page < pr.num_pages for pr in parent.regions):
+                raise ChainError(f"parent {parent.path} has no page {page} in a region {name!r}",
+                                 rule="LI-CHN-004", structure=f"region[{r.region_id}].page[{page}]")
+            image = parent
+        for entry in reversed(deltas):
+            base = deltacodec.apply(entry, base, structure=f"region {name!r} page {page} delta")
+        return base
+
+    def _verify(self, region: Region, page: int, data: bytes) -> None:
+        expected = bytes(self.digests(region)[page])
+        if page_digest(data) != expected:
+            raise FormatError(f"region {region.name!r} page {page}: content digest {page_digest(data).hex()} "
+                              f"differs from recorded {expected.hex()}",
+                              structure=f"region[{region.region_id}].page[{page}]", rule="LI-DIG-002")
+
+    def region_bytes(self, region: Region, first_page: int, count: int) -> bytes:
+        """Pages [first_page, first_page+count) resolved and verified, in one buffer."""
+        out = np.zeros(count * self.page_size, np.uint8)
+        ps = self.page_size
+        page = first_page
+        end = first_page + count
+        i = int(np.searchsorted(region._starts, page, side="right")) - 1
+        while page < end:
+            extent = region.extents[i]
+            e_first, e_count = int(extent["first_page"]), int(extent["num_pages"])
+            stop = min(end, e_first + e_count)
+            cls = int(extent["page_class"])
+            if cls == PageClass.STORED:
+                self._copy_stored(out, (page - first_page) * ps,
+                                  int(extent["first_slot"]) + page - e_first, stop - page)
+            elif cls in (PageClass.DISK, PageClass.PARENT, PageClass.DELTA):
+                for p in range(page, stop):
+                    out[(p - first_page) * ps:(p - first_page + 1) * ps] = np.frombuffer(
+                        self.read_page(region, p), np.uint8)
+            page = stop
+            i += 1
+        self._verify_range(region, first_page, out)
+        return out.tobytes()
+
+    def _copy_stored(self, out: np.ndarray, at: int, ordinal: int, count: int) -> None:
+        ps = self.page_size
+        while count:
+            frame = int(np.searchsorted(self._frame_starts, ordinal, side="right")) - 1
+            if frame < 0 or ordinal >= self._frame_starts[frame] + self._frame_counts[frame]:
+                raise FormatError(f"stored ordinal {ordinal} is in no PAGE_FRAME", rule="LI-MAP-004",
+                                  structure="page_map")
+            start = ordinal - int(self._frame_starts[frame])
+            n = min(count, int(self._frame_counts[frame]) - start)
+            data = self.frame_pages(frame)
+            out[at:at + n * ps] = np.frombuffer(data, np.uint8, n * ps, start * ps)
+            at, ordinal, count = at + n * ps, ordinal + n, count - n
+
+    def _verify_range(self, region: Region, first_page: int, out: np.ndarray) -> None:
+        ps = self.page_size
+        table = self.digests(region)
+        count = len(out) // ps
+        classes = self.classes(region, first_page, count)
+        view = memoryview(out)
+        for k in np.flatnonzero(classes != PageClass.FREE):
+            k = int(k)
+            if page_digest(view[k * ps:(k + 1) * ps]) != table[first_page + k].tobytes():
+                self._verify(region, first_page + k, out[k * ps:(k + 1) * ps].tobytes())
+
+    def classes(self, region: Region, first_page: int = 0, count: int | None = None) -> np.ndarray:
+        """Per-page class of a range of a region (uint8 array)."""
+        count = region.num_pages - first_page if count is None else count
+        e = region.extents
+        full = np.repeat(e["page_class"].astype(np.uint8), e["num_pages"].astype(np.int64)) \
+            if count > 4096 or len(e) < 64 else None
+        if full is not None:
+            return full[first_page:first_page + count]
+        return np.array([self.page_location(region, p)[0] for p in range(first_page, first_page + count)], np.uint8)
+
+
+def decompress_frame(decompressor, data, expected: int, offset: int, structure: str) -> bytes:
+    """One zstd frame of exactly ``expected`` bytes; never allocates beyond that."""
+    if expected > FRAME_PAGES_MAX_BYTES:
+        raise FormatError(f"frame declares {expected} bytes, limit {FRAME_PAGES_MAX_BYTES}",
+                          offset=offset, structure=structure, rule="LI-FRM-004")
+    try:
+        params = zstandard.get_frame_parameters(data)
+    except zstandard.ZstdError as exc:
+        raise FormatError(f"not a zstd frame: {exc}", offset=offset, structure=structure,
+                          rule="LI-FRM-002") from None
+    if params.content_size != expected:
+        raise FormatError(f"expected a zstd frame declaring {expected} bytes, got content size "
+                          f"{params.content_size}", offset=offset, structure=structure, rule="LI-FRM-003")
+    try:
+        content = decompressor.decompress(data, max_output_size=expected, allow_extra_data=False)
+    except zstandard.ZstdError as exc:
+        raise FormatError(f"zstd frame does not decompress: {exc}", offset=offset, structure=structure,
+                          rule="LI-FRM-002") from None
+    if len(content) != expected:
+        raise FormatError(f"expected {expected} decompressed bytes, got {len(content)}", offset=offset,
+                          structure=structure, rule="LI-FRM-003")
+    return content
+
+
+def _check_numbering(starts: np.ndarray, counts: np.ndarray, name: str, rule: str) -> None:
+    expected = np.concatenate(([0], np.cumsum(counts)[:-1])) if len(counts) else counts
+    bad = np.flatnonzero(starts != expected)
+    if len(bad):
+        k = int(bad[0])
+        raise FormatError(f"{name} {k}: expected first {int(expected[k])}, got {int(starts[k])}",
+                          structure=f"index.{name}[{k}]", rule=rule)
+
+
+def _check_coverage(region: Region) -> None:
+    e = region.extents
+    if len(e) == 0:
+        raise FormatError(f"region {region.name!r} has no page map", structure=f"region[{region.region_id}]",
+                          rule="LI-MAP-001")
+    first = e["first_page"].astype(np.int64)
+    ends = first + e["num_pages"].astype(np.int64)
+    gaps = np.flatnonzero(first[1:] != ends[:-1])
+    if first[0] != 0 or len(gaps) or ends[-1] != region.num_pages:
+        at = int(gaps[0]) + 1 if len(gaps) else 0
+        raise FormatError(f"region {region.name!r}: extents must cover pages 0..{region.num_pages} "
+                          f"contiguously; extent {at} starts at {int(first[at]) if len(first) > at else '?'}, "
+                          f"last ends at {int(ends[-1])}", structure=f"region[{region.region_id}].page_map",
+                          rule="LI-MAP-001")
+
+
+def _uuid(raw: bytes) -> str:
+    import uuid
+    return str(uuid.UUID(bytes=bytes(raw)))
+
+
+def _image_uuid(path) -> bytes | None:
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(56)
+    except OSError as exc:
+        raise ChainError(f"cannot open parent candidate {path}: {exc.strerror}") from None
+    return raw[40:56] if len(raw) == 56 else None
+
+
+def dump_structure(path) -> dict:
+    """Every structure of an image, fields named as in the spec and the .ksy."""
+    with open(path, "rb") as fileobj:
+        image = ImageFile(fileobj, os.fspath(path))
+        header = read_header(image)
+        footer = read_footer(image, header.header_length)
+        records, offset, i = [], header.header_length, 0
+        while offset < footer.offset:
+            record = read_record(image, offset, footer.offset, i)
+            body = parse_body(record, i)
+            records.append(dict(offset=record.offset, record_type=record.record_type, flags=record.flags,
+                                body_length=record.body_length, record_checksum=record.record_checksum,
+                                body=raw_body_dict(record) if body is not None else {}))
+            offset, i = record.end, i + 1
+    header_dict = {k: v for k, v in vars(header).items() if k not in ("raw", "reserved")}
+    footer_dict = {k: v for k, v in vars(footer).items() if k != "offset"}
+    return dict(header=header_dict, records=records, footer=footer_dict)

@@ -1,0 +1,80 @@
+"""Every conformance rule of format v1.0, by id, as spec/format.md states it.
+
+`leanimg validate` reports findings by these ids; spec/conformance.md lists them
+with how each is checked; tests/vectors has an invalid vector for each.
+"""
+
+RULES = {
+    # header (spec §3)
+    "LI-HDR-001": "the file starts with the header magic 89 4C 45 41 4E 49 4D 47",
+    "LI-HDR-002": "major_version is 1",
+    "LI-HDR-003": "header_length is a multiple of 8, at least 104 and at most 4096",
+    "LI-HDR-004": "header_checksum is the xxh3-64 of the header with the checksum field zeroed",
+    "LI-HDR-005": "no incompatible feature bit unknown to the reader is set",
+    "LI-HDR-006": "page_size is a power of two between 4096 and 65536",
+    "LI-HDR-007": "reserved header fields and header bytes past the known length are zero",
+    "LI-HDR-008": "parent_uuid and parent_digest are both zero or both non-zero, "
+                  "and the PARENT incompatible bit is set exactly when they are non-zero",
+    "LI-HDR-009": "the DISK (DELTA) incompatible bit is set when any DISK (DELTA) page exists; "
+                  "a writer MAY set it without such pages (the header is written first)",
+    # records (spec §4)
+    "LI-REC-001": "records follow each other from header_length to the footer without gap",
+    "LI-REC-002": "a record lies wholly before the footer",
+    "LI-REC-003": "record_checksum is the xxh3-64 of the record header, body and padding",
+    "LI-REC-004": "padding bytes are zero",
+    "LI-REC-005": "record flags are zero",
+    "LI-REC-006": "a mandatory record type is one the reader knows",
+    "LI-REC-007": "body_length matches the structure of the record type",
+    "LI-REC-008": "reserved fields in record bodies are zero",
+    "LI-REC-009": "a REGION or DISK record precedes every record that refers to it",
+    # regions and disks (spec §5)
+    "LI-REG-001": "region ids and region names are unique; names are 1-255 bytes of UTF-8",
+    "LI-REG-002": "size_bytes is a non-zero multiple of page_size, at most 2^48",
+    "LI-REG-003": "region flags use only defined bits; guest_phys_base is zero without HAS_GPA",
+    "LI-DSK-001": "disk ids and names are unique; names are 1-255 bytes of UTF-8",
+    "LI-DSK-002": "sector_size is 512, fingerprint_method is 1, size_bytes is non-zero",
+    "LI-DSK-003": "a disk reference names a disk of the disk table and lies within it",
+    "LI-DSK-004": "a supplied disk has the size and fingerprint the disk table records",
+    "LI-DSK-005": "the page-sized run of a disk at a referenced sector has the page's digest",
+    # page maps (spec §6)
+    "LI-MAP-001": "each region is covered by its extents exactly once: sorted, contiguous, no gap",
+    "LI-MAP-002": "page_class is 1-6 and num_pages is non-zero",
+    "LI-MAP-003": "first_slot is zero for classes without slots",
+    "LI-MAP-004": "every STORED ordinal, DISK reference and DELTA entry is used by exactly one page",
+    "LI-MAP-005": "PARENT and DELTA pages appear only in an image with a parent",
+    # frames (spec §6)
+    "LI-FRM-001": "frames are numbered contiguously from 0 in file order",
+    "LI-FRM-002": "a frame body is exactly one zstd frame that decompresses without error",
+    "LI-FRM-003": "the zstd frame declares its content size, equal to the declared page count times page_size",
+    "LI-FRM-004": "a frame holds 1 page or more and at most 16 MiB decompressed",
+    # delta entries (spec §7)
+    "LI-DLT-001": "delta entry offsets start at 0, never decrease and end at the decompressed size",
+    "LI-DLT-002": "a delta entry uses encoding 1, 2 or 3 and its length matches its word count",
+    "LI-DLT-003": "changed word indexes are strictly ascending, below page_size/8, runs non-empty",
+    "LI-DLT-004": "a delta entry is smaller than page_size",
+    # digests (spec §6)
+    "LI-DIG-001": "each region's digests are given exactly once, in page order",
+    "LI-DIG-002": "a page's content has the xxh3-128 digest its table gives",
+    "LI-DIG-003": "the digest of a FREE page is zero",
+    # index and footer (spec §8)
+    "LI-IDX-001": "the INDEX is the last record and lists every other record, in file order, "
+                  "with matching offset, type, key, first and count",
+    "LI-FTR-001": "the file ends with a footer starting with 89 4C 45 41 4E 45 4E 44",
+    "LI-FTR-002": "footer_checksum is the xxh3-64 of the footer's first 40 bytes",
+    "LI-FTR-003": "file_length equals the file size",
+    "LI-FTR-004": "image_digest is the xxh3-128 of every byte before the footer",
+    "LI-FTR-005": "index_offset points at the INDEX record",
+    # chains (spec §10)
+    "LI-CHN-001": "the parent's image_uuid equals the child's parent_uuid",
+    "LI-CHN-002": "the parent's image_digest equals the child's parent_digest",
+    "LI-CHN-003": "parent and child have the same page_size",
+    "LI-CHN-004": "a PARENT or DELTA page lies within a parent region of the same name",
+    "LI-CHN-005": "a chain has no cycle and is at most 4096 links deep",
+    # source state (spec §5)
+    "LI-SRC-001": "SOURCE_STATE sequence numbers count up from 0 without gaps",
+    "LI-SRC-002": "source_format is 1 (QEMU) or 2 (Xen)",
+}
+
+
+def describe(rule: str) -> str:
+    return RULES.get(rule, "")

@@ -1,0 +1,526 @@
+"""Streaming writer of lean images (spec §2-§8).
+
+Pages are fed per region in any order (regions may interleave); every page of
+every region must be given exactly once before ``finish``. STORED pages go into
+zstd frames that are compressed on worker threads and written as they fill, so
+memory stays bounded by a few frames plus ~25 bytes of bookkeeping per guest
+page. Nothing is ever written twice or patched: the output works through a pipe.
+A path destination appears under its name only when complete (temp, fsync, rename).
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import tempfile
+import threading
+import uuid as uuidlib
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+import xxhash
+import zstandard
+
+from . import delta as deltacodec
+from .format import (
+    DEFAULT_FRAME_PAGES, DEFAULT_ZSTD_LEVEL, DELTA_FRAME_STRUCT, DIGEST_CHUNK_PAGES, DIGEST_SIZE,
+    DIGESTS_STRUCT, DISK_REF_CHUNK, DISK_REF_DTYPE, DISK_REFS_STRUCT, DISK_SECTOR_SIZE, DISK_STRUCT,
+    EXTENT_CHUNK, EXTENT_DTYPE, FINGERPRINT_SAMPLED_XXH3, FOOTER_MAGIC, FOOTER_STRUCT, FORMAT_MAJOR,
+    FORMAT_MINOR, FRAME_PAGES_MAX_BYTES, HEADER_CHECKSUM_OFFSET, HEADER_MAGIC, HEADER_SIZE_V1_0,
+    HEADER_STRUCT, INDEX_ENTRY_DTYPE, INDEX_STRUCT, NO_KEY, PAGE_FRAME_STRUCT, PAGE_MAP_STRUCT,
+    RECORD_HEADER_STRUCT, RECORD_TRAILER_STRUCT, REGION_FLAG_HAS_GPA, REGION_NAME_MAX, REGION_STRUCT,
+    SLOT_CLASSES, SOURCE_STATE_STRUCT, CompatFeature, IncompatFeature, PageClass, RecordType, align8,
+    checksum64, page_digest,
+)
+
+_MAX_EXTENT_PAGES = 1 << 31
+
+
+class WriterUsageError(ValueError):
+    """The caller used the writer wrongly (not an input error)."""
+
+
+@dataclass(frozen=True)
+class ParentLink:
+    uuid: bytes
+    digest: bytes
+
+
+@dataclass
+class _Region:
+    region_id: int
+    name: str
+    num_pages: int
+    classes: np.ndarray = field(repr=False)
+    slots: np.ndarray = field(repr=False)
+    digests: np.ndarray = field(repr=False)
+
+
+class _Sink:
+    """The output: counts bytes and hashes everything for the footer digest."""
+
+    def __init__(self, fileobj):
+        self.fileobj = fileobj
+        self.offset = 0
+        self.hasher = xxhash.xxh3_128()
+
+    def write(self, data) -> None:
+        self.fileobj.write(data)
+        self.hasher.update(data)
+        self.offset += len(data)
+
+
+class _ParallelCompressor:
+    """zstd frames compressed on worker threads, handed back in submission order."""
+
+    def __init__(self, level: int, threads: int):
+        self.level = level
+        self.local = threading.local()
+        self.pool = ThreadPoolExecutor(max_workers=threads) if threads > 1 else None
+        self.pending: deque = deque()
+        self.max_pending = 2 * threads
+
+    def _compress(self, data) -> bytes:
+        compressor = getattr(self.local, "compressor", None)
+        if compressor is None:
+            compressor = self.local.compressor = zstandard.ZstdCompressor(
+                level=self.level, write_content_size=True, write_checksum=False)
+        return compressor.compress(data)
+
+    def submit(self, data, context) -> list:
+        """Queue data; return (context, compressed) pairs now ready, in order."""
+        if self.pool is None:
+            return [(context, self._compress(data))]
+        self.pending.append((context, self.pool.submit(self._compress, data)))
+        ready = []
+        while self.pending and (len(self.pending) > self.max_pending or self.pending[0][1].done()):
+            ctx, future = self.pending.popleft()
+            ready.append((ctx, future.result()))
+        return ready
+
+    def drain(self) -> list:
+        ready = [(ctx, future.result()) for ctx, future in self.pending]
+        self.pending.clear()
+        return ready
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=True, cancel_futures=True)
+
+
+ZERO_DIGEST_CACHE: dict[int, bytes] = {}
+
+
+def zero_digest(page_size: int) -> bytes:
+    if page_size not in ZERO_DIGEST_CACHE:
+        ZERO_DIGEST_CACHE[page_size] = page_digest(bytes(page_size))
+    return ZERO_DIGEST_CACHE[page_size]
+
+
+def disk_fingerprint(read_at, size_bytes: int) -> bytes:
+    """Fingerprint method 1 (spec §5.2): xxh3-128 of the size and 64 sampled blocks.
+
+    ``read_at(offset, length)`` returns disk bytes.
+    """
+    from .format import FINGERPRINT_SAMPLE_SIZE, FINGERPRINT_SAMPLES
+    hasher = xxhash.xxh3_128()
+    hasher.update(struct.pack("<Q", size_bytes))
+    for k in range(FINGERPRINT_SAMPLES):
+        start = (size_bytes * k // FINGERPRINT_SAMPLES) // DISK_SECTOR_SIZE * DISK_SECTOR_SIZE
+        hasher.update(read_at(start, min(FINGERPRINT_SAMPLE_SIZE, size_bytes - start)))
+    return hasher.digest()
+
+
+class LeanImageWriter:
+    """Write one lean image. Use as a context manager; ``finish`` runs on a clean exit."""
+
+    def __init__(self, dest, *, page_size: int = 4096, parent: ParentLink | None = None,
+                 frame_pages: int = DEFAULT_FRAME_PAGES, level: int = DEFAULT_ZSTD_LEVEL,
+                 threads: int | None = None, image_uuid: bytes | None = None,
+                 allow_delta: bool | None = None):
+        if page_size & (page_size - 1) or not 4096 <= page_size <= 65536:
+            raise WriterUsageError(f"page_size must be a power of two in 4096..65536, got {page_size}")
+        if not 1 <= frame_pages * page_size <= FRAME_PAGES_MAX_BYTES:
+            raise WriterUsageError(f"frame of {frame_pages} pages exceeds {FRAME_PAGES_MAX_BYTES} bytes")
+        self.page_size = page_size
+        self.parent = parent
+        self.frame_pages = frame_pages
+        self.image_uuid = image_uuid or uuidlib.uuid4().bytes
+        self.allow_delta = parent is not None if allow_delta is None else allow_delta
+        if self.allow_delta and parent is None:
+            raise WriterUsageError("DELTA pages need a parent")
+        self._open_destination(dest)
+        self._compressor = _ParallelCompressor(level, threads or min(4, os.cpu_count() or 1))
+        self._regions: dict[int, _Region] = {}
+        self._disks: dict[int, str] = {}
+        self._index: list[tuple] = []
+        self._header_written = False
+        self._frame_buffer = bytearray()
+        self._frame_first_ordinal = 0
+        self._next_ordinal = 0
+        self._next_frame_ordinal = 0
+        self._delta_entries: list[bytes] = []
+        self._delta_bytes = 0
+        self._next_delta = 0
+        self._delta_first = 0
+        self._disk_refs: list[tuple[int, int]] = []
+        self._pending_disks: list[bytes] = []
+        self._pending_disk_sizes: list[int] = []
+        self._source_sequence = 0
+        self._has_source_state = False
+        self._finished = False
+        self._zero_digest = zero_digest(page_size)
+
+    # -- destination -------------------------------------------------------
+    def _open_destination(self, dest) -> None:
+        if isinstance(dest, (str, os.PathLike)):
+            self.path = os.fspath(dest)
+            directory = os.path.dirname(os.path.abspath(self.path))
+            fd, self._temp_path = tempfile.mkstemp(prefix=".leanimg-", suffix=".partial", dir=directory)
+            self._fileobj = os.fdopen(fd, "wb", buffering=1 << 20)
+            self._owns_file = True
+        else:
+            self.path, self._temp_path = None, None
+            self._fileobj = dest
+            self._owns_file = False
+        self._sink = _Sink(self._fileobj)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is None:
+            self.finish()
+        else:
+            self.abort()
+        return False
+
+    def abort(self) -> None:
+        """Drop everything written; a path destination is left untouched."""
+        self._compressor.close()
+        if self._owns_file:
+            self._fileobj.close()
+            if self._temp_path and os.path.exists(self._temp_path):
+                os.unlink(self._temp_path)
+        self._finished = True
+
+    # -- header and records --------------------------------------------------
+    def _write_header(self) -> None:
+        incompat = 0
+        if self.parent is not None:
+            incompat |= IncompatFeature.PARENT
+        if self._disks:
+            incompat |= IncompatFeature.DISK
+        if self.allow_delta:
+            incompat |= IncompatFeature.DELTA
+        compat = CompatFeature.SOURCE_STATE if self._has_source_state else 0
+        parent_uuid = self.parent.uuid if self.parent else bytes(16)
+        parent_digest = self.parent.digest if self.parent else bytes(16)
+        fields = [HEADER_MAGIC, FORMAT_MAJOR, FORMAT_MINOR, HEADER_SIZE_V1_0, int(incompat), int(compat),
+                  0, self.image_uuid, parent_uuid, parent_digest, self.page_size, 0, 0]
+        header = bytearray(HEADER_STRUCT.pack(*fields))
+        struct.pack_into("<Q", header, HEADER_CHECKSUM_OFFSET, checksum64(bytes(header)))
+        self._sink.write(header)
+        self._header_written = True
+
+    def _write_record(self, record_type: int, body_parts, key=NO_KEY, first=0, count=0) -> None:
+        if not self._header_written:
+            self._write_header()
+        body_length = sum(len(p) for p in body_parts)
+        head = RECORD_HEADER_STRUCT.pack(record_type, 0, body_length)
+        padding = bytes(align8(body_length) - body_length)
+        hasher = xxhash.xxh3_64(head)
+        for part in body_parts:
+            hasher.update(part)
+        hasher.update(padding)
+        self._index.append((self._sink.offset, record_type, key, first, count))
+        self._sink.write(head)
+        for part in body_parts:
+            self._sink.write(part)
+        self._sink.write(padding + RECORD_TRAILER_STRUCT.pack(hasher.intdigest()))
+
+    # -- declarations ----------------------------------------------------------
+    def add_disk(self, name: str, size_bytes: int, fingerprint: bytes) -> int:
+        """Declare a disk; all disks come before the first region or source state."""
+        if self._header_written:
+            raise WriterUsageError("disks must be declared before any region or source state")
+        encoded = _check_name(name, "disk")
+        if name in self._disks.values():
+            raise WriterUsageError(f"disk name {name!r} declared twice")
+        disk_id = len(self._disks)
+        self._disks[disk_id] = name
+        self._pending_disks.append(DISK_STRUCT.pack(disk_id, 0, size_bytes, DISK_SECTOR_SIZE,
+                                                    FINGERPRINT_SAMPLED_XXH3, fingerprint,
+                                                    len(encoded), 0) + encoded)
+        self._pending_disk_sizes.append(size_bytes)
+        return disk_id
+
+    def _flush_disks(self) -> None:
+        for disk_id, body in enumerate(self._pending_disks):
+            self._write_record(RecordType.DISK, [body], disk_id, 0,
+                               self._pending_disk_sizes[disk_id] // DISK_SECTOR_SIZE)
+        self._pending_disks = []
+
+    def declare_source_state(self) -> None:
+        """Promise SOURCE_STATE records before the header is written (sets the compat bit)."""
+        if self._header_written:
+            raise WriterUsageError("declare_source_state must come before any record")
+        self._has_source_state = True
+
+    def add_source_state(self, source_format: int, tag: int, data) -> None:
+        if not self._header_written:
+            self._has_source_state = True
+            self._write_header()
+            self._flush_disks()
+        elif not self._has_source_state:
+            raise WriterUsageError("call declare_source_state() before the first record")
+        self._write_record(RecordType.SOURCE_STATE,
+                           [SOURCE_STATE_STRUCT.pack(source_format, tag, self._source_sequence), data],
+                           tag, self._source_sequence, len(data))
+        self._source_sequence += 1
+
+    def add_region(self, name: str, size_bytes: int, guest_phys_base: int | None = None) -> int:
+        encoded = _check_name(name, "region")
+        if any(r.name == name for r in self._regions.values()):
+            raise WriterUsageError(f"region name {name!r} declared twice")
+        if size_bytes <= 0 or size_bytes % self.page_size:
+            raise WriterUsageError(f"region {name!r}: size {size_bytes} is not a non-zero multiple "
+                                   f"of page_size {self.page_size}")
+        if not self._header_written:
+            self._write_header()
+            self._flush_disks()
+        region_id = len(self._regions)
+        num_pages = size_bytes // self.page_size
+        flags = REGION_FLAG_HAS_GPA if guest_phys_base is not None else 0
+        body = REGION_STRUCT.pack(region_id, flags, guest_phys_base or 0, size_bytes, len(encoded), 0)
+        self._write_record(RecordType.REGION, [body, encoded], region_id, 0, num_pages)
+        self._regions[region_id] = _Region(
+            region_id, name, num_pages, np.zeros(num_pages, np.uint8), np.zeros(num_pages, np.uint64),
+            np.zeros((num_pages, DIGEST_SIZE), np.uint8))
+        return region_id
+
+    # -- pages -------------------------------------------------------------------
+    def _claim(self, region_id: int, first_page: int, count: int) -> _Region:
+        region = self._regions.get(region_id)
+        if region is None:
+            raise WriterUsageError(f"unknown region id {region_id}")
+        if first_page < 0 or count < 0 or first_page + count > region.num_pages:
+            raise WriterUsageError(f"region {region.name!r}: pages {first_page}+{count} outside "
+                                   f"0..{region.num_pages}")
+        taken = np.flatnonzero(region.classes[first_page:first_page + count])
+        if len(taken):
+            raise WriterUsageError(f"region {region.name!r}: page {first_page + int(taken[0])} given twice")
+        return region
+
+    def put_pages(self, region_id: int, first_page: int, data) -> None:
+        """Contiguous pages by content: all-zero ones become ZERO, the rest STORED."""
+        data = memoryview(data).cast("B")
+        if len(data) % self.page_size:
+            raise WriterUsageError(f"data length {len(data)} is not a multiple of {self.page_size}")
+        count = len(data) // self.page_size
+        region = self._claim(region_id, first_page, count)
+        words = np.frombuffer(data, dtype=np.uint64).reshape(count, self.page_size // 8)
+        nonzero = words.any(axis=1)
+        pages = slice(first_page, first_page + count)
+        region.classes[pages] = np.where(nonzero, PageClass.STORED, PageClass.ZERO)
+        zero_rows = first_page + np.flatnonzero(~nonzero)
+        region.digests[zero_rows] = np.frombuffer(self._zero_digest, np.uint8)
+        for i in np.flatnonzero(nonzero):
+            self._store_page(region, first_page + int(i), data[i * self.page_size:(i + 1) * self.page_size])
+
+    def _store_page(self, region: _Region, page: int, content) -> None:
+        region.slots[page] = self._next_ordinal
+        region.digests[page] = np.frombuffer(page_digest(content), np.uint8)
+        self._next_ordinal += 1
+        self._frame_buffer += content
+        if len(self._frame_buffer) >= self.frame_pages * self.page_size:
+            self._flush_frame()
+
+    def put_zero(self, region_id: int, first_page: int, count: int = 1) -> None:
+        region = self._claim(region_id, first_page, count)
+        region.classes[first_page:first_page + count] = PageClass.ZERO
+        region.digests[first_page:first_page + count] = np.frombuffer(self._zero_digest, np.uint8)
+
+    def put_free(self, region_id: int, first_page: int, count: int = 1) -> None:
+        region = self._claim(region_id, first_page, count)
+        region.classes[first_page:first_page + count] = PageClass.FREE
+
+    def put_disk(self, region_id: int, page: int, disk_id: int, sector: int, digest: bytes) -> None:
+        if disk_id not in self._disks:
+            raise WriterUsageError(f"unknown disk id {disk_id}")
+        region = self._claim(region_id, page, 1)
+        region.classes[page] = PageClass.DISK
+        region.slots[page] = len(self._disk_refs)
+        region.digests[page] = np.frombuffer(digest, np.uint8)
+        self._disk_refs.append((disk_id, sector))
+
+    def put_parent(self, region_id: int, first_page: int, digests) -> None:
+        """Pages unchanged since the parent; ``digests`` holds their 16-byte digests."""
+        if self.parent is None:
+            raise WriterUsageError("PARENT pages need a parent")
+        digests = np.frombuffer(digests, np.uint8).reshape(-1, DIGEST_SIZE)
+        region = self._claim(region_id, first_page, len(digests))
+        region.classes[first_page:first_page + len(digests)] = PageClass.PARENT
+        region.digests[first_page:first_page + len(digests)] = digests
+
+    def put_changed(self, region_id: int, page: int, parent_page, new_page) -> PageClass:
+        """A page that differs from the parent's: DELTA when smaller, else by content."""
+        entry = deltacodec.encode(parent_page, new_page) if self.allow_delta else None
+        if entry is None:
+            self.put_pages(region_id, page, new_page)
+            return PageClass.STORED
+        self.put_delta(region_id, page, entry, page_digest(new_page))
+        return PageClass.DELTA
+
+    def put_delta(self, region_id: int, page: int, entry: bytes, digest: bytes) -> None:
+        if not self.allow_delta:
+            raise WriterUsageError("DELTA pages need a parent and allow_delta")
+        region = self._claim(region_id, page, 1)
+        region.classes[page] = PageClass.DELTA
+        region.slots[page] = self._next_delta
+        region.digests[page] = np.frombuffer(digest, np.uint8)
+        self._next_delta += 1
+        self._delta_entries.append(bytes(entry))
+        self._delta_bytes += len(entry)
+        if self._delta_bytes >= self.frame_pages * self.page_size // 2:
+            self._flush_deltas()
+
+    # -- frames ------------------------------------------------------------------
+    def _flush_frame(self) -> None:
+        if not self._frame_buffer:
+            return
+        num_pages = len(self._frame_buffer) // self.page_size
+        context = (self._frame_first_ordinal, num_pages)
+        self._frame_first_ordinal += num_pages
+        data, self._frame_buffer = bytes(self._frame_buffer), bytearray()
+        for ctx, compressed in self._compressor.submit(data, context):
+            self._write_page_frame(ctx, compressed)
+
+    def _write_page_frame(self, context, compressed: bytes) -> None:
+        first, num_pages = context
+        self._write_record(RecordType.PAGE_FRAME, [PAGE_FRAME_STRUCT.pack(first, num_pages, 0), compressed],
+                           NO_KEY, first, num_pages)
+
+    def _flush_deltas(self) -> None:
+        if not self._delta_entries:
+            return
+        offsets = np.zeros(len(self._delta_entries) + 1, dtype="<u4")
+        np.cumsum([len(e) for e in self._delta_entries], out=offsets[1:])
+        head = DELTA_FRAME_STRUCT.pack(self._delta_first, len(self._delta_entries), 0)
+        table = offsets.tobytes()
+        table += bytes(align8(len(head) + len(table)) - len(head) - len(table))
+        compressed = self._compressor._compress(b"".join(self._delta_entries))
+        self._write_record(RecordType.DELTA_FRAME, [head, table, compressed],
+                           NO_KEY, self._delta_first, len(self._delta_entries))
+        self._delta_first += len(self._delta_entries)
+        self._delta_entries, self._delta_bytes = [], 0
+
+    # -- finish ------------------------------------------------------------------
+    def finish(self) -> bytes:
+        """Write maps, digests, index and footer; return the image digest."""
+        if self._finished:
+            raise WriterUsageError("writer already finished")
+        try:
+            if not self._header_written:
+                self._write_header()
+                self._flush_disks()
+            self._check_complete()
+            self._flush_frame()
+            for ctx, compressed in self._compressor.drain():
+                self._write_page_frame(ctx, compressed)
+            self._flush_deltas()
+            self._write_disk_refs()
+            for region in self._regions.values():
+                self._write_page_map(region)
+                self._write_digests(region)
+            digest = self._write_index_and_footer()
+            self._compressor.close()
+            self._commit()
+        except BaseException:
+            self.abort()
+            raise
+        self._finished = True
+        return digest
+
+    def _check_complete(self) -> None:
+        for region in self._regions.values():
+            missing = np.flatnonzero(region.classes == 0)
+            if len(missing):
+                raise WriterUsageError(f"region {region.name!r}: {len(missing)} pages never given, "
+                                       f"first is page {int(missing[0])}")
+
+    def _write_disk_refs(self) -> None:
+        refs = np.zeros(len(self._disk_refs), dtype=DISK_REF_DTYPE)
+        if len(refs):
+            refs["disk_id"], refs["sector"] = zip(*self._disk_refs)
+        for first in range(0, len(refs), DISK_REF_CHUNK):
+            chunk = refs[first:first + DISK_REF_CHUNK]
+            self._write_record(RecordType.DISK_REFS, [DISK_REFS_STRUCT.pack(first, len(chunk), 0),
+                                                      chunk.tobytes()], NO_KEY, first, len(chunk))
+
+    def _write_page_map(self, region: _Region) -> None:
+        extents = build_extents(region.classes, region.slots)
+        for first in range(0, len(extents), EXTENT_CHUNK):
+            chunk = extents[first:first + EXTENT_CHUNK]
+            pages = int(chunk["num_pages"].sum())
+            self._write_record(RecordType.PAGE_MAP,
+                               [PAGE_MAP_STRUCT.pack(region.region_id, len(chunk)), chunk.tobytes()],
+                               region.region_id, int(chunk["first_page"][0]), pages)
+
+    def _write_digests(self, region: _Region) -> None:
+        for first in range(0, region.num_pages, DIGEST_CHUNK_PAGES):
+            chunk = region.digests[first:first + DIGEST_CHUNK_PAGES]
+            self._write_record(RecordType.DIGESTS,
+                               [DIGESTS_STRUCT.pack(region.region_id, 0, first, len(chunk)), chunk.tobytes()],
+                               region.region_id, first, len(chunk))
+
+    def _write_index_and_footer(self) -> bytes:
+        entries = np.array(self._index, dtype=INDEX_ENTRY_DTYPE)
+        index_offset = self._sink.offset
+        self._write_record(RecordType.INDEX, [INDEX_STRUCT.pack(len(entries), 0), entries.tobytes()])
+        digest = self._sink.hasher.digest()
+        file_length = self._sink.offset + FOOTER_STRUCT.size
+        head = FOOTER_STRUCT.pack(FOOTER_MAGIC, index_offset, file_length, digest, 0)[:40]
+        self._sink.write(head + struct.pack("<Q", checksum64(head)))
+        return digest
+
+    def _commit(self) -> None:
+        self._fileobj.flush()
+        if self._owns_file:
+            os.fsync(self._fileobj.fileno())
+            self._fileobj.close()
+            os.replace(self._temp_path, self.path)
+            _fsync_directory(os.path.dirname(os.path.abspath(self.path)))
+
+
+def build_extents(classes: np.ndarray, slots: np.ndarray) -> np.ndarray:
+    """Run-length extents of a region: a new extent where the class changes or slots jump."""
+    n = len(classes)
+    has_slot = np.isin(classes, [int(c) for c in SLOT_CLASSES])
+    starts_mask = np.ones(n, dtype=bool)
+    starts_mask[1:] = (classes[1:] != classes[:-1]) | (has_slot[1:] & (slots[1:] != slots[:-1] + 1))
+    starts_mask[::_MAX_EXTENT_PAGES] = True
+    starts = np.flatnonzero(starts_mask)
+    extents = np.zeros(len(starts), dtype=EXTENT_DTYPE)
+    extents["first_page"] = starts
+    extents["num_pages"] = np.diff(np.append(starts, n))
+    extents["page_class"] = classes[starts]
+    extents["first_slot"] = np.where(has_slot[starts], slots[starts], 0)
+    return extents
+
+
+def _check_name(name: str, what: str) -> bytes:
+    encoded = name.encode("utf-8")
+    if not 1 <= len(encoded) <= REGION_NAME_MAX:
+        raise WriterUsageError(f"{what} name must be 1..{REGION_NAME_MAX} UTF-8 bytes, got {len(encoded)}")
+    return encoded
+
+
+def _fsync_directory(directory: str) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

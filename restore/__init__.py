@@ -1,0 +1,1 @@
+"""The restorer: chain resolution, disk-block reads, output targets."""

@@ -1,0 +1,48 @@
+"""Restore to flat raw memory: regions in file order, concatenated (spec §11)."""
+
+from __future__ import annotations
+
+import os
+
+from leanimg.reader import LeanImage
+
+CHUNK_PAGES = 4096
+
+
+def raw_layout(image: LeanImage) -> list[tuple[str, int, int]]:
+    """(region name, offset in the raw output, size) for every region."""
+    layout, offset = [], 0
+    for region in image.regions:
+        layout.append((region.name, offset, region.size_bytes))
+        offset += region.size_bytes
+    return layout
+
+
+def restore_raw(image: LeanImage, out, progress=None) -> int:
+    """Write every region's pages, verified, to the binary file object ``out``."""
+    written = 0
+    for region in image.regions:
+        for first in range(0, region.num_pages, CHUNK_PAGES):
+            count = min(CHUNK_PAGES, region.num_pages - first)
+            data = image.region_bytes(region, first, count)
+            out.write(data)
+            written += len(data)
+            if progress:
+                progress(len(data))
+    out.flush()
+    return written
+
+
+def restore_raw_to_path(image: LeanImage, path: str, progress=None) -> int:
+    """Like restore_raw, to a path that appears only when complete."""
+    temp = f"{path}.partial-{os.getpid()}"
+    try:
+        with open(temp, "wb") as out:
+            written = restore_raw(image, out, progress)
+            os.fsync(out.fileno())
+        os.replace(temp, path)
+    except BaseException:
+        if os.path.exists(temp):
+            os.unlink(temp)
+        raise
+    return written
