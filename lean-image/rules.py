@@ -12,7 +12,8 @@ RULES = {
     "LI-HDR-004": "header_checksum is the xxh3-64 of the header with the checksum field zeroed",
     "LI-HDR-005": "no incompatible feature bit unknown to the reader is set",
     "LI-HDR-006": "page_size is a power of two between 4096 and 65536",
-    "LI-HDR-007": "reserved header fields and header bytes past the known length are zero",
+    "LI-HDR-007": "the reserved header field is zero, and so are header bytes past offset 104 "
+                  "when minor_version is 0 (later minors append fields a 1.0 reader ignores)",
     "LI-HDR-008": "parent_uuid and parent_digest are both zero or both non-zero, "
                   "and the PARENT incompatible bit is set exactly when they are non-zero",
     "LI-HDR-009": "the DISK (DELTA) incompatible bit is set when any DISK (DELTA) page exists; "

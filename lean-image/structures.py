@@ -107,7 +107,7 @@ def header_problems(header: Header) -> Iterator[FormatError]:
     if ps & (ps - 1) or not PAGE_SIZE_MIN <= ps <= PAGE_SIZE_MAX:
         yield FormatError(f"expected page_size a power of two in {PAGE_SIZE_MIN}..{PAGE_SIZE_MAX}, got {ps}",
                           offset=88, structure="header.page_size", rule="LI-HDR-006")
-    if header.reserved or any(header.raw[HEADER_SIZE_V1_0:]):
+    if header.reserved or (header.minor_version == 0 and any(header.raw[HEADER_SIZE_V1_0:])):
         yield FormatError("expected reserved header bytes zero", offset=92, structure="header.reserved",
                           rule="LI-HDR-007")
     has_uuid, has_digest = header.parent_uuid != bytes(16), header.parent_digest != bytes(16)

@@ -1,0 +1,165 @@
+"""The `leanimg` command line. Exit codes: 0 ok, 1 bad input, 2 usage, 3 internal error."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+
+import click
+
+from .errors import LeanImageError
+
+EXIT_INVALID = 1
+EXIT_INTERNAL = 3
+
+
+class LeanGroup(click.Group):
+    """Turns library errors into one clear line and exit 1, bugs into exit 3."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except LeanImageError as exc:
+            click.echo(f"leanimg: error: {exc}", err=True)
+            hint = _hint(exc)
+            if hint:
+                click.echo(f"leanimg: hint: {hint}", err=True)
+            ctx.exit(EXIT_INVALID)
+        except (click.exceptions.Exit, click.ClickException, click.Abort):
+            raise
+        except BrokenPipeError:
+            ctx.exit(EXIT_INVALID)
+        except Exception as exc:  # a bug in leanimg, not bad input
+            click.echo(f"leanimg: internal error: {type(exc).__name__}: {exc}", err=True)
+            if os.environ.get("LEANIMG_DEBUG"):
+                traceback.print_exc()
+            else:
+                click.echo("leanimg: set LEANIMG_DEBUG=1 for a traceback and please report it", err=True)
+            ctx.exit(EXIT_INTERNAL)
+
+
+def _hint(exc: LeanImageError) -> str | None:
+    if exc.rule == "LI-HDR-001" and exc.path and os.path.exists(exc.path):
+        with open(exc.path, "rb") as f:
+            magic = f.read(8)
+        if magic[:4] == b"QEVM":
+            return "this looks like a QEMU migration stream: convert it with `leanimg convert`"
+        if magic.startswith(b"Xen saved domain") or magic == b"\xff" * 8:
+            return "this looks like a Xen save file: convert it with `leanimg convert`"
+    if exc.rule == "LI-FTR-001":
+        return "an image without a valid footer is incomplete (was the writer interrupted?)"
+    return None
+
+
+def _parse_disks(values) -> dict[str, str]:
+    disks = {}
+    for value in values:
+        name, sep, path = value.partition("=")
+        if not sep or not name or not path:
+            raise click.BadParameter(f"expected NAME=PATH, got {value!r}", param_hint="--disk")
+        disks[name] = path
+    return disks
+
+
+disk_option = click.option("--disk", "disks", multiple=True, metavar="NAME=PATH",
+                           help="A disk of the image's disk table (repeatable).")
+parent_option = click.option("--parent", "parents", multiple=True, type=click.Path(dir_okay=False),
+                             metavar="IMG", help="A parent image of the chain (repeatable; matched by UUID).")
+
+
+@click.group(cls=LeanGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="leanimg")
+def main():
+    """Lean VM memory images: convert, inspect, validate, restore."""
+
+
+@main.command()
+@click.argument("image", type=click.Path(dir_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.option("--map", "map_path", type=click.Path(dir_okay=False), metavar="FILE.png",
+              help="Draw guest memory coloured by page class.")
+@parent_option
+@disk_option
+def inspect(image, as_json, map_path, parents, disks):
+    """Header, regions, disks, chain and a per-class breakdown of IMAGE."""
+    from .inspect import render_text, summarize
+    from .reader import LeanImage
+    with LeanImage.open(image, parents=parents, disks=_parse_disks(disks)) as img:
+        summary = summarize(img)
+        if map_path:
+            from .pagemap import render_map
+            render_map(img, map_path)
+            summary["map"] = map_path
+    click.echo(json.dumps(summary, indent=2) if as_json else render_text(summary))
+
+
+@main.command()
+@click.argument("image", type=click.Path(dir_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@parent_option
+@disk_option
+def validate(image, as_json, parents, disks):
+    """Strict conformance check of IMAGE. Exit 0 valid, 1 invalid."""
+    from .rules import describe
+    from .validate import validate as run
+    report = run(image, disks=_parse_disks(disks), parents=parents)
+    if as_json:
+        click.echo(json.dumps(report.to_json(), indent=2))
+    else:
+        for finding in report.findings:
+            click.echo(str(finding))
+            click.echo(f"    rule: {describe(finding.rule)}")
+        for rule, count in report.suppressed.items():
+            click.echo(f"{rule}: {count} more findings not shown")
+        checked = ", ".join(f"{v} {k}" for k, v in sorted(report.checked.items()))
+        verdict = "valid" if report.valid else f"INVALID ({len(report.findings)} findings)"
+        click.echo(f"{image}: {verdict}; checked {checked}")
+    sys.exit(0 if report.valid else EXIT_INVALID)
+
+
+@main.command()
+@click.argument("image", type=click.Path(dir_okay=False))
+@click.option("--to", "target", type=click.Choice(["raw"]), default="raw", show_default=True,
+              help="Output format.")
+@click.option("-o", "--output", required=True, metavar="FILE|-", help="Output file, or - for stdout.")
+@parent_option
+@disk_option
+def restore(image, target, output, parents, disks):
+    """Rebuild guest memory from IMAGE, every page checked against its digest.
+
+    --to raw writes the regions in file order, concatenated (spec §11).
+    """
+    from .reader import LeanImage
+    from leanimg.restore.raw import restore_raw, restore_raw_to_path
+    with LeanImage.open(image, parents=parents, disks=_parse_disks(disks)) as img:
+        total = sum(r.size_bytes for r in img.regions)
+        with _progress(total, "restore") as advance:
+            if output == "-":
+                restore_raw(img, click.get_binary_stream("stdout"), advance)
+            else:
+                restore_raw_to_path(img, output, advance)
+
+
+class _progress:
+    """A progress bar on a TTY, silent otherwise."""
+
+    def __init__(self, total: int, label: str):
+        self.bar = click.progressbar(length=total, label=label, file=sys.stderr) \
+            if sys.stderr.isatty() and total else None
+
+    def __enter__(self):
+        if self.bar is None:
+            return None
+        self.bar.__enter__()
+        return self.bar.update
+
+    def __exit__(self, *exc):
+        if self.bar is not None:
+            self.bar.__exit__(*exc)
+        return False
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,105 @@
+"""What is in an image: header, regions, disks, chain, and a per-class breakdown."""
+
+from __future__ import annotations
+
+import uuid as uuidlib
+from collections import Counter
+
+import numpy as np
+
+from .format import PageClass, RecordType
+from .reader import LeanImage
+
+MIB = 1024 * 1024
+
+
+def class_counts(image: LeanImage, region=None) -> Counter:
+    counts = Counter()
+    for r in ([region] if region else image.regions):
+        e = r.extents
+        totals = np.bincount(e["page_class"].astype(np.int64), weights=e["num_pages"].astype(np.float64),
+                             minlength=7)
+        for cls in PageClass:
+            counts[cls] += int(totals[cls])
+    return counts
+
+
+def breakdown(image: LeanImage, counts: Counter) -> list[dict]:
+    total = sum(counts.values()) or 1
+    return [dict(page_class=cls.name, pages=counts[cls], mib=counts[cls] * image.page_size / MIB,
+                 percent=100.0 * counts[cls] / total) for cls in PageClass]
+
+
+def record_bytes(image: LeanImage) -> dict[str, int]:
+    """Bytes of the file taken by each record type (header and footer apart)."""
+    entries = image.index_entries
+    offsets = np.append(entries["record_offset"].astype(np.int64), image.footer.index_offset)
+    sizes = Counter()
+    for kind, size in zip(entries["record_type"], np.diff(offsets)):
+        try:
+            sizes[RecordType(int(kind)).name] += int(size)
+        except ValueError:
+            sizes[f"{int(kind):#010x}"] += int(size)
+    sizes["INDEX"] += image.footer.offset - image.footer.index_offset
+    return dict(sizes)
+
+
+def summarize(image: LeanImage) -> dict:
+    header = image.header
+    counts = class_counts(image)
+    logical = sum(r.size_bytes for r in image.regions)
+    stored = image.footer.file_length
+    return dict(
+        path=image.path,
+        format_version=f"{header.major_version}.{header.minor_version}",
+        image_uuid=str(uuidlib.UUID(bytes=header.image_uuid)),
+        parent_uuid=str(uuidlib.UUID(bytes=header.parent_uuid)) if header.has_parent else None,
+        page_size=image.page_size,
+        incompatible_features=header.incompatible_features,
+        compatible_features=header.compatible_features,
+        regions=[dict(region_id=r.region_id, name=r.name, guest_phys_base=r.guest_phys_base,
+                      size_bytes=r.size_bytes, pages=r.num_pages,
+                      classes={cls.name: n for cls, n in class_counts(image, r).items() if n})
+                 for r in image.regions],
+        disks=[dict(disk_id=d.disk_id, name=d.name, size_bytes=d.size_bytes, fingerprint=d.fingerprint.hex())
+               for d in image.disks],
+        chain=[dict(path=link.path, image_uuid=str(uuidlib.UUID(bytes=link.header.image_uuid)),
+                    bytes=link.footer.file_length) for link in image.chain()],
+        source_states=len(image.source_states),
+        classes=breakdown(image, counts),
+        logical_bytes=logical,
+        stored_bytes=stored,
+        ratio=logical / stored if stored else 0.0,
+        record_bytes=record_bytes(image),
+    )
+
+
+def render_text(summary: dict) -> str:
+    lines = [
+        f"{summary['path']}: lean image v{summary['format_version']}, page size {summary['page_size']}",
+        f"  uuid    {summary['image_uuid']}",
+        f"  parent  {summary['parent_uuid'] or '(none)'}",
+        f"  features incompatible {summary['incompatible_features']:#x}, compatible "
+        f"{summary['compatible_features']:#x}; {summary['source_states']} source-state records",
+        "",
+        "regions:",
+    ]
+    for r in summary["regions"]:
+        base = f"{r['guest_phys_base']:#x}" if r["guest_phys_base"] is not None else "-"
+        lines.append(f"  [{r['region_id']}] {r['name']:<24} base {base:>12}  {r['size_bytes'] / MIB:10.2f} MiB"
+                     f"  {r['pages']} pages")
+    if summary["disks"]:
+        lines += ["", "disks:"]
+        for d in summary["disks"]:
+            lines.append(f"  [{d['disk_id']}] {d['name']:<24} {d['size_bytes'] / MIB:10.2f} MiB  "
+                         f"fingerprint {d['fingerprint']}")
+    if len(summary["chain"]) > 1:
+        lines += ["", "chain (this image first):"]
+        for depth, link in enumerate(summary["chain"]):
+            lines.append(f"  {depth}: {link['image_uuid']}  {link['bytes'] / MIB:8.2f} MiB  {link['path']}")
+    lines += ["", f"  {'class':<8} {'pages':>10} {'MiB':>10} {'%':>7}"]
+    for row in summary["classes"]:
+        lines.append(f"  {row['page_class']:<8} {row['pages']:>10} {row['mib']:>10.2f} {row['percent']:>6.2f}%")
+    lines += ["", f"logical {summary['logical_bytes'] / MIB:.2f} MiB, stored {summary['stored_bytes'] / MIB:.2f} MiB, "
+              f"ratio {summary['ratio']:.2f}x"]
+    return "\n".join(lines)

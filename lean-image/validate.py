@@ -1,0 +1,507 @@
+"""Strict conformance check of one image (spec/conformance.md).
+
+Unlike the reader, which stops at the first problem, ``validate`` scans every
+record in file order and collects findings, each with rule id, byte offset and
+structure path. Memory stays bounded by one record plus per-page bookkeeping.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+import xxhash
+import zstandard
+
+from . import delta as deltacodec
+from .errors import LeanImageError
+from .format import (
+    DIGEST_SIZE, DISK_SECTOR_SIZE, FOOTER_SIZE, IncompatFeature, PageClass, RecordType, page_digest,
+)
+from .reader import LeanImage, decompress_frame
+from .structures import (
+    ImageFile, Record, body_problems, header_problems, parse_body, read_footer, read_header, read_record,
+    read_record_header, record_path,
+)
+
+FINDINGS_PER_RULE = 20
+
+
+@dataclass
+class Finding:
+    rule: str
+    offset: int | None
+    structure: str
+    message: str
+
+    def __str__(self) -> str:
+        where = f"offset {self.offset:#x}" if self.offset is not None else "offset -"
+        return f"{self.rule} {where} {self.structure}: {self.message}"
+
+
+@dataclass
+class Report:
+    path: str
+    findings: list[Finding] = field(default_factory=list)
+    suppressed: Counter = field(default_factory=Counter)
+    checked: Counter = field(default_factory=Counter)
+
+    @property
+    def valid(self) -> bool:
+        return not self.findings
+
+    def add(self, error: LeanImageError) -> None:
+        rule = error.rule or "LI-IO"
+        if sum(1 for f in self.findings if f.rule == rule) >= FINDINGS_PER_RULE:
+            self.suppressed[rule] += 1
+            return
+        self.findings.append(Finding(rule, error.offset, error.structure or "", error.message))
+
+    def to_json(self) -> dict:
+        return dict(path=self.path, valid=self.valid, findings=[asdict(f) for f in self.findings],
+                    suppressed=dict(self.suppressed), checked=dict(self.checked))
+
+
+@dataclass
+class _Scan:
+    """What the sequential pass collected."""
+    records: list = field(default_factory=list)          # (offset, type, key, first, count)
+    regions: dict = field(default_factory=dict)          # region_id -> parsed region
+    disks: dict = field(default_factory=dict)            # disk_id -> parsed disk
+    maps: dict = field(default_factory=dict)             # region_id -> [extents]
+    digests: dict = field(default_factory=dict)          # region_id -> [(first_page, digests)]
+    refs: list = field(default_factory=list)
+    frames: list = field(default_factory=list)           # (index, record offset, parsed)
+    delta_frames: list = field(default_factory=list)
+    sequences: list = field(default_factory=list)
+    index: Record | None = None
+    index_position: int | None = None
+
+
+def validate(path, *, disks: dict | None = None, parents=()) -> Report:
+    """Check ``path`` against every rule of format v1.0 that its inputs allow."""
+    path = os.fspath(path)
+    report = Report(path)
+    try:
+        fileobj = open(path, "rb")
+    except OSError as exc:
+        report.add(LeanImageError(f"cannot open: {exc.strerror}"))
+        return report
+    with fileobj:
+        _validate_file(ImageFile(fileobj, path), report, disks or {}, list(parents))
+    return report
+
+
+def _validate_file(image: ImageFile, report: Report, disks: dict, parents: list) -> None:
+    try:
+        header = read_header(image)
+    except LeanImageError as exc:
+        report.add(exc)
+        return
+    for problem in header_problems(header):
+        report.add(problem)
+    page_size = header.page_size if header.page_size in (1 << k for k in range(12, 17)) else 4096
+    try:
+        footer = read_footer(image, header.header_length)
+    except LeanImageError as exc:
+        report.add(exc)
+        footer = None
+    limit = footer.offset if footer else image.size
+    scan = _scan_records(image, header.header_length, limit, page_size, report)
+    if footer:
+        _check_footer(image, footer, scan, report)
+    _check_tables(header, scan, page_size, report)
+    _check_content(image, header, scan, page_size, report, disks, parents)
+
+
+# --- sequential pass ---------------------------------------------------------------
+def _scan_records(image: ImageFile, start: int, limit: int, page_size: int, report: Report) -> _Scan:
+    scan = _Scan()
+    offset, i = start, 0
+    while offset < limit:
+        try:
+            record = read_record(image, offset, limit, i)
+        except LeanImageError as exc:
+            report.add(exc)
+            end = _skip(image, offset, limit, i)
+            if end is None:
+                return scan
+            offset, i = end, i + 1
+            continue
+        report.checked["records"] += 1
+        try:
+            parse_body(record, i)
+        except LeanImageError as exc:
+            report.add(exc)
+            offset, i = record.end, i + 1
+            continue
+        for problem in body_problems(record, i, page_size):
+            report.add(problem)
+        _collect(record, i, scan, report, page_size)
+        offset, i = record.end, i + 1
+    return scan
+
+
+def _skip(image: ImageFile, offset: int, limit: int, i: int) -> int | None:
+    """After a bad record whose framing is sound, where the next one starts."""
+    try:
+        _, _, body_length = read_record_header(image, offset, limit, i)
+    except LeanImageError:
+        return None
+    return offset + 16 + ((body_length + 7) & ~7) + 8
+
+
+def _collect(record: Record, i: int, scan: _Scan, report: Report, page_size: int) -> None:
+    p, kind = record.parsed, record.record_type
+    key, first, count = 0xFFFF_FFFF, 0, 0
+    if kind == RecordType.INDEX:
+        scan.index, scan.index_position = record, i
+        return
+    if scan.index is not None:
+        report.add(LeanImageError("a record follows the INDEX record", offset=record.offset,
+                                  structure=record_path(i, record), rule="LI-IDX-001"))
+    if kind == RecordType.REGION:
+        _unique(scan.regions, p["region_id"], p["name"], record, i, "LI-REG-001", report)
+        scan.regions[p["region_id"]] = p
+        key, count = p["region_id"], p["size_bytes"] // page_size
+    elif kind == RecordType.DISK:
+        _unique(scan.disks, p["disk_id"], p["name"], record, i, "LI-DSK-001", report)
+        scan.disks[p["disk_id"]] = p
+        key, count = p["disk_id"], p["size_bytes"] // DISK_SECTOR_SIZE
+    elif kind == RecordType.SOURCE_STATE:
+        scan.sequences.append((p["sequence"], record, i))
+        key, first, count = p["tag"], p["sequence"], p["len_data"]
+    elif kind == RecordType.PAGE_FRAME:
+        scan.frames.append((i, record.offset, p))
+        first, count = p["first_ordinal"], p["num_pages"]
+    elif kind == RecordType.DELTA_FRAME:
+        scan.delta_frames.append((i, record.offset, p))
+        first, count = p["first_delta"], p["num_deltas"]
+    elif kind == RecordType.DISK_REFS:
+        scan.refs.append((i, record, p))
+        first, count = p["first_ref"], p["num_refs"]
+    elif kind == RecordType.PAGE_MAP:
+        _declared(scan.regions, p["region_id"], record, i, report)
+        scan.maps.setdefault(p["region_id"], []).append(p["extents"])
+        key = p["region_id"]
+        first = int(p["extents"]["first_page"][0]) if len(p["extents"]) else 0
+        count = int(p["extents"]["num_pages"].astype(np.int64).sum())
+    elif kind == RecordType.DIGESTS:
+        _declared(scan.regions, p["region_id"], record, i, report)
+        scan.digests.setdefault(p["region_id"], []).append((p["first_page"], p["digests"], record, i))
+        key, first, count = p["region_id"], p["first_page"], p["num_pages"]
+    scan.records.append((record.offset, record.record_type, key, first, count))
+
+
+def _unique(table: dict, ident: int, name: str, record, i, rule, report) -> None:
+    if ident in table or any(t["name"] == name for t in table.values()):
+        report.add(LeanImageError(f"id {ident} or name {name!r} already declared", offset=record.offset,
+                                  structure=record_path(i, record), rule=rule))
+
+
+def _declared(regions: dict, region_id: int, record, i, report) -> None:
+    if region_id not in regions:
+        report.add(LeanImageError(f"region {region_id} not declared by an earlier REGION record",
+                                  offset=record.offset + 16, structure=record_path(i, record, "region_id"),
+                                  rule="LI-REC-009"))
+
+
+# --- footer and index ------------------------------------------------------------------
+def _check_footer(image: ImageFile, footer, scan: _Scan, report: Report) -> None:
+    hasher = xxhash.xxh3_128()
+    image.fileobj.seek(0)
+    remaining = footer.offset
+    while remaining:
+        chunk = image.fileobj.read(min(remaining, 8 << 20))
+        hasher.update(chunk)
+        remaining -= len(chunk)
+    if hasher.digest() != footer.image_digest:
+        report.add(LeanImageError(f"expected image_digest {hasher.digest().hex()}, got {footer.image_digest.hex()}",
+                                  offset=footer.offset + 24, structure="footer.image_digest", rule="LI-FTR-004"))
+    if scan.index is None:
+        report.add(LeanImageError("no INDEX record", offset=footer.offset, structure="footer",
+                                  rule="LI-IDX-001"))
+        return
+    if scan.index.offset != footer.index_offset:
+        report.add(LeanImageError(f"expected index_offset {scan.index.offset:#x}, got {footer.index_offset:#x}",
+                                  offset=footer.offset + 8, structure="footer.index_offset", rule="LI-FTR-005"))
+    entries = scan.index.parsed["entries"]
+    listed = [tuple(int(x) for x in e) for e in entries]
+    if listed != scan.records:
+        k = next((j for j, (a, b) in enumerate(zip(listed, scan.records)) if a != b),
+                 min(len(listed), len(scan.records)))
+        got = listed[k] if k < len(listed) else "nothing"
+        want = scan.records[k] if k < len(scan.records) else "nothing"
+        report.add(LeanImageError(f"entry {k}: expected {want}, got {got} "
+                                  f"({len(listed)} entries for {len(scan.records)} records)",
+                                  offset=scan.index.offset + 24 + 32 * k,
+                                  structure=f"record[{scan.index_position}].index.entries[{k}]", rule="LI-IDX-001"))
+
+
+# --- cross-record tables ---------------------------------------------------------------
+def _check_tables(header, scan: _Scan, page_size: int, report: Report) -> None:
+    extents = {}
+    for region_id, region in scan.regions.items():
+        parts = scan.maps.get(region_id, [])
+        e = np.concatenate(parts) if parts else np.zeros(0, dtype=[("first_page", "<u8")])
+        extents[region_id] = e
+        _check_coverage(region, e, page_size, report)
+        _check_digest_tables(region, scan.digests.get(region_id, []), e, page_size, report)
+    all_extents = [e for e in extents.values() if "page_class" in (e.dtype.names or ())]
+    classes = Counter()
+    for e in all_extents:
+        for cls, n in zip(e["page_class"], e["num_pages"]):
+            classes[int(cls)] += int(n)
+    report.checked["pages"] = sum(classes.values())
+    _check_slots(all_extents, PageClass.STORED, sum(f[2]["num_pages"] for f in scan.frames), "stored ordinal", report)
+    _check_slots(all_extents, PageClass.DISK, sum(r[2]["num_refs"] for r in scan.refs), "disk reference", report)
+    _check_slots(all_extents, PageClass.DELTA, sum(f[2]["num_deltas"] for f in scan.delta_frames),
+                 "delta entry", report)
+    _check_numbering([f[2]["first_ordinal"] for f in scan.frames], [f[2]["num_pages"] for f in scan.frames],
+                     [f[1] for f in scan.frames], "page_frame", report)
+    _check_numbering([f[2]["first_delta"] for f in scan.delta_frames],
+                     [f[2]["num_deltas"] for f in scan.delta_frames], [f[1] for f in scan.delta_frames],
+                     "delta_frame", report)
+    _check_numbering([r[2]["first_ref"] for r in scan.refs], [r[2]["num_refs"] for r in scan.refs],
+                     [r[1].offset for r in scan.refs], "disk_refs", report, rule="LI-MAP-004")
+    _check_features(header, classes, report)
+    _check_refs(scan, page_size, report)
+    for k, (sequence, record, i) in enumerate(scan.sequences):
+        if sequence != k:
+            report.add(LeanImageError(f"expected sequence {k}, got {sequence}", offset=record.offset + 24,
+                                      structure=record_path(i, record, "sequence"), rule="LI-SRC-001"))
+
+
+def _check_coverage(region: dict, e: np.ndarray, page_size: int, report: Report) -> None:
+    num_pages = region["size_bytes"] // page_size
+    where = f"region[{region['region_id']}] {region['name']!r}.page_map"
+    if len(e) == 0:
+        report.add(LeanImageError("no PAGE_MAP record", structure=where, rule="LI-MAP-001"))
+        return
+    first = e["first_page"].astype(np.int64)
+    ends = first + e["num_pages"].astype(np.int64)
+    gaps = np.flatnonzero(first[1:] != ends[:-1])
+    if first[0] != 0 or len(gaps) or ends[-1] != num_pages:
+        at = int(gaps[0]) + 1 if len(gaps) else 0
+        report.add(LeanImageError(f"expected extents covering pages 0..{num_pages} contiguously; extent {at} "
+                                  f"starts at {int(first[at])}, last ends at {int(ends[-1])}",
+                                  structure=where, rule="LI-MAP-001"))
+
+
+def _check_digest_tables(region: dict, parts: list, e: np.ndarray, page_size: int, report: Report) -> None:
+    num_pages = region["size_bytes"] // page_size
+    covered = 0
+    for first, digests, record, i in parts:
+        if first != covered:
+            report.add(LeanImageError(f"expected first_page {covered}, got {first}", offset=record.offset + 24,
+                                      structure=record_path(i, record, "first_page"), rule="LI-DIG-001"))
+        covered = first + len(digests)
+    if covered != num_pages:
+        report.add(LeanImageError(f"digests cover {covered} of {num_pages} pages",
+                                  structure=f"region[{region['region_id']}] {region['name']!r}.digests",
+                                  rule="LI-DIG-001"))
+    if not len(e) or "page_class" not in e.dtype.names:
+        return
+    for first, digests, record, i in parts:
+        classes = _page_classes(e, first, len(digests))
+        bad = np.flatnonzero((classes == PageClass.FREE) & digests.any(axis=1))
+        if len(bad):
+            report.add(LeanImageError(f"FREE page {first + int(bad[0])} has a non-zero digest",
+                                      offset=record.offset + 40 + 16 * int(bad[0]),
+                                      structure=record_path(i, record, f"digests[{int(bad[0])}]"), rule="LI-DIG-003"))
+
+
+def _page_classes(e: np.ndarray, first: int, count: int) -> np.ndarray:
+    full = np.repeat(e["page_class"].astype(np.uint8), e["num_pages"].astype(np.int64))
+    out = np.zeros(count, np.uint8)
+    chunk = full[first:first + count]
+    out[:len(chunk)] = chunk
+    return out
+
+
+def _slot_users(extents: list, cls: int) -> np.ndarray:
+    parts = []
+    for e in extents:
+        sel = e[e["page_class"] == cls]
+        if len(sel):
+            counts = sel["num_pages"].astype(np.int64)
+            starts = sel["first_slot"].astype(np.int64)
+            parts.append(np.repeat(starts - np.cumsum(np.concatenate(([0], counts[:-1]))), counts)
+                         + np.arange(int(counts.sum())))
+    return np.concatenate(parts) if parts else np.zeros(0, np.int64)
+
+
+def _check_slots(extents: list, cls: int, available: int, what: str, report: Report) -> None:
+    used = np.sort(_slot_users(extents, cls))
+    if len(used) != available or (len(used) and (used != np.arange(available)).any()):
+        k = int(np.flatnonzero(used != np.arange(len(used)))[0]) if len(used) and \
+            (used != np.arange(len(used))).any() else min(len(used), available)
+        report.add(LeanImageError(f"{len(used)} pages use {what}s and {available} exist; each must be used "
+                                  f"exactly once (first mismatch at {what} {k})", structure="page_map",
+                                  rule="LI-MAP-004"))
+
+
+def _check_numbering(firsts, counts, offsets, name, report, rule="LI-FRM-001") -> None:
+    expected = 0
+    for k, (first, count, offset) in enumerate(zip(firsts, counts, offsets)):
+        if first != expected:
+            report.add(LeanImageError(f"expected first {expected}, got {first}", offset=offset + 16,
+                                      structure=f"{name}[{k}]", rule=rule))
+        expected = first + count
+
+
+def _check_features(header, classes: Counter, report: Report) -> None:
+    bits = header.incompatible_features
+    if classes[PageClass.DISK] and not bits & IncompatFeature.DISK:
+        report.add(LeanImageError("DISK pages without the DISK incompatible bit", offset=16,
+                                  structure="header.incompatible_features", rule="LI-HDR-009"))
+    if classes[PageClass.DELTA] and not bits & IncompatFeature.DELTA:
+        report.add(LeanImageError("DELTA pages without the DELTA incompatible bit", offset=16,
+                                  structure="header.incompatible_features", rule="LI-HDR-009"))
+    if (classes[PageClass.PARENT] or classes[PageClass.DELTA]) and not header.has_parent:
+        report.add(LeanImageError(f"{classes[PageClass.PARENT]} PARENT and {classes[PageClass.DELTA]} DELTA "
+                                  "pages in an image without a parent", offset=56,
+                                  structure="header.parent_uuid", rule="LI-MAP-005"))
+
+
+def _check_refs(scan: _Scan, page_size: int, report: Report) -> None:
+    for i, record, p in scan.refs:
+        refs = p["refs"]
+        for k in range(len(refs)):
+            disk = scan.disks.get(int(refs["disk_id"][k]))
+            sector = int(refs["sector"][k])
+            if disk is None or sector * DISK_SECTOR_SIZE + page_size > disk["size_bytes"]:
+                report.add(LeanImageError(f"reference to disk {int(refs['disk_id'][k])} sector {sector}: no such "
+                                          "disk, or the page runs past its end", offset=record.offset + 32 + 16 * k,
+                                          structure=record_path(i, record, f"refs[{k}]"), rule="LI-DSK-003"))
+
+
+# --- content: frames, deltas, disks, parent ------------------------------------------------
+def _check_content(image: ImageFile, header, scan: _Scan, page_size: int, report: Report,
+                   disks: dict, parents: list) -> None:
+    tables = _digest_lookup(scan, page_size)
+    if tables is None:
+        return
+    _check_frames(image, scan, page_size, tables, report)
+    _check_zero_pages(tables, page_size, report)
+    lean = _open_for_chain(image.name, header, disks, parents, report)
+    if lean is None:
+        _check_delta_structure(image, scan, page_size, report)
+        return
+    with lean:
+        _check_resolved(lean, tables, report)
+
+
+def _digest_lookup(scan: _Scan, page_size: int):
+    """Per region: (extents, digest table); None when maps are too broken to go on."""
+    tables = {}
+    for region_id, region in scan.regions.items():
+        parts = scan.maps.get(region_id)
+        if not parts:
+            return None
+        e = np.concatenate(parts)
+        num_pages = region["size_bytes"] // page_size
+        table = np.zeros((num_pages, DIGEST_SIZE), np.uint8)
+        for first, digests, _, _ in scan.digests.get(region_id, []):
+            n = max(0, min(len(digests), num_pages - first))
+            table[first:first + n] = digests[:n]
+        if int(e["num_pages"].astype(np.int64).sum()) != num_pages:
+            return None
+        tables[region_id] = (region, e, table)
+    return tables
+
+
+def _check_frames(image: ImageFile, scan: _Scan, page_size: int, tables: dict, report: Report) -> None:
+    owner_digest = {}
+    for region, e, table in tables.values():
+        sel = e[e["page_class"] == PageClass.STORED]
+        for ext in sel:
+            first_page, n, slot = int(ext["first_page"]), int(ext["num_pages"]), int(ext["first_slot"])
+            owner_digest[slot] = (region, first_page, n, table)
+    slot_starts = np.array(sorted(owner_digest), dtype=np.int64)
+    decompressor = zstandard.ZstdDecompressor()
+    for i, offset, p in scan.frames:
+        record = read_record(image, offset, image.size, i)
+        data = record.body[16:]
+        try:
+            content = decompress_frame(decompressor, data, p["num_pages"] * page_size, offset,
+                                       record_path(i, record, "zstd"))
+        except LeanImageError as exc:
+            report.add(exc)
+            continue
+        report.checked["stored_pages"] += p["num_pages"]
+        view = memoryview(content)
+        for k in range(p["num_pages"]):
+            ordinal = p["first_ordinal"] + k
+            j = int(np.searchsorted(slot_starts, ordinal, side="right")) - 1
+            if j < 0:
+                continue
+            region, first_page, n, table = owner_digest[int(slot_starts[j])]
+            page = first_page + ordinal - int(slot_starts[j])
+            if page >= first_page + n:
+                continue
+            if page_digest(view[k * page_size:(k + 1) * page_size]) != table[page].tobytes():
+                report.add(LeanImageError(f"stored ordinal {ordinal} (region {region['name']!r} page {page}) does "
+                                          "not match its digest", offset=offset, structure=record_path(i, record),
+                                          rule="LI-DIG-002"))
+
+
+def _check_zero_pages(tables: dict, page_size: int, report: Report) -> None:
+    zero = np.frombuffer(page_digest(bytes(page_size)), np.uint8)
+    for region, e, table in tables.values():
+        classes = np.repeat(e["page_class"].astype(np.uint8), e["num_pages"].astype(np.int64))
+        bad = np.flatnonzero((classes == PageClass.ZERO) & (table != zero).any(axis=1))
+        if len(bad):
+            report.add(LeanImageError(f"ZERO page {int(bad[0])} has a digest other than the zero page's "
+                                      f"({len(bad)} pages)", structure=f"region {region['name']!r}.digests",
+                                      rule="LI-DIG-002"))
+
+
+def _check_delta_structure(image: ImageFile, scan: _Scan, page_size: int, report: Report) -> None:
+    decompressor = zstandard.ZstdDecompressor()
+    for i, offset, p in scan.delta_frames:
+        record = read_record(image, offset, image.size, i)
+        offsets = p["entry_offsets"].astype(np.int64)
+        try:
+            content = decompress_frame(decompressor, record.body[p["ofs_zstd"] - offset - 16:], int(offsets[-1]),
+                                       offset, record_path(i, record, "zstd"))
+        except LeanImageError as exc:
+            report.add(exc)
+            continue
+        for k in range(len(offsets) - 1):
+            try:
+                deltacodec.decode_positions(content[offsets[k]:offsets[k + 1]], page_size, offset=offset,
+                                            structure=record_path(i, record, f"entries[{k}]"))
+            except LeanImageError as exc:
+                report.add(exc)
+
+
+def _open_for_chain(path: str, header, disks: dict, parents: list, report: Report):
+    """The image opened through the reader when its disks/parent were supplied."""
+    needs_parent = header.has_parent
+    if not disks and not (needs_parent and parents):
+        return None
+    try:
+        return LeanImage.open(path, parents=parents, disks=disks)
+    except LeanImageError as exc:
+        report.add(exc)
+        return None
+
+
+def _check_resolved(lean: LeanImage, tables: dict, report: Report) -> None:
+    """DISK, PARENT and DELTA pages resolved through disks and parent, each checked by digest."""
+    for region in lean.regions:
+        classes = lean.classes(region)
+        for cls in (PageClass.DISK, PageClass.PARENT, PageClass.DELTA):
+            if cls == PageClass.DISK and not lean._disk_sources:
+                continue
+            if cls != PageClass.DISK and lean.parent is None:
+                continue
+            for page in np.flatnonzero(classes == cls):
+                try:
+                    lean.read_page(region, int(page))
+                    report.checked[f"{PageClass(cls).name.lower()}_pages"] += 1
+                except LeanImageError as exc:
+                    report.add(exc)
