@@ -76,7 +76,7 @@ def main():
 
 
 @main.command()
-@click.argument("image", type=click.Path(dir_okay=False))
+@click.argument("image", type=click.Path(exists=True, dir_okay=False))
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.option("--map", "map_path", type=click.Path(dir_okay=False), metavar="FILE.png",
               help="Draw guest memory coloured by page class.")
@@ -96,7 +96,7 @@ def inspect(image, as_json, map_path, parents, disks):
 
 
 @main.command()
-@click.argument("image", type=click.Path(dir_okay=False))
+@click.argument("image", type=click.Path(exists=True, dir_okay=False))
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @parent_option
 @disk_option
@@ -120,9 +120,9 @@ def validate(image, as_json, parents, disks):
 
 
 @main.command()
-@click.argument("image", type=click.Path(dir_okay=False))
-@click.option("--to", "target", type=click.Choice(["raw"]), default="raw", show_default=True,
-              help="Output format.")
+@click.argument("image", type=click.Path(exists=True, dir_okay=False))
+@click.option("--to", "target", type=click.Choice(["raw", "qemu"]), default="raw", show_default=True,
+              help="raw: flat guest memory; qemu: a migration stream for `qemu -incoming`.")
 @click.option("-o", "--output", required=True, metavar="FILE|-", help="Output file, or - for stdout.")
 @parent_option
 @disk_option
@@ -130,16 +130,37 @@ def restore(image, target, output, parents, disks):
     """Rebuild guest memory from IMAGE, every page checked against its digest.
 
     --to raw writes the regions in file order, concatenated (spec §11).
+    --to qemu rebuilds the QEMU migration stream the image was converted from:
+    qemu-system-x86_64 ... -incoming "exec:leanimg restore IMG --to qemu -o -"
     """
     from .reader import LeanImage
-    from leanimg.restore.raw import restore_raw, restore_raw_to_path
+    from leanimg.restore.raw import restore_raw, write_atomically
+    from leanimg.restore.qemu import restore_qemu
+    produce = restore_qemu if target == "qemu" else restore_raw
     with LeanImage.open(image, parents=parents, disks=_parse_disks(disks)) as img:
         total = sum(r.size_bytes for r in img.regions)
         with _progress(total, "restore") as advance:
             if output == "-":
-                restore_raw(img, click.get_binary_stream("stdout"), advance)
+                produce(img, click.get_binary_stream("stdout"), advance)
             else:
-                restore_raw_to_path(img, output, advance)
+                write_atomically(output, lambda out: produce(img, out, advance))
+
+
+@main.command()
+@click.argument("save", metavar="SAVE|-")
+@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="The lean image to write.")
+@click.option("--from", "source_format", type=click.Choice(["qemu"]), help="Force the source format.")
+@click.option("--spool/--no-spool", default=None,
+              help="Assemble RAM in scratch files first (needed for live saves read from a pipe).")
+@click.option("--level", default=3, show_default=True, help="zstd level of stored pages.")
+@click.option("--frame-pages", default=256, show_default=True, help="Pages per zstd frame.")
+def convert(save, output, source_format, spool, level, frame_pages):
+    """Convert a hypervisor save file (QEMU migration stream) into a lean image."""
+    from leanimg.converters.convert import convert_file
+    total = os.path.getsize(save) if save != "-" and os.path.isfile(save) else 0
+    with _progress(total, "convert") as advance:
+        convert_file(save, output, source_format=source_format, spool=spool,
+                     writer_options=dict(level=level, frame_pages=frame_pages), progress=advance)
 
 
 class _progress:

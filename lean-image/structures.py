@@ -191,15 +191,19 @@ def record_path(index: int | None, record: Record | None = None, field: str = ""
 
 def read_record_header(image: ImageFile, offset: int, limit: int, index: int | None) -> tuple[int, int, int]:
     path = record_path(index)
+    if limit - offset < RECORD_HEADER_STRUCT.size + RECORD_TRAILER_STRUCT.size:
+        raise FormatError(f"{limit - offset} bytes before {limit:#x} cannot hold a record",
+                          offset=offset, structure=path, rule="LI-REC-001")
     head = image.read_exact(offset, RECORD_HEADER_STRUCT.size, path)
     record_type, flags, body_length = RECORD_HEADER_STRUCT.unpack(head)
-    if body_length > RECORD_BODY_MAX:
-        raise LimitError(f"body_length {body_length} exceeds the reader limit {RECORD_BODY_MAX}",
-                         offset=offset + 8, structure=path + ".body_length", rule="LI-REC-002")
     end = offset + RECORD_HEADER_STRUCT.size + align8(body_length) + RECORD_TRAILER_STRUCT.size
     if end > limit:
         raise TruncatedError(f"record of {end - offset} bytes runs past {limit:#x}",
                              offset=offset + 8, structure=path + ".body_length", rule="LI-REC-002")
+    if body_length > RECORD_BODY_MAX:
+        raise LimitError(f"body_length {body_length} exceeds this reader's limit {RECORD_BODY_MAX} "
+                         "(spec §9.2): the image may be valid but is not readable here",
+                         offset=offset + 8, structure=path + ".body_length")
     return record_type, flags, body_length
 
 
@@ -303,7 +307,8 @@ def _parse_delta_frame(b: _Body) -> dict:
         raise b.fail("LI-REC-007", f"expected {num_deltas + 1} entry offsets, body has "
                      f"{b.record.body_length} bytes", 8, "num_deltas")
     offsets = np.frombuffer(b.record.body, dtype="<u4", count=num_deltas + 1, offset=DELTA_FRAME_STRUCT.size)
-    b.zero(int.from_bytes(b.record.body[table_end:zstd_start], "little"), table_end, "padding")
+    if any(b.record.body[table_end:zstd_start]):
+        raise b.fail("LI-REC-004", "expected zero padding after entry_offsets", table_end, "padding")
     return dict(first_delta=first, num_deltas=num_deltas, entry_offsets=offsets,
                 len_zstd=b.record.body_length - zstd_start, ofs_zstd=b.base + zstd_start)
 
@@ -312,6 +317,8 @@ def _parse_disk_refs(b: _Body) -> dict:
     first, num_refs, reserved = b.fixed(DISK_REFS_STRUCT)
     b.zero(reserved, 12, "reserved")
     b.expect_length(DISK_REFS_STRUCT.size + DISK_REF_STRUCT.size * num_refs)
+    if num_refs == 0:
+        raise b.fail("LI-REC-007", "expected num_refs >= 1, got 0", 8, "num_refs")
     refs = np.frombuffer(b.record.body, dtype=DISK_REF_DTYPE, offset=DISK_REFS_STRUCT.size)
     bad = np.flatnonzero(refs["reserved"])
     if len(bad):
@@ -337,6 +344,8 @@ def _parse_digests(b: _Body) -> dict:
     if num_pages > RECORD_BODY_MAX // DIGEST_SIZE:
         raise b.fail("LI-REC-007", f"num_pages {num_pages} cannot fit the body", 16, "num_pages")
     b.expect_length(DIGESTS_STRUCT.size + DIGEST_SIZE * num_pages)
+    if num_pages == 0:
+        raise b.fail("LI-REC-007", "expected num_pages >= 1, got 0", 16, "num_pages")
     digests = np.frombuffer(b.record.body, dtype=np.uint8, offset=DIGESTS_STRUCT.size).reshape(-1, DIGEST_SIZE)
     return dict(region_id=region_id, first_page=first, num_pages=num_pages, digests=digests)
 

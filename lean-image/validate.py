@@ -16,7 +16,7 @@ import xxhash
 import zstandard
 
 from . import delta as deltacodec
-from .errors import LeanImageError
+from .errors import LeanImageError, LimitError
 from .format import (
     DIGEST_SIZE, DISK_SECTOR_SIZE, FOOTER_SIZE, IncompatFeature, PageClass, RecordType, page_digest,
 )
@@ -53,7 +53,7 @@ class Report:
         return not self.findings
 
     def add(self, error: LeanImageError) -> None:
-        rule = error.rule or "LI-IO"
+        rule = error.rule or ("reader-limit" if isinstance(error, LimitError) else "io")
         if sum(1 for f in self.findings if f.rule == rule) >= FINDINGS_PER_RULE:
             self.suppressed[rule] += 1
             return
@@ -180,6 +180,11 @@ def _collect(record: Record, i: int, scan: _Scan, report: Report, page_size: int
         scan.delta_frames.append((i, record.offset, p))
         first, count = p["first_delta"], p["num_deltas"]
     elif kind == RecordType.DISK_REFS:
+        unknown = sorted(set(int(d) for d in np.unique(p["refs"]["disk_id"])) - set(scan.disks))
+        if unknown:
+            report.add(LeanImageError(f"refers to disk {unknown[0]} not declared by an earlier DISK record",
+                                      offset=record.offset + 32, structure=record_path(i, record, "refs"),
+                                      rule="LI-REC-009"))
         scan.refs.append((i, record, p))
         first, count = p["first_ref"], p["num_refs"]
     elif kind == RecordType.PAGE_MAP:

@@ -120,7 +120,7 @@ def zero_digest(page_size: int) -> bytes:
 
 
 def disk_fingerprint(read_at, size_bytes: int) -> bytes:
-    """Fingerprint method 1 (spec §5.2): xxh3-128 of the size and 64 sampled blocks.
+    """Fingerprint method 1 (spec §5.3): xxh3-128 of the size and 64 sampled blocks.
 
     ``read_at(offset, length)`` returns disk bytes.
     """
@@ -443,6 +443,12 @@ class LeanImageWriter:
             raise
         self._finished = True
         return digest
+
+    def missing_runs(self, region_id: int) -> list[tuple[int, int]]:
+        """(first_page, count) of every run of pages not given yet."""
+        missing = self._regions[region_id].classes == 0
+        edges = np.flatnonzero(np.diff(np.concatenate(([0], missing.view(np.int8), [0]))))
+        return [(int(a), int(b - a)) for a, b in zip(edges[::2], edges[1::2])]
 
     def _check_complete(self) -> None:
         for region in self._regions.values():

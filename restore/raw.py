@@ -33,12 +33,13 @@ def restore_raw(image: LeanImage, out, progress=None) -> int:
     return written
 
 
-def restore_raw_to_path(image: LeanImage, path: str, progress=None) -> int:
-    """Like restore_raw, to a path that appears only when complete."""
+def write_atomically(path: str, produce) -> int:
+    """Run ``produce(fileobj)`` into a temp file that becomes ``path`` only when complete."""
     temp = f"{path}.partial-{os.getpid()}"
     try:
         with open(temp, "wb") as out:
-            written = restore_raw(image, out, progress)
+            written = produce(out)
+            out.flush()
             os.fsync(out.fileno())
         os.replace(temp, path)
     except BaseException:

@@ -1,0 +1,200 @@
+"""Hypervisor save file → lean image.
+
+The source format is detected from its first bytes. A QEMU stream becomes one
+region per RAM block; zero pages become ZERO, the rest STORED, and everything
+but the pages (configuration, device sections, RAM section plan, VMDESCRIPTION)
+is kept as one SOURCE_STATE record so restore can rebuild a stream QEMU accepts.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from typing import BinaryIO
+
+from leanimg.errors import SourceFormatError, UnsupportedError
+from leanimg.format import SourceFormat
+from leanimg.writer import LeanImageWriter, WriterUsageError
+
+from . import qemu
+
+QEMU_MAGIC = b"QEVM"
+XEN_XL_MAGIC = b"Xen saved domain"
+# SOURCE_STATE tags of source_format QEMU (spec §5.3)
+QEMU_TAG_STREAM_STATE = 1
+
+RUN_PAGES = 256
+
+
+def detect_format(head: bytes) -> str:
+    if head.startswith(QEMU_MAGIC):
+        return "qemu"
+    if head.startswith(XEN_XL_MAGIC) or head.startswith(b"\xff" * 8):
+        raise UnsupportedError("this is a Xen save file; Xen conversion is not implemented yet",
+                               offset=0, structure="magic")
+    raise SourceFormatError(f"expected a QEMU migration stream (magic {QEMU_MAGIC.hex(' ')}), got "
+                            f"{head[:8].hex(' ')}", offset=0, structure="magic")
+
+
+class _PeekedInput(io.RawIOBase):
+    """A non-seekable input whose first bytes were already read for detection."""
+
+    def __init__(self, head: bytes, rest: BinaryIO):
+        self.head, self.rest = head, rest
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        if self.head:
+            n = min(len(buffer), len(self.head))
+            buffer[:n] = self.head[:n]
+            self.head = self.head[n:]
+            return n
+        data = self.rest.read(len(buffer))
+        buffer[:len(data)] = data
+        return len(data)
+
+
+class _RunBuffer:
+    """Collects contiguous pages of one block and hands them to the writer in runs."""
+
+    def __init__(self, writer: LeanImageWriter, page_size: int):
+        self.writer, self.page_size = writer, page_size
+        self.region = self.next_page = None
+        self.kind = None
+        self.data: list[bytes] = []
+        self.count = 0
+
+    def add(self, region: int, page: int, data: bytes | None) -> None:
+        kind = "zero" if data is None else "data"
+        if (region, page, kind) != (self.region, self.next_page, self.kind) or self.count >= RUN_PAGES:
+            self.flush()
+            self.region, self.kind, self.first = region, kind, page
+        if data is not None:
+            self.data.append(data)
+        self.count += 1
+        self.next_page = page + 1
+
+    def flush(self) -> None:
+        if not self.count:
+            return
+        if self.kind == "zero":
+            self.writer.put_zero(self.region, self.first, self.count)
+        else:
+            self.writer.put_pages(self.region, self.first, b"".join(self.data))
+        self.data, self.count, self.next_page = [], 0, None
+
+
+class RepeatedPages(Exception):
+    """The stream sends a page twice (a live save): convert it with spooling."""
+
+
+def convert_qemu(source: BinaryIO, writer: LeanImageWriter, progress=None) -> qemu.StreamState:
+    """Stream a QEMU migration stream into ``writer``; each page must come once."""
+    writer.declare_source_state()
+    regions: dict[str, int] = {}
+    runs = None
+    page_size = None
+    for event in qemu.read_qemu_stream(source):
+        if isinstance(event, qemu.Page):
+            data = event.data
+            if data is None and event.fill:
+                data = event.content(page_size)
+            try:
+                runs.add(regions[event.block], event.offset // page_size, data)
+            except WriterUsageError as exc:
+                if "given twice" in str(exc):
+                    raise RepeatedPages(str(exc)) from None
+                raise
+            if progress:
+                progress(page_size)
+        elif isinstance(event, qemu.RamBlocks):
+            page_size = event.page_size
+            _check_page_size(page_size, writer)
+            runs = _RunBuffer(writer, page_size)
+            for block in event.blocks:
+                regions[block.name] = writer.add_region(block.name, block.length)
+        else:
+            runs.flush()
+            _free_unsent(writer, regions)
+            writer.add_source_state(SourceFormat.QEMU, QEMU_TAG_STREAM_STATE, event.state.to_bytes())
+            return event.state
+    raise SourceFormatError("stream ended without QEMU_VM_EOF", structure="stream")
+
+
+def convert_qemu_spooled(source: BinaryIO, writer: LeanImageWriter, workdir=None) -> qemu.StreamState:
+    """Like convert_qemu for streams that resend pages: the last copy of each page wins."""
+    writer.declare_source_state()
+    state, ram = qemu.load_stream(source, workdir)
+    with ram:
+        for block in state.ram_blocks:
+            region = writer.add_region(block.name, block.length)
+            page = 0
+            for chunk in ram.page_source(block):
+                writer.put_pages(region, page, chunk)
+                page += len(chunk) // ram.page_size
+    writer.add_source_state(SourceFormat.QEMU, QEMU_TAG_STREAM_STATE, state.to_bytes())
+    return state
+
+
+def _check_page_size(page_size: int, writer: LeanImageWriter) -> None:
+    if page_size != writer.page_size:
+        raise UnsupportedError(f"stream page size {page_size}, image page size {writer.page_size}",
+                               structure="ram MEM_SIZE")
+
+
+def _free_unsent(writer: LeanImageWriter, regions: dict[str, int]) -> None:
+    """Pages the stream never sent keep the destination's own content: FREE."""
+    for region_id in regions.values():
+        for first, count in writer.missing_runs(region_id):
+            writer.put_free(region_id, first, count)
+
+
+def convert_file(src: str, dest: str, *, source_format: str | None = None, spool: bool | None = None,
+                 writer_options: dict | None = None, progress=None) -> str:
+    """Convert the save file ``src`` (or ``-`` for stdin) into the lean image ``dest``."""
+    stream = _open_source(src)
+    try:
+        head = stream.read(16) if source_format is None else b""
+        fmt = source_format or detect_format(head)
+        seekable = stream.seekable()
+        if seekable:
+            stream.seek(0)
+            body = stream
+        else:
+            body = io.BufferedReader(_PeekedInput(head, stream), 1 << 20)
+        if fmt != "qemu":
+            raise UnsupportedError(f"source format {fmt!r} is not implemented", structure="--from")
+        if spool:
+            with LeanImageWriter(dest, **(writer_options or {})) as writer:
+                convert_qemu_spooled(body, writer)
+            return fmt
+        try:
+            with LeanImageWriter(dest, **(writer_options or {})) as writer:
+                convert_qemu(body, writer, progress)
+        except RepeatedPages as exc:
+            if not seekable:
+                raise UnsupportedError(f"this stream sends pages more than once (a live save: {exc}); "
+                                       "convert it with --spool", structure="ram") from None
+            stream.seek(0)
+            with LeanImageWriter(dest, **(writer_options or {})) as writer:
+                convert_qemu_spooled(stream, writer)
+        return fmt
+    finally:
+        if stream is not _stdin():
+            stream.close()
+
+
+def _stdin():
+    import sys
+    return sys.stdin.buffer
+
+
+def _open_source(src: str) -> BinaryIO:
+    if src == "-":
+        return _stdin()
+    try:
+        return open(src, "rb", buffering=1 << 20)
+    except OSError as exc:
+        raise SourceFormatError(f"cannot open {src}: {exc.strerror}", structure="input") from None
