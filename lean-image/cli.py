@@ -163,6 +163,14 @@ def convert(save, output, source_format, spool, level, frame_pages):
                      writer_options=dict(level=level, frame_pages=frame_pages), progress=advance)
 
 
+@main.command()
+@click.option("--workdir", type=click.Path(file_okay=False), help="Keep the files here.")
+def demo(workdir):
+    """Convert, inspect, validate, restore and verify the bundled real QEMU save."""
+    from .demo import run_demo
+    sys.exit(0 if run_demo(workdir) else EXIT_INVALID)
+
+
 class _progress:
     """A progress bar on a TTY, silent otherwise."""
 

@@ -497,6 +497,7 @@ class LeanImageWriter:
         if self._owns_file:
             os.fsync(self._fileobj.fileno())
             self._fileobj.close()
+            os.chmod(self._temp_path, 0o666 & ~_umask())
             os.replace(self._temp_path, self.path)
             _fsync_directory(os.path.dirname(os.path.abspath(self.path)))
 
@@ -522,6 +523,12 @@ def _check_name(name: str, what: str) -> bytes:
     if not 1 <= len(encoded) <= REGION_NAME_MAX:
         raise WriterUsageError(f"{what} name must be 1..{REGION_NAME_MAX} UTF-8 bytes, got {len(encoded)}")
     return encoded
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def _fsync_directory(directory: str) -> None:

@@ -1,0 +1,876 @@
+"""Read and write the QEMU 7.2 migration stream (``migrate "exec:cat > FILE"``).
+
+Stream layout (migration/savevm.c, migration/ram.c)::
+
+    be32 'QEVM'  be32 3
+    0x07 configuration        be32 len, machine type, [0x05 subsection]...
+    0x01 START  be32 id, u8 len, idstr, be32 instance, be32 version   'ram': MEM_SIZE, EOS
+    0x02 PART   be32 id                                               'ram': pages..., EOS
+    0x03 END    be32 id                                               'ram': pages..., EOS
+    0x04 FULL   be32 id, u8 len, idstr, be32 instance, be32 version   device state (opaque)
+    0x7e footer be32 id            after every section
+    0x00 EOF
+    0x06 VMDESCRIPTION be32 len, JSON
+
+A RAM entry is ``be64 offset|flags`` (flags in the low page bits); without CONTINUE it is
+followed by ``u8 len, block name``; PAGE carries page_size bytes, ZERO one fill byte.
+
+Reading
+-------
+``read_qemu_stream(f)`` reads a binary file object strictly sequentially (a pipe is fine;
+no seek) and yields events in stream order:
+
+* ``RamBlocks(blocks, page_size)`` once, from MEM_SIZE: every ``RamBlock(name, length)``.
+* ``Page(block, offset, data, fill)`` per RAM entry.  ``data`` is ``page_size`` bytes, or
+  ``None`` for a ZERO entry, whose page is ``page_size`` copies of byte ``fill``.  A page
+  can repeat (live saves): the last event for a (block, offset) wins.  Pages never sent
+  keep the destination's initial content (zeros for RAM).
+* ``StreamEnd(state)`` last: a ``StreamState`` with everything but the pages that QEMU needs
+  to accept a rebuilt stream (header, configuration, RAM section framing, device sections
+  verbatim, VMDESCRIPTION).  ``state.to_bytes()`` / ``StreamState.from_bytes()`` serialise it.
+
+Memory is bounded: pages are yielded as they are read; only the device sections after the
+RAM (typically well under 1 MiB, capped at ``TAIL_LIMIT``) are held.  Bad input raises
+``SourceFormatError`` and unsupported features (XBZRLE, compression, multifd, postcopy,
+RDMA, mapped-ram, block migration) ``UnsupportedError``, each with the byte ``offset`` and
+the ``structure`` (e.g. ``section[3] PART 'ram' id=2``).
+
+Writing
+-------
+``write_qemu_stream(out, state, ram_blocks, page_source)`` writes a stream QEMU 7.2 loads.
+``page_source(block)`` returns an iterable of chunks covering ``block.length`` bytes in
+order: bytes-like objects whose length is a multiple of the page size, or ``Zeros(n)``.
+Every page is written (all-zero pages as ZERO entries), because a fresh destination starts
+with ROM blocks filled by its own firmware.  When the page count matches the original's
+(each page sent once, as in a save of a stopped VM) the RAM section boundaries are
+reproduced and the output is byte-identical to QEMU's.
+
+``RamImage`` applies ``Page`` events to sparse scratch files (last copy wins) and serves
+them back as a ``page_source``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import struct
+import tempfile
+from pathlib import Path
+from typing import BinaryIO, Callable, Iterable, Iterator, Union
+
+import numpy as np
+
+from leanimg.errors import SourceFormatError, UnsupportedError
+
+QEVM_MAGIC = 0x5145564D
+QEVM_VERSION = 3
+QEVM_VERSION_COMPAT = 2
+
+EOF, START, PART, END, FULL, SUBSECTION, VMDESCRIPTION, CONFIGURATION, COMMAND = range(9)
+FOOTER = 0x7E
+SECTION_NAMES = {EOF: "EOF", START: "START", PART: "PART", END: "END", FULL: "FULL",
+                 SUBSECTION: "SUBSECTION", VMDESCRIPTION: "VMDESCRIPTION",
+                 CONFIGURATION: "CONFIGURATION", COMMAND: "COMMAND", FOOTER: "FOOTER"}
+
+# RAM_SAVE_FLAG_* (migration/ram.c)
+F_FULL, F_ZERO, F_MEM_SIZE, F_PAGE, F_EOS = 0x01, 0x02, 0x04, 0x08, 0x10
+F_CONTINUE, F_XBZRLE, F_HOOK, F_COMPRESS, F_MULTIFD_FLUSH = 0x20, 0x40, 0x80, 0x100, 0x200
+UNSUPPORTED_FLAGS = {F_XBZRLE: "XBZRLE-encoded pages", F_COMPRESS: "compressed pages",
+                     F_HOOK: "RDMA hooks", F_MULTIFD_FLUSH: "multifd",
+                     F_FULL: "RAM_SAVE_FLAG_FULL (obsolete pre-0.13 stream)"}
+
+DEFAULT_PAGE_SIZE = 4096
+TAIL_LIMIT = 64 << 20          # device sections + VMDESCRIPTION held in memory
+READ_CHUNK = 4 << 20
+SUPPORTED_CAPABILITIES = {"x-ignore-shared"}
+
+_BE32 = struct.Struct(">I")
+_BE64 = struct.Struct(">Q")
+
+
+# ---------------------------------------------------------------------------- events
+
+@dataclasses.dataclass(frozen=True)
+class RamBlock:
+    name: str
+    length: int
+    addr: int | None = None     # present with the x-ignore-shared capability
+
+
+@dataclasses.dataclass(frozen=True)
+class RamBlocks:
+    blocks: tuple[RamBlock, ...]
+    page_size: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Page:
+    block: str
+    offset: int
+    data: bytes | None          # None: a ZERO entry, page filled with ``fill``
+    fill: int = 0
+
+    def content(self, page_size: int) -> bytes:
+        return self.data if self.data is not None else bytes([self.fill]) * page_size
+
+
+@dataclasses.dataclass(frozen=True)
+class Zeros:
+    """A page_source chunk of ``length`` zero bytes, without materialising them."""
+    length: int
+
+
+@dataclasses.dataclass(frozen=True)
+class SectionHeader:
+    section_id: int
+    idstr: str
+    instance_id: int
+    version_id: int
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceSection:
+    """A non-RAM section, body kept verbatim (footer not included)."""
+    kind: int                   # FULL
+    header: SectionHeader
+    body: bytes
+
+    def to_bytes(self, footer: bool) -> bytes:
+        out = _section_header_bytes(self.kind, self.header) + self.body
+        return out + _footer_bytes(self.header.section_id) if footer else out
+
+
+@dataclasses.dataclass
+class StreamState:
+    """Everything of a stream except the RAM pages."""
+    prologue: bytes             # magic, version, configuration section: verbatim
+    machine: str | None
+    page_size: int
+    capabilities: tuple[str, ...]
+    ram: SectionHeader
+    ram_blocks: tuple[RamBlock, ...]
+    ram_plan: list[tuple[int, int]]   # (START/PART/END, page entries) per RAM section
+    footers: bool
+    devices: list[DeviceSection]
+    vmdesc: bytes | None        # the JSON text
+
+    def to_bytes(self) -> bytes:
+        return _state_to_bytes(self)
+
+    @classmethod
+    def from_bytes(cls, blob: bytes) -> "StreamState":
+        return _state_from_bytes(blob)
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamEnd:
+    state: StreamState
+    length: int                 # bytes read
+
+
+Event = Union[RamBlocks, Page, StreamEnd]
+Chunk = Union[bytes, bytearray, memoryview, Zeros]
+
+
+# ---------------------------------------------------------------------------- input
+
+class _Input:
+    """Sequential reader with absolute offsets and truncation errors; never seeks."""
+
+    def __init__(self, f: BinaryIO):
+        self._f = f
+        self.buf = b""
+        self.pos = 0
+        self.base = 0
+        self.structure = "stream header"
+        self.recording: list[bytes] | None = None
+
+    @property
+    def offset(self) -> int:
+        return self.base + self.pos
+
+    def _fill(self, n: int) -> bool:
+        while len(self.buf) - self.pos < n:
+            chunk = self._f.read(max(READ_CHUNK, n))
+            if not chunk:
+                return False
+            self.base += self.pos
+            self.buf = self.buf[self.pos:] + chunk
+            self.pos = 0
+        return True
+
+    def take(self, n: int, what: str) -> bytes:
+        if len(self.buf) - self.pos < n and not self._fill(n):
+            have = len(self.buf) - self.pos
+            raise SourceFormatError(
+                f"truncated stream: expected {n} bytes of {what}, got {have} before end of input",
+                offset=self.offset, structure=self.structure)
+        start = self.pos
+        self.pos += n
+        out = self.buf[start:self.pos]
+        if self.recording is not None:
+            self.recording.append(out)
+        return out
+
+    def u8(self, what: str) -> int:
+        return self.take(1, what)[0]
+
+    def be32(self, what: str) -> int:
+        return _BE32.unpack(self.take(4, what))[0]
+
+    def be64(self, what: str) -> int:
+        return _BE64.unpack(self.take(8, what))[0]
+
+    def peek_u8(self) -> int | None:
+        if len(self.buf) - self.pos < 1 and not self._fill(1):
+            return None
+        return self.buf[self.pos]
+
+    def name(self, what: str) -> str:
+        raw = self.take(self.u8(f"{what} length"), what)
+        try:
+            return raw.decode("ascii")
+        except UnicodeDecodeError:
+            raise self.error(f"expected an ASCII {what}, got {raw!r}", -len(raw)) from None
+
+    def rest(self, limit: int) -> bytes:
+        """All remaining input (at most ``limit`` bytes)."""
+        parts = [self.buf[self.pos:]]
+        size = len(parts[0])
+        self.base += len(self.buf)
+        self.buf, self.pos = b"", 0
+        while True:
+            chunk = self._f.read(READ_CHUNK)
+            if not chunk:
+                return b"".join(parts)
+            size += len(chunk)
+            if size > limit:
+                raise UnsupportedError(f"device state after the RAM larger than {limit} bytes",
+                                       offset=self.base, structure=self.structure)
+            parts.append(chunk)
+
+    def error(self, message: str, delta: int = 0) -> SourceFormatError:
+        return SourceFormatError(message, offset=self.offset + delta, structure=self.structure)
+
+    def unsupported(self, message: str, delta: int = 0) -> UnsupportedError:
+        return UnsupportedError(message, offset=self.offset + delta, structure=self.structure)
+
+
+# ---------------------------------------------------------------------------- reading
+
+def read_qemu_stream(f: BinaryIO) -> Iterator[Event]:
+    """Yield the events of the migration stream read from ``f`` (see module docstring)."""
+    return _StreamReader(f).events()
+
+
+class _StreamReader:
+    def __init__(self, f: BinaryIO):
+        self.inp = _Input(f)
+        self.page_size = DEFAULT_PAGE_SIZE
+        self.machine: str | None = None
+        self.capabilities: tuple[str, ...] = ()
+        self.ram: SectionHeader | None = None
+        self.blocks: dict[str, RamBlock] = {}
+        self.plan: list[tuple[int, int]] = []
+        self.footers: bool | None = None
+        self.last_block: RamBlock | None = None
+        self.nsections = 0
+
+    def events(self) -> Iterator[Event]:
+        prologue = self._read_prologue()
+        inp = self.inp
+        while True:
+            inp.structure = f"section[{self.nsections}]"
+            kind = inp.peek_u8()
+            if kind is None:
+                raise inp.error("truncated stream: expected a section type or QEMU_VM_EOF, "
+                                "got end of input")
+            if kind in (FULL, EOF):
+                break
+            yield from self._ram_section(inp.u8("section type"))
+            self.nsections += 1
+        if self.ram is None:
+            raise inp.error("expected the 'ram' section before device state, got "
+                            f"{SECTION_NAMES[kind]}")
+        devices, vmdesc = self._read_tail()
+        state = StreamState(prologue=prologue, machine=self.machine, page_size=self.page_size,
+                            capabilities=self.capabilities, ram=self.ram,
+                            ram_blocks=tuple(self.blocks.values()), ram_plan=self.plan,
+                            footers=bool(self.footers), devices=devices, vmdesc=vmdesc)
+        yield StreamEnd(state, inp.offset)
+
+    # --- header and configuration -----------------------------------------------------
+
+    def _read_prologue(self) -> bytes:
+        inp = self.inp
+        inp.recording = []
+        magic = inp.be32("magic")
+        if magic != QEVM_MAGIC:
+            raise inp.error(f"expected QEVM magic 0x5145564d, got {magic:#010x}", -4)
+        version = inp.be32("version")
+        if version == QEVM_VERSION_COMPAT:
+            raise inp.unsupported("stream version 2 (pre-2.x QEMU)", -4)
+        if version != QEVM_VERSION:
+            raise inp.error(f"expected stream version 3, got {version}", -4)
+        if inp.peek_u8() == CONFIGURATION:
+            inp.structure = "configuration"
+            inp.u8("section type")
+            self._read_configuration()
+        prologue, inp.recording = b"".join(inp.recording), None
+        return prologue
+
+    def _read_configuration(self) -> None:
+        inp = self.inp
+        raw = inp.take(inp.be32("machine type length"), "machine type")
+        self.machine = raw.decode("ascii", errors="replace")
+        while inp.peek_u8() == SUBSECTION:
+            inp.u8("subsection marker")
+            name = inp.name("subsection name")
+            inp.be32("subsection version")
+            if name == "configuration/target-page-bits":
+                bits = inp.be32("target page bits")
+                if not 9 <= bits <= 16:
+                    raise inp.error(f"expected target page bits 9..16, got {bits}", -4)
+                self.page_size = 1 << bits
+            elif name == "configuration/capabilities":
+                self._read_capabilities()
+            elif name == "configuration/uuid":
+                inp.take(16, "uuid")
+            else:
+                raise inp.unsupported(f"configuration subsection {name!r}")
+
+    def _read_capabilities(self) -> None:
+        inp = self.inp
+        caps = []
+        for _ in range(inp.be32("capability count")):
+            cap = inp.name("capability")
+            if cap not in SUPPORTED_CAPABILITIES:
+                raise inp.unsupported(f"migration capability {cap!r}")
+            caps.append(cap)
+        self.capabilities = tuple(caps)
+
+    # --- RAM sections -----------------------------------------------------------------
+
+    def _ram_section(self, kind: int) -> Iterator[Event]:
+        inp = self.inp
+        if kind == COMMAND:
+            cmd = inp.take(2, "command id")
+            raise inp.unsupported(f"QEMU_VM_COMMAND {_be16(cmd)} (postcopy, COLO or "
+                                  "return-path commands)", -3)
+        if kind not in (START, PART, END):
+            raise inp.error(f"expected a section type (START, PART, END, FULL, EOF), "
+                            f"got {kind:#04x}", -1)
+        section_id = inp.be32("section id")
+        if kind == START:
+            self._ram_start(section_id)
+        elif self.ram is None or section_id != self.ram.section_id:
+            raise inp.error(f"expected section id of 'ram' "
+                            f"({self.ram.section_id if self.ram else 'none started'}), "
+                            f"got {section_id}", -4)
+        inp.structure = f"section[{self.nsections}] {SECTION_NAMES[kind]} 'ram' id={section_id}"
+        entries = yield from self._ram_entries(kind)
+        self.plan.append((kind, entries))
+        self._footer(section_id)
+        if kind == START:
+            yield RamBlocks(tuple(self.blocks.values()), self.page_size)
+
+    def _ram_start(self, section_id: int) -> None:
+        inp = self.inp
+        idstr = inp.name("section idstr")
+        instance_id, version_id = inp.be32("instance id"), inp.be32("version id")
+        if idstr != "ram":
+            raise inp.unsupported(f"iterative section {idstr!r} (block migration or dirty "
+                                  "bitmaps)")
+        if self.ram is not None:
+            raise inp.error("expected one START section for 'ram', got a second one")
+        self.ram = SectionHeader(section_id, idstr, instance_id, version_id)
+
+    def _footer(self, section_id: int) -> None:
+        inp = self.inp
+        if self.footers is None:
+            self.footers = inp.peek_u8() == FOOTER
+        if not self.footers:
+            return
+        marker = inp.u8("section footer")
+        if marker != FOOTER:
+            raise inp.error(f"expected section footer 0x7e, got {marker:#04x}", -1)
+        got = inp.be32("footer section id")
+        if got != section_id:
+            raise inp.error(f"expected footer section id {section_id}, got {got}", -4)
+
+    def _ram_entries(self, kind: int) -> Iterator[Page]:
+        """Yield the pages of one RAM section up to EOS; return the number of entries."""
+        inp, ps = self.inp, self.page_size
+        mask = ps - 1
+        count = 0
+        while True:
+            word = inp.be64("RAM entry header")
+            flags, addr = word & mask, word & ~mask
+            cont, flags = flags & F_CONTINUE, flags & ~F_CONTINUE
+            if flags == F_EOS and not cont:
+                return count
+            if flags == F_PAGE or flags == F_ZERO:
+                block = self._entry_block(cont)
+                if addr + ps > block.length:
+                    raise inp.error(f"expected a page offset below block {block.name!r} "
+                                    f"length {block.length:#x}, got {addr:#x}", -8)
+                if flags == F_PAGE:
+                    yield Page(block.name, addr, inp.take(ps, "page data"))
+                else:
+                    yield Page(block.name, addr, None, inp.u8("zero page fill byte"))
+                count += 1
+            elif flags == F_MEM_SIZE and not cont and kind == START and not self.blocks:
+                self._mem_size(addr)
+            else:
+                self._bad_flags(flags | cont, word)
+
+    def _bad_flags(self, flags: int, word: int) -> None:
+        for bit, feature in UNSUPPORTED_FLAGS.items():
+            if flags & bit:
+                raise self.inp.unsupported(f"{feature} (RAM flag {bit:#x} in entry "
+                                           f"{word:#018x})", -8)
+        raise self.inp.error(f"expected RAM flags PAGE, ZERO, MEM_SIZE (first section) or EOS, "
+                             f"got {flags:#x}", -8)
+
+    def _entry_block(self, cont: int) -> RamBlock:
+        inp = self.inp
+        if cont:
+            if self.last_block is None:
+                raise inp.error("expected a block name: CONTINUE flag on the first page", -8)
+            return self.last_block
+        name = inp.name("RAM block name")
+        block = self.blocks.get(name)
+        if block is None:
+            raise inp.error(f"expected a RAM block listed in MEM_SIZE, got {name!r} (missing "
+                            "from MEM_SIZE)", -len(name) - 1)
+        self.last_block = block
+        return block
+
+    def _mem_size(self, total: int) -> None:
+        inp, seen = self.inp, 0
+        while seen < total:
+            name = inp.name("RAM block name")
+            length = inp.be64("RAM block length")
+            addr = inp.be64("RAM block address") if "x-ignore-shared" in self.capabilities \
+                else None
+            if name in self.blocks:
+                raise inp.error(f"expected unique RAM block names, got {name!r} twice", -8)
+            if length % self.page_size or length == 0 or not name:
+                raise inp.error(f"expected a RAM block with a name and a length that is a "
+                                f"positive multiple of {self.page_size} (MEM_SIZE {total:#x}, "
+                                f"lengths so far add up to {seen:#x}), got {name!r} length "
+                                f"{length:#x}", -8)
+            self.blocks[name] = RamBlock(name, length, addr)
+            seen += length
+        if seen != total:
+            raise inp.error(f"expected RAM block lengths to add up to MEM_SIZE {total:#x}, "
+                            f"got {seen:#x}")
+
+    # --- device sections, EOF, VMDESCRIPTION ------------------------------------------
+
+    def _read_tail(self) -> tuple[list[DeviceSection], bytes | None]:
+        base = self.inp.offset
+        self.inp.structure = f"section[{self.nsections}]"
+        tail = self.inp.rest(TAIL_LIMIT)
+        parser = _TailParser(tail, base, self.nsections, self.footers)
+        devices = parser.sections()
+        vmdesc = parser.trailer()
+        _check_vmdesc(devices, vmdesc, base + parser.vmdesc_at)
+        return devices, vmdesc
+
+
+def _be16(raw: bytes) -> int:
+    return int.from_bytes(raw, "big")
+
+
+class _TailParser:
+    """FULL device sections held in memory.
+
+    Their bodies are opaque, so a section ends at the first footer (0x7e + its id) that is
+    followed by a plausible next structure; the VMDESCRIPTION's device list confirms it."""
+
+    def __init__(self, buf: bytes, base: int, first_index: int, footers: bool | None):
+        self.buf, self.base, self.index, self.footers = buf, base, first_index, footers
+        self.pos = 0
+        self.vmdesc_at = 0
+
+    def error(self, message: str, pos: int, structure: str | None = None):
+        return SourceFormatError(message, offset=self.base + pos,
+                                 structure=structure or f"section[{self.index}]")
+
+    def sections(self) -> list[DeviceSection]:
+        devices = []
+        while self.pos < len(self.buf) and self.buf[self.pos] == FULL:
+            if not self.footers:
+                raise UnsupportedError("device sections without section footers (machine "
+                                       "types before 2.4)", offset=self.base + self.pos,
+                                       structure=f"section[{self.index}]")
+            devices.append(self._section())
+            self.index += 1
+        if self.pos >= len(self.buf):
+            raise self.error("truncated stream: expected QEMU_VM_EOF, got end of input",
+                             self.pos)
+        if self.buf[self.pos] != EOF:
+            raise self.error(f"expected a FULL section or QEMU_VM_EOF, got "
+                             f"{self.buf[self.pos]:#04x}", self.pos)
+        self.pos += 1
+        return devices
+
+    def _section(self) -> DeviceSection:
+        start = self.pos
+        header, body_at = self._header(start)
+        label = f"section[{self.index}] FULL {header.idstr!r} id={header.section_id}"
+        footer = _footer_bytes(header.section_id)
+        at = self.buf.find(footer, body_at)
+        eof_candidate = None
+        while at >= 0:
+            nxt = at + len(footer)
+            if self._plausible_next(nxt):
+                self.pos = nxt
+                return DeviceSection(FULL, header, self.buf[body_at:at])
+            if nxt < len(self.buf) and self.buf[nxt] == EOF and eof_candidate is None:
+                eof_candidate = nxt
+            at = self.buf.find(footer, at + 1)
+        if eof_candidate is not None:
+            got = self.buf[eof_candidate + 1]
+            raise self.error(f"expected end of stream or QEMU_VM_VMDESCRIPTION (0x06) after "
+                             f"QEMU_VM_EOF, got {got:#04x}", eof_candidate + 1, "after EOF")
+        raise self.error(f"truncated stream: expected a section footer 7e "
+                         f"{header.section_id:08x} followed by a section or EOF, got end of "
+                         "input", len(self.buf), label)
+
+    def _header(self, start: int) -> tuple[SectionHeader, int]:
+        buf = self.buf
+        if start + 6 > len(buf):
+            raise self.error("truncated stream: expected a FULL section header, got end of "
+                             "input", len(buf))
+        section_id = _BE32.unpack_from(buf, start + 1)[0]
+        n = buf[start + 5]
+        end = start + 6 + n + 8
+        if end > len(buf):
+            raise self.error("truncated stream: expected a FULL section header, got end of "
+                             "input", len(buf))
+        idstr = buf[start + 6:start + 6 + n]
+        if not _printable(idstr):
+            raise self.error(f"expected a printable section idstr, got {idstr!r}", start + 6)
+        instance_id, version_id = struct.unpack_from(">II", buf, start + 6 + n)
+        return SectionHeader(section_id, idstr.decode(), instance_id, version_id), end
+
+    def _plausible_next(self, pos: int) -> bool:
+        buf = self.buf
+        if pos >= len(buf):
+            return False
+        if buf[pos] == EOF:
+            return pos + 1 == len(buf) or buf[pos + 1] == VMDESCRIPTION
+        if buf[pos] != FULL or pos + 6 > len(buf):
+            return False
+        n = buf[pos + 5]
+        return n > 0 and pos + 6 + n + 8 <= len(buf) and _printable(buf[pos + 6:pos + 6 + n])
+
+    def trailer(self) -> bytes | None:
+        buf, pos = self.buf, self.pos
+        self.vmdesc_at = pos
+        if pos == len(buf):
+            return None
+        if buf[pos] != VMDESCRIPTION:
+            raise self.error(f"expected end of stream or QEMU_VM_VMDESCRIPTION (0x06) after "
+                             f"QEMU_VM_EOF, got {buf[pos]:#04x}", pos, "after EOF")
+        if pos + 5 > len(buf):
+            raise self.error("truncated stream: expected the VMDESCRIPTION length, got end "
+                             "of input", len(buf), "vmdescription")
+        n = _BE32.unpack_from(buf, pos + 1)[0]
+        text = buf[pos + 5:pos + 5 + n]
+        if len(text) < n:
+            raise self.error(f"truncated stream: expected {n} bytes of VMDESCRIPTION JSON, "
+                             f"got {len(text)}", len(buf), "vmdescription")
+        if pos + 5 + n != len(buf):
+            raise self.error(f"expected end of stream after VMDESCRIPTION, got "
+                             f"{len(buf) - pos - 5 - n} more bytes", pos + 5 + n,
+                             "after vmdescription")
+        return text
+
+
+def _printable(raw: bytes) -> bool:
+    return all(0x20 <= c < 0x7F for c in raw)
+
+
+def _check_vmdesc(devices: list[DeviceSection], vmdesc: bytes | None, offset: int) -> None:
+    if vmdesc is None:
+        return
+    try:
+        desc = json.loads(vmdesc)
+        listed = [(d["name"], d["instance_id"]) for d in desc["devices"]]
+    except (ValueError, KeyError, TypeError) as e:
+        raise SourceFormatError(f"expected VMDESCRIPTION JSON with a device list, got {e}",
+                                offset=offset, structure="vmdescription") from None
+    found = [(d.header.idstr, d.header.instance_id) for d in devices]
+    if listed != found:
+        diff = next(i for i in range(max(len(listed), len(found)))
+                    if listed[i:i + 1] != found[i:i + 1])
+        raise SourceFormatError(f"expected device sections to match VMDESCRIPTION, section "
+                                f"{diff}: described {listed[diff:diff + 1]}, got "
+                                f"{found[diff:diff + 1]}", offset=offset,
+                                structure="vmdescription")
+
+
+# ---------------------------------------------------------------------------- writing
+
+def write_qemu_stream(out: BinaryIO, state: StreamState,
+                      ram_blocks: Iterable[RamBlock] | None,
+                      page_source: Callable[[RamBlock], Iterable[Chunk]]) -> int:
+    """Write a complete stream to ``out``; return the number of bytes written."""
+    blocks = tuple(ram_blocks) if ram_blocks is not None else state.ram_blocks
+    w = _RamWriter(out, state, blocks)
+    w.put(state.prologue)
+    w.start_section()
+    for block in blocks:
+        for chunk in page_source(block):
+            w.chunk(block, chunk)
+        w.finish_block(block)
+    w.end_sections()
+    for dev in state.devices:
+        w.put(dev.to_bytes(state.footers))
+    w.put(bytes([EOF]))
+    if state.vmdesc is not None:
+        w.put(bytes([VMDESCRIPTION]) + _BE32.pack(len(state.vmdesc)) + state.vmdesc)
+    return w.written
+
+
+class _RamWriter:
+    """Emits RAM entries, splitting them into START/PART/END sections like the original."""
+
+    def __init__(self, out: BinaryIO, state: StreamState, blocks: tuple[RamBlock, ...]):
+        self.out, self.state, self.blocks = out, state, blocks
+        self.ps = state.page_size
+        self.written = 0
+        self.last_block: str | None = None
+        self.block_pos = 0
+        total_pages = sum(b.length for b in blocks) // self.ps
+        planned = sum(n for _, n in state.ram_plan)
+        if planned == total_pages and state.ram_plan and state.ram_plan[0][0] == START:
+            self.plan = list(state.ram_plan)
+        else:
+            self.plan = [(START, 0), (PART, total_pages), (END, 0)]
+        self.section = 0
+        self.left = self.plan[0][1]
+
+    def put(self, blob: bytes | memoryview) -> None:
+        self.out.write(blob)
+        self.written += len(blob)
+
+    def start_section(self) -> None:
+        kind = self.plan[self.section][0]
+        ram = self.state.ram
+        if kind == START:
+            self.put(_section_header_bytes(START, ram) + self._mem_size())
+        else:
+            self.put(bytes([kind]) + _BE32.pack(ram.section_id))
+
+    def _close_section(self) -> None:
+        tail = _BE64.pack(F_EOS)
+        if self.state.footers:
+            tail += _footer_bytes(self.state.ram.section_id)
+        self.put(tail)
+
+    def _next_section(self) -> None:
+        while self.left == 0 and self.section + 1 < len(self.plan):
+            self._close_section()
+            self.section += 1
+            self.left = self.plan[self.section][1]
+            self.start_section()
+
+    def end_sections(self) -> None:
+        self._next_section()
+        if self.left:
+            raise ValueError(f"page_source supplied {self.left} pages fewer than planned")
+        self._close_section()
+
+    def _mem_size(self) -> bytes:
+        total = sum(b.length for b in self.blocks)
+        parts = [_BE64.pack(total | F_MEM_SIZE)]
+        for b in self.blocks:
+            parts.append(_name_bytes(b.name) + _BE64.pack(b.length))
+            if "x-ignore-shared" in self.state.capabilities:
+                parts.append(_BE64.pack(b.addr or 0))
+        return b"".join(parts)
+
+    def chunk(self, block: RamBlock, chunk: Chunk) -> None:
+        if isinstance(chunk, Zeros):
+            self._check(block, chunk.length)
+            self._run(block, chunk.length // self.ps, None)
+            return
+        data = np.frombuffer(chunk, dtype=np.uint8)
+        self._check(block, len(data))
+        pages = data.reshape(-1, self.ps)
+        nonzero = pages.view(np.uint64).any(axis=1)
+        edges = np.flatnonzero(np.diff(nonzero.astype(np.int8))) + 1
+        bounds = [0, *edges.tolist(), len(pages)]
+        for lo, hi in zip(bounds, bounds[1:]):
+            self._run(block, hi - lo, pages[lo:hi] if nonzero[lo] else None)
+
+    def _check(self, block: RamBlock, length: int) -> None:
+        if length % self.ps or self.block_pos + length > block.length:
+            raise ValueError(f"page_source chunk of {length} bytes does not fit block "
+                             f"{block.name!r} at {self.block_pos:#x} (length {block.length:#x})")
+
+    def finish_block(self, block: RamBlock) -> None:
+        if self.block_pos != block.length:
+            raise ValueError(f"page_source supplied {self.block_pos:#x} of block "
+                             f"{block.name!r}'s {block.length:#x} bytes")
+        self.block_pos = 0
+
+    def _run(self, block: RamBlock, count: int, pages: np.ndarray | None) -> None:
+        """``count`` pages from the current position; ``pages`` None means all zero."""
+        done = 0
+        while done < count:
+            self._next_section()
+            n = min(count - done, self.left) if self.left else count - done
+            sub = None if pages is None else pages[done:done + n]
+            self.put(self._entries(block, self.block_pos, n, sub))
+            self.block_pos += n * self.ps
+            self.left -= n if self.left else 0
+            done += n
+
+    def _entries(self, block: RamBlock, offset: int, n: int, pages: np.ndarray | None) -> bytes:
+        """n consecutive entries, vectorised: each is be64 header [+ name] + payload."""
+        first = b""
+        flag = F_ZERO if pages is None else F_PAGE
+        if self.last_block != block.name:
+            payload = b"\0" if pages is None else pages[0].tobytes()
+            first = _BE64.pack(offset | flag) + _name_bytes(block.name) + payload
+            self.last_block = block.name
+            offset, n = offset + self.ps, n - 1
+            pages = None if pages is None else pages[1:]
+        if n == 0:
+            return first
+        words = (offset + np.arange(n, dtype=np.uint64) * np.uint64(self.ps)) | \
+            np.uint64(flag | F_CONTINUE)
+        headers = words.astype(">u8").view(np.uint8).reshape(n, 8)
+        payload = np.zeros((n, 1), np.uint8) if pages is None else pages
+        return first + np.concatenate([headers, payload], axis=1).tobytes()
+
+
+def _section_header_bytes(kind: int, h: SectionHeader) -> bytes:
+    return (bytes([kind]) + _BE32.pack(h.section_id) + _name_bytes(h.idstr) +
+            struct.pack(">II", h.instance_id, h.version_id))
+
+
+def _footer_bytes(section_id: int) -> bytes:
+    return bytes([FOOTER]) + _BE32.pack(section_id)
+
+
+def _name_bytes(name: str) -> bytes:
+    raw = name.encode()
+    return bytes([len(raw)]) + raw
+
+
+# ---------------------------------------------------------------------------- state blob
+
+_STATE_MAGIC = b"LEANIMG-QEMU-STATE\0\1"
+
+
+def _state_to_bytes(s: StreamState) -> bytes:
+    """JSON metadata + the opaque blobs, each blob's length recorded in the metadata."""
+    blobs = [s.prologue] + [d.body for d in s.devices] + [s.vmdesc or b""]
+    meta = {
+        "machine": s.machine, "page_size": s.page_size, "capabilities": list(s.capabilities),
+        "ram": dataclasses.asdict(s.ram),
+        "ram_blocks": [dataclasses.asdict(b) for b in s.ram_blocks],
+        "ram_plan": s.ram_plan, "footers": s.footers,
+        "devices": [{"kind": d.kind, **dataclasses.asdict(d.header)} for d in s.devices],
+        "has_vmdesc": s.vmdesc is not None, "blob_lengths": [len(b) for b in blobs],
+    }
+    text = json.dumps(meta, separators=(",", ":")).encode()
+    return _STATE_MAGIC + _BE32.pack(len(text)) + text + b"".join(blobs)
+
+
+def _state_from_bytes(blob: bytes) -> StreamState:
+    def bad(msg: str, off: int) -> SourceFormatError:
+        return SourceFormatError(msg, offset=off, structure="preserved qemu state")
+
+    if not blob.startswith(_STATE_MAGIC):
+        raise bad(f"expected magic {_STATE_MAGIC!r}, got {blob[:len(_STATE_MAGIC)]!r}", 0)
+    pos = len(_STATE_MAGIC)
+    try:
+        n = _BE32.unpack_from(blob, pos)[0]
+        meta = json.loads(blob[pos + 4:pos + 4 + n])
+        pos += 4 + n
+        blobs = []
+        for length in meta["blob_lengths"]:
+            if pos + length > len(blob):
+                raise bad(f"expected {length} bytes of state blob, got {len(blob) - pos}", pos)
+            blobs.append(blob[pos:pos + length])
+            pos += length
+        if pos != len(blob):
+            raise bad(f"expected end of state, got {len(blob) - pos} more bytes", pos)
+        devices = [DeviceSection(d.pop("kind"), SectionHeader(**d), body)
+                   for d, body in zip(meta["devices"], blobs[1:-1], strict=True)]
+        return StreamState(
+            prologue=blobs[0], machine=meta["machine"], page_size=meta["page_size"],
+            capabilities=tuple(meta["capabilities"]), ram=SectionHeader(**meta["ram"]),
+            ram_blocks=tuple(RamBlock(**b) for b in meta["ram_blocks"]),
+            ram_plan=[tuple(p) for p in meta["ram_plan"]], footers=meta["footers"],
+            devices=devices, vmdesc=blobs[-1] if meta["has_vmdesc"] else None)
+    except (ValueError, KeyError, TypeError, struct.error) as e:
+        raise bad(f"expected a valid state record, got {e}", pos) from None
+
+
+# ---------------------------------------------------------------------------- RAM image
+
+class RamImage:
+    """Guest RAM assembled from ``Page`` events in sparse scratch files (last copy wins)."""
+
+    def __init__(self, blocks: RamBlocks, directory: str | os.PathLike | None = None):
+        self.page_size = blocks.page_size
+        self.blocks = {b.name: b for b in blocks.blocks}
+        self._tmp = tempfile.TemporaryDirectory(prefix="leanimg-ram-", dir=directory)
+        self._files = {}
+        for i, b in enumerate(blocks.blocks):
+            f = open(Path(self._tmp.name) / f"block{i}", "w+b")
+            f.truncate(b.length)
+            self._files[b.name] = f
+        self.seen = {b.name: np.zeros(b.length // self.page_size, bool) for b in blocks.blocks}
+
+    def apply(self, page: Page) -> None:
+        f = self._files[page.block]
+        os.pwrite(f.fileno(), page.content(self.page_size), page.offset)
+        self.seen[page.block][page.offset // self.page_size] = True
+
+    def read(self, name: str) -> bytes:
+        return os.pread(self._files[name].fileno(), self.blocks[name].length, 0)
+
+    def page_source(self, block: RamBlock, chunk: int = 4 << 20) -> Iterator[bytes]:
+        fd = self._files[block.name].fileno()
+        for off in range(0, block.length, chunk):
+            yield os.pread(fd, min(chunk, block.length - off), off)
+
+    def close(self) -> None:
+        for f in self._files.values():
+            f.close()
+        self._tmp.cleanup()
+
+    def __enter__(self) -> "RamImage":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def load_stream(f: BinaryIO, directory: str | os.PathLike | None = None
+                ) -> tuple[StreamState, RamImage]:
+    """Read a whole stream into a ``RamImage``; the caller closes the image."""
+    image = None
+    try:
+        for ev in read_qemu_stream(f):
+            if isinstance(ev, Page):
+                image.apply(ev)
+            elif isinstance(ev, RamBlocks):
+                image = RamImage(ev, directory)
+            else:
+                return ev.state, image
+    except BaseException:
+        if image is not None:
+            image.close()
+        raise
+    raise AssertionError("read_qemu_stream ended without StreamEnd")

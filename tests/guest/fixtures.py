@@ -1,0 +1,53 @@
+"""pytest fixtures for tests that need a real saved guest (import them into a test module).
+
+    from guest.fixtures import saved_guest  # noqa: F401  (module-scoped fixture)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from .build import GuestBuild, build_guest
+from .vm import GuestVM, copy_disk, qemu_available
+
+MEM_MIB = 128
+
+
+@dataclasses.dataclass(frozen=True)
+class SavedGuest:
+    build: GuestBuild
+    disk: Path          # the disk as it was at save time (use a copy to boot from it)
+    save: Path          # the migration stream QEMU wrote
+    mem: Path           # pmemsave of guest-physical [0, mem_mib MiB) at save time
+    mem_mib: int
+    heartbeat: int      # last heartbeat the guest printed before the save
+    workdir: Path
+
+
+def save_guest(workdir: Path, workload: tuple[str, ...] = ("pagecache", "/mnt"),
+               mem_mib: int = MEM_MIB, build: GuestBuild | None = None) -> SavedGuest:
+    """Boot the test guest, run ``workload``, stop it and save it; QEMU is gone afterwards."""
+    build = build or build_guest()
+    disk = copy_disk(build.disk, workdir / "disk.img")
+    vm_dir = workdir / "source"
+    vm_dir.mkdir()
+    with GuestVM(build, disk, mem_mib=mem_mib, workdir=vm_dir) as vm:
+        vm.wait_ready()
+        vm.run_workload(*workload)
+        vm.wait_heartbeat_after(1)
+        vm.stop()
+        heartbeat = vm.last_heartbeat()
+        vm.save(workdir / "vm.save")
+        vm.pmemsave(workdir / "mem.bin")
+    return SavedGuest(build, disk, workdir / "vm.save", workdir / "mem.bin", mem_mib,
+                      heartbeat, workdir)
+
+
+@pytest.fixture(scope="module")
+def saved_guest(tmp_path_factory) -> SavedGuest:
+    if not qemu_available():
+        pytest.skip("qemu-system-x86_64 or a /boot/vmlinuz-* kernel is not installed")
+    return save_guest(tmp_path_factory.mktemp("saved-guest"))

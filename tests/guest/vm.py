@@ -1,0 +1,306 @@
+"""Drive the test guest in a real qemu-system-x86_64 (TCG) over QMP and its serial console.
+
+``GuestVM`` is a context manager: it starts QEMU, connects the serial console (a unix
+socket: the test sends workload commands to the guest's shell and reads its output) and a
+minimal QMP client, and always kills QEMU on exit.  Every wait has a timeout.
+
+Source and destination use the same command line (``qemu_args``) apart from ``-incoming``,
+which is what QEMU needs to accept a migration stream.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from .build import READY_MARKER, GuestBuild
+
+QEMU = "qemu-system-x86_64"
+
+
+class GuestError(RuntimeError):
+    """The guest or QEMU did not do what the test asked in time."""
+
+
+def qemu_args(build: GuestBuild, disk: Path, workdir: Path, mem_mib: int) -> list[str]:
+    return [
+        QEMU, "-accel", "tcg", "-machine", "pc", "-cpu", "qemu64", "-smp", "1",
+        "-m", f"{mem_mib}M", "-nodefaults", "-vga", "std", "-display", "none", "-no-reboot",
+        "-kernel", str(build.kernel), "-initrd", str(build.initrd), "-append", build.cmdline,
+        "-drive", f"file={disk},format=raw,if=virtio,cache=writeback",
+        "-chardev", f"socket,id=ser0,path={workdir / 'serial.sock'},server=on,wait=on",
+        "-serial", "chardev:ser0",
+        "-qmp", f"unix:{workdir / 'qmp.sock'},server=on,wait=off",
+    ]
+
+
+class QMP:
+    """A minimal synchronous QMP client over a unix socket (events are skipped)."""
+
+    def __init__(self, path: Path, timeout: float = 30.0):
+        self.sock = _connect_unix(path, timeout)
+        self.sock.settimeout(timeout)
+        self.file = self.sock.makefile("rwb")
+        greeting = self._read()
+        if "QMP" not in greeting:
+            raise GuestError(f"expected a QMP greeting, got {greeting!r}")
+        self.execute("qmp_capabilities")
+
+    def execute(self, command: str, **arguments) -> object:
+        msg = {"execute": command}
+        if arguments:
+            msg["arguments"] = arguments
+        self.file.write(json.dumps(msg).encode() + b"\n")
+        self.file.flush()
+        while True:
+            reply = self._read()
+            if "return" in reply:
+                return reply["return"]
+            if "error" in reply:
+                raise GuestError(f"QMP {command} failed: {reply['error']}")
+
+    def _read(self) -> dict:
+        line = self.file.readline()
+        if not line:
+            raise GuestError("QMP connection closed by QEMU")
+        return json.loads(line)
+
+    def close(self) -> None:
+        for closer in (self.file.close, self.sock.close):
+            try:
+                closer()
+            except OSError:
+                pass
+
+
+class Serial:
+    """The guest console: a reader thread appends everything to ``text`` and a log file."""
+
+    def __init__(self, path: Path, log: Path, timeout: float = 30.0):
+        self.sock = _connect_unix(path, timeout)
+        self.log = open(log, "ab")
+        self._buf = bytearray()
+        self._cond = threading.Condition()
+        self._thread = threading.Thread(target=self._pump, daemon=True)
+        self._thread.start()
+
+    def _pump(self) -> None:
+        while True:
+            try:
+                chunk = self.sock.recv(65536)
+            except OSError:
+                chunk = b""
+            with self._cond:
+                if not chunk:
+                    self._closed = True
+                    self._cond.notify_all()
+                    return
+                self._buf += chunk
+                self.log.write(chunk)
+                self.log.flush()
+                self._cond.notify_all()
+
+    _closed = False
+
+    @property
+    def text(self) -> str:
+        with self._cond:
+            return self._buf.decode(errors="replace")
+
+    def send(self, line: str) -> None:
+        self.sock.sendall(line.encode() + b"\n")
+
+    def wait_for(self, pattern: str, timeout: float, start: int = 0) -> re.Match:
+        """Wait until regex ``pattern`` matches the output from character ``start`` on."""
+        deadline = time.monotonic() + timeout
+        rx = re.compile(pattern)
+        with self._cond:
+            while True:
+                m = rx.search(self._buf.decode(errors="replace"), start)
+                if m:
+                    return m
+                left = deadline - time.monotonic()
+                if left <= 0 or self._closed:
+                    tail = self._buf[-2000:].decode(errors="replace")
+                    raise GuestError(f"timeout waiting for {pattern!r} on the serial console; "
+                                     f"last output:\n{tail}")
+                self._cond.wait(min(left, 0.5))
+
+    def close(self) -> None:
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
+        self._thread.join(timeout=5)
+        self.log.close()
+
+
+class GuestVM:
+    """One QEMU process.  ``incoming`` (e.g. ``"exec:cat FILE"``) makes it a destination."""
+
+    def __init__(self, build: GuestBuild, disk: Path, mem_mib: int = 128,
+                 incoming: str | None = None, workdir: Path | None = None):
+        self.build, self.disk, self.mem_mib, self.incoming = build, disk, mem_mib, incoming
+        self._own_workdir = workdir is None
+        self.workdir = Path(workdir or tempfile.mkdtemp(prefix="leanimg-vm-"))
+        self.proc: subprocess.Popen | None = None
+        self.qmp: QMP | None = None
+        self.serial: Serial | None = None
+
+    def __enter__(self) -> "GuestVM":
+        try:
+            self._start()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _start(self) -> None:
+        args = qemu_args(self.build, self.disk, self.workdir, self.mem_mib)
+        if self.incoming:
+            args += ["-S", "-incoming", self.incoming]
+        self.stderr = open(self.workdir / "qemu.stderr", "wb")
+        self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=self.stderr,
+                                     stderr=subprocess.STDOUT)
+        self.serial = Serial(self.workdir / "serial.sock", self.workdir / "serial.log")
+        self.qmp = QMP(self.workdir / "qmp.sock")
+
+    def close(self) -> None:
+        for part in (self.qmp, self.serial):
+            if part is not None:
+                part.close()
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=30)
+        if getattr(self, "stderr", None):
+            self.stderr.close()
+        if self._own_workdir:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def qemu_output(self) -> str:
+        return (self.workdir / "qemu.stderr").read_text(errors="replace")
+
+    # --- guest control ----------------------------------------------------------------
+
+    def wait_ready(self, timeout: float = 120.0) -> None:
+        try:
+            self.serial.wait_for(re.escape(READY_MARKER), timeout)
+        except GuestError as e:
+            code = self.proc.poll()
+            raise GuestError(f"{e}\nQEMU {'exited with ' + str(code) if code is not None else 'running'}"
+                             f":\n{self.qemu_output()[-2000:]}") from None
+        if "LEANIMG-ERROR" in self.serial.text:
+            raise GuestError(f"guest init failed:\n{self.serial.text[-2000:]}")
+
+    def run_workload(self, *args: str, timeout: float = 300.0) -> None:
+        """Start ``workload ARGS`` in the guest and wait until its work is done."""
+        start = len(self.serial.text)
+        self.serial.send("run " + " ".join(args))
+        m = self.serial.wait_for(r"WORKLOAD-(DONE|ERROR)[^\n]*", timeout, start)
+        if m.group(1) == "ERROR":
+            raise GuestError(f"workload failed: {m.group(0)}")
+
+    def last_heartbeat(self) -> int:
+        beats = re.findall(r"HB \w+ (\d+)", self.serial.text)
+        return int(beats[-1]) if beats else -1
+
+    def wait_heartbeat_after(self, n: int, timeout: float = 60.0) -> int:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.last_heartbeat() > n:
+                return self.last_heartbeat()
+            time.sleep(0.2)
+        raise GuestError(f"no heartbeat after HB {n} within {timeout}s; "
+                         f"last output:\n{self.serial.text[-1000:]}")
+
+    # --- QMP operations ---------------------------------------------------------------
+
+    def status(self) -> str:
+        return self.qmp.execute("query-status")["status"]
+
+    def stop(self) -> None:
+        self.qmp.execute("stop")
+
+    def cont(self) -> None:
+        self.qmp.execute("cont")
+
+    def save(self, path: Path, timeout: float = 300.0) -> dict:
+        """Migrate to ``path`` with ``exec:cat > path``; return the final query-migrate."""
+        self.qmp.execute("migrate-set-parameters", **{"max-bandwidth": 1 << 40})
+        self.qmp.execute("migrate", uri=f"exec:cat > {path}")
+        return self._wait_migration(timeout)
+
+    def pmemsave(self, path: Path, size: int | None = None) -> None:
+        size = size if size is not None else self.mem_mib << 20
+        self.qmp.execute("pmemsave", val=0, size=size, filename=str(path))
+
+    def wait_incoming(self, timeout: float = 300.0) -> None:
+        """Destination: wait until the incoming stream is loaded (the VM is then paused)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise GuestError(f"destination QEMU exited ({self.proc.returncode}) while "
+                                 f"loading the stream:\n{self.qemu_output()[-3000:]}")
+            info = self._query_migrate_or_none()
+            if info and info.get("status") == "failed":
+                raise GuestError(f"incoming migration failed: {info}\n{self.qemu_output()}")
+            if info and info.get("status") == "completed" and self.status() != "inmigrate":
+                return
+            time.sleep(0.2)
+        raise GuestError(f"incoming migration not complete after {timeout}s")
+
+    def _query_migrate_or_none(self) -> dict | None:
+        try:
+            return self.qmp.execute("query-migrate")
+        except GuestError:
+            if self.proc.poll() is not None:
+                return None
+            raise
+
+    def _wait_migration(self, timeout: float) -> dict:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            info = self.qmp.execute("query-migrate")
+            status = info.get("status")
+            if status == "completed":
+                return info
+            if status in ("failed", "cancelled"):
+                raise GuestError(f"migration {status}: {info}")
+            time.sleep(0.1)
+        raise GuestError(f"migration not complete after {timeout}s")
+
+
+def _connect_unix(path: Path, timeout: float) -> socket.socket:
+    deadline = time.monotonic() + timeout
+    while True:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.connect(str(path))
+            return sock
+        except (FileNotFoundError, ConnectionRefusedError):
+            sock.close()
+            if time.monotonic() > deadline:
+                raise GuestError(f"QEMU did not create {path} within {timeout}s")
+            time.sleep(0.05)
+
+
+def copy_disk(src: Path, dst: Path) -> Path:
+    subprocess.run(["cp", "--sparse=always", str(src), str(dst)], check=True)
+    return dst
+
+
+def qemu_available() -> bool:
+    return shutil.which(QEMU) is not None and os.path.exists("/boot") and bool(
+        list(Path("/boot").glob("vmlinuz-*")))
