@@ -96,8 +96,22 @@ def convert_qemu(source: BinaryIO, writer: LeanImageWriter, progress=None) -> qe
     regions: dict[str, int] = {}
     runs = None
     page_size = None
-    for event in qemu.read_qemu_stream(source):
-        if isinstance(event, qemu.Page):
+    for event in qemu.read_qemu_stream(source, batch=True):
+        if isinstance(event, qemu.PageRun):
+            runs.flush()
+            region, first = regions[event.block], event.offset // page_size
+            try:
+                if event.data is None:
+                    writer.put_zero(region, first, event.count)
+                else:
+                    writer.put_pages(region, first, event.data)
+            except WriterUsageError as exc:
+                if "given twice" in str(exc):
+                    raise RepeatedPages(str(exc)) from None
+                raise
+            if progress:
+                progress(event.count * page_size)
+        elif isinstance(event, qemu.Page):
             data = event.data
             if data is None and event.fill:
                 data = event.content(page_size)

@@ -161,19 +161,28 @@ class LeanImage:
                          "LI-FRM-001")
         maps: dict[int, list[np.ndarray]] = {}
         refs = []
+        for i in np.flatnonzero(kinds == RecordType.DIGESTS):
+            self._digest_records.setdefault(int(entries["key"][i]), []).append(int(i))
         for i in np.flatnonzero(np.isin(kinds, [RecordType.REGION, RecordType.DISK, RecordType.SOURCE_STATE,
                                                  RecordType.PAGE_MAP, RecordType.DISK_REFS])):
             self._load_small_record(int(i), maps, refs)
-        for i in np.flatnonzero(kinds == RecordType.DIGESTS):
-            self._digest_records.setdefault(int(entries["key"][i]), []).append(int(i))
         if refs:
             self._disk_ref_ids = np.concatenate([r["disk_id"] for r in refs])
             self._disk_refs = np.concatenate([r["sector"] for r in refs])
         for region in self.regions:
             region.extents = np.concatenate(maps.get(region.region_id, [])) if region.region_id in maps \
                 else np.zeros(0, dtype=[("first_page", "<u8"), ("num_pages", "<u4")])
+            self._check_digest_presence(region)
             _check_coverage(region)
             region._starts = region.extents["first_page"].astype(np.int64)
+
+    def _check_digest_presence(self, region: Region) -> None:
+        """Per-page tables are sized by the region; allocate them only for digests the file holds."""
+        listed = sum(int(self.index_entries["count"][i]) for i in self._digest_records.get(region.region_id, []))
+        if listed != region.num_pages or region.num_pages * DIGEST_SIZE > self._file.size:
+            raise FormatError(f"region {region.name!r} has {region.num_pages} pages but the index lists "
+                              f"digests for {listed} (file of {self._file.size} bytes)",
+                              structure=f"region[{region.region_id}].digests", rule="LI-DIG-001")
 
     def _load_small_record(self, i: int, maps: dict, refs: list) -> None:
         record = self._record_at(i)
@@ -384,6 +393,11 @@ class LeanImage:
         if source is None:
             name = next((d.name for d in self.disks if d.disk_id == disk_id), f"#{disk_id}")
             raise DiskError(f"region {region.name!r} page {page} is on disk {name!r}: pass --disk {name}=PATH")
+        info = next((d for d in self.disks if d.disk_id == disk_id), None)
+        if info is None or sector * DISK_SECTOR_SIZE + self.page_size > info.size_bytes:
+            raise FormatError(f"region {region.name!r} page {page}: reference to disk {disk_id} sector "
+                              f"{sector} lies outside the disk table's disks", rule="LI-DSK-003",
+                              structure=f"disk_refs[{slot}]")
         data = source.read(sector * DISK_SECTOR_SIZE, self.page_size)
         expected = bytes(self.digests(region)[page])
         if page_digest(data) != expected:
@@ -422,7 +436,7 @@ class LeanImage:
                               f"differs from recorded {expected.hex()}",
                               structure=f"region[{region.region_id}].page[{page}]", rule="LI-DIG-002")
 
-    def region_bytes(self, region: Region, first_page: int, count: int) -> bytes:
+    def region_bytes(self, region: Region, first_page: int, count: int) -> memoryview:
         """Pages [first_page, first_page+count) resolved and verified, in one buffer."""
         out = np.zeros(count * self.page_size, np.uint8)
         ps = self.page_size
@@ -444,7 +458,7 @@ class LeanImage:
             page = stop
             i += 1
         self._verify_range(region, first_page, out)
-        return out.tobytes()
+        return memoryview(out)
 
     def _copy_stored(self, out: np.ndarray, at: int, ordinal: int, count: int) -> None:
         ps = self.page_size
@@ -461,24 +475,25 @@ class LeanImage:
 
     def _verify_range(self, region: Region, first_page: int, out: np.ndarray) -> None:
         ps = self.page_size
-        table = self.digests(region)
         count = len(out) // ps
+        expected = self.digests(region)[first_page:first_page + count].tobytes()
         classes = self.classes(region, first_page, count)
         view = memoryview(out)
-        for k in np.flatnonzero(classes != PageClass.FREE):
-            k = int(k)
-            if page_digest(view[k * ps:(k + 1) * ps]) != table[first_page + k].tobytes():
+        for k in np.flatnonzero(classes != PageClass.FREE).tolist():
+            if page_digest(view[k * ps:(k + 1) * ps]) != expected[k * DIGEST_SIZE:(k + 1) * DIGEST_SIZE]:
                 self._verify(region, first_page + k, out[k * ps:(k + 1) * ps].tobytes())
 
     def classes(self, region: Region, first_page: int = 0, count: int | None = None) -> np.ndarray:
-        """Per-page class of a range of a region (uint8 array)."""
+        """Per-page class of a range of a region (uint8 array), from the extents it overlaps."""
         count = region.num_pages - first_page if count is None else count
-        e = region.extents
-        full = np.repeat(e["page_class"].astype(np.uint8), e["num_pages"].astype(np.int64)) \
-            if count > 4096 or len(e) < 64 else None
-        if full is not None:
-            return full[first_page:first_page + count]
-        return np.array([self.page_location(region, p)[0] for p in range(first_page, first_page + count)], np.uint8)
+        if count <= 0:
+            return np.zeros(0, np.uint8)
+        lo = int(np.searchsorted(region._starts, first_page, side="right")) - 1
+        hi = int(np.searchsorted(region._starts, first_page + count - 1, side="right"))
+        e = region.extents[lo:hi]
+        full = np.repeat(e["page_class"].astype(np.uint8), e["num_pages"].astype(np.int64))
+        skip = first_page - int(region._starts[lo])
+        return full[skip:skip + count]
 
 
 def decompress_frame(decompressor, data, expected: int, offset: int, structure: str) -> bytes:

@@ -78,6 +78,7 @@ class _Scan:
     sequences: list = field(default_factory=list)
     index: Record | None = None
     index_position: int | None = None
+    covered: set = field(default_factory=set)
 
 
 def validate(path, *, disks: dict | None = None, parents=()) -> Report:
@@ -109,7 +110,8 @@ def _validate_file(image: ImageFile, report: Report, disks: dict, parents: list)
         report.add(exc)
         footer = None
     limit = footer.offset if footer else image.size
-    scan = _scan_records(image, header.header_length, limit, page_size, report)
+    listed = _listed_offsets(image, footer, page_size)
+    scan = _scan_records(image, header.header_length, limit, page_size, report, listed)
     if footer:
         _check_footer(image, footer, scan, report)
     _check_tables(header, scan, page_size, report)
@@ -117,13 +119,33 @@ def _validate_file(image: ImageFile, report: Report, disks: dict, parents: list)
 
 
 # --- sequential pass ---------------------------------------------------------------
-def _scan_records(image: ImageFile, start: int, limit: int, page_size: int, report: Report) -> _Scan:
+def _listed_offsets(image: ImageFile, footer, page_size: int) -> list[int]:
+    """Record offsets the INDEX lists (plus its own), when footer and INDEX are readable."""
+    if footer is None:
+        return []
+    try:
+        index = read_record(image, footer.index_offset, footer.offset)
+        entries = parse_body(index)["entries"] if index.record_type == RecordType.INDEX else []
+    except LeanImageError:
+        return []
+    return sorted({int(o) for o in entries["record_offset"]} | {footer.index_offset}) if len(entries) else []
+
+
+def _scan_records(image: ImageFile, start: int, limit: int, page_size: int, report: Report,
+                  listed: list[int]) -> _Scan:
     scan = _Scan()
     offset, i = start, 0
     while offset < limit:
         try:
             record = read_record(image, offset, limit, i)
         except LeanImageError as exc:
+            following = [o for o in listed if o > offset]
+            if listed and offset not in listed and following:
+                report.add(LeanImageError(f"bytes {offset:#x}..{following[0]:#x} belong to no record: the "
+                                          f"index lists the next record at {following[0]:#x}", offset=offset,
+                                          structure=record_path(i), rule="LI-REC-001"))
+                offset = following[0]
+                continue
             report.add(exc)
             end = _skip(image, offset, limit, i)
             if end is None:
@@ -251,19 +273,19 @@ def _check_tables(header, scan: _Scan, page_size: int, report: Report) -> None:
     for region_id, region in scan.regions.items():
         parts = scan.maps.get(region_id, [])
         e = np.concatenate(parts) if parts else np.zeros(0, dtype=[("first_page", "<u8")])
-        extents[region_id] = e
-        _check_coverage(region, e, page_size, report)
-        _check_digest_tables(region, scan.digests.get(region_id, []), e, page_size, report)
-    all_extents = [e for e in extents.values() if "page_class" in (e.dtype.names or ())]
+        covered = _check_coverage(region, e, page_size, report)
+        if covered:
+            extents[region_id] = e
+        _check_digest_tables(region, scan.digests.get(region_id, []), e if covered else None, page_size, report)
+    scan.covered = set(extents)
+    all_extents = list(extents.values())
     classes = Counter()
     for e in all_extents:
         for cls, n in zip(e["page_class"], e["num_pages"]):
             classes[int(cls)] += int(n)
     report.checked["pages"] = sum(classes.values())
-    _check_slots(all_extents, PageClass.STORED, sum(f[2]["num_pages"] for f in scan.frames), "stored ordinal", report)
-    _check_slots(all_extents, PageClass.DISK, sum(r[2]["num_refs"] for r in scan.refs), "disk reference", report)
-    _check_slots(all_extents, PageClass.DELTA, sum(f[2]["num_deltas"] for f in scan.delta_frames),
-                 "delta entry", report)
+    if len(extents) == len(scan.regions):   # slot use is only meaningful over complete page maps
+        _check_all_slots(all_extents, scan, report)
     _check_numbering([f[2]["first_ordinal"] for f in scan.frames], [f[2]["num_pages"] for f in scan.frames],
                      [f[1] for f in scan.frames], "page_frame", report)
     _check_numbering([f[2]["first_delta"] for f in scan.delta_frames],
@@ -279,12 +301,20 @@ def _check_tables(header, scan: _Scan, page_size: int, report: Report) -> None:
                                       structure=record_path(i, record, "sequence"), rule="LI-SRC-001"))
 
 
-def _check_coverage(region: dict, e: np.ndarray, page_size: int, report: Report) -> None:
+def _check_all_slots(all_extents: list, scan: "_Scan", report: Report) -> None:
+    _check_slots(all_extents, PageClass.STORED, sum(f[2]["num_pages"] for f in scan.frames), "stored ordinal", report)
+    _check_slots(all_extents, PageClass.DISK, sum(r[2]["num_refs"] for r in scan.refs), "disk reference", report)
+    _check_slots(all_extents, PageClass.DELTA, sum(f[2]["num_deltas"] for f in scan.delta_frames),
+                 "delta entry", report)
+
+
+def _check_coverage(region: dict, e: np.ndarray, page_size: int, report: Report) -> bool:
+    """Whether the extents cover the region exactly (only then may they be expanded per page)."""
     num_pages = region["size_bytes"] // page_size
     where = f"region[{region['region_id']}] {region['name']!r}.page_map"
     if len(e) == 0:
         report.add(LeanImageError("no PAGE_MAP record", structure=where, rule="LI-MAP-001"))
-        return
+        return False
     first = e["first_page"].astype(np.int64)
     ends = first + e["num_pages"].astype(np.int64)
     gaps = np.flatnonzero(first[1:] != ends[:-1])
@@ -293,6 +323,8 @@ def _check_coverage(region: dict, e: np.ndarray, page_size: int, report: Report)
         report.add(LeanImageError(f"expected extents covering pages 0..{num_pages} contiguously; extent {at} "
                                   f"starts at {int(first[at])}, last ends at {int(ends[-1])}",
                                   structure=where, rule="LI-MAP-001"))
+        return False
+    return True
 
 
 def _check_digest_tables(region: dict, parts: list, e: np.ndarray, page_size: int, report: Report) -> None:
@@ -307,7 +339,7 @@ def _check_digest_tables(region: dict, parts: list, e: np.ndarray, page_size: in
         report.add(LeanImageError(f"digests cover {covered} of {num_pages} pages",
                                   structure=f"region[{region['region_id']}] {region['name']!r}.digests",
                                   rule="LI-DIG-001"))
-    if not len(e) or "page_class" not in e.dtype.names:
+    if e is None or covered != num_pages:
         return
     for first, digests, record, i in parts:
         classes = _page_classes(e, first, len(digests))
@@ -404,7 +436,7 @@ def _digest_lookup(scan: _Scan, page_size: int):
     tables = {}
     for region_id, region in scan.regions.items():
         parts = scan.maps.get(region_id)
-        if not parts:
+        if not parts or region_id not in scan.covered or not _digests_complete(scan, region_id, region, page_size):
             return None
         e = np.concatenate(parts)
         num_pages = region["size_bytes"] // page_size
@@ -416,6 +448,10 @@ def _digest_lookup(scan: _Scan, page_size: int):
             return None
         tables[region_id] = (region, e, table)
     return tables
+
+
+def _digests_complete(scan: _Scan, region_id: int, region: dict, page_size: int) -> bool:
+    return sum(len(d) for _, d, _, _ in scan.digests.get(region_id, [])) == region["size_bytes"] // page_size
 
 
 def _check_frames(image: ImageFile, scan: _Scan, page_size: int, tables: dict, report: Report) -> None:
@@ -469,6 +505,16 @@ def _check_delta_structure(image: ImageFile, scan: _Scan, page_size: int, report
     for i, offset, p in scan.delta_frames:
         record = read_record(image, offset, image.size, i)
         offsets = p["entry_offsets"].astype(np.int64)
+        data = record.body[p["ofs_zstd"] - offset - 16:]
+        try:
+            declared = zstandard.get_frame_parameters(data).content_size
+        except zstandard.ZstdError:
+            declared = None
+        if declared is not None and declared != int(offsets[-1]):
+            report.add(LeanImageError(f"last entry offset {int(offsets[-1])}, zstd frame declares {declared} bytes",
+                                      offset=offset + 16 + 4 * (len(offsets) - 1),
+                                      structure=record_path(i, record, "entry_offsets"), rule="LI-DLT-001"))
+            continue
         try:
             content = decompress_frame(decompressor, record.body[p["ofs_zstd"] - offset - 16:], int(offsets[-1]),
                                        offset, record_path(i, record, "zstd"))

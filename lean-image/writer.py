@@ -317,26 +317,35 @@ class LeanImageWriter:
     def put_pages(self, region_id: int, first_page: int, data) -> None:
         """Contiguous pages by content: all-zero ones become ZERO, the rest STORED."""
         data = memoryview(data).cast("B")
-        if len(data) % self.page_size:
-            raise WriterUsageError(f"data length {len(data)} is not a multiple of {self.page_size}")
-        count = len(data) // self.page_size
+        ps = self.page_size
+        if len(data) % ps:
+            raise WriterUsageError(f"data length {len(data)} is not a multiple of {ps}")
+        count = len(data) // ps
         region = self._claim(region_id, first_page, count)
-        words = np.frombuffer(data, dtype=np.uint64).reshape(count, self.page_size // 8)
+        words = np.frombuffer(data, dtype=np.uint64).reshape(count, ps // 8)
         nonzero = words.any(axis=1)
-        pages = slice(first_page, first_page + count)
-        region.classes[pages] = np.where(nonzero, PageClass.STORED, PageClass.ZERO)
-        zero_rows = first_page + np.flatnonzero(~nonzero)
-        region.digests[zero_rows] = np.frombuffer(self._zero_digest, np.uint8)
-        for i in np.flatnonzero(nonzero):
-            self._store_page(region, first_page + int(i), data[i * self.page_size:(i + 1) * self.page_size])
+        stored = np.flatnonzero(nonzero)
+        region.classes[first_page:first_page + count] = PageClass.ZERO
+        region.digests[first_page + np.flatnonzero(~nonzero)] = np.frombuffer(self._zero_digest, np.uint8)
+        if not len(stored):
+            return
+        pages = first_page + stored
+        region.classes[pages] = PageClass.STORED
+        region.slots[pages] = self._next_ordinal + np.arange(len(stored), dtype=np.uint64)
+        self._next_ordinal += len(stored)
+        region.digests[pages] = np.frombuffer(b"".join(
+            [page_digest(data[i * ps:(i + 1) * ps]) for i in stored.tolist()]), np.uint8).reshape(-1, DIGEST_SIZE)
+        content = data if len(stored) == count else memoryview(words[stored]).cast("B")
+        self._append_to_frames(content)
 
-    def _store_page(self, region: _Region, page: int, content) -> None:
-        region.slots[page] = self._next_ordinal
-        region.digests[page] = np.frombuffer(page_digest(content), np.uint8)
-        self._next_ordinal += 1
-        self._frame_buffer += content
-        if len(self._frame_buffer) >= self.frame_pages * self.page_size:
-            self._flush_frame()
+    def _append_to_frames(self, content: memoryview) -> None:
+        frame_bytes = self.frame_pages * self.page_size
+        while len(content):
+            room = frame_bytes - len(self._frame_buffer)
+            self._frame_buffer += content[:room]
+            content = content[room:]
+            if len(self._frame_buffer) >= frame_bytes:
+                self._flush_frame()
 
     def put_zero(self, region_id: int, first_page: int, count: int = 1) -> None:
         region = self._claim(region_id, first_page, count)

@@ -20,6 +20,9 @@ class RawDisk:
         self.size = os.lseek(self.fd, 0, os.SEEK_END)
 
     def read(self, offset: int, length: int) -> bytes:
+        if offset < 0 or offset + length > self.size:
+            raise DiskError(f"disk {self.name!r} ({self.path}): {length} bytes at {offset:#x} lie beyond "
+                            f"its end {self.size:#x} (truncated disk?)", rule="LI-DSK-003")
         data = os.pread(self.fd, length, offset)
         if len(data) != length:
             raise DiskError(f"disk {self.name!r} ({self.path}): expected {length} bytes at {offset:#x}, "

@@ -1,0 +1,87 @@
+"""Shared test helpers: hypothesis profiles and the write/read round trip.
+
+``tests/conftest.py`` calls ``register_hypothesis_profiles()``; the profile is
+chosen by the environment variable HYPOTHESIS_PROFILE (default, ci, expensive).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import tempfile
+from pathlib import Path
+
+VECTORS_DIR = Path(__file__).resolve().parent / "vectors"
+
+_REGISTERED = False
+
+
+def register_hypothesis_profiles(load: bool = True) -> None:
+    """Register the profiles ``default``, ``ci`` and ``expensive``; load HYPOTHESIS_PROFILE."""
+    global _REGISTERED
+    from hypothesis import HealthCheck, settings
+    if not _REGISTERED:
+        common = dict(suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+                      deadline=None)
+        settings.register_profile("default", max_examples=100, **common)
+        settings.register_profile("ci", max_examples=300, derandomize=True, print_blob=True, **common)
+        settings.register_profile("expensive", max_examples=3000, **common)
+        _REGISTERED = True
+    if load:
+        settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
+
+
+def write_bytes(build, **writer_kwargs) -> bytes:
+    """Run ``build(writer)`` on a LeanImageWriter writing to memory; the image bytes."""
+    from leanimg.writer import LeanImageWriter
+    out = io.BytesIO()
+    writer_kwargs.setdefault("threads", 1)
+    with LeanImageWriter(out, **writer_kwargs) as writer:
+        build(writer)
+    return out.getvalue()
+
+
+def restore_bytes(path, *, parents=(), disks=None) -> bytes:
+    """Raw restore of ``path`` (regions in file order, concatenated) as bytes."""
+    from leanimg.reader import LeanImage
+    from leanimg.restore.raw import restore_raw
+    out = io.BytesIO()
+    with LeanImage.open(path, parents=list(parents), disks=disks or {}) as image:
+        restore_raw(image, out)
+    return out.getvalue()
+
+
+def roundtrip(data: bytes, expected: dict[str, bytes], *, page_size: int, tmpdir=None,
+              parents=(), disks=None) -> None:
+    """Check an image (bytes) reads back page-identical: ``expected`` maps region name to its
+    full content in file order (FREE pages as zeros). Uses read_page on every page and restore_raw."""
+    from leanimg.reader import LeanImage
+    from leanimg.validate import validate
+    with tempfile.TemporaryDirectory(dir=tmpdir) as d:
+        path = os.path.join(d, "image.lean")
+        with open(path, "wb") as f:
+            f.write(data)
+        report = validate(path, parents=parents, disks=disks)
+        assert report.valid, [str(f) for f in report.findings]
+        with LeanImage.open(path, parents=list(parents), disks=disks or {}) as image:
+            assert [r.name for r in image.regions] == list(expected)
+            for region in image.regions:
+                content = expected[region.name]
+                assert region.size_bytes == len(content)
+                for p in range(region.num_pages):
+                    got = image.read_page(region, p)
+                    assert got == content[p * page_size:(p + 1) * page_size], (region.name, p)
+        assert restore_bytes(path, parents=parents, disks=disks) == b"".join(expected.values())
+
+
+def make_vectors():
+    """tests/vectors/make_vectors.py as a module (its Lean record model and mutation helpers)."""
+    import importlib.util
+    import sys
+    name = "leanimg_test_make_vectors"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, VECTORS_DIR / "make_vectors.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
