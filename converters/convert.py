@@ -9,8 +9,9 @@ is kept as one SOURCE_STATE record so restore can rebuild a stream QEMU accepts.
 from __future__ import annotations
 
 import io
-import os
 from typing import BinaryIO
+
+import zstandard
 
 from leanimg.errors import SourceFormatError, UnsupportedError
 from leanimg.format import SourceFormat
@@ -20,8 +21,25 @@ from . import qemu
 
 QEMU_MAGIC = b"QEVM"
 XEN_XL_MAGIC = b"Xen saved domain"
-# SOURCE_STATE tags of source_format QEMU (spec §5.3)
+# SOURCE_STATE tags of source_format QEMU (spec §5.4): tag 1 is one zstd frame holding
+# qemu.StreamState.to_bytes() (configuration, device sections verbatim, RAM plan, vmdesc)
 QEMU_TAG_STREAM_STATE = 1
+
+
+def pack_stream_state(state: qemu.StreamState) -> bytes:
+    return zstandard.ZstdCompressor(level=19, write_content_size=True).compress(state.to_bytes())
+
+
+def unpack_stream_state(data: bytes) -> qemu.StreamState:
+    try:
+        raw = zstandard.ZstdDecompressor().decompress(data, max_output_size=STATE_LIMIT)
+    except zstandard.ZstdError as exc:
+        raise SourceFormatError(f"QEMU stream state (SOURCE_STATE tag 1) does not decompress: {exc}",
+                                structure="source_state") from None
+    return qemu.StreamState.from_bytes(raw)
+
+
+STATE_LIMIT = 256 << 20
 
 RUN_PAGES = 256
 
@@ -132,7 +150,7 @@ def convert_qemu(source: BinaryIO, writer: LeanImageWriter, progress=None) -> qe
         else:
             runs.flush()
             _free_unsent(writer, regions)
-            writer.add_source_state(SourceFormat.QEMU, QEMU_TAG_STREAM_STATE, event.state.to_bytes())
+            writer.add_source_state(SourceFormat.QEMU, QEMU_TAG_STREAM_STATE, pack_stream_state(event.state))
             return event.state
     raise SourceFormatError("stream ended without QEMU_VM_EOF", structure="stream")
 
@@ -148,7 +166,7 @@ def convert_qemu_spooled(source: BinaryIO, writer: LeanImageWriter, workdir=None
             for chunk in ram.page_source(block):
                 writer.put_pages(region, page, chunk)
                 page += len(chunk) // ram.page_size
-    writer.add_source_state(SourceFormat.QEMU, QEMU_TAG_STREAM_STATE, state.to_bytes())
+    writer.add_source_state(SourceFormat.QEMU, QEMU_TAG_STREAM_STATE, pack_stream_state(state))
     return state
 
 

@@ -153,7 +153,7 @@ def restore(image, target, output, parents, disks):
 @click.option("--spool/--no-spool", default=None,
               help="Assemble RAM in scratch files first (needed for live saves read from a pipe).")
 @click.option("--level", default=3, show_default=True, help="zstd level of stored pages.")
-@click.option("--frame-pages", default=256, show_default=True, help="Pages per zstd frame.")
+@click.option("--frame-pages", type=int, help="Pages per zstd frame (default: 2 MiB worth).")
 def convert(save, output, source_format, spool, level, frame_pages):
     """Convert a hypervisor save file (QEMU migration stream) into a lean image."""
     from leanimg.converters.convert import convert_file

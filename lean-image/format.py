@@ -87,7 +87,7 @@ DISK_REFS_STRUCT = struct.Struct("<QII")         # first_ref, num_refs, reserved
 DISK_REF_STRUCT = struct.Struct("<IIQ")          # disk_id, reserved, sector
 PAGE_MAP_STRUCT = struct.Struct("<II")           # region_id, num_extents
 EXTENT_STRUCT = struct.Struct("<QIHHQ")          # first_page, num_pages, class, reserved, first_slot
-DIGESTS_STRUCT = struct.Struct("<IIQQ")          # region_id, reserved, first_page, num_pages
+DIGESTS_STRUCT = struct.Struct("<IIQQ")          # region_id, num_digests, first_page, num_pages
 DIGEST_SIZE = 16
 INDEX_STRUCT = struct.Struct("<II")              # num_entries, reserved
 INDEX_ENTRY_STRUCT = struct.Struct("<QIIQQ")     # record_offset, record_type, key, first, count
@@ -111,6 +111,8 @@ class PageClass(enum.IntEnum):
 
 
 SLOT_CLASSES = {PageClass.STORED, PageClass.DISK, PageClass.DELTA}
+# pages whose digest is stored in DIGESTS records; a ZERO page's digest is implied, FREE has none
+DIGEST_CLASSES = {PageClass.STORED, PageClass.DISK, PageClass.PARENT, PageClass.DELTA}
 
 # --- delta entries (spec §6) -------------------------------------------------
 DELTA_ENTRY_STRUCT = struct.Struct("<BBH")       # encoding, reserved, num_words
@@ -137,7 +139,7 @@ DISKS_MAX = 256
 REGION_SIZE_MAX = 1 << 48
 CHAIN_DEPTH_MAX = 4096
 
-DEFAULT_FRAME_PAGES = 256
+DEFAULT_FRAME_BYTES = 2 * 1024 * 1024   # reference writer: 512 pages of 4 KiB per frame
 DEFAULT_ZSTD_LEVEL = 3
 DIGEST_CHUNK_PAGES = 1 << 16
 EXTENT_CHUNK = 1 << 16

@@ -18,7 +18,7 @@ import zstandard
 from . import delta as deltacodec
 from .errors import ChainError, DiskError, FormatError, LeanImageError
 from .format import (
-    CHAIN_DEPTH_MAX, DIGEST_SIZE, DISK_SECTOR_SIZE, DISKS_MAX, FRAME_PAGES_MAX_BYTES, REGIONS_MAX,
+    CHAIN_DEPTH_MAX, DIGEST_CLASSES, DIGEST_SIZE, DISK_SECTOR_SIZE, DISKS_MAX, FRAME_PAGES_MAX_BYTES, REGIONS_MAX,
     PageClass, RecordType, page_digest,
 )
 from .structures import (
@@ -38,6 +38,8 @@ class Region:
     page_size: int
     extents: np.ndarray = field(default=None, repr=False)
     _starts: np.ndarray = field(default=None, repr=False)
+    _bearing: np.ndarray = field(default=None, repr=False)     # per extent: digests stored
+    _rank0: np.ndarray = field(default=None, repr=False)       # per extent: digests before it
 
     @property
     def num_pages(self) -> int:
@@ -175,13 +177,15 @@ class LeanImage:
             self._check_digest_presence(region)
             _check_coverage(region)
             region._starts = region.extents["first_page"].astype(np.int64)
+            region._bearing = np.isin(region.extents["page_class"], [int(c) for c in DIGEST_CLASSES])
+            counts = np.where(region._bearing, region.extents["num_pages"].astype(np.int64), 0)
+            region._rank0 = np.concatenate(([0], np.cumsum(counts)[:-1])) if len(counts) else counts
 
     def _check_digest_presence(self, region: Region) -> None:
-        """Per-page tables are sized by the region; allocate them only for digests the file holds."""
         listed = sum(int(self.index_entries["count"][i]) for i in self._digest_records.get(region.region_id, []))
-        if listed != region.num_pages or region.num_pages * DIGEST_SIZE > self._file.size:
+        if listed != region.num_pages:
             raise FormatError(f"region {region.name!r} has {region.num_pages} pages but the index lists "
-                              f"digests for {listed} (file of {self._file.size} bytes)",
+                              f"DIGESTS records covering {listed}",
                               structure=f"region[{region.region_id}].digests", rule="LI-DIG-001")
 
     def _load_small_record(self, i: int, maps: dict, refs: list) -> None:
@@ -262,6 +266,8 @@ class LeanImage:
                                       if any(d.name == n for d in self.parent.disks)})
 
     def close(self) -> None:
+        if getattr(self, "_pool", None) is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
         if self.parent is not None:
             self.parent.close()
         for source in self._disk_sources.values():
@@ -299,31 +305,85 @@ class LeanImage:
         return cls, slot
 
     def digests(self, region: Region) -> np.ndarray:
-        """All page digests of a region, (num_pages, 16) uint8, loaded on first use."""
+        """The stored digests of a region, (pages with digests, 16) uint8, in page order."""
         if region.region_id not in self._digests:
-            table = np.zeros((region.num_pages, DIGEST_SIZE), np.uint8)
-            covered = 0
+            parts, covered = [], 0
             for i in self._digest_records.get(region.region_id, []):
                 p = self._record_at(i).parsed
+                at = int(self.index_entries[i]["record_offset"])
                 if p["first_page"] != covered or covered + p["num_pages"] > region.num_pages:
                     raise FormatError(f"expected digests from page {covered}, got {p['first_page']}+"
-                                      f"{p['num_pages']}", offset=int(self.index_entries[i]["record_offset"]),
-                                      structure=f"record[{i}].digests", rule="LI-DIG-001")
-                table[covered:covered + p["num_pages"]] = p["digests"]
+                                      f"{p['num_pages']}", offset=at, structure=f"record[{i}].digests",
+                                      rule="LI-DIG-001")
+                expected = self._bearing_count(region, covered, covered + p["num_pages"])
+                if p["num_digests"] != expected:
+                    raise FormatError(f"pages {covered}..{covered + p['num_pages']} have {expected} pages with "
+                                      f"digests, num_digests is {p['num_digests']}", offset=at + 20,
+                                      structure=f"record[{i}].digests.num_digests", rule="LI-DIG-003")
+                parts.append(p["digests"])
                 covered += p["num_pages"]
-            if covered != region.num_pages:
-                raise FormatError(f"region {region.name!r}: digests cover {covered} of {region.num_pages} pages",
-                                  structure=f"region[{region.region_id}].digests", rule="LI-DIG-001")
-            self._digests[region.region_id] = table
+            self._digests[region.region_id] = np.concatenate(parts) if parts else np.zeros((0, DIGEST_SIZE), np.uint8)
         return self._digests[region.region_id]
 
+    def _bearing_count(self, region: Region, start: int, stop: int) -> int:
+        """Pages with stored digests in [start, stop)."""
+        return self._rank_at(region, stop) - self._rank_at(region, start)
+
+    def _rank_at(self, region: Region, page: int) -> int:
+        if page >= region.num_pages:
+            return int(region._rank0[-1] + (region.extents["num_pages"][-1] if region._bearing[-1] else 0))
+        i = int(np.searchsorted(region._starts, page, side="right")) - 1
+        return int(region._rank0[i]) + (page - int(region._starts[i]) if region._bearing[i] else 0)
+
+    def expected_digest(self, region: Region, page: int) -> bytes | None:
+        """The digest page ``page`` must have: stored, implied (ZERO) or None (FREE)."""
+        cls, _ = self.page_location(region, page)
+        if cls == PageClass.FREE:
+            return None
+        if cls == PageClass.ZERO:
+            return page_digest(bytes(self.page_size))
+        return self.digests(region)[self._rank_at(region, page)].tobytes()
+
+    def _expected_range(self, region: Region, first_page: int, count: int) -> tuple[np.ndarray, np.ndarray]:
+        """Classes of a range and the digest each page must have (zero rows for FREE)."""
+        lo = int(np.searchsorted(region._starts, first_page, side="right")) - 1
+        hi = int(np.searchsorted(region._starts, first_page + count - 1, side="right"))
+        e = region.extents[lo:hi]
+        sizes = e["num_pages"].astype(np.int64)
+        skip = first_page - int(region._starts[lo])
+        classes = np.repeat(e["page_class"].astype(np.uint8), sizes)[skip:skip + count]
+        within = np.arange(count) + skip - np.repeat(np.concatenate(([0], np.cumsum(sizes)[:-1])), sizes)[skip:skip + count]
+        ranks = np.repeat(region._rank0[lo:hi], sizes)[skip:skip + count] + within
+        bearing = np.repeat(region._bearing[lo:hi], sizes)[skip:skip + count]
+        expected = np.zeros((count, DIGEST_SIZE), np.uint8)
+        table = self.digests(region)
+        expected[bearing] = table[ranks[bearing]]
+        expected[classes == PageClass.ZERO] = np.frombuffer(page_digest(bytes(self.page_size)), np.uint8)
+        return classes, expected
+
     # -- frames ----------------------------------------------------------------------
+    def enable_read_ahead(self, threads: int = 2, depth: int = 4) -> None:
+        """Decompress the next frames on worker threads while the caller reads sequentially."""
+        from concurrent.futures import ThreadPoolExecutor
+        self._pool = ThreadPoolExecutor(max_workers=threads)
+        self._ahead: dict[int, object] = {}
+        self._depth = depth
+
     def frame_pages(self, frame: int) -> bytes:
         """Decompressed content of PAGE_FRAME number ``frame`` (cached)."""
         key = ("page", frame)
         if key in self._frame_cache:
             self._frame_cache.move_to_end(key)
             return self._frame_cache[key]
+        pool = getattr(self, "_pool", None)
+        if pool is None:
+            return self._cache(key, self._load_frame(frame))
+        for ahead in range(frame, min(frame + self._depth + 1, len(self._frame_entries))):
+            if ahead not in self._ahead and ("page", ahead) not in self._frame_cache:
+                self._ahead[ahead] = pool.submit(self._load_frame, ahead)
+        return self._cache(key, self._ahead.pop(frame).result())
+
+    def _load_frame(self, frame: int) -> bytes:
         i = int(self._frame_entries[frame])
         record = self._record_at(i)
         expected = record.parsed["num_pages"] * self.page_size
@@ -331,11 +391,14 @@ class LeanImage:
                 record.parsed["num_pages"] != self._frame_counts[frame]:
             raise FormatError("frame header disagrees with its index entry", offset=record.offset,
                               structure=record_path(i, record), rule="LI-IDX-001")
-        data = self._decompress(record, i, record.body[16:], expected)
-        return self._cache(key, data)
+        return decompress_frame(zstandard.ZstdDecompressor(), record.body[16:], expected, record.offset,
+                                record_path(i, record, "zstd"))
 
     def delta_entry(self, slot: int) -> bytes:
         frame = int(np.searchsorted(self._delta_starts, slot, side="right")) - 1
+        if frame < 0:
+            raise FormatError(f"delta entry {slot} is in no DELTA_FRAME", structure="delta_frame",
+                              rule="LI-MAP-004")
         key = ("delta", frame)
         if key not in self._frame_cache:
             i = int(self._delta_entries[frame])
@@ -399,7 +462,7 @@ class LeanImage:
                               f"{sector} lies outside the disk table's disks", rule="LI-DSK-003",
                               structure=f"disk_refs[{slot}]")
         data = source.read(sector * DISK_SECTOR_SIZE, self.page_size)
-        expected = bytes(self.digests(region)[page])
+        expected = self.expected_digest(region, page)
         if page_digest(data) != expected:
             raise DiskError(f"region {region.name!r} page {page}: disk {source.name!r} sector {sector} "
                             "does not hold the page recorded at checkpoint (disk changed since?)",
@@ -430,8 +493,8 @@ class LeanImage:
         return base
 
     def _verify(self, region: Region, page: int, data: bytes) -> None:
-        expected = bytes(self.digests(region)[page])
-        if page_digest(data) != expected:
+        expected = self.expected_digest(region, page)
+        if expected is not None and page_digest(data) != expected:
             raise FormatError(f"region {region.name!r} page {page}: content digest {page_digest(data).hex()} "
                               f"differs from recorded {expected.hex()}",
                               structure=f"region[{region.region_id}].page[{page}]", rule="LI-DIG-002")
@@ -476,8 +539,8 @@ class LeanImage:
     def _verify_range(self, region: Region, first_page: int, out: np.ndarray) -> None:
         ps = self.page_size
         count = len(out) // ps
-        expected = self.digests(region)[first_page:first_page + count].tobytes()
-        classes = self.classes(region, first_page, count)
+        classes, expected = self._expected_range(region, first_page, count)
+        expected = expected.tobytes()
         view = memoryview(out)
         for k in np.flatnonzero(classes != PageClass.FREE).tolist():
             if page_digest(view[k * ps:(k + 1) * ps]) != expected[k * DIGEST_SIZE:(k + 1) * DIGEST_SIZE]:

@@ -55,8 +55,9 @@ RULES = {
     "LI-DLT-004": "a delta entry is smaller than page_size",
     # digests (spec §6)
     "LI-DIG-001": "each region's digests are given exactly once, in page order",
-    "LI-DIG-002": "a page's content has the xxh3-128 digest its table gives",
-    "LI-DIG-003": "the digest of a FREE page is zero",
+    "LI-DIG-002": "a page's content has the xxh3-128 digest its table gives "
+                  "(a ZERO page's digest is that of page_size zero bytes)",
+    "LI-DIG-003": "num_digests equals the number of STORED, DISK, PARENT and DELTA pages in the range",
     # index and footer (spec §8)
     "LI-IDX-001": "the INDEX is the last record and lists every other record, in file order, "
                   "with matching offset, type, key, first and count",

@@ -5,6 +5,7 @@ reader can raise the first while the validator collects them all.
 
 from __future__ import annotations
 
+import os
 import struct
 from dataclasses import dataclass
 from typing import Iterator
@@ -26,6 +27,23 @@ from .format import (
 KNOWN_TYPES = {int(t) for t in RecordType}
 
 
+def extent_ranks(extents: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per extent: whether its pages have stored digests, and how many digests precede it."""
+    from .format import DIGEST_CLASSES
+    bearing = np.isin(extents["page_class"], [int(c) for c in DIGEST_CLASSES])
+    counts = np.where(bearing, extents["num_pages"].astype(np.int64), 0)
+    rank0 = np.concatenate(([0], np.cumsum(counts)[:-1])) if len(counts) else counts
+    return bearing, rank0
+
+
+def bearing_before(extents: np.ndarray, bearing: np.ndarray, rank0: np.ndarray, pages: np.ndarray) -> np.ndarray:
+    """For each page number (up to the region end), how many pages before it have stored digests."""
+    starts = extents["first_page"].astype(np.int64)
+    i = np.searchsorted(starts, pages, side="right") - 1
+    within = np.minimum(pages - starts[i], extents["num_pages"][i].astype(np.int64))
+    return rank0[i] + np.where(bearing[i], within, 0)
+
+
 class ImageFile:
     """Positional reads with exact-length checking."""
 
@@ -39,8 +57,7 @@ class ImageFile:
         if offset < 0 or length < 0 or offset + length > self.size:
             raise TruncatedError(f"expected {length} bytes, file ends at {self.size:#x}",
                                  offset=offset, structure=structure)
-        self.fileobj.seek(offset)
-        data = self.fileobj.read(length)
+        data = os.pread(self.fileobj.fileno(), length, offset)
         if len(data) != length:
             raise TruncatedError(f"expected {length} bytes, got {len(data)}", offset=offset,
                                  structure=structure)
@@ -339,15 +356,14 @@ def _parse_page_map(b: _Body) -> dict:
 
 
 def _parse_digests(b: _Body) -> dict:
-    region_id, reserved, first, num_pages = b.fixed(DIGESTS_STRUCT)
-    b.zero(reserved, 4, "reserved")
-    if num_pages > RECORD_BODY_MAX // DIGEST_SIZE:
-        raise b.fail("LI-REC-007", f"num_pages {num_pages} cannot fit the body", 16, "num_pages")
-    b.expect_length(DIGESTS_STRUCT.size + DIGEST_SIZE * num_pages)
-    if num_pages == 0:
-        raise b.fail("LI-REC-007", "expected num_pages >= 1, got 0", 16, "num_pages")
+    region_id, num_digests, first, num_pages = b.fixed(DIGESTS_STRUCT)
+    b.expect_length(DIGESTS_STRUCT.size + DIGEST_SIZE * num_digests)
+    if num_pages == 0 or num_digests > num_pages:
+        raise b.fail("LI-REC-007", f"expected num_pages >= 1 and num_digests <= num_pages, got "
+                     f"{num_pages} and {num_digests}", 16, "num_pages")
     digests = np.frombuffer(b.record.body, dtype=np.uint8, offset=DIGESTS_STRUCT.size).reshape(-1, DIGEST_SIZE)
-    return dict(region_id=region_id, first_page=first, num_pages=num_pages, digests=digests)
+    return dict(region_id=region_id, num_digests=num_digests, first_page=first, num_pages=num_pages,
+                digests=digests)
 
 
 def _parse_index(b: _Body) -> dict:
@@ -452,8 +468,8 @@ def raw_body_dict(record: Record) -> dict:
                                   page_class=int(e["page_class"]), first_slot=int(e["first_slot"]))
                              for e in p["extents"]])
     if kind == RecordType.DIGESTS:
-        return dict(region_id=p["region_id"], first_page=p["first_page"], num_pages=p["num_pages"],
-                    digests=[bytes(d) for d in p["digests"]])
+        return dict(region_id=p["region_id"], num_digests=p["num_digests"], first_page=p["first_page"],
+                    num_pages=p["num_pages"], digests=[bytes(d) for d in p["digests"]])
     if kind == RecordType.INDEX:
         return dict(num_entries=p["num_entries"],
                     entries=[dict(record_offset=int(e["record_offset"]), record_type=int(e["record_type"]),

@@ -22,7 +22,7 @@ from .format import (
 )
 from .reader import LeanImage, decompress_frame
 from .structures import (
-    ImageFile, Record, body_problems, header_problems, parse_body, read_footer, read_header, read_record,
+    ImageFile, bearing_before, extent_ranks, Record, body_problems, header_problems, parse_body, read_footer, read_header, read_record,
     read_record_header, record_path,
 )
 
@@ -327,35 +327,30 @@ def _check_coverage(region: dict, e: np.ndarray, page_size: int, report: Report)
     return True
 
 
-def _check_digest_tables(region: dict, parts: list, e: np.ndarray, page_size: int, report: Report) -> None:
+def _check_digest_tables(region: dict, parts: list, e: np.ndarray | None, page_size: int, report: Report) -> None:
     num_pages = region["size_bytes"] // page_size
     covered = 0
     for first, digests, record, i in parts:
         if first != covered:
             report.add(LeanImageError(f"expected first_page {covered}, got {first}", offset=record.offset + 24,
                                       structure=record_path(i, record, "first_page"), rule="LI-DIG-001"))
-        covered = first + len(digests)
+        covered = first + record.parsed["num_pages"]
     if covered != num_pages:
         report.add(LeanImageError(f"digests cover {covered} of {num_pages} pages",
                                   structure=f"region[{region['region_id']}] {region['name']!r}.digests",
                                   rule="LI-DIG-001"))
     if e is None or covered != num_pages:
         return
+    bearing, rank0 = extent_ranks(e)
     for first, digests, record, i in parts:
-        classes = _page_classes(e, first, len(digests))
-        bad = np.flatnonzero((classes == PageClass.FREE) & digests.any(axis=1))
-        if len(bad):
-            report.add(LeanImageError(f"FREE page {first + int(bad[0])} has a non-zero digest",
-                                      offset=record.offset + 40 + 16 * int(bad[0]),
-                                      structure=record_path(i, record, f"digests[{int(bad[0])}]"), rule="LI-DIG-003"))
-
-
-def _page_classes(e: np.ndarray, first: int, count: int) -> np.ndarray:
-    full = np.repeat(e["page_class"].astype(np.uint8), e["num_pages"].astype(np.int64))
-    out = np.zeros(count, np.uint8)
-    chunk = full[first:first + count]
-    out[:len(chunk)] = chunk
-    return out
+        bounds = np.array([first, first + record.parsed["num_pages"]], np.int64)
+        lo, hi = bearing_before(e, bearing, rank0, np.minimum(bounds, num_pages - 1))
+        hi += int(bounds[1] >= num_pages and bearing[-1])
+        expected = int(hi - lo)
+        if len(digests) != expected:
+            report.add(LeanImageError(f"pages {first}..{int(bounds[1])} have {expected} pages with stored digests, "
+                                      f"num_digests is {len(digests)}", offset=record.offset + 20,
+                                      structure=record_path(i, record, "num_digests"), rule="LI-DIG-003"))
 
 
 def _slot_users(extents: list, cls: int) -> np.ndarray:
@@ -422,7 +417,6 @@ def _check_content(image: ImageFile, header, scan: _Scan, page_size: int, report
     if tables is None:
         return
     _check_frames(image, scan, page_size, tables, report)
-    _check_zero_pages(tables, page_size, report)
     lean = _open_for_chain(image.name, header, disks, parents, report)
     if lean is None:
         _check_delta_structure(image, scan, page_size, report)
@@ -432,35 +426,36 @@ def _check_content(image: ImageFile, header, scan: _Scan, page_size: int, report
 
 
 def _digest_lookup(scan: _Scan, page_size: int):
-    """Per region: (extents, digest table); None when maps are too broken to go on."""
+    """Per region: (region, extents, stored digests, rank of each extent); None when maps are broken."""
     tables = {}
     for region_id, region in scan.regions.items():
         parts = scan.maps.get(region_id)
         if not parts or region_id not in scan.covered or not _digests_complete(scan, region_id, region, page_size):
             return None
         e = np.concatenate(parts)
-        num_pages = region["size_bytes"] // page_size
-        table = np.zeros((num_pages, DIGEST_SIZE), np.uint8)
-        for first, digests, _, _ in scan.digests.get(region_id, []):
-            n = max(0, min(len(digests), num_pages - first))
-            table[first:first + n] = digests[:n]
-        if int(e["num_pages"].astype(np.int64).sum()) != num_pages:
+        bearing, rank0 = extent_ranks(e)
+        digests = [d for _, d, _, _ in scan.digests.get(region_id, [])]
+        table = np.concatenate(digests) if digests else np.zeros((0, DIGEST_SIZE), np.uint8)
+        if len(table) != int(rank0[-1]) + (int(e["num_pages"][-1]) if bearing[-1] else 0):
             return None
-        tables[region_id] = (region, e, table)
+        tables[region_id] = (region, e, table, rank0)
     return tables
 
 
 def _digests_complete(scan: _Scan, region_id: int, region: dict, page_size: int) -> bool:
-    return sum(len(d) for _, d, _, _ in scan.digests.get(region_id, [])) == region["size_bytes"] // page_size
+    covered = sum(r.parsed["num_pages"] for _, _, r, _ in scan.digests.get(region_id, []))
+    return covered == region["size_bytes"] // page_size
 
 
 def _check_frames(image: ImageFile, scan: _Scan, page_size: int, tables: dict, report: Report) -> None:
     owner_digest = {}
-    for region, e, table in tables.values():
-        sel = e[e["page_class"] == PageClass.STORED]
-        for ext in sel:
+    total = sum(p["num_pages"] for _, _, p in scan.frames)
+    for region, e, table, rank0 in tables.values():
+        for k in np.flatnonzero(e["page_class"] == PageClass.STORED):
+            ext = e[k]
             first_page, n, slot = int(ext["first_page"]), int(ext["num_pages"]), int(ext["first_slot"])
-            owner_digest[slot] = (region, first_page, n, table)
+            if slot + n <= total:       # slots beyond the frames are LI-MAP-004, reported already
+                owner_digest[slot] = (region, first_page, n, table, int(rank0[k]))
     slot_starts = np.array(sorted(owner_digest), dtype=np.int64)
     decompressor = zstandard.ZstdDecompressor()
     for i, offset, p in scan.frames:
@@ -479,25 +474,14 @@ def _check_frames(image: ImageFile, scan: _Scan, page_size: int, tables: dict, r
             j = int(np.searchsorted(slot_starts, ordinal, side="right")) - 1
             if j < 0:
                 continue
-            region, first_page, n, table = owner_digest[int(slot_starts[j])]
+            region, first_page, n, table, rank = owner_digest[int(slot_starts[j])]
             page = first_page + ordinal - int(slot_starts[j])
             if page >= first_page + n:
                 continue
-            if page_digest(view[k * page_size:(k + 1) * page_size]) != table[page].tobytes():
+            if page_digest(view[k * page_size:(k + 1) * page_size]) != table[rank + page - first_page].tobytes():
                 report.add(LeanImageError(f"stored ordinal {ordinal} (region {region['name']!r} page {page}) does "
                                           "not match its digest", offset=offset, structure=record_path(i, record),
                                           rule="LI-DIG-002"))
-
-
-def _check_zero_pages(tables: dict, page_size: int, report: Report) -> None:
-    zero = np.frombuffer(page_digest(bytes(page_size)), np.uint8)
-    for region, e, table in tables.values():
-        classes = np.repeat(e["page_class"].astype(np.uint8), e["num_pages"].astype(np.int64))
-        bad = np.flatnonzero((classes == PageClass.ZERO) & (table != zero).any(axis=1))
-        if len(bad):
-            report.add(LeanImageError(f"ZERO page {int(bad[0])} has a digest other than the zero page's "
-                                      f"({len(bad)} pages)", structure=f"region {region['name']!r}.digests",
-                                      rule="LI-DIG-002"))
 
 
 def _check_delta_structure(image: ImageFile, scan: _Scan, page_size: int, report: Report) -> None:
@@ -543,16 +527,20 @@ def _open_for_chain(path: str, header, disks: dict, parents: list, report: Repor
 
 def _check_resolved(lean: LeanImage, tables: dict, report: Report) -> None:
     """DISK, PARENT and DELTA pages resolved through disks and parent, each checked by digest."""
+    wanted = set()
+    if lean._disk_sources:
+        wanted.add(PageClass.DISK)
+    if lean.parent is not None:
+        wanted |= {PageClass.PARENT, PageClass.DELTA}
     for region in lean.regions:
-        classes = lean.classes(region)
-        for cls in (PageClass.DISK, PageClass.PARENT, PageClass.DELTA):
-            if cls == PageClass.DISK and not lean._disk_sources:
+        for extent in region.extents:
+            cls = int(extent["page_class"])
+            if cls not in wanted:
                 continue
-            if cls != PageClass.DISK and lean.parent is None:
-                continue
-            for page in np.flatnonzero(classes == cls):
+            first = int(extent["first_page"])
+            for page in range(first, first + int(extent["num_pages"])):
                 try:
-                    lean.read_page(region, int(page))
+                    lean.read_page(region, page)
                     report.checked[f"{PageClass(cls).name.lower()}_pages"] += 1
                 except LeanImageError as exc:
                     report.add(exc)

@@ -25,13 +25,13 @@ import zstandard
 
 from . import delta as deltacodec
 from .format import (
-    DEFAULT_FRAME_PAGES, DEFAULT_ZSTD_LEVEL, DELTA_FRAME_STRUCT, DIGEST_CHUNK_PAGES, DIGEST_SIZE,
+    DEFAULT_FRAME_BYTES, DEFAULT_ZSTD_LEVEL, DELTA_FRAME_STRUCT, DIGEST_CHUNK_PAGES, DIGEST_SIZE,
     DIGESTS_STRUCT, DISK_REF_CHUNK, DISK_REF_DTYPE, DISK_REFS_STRUCT, DISK_SECTOR_SIZE, DISK_STRUCT,
     EXTENT_CHUNK, EXTENT_DTYPE, FINGERPRINT_SAMPLED_XXH3, FOOTER_MAGIC, FOOTER_STRUCT, FORMAT_MAJOR,
     FORMAT_MINOR, FRAME_PAGES_MAX_BYTES, HEADER_CHECKSUM_OFFSET, HEADER_MAGIC, HEADER_SIZE_V1_0,
     HEADER_STRUCT, INDEX_ENTRY_DTYPE, INDEX_STRUCT, NO_KEY, PAGE_FRAME_STRUCT, PAGE_MAP_STRUCT,
     RECORD_HEADER_STRUCT, RECORD_TRAILER_STRUCT, REGION_FLAG_HAS_GPA, REGION_NAME_MAX, REGION_STRUCT,
-    SLOT_CLASSES, SOURCE_STATE_STRUCT, CompatFeature, IncompatFeature, PageClass, RecordType, align8,
+    DIGEST_CLASSES, SLOT_CLASSES, SOURCE_STATE_STRUCT, CompatFeature, IncompatFeature, PageClass, RecordType, align8,
     checksum64, page_digest,
 )
 
@@ -137,11 +137,12 @@ class LeanImageWriter:
     """Write one lean image. Use as a context manager; ``finish`` runs on a clean exit."""
 
     def __init__(self, dest, *, page_size: int = 4096, parent: ParentLink | None = None,
-                 frame_pages: int = DEFAULT_FRAME_PAGES, level: int = DEFAULT_ZSTD_LEVEL,
+                 frame_pages: int | None = None, level: int = DEFAULT_ZSTD_LEVEL,
                  threads: int | None = None, image_uuid: bytes | None = None,
                  allow_delta: bool | None = None):
         if page_size & (page_size - 1) or not 4096 <= page_size <= 65536:
             raise WriterUsageError(f"page_size must be a power of two in 4096..65536, got {page_size}")
+        frame_pages = frame_pages or DEFAULT_FRAME_BYTES // page_size
         if not 1 <= frame_pages * page_size <= FRAME_PAGES_MAX_BYTES:
             raise WriterUsageError(f"frame of {frame_pages} pages exceeds {FRAME_PAGES_MAX_BYTES} bytes")
         self.page_size = page_size
@@ -485,11 +486,14 @@ class LeanImageWriter:
                                region.region_id, int(chunk["first_page"][0]), pages)
 
     def _write_digests(self, region: _Region) -> None:
+        """Digests of STORED, DISK, PARENT and DELTA pages only, in page order, in chunks."""
+        bearing = np.isin(region.classes, [int(c) for c in DIGEST_CLASSES])
         for first in range(0, region.num_pages, DIGEST_CHUNK_PAGES):
-            chunk = region.digests[first:first + DIGEST_CHUNK_PAGES]
+            count = min(DIGEST_CHUNK_PAGES, region.num_pages - first)
+            chunk = region.digests[first:first + count][bearing[first:first + count]]
             self._write_record(RecordType.DIGESTS,
-                               [DIGESTS_STRUCT.pack(region.region_id, 0, first, len(chunk)), chunk.tobytes()],
-                               region.region_id, first, len(chunk))
+                               [DIGESTS_STRUCT.pack(region.region_id, len(chunk), first, count), chunk.tobytes()],
+                               region.region_id, first, count)
 
     def _write_index_and_footer(self) -> bytes:
         entries = np.array(self._index, dtype=INDEX_ENTRY_DTYPE)

@@ -6,7 +6,7 @@ from typing import BinaryIO
 
 
 from leanimg.converters import qemu
-from leanimg.converters.convert import QEMU_TAG_STREAM_STATE
+from leanimg.converters.convert import QEMU_TAG_STREAM_STATE, unpack_stream_state
 from leanimg.errors import FormatError, UnsupportedError
 from leanimg.format import PageClass, SourceFormat
 from leanimg.reader import LeanImage
@@ -17,7 +17,7 @@ CHUNK_PAGES = 1024
 def stream_state(image: LeanImage) -> qemu.StreamState:
     for state in image.source_states:
         if state.source_format == SourceFormat.QEMU and state.tag == QEMU_TAG_STREAM_STATE:
-            return qemu.StreamState.from_bytes(state.data)
+            return unpack_stream_state(state.data)
     raise UnsupportedError("the image has no QEMU stream state (SOURCE_STATE tag 1): it was not "
                            "converted from a QEMU save; use --to raw", structure="source_state")
 
@@ -45,6 +45,7 @@ def _page_source(image: LeanImage, progress):
 def restore_qemu(image: LeanImage, out: BinaryIO, progress=None) -> int:
     """Write the rebuilt stream to ``out``; return its length."""
     state = stream_state(image)
+    image.enable_read_ahead()
     written = qemu.write_qemu_stream(out, state, state.ram_blocks, _page_source(image, progress))
     out.flush()
     return written

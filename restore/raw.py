@@ -21,6 +21,7 @@ def raw_layout(image: LeanImage) -> list[tuple[str, int, int]]:
 def restore_raw(image: LeanImage, out, progress=None) -> int:
     """Write every region's pages, verified, to the binary file object ``out``."""
     written = 0
+    image.enable_read_ahead()
     for region in image.regions:
         for first in range(0, region.num_pages, CHUNK_PAGES):
             count = min(CHUNK_PAGES, region.num_pages - first)

@@ -1,0 +1,196 @@
+"""The page-class map (`leanimg inspect IMG --map FILE.png`): pixels, bucketing, PNG encoding, CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import zlib
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from leanimg.cli import main
+from leanimg.format import EXTENT_DTYPE, PageClass, page_digest
+from leanimg.pagemap import (
+    BACKGROUND, CLASS_COLOURS, MAX_ROWS, cell_classes, encode_png, layout, render_map, render_pixels,
+)
+from leanimg.reader import LeanImage
+from leanimg.writer import LeanImageWriter, ParentLink, disk_fingerprint
+
+PS = 4096
+
+
+def decode_png(data: bytes) -> np.ndarray:
+    """A minimal decoder for what encode_png emits: 8-bit RGB, no interlace, filter type 0 rows."""
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    pos, idat, header = 8, b"", None
+    while pos < len(data):
+        (length,) = struct.unpack_from(">I", data, pos)
+        kind, body = data[pos + 4:pos + 8], data[pos + 8:pos + 8 + length]
+        (crc,) = struct.unpack_from(">I", data, pos + 8 + length)
+        assert crc == zlib.crc32(kind + body), kind
+        if kind == b"IHDR":
+            header = struct.unpack(">IIBBBBB", body)
+        elif kind == b"IDAT":
+            idat += body
+        pos += 12 + length
+        if kind == b"IEND":
+            break
+    assert pos == len(data)
+    width, height, depth, colour_type, compression, filtering, interlace = header
+    assert (depth, colour_type, compression, filtering, interlace) == (8, 2, 0, 0, 0)
+    rows = np.frombuffer(zlib.decompress(idat), np.uint8).reshape(height, 1 + 3 * width)
+    assert not rows[:, 0].any(), "only filter type 0 is emitted"
+    return rows[:, 1:].reshape(height, width, 3)
+
+
+# the page classes of region "ram" of the child image, page by page
+CHILD_PLAN = ["STORED", "STORED", "ZERO", "ZERO", "FREE", "FREE", "DISK", "DISK",
+              "PARENT", "PARENT", "PARENT", "DELTA", "DELTA", "STORED", "ZERO", "FREE"]
+
+
+def _page(tag: int) -> bytes:
+    return np.full(PS // 8, tag, np.uint64).tobytes()
+
+
+@pytest.fixture
+def chain(tmp_path):
+    """A parent and a child image whose region 'ram' has every class at known pages,
+    plus a second region 'rom' of the child holding only STORED pages."""
+    n = len(CHILD_PLAN)
+    parent_pages = [_page(100 + k) for k in range(n)]
+    parent_path = tmp_path / "parent.lean"
+    with LeanImageWriter(parent_path) as w:
+        w.put_pages(w.add_region("ram", n * PS), 0, b"".join(parent_pages))
+    with LeanImage.open(parent_path) as parent:
+        link = ParentLink(parent.header.image_uuid, parent.footer.image_digest)
+    disk = b"".join(_page(200 + k) for k in range(4))
+    child_path = tmp_path / "child.lean"
+    with LeanImageWriter(child_path, parent=link) as w:
+        d = w.add_disk("vda", len(disk), disk_fingerprint(lambda o, k: disk[o:o + k], len(disk)))
+        ram = w.add_region("ram", n * PS, guest_phys_base=0)
+        rom = w.add_region("rom", 3 * PS, guest_phys_base=0xFFFC0000)
+        w.put_pages(rom, 0, _page(1) + _page(2) + _page(3))
+        for page, name in enumerate(CHILD_PLAN):
+            if name == "STORED":
+                w.put_pages(ram, page, _page(300 + page))
+            elif name == "ZERO":
+                w.put_zero(ram, page)
+            elif name == "FREE":
+                w.put_free(ram, page)
+            elif name == "DISK":
+                content = disk[page % 4 * PS:(page % 4 + 1) * PS]
+                w.put_disk(ram, page, d, page % 4 * PS // 512, page_digest(content))
+            elif name == "PARENT":
+                w.put_parent(ram, page, page_digest(parent_pages[page]))
+            else:
+                new = bytearray(parent_pages[page])
+                new[:8] = b"changed!"
+                assert w.put_changed(ram, page, parent_pages[page], bytes(new)) == PageClass.DELTA
+    return child_path, parent_path
+
+
+def _colour(pixels: np.ndarray, x: int, y: int) -> tuple:
+    return tuple(int(v) for v in pixels[y, x])
+
+
+def test_pixels_at_known_pages_have_the_class_colours(chain, tmp_path):
+    child, parent = chain
+    out = tmp_path / "map.png"
+    with LeanImage.open(child, parents=[parent]) as image:
+        render_map(image, out)
+        lay = layout(image)
+    pixels = decode_png(out.read_bytes())
+    assert pixels.shape == (lay.height, lay.width, 3)
+    assert lay.pages_per_cell == 1
+    ram, rom = lay.bands
+    assert (ram.region.name, rom.region.name) == ("ram", "rom")
+    for page, name in enumerate(CHILD_PLAN):
+        x, y = lay.cell_origin(ram, page)
+        assert _colour(pixels, x, y) == CLASS_COLOURS[PageClass[name]], f"page {page} ({name})"
+    for page in range(3):
+        x, y = lay.cell_origin(rom, page)
+        assert _colour(pixels, x, y) == CLASS_COLOURS[PageClass.STORED]
+    # the rest of the last cell row is background
+    x, y = lay.cell_origin(rom, 3)
+    assert _colour(pixels, x, y) == BACKGROUND
+
+
+def test_legend_has_every_class_swatch_and_text(chain, tmp_path):
+    child, parent = chain
+    with LeanImage.open(child, parents=[parent]) as image:
+        pixels, lay = render_pixels(image)
+    legend = pixels[lay.legend_y:]
+    assert (legend != BACKGROUND).any(axis=2).sum() > 500, "legend is empty"
+    colours = {tuple(c) for c in legend.reshape(-1, 3).tolist()}
+    for cls in PageClass:
+        assert CLASS_COLOURS[cls] in colours, f"no {cls.name} swatch"
+    # the header (title and scale) has text too
+    assert (pixels[:lay.bands[0].label_y] != BACKGROUND).any()
+
+
+def test_png_round_trip():
+    rng = np.random.default_rng(5)
+    rgb = rng.integers(0, 256, (37, 53, 3), dtype=np.uint8)
+    assert np.array_equal(decode_png(encode_png(rgb)), rgb)
+
+
+def _brute_force_cells(extents, num_pages, per_cell):
+    classes = np.repeat(extents["page_class"], extents["num_pages"].astype(np.int64))
+    cells = []
+    for start in range(0, num_pages, per_cell):
+        counts = np.bincount(classes[start:start + per_cell], minlength=7)
+        cells.append(int(np.argmax(counts)))   # ties: lowest class id, as cell_classes
+    return np.array(cells, np.uint8)
+
+
+def _extents(runs):
+    e = np.zeros(len(runs), EXTENT_DTYPE)
+    lengths = np.array([n for n, _ in runs])
+    e["first_page"] = np.concatenate(([0], np.cumsum(lengths)[:-1]))
+    e["num_pages"] = lengths
+    e["page_class"] = [c for _, c in runs]
+    return e
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_majority_buckets_match_brute_force(seed):
+    rng = np.random.default_rng(seed)
+    runs = [(int(rng.integers(1, 40)), int(rng.integers(1, 7))) for _ in range(int(rng.integers(1, 60)))]
+    e = _extents(runs)
+    n = int(e["num_pages"].sum())
+    for per_cell in (1, 2, 3, 7, 16, 64, n + 5):
+        assert np.array_equal(cell_classes(e, n, per_cell), _brute_force_cells(e, n, per_cell)), per_cell
+
+
+def test_huge_region_is_bucketed_without_per_page_memory():
+    """2^36 pages (256 TiB): the map stays within MAX_ROWS and is computed from the extents."""
+    n = 1 << 36
+    e = _extents([(n // 4, 2), (n // 4, 1), (n // 2 - 8, 3), (8, 1)])
+    region = SimpleNamespace(name="huge", region_id=0, num_pages=n, size_bytes=n * PS, guest_phys_base=None,
+                             extents=e)
+    image = SimpleNamespace(regions=[region], page_size=PS)
+    pixels, lay = render_pixels(image)
+    band = lay.bands[0]
+    assert band.rows <= MAX_ROWS and lay.pages_per_cell > 1
+    for page, cls in ((0, 2), (n // 4 + 10, 1), (n - 9 * lay.pages_per_cell, 3)):
+        x, y = lay.cell_origin(band, page)
+        assert _colour(pixels, x, y) == CLASS_COLOURS[PageClass(cls)]
+
+
+def test_cli_inspect_map(chain):
+    child, parent = chain
+    runner = CliRunner()
+    with runner.isolated_filesystem():
+        result = runner.invoke(main, ["inspect", str(child), "--parent", str(parent), "--map", "out.png",
+                                      "--json"])
+        assert result.exit_code == 0, result.output
+        assert json.loads(result.output)["map"] == "out.png"
+        with LeanImage.open(child, parents=[parent]) as image:
+            expected, _ = render_pixels(image)
+        with open("out.png", "rb") as f:
+            assert np.array_equal(decode_png(f.read()), expected)
+        assert sorted(os.listdir(".")) == ["out.png"], "no temporary file left behind"
