@@ -371,17 +371,36 @@ class LeanImage:
 
     def frame_pages(self, frame: int) -> bytes:
         """Decompressed content of PAGE_FRAME number ``frame`` (cached)."""
+        return self._frame(frame)[0]
+
+    def _frame(self, frame: int, with_digests: bool = False) -> tuple[bytes, np.ndarray | None]:
+        """(content, page digests or None) of a frame; read-ahead workers compute both."""
         key = ("page", frame)
         if key in self._frame_cache:
             self._frame_cache.move_to_end(key)
-            return self._frame_cache[key]
-        pool = getattr(self, "_pool", None)
-        if pool is None:
-            return self._cache(key, self._load_frame(frame))
-        for ahead in range(frame, min(frame + self._depth + 1, len(self._frame_entries))):
-            if ahead not in self._ahead and ("page", ahead) not in self._frame_cache:
-                self._ahead[ahead] = pool.submit(self._load_frame, ahead)
-        return self._cache(key, self._ahead.pop(frame).result())
+            content, digests = self._frame_cache[key]
+        else:
+            pool = getattr(self, "_pool", None)
+            if pool is None:
+                content, digests = self._load_frame(frame), None
+            else:
+                for ahead in range(frame, min(frame + self._depth + 1, len(self._frame_entries))):
+                    if ahead not in self._ahead and ("page", ahead) not in self._frame_cache:
+                        self._ahead[ahead] = pool.submit(self._load_frame_with_digests, ahead)
+                content, digests = self._ahead.pop(frame).result()
+        if with_digests and digests is None:
+            digests = self._digests_of(content)
+        self._cache(key, (content, digests))
+        return content, digests
+
+    def _digests_of(self, content: bytes) -> np.ndarray:
+        ps, view = self.page_size, memoryview(content)
+        joined = b"".join([page_digest(view[k:k + ps]) for k in range(0, len(content), ps)])
+        return np.frombuffer(joined, np.uint8).reshape(-1, DIGEST_SIZE)
+
+    def _load_frame_with_digests(self, frame: int) -> tuple[bytes, np.ndarray]:
+        content = self._load_frame(frame)
+        return content, self._digests_of(content)
 
     def _load_frame(self, frame: int) -> bytes:
         i = int(self._frame_entries[frame])
@@ -501,10 +520,10 @@ class LeanImage:
 
     def region_bytes(self, region: Region, first_page: int, count: int) -> memoryview:
         """Pages [first_page, first_page+count) resolved and verified, in one buffer."""
-        out = np.zeros(count * self.page_size, np.uint8)
         ps = self.page_size
-        page = first_page
-        end = first_page + count
+        out = np.zeros(count * ps, np.uint8)
+        got = np.zeros((count, DIGEST_SIZE), np.uint8)
+        page, end = first_page, first_page + count
         i = int(np.searchsorted(region._starts, page, side="right")) - 1
         while page < end:
             extent = region.extents[i]
@@ -512,18 +531,18 @@ class LeanImage:
             stop = min(end, e_first + e_count)
             cls = int(extent["page_class"])
             if cls == PageClass.STORED:
-                self._copy_stored(out, (page - first_page) * ps,
-                                  int(extent["first_slot"]) + page - e_first, stop - page)
+                self._copy_stored(out, got, page - first_page, int(extent["first_slot"]) + page - e_first,
+                                  stop - page)
             elif cls in (PageClass.DISK, PageClass.PARENT, PageClass.DELTA):
                 for p in range(page, stop):
                     out[(p - first_page) * ps:(p - first_page + 1) * ps] = np.frombuffer(
                         self.read_page(region, p), np.uint8)
             page = stop
             i += 1
-        self._verify_range(region, first_page, out)
+        self._verify_stored(region, first_page, out, got)
         return memoryview(out)
 
-    def _copy_stored(self, out: np.ndarray, at: int, ordinal: int, count: int) -> None:
+    def _copy_stored(self, out: np.ndarray, got: np.ndarray, row: int, ordinal: int, count: int) -> None:
         ps = self.page_size
         while count:
             frame = int(np.searchsorted(self._frame_starts, ordinal, side="right")) - 1
@@ -532,19 +551,20 @@ class LeanImage:
                                   structure="page_map")
             start = ordinal - int(self._frame_starts[frame])
             n = min(count, int(self._frame_counts[frame]) - start)
-            data = self.frame_pages(frame)
-            out[at:at + n * ps] = np.frombuffer(data, np.uint8, n * ps, start * ps)
-            at, ordinal, count = at + n * ps, ordinal + n, count - n
+            data, digests = self._frame(frame, with_digests=True)
+            out[row * ps:(row + n) * ps] = np.frombuffer(data, np.uint8, n * ps, start * ps)
+            got[row:row + n] = digests[start:start + n]
+            row, ordinal, count = row + n, ordinal + n, count - n
 
-    def _verify_range(self, region: Region, first_page: int, out: np.ndarray) -> None:
-        ps = self.page_size
-        count = len(out) // ps
-        classes, expected = self._expected_range(region, first_page, count)
-        expected = expected.tobytes()
-        view = memoryview(out)
-        for k in np.flatnonzero(classes != PageClass.FREE).tolist():
-            if page_digest(view[k * ps:(k + 1) * ps]) != expected[k * DIGEST_SIZE:(k + 1) * DIGEST_SIZE]:
-                self._verify(region, first_page + k, out[k * ps:(k + 1) * ps].tobytes())
+    def _verify_stored(self, region: Region, first_page: int, out: np.ndarray, got: np.ndarray) -> None:
+        """Check STORED pages against their digests in one comparison; read_page checked DISK,
+        PARENT and DELTA pages already, and ZERO/FREE pages are zeros written here."""
+        classes, expected = self._expected_range(region, first_page, len(got))
+        stored = classes == PageClass.STORED
+        bad = np.flatnonzero(stored & (got != expected).any(axis=1))
+        if len(bad):
+            k = int(bad[0])
+            self._verify(region, first_page + k, out[k * self.page_size:(k + 1) * self.page_size].tobytes())
 
     def classes(self, region: Region, first_page: int = 0, count: int | None = None) -> np.ndarray:
         """Per-page class of a range of a region (uint8 array), from the extents it overlaps."""
