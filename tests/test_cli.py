@@ -1,0 +1,114 @@
+"""Every command through click's CliRunner, its output compared with the library API."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from leanimg.cli import main
+from leanimg.inspect import summarize
+from leanimg.reader import LeanImage
+from leanimg.validate import validate
+from leanimg.writer import LeanImageWriter, ParentLink
+
+PS = 4096
+
+
+def _memory(pages: int, seed: int) -> bytearray:
+    rng = np.random.default_rng(seed)
+    mem = bytearray(rng.integers(0, 256, pages * PS, dtype=np.uint8).tobytes())
+    mem[PS * 4:PS * 12] = bytes(PS * 8)
+    return mem
+
+
+@pytest.fixture
+def images(tmp_path):
+    """A parent image and a child with PARENT, DELTA and STORED pages."""
+    parent_mem, child_mem = _memory(64, 1), None
+    parent = tmp_path / "parent.lean"
+    with LeanImageWriter(parent, frame_pages=8) as w:
+        w.put_pages(w.add_region("pc.ram", len(parent_mem), 0), 0, parent_mem)
+    child_mem = bytearray(parent_mem)
+    child_mem[PS * 20 + 8:PS * 20 + 16] = b"changed!"
+    child_mem[PS * 30:PS * 31] = os.urandom(PS)
+    with LeanImage.open(parent) as p:
+        link = ParentLink(p.header.image_uuid, p.footer.image_digest)
+        child = tmp_path / "child.lean"
+        with LeanImageWriter(child, parent=link) as w:
+            r = w.add_region("pc.ram", len(child_mem), 0)
+            for page in range(64):
+                old, new = parent_mem[page * PS:(page + 1) * PS], child_mem[page * PS:(page + 1) * PS]
+                if old == new:
+                    w.put_parent(r, page, p.expected_digest(p.regions[0], page))
+                else:
+                    w.put_changed(r, page, bytes(old), bytes(new))
+    return dict(parent=parent, child=child, parent_mem=bytes(parent_mem), child_mem=bytes(child_mem))
+
+
+def run(*args):
+    return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
+
+
+def test_inspect_json_is_the_library_summary(images):
+    result = run("inspect", "--json", images["child"], "--parent", images["parent"])
+    assert result.exit_code == 0, result.output
+    with LeanImage.open(images["child"], parents=[images["parent"]]) as image:
+        assert json.loads(result.output) == json.loads(json.dumps(summarize(image)))
+
+
+def test_inspect_text_shows_classes_and_chain(images):
+    result = run("inspect", images["child"], "--parent", images["parent"])
+    assert result.exit_code == 0
+    for word in ("PARENT", "DELTA", "STORED", "chain", "pc.ram", "ratio"):
+        assert word in result.output
+
+
+def test_validate_json_is_the_library_report(images):
+    result = run("validate", "--json", images["child"], "--parent", images["parent"])
+    assert result.exit_code == 0, result.output
+    report = validate(images["child"], parents=[images["parent"]])
+    assert json.loads(result.output) == json.loads(json.dumps(report.to_json()))
+    assert json.loads(result.output)["checked"]["delta_pages"] == 1
+
+
+def test_validate_exit_1_with_rule_on_a_flipped_bit(images, tmp_path):
+    data = bytearray(images["parent"].read_bytes())
+    data[len(data) // 2] ^= 0x10
+    bad = tmp_path / "bad.lean"
+    bad.write_bytes(data)
+    result = run("validate", bad)
+    assert result.exit_code == 1
+    assert "LI-" in result.output and "offset 0x" in result.output
+
+
+def test_restore_raw_equals_the_memory_fed_in(images, tmp_path):
+    out = tmp_path / "child.raw"
+    result = run("restore", images["child"], "--parent", images["parent"], "--to", "raw", "-o", out)
+    assert result.exit_code == 0, result.output
+    assert out.read_bytes() == images["child_mem"]
+
+
+def test_restore_without_parent_is_a_clear_error(images, tmp_path):
+    out = tmp_path / "x.raw"
+    result = CliRunner().invoke(main, ["restore", str(images["child"]), "-o", str(out)])
+    assert result.exit_code == 1
+    assert "LI-CHN-001" in result.output and "--parent" in result.output
+    assert "Traceback" not in result.output
+    assert sorted(os.listdir(tmp_path)) == ["child.lean", "parent.lean"], "no output, no temp file left"
+
+
+def test_missing_file_is_a_usage_error(tmp_path):
+    result = CliRunner().invoke(main, ["validate", str(tmp_path / "nope.lean")])
+    assert result.exit_code == 2
+
+
+def test_qemu_stream_gets_a_hint(tmp_path):
+    path = tmp_path / "vm.save"
+    path.write_bytes(b"QEVM\x00\x00\x00\x03" + bytes(200))
+    result = CliRunner().invoke(main, ["inspect", str(path)])
+    assert result.exit_code == 1
+    assert "LI-HDR-001" in result.output and "leanimg convert" in result.output
