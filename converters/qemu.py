@@ -204,14 +204,24 @@ class _Input:
         return self.base + self.pos
 
     def _fill(self, n: int) -> bool:
-        while len(self.buf) - self.pos < n:
-            chunk = self._f.read(max(READ_CHUNK, n))
-            if not chunk:
-                return False
-            self.base += self.pos
-            self.buf = self.buf[self.pos:] + chunk
-            self.pos = 0
-        return True
+        """Make n bytes available: a new buffer starting with the unread tail, then input."""
+        if len(self.buf) - self.pos >= n:
+            return True
+        rest = len(self.buf) - self.pos
+        buf = bytearray(max(READ_CHUNK, n))
+        buf[:rest] = memoryview(self.buf)[self.pos:]
+        filled = rest
+        view = memoryview(buf)
+        while filled < n:
+            got = self._f.readinto(view[filled:])
+            if not got:
+                break
+            filled += got
+        view.release()
+        del buf[filled:]
+        self.base += self.pos
+        self.buf, self.pos = buf, 0
+        return filled >= n
 
     def take(self, n: int, what: str) -> bytes:
         if len(self.buf) - self.pos < n and not self._fill(n):
@@ -221,7 +231,7 @@ class _Input:
                 offset=self.offset, structure=self.structure)
         start = self.pos
         self.pos += n
-        out = self.buf[start:self.pos]
+        out = bytes(memoryview(self.buf)[start:self.pos])
         if self.recording is not None:
             self.recording.append(out)
         return out
@@ -784,13 +794,18 @@ class _RamWriter:
             self._next_section()
             n = min(count - done, self.left) if self.left else count - done
             sub = None if pages is None else pages[done:done + n]
-            self.put(self._entries(block, self.block_pos, n, sub))
+            for part in self._entries(block, self.block_pos, n, sub):
+                self.put(part)
             self.block_pos += n * self.ps
             self.left -= n if self.left else 0
             done += n
 
-    def _entries(self, block: RamBlock, offset: int, n: int, pages: np.ndarray | None) -> bytes:
-        """n consecutive entries, vectorised: each is be64 header [+ name] + payload."""
+    def _entries(self, block: RamBlock, offset: int, n: int, pages: np.ndarray | None) -> list:
+        """n consecutive entries, vectorised: each is be64 header [+ name] + payload.
+
+        The entries after the first are laid out in one array (one copy of the pages)
+        and handed to the output as a view.
+        """
         first = b""
         flag = F_ZERO if pages is None else F_PAGE
         if self.last_block != block.name:
@@ -800,12 +815,13 @@ class _RamWriter:
             offset, n = offset + self.ps, n - 1
             pages = None if pages is None else pages[1:]
         if n == 0:
-            return first
+            return [first]
         words = (offset + np.arange(n, dtype=np.uint64) * np.uint64(self.ps)) | \
             np.uint64(flag | F_CONTINUE)
-        headers = words.astype(">u8").view(np.uint8).reshape(n, 8)
-        payload = np.zeros((n, 1), np.uint8) if pages is None else pages
-        return first + np.concatenate([headers, payload], axis=1).tobytes()
+        entries = np.empty((n, 8 + (1 if pages is None else self.ps)), np.uint8)
+        entries[:, :8] = words.astype(">u8").view(np.uint8).reshape(n, 8)
+        entries[:, 8:] = 0 if pages is None else pages
+        return [first, memoryview(entries).cast("B")]
 
 
 def _section_header_bytes(kind: int, h: SectionHeader) -> bytes:

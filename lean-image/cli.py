@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import traceback
 
@@ -69,10 +70,16 @@ parent_option = click.option("--parent", "parents", multiple=True, type=click.Pa
                              metavar="IMG", help="A parent image of the chain (repeatable; matched by UUID).")
 
 
+def _exit_on_sigterm(signum, frame):
+    """Unwind like SIGINT does, so writers remove their temporary files."""
+    sys.exit(128 + signum)
+
+
 @click.group(cls=LeanGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="leanimg")
 def main():
     """Lean VM memory images: convert, inspect, validate, restore."""
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
 
 
 @main.command()
