@@ -252,7 +252,11 @@ types:
             - source_format::xen
       - id: tag
         type: u4
-        doc: Meaning defined and documented by the converter.
+        doc: |
+          Meaning defined and documented by the converter that wrote it;
+          readers keep records with tags they do not know untouched. QEMU
+          tag 1: the converter's QEMU stream state, one zstd frame with its
+          content size declared.
       - id: sequence
         type: u8
         doc: 0, 1, 2, ... across all SOURCE_STATE records in file order.
@@ -402,26 +406,34 @@ types:
 
   digests_body:
     doc: |
-      xxh3-128 digests (canonical, big-endian) of the restored content of
-      consecutive pages of one region; 16 zero bytes for a FREE page. A
-      region's DIGESTS records, in file order, cover it exactly once.
+      Covers pages [first_page, first_page + num_pages) of one region and
+      holds the xxh3-128 digests (canonical, big-endian) of the restored
+      content of the STORED, DISK, PARENT and DELTA pages of that range, in
+      page order. ZERO pages have no stored digest (theirs is implied: the
+      digest of page_size zero bytes); FREE pages have none. Which digest
+      belongs to which page follows from the page map: a page's digest is
+      found by its rank among the region's digest-bearing pages. A region's
+      DIGESTS records, in file order, cover it exactly once.
     doc-ref: spec/format.md §6
     seq:
       - id: region_id
         type: u4
-      - id: reserved
+      - id: num_digests
         type: u4
-        valid: 0
+        doc: |
+          Number of STORED, DISK, PARENT and DELTA pages in the range (not
+          checkable here: it needs the page map); at most num_pages.
       - id: first_page
         type: u8
       - id: num_pages
         type: u8
         valid:
-          min: 1
+          expr: _ >= 1 and _ >= num_digests
       - id: digests
         size: 16
         repeat: expr
-        repeat-expr: num_pages
+        repeat-expr: num_digests
+        doc: One digest per digest-bearing page of the range, in page order.
 
   index_body:
     doc: The last record; one entry per other record, in file order.
@@ -645,10 +657,10 @@ enums:
       doc: In a PAGE_FRAME; slot = stored ordinal.
     0x2:
       id: zero
-      doc: All zero bytes.
+      doc: All zero bytes; digest implied, not stored.
     0x3:
       id: free
-      doc: Content undefined; restored as zeros, digest zero.
+      doc: Content undefined; restored as zeros; no digest.
     0x4:
       id: disk
       doc: From a disk; slot = disk reference.

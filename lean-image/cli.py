@@ -120,6 +120,8 @@ def validate(image, as_json, parents, disks):
             click.echo(f"    rule: {describe(finding.rule)}")
         for rule, count in report.suppressed.items():
             click.echo(f"{rule}: {count} more findings not shown")
+        for note in report.not_checked:
+            click.echo(f"not checked: {note}")
         checked = ", ".join(f"{v} {k}" for k, v in sorted(report.checked.items()))
         verdict = "valid" if report.valid else f"INVALID ({len(report.findings)} findings)"
         click.echo(f"{image}: {verdict}; checked {checked}")

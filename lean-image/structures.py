@@ -90,6 +90,9 @@ class Header:
 def read_header(image: ImageFile) -> Header:
     """Read and check the fixed part; raise on what makes the rest unreadable."""
     raw = image.read_exact(0, min(HEADER_SIZE_V1_0, image.size), "header")
+    if len(raw) < len(HEADER_MAGIC):
+        raise TruncatedError(f"expected magic {HEADER_MAGIC.hex(' ')}, the file has only {len(raw)} bytes",
+                             offset=0, structure="header.magic", rule="LI-HDR-001")
     if raw[:8] != HEADER_MAGIC:
         raise FormatError(f"expected magic {HEADER_MAGIC.hex(' ')}, got {raw[:8].hex(' ')}",
                           offset=0, structure="header.magic", rule="LI-HDR-001")

@@ -404,7 +404,7 @@ class LeanImageWriter:
         num_pages = len(self._frame_buffer) // self.page_size
         context = (self._frame_first_ordinal, num_pages)
         self._frame_first_ordinal += num_pages
-        data, self._frame_buffer = bytes(self._frame_buffer), bytearray()
+        data, self._frame_buffer = self._frame_buffer, bytearray()   # handed over, not copied
         for ctx, compressed in self._compressor.submit(data, context):
             self._write_page_frame(ctx, compressed)
 

@@ -150,8 +150,8 @@ def _body(rtype, body) -> dict:
                              "page_class": _int(e.page_class), "first_slot": e.first_slot}
                             for e in body.extents]}
     if name == "digests":
-        return {"region_id": body.region_id, "first_page": body.first_page, "num_pages": body.num_pages,
-                "digests": list(body.digests)}
+        return {"region_id": body.region_id, "num_digests": body.num_digests, "first_page": body.first_page,
+                "num_pages": body.num_pages, "digests": list(body.digests)}
     if name == "index":
         return {"num_entries": body.num_entries,
                 "entries": [{"record_offset": e.ofs_record, "record_type": _int(e.record_type), "key": e.key,

@@ -17,6 +17,7 @@ import pytest
 from helpers import VECTORS_DIR, make_vectors, restore_bytes, write_bytes
 from leanimg.errors import ChainError, LeanImageError
 from leanimg.format import (
+    DIGESTS_STRUCT,
     FOOTER_SIZE, INDEX_STRUCT, PAGE_FRAME_STRUCT, RECORD_HEADER_STRUCT, PageClass, RecordType, page_digest,
 )
 from leanimg.reader import LeanImage
@@ -245,7 +246,18 @@ def _index_entries_huge() -> bytes:
     return out + head + struct.pack("<Q", checksum64(head))
 
 
+def _digests_range_overflowing():
+    """A DIGESTS record claiming 2^63 pages before the real one, so coverage ends right again."""
+    lean = mv.Lean.parse(BASIC)
+    at = next(i for i, r in enumerate(lean.records) if r.type == RecordType.DIGESTS)
+    region_id = lean.records[at].key
+    bogus = mv.Rec(RecordType.DIGESTS, DIGESTS_STRUCT.pack(region_id, 0, 0, 1 << 63), region_id, 0, 1 << 63)
+    lean.records.insert(at, bogus)
+    return lean.build()
+
+
 HOSTILE = {
+    "digests-range-2^63-then-valid": _digests_range_overflowing,
     "body-length-2^63": lambda: _body_length(BASIC, 0, 1 << 63),
     "body-length-2^64-1": lambda: _body_length(BASIC, 1, (1 << 64) - 1),
     "body-length-255MiB": lambda: _body_length(BASIC, 1, 255 << 20),

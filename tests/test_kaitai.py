@@ -336,3 +336,39 @@ def test_skips_unknown_optional_record(Leanimg, image_bytes):
 def test_rejects_trailing_bytes(Leanimg, image_bytes):
     with pytest.raises(kaitaistruct.ValidationExprError):
         Leanimg.from_bytes(image_bytes + bytes(8))
+
+
+def _first_record_of(dump: dict, record_type: RecordType) -> dict:
+    return next(r for r in dump["records"] if r["record_type"] == record_type)
+
+
+@pytest.mark.parametrize("num_pages", [0, 1], ids=["zero", "below-num-digests"])
+def test_rejects_digests_num_pages(Leanimg, tmp_path, num_pages):
+    """DIGESTS: num_pages >= 1 and num_digests <= num_pages (spec §6.5, LI-REC-007)."""
+    path = tmp_path / "mixed.lean"
+    write_mixed(path)
+    digests = _first_record_of(dump_structure(path), RecordType.DIGESTS)
+    assert digests["body"]["num_digests"] > 1
+    bad = _mutated(path.read_bytes(), digests["offset"] + 16 + 16, "<Q", num_pages)
+    with pytest.raises(kaitaistruct.ValidationExprError):
+        Leanimg.from_bytes(bad)
+
+
+def test_digests_hold_only_digest_bearing_pages(Leanimg, tmp_path):
+    """The mixed image's FREE and ZERO pages take no room in its DIGESTS records."""
+    path = tmp_path / "mixed.lean"
+    write_mixed(path)
+    image = Leanimg.from_file(os.fspath(path))
+    bearing = {PageClass.STORED, PageClass.DISK, PageClass.PARENT, PageClass.DELTA}
+    counts = {}
+    for rec in image.records:
+        if rec.record_type == Leanimg.RecordType.page_map:
+            for e in rec.body.extents:
+                if e.page_class.value in bearing:
+                    counts[rec.body.region_id] = counts.get(rec.body.region_id, 0) + e.num_pages
+    stored = {}
+    for rec in image.records:
+        if rec.record_type == Leanimg.RecordType.digests:
+            assert len(rec.body.digests) == rec.body.num_digests <= rec.body.num_pages
+            stored[rec.body.region_id] = stored.get(rec.body.region_id, 0) + rec.body.num_digests
+    assert stored == counts

@@ -7,17 +7,21 @@ every rule has a vector, every rule is in the spec; the generator is determinist
 
 from __future__ import annotations
 
+import contextlib
 import filecmp
 import hashlib
 import importlib.util
+import io
 import json
 import re
+import struct
 import sys
 from pathlib import Path
 
 import pytest
 
-from helpers import VECTORS_DIR, restore_bytes
+from helpers import VECTORS_DIR, make_vectors, restore_bytes
+from leanimg.format import DIGESTS_STRUCT, RecordType, page_digest
 from leanimg.rules import RULES
 from leanimg.validate import validate
 
@@ -117,3 +121,62 @@ def test_generator_is_deterministic(tmp_path):
 def test_vectors_are_small():
     total = sum((VECTORS_DIR / rel).stat().st_size for rel in META) + (VECTORS_DIR / "vectors.json").stat().st_size
     assert total < 500 * 1024
+
+
+@pytest.mark.parametrize("rel", VALID)
+def test_valid_vector_digests_only_for_digest_bearing_pages(rel):
+    """Independently of the validator: each DIGESTS record holds, in page order, the digests of
+    exactly the STORED, DISK, PARENT and DELTA pages of its range (spec §6.5), and they are the
+    digests of the restored content."""
+    mv = make_vectors()
+    data = (VECTORS_DIR / rel).read_bytes()
+    lean = mv.Lean.parse(data)
+    page_size = struct.unpack_from("<I", data, 88)[0]
+    raw = restore_bytes(VECTORS_DIR / rel, **_args(META[rel]))
+    base = 0
+    for region in [r for r in lean.records if r.type == RecordType.REGION]:
+        region_id, size = struct.unpack_from("<I", region.body)[0], struct.unpack_from("<Q", region.body, 16)[0]
+        classes = mv.page_classes(lean, region_id)
+        assert len(classes) == size // page_size
+        covered = 0
+        for rec in lean.records:
+            if rec.type != RecordType.DIGESTS or DIGESTS_STRUCT.unpack_from(rec.body)[0] != region_id:
+                continue
+            _, num_digests, first, num_pages = DIGESTS_STRUCT.unpack_from(rec.body)
+            assert first == covered and num_pages >= 1
+            bearing = [p for p in range(first, first + num_pages) if classes[p] in mv.DIGEST_BEARING]
+            assert num_digests == len(bearing)
+            assert len(rec.body) == DIGESTS_STRUCT.size + 16 * num_digests
+            for k, p in enumerate(bearing):
+                content = raw[base + p * page_size:base + (p + 1) * page_size]
+                assert rec.body[24 + 16 * k:40 + 16 * k] == page_digest(content), (region_id, p)
+            covered += num_pages
+        assert covered == len(classes)
+        base += size
+
+
+# --- spec/format.md Appendix A ------------------------------------------------------------------
+
+def _run_make_examples(*argv) -> str:
+    spec = importlib.util.spec_from_file_location("make_examples", SPEC_DIR / "tools" / "make_examples.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert module.main(list(argv)) == 0
+    return out.getvalue()
+
+
+def test_spec_appendix_is_what_make_examples_prints():
+    text = (SPEC_DIR / "format.md").read_text()
+    generated = _run_make_examples().strip("\n")
+    assert generated in text, "spec/format.md Appendix A differs from spec/tools/make_examples.py's output"
+
+
+def test_spec_example_image_is_valid(tmp_path):
+    """The complete image of Appendix A.5 validates clean and restores to its two 0xAB pages."""
+    path = tmp_path / "example.lean"
+    _run_make_examples("-o", str(path))
+    findings = validate(path).findings
+    assert findings == [], [str(f) for f in findings]
+    assert restore_bytes(path) == b"\xab" * 8192 + bytes(254 * 4096)

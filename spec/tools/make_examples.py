@@ -35,7 +35,7 @@ PAGE_FRAME = struct.Struct("<QII")
 DELTA_FRAME = struct.Struct("<QII")
 PAGE_MAP = struct.Struct("<II")
 EXTENT = struct.Struct("<QIHHQ")
-DIGESTS = struct.Struct("<IIQQ")
+DIGESTS = struct.Struct("<IIQQ")              # region_id, num_digests, first_page, num_pages
 INDEX = struct.Struct("<II")
 INDEX_ENTRY = struct.Struct("<QIIQQ")
 FOOTER = struct.Struct("<8sQQ16sQ")               # 48 bytes
@@ -234,7 +234,8 @@ def example_image(hdr: bytes, region_rec: bytes, map_rec: bytes) -> bytes:
     frame_rec = record(T_PAGE_FRAME, PAGE_FRAME.pack(0, 2, 0) + frame)
     d_a = xxhash.xxh3_128_digest(page_a)
     d_0 = xxhash.xxh3_128_digest(bytes(PAGE_SIZE))
-    dig_body = DIGESTS.pack(0, 0, 0, 256) + d_a * 2 + d_0 * 254
+    # digests of the STORED pages 0 and 1 only; the 254 ZERO pages have an implied digest (d_0)
+    dig_body = DIGESTS.pack(0, 2, 0, 256) + d_a * 2
     dig_rec = record(T_DIGESTS, dig_body)
 
     records = [(T_REGION, region_rec, 0, 0, 256),
@@ -260,7 +261,7 @@ def example_image(hdr: bytes, region_rec: bytes, map_rec: bytes) -> bytes:
 
     section("A.5 A complete image and its footer")
     print("The header of A.1, the REGION of A.2, one PAGE_FRAME holding stored ordinals 0 and 1")
-    print("(two pages of 0xAB bytes), the PAGE_MAP of A.3, one DIGESTS record for the 256 pages,")
+    print("(two pages of 0xAB bytes), the PAGE_MAP of A.3, one DIGESTS record covering the 256 pages,")
     print(f"the INDEX and the footer: {file_length} bytes in all. The file in order:")
     print()
     kv("offset 0x0000", f"header, {len(hdr)} bytes (A.1)")
@@ -277,13 +278,16 @@ def example_image(hdr: bytes, region_rec: bytes, map_rec: bytes) -> bytes:
     print()
     code(hexdump(frame_rec, offsets[1]))
     print()
-    print(f"DIGESTS record at 0x{offsets[3]:04x}: region 0, first_page 0, num_pages 256, then")
-    print("2 x xxh3-128(4096 x 0xab) and 254 x xxh3-128(4096 x 0x00):")
+    print(f"DIGESTS record at 0x{offsets[3]:04x}: region 0, num_digests 2, first_page 0, num_pages 256,")
+    print(f"body_length {len(dig_body)} = 24 + 2 x 16. The STORED pages 0 and 1 are the only")
+    print("digest-bearing pages of the range, so the record holds their two digests,")
+    print("xxh3-128(4096 x 0xab) twice. Pages 2-255 are ZERO: they have no stored digest;")
+    print("their digest is implied, xxh3-128(4096 x 0x00).")
     print()
     kv("xxh3-128(4096 x 0xab)", d_a.hex())
-    kv("xxh3-128(4096 x 0x00)", d_0.hex())
+    kv("xxh3-128(4096 x 0x00)", d_0.hex() + " (implied, not stored)")
     print()
-    code(hexdump(dig_rec, offsets[3], elide=(0x40, len(dig_rec) - 0x30)))
+    code(hexdump(dig_rec, offsets[3]))
     print()
     print(f"INDEX record at 0x{index_offset:04x} (4 entries):")
     print()

@@ -196,6 +196,33 @@ def page_map_body(region_id: int, extents) -> bytes:
     return PAGE_MAP_STRUCT.pack(region_id, len(extents)) + b"".join(EXTENT_STRUCT.pack(*e) for e in extents)
 
 
+DIGEST_BEARING = {PageClass.STORED, PageClass.DISK, PageClass.PARENT, PageClass.DELTA}
+
+
+def page_classes(lean: "Lean", region_id: int) -> list[int]:
+    """The class of every page of a region, from its PAGE_MAP records in file order."""
+    classes = []
+    for rec in lean.records:
+        if rec.type == RecordType.PAGE_MAP and PAGE_MAP_STRUCT.unpack_from(rec.body)[0] == region_id:
+            for first, n, cls, _, _ in extents_of(rec.body):
+                assert first == len(classes)
+                classes += [cls] * n
+    return classes
+
+
+def digest_rank(lean: "Lean", region_id: int, page: int, cls: PageClass) -> int:
+    """Position of ``page``'s digest among the region's stored digests (its rank among the
+    STORED, DISK, PARENT and DELTA pages); asserts the page has class ``cls``."""
+    classes = page_classes(lean, region_id)
+    assert classes[page] == cls, (page, classes[page], cls)
+    return sum(c in DIGEST_BEARING for c in classes[:page])
+
+
+def digests_body(region_id: int, first_page: int, num_pages: int, digests: bytes) -> bytes:
+    assert len(digests) % 16 == 0
+    return DIGESTS_STRUCT.pack(region_id, len(digests) // 16, first_page, num_pages) + digests
+
+
 def split_delta_frame(body: bytes):
     first, n, reserved = DELTA_FRAME_STRUCT.unpack_from(body)
     offsets = list(struct.unpack_from(f"<{n + 1}I", body, 16))
@@ -407,6 +434,25 @@ def img_two_regions() -> bytes:
     return write_image(build, name="two-regions")
 
 
+def split_digests(data: bytes, sizes: list[int]) -> bytes:
+    """The image with its (single) DIGESTS record of region 0 split into records of ``sizes`` pages."""
+    lean = Lean.parse(data)
+    i = lean.find(RecordType.DIGESTS)
+    rid, n, first, pages = DIGESTS_STRUCT.unpack_from(lean.records[i].body)
+    assert first == 0 and pages == sum(sizes) and lean.count(RecordType.DIGESTS) == 1
+    digests = lean.records[i].body[24:]
+    bearing = [c in DIGEST_BEARING for c in page_classes(lean, rid)]
+    records, page, rank = [], 0, 0
+    for size in sizes:
+        k = sum(bearing[page:page + size])
+        records.append(Rec(RecordType.DIGESTS, digests_body(rid, page, size, digests[16 * rank:16 * (rank + k)]),
+                           rid, page, size))
+        page, rank = page + size, rank + k
+    assert rank == n
+    lean.records[i:i + 1] = records
+    return lean.build()
+
+
 def with_optional_record(data: bytes) -> bytes:
     lean = Lean.parse(data)
     at = lean.find(RecordType.PAGE_MAP)
@@ -504,6 +550,10 @@ def generate(outdir: Path) -> None:
             .build(), "basic.lean with an unknown compatible and an unknown autoclear feature bit: ignored", raw=RAW["basic"])
     v.valid("uniform", uniform, "four identical STORED pages in two frames", raw=RAW["uniform"])
     v.valid("two-regions", two, "two regions ram0/ram1 with STORED, ZERO and FREE pages", raw=RAW["two-regions"])
+    v.valid("digests-split", split_digests(basic, [3, 1, 6, 2]),
+            "basic.lean with its DIGESTS record split in four covering pages 0-2 (3 STORED: num_digests 3), "
+            "3 (ZERO: num_digests 0), 4-9 (4 STORED, 2 ZERO: num_digests 4) and 10-11 (FREE: num_digests 0); "
+            "a page's digest is found by its rank", raw=RAW["basic"])
 
     # ---- invalid: header ------------------------------------------------------------------
     L = Lean.parse
@@ -664,7 +714,8 @@ def generate(outdir: Path) -> None:
               disks={"disk0": "valid/disk0.raw"})
     lean = L(disk)
     i = lean.find(RecordType.DIGESTS)
-    rewrite_body(lean, i, lambda b: b[:24 + 16] + bytes(range(16)) + b[24 + 32:])
+    k = digest_rank(lean, 0, 1, PageClass.DISK)
+    rewrite_body(lean, i, lambda b: b[:24 + 16 * k] + bytes(range(16)) + b[24 + 16 * (k + 1):])
     v.invalid("dsk-005-digest", "LI-DSK-005", lean.build(),
               "digest of DISK page 1 altered: disk0 at sector 8 does not have it (needs --disk)",
               disks={"disk0": "valid/disk0.raw"})
@@ -812,29 +863,63 @@ def generate(outdir: Path) -> None:
     lean = L(uniform)
     i = lean.find(RecordType.DIGESTS)
     b = lean.records[i].body
-    rid, _, _, _ = DIGESTS_STRUCT.unpack_from(b)
+    rid, n, first, pages = DIGESTS_STRUCT.unpack_from(b)
+    assert (n, first, pages) == (4, 0, 4)
     d = b[24:]
-    second = Rec(RecordType.DIGESTS, DIGESTS_STRUCT.pack(rid, 0, 0, 2) + d[:32], rid, 0, 2)
-    lean.records[i] = Rec(RecordType.DIGESTS, DIGESTS_STRUCT.pack(rid, 0, 2, 2) + d[32:], rid, 2, 2)
-    lean.records.insert(i + 1, second)
+    lean.records[i] = Rec(RecordType.DIGESTS, digests_body(rid, 2, 2, d[32:]), rid, 2, 2)
+    lean.records.insert(i + 1, Rec(RecordType.DIGESTS, digests_body(rid, 0, 2, d[:32]), rid, 0, 2))
     v.invalid("dig-001-order", "LI-DIG-001", lean.build(),
               "region digests split in two DIGESTS records given in the wrong order (pages 2-3, then 0-1)")
     lean = L(uniform)
     i = lean.find(RecordType.DIGESTS)
-    rewrite_body(lean, i, lambda b: patch(b, 16, "Q", 3)[:24 + 48])
+    rewrite_body(lean, i, lambda b: digests_body(rid, 0, 3, b[24:24 + 48]))
     lean.records[i].count = 3
-    v.invalid("dig-001-short", "LI-DIG-001", lean.build(), "DIGESTS record covering 3 of 4 pages",
-              also=["LI-DIG-002"])
+    v.invalid("dig-001-short", "LI-DIG-001", lean.build(), "DIGESTS record covering 3 of 4 pages "
+              "(num_digests 3, consistent with the range)")
     lean = L(basic)
     i = lean.find(RecordType.DIGESTS)
-    rewrite_body(lean, i, lambda b: b[:24] + bytes(b[24] ^ 1 for _ in [0]) + b[25:])
+    k = digest_rank(lean, 0, 0, PageClass.STORED)
+    rewrite_body(lean, i, lambda b: b[:24 + 16 * k] + bytes([b[24 + 16 * k] ^ 1]) + b[24 + 16 * k + 1:])
     v.invalid("dig-002-stored", "LI-DIG-002", lean.build(), "digest of STORED page 0 altered")
     lean = L(basic)
-    rewrite_body(lean, i, lambda b: b[:24 + 16 * 8] + bytes(16) + b[24 + 16 * 9:])
-    v.invalid("dig-002-zero", "LI-DIG-002", lean.build(), "digest of ZERO page 8 zeroed")
+    k = digest_rank(lean, 0, 5, PageClass.STORED)
+    rewrite_body(lean, i, lambda b: b[:24 + 16 * k] + b[24 + 16 * (k + 1):24 + 16 * (k + 2)]
+                 + b[24 + 16 * k:24 + 16 * (k + 1)] + b[24 + 16 * (k + 2):])
+    v.invalid("dig-002-swapped", "LI-DIG-002", lean.build(),
+              "digests of STORED pages 5 and 6 swapped (each page's digest is another page's)")
+    lean = L(child)
+    i = lean.find(RecordType.DIGESTS)
+    k = digest_rank(lean, 0, 2, PageClass.PARENT)
+    rewrite_body(lean, i, lambda b: b[:24 + 16 * k] + bytes(range(16)) + b[24 + 16 * (k + 1):])
+    v.invalid("dig-002-parent", "LI-DIG-002", lean.build(),
+              "digest of PARENT page 2 of child-delta altered: parent.lean's page 2 does not have it "
+              "(needs --parent)", parents=["valid/parent.lean"])
+    lean = L(child)
+    k = digest_rank(lean, 0, 5, PageClass.DELTA)
+    rewrite_body(lean, i, lambda b: b[:24 + 16 * k] + page_digest(parent_pages()[5 * PS:6 * PS])
+                 + b[24 + 16 * (k + 1):])
+    v.invalid("dig-002-delta", "LI-DIG-002", lean.build(),
+              "digest of DELTA page 5 of child-delta replaced by the parent page's digest: the delta "
+              "applied to parent.lean's page 5 does not have it (needs --parent)", parents=["valid/parent.lean"])
     lean = L(basic)
-    rewrite_body(lean, i, lambda b: b[:24 + 16 * 10] + page_digest(bytes(PS)) + b[24 + 16 * 11:])
-    v.invalid("dig-003-free", "LI-DIG-003", lean.build(), "FREE page 10 has the zero page's digest")
+    i = lean.find(RecordType.DIGESTS)
+    k = digest_rank(lean, 0, 3, PageClass.ZERO)
+    rewrite_body(lean, i, lambda b: digests_body(rid, 0, 12, b[24:24 + 16 * k] + page_digest(bytes(PS))
+                                                 + b[24 + 16 * k:]))
+    v.invalid("dig-003-zero-page-digest", "LI-DIG-003", lean.build(),
+              "a digest stored for ZERO page 3 (num_digests 8 and body_length agree) where pages 0-11 "
+              "have 7 STORED pages; ZERO pages have no stored digest")
+    lean = L(basic)
+    i = lean.find(RecordType.DIGESTS)
+    d = lean.records[i].body[24:]
+    k = digest_rank(lean, 0, 7, PageClass.STORED)
+    assert len(d) == 16 * (k + 1) and set(page_classes(lean, 0)[8:]) <= {PageClass.ZERO, PageClass.FREE}
+    lean.records[i] = Rec(RecordType.DIGESTS, digests_body(rid, 0, 8, d[:16 * k]), rid, 0, 8)
+    lean.records.insert(i + 1, Rec(RecordType.DIGESTS, digests_body(rid, 8, 4, d[16 * k:]), rid, 8, 4))
+    v.invalid("dig-003-split", "LI-DIG-003", lean.build(),
+              "region digests split in two DIGESTS records, pages 0-7 with num_digests 6 and pages 8-11 "
+              "(ZERO and FREE only) with num_digests 1: STORED page 7's digest is in the wrong record "
+              "(the region's total of 7 digests, in order, is right)")
 
     # ---- invalid: index and footer ------------------------------------------------------------------
     lean = L(basic)
