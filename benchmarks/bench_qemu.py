@@ -30,7 +30,6 @@ IMG <= SAVE.zst.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import platform
@@ -42,6 +41,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from leanimg.fileutil import sha256_file
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
@@ -133,12 +134,6 @@ def _memory_mix(pmem: Path) -> dict:
     return {"pages": total, "nonzero_pages": nonzero, "nonzero_fraction": nonzero / total}
 
 
-def sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(4 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -184,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     rebuilt = wd / "rebuilt.save"
     subprocess.run([*leanimg, "restore", str(img), "--to", "qemu", "-o", str(rebuilt)],
                    check=True)
-    identical = sha256(rebuilt) == sha256(save)
+    identical = sha256_file(rebuilt) == sha256_file(save)
     rebuilt.unlink()
     inspect = json.loads(subprocess.run([*leanimg, "inspect", "--json", str(img)], check=True,
                                         capture_output=True).stdout)

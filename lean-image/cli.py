@@ -143,7 +143,8 @@ def restore(image, target, output, parents, disks):
     qemu-system-x86_64 ... -incoming "exec:leanimg restore IMG --to qemu -o -"
     """
     from .reader import LeanImage
-    from leanimg.restore.raw import restore_raw, write_atomically
+    from .fileutil import write_atomically
+    from leanimg.restore.raw import restore_raw
     from leanimg.restore.qemu import restore_qemu
     produce = restore_qemu if target == "qemu" else restore_raw
     with LeanImage.open(image, parents=parents, disks=_parse_disks(disks)) as img:

@@ -6,7 +6,6 @@ zstd-compressed as package data, so the demo runs without QEMU installed.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
 import tempfile
@@ -16,6 +15,7 @@ from importlib import resources
 import click
 import zstandard
 
+from .fileutil import sha256_file
 from .inspect import render_text, summarize
 from .reader import LeanImage
 from .validate import validate
@@ -33,14 +33,6 @@ def _decompress(src: str, dest: str) -> None:
         zstandard.ZstdDecompressor().copy_stream(fin, fout)
 
 
-def _sha256(path: str) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def _step(title: str):
     click.secho(f"\n== {title}", bold=True)
     return time.perf_counter()
@@ -53,7 +45,8 @@ def _done(start: float, note: str = "") -> None:
 def run_demo(workdir: str | None = None, keep: bool = False) -> bool:
     from leanimg.converters.convert import convert_file
     from leanimg.restore.qemu import restore_qemu
-    from leanimg.restore.raw import restore_raw, write_atomically
+    from leanimg.fileutil import write_atomically
+    from leanimg.restore.raw import restore_raw
     owned = workdir is None
     workdir = workdir or tempfile.mkdtemp(prefix="leanimg-demo-")
     os.makedirs(workdir, exist_ok=True)
@@ -92,8 +85,8 @@ def run_demo(workdir: str | None = None, keep: bool = False) -> bool:
         _done(t, "every page checked against its xxh3-128 digest")
 
         t = _step("verify: the rebuilt stream is the original, byte for byte")
-        same = _sha256(save) == _sha256(rebuilt)
-        click.echo(f"   sha256 original {_sha256(save)[:16]}…  rebuilt {_sha256(rebuilt)[:16]}…  "
+        same = sha256_file(save) == sha256_file(rebuilt)
+        click.echo(f"   sha256 original {sha256_file(save)[:16]}…  rebuilt {sha256_file(rebuilt)[:16]}…  "
                    f"{'IDENTICAL' if same else 'DIFFERENT'}")
         _done(t)
         ok = report.valid and same

@@ -16,12 +16,12 @@ from __future__ import annotations
 import math
 import os
 import struct
-import tempfile
 import zlib
 from dataclasses import dataclass
 
 import numpy as np
 
+from .fileutil import write_atomically
 from .format import PageClass
 from .reader import LeanImage, Region
 
@@ -312,18 +312,4 @@ def render_map(image: LeanImage, path: str, width: int = 512) -> None:
     canvas, _ = render_pixels(image, width)
     data = encode_png(canvas)
     path = os.fspath(path)
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, temp = tempfile.mkstemp(prefix=".leanimg-map-", suffix=".partial", dir=directory)
-    try:
-        umask = os.umask(0)
-        os.umask(umask)
-        os.fchmod(fd, 0o666 & ~umask)       # as open() would create it, not mkstemp's 0600
-        with os.fdopen(fd, "wb") as out:
-            out.write(data)
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(temp, path)
-    except BaseException:
-        if os.path.exists(temp):
-            os.unlink(temp)
-        raise
+    write_atomically(path, lambda out: out.write(data))

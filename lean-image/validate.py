@@ -18,7 +18,7 @@ import zstandard
 from . import delta as deltacodec
 from .errors import LeanImageError, LimitError
 from .format import (
-    DIGEST_SIZE, DISK_SECTOR_SIZE, FOOTER_SIZE, IncompatFeature, PageClass, RecordType, page_digest,
+    DIGEST_SIZE, DISK_SECTOR_SIZE, IncompatFeature, PageClass, RecordType, page_digest,
 )
 from .reader import LeanImage, decompress_frame
 from .structures import (

@@ -24,6 +24,7 @@ import xxhash
 import zstandard
 
 from . import delta as deltacodec
+from .fileutil import fsync_path, umask
 from .format import (
     DEFAULT_FRAME_BYTES, DEFAULT_ZSTD_LEVEL, DELTA_FRAME_STRUCT, DIGEST_CHUNK_PAGES, DIGEST_SIZE,
     DIGESTS_STRUCT, DISK_REF_CHUNK, DISK_REF_DTYPE, DISK_REFS_STRUCT, DISK_SECTOR_SIZE, DISK_STRUCT,
@@ -510,9 +511,9 @@ class LeanImageWriter:
         if self._owns_file:
             os.fsync(self._fileobj.fileno())
             self._fileobj.close()
-            os.chmod(self._temp_path, 0o666 & ~_umask())
+            os.chmod(self._temp_path, 0o666 & ~umask())
             os.replace(self._temp_path, self.path)
-            _fsync_directory(os.path.dirname(os.path.abspath(self.path)))
+            fsync_path(os.path.dirname(os.path.abspath(self.path)))
 
 
 def build_extents(classes: np.ndarray, slots: np.ndarray) -> np.ndarray:
@@ -536,17 +537,3 @@ def _check_name(name: str, what: str) -> bytes:
     if not 1 <= len(encoded) <= REGION_NAME_MAX:
         raise WriterUsageError(f"{what} name must be 1..{REGION_NAME_MAX} UTF-8 bytes, got {len(encoded)}")
     return encoded
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-def _fsync_directory(directory: str) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

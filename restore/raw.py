@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-
 from leanimg.reader import LeanImage
 
 CHUNK_PAGES = 4096
@@ -31,20 +29,4 @@ def restore_raw(image: LeanImage, out, progress=None) -> int:
             if progress:
                 progress(len(data))
     out.flush()
-    return written
-
-
-def write_atomically(path: str, produce) -> int:
-    """Run ``produce(fileobj)`` into a temp file that becomes ``path`` only when complete."""
-    temp = f"{path}.partial-{os.getpid()}"
-    try:
-        with open(temp, "wb") as out:
-            written = produce(out)
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(temp, path)
-    except BaseException:
-        if os.path.exists(temp):
-            os.unlink(temp)
-        raise
     return written

@@ -7,7 +7,6 @@ report every damage; the CLI must exit 1 without a traceback.
 
 from __future__ import annotations
 
-import io
 import struct
 import tracemalloc
 from pathlib import Path
@@ -18,7 +17,7 @@ from helpers import VECTORS_DIR, make_vectors, restore_bytes, write_bytes
 from leanimg.errors import ChainError, LeanImageError
 from leanimg.format import (
     DIGESTS_STRUCT,
-    FOOTER_SIZE, INDEX_STRUCT, PAGE_FRAME_STRUCT, RECORD_HEADER_STRUCT, PageClass, RecordType, page_digest,
+    FOOTER_SIZE, PAGE_FRAME_STRUCT, RECORD_HEADER_STRUCT, RecordType, page_digest,
 )
 from leanimg.reader import LeanImage
 from leanimg.rules import RULES

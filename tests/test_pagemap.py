@@ -181,16 +181,15 @@ def test_huge_region_is_bucketed_without_per_page_memory():
         assert _colour(pixels, x, y) == CLASS_COLOURS[PageClass(cls)]
 
 
-def test_cli_inspect_map(chain):
+def test_cli_inspect_map(chain, tmp_path):
     child, parent = chain
-    runner = CliRunner()
-    with runner.isolated_filesystem():
-        result = runner.invoke(main, ["inspect", str(child), "--parent", str(parent), "--map", "out.png",
-                                      "--json"])
-        assert result.exit_code == 0, result.output
-        assert json.loads(result.output)["map"] == "out.png"
-        with LeanImage.open(child, parents=[parent]) as image:
-            expected, _ = render_pixels(image)
-        with open("out.png", "rb") as f:
-            assert np.array_equal(decode_png(f.read()), expected)
-        assert sorted(os.listdir(".")) == ["out.png"], "no temporary file left behind"
+    out = tmp_path / "maps" / "out.png"
+    out.parent.mkdir()
+    result = CliRunner().invoke(main, ["inspect", str(child), "--parent", str(parent), "--map", str(out),
+                                       "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output)["map"] == str(out)
+    with LeanImage.open(child, parents=[parent]) as image:
+        expected, _ = render_pixels(image)
+    assert np.array_equal(decode_png(out.read_bytes()), expected)
+    assert os.listdir(out.parent) == ["out.png"], "no temporary file left behind"

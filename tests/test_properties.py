@@ -11,14 +11,14 @@ import tempfile
 
 import numpy as np
 import pytest
-from hypothesis import assume, given, note, settings
+from hypothesis import assume, given, note
 from hypothesis import strategies as st
 
 from helpers import register_hypothesis_profiles, roundtrip, write_bytes
 from leanimg import delta as deltacodec
-from leanimg.format import DeltaEncoding, PageClass, page_digest
+from leanimg.format import DeltaEncoding, page_digest
 from leanimg.validate import validate
-from leanimg.writer import LeanImageWriter, ParentLink, disk_fingerprint
+from leanimg.writer import ParentLink, disk_fingerprint
 
 register_hypothesis_profiles()
 

@@ -34,6 +34,7 @@ import xxhash
 import kaitai_support as ks
 from guest.scenarios import E2E_STEPS, SavePoint, run_scenario, wait_heartbeat
 from guest.vm import GuestVM, copy_disk, qemu_available
+from leanimg.fileutil import sha256_file
 from leanimg.converters import qemu as q
 from leanimg.reader import LeanImage, dump_structure
 
@@ -139,12 +140,6 @@ def stream_summary(path: Path):
     return pages, blocks, state
 
 
-def sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def first_difference(a: Path, b: Path) -> str:
@@ -196,7 +191,7 @@ def test_restore_rebuilds_the_save(workload, saves, images, tmp_path):
         [(d.kind, d.header, d.body) for d in state0.devices]
     assert len(state0.devices) > 10
     assert state1.vmdesc == state0.vmdesc and state1.prologue == state0.prologue
-    assert sha256(rebuilt) == sha256(sp.save), first_difference(rebuilt, sp.save)
+    assert sha256_file(rebuilt) == sha256_file(sp.save), first_difference(rebuilt, sp.save)
 
 
 @pytest.mark.parametrize("workload", WORKLOADS)
@@ -215,7 +210,7 @@ def test_resume_from_leanimg_pipe(workload, saves, images, tmp_path):
         restored = tmp_path / "restored.mem"
         vm.pmemsave(restored)
         assert restored.stat().st_size == sp.mem.stat().st_size
-        assert sha256(restored) == sha256(sp.mem), first_difference(restored, sp.mem)
+        assert sha256_file(restored) == sha256_file(sp.mem), first_difference(restored, sp.mem)
         assert "Traceback" not in vm.qemu_output() and "leanimg:" not in vm.qemu_output()
         vm.cont()
         beat = wait_heartbeat(vm, sp.mode, sp.heartbeat, timeout=60)
@@ -269,7 +264,7 @@ def test_workloads_did_their_work(saves):
     """Each save holds what its workload put in guest RAM (so the round trips above covered
     page cache of disk files, anonymous random memory and dirty file pages)."""
     mems = {name: sp.mem.read_bytes() for name, sp in saves.items()}
-    assert len({hashlib.sha256(m).digest() for m in mems.values()}) == len(mems)
+    assert len({hashlib.sha256_file(m).digest() for m in mems.values()}) == len(mems)
     # page cache: pages of the files on the disk are now in RAM
     disk_pages = _page_digests(saves["idle"].disk)
     cached = {name: len(disk_pages & _page_digests(sp.mem)) for name, sp in saves.items()}

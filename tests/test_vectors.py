@@ -16,7 +16,6 @@ import json
 import re
 import struct
 import sys
-from pathlib import Path
 
 import pytest
 

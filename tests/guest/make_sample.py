@@ -10,7 +10,6 @@ sha256 of the uncompressed files and of a pmemsave of guest RAM at save time, QE
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import subprocess
 import sys
@@ -18,6 +17,8 @@ import tempfile
 from pathlib import Path
 
 import zstandard
+
+from leanimg.fileutil import sha256_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -57,8 +58,8 @@ def main(argv: list[str] | None = None) -> int:
         for name, path in (("vm.save", saved.save), ("disk.img", saved.disk)):
             size = compress(path, args.outdir / f"{name}.zst")
             info["files"][name] = {"size": path.stat().st_size, "zst_size": size,
-                                   "sha256": _sha256(path)}
-        info["pmemsave_sha256"] = _sha256(saved.mem)
+                                   "sha256": sha256_file(path)}
+        info["pmemsave_sha256"] = sha256_file(saved.mem)
         info["kernel_cmdline"] = build.cmdline
     (args.outdir / "sample.json").write_text(json.dumps(info, indent=2) + "\n")
     for name, f in info["files"].items():
@@ -66,12 +67,6 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _qemu_version() -> str:

@@ -19,7 +19,6 @@ from __future__ import annotations
 import hashlib
 import io
 import json
-import os
 import shutil
 import struct
 import sys
@@ -31,13 +30,11 @@ import numpy as np
 import xxhash
 import zstandard
 
-from leanimg import delta as deltacodec
 from leanimg.format import (
-    DELTA_ENTRY_STRUCT, DELTA_FRAME_STRUCT, DIGESTS_STRUCT, DISK_REF_STRUCT, DISK_REFS_STRUCT,
-    DISK_STRUCT, EXTENT_STRUCT, FOOTER_MAGIC, FOOTER_STRUCT, HEADER_CHECKSUM_OFFSET, HEADER_STRUCT,
-    INDEX_ENTRY_STRUCT, INDEX_STRUCT, NO_KEY, PAGE_FRAME_STRUCT, PAGE_MAP_STRUCT,
-    RECORD_HEADER_STRUCT, REGION_STRUCT, SOURCE_STATE_STRUCT, DeltaEncoding, PageClass,
-    RecordType, SourceFormat, align8, checksum64, page_digest,
+    DELTA_ENTRY_STRUCT, DELTA_FRAME_STRUCT, DIGESTS_STRUCT, EXTENT_STRUCT, FOOTER_MAGIC,
+    FOOTER_STRUCT, HEADER_CHECKSUM_OFFSET, INDEX_ENTRY_STRUCT, INDEX_STRUCT, NO_KEY,
+    PAGE_FRAME_STRUCT, PAGE_MAP_STRUCT, RECORD_HEADER_STRUCT, DeltaEncoding, PageClass, RecordType,
+    SourceFormat, align8, checksum64, page_digest,
 )
 from leanimg.writer import LeanImageWriter, ParentLink, disk_fingerprint
 
