@@ -264,7 +264,7 @@ def test_workloads_did_their_work(saves):
     """Each save holds what its workload put in guest RAM (so the round trips above covered
     page cache of disk files, anonymous random memory and dirty file pages)."""
     mems = {name: sp.mem.read_bytes() for name, sp in saves.items()}
-    assert len({hashlib.sha256_file(m).digest() for m in mems.values()}) == len(mems)
+    assert len({hashlib.sha256(m).digest() for m in mems.values()}) == len(mems)
     # page cache: pages of the files on the disk are now in RAM
     disk_pages = _page_digests(saves["idle"].disk)
     cached = {name: len(disk_pages & _page_digests(sp.mem)) for name, sp in saves.items()}
