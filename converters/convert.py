@@ -15,6 +15,8 @@ import zstandard
 
 from leanimg.errors import SourceFormatError, UnsupportedError
 from leanimg.format import SourceFormat
+from leanimg.incremental import AgainstParent, parent_link
+from leanimg.reader import LeanImage
 from leanimg.writer import LeanImageWriter, WriterUsageError
 
 from . import qemu
@@ -77,8 +79,8 @@ class _PeekedInput(io.RawIOBase):
 class _RunBuffer:
     """Collects contiguous pages of one block and hands them to the writer in runs."""
 
-    def __init__(self, writer: LeanImageWriter, page_size: int):
-        self.writer, self.page_size = writer, page_size
+    def __init__(self, writer: LeanImageWriter, page_size: int, put_data):
+        self.writer, self.page_size, self.put_data = writer, page_size, put_data
         self.region = self.next_page = None
         self.kind = None
         self.data: list[bytes] = []
@@ -100,7 +102,7 @@ class _RunBuffer:
         if self.kind == "zero":
             self.writer.put_zero(self.region, self.first, self.count)
         else:
-            self.writer.put_pages(self.region, self.first, b"".join(self.data))
+            self.put_data(self.region, self.first, b"".join(self.data))
         self.data, self.count, self.next_page = [], 0, None
 
 
@@ -108,10 +110,23 @@ class RepeatedPages(Exception):
     """The stream sends a page twice (a live save): convert it with spooling."""
 
 
-def convert_qemu(source: BinaryIO, writer: LeanImageWriter, progress=None) -> qemu.StreamState:
-    """Stream a QEMU migration stream into ``writer``; each page must come once."""
+def _page_sink(writer: LeanImageWriter, parent, names: dict[int, str]):
+    """put_pages, or classification against the parent image when there is one."""
+    if parent is None:
+        return writer.put_pages, None
+    feeder = AgainstParent(writer, parent)
+    return (lambda region, first, data: feeder.put_pages(region, names[region], first, data)), feeder
+
+
+def convert_qemu(source: BinaryIO, writer: LeanImageWriter, progress=None, parent=None) -> qemu.StreamState:
+    """Stream a QEMU migration stream into ``writer``; each page must come once.
+
+    With ``parent`` (an open LeanImage), pages are classified against it.
+    """
     writer.declare_source_state()
     regions: dict[str, int] = {}
+    names: dict[int, str] = {}
+    put_data, _ = _page_sink(writer, parent, names)
     runs = None
     page_size = None
     for event in qemu.read_qemu_stream(source, batch=True):
@@ -122,7 +137,7 @@ def convert_qemu(source: BinaryIO, writer: LeanImageWriter, progress=None) -> qe
                 if event.data is None:
                     writer.put_zero(region, first, event.count)
                 else:
-                    writer.put_pages(region, first, event.data)
+                    put_data(region, first, event.data)
             except WriterUsageError as exc:
                 if "given twice" in str(exc):
                     raise RepeatedPages(str(exc)) from None
@@ -144,9 +159,10 @@ def convert_qemu(source: BinaryIO, writer: LeanImageWriter, progress=None) -> qe
         elif isinstance(event, qemu.RamBlocks):
             page_size = event.page_size
             _check_page_size(page_size, writer)
-            runs = _RunBuffer(writer, page_size)
+            runs = _RunBuffer(writer, page_size, put_data)
             for block in event.blocks:
                 regions[block.name] = writer.add_region(block.name, block.length)
+                names[regions[block.name]] = block.name
         else:
             runs.flush()
             _free_unsent(writer, regions)
@@ -155,16 +171,20 @@ def convert_qemu(source: BinaryIO, writer: LeanImageWriter, progress=None) -> qe
     raise SourceFormatError("stream ended without QEMU_VM_EOF", structure="stream")
 
 
-def convert_qemu_spooled(source: BinaryIO, writer: LeanImageWriter, workdir=None) -> qemu.StreamState:
+def convert_qemu_spooled(source: BinaryIO, writer: LeanImageWriter, workdir=None,
+                         parent=None) -> qemu.StreamState:
     """Like convert_qemu for streams that resend pages: the last copy of each page wins."""
     writer.declare_source_state()
+    names: dict[int, str] = {}
+    put_data, _ = _page_sink(writer, parent, names)
     state, ram = qemu.load_stream(source, workdir)
     with ram:
         for block in state.ram_blocks:
             region = writer.add_region(block.name, block.length)
+            names[region] = block.name
             page = 0
             for chunk in ram.page_source(block):
-                writer.put_pages(region, page, chunk)
+                put_data(region, page, chunk)
                 page += len(chunk) // ram.page_size
     writer.add_source_state(SourceFormat.QEMU, QEMU_TAG_STREAM_STATE, pack_stream_state(state))
     return state
@@ -184,8 +204,22 @@ def _free_unsent(writer: LeanImageWriter, regions: dict[str, int]) -> None:
 
 
 def convert_file(src: str, dest: str, *, source_format: str | None = None, spool: bool | None = None,
-                 writer_options: dict | None = None, progress=None) -> str:
-    """Convert the save file ``src`` (or ``-`` for stdin) into the lean image ``dest``."""
+                 writer_options: dict | None = None, progress=None, parents=(),
+                 allow_delta: bool = True) -> str:
+    """Convert the save file ``src`` (or ``-`` for stdin) into the lean image ``dest``.
+
+    ``parents``: the parent image first, then any of its ancestors (matched by UUID; the
+    parent's directory is searched too). The new image is written against the parent.
+    """
+    if not parents:
+        return _convert(src, dest, source_format, spool, dict(writer_options or {}), progress, None)
+    with LeanImage.open(parents[0], parents=list(parents[1:])) as parent:
+        options = dict(writer_options or {}, parent=parent_link(parent), allow_delta=allow_delta,
+                       page_size=parent.page_size)
+        return _convert(src, dest, source_format, spool, options, progress, parent)
+
+
+def _convert(src, dest, source_format, spool, writer_options, progress, parent) -> str:
     stream = _open_source(src)
     try:
         head = stream.read(16) if source_format is None else b""
@@ -199,19 +233,19 @@ def convert_file(src: str, dest: str, *, source_format: str | None = None, spool
         if fmt != "qemu":
             raise UnsupportedError(f"source format {fmt!r} is not implemented", structure="--from")
         if spool:
-            with LeanImageWriter(dest, **(writer_options or {})) as writer:
-                convert_qemu_spooled(body, writer)
+            with LeanImageWriter(dest, **writer_options) as writer:
+                convert_qemu_spooled(body, writer, parent=parent)
             return fmt
         try:
-            with LeanImageWriter(dest, **(writer_options or {})) as writer:
-                convert_qemu(body, writer, progress)
+            with LeanImageWriter(dest, **writer_options) as writer:
+                convert_qemu(body, writer, progress, parent)
         except RepeatedPages as exc:
             if not seekable:
                 raise UnsupportedError(f"this stream sends pages more than once (a live save: {exc}); "
                                        "convert it with --spool", structure="ram") from None
             stream.seek(0)
-            with LeanImageWriter(dest, **(writer_options or {})) as writer:
-                convert_qemu_spooled(stream, writer)
+            with LeanImageWriter(dest, **writer_options) as writer:
+                convert_qemu_spooled(stream, writer, parent=parent)
         return fmt
     finally:
         if stream is not _stdin():

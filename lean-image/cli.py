@@ -66,8 +66,9 @@ def _parse_disks(values) -> dict[str, str]:
 
 disk_option = click.option("--disk", "disks", multiple=True, metavar="NAME=PATH",
                            help="A disk of the image's disk table (repeatable).")
-parent_option = click.option("--parent", "parents", multiple=True, type=click.Path(dir_okay=False),
-                             metavar="IMG", help="A parent image of the chain (repeatable; matched by UUID).")
+parent_option = click.option("--parent", "parents", multiple=True, type=click.Path(exists=True, dir_okay=False),
+                             metavar="IMG", help="An image of the parent chain (repeatable; matched by UUID; "
+                             "images beside IMAGE are found without it).")
 
 
 def _exit_on_sigterm(signum, frame):

@@ -95,7 +95,7 @@ class LeanImage:
 
     # -- opening -----------------------------------------------------------------
     @classmethod
-    def open(cls, path, *, parents=(), disks=None, _seen: tuple = ()) -> "LeanImage":
+    def open(cls, path, *, parents=(), disks=None, _seen: tuple = (), _index: dict | None = None) -> "LeanImage":
         """Open ``path``; ``parents`` are candidate parent images (paths), matched by UUID;
         ``disks`` maps disk names to disk sources (paths or restore.disks objects)."""
         path = os.fspath(path)
@@ -105,7 +105,7 @@ class LeanImage:
             raise LeanImageError(f"cannot open: {exc.strerror}", path=path) from None
         try:
             image = cls._load(path, fileobj)
-            image._attach_parent(list(parents), disks, _seen)
+            image._attach_parent(list(parents), disks, _seen, _index)
             image.attach_disks(disks or {})
             return image
         except LeanImageError as exc:
@@ -220,7 +220,7 @@ class LeanImage:
                                   structure=record_path(i, record, "first_ref"), rule="LI-MAP-004")
             refs.append(p["refs"])
 
-    def _attach_parent(self, parents: list, disks, seen: tuple) -> None:
+    def _attach_parent(self, parents: list, disks, seen: tuple, index: dict | None = None) -> None:
         if not self.header.has_parent:
             return
         seen = seen + (self.header.image_uuid,)
@@ -230,18 +230,17 @@ class LeanImage:
         if len(seen) > CHAIN_DEPTH_MAX:
             raise ChainError(f"chain deeper than {CHAIN_DEPTH_MAX}", offset=56, structure="header.parent_uuid",
                              rule="LI-CHN-005")
-        for candidate in parents:
-            if isinstance(candidate, LeanImage):
-                if candidate.header.image_uuid == self.header.parent_uuid:
-                    return self._check_parent(candidate)
-                continue
-            if _image_uuid(candidate) == self.header.parent_uuid:
-                parent = LeanImage.open(candidate, parents=[p for p in parents if p is not candidate],
-                                        disks=disks, _seen=seen)
-                return self._check_parent(parent)
-        raise ChainError(f"parent image {_uuid(self.header.parent_uuid)} not found among "
-                         f"{len(parents)} candidate(s); pass it with --parent", offset=56,
-                         structure="header.parent_uuid", rule="LI-CHN-001")
+        index = {} if index is None else index
+        candidate = _find_candidate(self.header.parent_uuid, parents, index) or \
+            _find_candidate(self.header.parent_uuid, _siblings(self.path, index), index)
+        if candidate is None:
+            raise ChainError(f"parent image {_uuid(self.header.parent_uuid)} not found among "
+                             f"{len(parents)} candidate(s) and the files beside the image; pass it with --parent",
+                             offset=56, structure="header.parent_uuid", rule="LI-CHN-001")
+        if isinstance(candidate, LeanImage):
+            return self._check_parent(candidate)
+        parent = LeanImage.open(candidate, parents=parents, disks=disks, _seen=seen, _index=index)
+        self._check_parent(parent)
 
     def _check_parent(self, parent: "LeanImage") -> None:
         if parent.footer.image_digest != self.header.parent_digest:
@@ -520,6 +519,8 @@ class LeanImage:
 
     def region_bytes(self, region: Region, first_page: int, count: int) -> memoryview:
         """Pages [first_page, first_page+count) resolved and verified, in one buffer."""
+        if self.parent is not None:
+            return self._chained_region_bytes(region, first_page, count)
         ps = self.page_size
         out = np.zeros(count * ps, np.uint8)
         got = np.zeros((count, DIGEST_SIZE), np.uint8)
@@ -542,7 +543,24 @@ class LeanImage:
         self._verify_stored(region, first_page, out, got)
         return memoryview(out)
 
-    def _copy_stored(self, out: np.ndarray, got: np.ndarray, row: int, ordinal: int, count: int) -> None:
+    def _chained_region_bytes(self, region: Region, first_page: int, count: int) -> memoryview:
+        """Through the chain resolved once per region (chain.py): cost independent of depth."""
+        from .chain import fill, resolve
+        cache = self.__dict__.setdefault("_resolutions", {})
+        if region.region_id not in cache:
+            cache[region.region_id] = resolve(self, region)
+        ps = self.page_size
+        out = np.zeros(count * ps, np.uint8)
+        fill(cache[region.region_id], out, first_page, count)
+        classes, expected = self._expected_range(region, first_page, count)
+        view, expected = memoryview(out), expected.tobytes()
+        for k in np.flatnonzero((classes != PageClass.FREE) & (classes != PageClass.ZERO)).tolist():
+            if page_digest(view[k * ps:(k + 1) * ps]) != expected[k * DIGEST_SIZE:(k + 1) * DIGEST_SIZE]:
+                self._verify(region, first_page + k, out[k * ps:(k + 1) * ps].tobytes())
+        return memoryview(out)
+
+    def _copy_stored(self, out: np.ndarray, got: np.ndarray | None, row: int, ordinal: int, count: int) -> None:
+        """Copy STORED pages into ``out`` from row ``row``; with ``got``, their digests too."""
         ps = self.page_size
         while count:
             frame = int(np.searchsorted(self._frame_starts, ordinal, side="right")) - 1
@@ -551,9 +569,10 @@ class LeanImage:
                                   structure="page_map")
             start = ordinal - int(self._frame_starts[frame])
             n = min(count, int(self._frame_counts[frame]) - start)
-            data, digests = self._frame(frame, with_digests=True)
+            data, digests = self._frame(frame, with_digests=got is not None)
             out[row * ps:(row + n) * ps] = np.frombuffer(data, np.uint8, n * ps, start * ps)
-            got[row:row + n] = digests[start:start + n]
+            if got is not None:
+                got[row:row + n] = digests[start:start + n]
             row, ordinal, count = row + n, ordinal + n, count - n
 
     def _verify_stored(self, region: Region, first_page: int, out: np.ndarray, got: np.ndarray) -> None:
@@ -633,12 +652,45 @@ def _uuid(raw: bytes) -> str:
     return str(uuid.UUID(bytes=bytes(raw)))
 
 
+SIBLINGS_MAX = 100_000
+
+
+def _find_candidate(uuid: bytes, candidates, index: dict):
+    """The candidate (LeanImage or path) whose image_uuid is ``uuid``; ``index`` caches reads."""
+    for candidate in candidates:
+        if isinstance(candidate, LeanImage):
+            if candidate.header.image_uuid == uuid:
+                return candidate
+            continue
+        key = os.path.abspath(os.fspath(candidate))
+        if key not in index:
+            index[key] = _image_uuid(key)
+    for key, found in index.items():
+        if found == uuid and isinstance(key, str):
+            return key
+    return None
+
+
+def _siblings(path: str, index: dict) -> list[str]:
+    """The *.lean files beside ``path`` (where the links of a chain usually live), listed once."""
+    directory = os.path.dirname(os.path.abspath(path))
+    marker = ("scanned", directory)
+    if marker in index:
+        return []
+    index[marker] = True
+    try:
+        names = sorted(n for n in os.listdir(directory) if n.endswith(".lean"))[:SIBLINGS_MAX]
+    except OSError:
+        return []
+    return [os.path.join(directory, n) for n in names]
+
+
 def _image_uuid(path) -> bytes | None:
     try:
         with open(path, "rb") as f:
             raw = f.read(56)
-    except OSError as exc:
-        raise ChainError(f"cannot open parent candidate {path}: {exc.strerror}") from None
+    except OSError:
+        return None        # unreadable candidates simply do not match
     return raw[40:56] if len(raw) == 56 else None
 
 

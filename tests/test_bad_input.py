@@ -346,12 +346,21 @@ def test_long_cycle(tmp_path):
 
 
 def test_missing_parent(tmp_path):
-    child = VECTORS_DIR / "valid" / "child-delta.lean"
+    child = tmp_path / "alone" / "child-delta.lean"      # no parent beside it to discover
+    child.parent.mkdir()
+    child.write_bytes((VECTORS_DIR / "valid" / "child-delta.lean").read_bytes())
     for parents in ([], [VECTORS_DIR / "valid" / "basic.lean"], [tmp_path / "does-not-exist.lean"]):
         with pytest.raises(ChainError) as info:
             LeanImage.open(child, parents=parents)
         assert info.value.rule == "LI-CHN-001" or parents and not Path(parents[0]).exists()
     assert "LI-CHN-001" in {f.rule for f in validate(child, parents=[VECTORS_DIR / "valid" / "basic.lean"]).findings}
+
+
+def test_parent_found_beside_the_image_by_uuid():
+    child = VECTORS_DIR / "valid" / "child-delta.lean"
+    with LeanImage.open(child) as image:
+        assert image.parent is not None
+        assert Path(image.parent.path).name == "parent.lean"
 
 
 def test_missing_disk_is_a_clean_error(tmp_path):
@@ -429,7 +438,9 @@ def test_cli_chain_errors(tmp_path):
     ua, ub = bytes([0xA] * 16), bytes([0xB] * 16)
     a = _chain_image(tmp_path, "a", ua, ub)
     b = _chain_image(tmp_path, "b", ub, ua)
-    child = VECTORS_DIR / "valid" / "child-delta.lean"
+    child = tmp_path / "alone" / "child-delta.lean"      # no parent beside it to discover
+    child.parent.mkdir()
+    child.write_bytes((VECTORS_DIR / "valid" / "child-delta.lean").read_bytes())
     for args in (["restore", str(a), "--parent", str(b), "-o", str(tmp_path / "o.raw")],
                  ["inspect", str(a), "--parent", str(b)],
                  ["restore", str(child), "-o", str(tmp_path / "o.raw")],

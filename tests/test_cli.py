@@ -93,12 +93,22 @@ def test_restore_raw_equals_the_memory_fed_in(images, tmp_path):
 
 
 def test_restore_without_parent_is_a_clear_error(images, tmp_path):
-    out = tmp_path / "x.raw"
-    result = CliRunner().invoke(main, ["restore", str(images["child"]), "-o", str(out)])
+    alone = tmp_path / "alone"
+    alone.mkdir()
+    child = alone / "child.lean"
+    child.write_bytes(images["child"].read_bytes())
+    result = CliRunner().invoke(main, ["restore", str(child), "-o", str(alone / "x.raw")])
     assert result.exit_code == 1
     assert "LI-CHN-001" in result.output and "--parent" in result.output
     assert "Traceback" not in result.output
-    assert sorted(os.listdir(tmp_path)) == ["child.lean", "parent.lean"], "no output, no temp file left"
+    assert os.listdir(alone) == ["child.lean"], "no output, no temp file left"
+
+
+def test_restore_finds_the_parent_beside_the_image(images, tmp_path):
+    out = tmp_path / "child.raw"
+    result = run("restore", images["child"], "-o", out)
+    assert result.exit_code == 0, result.output
+    assert out.read_bytes() == images["child_mem"]
 
 
 def test_missing_file_is_a_usage_error(tmp_path):

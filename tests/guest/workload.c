@@ -5,10 +5,24 @@
  *   workload anon MIB           fill MIB MiB of anonymous memory with random data
  *   workload dirty DIR MIB      write MIB MiB of random data to DIR/dirty.bin, no sync
  *   workload idle               nothing
+ *   workload words MIB [ROUNDS] [PAGES]
+ *                               fill MIB MiB (page aligned) with random data, then each
+ *                               round write 1..4 random 8-byte words in each of PAGES
+ *                               (default 256) random pages spread over the whole buffer
+ *   workload pages MIB [ROUNDS] [PERMILLE]
+ *                               fill MIB MiB (page aligned) with random data, then each
+ *                               round rewrite PERMILLE/1000 (default 50, i.e. 5%) of its
+ *                               pages, picked at random, with fresh random data
  *
  * After the work it prints "WORKLOAD-DONE <mode> <checksum>" and then a heartbeat
  * "HB <mode> <n>" every HB_MS milliseconds forever, so a test can see that a guest
  * restored from a save keeps running.
+ *
+ * words and pages print "WORKLOAD-DONE" after the fill and then do one round of writes
+ * before every heartbeat: "HB <mode> n" means rounds 0..n are in memory.  With ROUNDS > 0
+ * (0 = forever) they stop writing after round ROUNDS-1 but keep their memory and keep
+ * heartbeating, so a test can end a phase at a known point (the guest then has both
+ * buffers; the heartbeat number says how many rounds happened).
  */
 #include <dirent.h>
 #include <fcntl.h>
@@ -21,6 +35,7 @@
 #include <unistd.h>
 
 #define HB_MS 500
+#define PAGE 4096
 
 static uint64_t rng_state = 0x9e3779b97f4a7c15ULL;
 
@@ -126,6 +141,60 @@ static void heartbeat(const char *mode)
     }
 }
 
+static uint64_t *alloc_filled(long mib, size_t *pages)
+{
+    size_t bytes = (size_t)mib << 20;
+    void *mem = NULL;
+
+    if (mib <= 0 || posix_memalign(&mem, PAGE, bytes) != 0 || !mem) {
+        printf("WORKLOAD-ERROR posix_memalign %ld MiB\n", mib);
+        exit(1);
+    }
+    fill_random(mem, bytes / 8);
+    *pages = bytes / PAGE;
+    return mem;
+}
+
+/* A few changed words in many pages: what FITDOC's 8-byte deltas are for. */
+static void words_round(uint64_t *mem, size_t pages, long touched)
+{
+    for (long i = 0; i < touched; i++) {
+        uint64_t *page = mem + (next_random() % pages) * (PAGE / 8);
+        int n = 1 + (int)(next_random() % 4);
+        for (int w = 0; w < n; w++)
+            page[next_random() % (PAGE / 8)] = next_random();
+    }
+}
+
+/* Whole pages rewritten with fresh random data: no delta helps. */
+static void pages_round(uint64_t *mem, size_t pages, long permille)
+{
+    size_t count = pages * (size_t)permille / 1000;
+
+    for (size_t i = 0; i < count; i++)
+        fill_random(mem + (next_random() % pages) * (PAGE / 8), PAGE / 8);
+}
+
+static void rounds(const char *mode, long mib, long limit, long amount)
+{
+    struct timespec ts = { HB_MS / 1000, (HB_MS % 1000) * 1000000L };
+    size_t pages;
+    uint64_t *mem = alloc_filled(mib, &pages);
+
+    printf("WORKLOAD-DONE %s %016llx\n", mode, (unsigned long long)mem[pages * (PAGE / 8) - 1]);
+    for (unsigned long n = 0;; n++) {
+        if (limit <= 0 || n < (unsigned long)limit) {
+            if (mode[0] == 'w')
+                words_round(mem, pages, amount);
+            else
+                pages_round(mem, pages, amount);
+        }
+        printf("HB %s %lu\n", mode, n);
+        fflush(stdout);
+        nanosleep(&ts, NULL);
+    }
+}
+
 int main(int argc, char **argv)
 {
     const char *mode = argc > 1 ? argv[1] : "idle";
@@ -138,8 +207,14 @@ int main(int argc, char **argv)
         sum = fill_anon(atol(argv[2]));
     else if (!strcmp(mode, "dirty") && argc > 3)
         sum = write_dirty(argv[2], atol(argv[3]));
-    else if (strcmp(mode, "idle")) {
-        printf("WORKLOAD-ERROR usage: workload pagecache DIR | anon MIB | dirty DIR MIB | idle\n");
+    else if ((!strcmp(mode, "words") || !strcmp(mode, "pages")) && argc > 2) {
+        /* Seeded apart from anon/dirty so their random data never coincide. */
+        rng_state ^= mode[0] == 'w' ? 0x5bd1e9955bd1e995ULL : 0xc2b2ae3d27d4eb4fULL;
+        rounds(mode, atol(argv[2]), argc > 3 ? atol(argv[3]) : 0,
+               argc > 4 ? atol(argv[4]) : (mode[0] == 'w' ? 256 : 50));
+    } else if (strcmp(mode, "idle")) {
+        printf("WORKLOAD-ERROR usage: workload pagecache DIR | anon MIB | dirty DIR MIB | "
+               "words MIB [ROUNDS] [PAGES] | pages MIB [ROUNDS] [PERMILLE] | idle\n");
         return 2;
     }
     printf("WORKLOAD-DONE %s %016llx\n", mode, (unsigned long long)sum);

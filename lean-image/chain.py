@@ -1,0 +1,128 @@
+"""Resolving a region of a chained image once, so restore time does not grow with depth.
+
+A page of link 0 (the image restored) may be PARENT in several links before one holds
+its bytes (the *base*), and links above the base may add DELTA entries. Walking the
+chain page by page costs O(depth) per page. Instead the links are folded once, from
+the root to link 0, into per-page arrays: which link holds the base, its class and slot,
+and the list of (page, link, delta slot) to apply above it. Restoring then reads each
+base once and applies each relevant delta once; the result is checked against link 0's
+digest, which covers the whole path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .errors import ChainError
+from .format import PageClass
+
+CONCRETE = np.array([PageClass.STORED, PageClass.ZERO, PageClass.FREE, PageClass.DISK], np.uint8)
+
+
+@dataclass
+class Resolution:
+    links: list                 # [link 0, link 1, ...] LeanImage objects
+    regions: list               # the region of the same name in each link (None past its end)
+    base_link: np.ndarray       # per page: index of the link holding the base bytes
+    base_class: np.ndarray      # per page: class of the base (STORED, ZERO, FREE, DISK)
+    base_slot: np.ndarray       # per page: slot of the base in its link
+    delta_pages: np.ndarray     # delta entries to apply, sorted by page then deepest link first
+    delta_links: np.ndarray
+    delta_slots: np.ndarray
+
+
+def _per_page(region) -> tuple[np.ndarray, np.ndarray]:
+    e = region.extents
+    sizes = e["num_pages"].astype(np.int64)
+    classes = np.repeat(e["page_class"].astype(np.uint8), sizes)
+    starts = np.repeat(e["first_slot"].astype(np.int64) - np.concatenate(([0], np.cumsum(sizes)[:-1])), sizes)
+    slots = starts + np.arange(len(classes))
+    return classes, slots
+
+
+def resolve(image, region) -> Resolution:
+    """Fold the chain of ``image`` for ``region`` into a Resolution."""
+    links = image.chain()
+    regions = [region] + [_same_region(link, region) for link in links[1:]]
+    n = region.num_pages
+    base_link = np.full(n, -1, np.int32)
+    base_class = np.zeros(n, np.uint8)
+    base_slot = np.zeros(n, np.int64)
+    deltas = []
+    for depth in range(len(links) - 1, -1, -1):
+        r = regions[depth]
+        if r is None:
+            continue
+        classes, slots = _per_page(r)
+        classes, slots = classes[:n], slots[:n]
+        concrete = np.isin(classes, CONCRETE)
+        idx = np.flatnonzero(concrete)
+        base_link[idx] = depth
+        base_class[idx] = classes[idx]
+        base_slot[idx] = slots[idx]
+        delta_idx = np.flatnonzero(classes == PageClass.DELTA)
+        if len(delta_idx):
+            deltas.append((delta_idx, np.full(len(delta_idx), depth, np.int32), slots[delta_idx]))
+    unresolved = np.flatnonzero(base_link < 0)
+    if len(unresolved):
+        page = int(unresolved[0])
+        raise ChainError(f"region {region.name!r} page {page} has no base in any link of the chain "
+                         f"({len(links)} links)", rule="LI-CHN-004", structure=f"region[{region.region_id}]")
+    if deltas:
+        pages = np.concatenate([d[0] for d in deltas])
+        dlinks = np.concatenate([d[1] for d in deltas])
+        dslots = np.concatenate([d[2] for d in deltas])
+        keep = dlinks < base_link[pages]               # only deltas above the base apply
+        pages, dlinks, dslots = pages[keep], dlinks[keep], dslots[keep]
+        order = np.lexsort((-dlinks, pages))           # by page, deepest link first
+        pages, dlinks, dslots = pages[order], dlinks[order], dslots[order]
+    else:
+        pages = dlinks = dslots = np.zeros(0, np.int64)
+    return Resolution(links, regions, base_link, base_class, base_slot, pages, dlinks, dslots)
+
+
+def _same_region(link, region):
+    for r in link.regions:
+        if r.name == region.name:
+            return r
+    return None
+
+
+def fill(resolution: Resolution, out: np.ndarray, first_page: int, count: int) -> None:
+    """Write pages [first_page, first_page+count) of the resolved region into ``out``."""
+    from .delta import apply as apply_delta
+    ps = resolution.links[0].page_size
+    stop = first_page + count
+    links = resolution.base_link[first_page:stop]
+    classes = resolution.base_class[first_page:stop]
+    slots = resolution.base_slot[first_page:stop]
+    for link_index in np.unique(links[(classes == PageClass.STORED) | (classes == PageClass.DISK)]):
+        link = resolution.links[int(link_index)]
+        mine = links == link_index
+        for cls in (PageClass.STORED, PageClass.DISK):
+            rows = np.flatnonzero(mine & (classes == cls))
+            if not len(rows):
+                continue
+            if cls == PageClass.STORED:
+                _copy_runs(link, out, rows, slots[rows], ps)
+            else:
+                region = resolution.regions[int(link_index)]
+                for row in rows.tolist():
+                    out[row * ps:(row + 1) * ps] = np.frombuffer(
+                        link._disk_page(region, first_page + row, int(slots[row])), np.uint8)
+    lo, hi = np.searchsorted(resolution.delta_pages, [first_page, stop])
+    for k in range(int(lo), int(hi)):
+        row = int(resolution.delta_pages[k]) - first_page
+        link = resolution.links[int(resolution.delta_links[k])]
+        entry = link.delta_entry(int(resolution.delta_slots[k]))
+        page = apply_delta(entry, out[row * ps:(row + 1) * ps].tobytes())
+        out[row * ps:(row + 1) * ps] = np.frombuffer(page, np.uint8)
+
+
+def _copy_runs(link, out: np.ndarray, rows: np.ndarray, slots: np.ndarray, ps: int) -> None:
+    """Copy STORED pages, one frame read per run of consecutive rows and ordinals."""
+    breaks = np.flatnonzero((np.diff(rows) != 1) | (np.diff(slots) != 1)) + 1
+    for run in np.split(np.arange(len(rows)), breaks):
+        link._copy_stored(out, None, int(rows[run[0]]), int(slots[run[0]]), len(run))

@@ -1,0 +1,117 @@
+"""Writing pages against a parent image: PARENT, DELTA or by content (spec §10).
+
+Unchanged pages are found by digest alone, so the parent's page bytes are read only for
+pages that changed (to encode a delta), never the whole parent.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+
+from .format import DIGEST_SIZE, PageClass, page_digest
+from .reader import LeanImage
+from .writer import LeanImageWriter, ParentLink
+
+
+def parent_link(parent: LeanImage) -> ParentLink:
+    return ParentLink(parent.header.image_uuid, parent.footer.image_digest)
+
+
+class AgainstParent:
+    """Feeds pages to ``writer``, each classified against the same page of ``parent``."""
+
+    def __init__(self, writer: LeanImageWriter, parent: LeanImage | None):
+        self.writer, self.parent = writer, parent
+        self.counts: Counter = Counter()
+        self._parent_regions = {r.name: r for r in parent.regions} if parent else {}
+
+    def put_pages(self, region_id: int, region_name: str, first_page: int, data) -> None:
+        data = memoryview(data).cast("B")
+        ps = self.writer.page_size
+        count = len(data) // ps
+        parent_region = self._parent_regions.get(region_name)
+        if parent_region is None:
+            self.writer.put_pages(region_id, first_page, data)
+            return
+        within = max(0, min(count, parent_region.num_pages - first_page))
+        words = np.frombuffer(data, np.uint64).reshape(count, ps // 8)
+        nonzero = words.any(axis=1)
+        digests = np.zeros((count, DIGEST_SIZE), np.uint8)
+        for i in np.flatnonzero(nonzero).tolist():
+            digests[i] = np.frombuffer(page_digest(data[i * ps:(i + 1) * ps]), np.uint8)
+        same = np.zeros(count, bool)
+        if within:
+            parent_classes, expected = self.parent._expected_range(parent_region, first_page, within)
+            same[:within] = nonzero[:within] & (parent_classes != PageClass.FREE) & \
+                (digests[:within] == expected).all(axis=1)
+        for start, stop, kind in _runs(same, nonzero):
+            if kind == "parent":
+                self.writer.put_parent(region_id, first_page + start, digests[start:stop].tobytes())
+                self.counts[PageClass.PARENT] += stop - start
+            elif kind == "zero":
+                self.writer.put_zero(region_id, first_page + start, stop - start)
+                self.counts[PageClass.ZERO] += stop - start
+            else:
+                self._put_changed(region_id, parent_region, first_page, start, stop, data, within)
+
+    def _put_changed(self, region_id, parent_region, first_page, start, stop, data, within) -> None:
+        ps = self.writer.page_size
+        for i in range(start, stop):
+            page = first_page + i
+            new = bytes(data[i * ps:(i + 1) * ps])
+            if i < within and self.writer.allow_delta:
+                cls = self.writer.put_changed(region_id, page, self.parent.read_page(parent_region, page), new)
+            else:
+                self.writer.put_pages(region_id, page, new)
+                cls = PageClass.STORED
+            self.counts[cls] += 1
+
+
+def _runs(same: np.ndarray, nonzero: np.ndarray):
+    """(start, stop, kind) runs of 'parent', 'zero' and 'changed' pages."""
+    kind = np.where(same, 0, np.where(nonzero, 2, 1))
+    edges = np.flatnonzero(np.diff(kind)) + 1
+    bounds = [0, *edges.tolist(), len(kind)]
+    names = ("parent", "zero", "changed")
+    for a, b in zip(bounds, bounds[1:]):
+        yield a, b, names[int(kind[a])]
+
+
+def rebase(image: LeanImage, dest, onto: LeanImage | None, *, allow_delta: bool = True,
+           chunk_pages: int = 1024) -> Counter:
+    """Write ``image``'s memory as a new image whose parent is ``onto`` (None: self-contained).
+
+    flatten = rebase onto None; merge = rebase onto the grandparent. Source state is kept.
+    """
+    link = parent_link(onto) if onto is not None else None
+    writer = LeanImageWriter(dest, page_size=image.page_size, parent=link,
+                             allow_delta=allow_delta and onto is not None)
+    with writer:
+        if image.source_states:
+            writer.declare_source_state()
+        feeder = AgainstParent(writer, onto)
+        regions = [(r, writer.add_region(r.name, r.size_bytes, r.guest_phys_base)) for r in image.regions]
+        for state in image.source_states:
+            writer.add_source_state(state.source_format, state.tag, state.data)
+        for region, region_id in regions:
+            for first in range(0, region.num_pages, chunk_pages):
+                count = min(chunk_pages, region.num_pages - first)
+                data = image.region_bytes(region, first, count)
+                free = image.classes(region, first, count) == PageClass.FREE
+                _put_chunk(writer, feeder, region_id, region.name, first, data, free)
+    return feeder.counts
+
+
+def _put_chunk(writer, feeder, region_id, name, first, data, free) -> None:
+    """FREE pages stay FREE; the rest go through the parent classification in runs."""
+    ps = writer.page_size
+    edges = np.flatnonzero(np.diff(free.astype(np.int8))) + 1
+    bounds = [0, *edges.tolist(), len(free)]
+    for a, b in zip(bounds, bounds[1:]):
+        if free[a]:
+            writer.put_free(region_id, first + a, b - a)
+            feeder.counts[PageClass.FREE] += b - a
+        else:
+            feeder.put_pages(region_id, name, first + a, data[a * ps:b * ps])
