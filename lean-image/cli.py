@@ -81,6 +81,16 @@ def _exit_on_sigterm(signum, frame):
 def main():
     """Lean VM memory images: convert, inspect, validate, restore."""
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    _raise_open_file_limit()
+
+
+def _raise_open_file_limit() -> None:
+    """Each link of a chain keeps its file open; chains may be 4096 deep (spec §9.1)."""
+    import resource
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = 8192 if hard == resource.RLIM_INFINITY else min(hard, 8192)
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
 
 
 @main.command()
@@ -106,27 +116,43 @@ def inspect(image, as_json, map_path, parents, disks):
 @main.command()
 @click.argument("image", type=click.Path(exists=True, dir_okay=False))
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.option("--chain", "whole_chain", is_flag=True, help="Validate every link of IMAGE's chain, each "
+              "against its own parent.")
 @parent_option
 @disk_option
-def validate(image, as_json, parents, disks):
+def validate(image, as_json, whole_chain, parents, disks):
     """Strict conformance check of IMAGE. Exit 0 valid, 1 invalid."""
-    from .rules import describe
     from .validate import validate as run
-    report = run(image, disks=_parse_disks(disks), parents=parents)
+    links = _chain_paths(image, parents) if whole_chain else [image]
+    reports = [run(link, disks=_parse_disks(disks), parents=list(parents) + links) for link in links]
     if as_json:
-        click.echo(json.dumps(report.to_json(), indent=2))
+        body = [r.to_json() for r in reports]
+        click.echo(json.dumps(body if whole_chain else body[0], indent=2))
     else:
-        for finding in report.findings:
-            click.echo(str(finding))
-            click.echo(f"    rule: {describe(finding.rule)}")
-        for rule, count in report.suppressed.items():
-            click.echo(f"{rule}: {count} more findings not shown")
-        for note in report.not_checked:
-            click.echo(f"not checked: {note}")
-        checked = ", ".join(f"{v} {k}" for k, v in sorted(report.checked.items()))
-        verdict = "valid" if report.valid else f"INVALID ({len(report.findings)} findings)"
-        click.echo(f"{image}: {verdict}; checked {checked}")
-    sys.exit(0 if report.valid else EXIT_INVALID)
+        for report in reports:
+            _print_report(report)
+    sys.exit(0 if all(r.valid for r in reports) else EXIT_INVALID)
+
+
+def _chain_paths(image, parents) -> list[str]:
+    """IMAGE and the paths of its ancestors, child first."""
+    from .reader import LeanImage
+    with LeanImage.open(image, parents=parents) as img:
+        return [link.path for link in img.chain()]
+
+
+def _print_report(report) -> None:
+    from .rules import describe
+    for finding in report.findings:
+        click.echo(str(finding))
+        click.echo(f"    rule: {describe(finding.rule)}")
+    for rule, count in report.suppressed.items():
+        click.echo(f"{rule}: {count} more findings not shown")
+    for note in report.not_checked:
+        click.echo(f"not checked: {note}")
+    checked = ", ".join(f"{v} {k}" for k, v in sorted(report.checked.items()))
+    verdict = "valid" if report.valid else f"INVALID ({len(report.findings)} findings)"
+    click.echo(f"{report.path}: {verdict}; checked {checked}")
 
 
 @main.command()
@@ -165,13 +191,61 @@ def restore(image, target, output, parents, disks):
               help="Assemble RAM in scratch files first (needed for live saves read from a pipe).")
 @click.option("--level", default=3, show_default=True, help="zstd level of stored pages.")
 @click.option("--frame-pages", type=int, help="Pages per zstd frame (default: 2 MiB worth).")
-def convert(save, output, source_format, spool, level, frame_pages):
+@click.option("--parent", "parents", multiple=True, type=click.Path(exists=True, dir_okay=False),
+              metavar="PREV.lean", help="Write an incremental image against PREV (the first --parent); "
+              "more --parent options name PREV's ancestors (also found beside PREV).")
+@click.option("--delta/--no-delta", default=True, show_default=True,
+              help="Encode changed pages as 8-byte-word deltas when smaller (with --parent).")
+def convert(save, output, source_format, spool, level, frame_pages, parents, delta):
     """Convert a hypervisor save file (QEMU migration stream) into a lean image."""
     from leanimg.converters.convert import convert_file
     total = os.path.getsize(save) if save != "-" and os.path.isfile(save) else 0
     with _progress(total, "convert") as advance:
         convert_file(save, output, source_format=source_format, spool=spool,
-                     writer_options=dict(level=level, frame_pages=frame_pages), progress=advance)
+                     writer_options=dict(level=level, frame_pages=frame_pages), progress=advance,
+                     parents=parents, allow_delta=delta)
+
+
+@main.command()
+@click.argument("image", type=click.Path(exists=True, dir_okay=False))
+@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="The image to write.")
+@parent_option
+@disk_option
+def flatten(image, output, parents, disks):
+    """Write IMAGE as a self-contained image: no parent, same memory, same source state."""
+    from .incremental import rebase
+    from .reader import LeanImage
+    with LeanImage.open(image, parents=parents, disks=_parse_disks(disks)) as img:
+        _report_rebase(rebase(img, output, None), output)
+
+
+@main.command()
+@click.argument("image", type=click.Path(exists=True, dir_okay=False))
+@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="The image to write.")
+@click.option("--delta/--no-delta", default=True, show_default=True, help="Re-encode changed pages as deltas.")
+@parent_option
+@disk_option
+def merge(image, output, delta, parents, disks):
+    """Fold IMAGE into its parent: OUTPUT has IMAGE's memory and IMAGE's grandparent as parent.
+
+    Use it to keep chains short: merging link k into link k-1 removes one level.
+    """
+    from .errors import ChainError
+    from .incremental import rebase
+    from .reader import LeanImage
+    with LeanImage.open(image, parents=parents, disks=_parse_disks(disks)) as img:
+        if img.parent is None:
+            raise ChainError("the image has no parent to merge into; use flatten", rule="LI-CHN-001")
+        _report_rebase(rebase(img, output, img.parent.parent, allow_delta=delta), output)
+
+
+def _report_rebase(counts, output) -> None:
+    from .inspect import class_counts
+    from .reader import LeanImage
+    with LeanImage.open(output) as written:
+        counts = class_counts(written)
+    parts = ", ".join(f"{n} {cls.name}" for cls, n in sorted(counts.items()) if n)
+    click.echo(f"{output}: written, {parts}")
 
 
 @main.command()

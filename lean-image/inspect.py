@@ -64,7 +64,9 @@ def summarize(image: LeanImage) -> dict:
         disks=[dict(disk_id=d.disk_id, name=d.name, size_bytes=d.size_bytes, fingerprint=d.fingerprint.hex())
                for d in image.disks],
         chain=[dict(path=link.path, image_uuid=str(uuidlib.UUID(bytes=link.header.image_uuid)),
-                    bytes=link.footer.file_length) for link in image.chain()],
+                    bytes=link.footer.file_length,
+                    classes={cls.name: n for cls, n in class_counts(link).items() if n})
+               for link in image.chain()],
         source_states=len(image.source_states),
         classes=breakdown(image, counts),
         logical_bytes=logical,
@@ -96,7 +98,9 @@ def render_text(summary: dict) -> str:
     if len(summary["chain"]) > 1:
         lines += ["", "chain (this image first):"]
         for depth, link in enumerate(summary["chain"]):
+            classes = ", ".join(f"{n} {name}" for name, n in link["classes"].items())
             lines.append(f"  {depth}: {link['image_uuid']}  {link['bytes'] / MIB:8.2f} MiB  {link['path']}")
+            lines.append(f"       {classes}")
     lines += ["", f"  {'class':<8} {'pages':>10} {'MiB':>10} {'%':>7}"]
     for row in summary["classes"]:
         lines.append(f"  {row['page_class']:<8} {row['pages']:>10} {row['mib']:>10.2f} {row['percent']:>6.2f}%")

@@ -95,19 +95,29 @@ class LeanImage:
 
     # -- opening -----------------------------------------------------------------
     @classmethod
-    def open(cls, path, *, parents=(), disks=None, _seen: tuple = (), _index: dict | None = None) -> "LeanImage":
-        """Open ``path``; ``parents`` are candidate parent images (paths), matched by UUID;
-        ``disks`` maps disk names to disk sources (paths or restore.disks objects)."""
+    def open(cls, path, *, parents=(), disks=None) -> "LeanImage":
+        """Open ``path`` and its chain; ``parents`` are candidate parent images (paths or open
+        LeanImages), matched by UUID, and so are the *.lean files beside each link; ``disks``
+        maps disk names to disk sources (paths or restore.disks objects)."""
+        image = cls._open_one(path)
+        try:
+            image._attach_chain(list(parents))
+            image.attach_disks(disks or {})
+        except BaseException:
+            image.close()
+            raise
+        return image
+
+    @classmethod
+    def _open_one(cls, path) -> "LeanImage":
+        """One link, without its parent."""
         path = os.fspath(path)
         try:
             fileobj = open(path, "rb")
         except OSError as exc:
             raise LeanImageError(f"cannot open: {exc.strerror}", path=path) from None
         try:
-            image = cls._load(path, fileobj)
-            image._attach_parent(list(parents), disks, _seen, _index)
-            image.attach_disks(disks or {})
-            return image
+            return cls._load(path, fileobj)
         except LeanImageError as exc:
             fileobj.close()
             exc.path = exc.path or path
@@ -220,58 +230,66 @@ class LeanImage:
                                   structure=record_path(i, record, "first_ref"), rule="LI-MAP-004")
             refs.append(p["refs"])
 
-    def _attach_parent(self, parents: list, disks, seen: tuple, index: dict | None = None) -> None:
-        if not self.header.has_parent:
-            return
-        seen = seen + (self.header.image_uuid,)
-        if self.header.parent_uuid in seen:
-            raise ChainError(f"parent {_uuid(self.header.parent_uuid)} is already in the chain (cycle)",
-                             offset=56, structure="header.parent_uuid", rule="LI-CHN-005")
-        if len(seen) > CHAIN_DEPTH_MAX:
-            raise ChainError(f"chain deeper than {CHAIN_DEPTH_MAX}", offset=56, structure="header.parent_uuid",
-                             rule="LI-CHN-005")
-        index = {} if index is None else index
-        candidate = _find_candidate(self.header.parent_uuid, parents, index) or \
-            _find_candidate(self.header.parent_uuid, _siblings(self.path, index), index)
-        if candidate is None:
-            raise ChainError(f"parent image {_uuid(self.header.parent_uuid)} not found among "
-                             f"{len(parents)} candidate(s) and the files beside the image; pass it with --parent",
-                             offset=56, structure="header.parent_uuid", rule="LI-CHN-001")
-        if isinstance(candidate, LeanImage):
-            return self._check_parent(candidate)
-        parent = LeanImage.open(candidate, parents=parents, disks=disks, _seen=seen, _index=index)
-        self._check_parent(parent)
+    def _attach_chain(self, parents: list) -> None:
+        """Open the parent, its parent and so on, one link at a time (chains may be 4096 deep)."""
+        index: dict = {}
+        seen = {self.header.image_uuid}
+        link = self
+        while link.header.has_parent:
+            wanted = link.header.parent_uuid
+            if wanted in seen:
+                raise ChainError(f"parent {_uuid(wanted)} is already in the chain (cycle)", offset=56,
+                                 structure="header.parent_uuid", rule="LI-CHN-005", path=link.path)
+            if len(seen) >= CHAIN_DEPTH_MAX:
+                raise ChainError(f"chain deeper than {CHAIN_DEPTH_MAX}", offset=56, structure="header.parent_uuid",
+                                 rule="LI-CHN-005", path=link.path)
+            candidate = _find_candidate(wanted, parents, index) or \
+                _find_candidate(wanted, _siblings(link.path, index), index)
+            if candidate is None:
+                raise ChainError(f"parent image {_uuid(wanted)} not found among {len(parents)} candidate(s) "
+                                 "and the files beside the image; pass it with --parent", offset=56,
+                                 structure="header.parent_uuid", rule="LI-CHN-001", path=link.path)
+            if isinstance(candidate, LeanImage):
+                link.parent = candidate              # an open image brings its own chain
+                break
+            link.parent = LeanImage._open_one(candidate)
+            seen.add(link.parent.header.image_uuid)
+            link = link.parent
+        # links are joined by UUID first, so a cycle is reported as one; then verified by digest
+        for link in self.chain():
+            if link.parent is not None:
+                link._check_parent(link.parent)
 
     def _check_parent(self, parent: "LeanImage") -> None:
         if parent.footer.image_digest != self.header.parent_digest:
             raise ChainError(f"parent {parent.path} has image_digest {parent.footer.image_digest.hex()}, "
                              f"expected {self.header.parent_digest.hex()} (parent modified or replaced)",
-                             offset=72, structure="header.parent_digest", rule="LI-CHN-002")
+                             offset=72, structure="header.parent_digest", rule="LI-CHN-002", path=self.path)
         if parent.page_size != self.page_size:
             raise ChainError(f"parent page_size {parent.page_size}, expected {self.page_size}", offset=88,
-                             structure="header.page_size", rule="LI-CHN-003")
+                             structure="header.page_size", rule="LI-CHN-003", path=self.path)
         self.parent = parent
 
     def attach_disks(self, disks: dict) -> None:
+        """Open the named disks for this image and for every link of its chain that has them."""
         from leanimg.restore.disks import open_disk_source
-        for name, source in disks.items():
-            info = next((d for d in self.disks if d.name == name), None)
-            if info is None:
+        for name in disks:
+            if not any(d.name == name for link in self.chain() for d in link.disks):
                 known = ", ".join(d.name for d in self.disks) or "none"
                 raise DiskError(f"--disk {name}=...: the image has no disk named {name!r} (its disks: {known})")
-            self._disk_sources[info.disk_id] = open_disk_source(source, info)
-        if self.parent is not None:
-            self.parent.attach_disks({n: s for n, s in disks.items()
-                                      if any(d.name == n for d in self.parent.disks)})
+        for link in self.chain():
+            for info in link.disks:
+                if info.name in disks:
+                    link._disk_sources[info.disk_id] = open_disk_source(disks[info.name], info)
 
     def close(self) -> None:
-        if getattr(self, "_pool", None) is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
-        if self.parent is not None:
-            self.parent.close()
-        for source in self._disk_sources.values():
-            source.close()
-        self._file.fileobj.close()
+        """Close this image and its whole chain."""
+        for link in self.chain():
+            if getattr(link, "_pool", None) is not None:
+                link._pool.shutdown(wait=True, cancel_futures=True)
+            for source in link._disk_sources.values():
+                source.close()
+            link._file.fileobj.close()
 
     def __enter__(self):
         return self

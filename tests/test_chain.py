@@ -1,0 +1,211 @@
+"""Incremental chains: convert against a parent, the depth-independent resolver, flatten, merge."""
+
+from __future__ import annotations
+
+import io
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import zstandard
+from click.testing import CliRunner
+
+from leanimg.cli import main
+from leanimg.format import PageClass
+from leanimg.incremental import AgainstParent, parent_link, rebase
+from leanimg.inspect import class_counts
+from leanimg.reader import LeanImage
+from leanimg.restore.raw import restore_raw
+from leanimg.validate import validate
+from leanimg.writer import LeanImageWriter
+
+PS = 4096
+PAGES = 192
+SAMPLE = Path(__file__).resolve().parents[1] / "lean-image" / "sample" / "vm.save.zst"
+
+
+def _evolve(mem: bytearray, rng) -> None:
+    """One checkpoint's worth of change: a few words, a rewritten page, a page zeroed."""
+    for _ in range(6):
+        page, word = int(rng.integers(0, PAGES)), int(rng.integers(0, PS // 8))
+        mem[page * PS + word * 8:page * PS + word * 8 + 8] = rng.bytes(8)
+    page = int(rng.integers(0, PAGES))
+    mem[page * PS:(page + 1) * PS] = rng.bytes(PS)
+    page = int(rng.integers(0, PAGES))
+    mem[page * PS:(page + 1) * PS] = bytes(PS)
+
+
+def build_chain(directory: Path, depth: int, seed: int = 7) -> tuple[list[Path], list[bytes]]:
+    """depth+1 links, each written against the previous one with AgainstParent."""
+    rng = np.random.default_rng(seed)
+    mem = bytearray(rng.bytes(PAGES * PS))
+    mem[20 * PS:40 * PS] = bytes(20 * PS)
+    paths, memories, parent = [], [], None
+    for k in range(depth + 1):
+        if k:
+            _evolve(mem, rng)
+        path = directory / f"link{k:04d}.lean"
+        with LeanImageWriter(path, parent=parent_link(parent) if parent else None, frame_pages=32) as w:
+            region = w.add_region("pc.ram", len(mem), 0)
+            AgainstParent(w, parent).put_pages(region, "pc.ram", 0, mem)
+        # the new link takes over the open chain below it (one open per link in all)
+        parent = LeanImage.open(path, parents=[parent] if parent else [])
+        paths.append(path)
+        memories.append(bytes(mem))
+    parent.close()
+    return paths, memories
+
+
+def raw(path, parents=()) -> bytes:
+    with LeanImage.open(path, parents=parents) as image:
+        out = io.BytesIO()
+        restore_raw(image, out)
+        return out.getvalue()
+
+
+@pytest.fixture(scope="module")
+def chain(tmp_path_factory):
+    return build_chain(tmp_path_factory.mktemp("chain"), depth=12)
+
+
+def test_every_link_restores_its_own_moment(chain):
+    paths, memories = chain
+    for path, memory in zip(paths, memories):
+        assert raw(path) == memory
+
+
+def test_links_use_parent_and_delta_pages(chain):
+    paths, _ = chain
+    with LeanImage.open(paths[-1]) as image:
+        counts = class_counts(image)
+    assert counts[PageClass.PARENT] > PAGES // 2
+    assert counts[PageClass.DELTA] >= 1
+    assert counts[PageClass.STORED] >= 1
+
+
+def test_resolver_agrees_with_page_by_page_walk(chain):
+    paths, memories = chain
+    with LeanImage.open(paths[-1]) as image:
+        region = image.regions[0]
+        walked = b"".join(image.read_page(region, p) for p in range(PAGES))
+        assert walked == memories[-1] == bytes(image.region_bytes(region, 0, PAGES))
+
+
+def test_every_link_validates_against_its_parent(chain):
+    paths, _ = chain
+    for k, path in enumerate(paths):
+        report = validate(path, parents=paths[:k])
+        assert report.valid, [str(f) for f in report.findings]
+        if k:
+            assert report.checked["parent_pages"] > 0
+
+
+def test_flatten_and_merge(chain, tmp_path):
+    paths, memories = chain
+    with LeanImage.open(paths[-1]) as image:
+        rebase(image, tmp_path / "flat.lean", None)
+        rebase(image, tmp_path / "merged.lean", image.parent.parent)
+        grandparent_uuid = image.parent.parent.header.image_uuid
+    with LeanImage.open(tmp_path / "flat.lean") as flat:
+        assert flat.parent is None and not flat.header.has_parent
+    assert raw(tmp_path / "flat.lean") == memories[-1]
+    assert validate(tmp_path / "flat.lean").valid
+    with LeanImage.open(tmp_path / "merged.lean", parents=paths) as merged:
+        assert merged.header.parent_uuid == grandparent_uuid
+    assert raw(tmp_path / "merged.lean", parents=paths) == memories[-1]
+    assert validate(tmp_path / "merged.lean", parents=paths).valid
+
+
+def test_deep_chain_resolves(tmp_path):
+    paths, memories = build_chain(tmp_path, depth=1000, seed=3)
+    assert raw(paths[-1]) == memories[-1]
+    assert raw(paths[150]) == memories[150]
+
+
+def test_replaced_parent_is_refused(chain, tmp_path):
+    paths, _ = chain
+    (tmp_path / "other").mkdir()
+    other, _ = build_chain(tmp_path / "other", depth=0, seed=99)
+    # a different image copied over the parent's name: same place, wrong identity
+    moved = tmp_path / "c"
+    moved.mkdir()
+    for p in paths[-2:]:
+        (moved / p.name).write_bytes(p.read_bytes())
+    (moved / paths[-2].name).write_bytes(other[0].read_bytes())
+    result = CliRunner().invoke(main, ["restore", str(moved / paths[-1].name), "-o", str(moved / "x.raw")])
+    assert result.exit_code == 1 and "LI-CHN-001" in result.output
+
+
+def test_modified_parent_is_refused(chain, tmp_path):
+    paths, _ = chain
+    for p in paths[-2:]:
+        (tmp_path / p.name).write_bytes(p.read_bytes())
+    parent = tmp_path / paths[-2].name
+    data = bytearray(parent.read_bytes())
+    data[-30] ^= 1                                   # inside the footer's image digest
+    parent.write_bytes(bytes(data))
+    result = CliRunner().invoke(main, ["validate", str(tmp_path / paths[-1].name)])
+    assert result.exit_code == 1
+    assert "LI-FTR-002" in result.output or "LI-CHN-002" in result.output
+
+
+# --- the CLI on the bundled real QEMU save ------------------------------------------------------
+@pytest.fixture(scope="module")
+def sample_save(tmp_path_factory):
+    path = tmp_path_factory.mktemp("sample") / "vm.save"
+    with open(SAMPLE, "rb") as fin, open(path, "wb") as fout:
+        zstandard.ZstdDecompressor().copy_stream(fin, fout)
+    return path
+
+
+def _changed_save(save: Path, out: Path) -> None:
+    """The sample with a few 8-byte words changed inside RAM page payloads."""
+    data = bytearray(save.read_bytes())
+    base = len(data) // 3
+    for k in range(8):
+        at = base + k * 10 * (PS + 8) + 512
+        data[at:at + 8] = bytes(8) if any(data[at:at + 8]) else b"\x01" * 8
+    out.write_bytes(bytes(data))
+
+
+def test_cli_convert_against_parent_and_chain_commands(sample_save, tmp_path):
+    run = CliRunner()
+    first, second = tmp_path / "c1.lean", tmp_path / "c2.lean"
+    changed = tmp_path / "changed.save"
+    _changed_save(sample_save, changed)
+    assert run.invoke(main, ["convert", str(sample_save), "-o", str(first)]).exit_code == 0
+    result = run.invoke(main, ["convert", str(changed), "-o", str(second), "--parent", str(first)])
+    assert result.exit_code == 0, result.output
+    with LeanImage.open(second) as image:
+        counts = class_counts(image)
+    assert counts[PageClass.DELTA] >= 1 and counts[PageClass.PARENT] > 1000
+    assert os.path.getsize(second) < os.path.getsize(first) // 20
+    result = run.invoke(main, ["validate", "--chain", str(second)])
+    assert result.exit_code == 0, result.output
+    assert result.output.count(": valid;") == 2
+    rebuilt = tmp_path / "rebuilt.save"
+    assert run.invoke(main, ["restore", str(second), "--to", "qemu", "-o", str(rebuilt)]).exit_code == 0
+    assert rebuilt.read_bytes() == changed.read_bytes()
+    for command in ("flatten", "merge"):
+        out = tmp_path / f"{command}.lean"
+        result = run.invoke(main, [command, str(second), "-o", str(out)])
+        assert result.exit_code == 0, result.output
+        assert run.invoke(main, ["restore", str(out), "--to", "qemu", "-o", str(rebuilt)]).exit_code == 0
+        assert rebuilt.read_bytes() == changed.read_bytes(), command
+    no_delta = tmp_path / "nodelta.lean"
+    assert run.invoke(main, ["convert", str(changed), "-o", str(no_delta), "--parent", str(first),
+                             "--no-delta"]).exit_code == 0
+    with LeanImage.open(no_delta) as image:
+        assert class_counts(image)[PageClass.DELTA] == 0
+    assert os.path.getsize(second) < os.path.getsize(no_delta)
+
+
+def test_cli_inspect_shows_each_link(sample_save, tmp_path):
+    run = CliRunner()
+    first, second = tmp_path / "c1.lean", tmp_path / "c2.lean"
+    run.invoke(main, ["convert", str(sample_save), "-o", str(first)])
+    run.invoke(main, ["convert", str(sample_save), "-o", str(second), "--parent", str(first)])
+    import json
+    summary = json.loads(run.invoke(main, ["inspect", "--json", str(second)]).output)
+    assert [set(link["classes"]) for link in summary["chain"]] == [{"PARENT", "ZERO"}, {"STORED", "ZERO"}]
