@@ -216,7 +216,8 @@ def flatten(image, output, parents, disks):
     from .incremental import rebase
     from .reader import LeanImage
     with LeanImage.open(image, parents=parents, disks=_parse_disks(disks)) as img:
-        _report_rebase(rebase(img, output, None), output)
+        rebase(img, output, None)
+    _report_rebase(output)
 
 
 @main.command()
@@ -236,13 +237,15 @@ def merge(image, output, delta, parents, disks):
     with LeanImage.open(image, parents=parents, disks=_parse_disks(disks)) as img:
         if img.parent is None:
             raise ChainError("the image has no parent to merge into; use flatten", rule="LI-CHN-001")
-        _report_rebase(rebase(img, output, img.parent.parent, allow_delta=delta), output)
+        ancestors = [link.path for link in img.parent.chain()[1:]]
+        rebase(img, output, img.parent.parent, allow_delta=delta)
+        _report_rebase(output, ancestors)
 
 
-def _report_rebase(counts, output) -> None:
+def _report_rebase(output, parents=()) -> None:
     from .inspect import class_counts
     from .reader import LeanImage
-    with LeanImage.open(output) as written:
+    with LeanImage.open(output, parents=parents) as written:
         counts = class_counts(written)
     parts = ", ".join(f"{n} {cls.name}" for cls, n in sorted(counts.items()) if n)
     click.echo(f"{output}: written, {parts}")

@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 from .build import GuestBuild, build_guest
-from .scenarios import SavePoint, last_heartbeat, save_point, wait_heartbeat
+from .scenarios import SavePoint, save_point, wait_heartbeat
 from .vm import GuestVM, copy_disk
 
 # The legacy VGA window: pmemsave reads the VGA device's MMIO here, not pc.ram, so a raw
@@ -107,7 +107,3 @@ def run_chain_scenario(workdir: Path, phases=CHAIN_PHASES, mem_mib: int = 128,
                     f"{time.monotonic() - t0:.1f} s")
                 target = max(target, point.heartbeat) + phase.rounds
     return checkpoints
-
-
-def heartbeat_now(vm: GuestVM, mode: str) -> int:
-    return last_heartbeat(vm, mode)

@@ -1,0 +1,362 @@
+"""Restore time against chain depth, with the same final memory (issue 6 §3).
+
+Synthetic guest memory (default one 256 MiB region: zero, text-like and random pages) is
+evolved through ``depth_max - 1`` steps; each step changes 1–4 8-byte words in some pages
+(default 1 %) and rewrites some whole pages (default 0.5 %).  Three chains are written with
+``LeanImageWriter`` directly (PARENT for pages equal to the parent's, ``put_changed`` — DELTA
+or STORED — for changed ones), each in its own directory, all ending at the same memory:
+
+  depth 100   one link per step
+  depth 10    a link every 11 steps (each link covers 11 steps of changes)
+  depth 1     the final memory written plainly (what ``leanimg flatten`` gives)
+
+Each last link is then restored with the real CLI, ``leanimg restore LAST --to raw -o
+/dev/null`` (ancestors found beside it), ``--repeat`` times with every file of the chain
+evicted from the page cache first (posix_fadvise DONTNEED; /proc/sys/vm/drop_caches is
+not writable here); medians are reported with the ratios depth100/depth1 (target <= 1.2)
+and depth10/depth1.  The three restores are checked to give identical bytes (sha256 of a
+restore to a file).  The depth-1 / depth-10 / depth-100 runs are interleaved so drift
+hits all of them alike.
+
+A second check: a depth-1000 chain (default 8 MiB region) opens, validates (`validate
+--chain` is not run: 1000 full validations are the slow path, the last link is validated
+with its chain resolved) and restores to the same bytes as its plain final memory; timed.
+
+    python benchmarks/bench_chain.py                            # 256 MiB, 3 repeats
+    python benchmarks/bench_chain.py --size 64MiB --repeat 1 --json /tmp/chain.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import platform
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from leanimg.format import page_digest
+from leanimg.writer import LeanImageWriter, ParentLink
+
+PAGE = 4096
+WORDS = PAGE // 8
+REGION = "pc.ram"
+_UNITS = {"": 1, "B": 1, "K": 1 << 10, "KIB": 1 << 10, "KB": 1 << 10, "M": 1 << 20, "MIB": 1 << 20,
+          "MB": 1 << 20, "G": 1 << 30, "GIB": 1 << 30, "GB": 1 << 30}
+
+
+def parse_size(text: str) -> int:
+    m = re.fullmatch(r"\s*(\d+)\s*([A-Za-z]*)\s*", text)
+    if not m or m.group(2).upper() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"expected a size like 8MiB or 256MiB, got {text!r}")
+    size = int(m.group(1)) * _UNITS[m.group(2).upper()]
+    if size <= 0 or size % (1 << 20):
+        raise argparse.ArgumentTypeError(f"size must be a non-zero multiple of 1 MiB, got {size}")
+    return size
+
+
+def leanimg_command() -> list[str]:
+    script = Path(sys.executable).parent / "leanimg"
+    if script.is_file() and os.access(script, os.X_OK):
+        return [str(script)]
+    return [sys.executable, "-m", "leanimg.cli"]
+
+
+LEANIMG = leanimg_command()
+
+
+# ------------------------------------------------------------------ synthetic memory
+
+def initial_memory(num_pages: int, rng: np.random.Generator) -> np.ndarray:
+    """(num_pages, 512) uint64: 30 % zero, 40 % text-like (compressible), 30 % random pages."""
+    mem = np.zeros((num_pages, WORDS), np.uint64)
+    kind = rng.choice(3, size=num_pages, p=[0.3, 0.4, 0.3])
+    text = np.flatnonzero(kind == 1)
+    rand = np.flatnonzero(kind == 2)
+    vocab = np.frombuffer(b"the quick brown fox jumps over a lazy dog lean image chain delta ", np.uint8)
+    for rows in np.array_split(text, max(1, len(text) // 4096)):
+        starts = rng.integers(0, len(vocab), size=(len(rows), 1))
+        idx = (starts + np.arange(PAGE)) % len(vocab)
+        mem[rows] = vocab[idx].view(np.uint64).reshape(len(rows), WORDS)
+    mem[rand] = rng.integers(0, 2**64, size=(len(rand), WORDS), dtype=np.uint64)
+    return mem
+
+
+def mutate(mem: np.ndarray, rng: np.random.Generator, word_frac: float, page_frac: float) -> np.ndarray:
+    """One step: 1–4 words in ``word_frac`` of the pages, ``page_frac`` of pages rewritten.
+    Returns the indices of the pages touched."""
+    n = len(mem)
+    word_pages = rng.choice(n, size=max(1, int(n * word_frac)), replace=False)
+    counts = rng.integers(1, 5, size=len(word_pages))
+    rows = np.repeat(word_pages, counts)
+    cols = rng.integers(0, WORDS, size=len(rows))
+    mem[rows, cols] = rng.integers(0, 2**64, size=len(rows), dtype=np.uint64)
+    whole = rng.choice(n, size=max(1, int(n * page_frac)), replace=False)
+    mem[whole] = rng.integers(0, 2**64, size=(len(whole), WORDS), dtype=np.uint64)
+    return np.union1d(word_pages, whole)
+
+
+def digests_of(mem: np.ndarray, pages) -> np.ndarray:
+    out = np.empty((len(pages), 16), np.uint8)
+    for i, p in enumerate(np.asarray(pages).tolist()):
+        out[i] = np.frombuffer(page_digest(mem[p].tobytes()), np.uint8)
+    return out
+
+
+class ChainBuilder:
+    """Writes one chain link by link into ``directory``; keeps the parent's memory."""
+
+    def __init__(self, directory: Path, name: str):
+        self.dir, self.name = directory, name
+        directory.mkdir(parents=True, exist_ok=True)
+        self.links: list[Path] = []
+        self.parent: ParentLink | None = None
+        self.snap: np.ndarray | None = None       # memory of the last link
+        self.dirty: np.ndarray | None = None      # pages touched since the last link
+        self.classes: dict[str, int] = {}
+
+    def touch(self, pages) -> None:
+        if self.dirty is not None:
+            self.dirty[pages] = True
+
+    def write(self, mem: np.ndarray, digests: np.ndarray) -> Path:
+        path = self.dir / f"{self.name}-{len(self.links):04d}.lean"
+        num_pages = len(mem)
+        w = LeanImageWriter(path, parent=self.parent)
+        try:
+            rid = w.add_region(REGION, num_pages * PAGE, guest_phys_base=0)
+            if self.parent is None:
+                w.put_pages(rid, 0, memoryview(mem).cast("B"))
+            else:
+                cand = np.flatnonzero(self.dirty)
+                changed = cand[(mem[cand] != self.snap[cand]).any(axis=1)]
+                start = 0
+                for p in changed.tolist() + [num_pages]:
+                    if p > start:
+                        w.put_parent(rid, start, digests[start:p].tobytes())
+                    if p < num_pages:
+                        cls = w.put_changed(rid, p, self.snap[p].tobytes(), mem[p].tobytes())
+                        self.classes[cls.name] = self.classes.get(cls.name, 0) + 1
+                    start = p + 1
+                self.classes["PARENT"] = self.classes.get("PARENT", 0) + num_pages - len(changed)
+            digest = w.finish()
+        except BaseException:
+            w.abort()
+            raise
+        self.parent = ParentLink(w.image_uuid, digest)
+        self.snap = mem.copy()
+        self.dirty = np.zeros(num_pages, bool)
+        self.links.append(path)
+        return path
+
+
+def build_chains(directory: Path, size: int, depths: list[int], seed: int, word_frac: float,
+                 page_frac: float, log) -> dict[int, ChainBuilder]:
+    """Chains of the given depths over the same evolution; all end at the same memory."""
+    rng = np.random.default_rng(seed)
+    num_pages = size // PAGE
+    steps = max(depths) - 1
+    mem = initial_memory(num_pages, rng)
+    digests = digests_of(mem, range(num_pages))
+    chains = {d: ChainBuilder(directory / f"depth{d}", f"d{d}") for d in depths}
+    # a chain of depth d takes a link at steps round(k * steps / (d-1)), k = 0..d-1
+    marks = {d: ({0} if d == 1 else {round(k * steps / (d - 1)) for k in range(d)}) for d in depths}
+    for d in depths:
+        assert len(marks[d]) == d, (d, marks[d])
+    t0 = time.monotonic()
+    for step in range(steps + 1):
+        if step:
+            touched = mutate(mem, rng, word_frac, page_frac)
+            digests[touched] = digests_of(mem, touched)
+            for c in chains.values():
+                c.touch(touched)
+        for d, c in chains.items():
+            if d == 1:
+                continue
+            if step in marks[d]:
+                c.write(mem, digests)
+        if step and step % max(10, steps // 10) == 0:
+            log(f"  step {step}/{steps} ({time.monotonic() - t0:.0f} s)")
+    if 1 in chains:
+        chains[1].write(mem, digests)
+    return chains
+
+
+# ------------------------------------------------------------------ timing
+
+def evict(paths) -> None:
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def run_cli(*args, stdout=subprocess.DEVNULL) -> None:
+    proc = subprocess.run([*LEANIMG, *map(str, args)], stdout=stdout, stderr=subprocess.PIPE)
+    if proc.returncode:
+        raise SystemExit(f"leanimg {' '.join(map(str, args))} exited {proc.returncode}:\n"
+                         f"{proc.stderr.decode(errors='replace')}")
+
+
+def timed_restore(chain: ChainBuilder, out: str = "/dev/null") -> float:
+    evict(chain.links)
+    t0 = time.perf_counter()
+    run_cli("restore", chain.links[-1], "--to", "raw", "-o", out)
+    return time.perf_counter() - t0
+
+
+def sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def chain_bytes(chain: ChainBuilder) -> int:
+    return sum(p.stat().st_size for p in chain.links)
+
+
+def bench_depths(work: Path, args, log) -> dict:
+    depths = [1, 10, 100]
+    t0 = time.monotonic()
+    chains = build_chains(work, args.size, depths, args.seed, args.word_frac, args.page_frac, log)
+    build_s = time.monotonic() - t0
+    log(f"built chains of depth {depths} over {args.size >> 20} MiB in {build_s:.1f} s")
+    # same final memory: restore each last link to a file once and compare
+    digests = {}
+    for d, c in chains.items():
+        out = work / f"restored-{d}.raw"
+        run_cli("restore", c.links[-1], "--to", "raw", "-o", out)
+        digests[d] = sha256(out)
+        out.unlink()
+    if len(set(digests.values())) != 1:
+        raise SystemExit(f"restores of the last links differ: {digests}")
+    times = {d: [] for d in depths}
+    for _ in range(args.repeat):
+        for d in depths:
+            times[d].append(timed_restore(chains[d]))
+    med = {d: statistics.median(t) for d, t in times.items()}
+    return dict(
+        size_bytes=args.size, word_frac=args.word_frac, page_frac=args.page_frac,
+        build_seconds=build_s, final_sha256=digests[1],
+        chains={str(d): dict(depth=d, links=len(c.links), bytes=chain_bytes(c),
+                             last_link_bytes=c.links[-1].stat().st_size, classes_written=c.classes,
+                             restore_seconds=times[d], restore_median=med[d])
+                for d, c in chains.items()},
+        ratio_depth10_depth1=med[10] / med[1],
+        ratio_depth100_depth1=med[100] / med[1],
+        target_ratio=1.2,
+        meets_target=med[100] / med[1] <= 1.2,
+    )
+
+
+def bench_depth1000(work: Path, args, log) -> dict:
+    t0 = time.monotonic()
+    chains = build_chains(work / "deep", args.deep_size, [1, args.deep_depth], args.seed + 1,
+                          args.word_frac, args.page_frac, log)
+    build_s = time.monotonic() - t0
+    deep, flat = chains[args.deep_depth], chains[1]
+    log(f"built a depth-{args.deep_depth} chain over {args.deep_size >> 20} MiB in {build_s:.1f} s")
+    evict(deep.links)
+    t0 = time.perf_counter()
+    run_cli("inspect", "--json", deep.links[-1])
+    inspect_s = time.perf_counter() - t0
+    evict(deep.links)
+    t0 = time.perf_counter()
+    run_cli("validate", deep.links[-1])
+    validate_s = time.perf_counter() - t0
+    out = work / "deep.raw"
+    evict(deep.links)
+    t0 = time.perf_counter()
+    run_cli("restore", deep.links[-1], "--to", "raw", "-o", out)
+    restore_s = time.perf_counter() - t0
+    same = sha256(out) == sha256_restore(flat, work / "flat.raw")
+    if not same:
+        raise SystemExit(f"depth-{args.deep_depth} restore differs from the plain final memory")
+    flat_times = [timed_restore(flat) for _ in range(args.repeat)]
+    deep_times = [timed_restore(deep) for _ in range(args.repeat)]
+    return dict(depth=args.deep_depth, size_bytes=args.deep_size, build_seconds=build_s,
+                chain_bytes=chain_bytes(deep), inspect_seconds=inspect_s, validate_seconds=validate_s,
+                first_restore_seconds=restore_s, restore_seconds=deep_times,
+                restore_median=statistics.median(deep_times),
+                depth1_restore_seconds=flat_times, depth1_restore_median=statistics.median(flat_times),
+                identical_to_depth1=same)
+
+
+def sha256_restore(chain: ChainBuilder, out: Path) -> str:
+    run_cli("restore", chain.links[-1], "--to", "raw", "-o", out)
+    digest = sha256(out)
+    out.unlink()
+    return digest
+
+
+def render(results: dict) -> str:
+    d = results["depths"]
+    lines = [f"restore --to raw of the last link, {d['size_bytes'] >> 20} MiB, median of "
+             f"{results['repeat']} cold runs (same final memory, sha256 {d['final_sha256'][:16]}…)",
+             f"  {'depth':>6} {'chain MiB':>10} {'last link MiB':>14} {'restore s':>10}  runs"]
+    for c in d["chains"].values():
+        lines.append(f"  {c['depth']:>6} {c['bytes'] / 2**20:10.2f} {c['last_link_bytes'] / 2**20:14.2f} "
+                     f"{c['restore_median']:10.3f}  {' '.join(f'{t:.3f}' for t in c['restore_seconds'])}")
+    lines.append(f"  depth10/depth1 {d['ratio_depth10_depth1']:.3f}   depth100/depth1 "
+                 f"{d['ratio_depth100_depth1']:.3f} (target <= 1.2: "
+                 f"{'met' if d['meets_target'] else 'NOT met'})")
+    if "deep" in results:
+        k = results["deep"]
+        lines.append(f"depth {k['depth']} over {k['size_bytes'] >> 20} MiB: built in {k['build_seconds']:.1f} s "
+                     f"({k['chain_bytes'] / 2**20:.1f} MiB), inspect {k['inspect_seconds']:.2f} s, validate "
+                     f"{k['validate_seconds']:.2f} s, restore {k['restore_median']:.2f} s median "
+                     f"(depth 1: {k['depth1_restore_median']:.2f} s), bytes identical: {k['identical_to_depth1']}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size", type=parse_size, default=256 << 20, help="region size (default 256MiB)")
+    parser.add_argument("--repeat", type=int, default=3, help="cold restores per chain (default 3)")
+    parser.add_argument("--seed", type=int, default=20261122)
+    parser.add_argument("--word-frac", type=float, default=0.01,
+                        help="fraction of pages with 1-4 changed words per step (default 0.01)")
+    parser.add_argument("--page-frac", type=float, default=0.005,
+                        help="fraction of pages rewritten whole per step (default 0.005)")
+    parser.add_argument("--deep-depth", type=int, default=1000, help="depth of the deep chain (0: skip)")
+    parser.add_argument("--deep-size", type=parse_size, default=8 << 20,
+                        help="region size of the deep chain (default 8MiB)")
+    parser.add_argument("--workdir", default=None, help="parent of the temporary directory (default /tmp)")
+    parser.add_argument("--json", dest="json_path", metavar="FILE", help="also write the results as JSON")
+    parser.add_argument("--keep", action="store_true", help="keep the chains")
+    args = parser.parse_args(argv)
+    log = lambda msg: print(msg, file=sys.stderr, flush=True)
+    work = Path(tempfile.mkdtemp(prefix="bench-chain-", dir=args.workdir))
+    try:
+        results = dict(repeat=args.repeat, command=[sys.executable, *sys.argv],
+                       machine=dict(python=platform.python_version(), cpus=os.cpu_count()))
+        results["depths"] = bench_depths(work, args, log)
+        if args.deep_depth:
+            results["deep"] = bench_depth1000(work, args, log)
+        print(render(results))
+        if args.json_path:
+            with open(args.json_path, "w") as f:
+                json.dump(results, f, indent=2)
+    finally:
+        if args.keep:
+            log(f"kept {work}")
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+    return 0 if results["depths"]["meets_target"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
