@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .delta import small_index_list
 from .errors import ChainError
 from .format import PageClass
 
@@ -112,17 +113,47 @@ def fill(resolution: Resolution, out: np.ndarray, first_page: int, count: int) -
                 for row in rows.tolist():
                     out[row * ps:(row + 1) * ps] = np.frombuffer(
                         link._disk_page(region, first_page + row, int(slots[row])), np.uint8)
-    lo, hi = np.searchsorted(resolution.delta_pages, [first_page, stop])
-    for k in range(int(lo), int(hi)):
-        row = int(resolution.delta_pages[k]) - first_page
-        link = resolution.links[int(resolution.delta_links[k])]
-        entry = link.delta_entry(int(resolution.delta_slots[k]))
-        page = apply_delta(entry, out[row * ps:(row + 1) * ps].tobytes())
-        out[row * ps:(row + 1) * ps] = np.frombuffer(page, np.uint8)
+    lo, hi = (int(x) for x in np.searchsorted(resolution.delta_pages, [first_page, stop]))
+    pages = resolution.delta_pages[lo:hi]
+    links_of = resolution.delta_links[lo:hi]
+    slots_of = resolution.delta_slots[lo:hi]
+    words = out.view("<u8")
+    for link_index in sorted(np.unique(links_of).tolist(), reverse=True):     # deepest first
+        mine = links_of == link_index
+        link = resolution.links[link_index]
+        _apply_link_deltas(link, words, out, (pages[mine] - first_page).tolist(),
+                           link.delta_entries(slots_of[mine]), ps, apply_delta)
+
+
+def _apply_link_deltas(link, words, out, rows, entries, ps, apply_delta) -> None:
+    """One link's deltas (at most one per page): small INDEX_LIST entries in one scatter,
+    any other entry through the fully checked path."""
+    targets, values = [], []
+    for row, entry in zip(rows, entries):
+        parsed = small_index_list(entry, ps)
+        if parsed is None:
+            page = apply_delta(entry, out[row * ps:(row + 1) * ps].tobytes(), structure=f"{link.path} delta")
+            out[row * ps:(row + 1) * ps] = np.frombuffer(page, np.uint8)
+            continue
+        positions, raw_values = parsed
+        base = row * (ps // 8)
+        targets.extend(base + w for w in positions)
+        values.append(raw_values)
+    if targets:
+        words[np.array(targets, np.int64)] = np.frombuffer(b"".join(values), "<u8")
 
 
 def _copy_runs(link, out: np.ndarray, rows: np.ndarray, slots: np.ndarray, ps: int) -> None:
-    """Copy STORED pages, one frame read per run of consecutive rows and ordinals."""
-    breaks = np.flatnonzero((np.diff(rows) != 1) | (np.diff(slots) != 1)) + 1
-    for run in np.split(np.arange(len(rows)), breaks):
-        link._copy_stored(out, None, int(rows[run[0]]), int(slots[run[0]]), len(run))
+    """Copy STORED pages of one link: one decompressed frame and one numpy copy per frame."""
+    from .errors import FormatError
+    starts, counts = link._frame_starts, link._frame_counts
+    frames = np.searchsorted(starts, slots, side="right") - 1
+    bad = (frames < 0) | (slots >= starts[np.maximum(frames, 0)] + counts[np.maximum(frames, 0)])
+    if bad.any():
+        raise FormatError(f"stored ordinal {int(slots[bad][0])} is in no PAGE_FRAME", rule="LI-MAP-004",
+                          structure="page_map", path=link.path)
+    pages = out.reshape(-1, ps)
+    for frame in np.unique(frames).tolist():
+        sel = frames == frame
+        content = np.frombuffer(link.frame_pages(frame), np.uint8).reshape(-1, ps)
+        pages[rows[sel]] = content[slots[sel] - starts[frame]]

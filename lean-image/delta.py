@@ -6,6 +6,8 @@ are always the new words in ascending position order.
 
 from __future__ import annotations
 
+import struct
+
 import numpy as np
 
 from .errors import FormatError
@@ -139,9 +141,43 @@ def _check_ascending(positions: np.ndarray, words_per_page: int, offset, structu
                     offset, structure)
 
 
+FAST_WORDS = 32
+
+
 def apply(entry, parent_page, *, offset: int | None = None, structure: str = "delta_entry") -> bytes:
     """The page a delta entry makes of its parent's page."""
+    fast = _apply_small_index_list(entry, parent_page)
+    if fast is not None:
+        return fast
     positions, values = decode_positions(entry, len(parent_page), offset=offset, structure=structure)
     words = np.frombuffer(parent_page, dtype="<u8").copy()
     words[positions] = values
     return words.tobytes()
+
+
+def small_index_list(entry, page_size: int) -> tuple[tuple, bytes] | None:
+    """(word positions, new values) of an INDEX_LIST entry of a few words (the common case),
+    decoded without numpy; None when the entry is anything else or breaks a rule of §7,
+    so that the checking path decodes (and reports) it."""
+    entry = bytes(entry)
+    if len(entry) < _HEAD or len(entry) >= page_size:
+        return None
+    encoding, reserved, num_words = DELTA_ENTRY_STRUCT.unpack_from(entry)
+    if encoding != DeltaEncoding.INDEX_LIST or reserved or not 0 < num_words <= FAST_WORDS \
+            or len(entry) != _HEAD + 10 * num_words:
+        return None
+    positions = struct.unpack_from(f"<{num_words}H", entry, _HEAD)
+    if any(b <= a for a, b in zip(positions, positions[1:])) or positions[-1] >= page_size // WORD_SIZE:
+        return None
+    return positions, entry[_HEAD + 2 * num_words:]
+
+
+def _apply_small_index_list(entry, parent_page) -> bytes | None:
+    parsed = small_index_list(entry, len(parent_page))
+    if parsed is None:
+        return None
+    positions, values = parsed
+    page = bytearray(parent_page)
+    for i, word in enumerate(positions):
+        page[word * 8:word * 8 + 8] = values[8 * i:8 * i + 8]
+    return bytes(page)

@@ -430,11 +430,23 @@ class LeanImage:
         return decompress_frame(zstandard.ZstdDecompressor(), record.body[16:], expected, record.offset,
                                 record_path(i, record, "zstd"))
 
-    def delta_entry(self, slot: int) -> bytes:
-        frame = int(np.searchsorted(self._delta_starts, slot, side="right")) - 1
-        if frame < 0:
-            raise FormatError(f"delta entry {slot} is in no DELTA_FRAME", structure="delta_frame",
-                              rule="LI-MAP-004")
+    def delta_entries(self, slots: np.ndarray) -> list:
+        """The delta entries of many slots, each DELTA_FRAME looked up once per run."""
+        frames = np.searchsorted(self._delta_starts, slots, side="right") - 1
+        out = []
+        for frame, slot in zip(frames.tolist(), slots.tolist()):
+            if frame < 0:
+                raise FormatError(f"delta entry {slot} is in no DELTA_FRAME", structure="delta_frame",
+                                  rule="LI-MAP-004", path=self.path)
+            content, offsets, first = self._delta_frame(frame)
+            k = slot - first
+            if not 0 <= k < len(offsets) - 1:
+                raise FormatError(f"delta entry {slot} is in no DELTA_FRAME", structure="delta_frame",
+                                  rule="LI-MAP-004", path=self.path)
+            out.append(content[offsets[k]:offsets[k + 1]])
+        return out
+
+    def _delta_frame(self, frame: int):
         key = ("delta", frame)
         if key not in self._frame_cache:
             i = int(self._delta_entries[frame])
@@ -442,12 +454,11 @@ class LeanImage:
             p = record.parsed
             content = self._decompress(record, i, record.body[p["ofs_zstd"] - record.offset - 16:],
                                        int(p["entry_offsets"][-1]))
-            self._cache(key, (content, p["entry_offsets"], p["first_delta"]))
-        content, offsets, first = self._frame_cache[key]
-        k = slot - first
-        if not 0 <= k < len(offsets) - 1:
-            raise FormatError(f"delta entry {slot} is in no DELTA_FRAME", structure="delta_frame", rule="LI-MAP-004")
-        return content[int(offsets[k]):int(offsets[k + 1])]
+            self._cache(key, (content, p["entry_offsets"].tolist(), p["first_delta"]))
+        return self._frame_cache[key]
+
+    def delta_entry(self, slot: int) -> bytes:
+        return self.delta_entries(np.array([slot], np.int64))[0]
 
     def _cache(self, key, value):
         self._frame_cache[key] = value
