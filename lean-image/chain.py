@@ -15,7 +15,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .delta import small_index_list
 from .errors import ChainError
 from .format import PageClass
 
@@ -120,27 +119,36 @@ def fill(resolution: Resolution, out: np.ndarray, first_page: int, count: int) -
     words = out.view("<u8")
     for link_index in sorted(np.unique(links_of).tolist(), reverse=True):     # deepest first
         mine = links_of == link_index
-        link = resolution.links[link_index]
-        _apply_link_deltas(link, words, out, (pages[mine] - first_page).tolist(),
-                           link.delta_entries(slots_of[mine]), ps, apply_delta)
+        _apply_link_deltas(resolution.links[link_index], words, out, pages[mine] - first_page,
+                           slots_of[mine], ps, apply_delta)
 
 
-def _apply_link_deltas(link, words, out, rows, entries, ps, apply_delta) -> None:
-    """One link's deltas (at most one per page): small INDEX_LIST entries in one scatter,
-    any other entry through the fully checked path."""
-    targets, values = [], []
-    for row, entry in zip(rows, entries):
-        parsed = small_index_list(entry, ps)
-        if parsed is None:
+def _apply_link_deltas(link, words, out, rows, slots, ps, apply_delta) -> None:
+    """One link's deltas (at most one per page): INDEX_LIST entries parsed per frame with
+    numpy and applied in one scatter; any other entry through the fully checked path."""
+    from .errors import FormatError
+    frames = np.searchsorted(link._delta_starts, slots, side="right") - 1
+    if (frames < 0).any():
+        raise FormatError(f"delta entry {int(slots[frames < 0][0])} is in no DELTA_FRAME",
+                          rule="LI-MAP-004", structure="delta_frame", path=link.path)
+    for frame in np.unique(frames).tolist():
+        sel = frames == frame
+        first, content, offsets, (simple, word_start, num_words, positions, values) = \
+            link.delta_frame_parsed(frame)
+        k = slots[sel] - first
+        if (k >= len(offsets) - 1).any():
+            raise FormatError(f"delta entry {int(slots[sel][k >= len(offsets) - 1][0])} is in no DELTA_FRAME",
+                              rule="LI-MAP-004", structure="delta_frame", path=link.path)
+        frame_rows = rows[sel]
+        fast = simple[k]
+        counts = num_words[k[fast]]
+        at = np.repeat(word_start[k[fast]] - np.concatenate(([0], np.cumsum(counts)[:-1])), counts) + \
+            np.arange(int(counts.sum()))
+        words[np.repeat(frame_rows[fast] * (ps // 8), counts) + positions[at]] = values[at]
+        for row, entry_index in zip(frame_rows[~fast].tolist(), k[~fast].tolist()):
+            entry = content[offsets[entry_index]:offsets[entry_index + 1]]
             page = apply_delta(entry, out[row * ps:(row + 1) * ps].tobytes(), structure=f"{link.path} delta")
             out[row * ps:(row + 1) * ps] = np.frombuffer(page, np.uint8)
-            continue
-        positions, raw_values = parsed
-        base = row * (ps // 8)
-        targets.extend(base + w for w in positions)
-        values.append(raw_values)
-    if targets:
-        words[np.array(targets, np.int64)] = np.frombuffer(b"".join(values), "<u8")
 
 
 def _copy_runs(link, out: np.ndarray, rows: np.ndarray, slots: np.ndarray, ps: int) -> None:

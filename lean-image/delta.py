@@ -181,3 +181,35 @@ def _apply_small_index_list(entry, parent_page) -> bytes | None:
     for i, word in enumerate(positions):
         page[word * 8:word * 8 + 8] = values[8 * i:8 * i + 8]
     return bytes(page)
+
+
+def parse_index_lists(content: bytes, offsets: np.ndarray, page_size: int):
+    """All entries of one decompressed DELTA_FRAME at once, with numpy.
+
+    Returns (simple, word_start, num_words, positions, values): for each entry whether it
+    is an INDEX_LIST entry that passes every rule of §7 (the others go through
+    ``apply``, which decodes and reports them), where its words start in the flat
+    ``positions``/``values`` arrays, and how many it has.
+    """
+    c = np.frombuffer(content, np.uint8)
+    offsets = np.asarray(offsets, np.int64)
+    starts, lengths = offsets[:-1], np.diff(offsets)
+    safe = np.where(lengths >= _HEAD, starts, 0)
+    encoding, reserved = c[safe] if len(c) else safe, c[safe + 1] if len(c) else safe
+    num_words = (c[safe + 2].astype(np.int64) | (c[safe + 3].astype(np.int64) << 8)) if len(c) else safe
+    simple = (lengths >= _HEAD) & (encoding == DeltaEncoding.INDEX_LIST) & (reserved == 0) & \
+        (num_words > 0) & (lengths == _HEAD + 10 * num_words) & (lengths < page_size)
+    counts = np.where(simple, num_words, 0)
+    word_start = np.concatenate(([0], np.cumsum(counts)[:-1])) if len(counts) else counts
+    total = int(counts.sum())
+    within = np.arange(total) - np.repeat(word_start, counts)
+    first = np.repeat(starts + _HEAD, counts)
+    pos_at = first + 2 * within
+    positions = c[pos_at].astype(np.int64) | (c[pos_at + 1].astype(np.int64) << 8)
+    val_at = first + 2 * np.repeat(num_words, counts) + 8 * within
+    values = c[val_at[:, None] + np.arange(8)].copy().view("<u8").reshape(-1)
+    bad_word = positions >= page_size // WORD_SIZE
+    bad_word[1:] |= (within[1:] > 0) & (positions[1:] <= positions[:-1])
+    entry_of_word = np.repeat(np.arange(len(counts)), counts)
+    simple &= np.bincount(entry_of_word[bad_word], minlength=len(counts)) == 0
+    return simple, word_start, num_words, positions, values

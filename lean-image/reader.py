@@ -26,7 +26,7 @@ from .structures import (
     read_footer, read_header, read_record, record_path,
 )
 
-FRAME_CACHE_SIZE = 4
+FRAME_CACHE_SIZE = 8
 
 
 @dataclass
@@ -446,6 +446,16 @@ class LeanImage:
             out.append(content[offsets[k]:offsets[k + 1]])
         return out
 
+    def delta_frame_parsed(self, frame: int):
+        """(first_delta, content, offsets, parse_index_lists(...)) of a DELTA_FRAME, cached."""
+        key = ("delta-parsed", frame)
+        if key not in self._frame_cache:
+            from .delta import parse_index_lists
+            content, offsets, first = self._delta_frame(frame)
+            self._cache(key, (first, content, offsets,
+                              parse_index_lists(content, np.array(offsets, np.int64), self.page_size)))
+        return self._frame_cache[key]
+
     def _delta_frame(self, frame: int):
         key = ("delta", frame)
         if key not in self._frame_cache:
@@ -545,6 +555,12 @@ class LeanImage:
             raise FormatError(f"region {region.name!r} page {page}: content digest {page_digest(data).hex()} "
                               f"differs from recorded {expected.hex()}",
                               structure=f"region[{region.region_id}].page[{page}]", rule="LI-DIG-002")
+
+    @property
+    def restore_chunk_pages(self) -> int:
+        """Pages per region_bytes call for a sequential restore: larger for chains, whose cost
+        per call grows with the number of links a chunk draws on."""
+        return (64 << 20) // self.page_size if self.parent is not None else (16 << 20) // self.page_size
 
     def region_bytes(self, region: Region, first_page: int, count: int) -> memoryview:
         """Pages [first_page, first_page+count) resolved and verified, in one buffer."""

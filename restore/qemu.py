@@ -11,9 +11,6 @@ from leanimg.errors import FormatError, UnsupportedError
 from leanimg.format import PageClass, SourceFormat
 from leanimg.reader import LeanImage
 
-CHUNK_PAGES = 1024
-
-
 def stream_state(image: LeanImage) -> qemu.StreamState:
     for state in image.source_states:
         if state.source_format == SourceFormat.QEMU and state.tag == QEMU_TAG_STREAM_STATE:
@@ -30,8 +27,9 @@ def _page_source(image: LeanImage, progress):
                               f"says {block.length}", structure=f"region[{region.region_id}]")
         classes = image.classes(region)
         blank = (classes == PageClass.ZERO) | (classes == PageClass.FREE)
-        for first in range(0, region.num_pages, CHUNK_PAGES):
-            count = min(CHUNK_PAGES, region.num_pages - first)
+        step = image.restore_chunk_pages
+        for first in range(0, region.num_pages, step):
+            count = min(step, region.num_pages - first)
             if blank[first:first + count].all():
                 chunk = qemu.Zeros(count * image.page_size)
             else:

@@ -4,9 +4,6 @@ from __future__ import annotations
 
 from leanimg.reader import LeanImage
 
-CHUNK_PAGES = 4096
-
-
 def raw_layout(image: LeanImage) -> list[tuple[str, int, int]]:
     """(region name, offset in the raw output, size) for every region."""
     layout, offset = [], 0
@@ -21,8 +18,9 @@ def restore_raw(image: LeanImage, out, progress=None) -> int:
     written = 0
     image.enable_read_ahead()
     for region in image.regions:
-        for first in range(0, region.num_pages, CHUNK_PAGES):
-            count = min(CHUNK_PAGES, region.num_pages - first)
+        step = image.restore_chunk_pages
+        for first in range(0, region.num_pages, step):
+            count = min(step, region.num_pages - first)
             data = image.region_bytes(region, first, count)
             out.write(data)
             written += len(data)

@@ -209,3 +209,34 @@ def test_cli_inspect_shows_each_link(sample_save, tmp_path):
     import json
     summary = json.loads(run.invoke(main, ["inspect", "--json", str(second)]).output)
     assert [set(link["classes"]) for link in summary["chain"]] == [{"PARENT", "ZERO"}, {"STORED", "ZERO"}]
+
+
+def test_vectorised_delta_parsing_agrees_with_the_checked_decoder():
+    """parse_index_lists may only take entries decode_positions accepts, with the same words."""
+    from leanimg.delta import decode_positions, encode, parse_index_lists
+    from leanimg.errors import FormatError
+    rng = np.random.default_rng(11)
+    entries = []
+    for _ in range(300):
+        old = rng.bytes(PS)
+        new = bytearray(old)
+        for word in rng.choice(PS // 8, size=int(rng.integers(1, 40)), replace=False):
+            new[word * 8:word * 8 + 8] = rng.bytes(8)
+        entry = bytearray(encode(old, bytes(new)))
+        if rng.random() < 0.4:                       # damage some: any byte, any value
+            entry[int(rng.integers(0, len(entry)))] = int(rng.integers(0, 256))
+        entries.append(bytes(entry))
+    offsets = np.concatenate(([0], np.cumsum([len(e) for e in entries])))
+    simple, start, count, positions, values = parse_index_lists(b"".join(entries), offsets, PS)
+    taken = 0
+    for k, entry in enumerate(entries):
+        try:
+            want_pos, want_val = decode_positions(entry, PS)
+        except FormatError:
+            assert not simple[k], f"entry {k} taken by the fast path but invalid"
+            continue
+        if simple[k]:
+            taken += 1
+            got = slice(int(start[k]), int(start[k]) + int(count[k]))
+            assert list(positions[got]) == list(want_pos) and list(values[got]) == list(want_val)
+    assert taken > 100
