@@ -560,7 +560,7 @@ class LeanImage:
     def restore_chunk_pages(self) -> int:
         """Pages per region_bytes call for a sequential restore: larger for chains, whose cost
         per call grows with the number of links a chunk draws on."""
-        return (64 << 20) // self.page_size if self.parent is not None else (16 << 20) // self.page_size
+        return (64 << 20) // self.page_size if self.parent is not None else (4 << 20) // self.page_size
 
     def region_bytes(self, region: Region, first_page: int, count: int) -> memoryview:
         """Pages [first_page, first_page+count) resolved and verified, in one buffer."""
