@@ -44,6 +44,8 @@ from pathlib import Path
 
 import numpy as np
 
+from leanimg.cli import command_line
+from leanimg.fileutil import evict_from_page_cache
 from leanimg.format import page_digest
 from leanimg.writer import LeanImageWriter, ParentLink
 
@@ -64,14 +66,7 @@ def parse_size(text: str) -> int:
     return size
 
 
-def leanimg_command() -> list[str]:
-    script = Path(sys.executable).parent / "leanimg"
-    if script.is_file() and os.access(script, os.X_OK):
-        return [str(script)]
-    return [sys.executable, "-m", "leanimg.cli"]
-
-
-LEANIMG = leanimg_command()
+LEANIMG = command_line()
 
 
 # ------------------------------------------------------------------ synthetic memory
@@ -195,11 +190,7 @@ def build_chains(directory: Path, size: int, depths: list[int], seed: int, word_
 
 def evict(paths) -> None:
     for p in paths:
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
+        evict_from_page_cache(p)
 
 
 def run_cli(*args, stdout=subprocess.DEVNULL) -> None:

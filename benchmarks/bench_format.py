@@ -34,6 +34,7 @@ import time
 
 import numpy as np
 
+from leanimg.fileutil import evict_from_page_cache, fsync_path
 from leanimg.reader import LeanImage
 from leanimg.restore.raw import restore_raw
 from leanimg.validate import validate
@@ -107,23 +108,6 @@ def generate(path: str, size: int, seed: int) -> dict[str, int]:
 
 
 # --- measurement helpers --------------------------------------------------------------------
-def evict(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
-def fsync_path(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def timed(fn) -> float:
     start = time.perf_counter()
     fn()
@@ -183,7 +167,7 @@ def measure(args) -> dict:
         ]
         for rep in range(args.repeat):
             for name, cold_input, fn in steps:
-                evict(cold_input)
+                evict_from_page_cache(cold_input)
                 elapsed = timed(fn)
                 times.setdefault(name, []).append(elapsed)
                 print(f"  [{rep + 1}/{args.repeat}] {name:<16} {elapsed:8.3f} s", file=sys.stderr)

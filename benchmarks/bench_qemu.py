@@ -42,7 +42,7 @@ import sys
 import time
 from pathlib import Path
 
-from leanimg.fileutil import sha256_file
+from leanimg.fileutil import evict_from_page_cache, fsync_path, sha256_file
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
@@ -58,29 +58,13 @@ def leanimg_command() -> list[str]:
     return [sys.executable, "-m", "leanimg.cli"]
 
 
-def evict(path: Path) -> None:
-    """Drop ``path`` from the page cache (flush it first so dirty pages can go too)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fdatasync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
-def fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def timed(argv: list[str], *, cold: list[Path], stdout=subprocess.DEVNULL,
           after=None) -> dict:
     """Run ``argv`` once with ``cold`` inputs evicted; wall and child CPU seconds."""
     for path in cold:
-        evict(path)
+        evict_from_page_cache(path)
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
     proc = subprocess.run(argv, stdout=stdout, stderr=subprocess.PIPE)
@@ -165,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
         runs["convert"].append(timed([*leanimg, "convert", str(save), "-o", str(img)],
                                      cold=[save]))
         runs["zstd"].append(timed(["zstd", "-T0", "-3", "-q", "-f", str(save), "-o", str(zst)],
-                                  cold=[save], after=lambda: fsync_file(zst)))
+                                  cold=[save], after=lambda: fsync_path(zst)))
         runs["restore"].append(timed([*leanimg, "restore", str(img), "--to", "qemu", "-o", "-"],
                                      cold=[img], stdout=null))
         runs["zstd -d"].append(timed(["zstd", "-d", "-c", "-q", str(zst)], cold=[zst],

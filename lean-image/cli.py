@@ -71,6 +71,14 @@ parent_option = click.option("--parent", "parents", multiple=True, type=click.Pa
                              "images beside IMAGE are found without it).")
 
 
+def command_line() -> list[str]:
+    """The command that runs this CLI in the current environment (for tests and benchmarks)."""
+    script = os.path.join(os.path.dirname(sys.executable), "leanimg")
+    if os.path.isfile(script) and os.access(script, os.X_OK):
+        return [script]
+    return [sys.executable, "-m", "leanimg.cli"]
+
+
 def _exit_on_sigterm(signum, frame):
     """Unwind like SIGINT does, so writers remove their temporary files."""
     sys.exit(128 + signum)

@@ -21,6 +21,17 @@ def fsync_path(path: str) -> None:
         os.close(fd)
 
 
+def evict_from_page_cache(path) -> None:
+    """Drop a file from the page cache (flushed first so dirty pages go too), for cold-read
+    measurements: /proc/sys/vm/drop_caches is not writable on these machines."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fdatasync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
 def write_atomically(path: str, produce) -> int:
     """Run ``produce(fileobj)`` into a temporary file that becomes ``path`` only when complete.
 

@@ -16,13 +16,13 @@ import re
 import signal
 import struct
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import zstandard
 
+from leanimg.cli import command_line
 from leanimg.fileutil import sha256_file
 from leanimg.converters import qemu as q
 from leanimg.format import RecordType, checksum64
@@ -34,14 +34,7 @@ PS = 4096
 TIMEOUT = 120
 
 
-def leanimg_command() -> list[str]:
-    script = Path(sys.executable).parent / "leanimg"
-    if script.is_file() and os.access(script, os.X_OK):
-        return [str(script)]
-    return [sys.executable, "-m", "leanimg.cli"]
-
-
-LEANIMG = leanimg_command()
+LEANIMG = command_line()
 
 
 def run(*args, stdin: bytes | None = None) -> subprocess.CompletedProcess:

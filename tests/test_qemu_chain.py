@@ -27,7 +27,6 @@ import os
 import shlex
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -36,6 +35,7 @@ import pytest
 from guest.chain_scenarios import CHAIN_PHASES, VGA_WINDOW, Checkpoint, run_chain_scenario
 from guest.scenarios import wait_heartbeat
 from guest.vm import GuestVM, copy_disk, qemu_available
+from leanimg.cli import command_line
 from leanimg.fileutil import sha256_file
 
 pytestmark = pytest.mark.qemu
@@ -46,15 +46,7 @@ LINKS = list(range(1, NUM_CHECKPOINTS + 1))
 FITDOC_REDUCTION = 52.88      # % less than page-level incremental, FITDOC (seed 003)
 
 
-def leanimg_command() -> list[str]:
-    """The console script of this interpreter's environment, else ``python -m leanimg.cli``."""
-    script = Path(sys.executable).parent / "leanimg"
-    if script.is_file() and os.access(script, os.X_OK):
-        return [str(script)]
-    return [sys.executable, "-m", "leanimg.cli"]
-
-
-LEANIMG = leanimg_command()
+LEANIMG = command_line()
 
 
 def cli(*args, check: bool = True) -> subprocess.CompletedProcess:

@@ -24,7 +24,6 @@ import hashlib
 import os
 import shlex
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -34,6 +33,7 @@ import xxhash
 import kaitai_support as ks
 from guest.scenarios import E2E_STEPS, SavePoint, run_scenario, wait_heartbeat
 from guest.vm import GuestVM, copy_disk, qemu_available
+from leanimg.cli import command_line
 from leanimg.fileutil import sha256_file
 from leanimg.converters import qemu as q
 from leanimg.reader import LeanImage, dump_structure
@@ -44,15 +44,7 @@ WORKLOADS = [name for name, _ in E2E_STEPS]
 CLI_TIMEOUT = 300
 
 
-def leanimg_command() -> list[str]:
-    """The console script of this interpreter's environment, else ``python -m leanimg.cli``."""
-    script = Path(sys.executable).parent / "leanimg"
-    if script.is_file() and os.access(script, os.X_OK):
-        return [str(script)]
-    return [sys.executable, "-m", "leanimg.cli"]
-
-
-LEANIMG = leanimg_command()
+LEANIMG = command_line()
 
 
 def cli(*args, input_file=None, check: bool = True) -> subprocess.CompletedProcess:
