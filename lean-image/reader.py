@@ -92,6 +92,10 @@ class LeanImage:
         self._frame_cache: OrderedDict = OrderedDict()
         self._decompressor = zstandard.ZstdDecompressor()
         self._disk_sources: dict[int, object] = {}
+        self._resolutions: dict = {}              # region id -> chain.Resolution
+        self._pool = None                         # read-ahead workers (enable_read_ahead)
+        self._ahead: dict[int, object] = {}
+        self._depth = 0
 
     # -- opening -----------------------------------------------------------------
     @classmethod
@@ -140,7 +144,7 @@ class LeanImage:
         image._load_records()
         return image
 
-    def _record_at(self, i: int, expected_type: int | None = None) -> Record:
+    def _record_at(self, i: int) -> Record:
         entry = self.index_entries[i]
         offset = int(entry["record_offset"])
         limit = int(self.index_entries[i + 1]["record_offset"]) if i + 1 < len(self.index_entries) \
@@ -285,7 +289,7 @@ class LeanImage:
     def close(self) -> None:
         """Close this image and its whole chain."""
         for link in self.chain():
-            if getattr(link, "_pool", None) is not None:
+            if link._pool is not None:
                 link._pool.shutdown(wait=True, cancel_futures=True)
             for source in link._disk_sources.values():
                 source.close()
@@ -383,7 +387,6 @@ class LeanImage:
         """Decompress the next frames on worker threads while the caller reads sequentially."""
         from concurrent.futures import ThreadPoolExecutor
         self._pool = ThreadPoolExecutor(max_workers=threads)
-        self._ahead: dict[int, object] = {}
         self._depth = depth
 
     def frame_pages(self, frame: int) -> bytes:
@@ -397,7 +400,7 @@ class LeanImage:
             self._frame_cache.move_to_end(key)
             content, digests = self._frame_cache[key]
         else:
-            pool = getattr(self, "_pool", None)
+            pool = self._pool
             if pool is None:
                 content, digests = self._load_frame(frame), None
             else:
@@ -591,7 +594,7 @@ class LeanImage:
     def _chained_region_bytes(self, region: Region, first_page: int, count: int) -> memoryview:
         """Through the chain resolved once per region (chain.py): cost independent of depth."""
         from .chain import fill, resolve
-        cache = self.__dict__.setdefault("_resolutions", {})
+        cache = self._resolutions
         if region.region_id not in cache:
             cache[region.region_id] = resolve(self, region)
         ps = self.page_size
