@@ -121,8 +121,18 @@ def _page_sink(writer: LeanImageWriter, parent, names: dict[int, str]):
 def convert_qemu(source: BinaryIO, writer: LeanImageWriter, progress=None, parent=None) -> qemu.StreamState:
     """Stream a QEMU migration stream into ``writer``; each page must come once.
 
-    With ``parent`` (an open LeanImage), pages are classified against it.
+    With ``parent`` (an open LeanImage), pages are classified against it. A page sent
+    twice (a live save) raises RepeatedPages, wherever the writer notices it.
     """
+    try:
+        return _stream_into(source, writer, progress, parent)
+    except WriterUsageError as exc:
+        if "given twice" in str(exc):
+            raise RepeatedPages(str(exc)) from None
+        raise
+
+
+def _stream_into(source: BinaryIO, writer: LeanImageWriter, progress, parent) -> qemu.StreamState:
     writer.declare_source_state()
     regions: dict[str, int] = {}
     names: dict[int, str] = {}
@@ -133,27 +143,17 @@ def convert_qemu(source: BinaryIO, writer: LeanImageWriter, progress=None, paren
         if isinstance(event, qemu.PageRun):
             runs.flush()
             region, first = regions[event.block], event.offset // page_size
-            try:
-                if event.data is None:
-                    writer.put_zero(region, first, event.count)
-                else:
-                    put_data(region, first, event.data)
-            except WriterUsageError as exc:
-                if "given twice" in str(exc):
-                    raise RepeatedPages(str(exc)) from None
-                raise
+            if event.data is None:
+                writer.put_zero(region, first, event.count)
+            else:
+                put_data(region, first, event.data)
             if progress:
                 progress(event.count * page_size)
         elif isinstance(event, qemu.Page):
             data = event.data
             if data is None and event.fill:
                 data = event.content(page_size)
-            try:
-                runs.add(regions[event.block], event.offset // page_size, data)
-            except WriterUsageError as exc:
-                if "given twice" in str(exc):
-                    raise RepeatedPages(str(exc)) from None
-                raise
+            runs.add(regions[event.block], event.offset // page_size, data)
             if progress:
                 progress(page_size)
         elif isinstance(event, qemu.RamBlocks):
