@@ -33,7 +33,6 @@ import hashlib
 import json
 import os
 import platform
-import re
 import shutil
 import statistics
 import subprocess
@@ -44,6 +43,7 @@ from pathlib import Path
 
 import numpy as np
 
+from common import size_parser
 from leanimg.cli import command_line
 from leanimg.fileutil import evict_from_page_cache
 from leanimg.format import page_digest
@@ -52,18 +52,7 @@ from leanimg.writer import LeanImageWriter, ParentLink
 PAGE = 4096
 WORDS = PAGE // 8
 REGION = "pc.ram"
-_UNITS = {"": 1, "B": 1, "K": 1 << 10, "KIB": 1 << 10, "KB": 1 << 10, "M": 1 << 20, "MIB": 1 << 20,
-          "MB": 1 << 20, "G": 1 << 30, "GIB": 1 << 30, "GB": 1 << 30}
-
-
-def parse_size(text: str) -> int:
-    m = re.fullmatch(r"\s*(\d+)\s*([A-Za-z]*)\s*", text)
-    if not m or m.group(2).upper() not in _UNITS:
-        raise argparse.ArgumentTypeError(f"expected a size like 8MiB or 256MiB, got {text!r}")
-    size = int(m.group(1)) * _UNITS[m.group(2).upper()]
-    if size <= 0 or size % (1 << 20):
-        raise argparse.ArgumentTypeError(f"size must be a non-zero multiple of 1 MiB, got {size}")
-    return size
+parse_size = size_parser(1 << 20)
 
 
 LEANIMG = command_line()

@@ -24,7 +24,6 @@ import argparse
 import json
 import os
 import platform
-import re
 import shutil
 import statistics
 import subprocess
@@ -34,6 +33,7 @@ import time
 
 import numpy as np
 
+from common import size_parser
 from leanimg.fileutil import evict_from_page_cache, fsync_path
 from leanimg.reader import LeanImage
 from leanimg.restore.raw import restore_raw
@@ -45,18 +45,7 @@ CHUNK = 4 << 20                  # 4 MiB: generation and put_pages unit
 CHUNK_PAGES = CHUNK // PAGE
 RUN_MEAN_PAGES = 16              # classes come in runs, as in real guests
 MIX = {"zero": 0.45, "text": 0.35, "random": 0.20}
-_UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MB": 1 << 20,
-          "MIB": 1 << 20, "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30}
-
-
-def parse_size(text: str) -> int:
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
-    if not m or m.group(2).upper() not in _UNITS:
-        raise argparse.ArgumentTypeError(f"expected a size like 64MiB or 1GiB, got {text!r}")
-    size = int(float(m.group(1)) * _UNITS[m.group(2).upper()])
-    if size < CHUNK or size % CHUNK:
-        raise argparse.ArgumentTypeError(f"size must be a non-zero multiple of 4 MiB, got {size}")
-    return size
+parse_size = size_parser(CHUNK)
 
 
 # --- synthetic memory ---------------------------------------------------------------------

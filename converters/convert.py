@@ -17,12 +17,13 @@ from leanimg.errors import SourceFormatError, UnsupportedError
 from leanimg.format import SourceFormat
 from leanimg.incremental import AgainstParent, parent_link
 from leanimg.reader import LeanImage
-from leanimg.writer import LeanImageWriter, WriterUsageError
+from leanimg.writer import LeanImageWriter, PageGivenTwice
 
 from . import qemu
 
 QEMU_MAGIC = b"QEVM"
 XEN_XL_MAGIC = b"Xen saved domain"
+XEN_LIBXC_MARKER = b"\xff" * 8
 # SOURCE_STATE tags of source_format QEMU (spec §5.4): tag 1 is one zstd frame holding
 # qemu.StreamState.to_bytes() (configuration, device sections verbatim, RAM plan, vmdesc)
 QEMU_TAG_STREAM_STATE = 1
@@ -32,13 +33,23 @@ def pack_stream_state(state: qemu.StreamState) -> bytes:
     return zstandard.ZstdCompressor(level=19, write_content_size=True).compress(state.to_bytes())
 
 
-def unpack_stream_state(data: bytes) -> qemu.StreamState:
+def unpack_stream_state(data: bytes, offset: int | None = None) -> qemu.StreamState:
+    """The state pack_stream_state stored; ``offset`` is where ``data`` lies in the image."""
+    structure = "source_state[QEMU tag 1]"
     try:
-        raw = zstandard.ZstdDecompressor().decompress(data, max_output_size=STATE_LIMIT)
+        # zstandard allocates whatever a frame declares, so the declared size is checked first
+        declared = zstandard.get_frame_parameters(data).content_size
+        if declared > STATE_LIMIT:
+            raise zstandard.ZstdError(f"the frame declares {declared} bytes")
+        raw = zstandard.ZstdDecompressor().decompress(data, max_output_size=declared, allow_extra_data=False)
     except zstandard.ZstdError as exc:
-        raise SourceFormatError(f"QEMU stream state (SOURCE_STATE tag 1) does not decompress: {exc}",
-                                structure="source_state") from None
-    return qemu.StreamState.from_bytes(raw)
+        raise SourceFormatError(f"QEMU stream state does not decompress within {STATE_LIMIT} bytes: {exc}",
+                                offset=offset, structure=structure) from None
+    try:
+        return qemu.StreamState.from_bytes(raw)
+    except SourceFormatError as exc:
+        raise SourceFormatError(f"byte {exc.offset} of the decompressed QEMU stream state: {exc.message}",
+                                offset=offset, structure=structure) from None
 
 
 STATE_LIMIT = 256 << 20
@@ -49,7 +60,7 @@ RUN_PAGES = 256
 def detect_format(head: bytes) -> str:
     if head.startswith(QEMU_MAGIC):
         return "qemu"
-    if head.startswith(XEN_XL_MAGIC) or head.startswith(b"\xff" * 8):
+    if head.startswith(XEN_XL_MAGIC) or head.startswith(XEN_LIBXC_MARKER):
         raise UnsupportedError("this is a Xen save file; Xen conversion is not implemented yet",
                                offset=0, structure="magic")
     raise SourceFormatError(f"expected a QEMU migration stream (magic {QEMU_MAGIC.hex(' ')}), got "
@@ -113,9 +124,9 @@ class RepeatedPages(Exception):
 def _page_sink(writer: LeanImageWriter, parent, names: dict[int, str]):
     """put_pages, or classification against the parent image when there is one."""
     if parent is None:
-        return writer.put_pages, None
+        return writer.put_pages
     feeder = AgainstParent(writer, parent)
-    return (lambda region, first, data: feeder.put_pages(region, names[region], first, data)), feeder
+    return lambda region, first, data: feeder.put_pages(region, names[region], first, data)
 
 
 def convert_qemu(source: BinaryIO, writer: LeanImageWriter, progress=None, parent=None) -> qemu.StreamState:
@@ -126,17 +137,15 @@ def convert_qemu(source: BinaryIO, writer: LeanImageWriter, progress=None, paren
     """
     try:
         return _stream_into(source, writer, progress, parent)
-    except WriterUsageError as exc:
-        if "given twice" in str(exc):
-            raise RepeatedPages(str(exc)) from None
-        raise
+    except PageGivenTwice as exc:
+        raise RepeatedPages(str(exc)) from None
 
 
 def _stream_into(source: BinaryIO, writer: LeanImageWriter, progress, parent) -> qemu.StreamState:
     writer.declare_source_state()
     regions: dict[str, int] = {}
     names: dict[int, str] = {}
-    put_data, _ = _page_sink(writer, parent, names)
+    put_data = _page_sink(writer, parent, names)
     runs = None
     page_size = None
     for event in qemu.read_qemu_stream(source, batch=True):
@@ -176,7 +185,7 @@ def convert_qemu_spooled(source: BinaryIO, writer: LeanImageWriter, workdir=None
     """Like convert_qemu for streams that resend pages: the last copy of each page wins."""
     writer.declare_source_state()
     names: dict[int, str] = {}
-    put_data, _ = _page_sink(writer, parent, names)
+    put_data = _page_sink(writer, parent, names)
     state, ram = qemu.load_stream(source, workdir)
     with ram:
         for block in state.ram_blocks:

@@ -43,12 +43,13 @@ class LeanGroup(click.Group):
 
 def _hint(exc: LeanImageError) -> str | None:
     if exc.rule == "LI-HDR-001" and exc.path and os.path.exists(exc.path):
+        from leanimg.converters.convert import QEMU_MAGIC, XEN_LIBXC_MARKER, XEN_XL_MAGIC
         with open(exc.path, "rb") as f:
-            magic = f.read(8)
-        if magic[:4] == b"QEVM":
+            head = f.read(len(XEN_XL_MAGIC))
+        if head.startswith(QEMU_MAGIC):
             return "this looks like a QEMU migration stream: convert it with `leanimg convert`"
-        if magic.startswith(b"Xen saved domain") or magic == b"\xff" * 8:
-            return "this looks like a Xen save file: convert it with `leanimg convert`"
+        if head.startswith(XEN_XL_MAGIC) or head.startswith(XEN_LIBXC_MARKER):
+            return "this looks like a Xen save file (Xen conversion is not implemented yet)"
     if exc.rule == "LI-FTR-001":
         return "an image without a valid footer is incomplete (was the writer interrupted?)"
     return None

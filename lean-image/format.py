@@ -7,6 +7,7 @@ test suite checks that each ``calcsize`` equals the size the spec's tables give.
 from __future__ import annotations
 
 import enum
+import functools
 import struct
 
 import xxhash
@@ -162,6 +163,12 @@ def checksum64(data) -> int:
 def page_digest(data) -> bytes:
     """xxh3-128 of one page, canonical (big-endian) 16 bytes."""
     return xxhash.xxh3_128_digest(data)
+
+
+@functools.lru_cache(maxsize=None)
+def zero_page_digest(page_size: int) -> bytes:
+    """The implied digest of a ZERO page (spec §6.5)."""
+    return page_digest(bytes(page_size))
 
 
 def is_mandatory(record_type: int) -> bool:

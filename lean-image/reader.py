@@ -19,7 +19,7 @@ from . import delta as deltacodec
 from .errors import ChainError, DiskError, FormatError, LeanImageError
 from .format import (
     CHAIN_DEPTH_MAX, DIGEST_CLASSES, DIGEST_SIZE, DISK_SECTOR_SIZE, DISKS_MAX, FRAME_PAGES_MAX_BYTES, REGIONS_MAX,
-    PageClass, RecordType, page_digest,
+    RECORD_HEADER_STRUCT, SOURCE_STATE_STRUCT, PageClass, RecordType, page_digest, zero_page_digest,
 )
 from .structures import (
     Footer, Header, ImageFile, Record, body_problems, header_problems, parse_body, raw_body_dict,
@@ -60,6 +60,7 @@ class SourceState:
     tag: int
     sequence: int
     data: bytes
+    offset: int | None = None        # file offset of ``data``, for errors about its content
 
 
 def _first_problem(problems):
@@ -220,7 +221,8 @@ class LeanImage:
                                   offset=record.offset, structure=record_path(i, record), rule="LI-DSK-001")
             self.disks.append(DiskInfo(p["disk_id"], p["name"], p["size_bytes"], p["fingerprint"]))
         elif kind == RecordType.SOURCE_STATE:
-            self.source_states.append(SourceState(p["source_format"], p["tag"], p["sequence"], bytes(p["data"])))
+            self.source_states.append(SourceState(p["source_format"], p["tag"], p["sequence"], bytes(p["data"]),
+                                                  record.offset + RECORD_HEADER_STRUCT.size + SOURCE_STATE_STRUCT.size))
         elif kind == RecordType.PAGE_MAP:
             if not any(r.region_id == p["region_id"] for r in self.regions):
                 raise FormatError(f"page map of region {p['region_id']} before its REGION record",
@@ -362,7 +364,7 @@ class LeanImage:
         if cls == PageClass.FREE:
             return None
         if cls == PageClass.ZERO:
-            return page_digest(bytes(self.page_size))
+            return zero_page_digest(self.page_size)
         return self.digests(region)[self._rank_at(region, page)].tobytes()
 
     def _expected_range(self, region: Region, first_page: int, count: int) -> tuple[np.ndarray, np.ndarray]:
@@ -379,7 +381,7 @@ class LeanImage:
         expected = np.zeros((count, DIGEST_SIZE), np.uint8)
         table = self.digests(region)
         expected[bearing] = table[ranks[bearing]]
-        expected[classes == PageClass.ZERO] = np.frombuffer(page_digest(bytes(self.page_size)), np.uint8)
+        expected[classes == PageClass.ZERO] = np.frombuffer(zero_page_digest(self.page_size), np.uint8)
         return classes, expected
 
     # -- frames ----------------------------------------------------------------------

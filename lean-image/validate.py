@@ -402,15 +402,15 @@ def _check_features(header, classes: Counter, report: Report) -> None:
 
 
 def _check_refs(scan: _Scan, page_size: int, report: Report) -> None:
+    sizes = {disk_id: d["size_bytes"] for disk_id, d in scan.disks.items()}
     for i, record, p in scan.refs:
         refs = p["refs"]
-        for k in range(len(refs)):
-            disk = scan.disks.get(int(refs["disk_id"][k]))
-            sector = int(refs["sector"][k])
-            if disk is None or sector * DISK_SECTOR_SIZE + page_size > disk["size_bytes"]:
-                report.add(LeanImageError(f"reference to disk {int(refs['disk_id'][k])} sector {sector}: no such "
-                                          "disk, or the page runs past its end", offset=record.offset + 32 + 16 * k,
-                                          structure=record_path(i, record, f"refs[{k}]"), rule="LI-DSK-003"))
+        limit = np.array([sizes.get(int(d), -1) for d in refs["disk_id"]], np.float64)
+        ends = refs["sector"].astype(np.float64) * DISK_SECTOR_SIZE + page_size   # no u64 overflow
+        for k in np.flatnonzero(ends > limit)[:FINDINGS_PER_RULE].tolist():
+            report.add(LeanImageError(f"reference to disk {int(refs['disk_id'][k])} sector {int(refs['sector'][k])}: "
+                                      "no such disk, or the page runs past its end", offset=record.offset + 32 + 16 * k,
+                                      structure=record_path(i, record, f"refs[{k}]"), rule="LI-DSK-003"))
 
 
 # --- content: frames, deltas, disks, parent ------------------------------------------------
@@ -451,41 +451,51 @@ def _digests_complete(scan: _Scan, region_id: int, region: dict, page_size: int)
     return covered == region["size_bytes"] // page_size
 
 
-def _check_frames(image: ImageFile, scan: _Scan, page_size: int, tables: dict, report: Report) -> None:
-    owner_digest = {}
-    total = sum(p["num_pages"] for _, _, p in scan.frames)
+def _stored_owners(tables: dict):
+    """Every STORED page as (ordinal, expected digest, region index, page), sorted by ordinal.
+
+    Sized by the STORED pages, each of which has its digest in the file, so a frame header
+    declaring a huge page count cannot make this large.
+    """
+    parts, names = [], []
     for region, e, table, rank0 in tables.values():
-        for k in np.flatnonzero(e["page_class"] == PageClass.STORED):
-            ext = e[k]
-            first_page, n, slot = int(ext["first_page"]), int(ext["num_pages"]), int(ext["first_slot"])
-            if slot + n <= total:       # slots beyond the frames are LI-MAP-004, reported already
-                owner_digest[slot] = (region, first_page, n, table, int(rank0[k]))
-    slot_starts = np.array(sorted(owner_digest), dtype=np.int64)
+        stored = np.flatnonzero(e["page_class"] == PageClass.STORED)
+        counts = e["num_pages"][stored].astype(np.int64)
+        within = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+        parts.append((np.repeat(e["first_slot"][stored].astype(np.int64), counts) + within,
+                      table[np.repeat(rank0[stored], counts) + within],
+                      np.full(len(within), len(names)),
+                      np.repeat(e["first_page"][stored].astype(np.int64), counts) + within))
+        names.append(region["name"])
+    ordinals, digests, region_of, page_of = (np.concatenate(column) for column in zip(*parts)) if parts else \
+        (np.zeros(0, np.int64), np.zeros((0, DIGEST_SIZE), np.uint8), np.zeros(0, np.int64), np.zeros(0, np.int64))
+    order = np.argsort(ordinals, kind="stable")
+    return ordinals[order], digests[order], region_of[order], page_of[order], names
+
+
+def _check_frames(image: ImageFile, scan: _Scan, page_size: int, tables: dict, report: Report) -> None:
+    ordinals, expected, region_of, page_of, names = _stored_owners(tables)
     decompressor = zstandard.ZstdDecompressor()
     for i, offset, p in scan.frames:
         record = read_record(image, offset, image.size, i)
-        data = record.body[16:]
         try:
-            content = decompress_frame(decompressor, data, p["num_pages"] * page_size, offset,
+            content = decompress_frame(decompressor, record.body[16:], p["num_pages"] * page_size, offset,
                                        record_path(i, record, "zstd"))
         except LeanImageError as exc:
             report.add(exc)
             continue
         report.checked["stored_pages"] += p["num_pages"]
         view = memoryview(content)
-        for k in range(p["num_pages"]):
-            ordinal = p["first_ordinal"] + k
-            j = int(np.searchsorted(slot_starts, ordinal, side="right")) - 1
-            if j < 0:
-                continue
-            region, first_page, n, table, rank = owner_digest[int(slot_starts[j])]
-            page = first_page + ordinal - int(slot_starts[j])
-            if page >= first_page + n:
-                continue
-            if page_digest(view[k * page_size:(k + 1) * page_size]) != table[rank + page - first_page].tobytes():
-                report.add(LeanImageError(f"stored ordinal {ordinal} (region {region['name']!r} page {page}) does "
-                                          "not match its digest", offset=offset, structure=record_path(i, record),
-                                          rule="LI-DIG-002"))
+        got = np.frombuffer(b"".join([page_digest(view[k:k + page_size])
+                                      for k in range(0, len(content), page_size)]), np.uint8).reshape(-1, DIGEST_SIZE)
+        first = min(p["first_ordinal"], 1 << 62)       # a lying u8 must not overflow the search
+        lo, hi = np.searchsorted(ordinals, [first, first + len(got)])
+        rows = ordinals[lo:hi] - first
+        bad = lo + np.flatnonzero((got[rows] != expected[lo:hi]).any(axis=1))
+        for j in bad[:FINDINGS_PER_RULE].tolist():
+            report.add(LeanImageError(f"stored ordinal {int(ordinals[j])} (region {names[region_of[j]]!r} page "
+                                      f"{int(page_of[j])}) does not match its digest", offset=offset,
+                                      structure=record_path(i, record), rule="LI-DIG-002"))
 
 
 def _check_delta_structure(image: ImageFile, scan: _Scan, page_size: int, report: Report) -> None:

@@ -43,6 +43,10 @@ class WriterUsageError(ValueError):
     """The caller used the writer wrongly (not an input error)."""
 
 
+class PageGivenTwice(WriterUsageError):
+    """A page was put a second time (a converter may then fall back to last-copy-wins)."""
+
+
 @dataclass(frozen=True)
 class ParentLink:
     uuid: bytes
@@ -111,15 +115,6 @@ class _ParallelCompressor:
             self.pool.shutdown(wait=True, cancel_futures=True)
 
 
-ZERO_DIGEST_CACHE: dict[int, bytes] = {}
-
-
-def zero_digest(page_size: int) -> bytes:
-    if page_size not in ZERO_DIGEST_CACHE:
-        ZERO_DIGEST_CACHE[page_size] = page_digest(bytes(page_size))
-    return ZERO_DIGEST_CACHE[page_size]
-
-
 def disk_fingerprint(read_at, size_bytes: int) -> bytes:
     """Fingerprint method 1 (spec §5.3): xxh3-128 of the size and 64 sampled blocks.
 
@@ -173,7 +168,6 @@ class LeanImageWriter:
         self._source_sequence = 0
         self._has_source_state = False
         self._finished = False
-        self._zero_digest = zero_digest(page_size)
 
     # -- destination -------------------------------------------------------
     def _open_destination(self, dest) -> None:
@@ -313,7 +307,7 @@ class LeanImageWriter:
                                    f"0..{region.num_pages}")
         taken = np.flatnonzero(region.classes[first_page:first_page + count])
         if len(taken):
-            raise WriterUsageError(f"region {region.name!r}: page {first_page + int(taken[0])} given twice")
+            raise PageGivenTwice(f"region {region.name!r}: page {first_page + int(taken[0])} given twice")
         return region
 
     def put_pages(self, region_id: int, first_page: int, data) -> None:
@@ -328,7 +322,6 @@ class LeanImageWriter:
         nonzero = words.any(axis=1)
         stored = np.flatnonzero(nonzero)
         region.classes[first_page:first_page + count] = PageClass.ZERO
-        region.digests[first_page + np.flatnonzero(~nonzero)] = np.frombuffer(self._zero_digest, np.uint8)
         if not len(stored):
             return
         pages = first_page + stored
@@ -352,7 +345,6 @@ class LeanImageWriter:
     def put_zero(self, region_id: int, first_page: int, count: int = 1) -> None:
         region = self._claim(region_id, first_page, count)
         region.classes[first_page:first_page + count] = PageClass.ZERO
-        region.digests[first_page:first_page + count] = np.frombuffer(self._zero_digest, np.uint8)
 
     def put_free(self, region_id: int, first_page: int, count: int = 1) -> None:
         region = self._claim(region_id, first_page, count)

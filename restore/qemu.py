@@ -14,7 +14,7 @@ from leanimg.reader import LeanImage
 def stream_state(image: LeanImage) -> qemu.StreamState:
     for state in image.source_states:
         if state.source_format == SourceFormat.QEMU and state.tag == QEMU_TAG_STREAM_STATE:
-            return unpack_stream_state(state.data)
+            return unpack_stream_state(state.data, state.offset)
     raise UnsupportedError("the image has no QEMU stream state (SOURCE_STATE tag 1): it was not "
                            "converted from a QEMU save; use --to raw", structure="source_state")
 

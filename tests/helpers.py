@@ -11,6 +11,8 @@ import os
 import tempfile
 from pathlib import Path
 
+import numpy as np
+
 VECTORS_DIR = Path(__file__).resolve().parent / "vectors"
 
 _REGISTERED = False
@@ -85,3 +87,12 @@ def make_vectors():
         sys.modules[name] = module
         spec.loader.exec_module(module)
     return sys.modules[name]
+
+
+def first_difference(a: Path, b: Path) -> str:
+    """Where two files differ, for assertion messages."""
+    x, y = np.fromfile(a, np.uint8), np.fromfile(b, np.uint8)
+    if len(x) != len(y):
+        return f"lengths {len(x)} != {len(y)}"
+    diff = np.flatnonzero(x != y)
+    return f"{len(diff)} bytes differ, first at {diff[0]:#x} (page {diff[0] // 4096:#x})"

@@ -19,6 +19,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
+
 KSC_VERSION = "0.11.0"
 NPM_PACKAGES = (f"kaitai-struct-compiler@{KSC_VERSION}", "js-yaml")
 TESTS_DIR = Path(__file__).resolve().parent
@@ -191,3 +193,18 @@ def to_dump(image) -> dict:
                         "body": _body(rec.record_type, rec.body)})
         offset += record_size(rec.len_body)
     return {"header": header_dump(image.header), "records": records, "footer": footer_dump(image.footer)}
+
+
+def normalize(value):
+    """Plain Python values: lists for sequences, ints for enums and numpy scalars."""
+    if isinstance(value, dict):
+        return {key: normalize(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple, np.ndarray)):
+        return [normalize(item) for item in value]
+    if isinstance(value, (bytearray, memoryview, np.void)):
+        return bytes(value)
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, np.integer):
+        return int(value)
+    return value

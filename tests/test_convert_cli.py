@@ -22,11 +22,13 @@ from pathlib import Path
 import pytest
 import zstandard
 
+from helpers import make_vectors
 from leanimg.cli import command_line
 from leanimg.fileutil import sha256_file
 from leanimg.converters import qemu as q
-from leanimg.format import RecordType, checksum64
-from leanimg.reader import dump_structure
+from leanimg.format import SOURCE_STATE_STRUCT, RecordType, checksum64
+from leanimg.reader import LeanImage, dump_structure
+from leanimg.validate import validate as validate_image
 from leanimg.writer import LeanImageWriter
 
 SAMPLE_DIR = Path(__file__).resolve().parents[1] / "lean-image" / "sample"
@@ -497,3 +499,49 @@ def test_restore_interrupted_leaves_nothing(sig, sample_image, tmp_path):
         assert sha256_file(outdir / "vm.save") == info["files"]["vm.save"]["sha256"]
     else:
         assert os.listdir(outdir) == [], f"left behind after {sig.name}: {os.listdir(outdir)}"
+
+
+# ------------------------------------------------------------------ a damaged QEMU state blob
+
+def _with_state(image: Path, out: Path, data: bytes) -> None:
+    """``image`` with its QEMU SOURCE_STATE data replaced; every checksum, the index and the
+    footer recomputed, so the blob's content is the only thing wrong."""
+    mv = make_vectors()
+    lean = mv.Lean.parse(image.read_bytes())
+    k = next(i for i, r in enumerate(lean.records) if r.type == RecordType.SOURCE_STATE)
+    head = lean.records[k].body[:SOURCE_STATE_STRUCT.size]
+    lean.records[k].body = head + data
+    lean.records[k].count = len(data)
+    out.write_bytes(lean.build())
+
+
+def _state_cases(blob: bytes) -> dict[str, bytes]:
+    raw = zstandard.ZstdDecompressor().decompress(blob)
+    flipped = bytearray(blob)
+    flipped[len(flipped) // 2] ^= 0x04
+    return {
+        "truncated": blob[:len(blob) // 2],
+        "wrong-magic": b"\x00" * 4 + blob[4:],
+        "bit-flip": bytes(flipped),
+        # a frame header: magic, single-segment with an 8-byte content size of 1 TiB, then garbage
+        "declares-1TiB": b"\x28\xb5\x2f\xfd\xe0" + (1 << 40).to_bytes(8, "little") + b"\x01" * 16,
+        "state-truncated-inside": zstandard.ZstdCompressor(write_content_size=True).compress(raw[:len(raw) // 3]),
+        "state-wrong-magic": zstandard.ZstdCompressor(write_content_size=True).compress(b"XXXX" + raw[4:]),
+    }
+
+
+STATE_CASES = ["truncated", "wrong-magic", "bit-flip", "declares-1TiB", "state-truncated-inside",
+               "state-wrong-magic"]
+
+
+@pytest.mark.parametrize("case", STATE_CASES)
+def test_restore_qemu_with_a_damaged_state_blob(case, sample_image, tmp_path):
+    with LeanImage.open(sample_image) as image:
+        blob = image.source_states[0].data
+    damaged = tmp_path / "damaged.lean"
+    _with_state(sample_image, damaged, _state_cases(blob)[case])
+    assert validate_image(damaged).valid, "only the blob's meaning is wrong, the image itself is valid"
+    outdir = tmp_path / "out"
+    outdir.mkdir()
+    proc = run("restore", damaged, "--to", "qemu", "-o", outdir / "vm.save")
+    assert_clean_failure(proc, outdir, match="QEMU stream state", structure="source_state[QEMU tag 1]")

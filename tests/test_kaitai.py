@@ -11,7 +11,6 @@ without them the tests are skipped, or fail when CI=true.
 
 from __future__ import annotations
 
-import enum
 import os
 import re
 import struct
@@ -64,24 +63,9 @@ def Leanimg(generated):
 
 # --- comparing the two parsers ------------------------------------------------
 
-def normalize(value):
-    """Plain Python values: lists for sequences, ints for enums and numpy scalars."""
-    if isinstance(value, dict):
-        return {key: normalize(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple, np.ndarray)):
-        return [normalize(item) for item in value]
-    if isinstance(value, (bytearray, memoryview, np.void)):
-        return bytes(value)
-    if isinstance(value, enum.Enum):
-        return value.value
-    if isinstance(value, np.integer):
-        return int(value)
-    return value
-
-
 def assert_same_structure(got: dict, want: dict) -> None:
     """Field-by-field equality, failing on the first differing part with its path."""
-    got, want = normalize(got), normalize(want)
+    got, want = ks.normalize(got), ks.normalize(want)
     assert got.keys() == want.keys()
     assert got["header"] == want["header"], "header differs"
     assert len(got["records"]) == len(want["records"]), "number of records differs"

@@ -35,6 +35,7 @@ import pytest
 from guest.chain_scenarios import CHAIN_PHASES, VGA_WINDOW, Checkpoint, run_chain_scenario
 from guest.scenarios import wait_heartbeat
 from guest.vm import GuestVM, copy_disk, qemu_available
+from helpers import first_difference
 from leanimg.cli import command_line
 from leanimg.fileutil import sha256_file
 
@@ -60,14 +61,6 @@ def cli(*args, check: bool = True) -> subprocess.CompletedProcess:
 
 def inspect_json(image: Path, *extra) -> dict:
     return json.loads(cli("inspect", "--json", image, *extra).stdout)
-
-
-def first_difference(a: Path, b: Path) -> str:
-    x, y = np.fromfile(a, np.uint8), np.fromfile(b, np.uint8)
-    if len(x) != len(y):
-        return f"lengths {len(x)} != {len(y)}"
-    diff = np.flatnonzero(x != y)
-    return f"{len(diff)} bytes differ, first at {diff[0]:#x} (page {diff[0] // 4096:#x})"
 
 
 # ------------------------------------------------------------------ fixtures

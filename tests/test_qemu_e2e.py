@@ -19,7 +19,6 @@ Plus: ``cat SAVE | leanimg convert - -o IMG`` gives an image with identical page
 
 from __future__ import annotations
 
-import enum
 import hashlib
 import os
 import shlex
@@ -33,6 +32,7 @@ import xxhash
 import kaitai_support as ks
 from guest.scenarios import E2E_STEPS, SavePoint, run_scenario, wait_heartbeat
 from guest.vm import GuestVM, copy_disk, qemu_available
+from helpers import first_difference
 from leanimg.cli import command_line
 from leanimg.fileutil import sha256_file
 from leanimg.converters import qemu as q
@@ -96,20 +96,6 @@ def Leanimg(tmp_path_factory):
 
 # ------------------------------------------------------------------ helpers
 
-def normalize(value):
-    if isinstance(value, dict):
-        return {key: normalize(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple, np.ndarray)):
-        return [normalize(item) for item in value]
-    if isinstance(value, (bytearray, memoryview, np.void)):
-        return bytes(value)
-    if isinstance(value, enum.Enum):
-        return value.value
-    if isinstance(value, np.integer):
-        return int(value)
-    return value
-
-
 def stream_summary(path: Path):
     """(page digest per (block, offset), RAM blocks, state) of a migration stream.
 
@@ -134,14 +120,6 @@ def stream_summary(path: Path):
 
 
 
-def first_difference(a: Path, b: Path) -> str:
-    x, y = np.fromfile(a, np.uint8), np.fromfile(b, np.uint8)
-    if len(x) != len(y):
-        return f"lengths {len(x)} != {len(y)}"
-    diff = np.flatnonzero(x != y)
-    return f"{len(diff)} bytes differ, first at {diff[0]:#x} (page {diff[0] // 4096:#x})"
-
-
 # ------------------------------------------------------------------ the tests
 
 @pytest.mark.parametrize("workload", WORKLOADS)
@@ -155,7 +133,7 @@ def test_validate_cli(workload, images):
 def test_kaitai_parser_reads_image(workload, images, Leanimg):
     path = images[workload]
     parsed = Leanimg.from_file(os.fspath(path))
-    got, want = normalize(ks.to_dump(parsed)), normalize(dump_structure(path))
+    got, want = ks.normalize(ks.to_dump(parsed)), ks.normalize(dump_structure(path))
     assert got["header"] == want["header"]
     assert len(got["records"]) == len(want["records"])
     for i, (mine, ours) in enumerate(zip(got["records"], want["records"])):

@@ -1,0 +1,22 @@
+"""Helpers shared by the benchmark scripts (run as `python benchmarks/NAME.py`)."""
+
+from __future__ import annotations
+
+import argparse
+import re
+
+_UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MB": 1 << 20,
+          "MIB": 1 << 20, "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30}
+
+
+def size_parser(multiple: int):
+    """An argparse type for sizes like 64MiB or 1GiB that must be a non-zero multiple of ``multiple``."""
+    def parse(text: str) -> int:
+        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
+        if not m or m.group(2).upper() not in _UNITS:
+            raise argparse.ArgumentTypeError(f"expected a size like 64MiB or 1GiB, got {text!r}")
+        size = int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+        if size <= 0 or size % multiple:
+            raise argparse.ArgumentTypeError(f"size must be a non-zero multiple of {multiple} bytes, got {size}")
+        return size
+    return parse
