@@ -9,6 +9,7 @@ is kept as one SOURCE_STATE record so restore can rebuild a stream QEMU accepts.
 from __future__ import annotations
 
 import io
+from dataclasses import dataclass, field
 from typing import BinaryIO
 
 import zstandard
@@ -20,6 +21,7 @@ from leanimg.reader import LeanImage
 from leanimg.writer import LeanImageWriter, PageGivenTwice
 
 from . import qemu
+from .diskrefs import DiskSummary, classify_by_disks, declare_disks
 
 QEMU_MAGIC = b"QEVM"
 XEN_XL_MAGIC = b"Xen saved domain"
@@ -117,6 +119,19 @@ class _RunBuffer:
         self.data, self.count, self.next_page = [], 0, None
 
 
+@dataclass
+class DiskOptions:
+    """``convert --disk``: the open disks by name, how to scan them, and what came of it."""
+    sources: dict = field(default_factory=dict)          # name -> restore.disks.DiskSource
+    all_phases: bool = False
+    progress: object = None
+    summary: DiskSummary | None = None
+
+    def close(self) -> None:
+        for disk in self.sources.values():
+            disk.close()
+
+
 class RepeatedPages(Exception):
     """The stream sends a page twice (a live save): convert it with spooling."""
 
@@ -180,21 +195,37 @@ def _stream_into(source: BinaryIO, writer: LeanImageWriter, progress, parent) ->
     raise SourceFormatError("stream ended without QEMU_VM_EOF", structure="stream")
 
 
-def convert_qemu_spooled(source: BinaryIO, writer: LeanImageWriter, workdir=None,
-                         parent=None) -> qemu.StreamState:
-    """Like convert_qemu for streams that resend pages: the last copy of each page wins."""
+def convert_qemu_spooled(source: BinaryIO, writer: LeanImageWriter, workdir=None, parent=None,
+                         disks: DiskOptions | None = None) -> qemu.StreamState:
+    """Like convert_qemu for streams that resend pages: the last copy of each page wins.
+
+    With ``disks``, pages found on one of the disks become DISK references (two passes
+    over the spooled RAM, one over each disk).
+    """
     writer.declare_source_state()
     names: dict[int, str] = {}
     put_data = _page_sink(writer, parent, names)
     state, ram = qemu.load_stream(source, workdir)
     with ram:
+        regions = []
         for block in state.ram_blocks:
             region = writer.add_region(block.name, block.length)
             names[region] = block.name
-            page = 0
-            for chunk in ram.page_source(block):
+            regions.append((region, block))
+
+        def chunks():
+            for region, block in regions:
+                page = 0
+                for chunk in ram.page_source(block):
+                    yield region, page, chunk
+                    page += len(chunk) // ram.page_size
+
+        if disks:
+            disks.summary = classify_by_disks(writer, disks.sources, chunks, put_data,
+                                              all_phases=disks.all_phases, progress=disks.progress)
+        else:
+            for region, page, chunk in chunks():
                 put_data(region, page, chunk)
-                page += len(chunk) // ram.page_size
     writer.add_source_state(SourceFormat.QEMU, QEMU_TAG_STREAM_STATE, pack_stream_state(state))
     return state
 
@@ -214,21 +245,22 @@ def _free_unsent(writer: LeanImageWriter, regions: dict[str, int]) -> None:
 
 def convert_file(src: str, dest: str, *, source_format: str | None = None, spool: bool | None = None,
                  writer_options: dict | None = None, progress=None, parents=(),
-                 allow_delta: bool = True) -> str:
+                 allow_delta: bool = True, disks: DiskOptions | None = None) -> str:
     """Convert the save file ``src`` (or ``-`` for stdin) into the lean image ``dest``.
 
     ``parents``: the parent image first, then any of its ancestors (matched by UUID; the
     parent's directory is searched too). The new image is written against the parent.
+    ``disks``: pages found on these disks become DISK references (the RAM is spooled).
     """
     if not parents:
-        return _convert(src, dest, source_format, spool, dict(writer_options or {}), progress, None)
+        return _convert(src, dest, source_format, spool, dict(writer_options or {}), progress, None, disks)
     with LeanImage.open(parents[0], parents=list(parents[1:])) as parent:
         options = dict(writer_options or {}, parent=parent_link(parent), allow_delta=allow_delta,
                        page_size=parent.page_size)
-        return _convert(src, dest, source_format, spool, options, progress, parent)
+        return _convert(src, dest, source_format, spool, options, progress, parent, disks)
 
 
-def _convert(src, dest, source_format, spool, writer_options, progress, parent) -> str:
+def _convert(src, dest, source_format, spool, writer_options, progress, parent, disks=None) -> str:
     stream = _open_source(src)
     try:
         head = stream.read(16) if source_format is None else b""
@@ -241,9 +273,11 @@ def _convert(src, dest, source_format, spool, writer_options, progress, parent) 
             body = io.BufferedReader(_PeekedInput(head, stream), 1 << 20)
         if fmt != "qemu":
             raise UnsupportedError(f"source format {fmt!r} is not implemented", structure="--from")
-        if spool:
+        if spool or disks:
             with LeanImageWriter(dest, **writer_options) as writer:
-                convert_qemu_spooled(body, writer, parent=parent)
+                if disks:
+                    declare_disks(writer, disks.sources)
+                convert_qemu_spooled(body, writer, parent=parent, disks=disks)
             return fmt
         try:
             with LeanImageWriter(dest, **writer_options) as writer:

@@ -108,10 +108,8 @@ def fill(resolution: Resolution, out: np.ndarray, first_page: int, count: int) -
             if cls == PageClass.STORED:
                 _copy_runs(link, out, rows, slots[rows], ps)
             else:
-                region = resolution.regions[int(link_index)]
-                for row in rows.tolist():
-                    out[row * ps:(row + 1) * ps] = np.frombuffer(
-                        link._disk_page(region, first_page + row, int(slots[row])), np.uint8)
+                link.fill_disk_pages(resolution.regions[int(link_index)], first_page, out, rows,
+                                     slots[rows].astype(np.int64))
     lo, hi = (int(x) for x in np.searchsorted(resolution.delta_pages, [first_page, stop]))
     pages = resolution.delta_pages[lo:hi]
     links_of = resolution.delta_links[lo:hi]

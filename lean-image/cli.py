@@ -55,18 +55,24 @@ def _hint(exc: LeanImageError) -> str | None:
     return None
 
 
-def _parse_disks(values) -> dict[str, str]:
+def _parse_disks(values) -> dict:
+    """``[NAME=]PATH`` values by name; a value without NAME is filed under None."""
     disks = {}
     for value in values:
         name, sep, path = value.partition("=")
-        if not sep or not name or not path:
-            raise click.BadParameter(f"expected NAME=PATH, got {value!r}", param_hint="--disk")
+        if not sep or "/" in name:
+            name, path = None, value
+        if not path or name == "":
+            raise click.BadParameter(f"expected [NAME=]PATH, got {value!r}", param_hint="--disk")
+        if name in disks:
+            raise click.BadParameter(f"disk {name or 'without a name'} given twice", param_hint="--disk")
         disks[name] = path
     return disks
 
 
-disk_option = click.option("--disk", "disks", multiple=True, metavar="NAME=PATH",
-                           help="A disk of the image's disk table (repeatable).")
+disk_option = click.option("--disk", "disks", multiple=True, metavar="[NAME=]PATH",
+                           help="A disk of the image's disk table, raw or qcow2 (repeatable; NAME may be "
+                           "left out when the image has one disk).")
 parent_option = click.option("--parent", "parents", multiple=True, type=click.Path(exists=True, dir_okay=False),
                              metavar="IMG", help="An image of the parent chain (repeatable; matched by UUID; "
                              "images beside IMAGE are found without it).")
@@ -171,7 +177,9 @@ def _print_report(report) -> None:
 @click.option("-o", "--output", required=True, metavar="FILE|-", help="Output file, or - for stdout.")
 @parent_option
 @disk_option
-def restore(image, target, output, parents, disks):
+@click.option("--sort-blocks/--no-sort-blocks", default=True, show_default=True,
+              help="Read disk blocks in ascending physical order, coalesced (off: one read per page).")
+def restore(image, target, output, parents, disks, sort_blocks):
     """Rebuild guest memory from IMAGE, every page checked against its digest.
 
     --to raw writes the regions in file order, concatenated (spec §11).
@@ -184,6 +192,8 @@ def restore(image, target, output, parents, disks):
     from leanimg.restore.qemu import restore_qemu
     produce = restore_qemu if target == "qemu" else restore_raw
     with LeanImage.open(image, parents=parents, disks=_parse_disks(disks)) as img:
+        for link in img.chain():
+            link.sort_blocks = sort_blocks
         total = sum(r.size_bytes for r in img.regions)
         with _progress(total, "restore") as advance:
             if output == "-":
@@ -205,14 +215,62 @@ def restore(image, target, output, parents, disks):
               "more --parent options name PREV's ancestors (also found beside PREV).")
 @click.option("--delta/--no-delta", default=True, show_default=True,
               help="Encode changed pages as 8-byte-word deltas when smaller (with --parent).")
-def convert(save, output, source_format, spool, level, frame_pages, parents, delta):
+@click.option("--disk", "disks", multiple=True, metavar="[NAME=]PATH",
+              help="A disk of the VM (raw or qcow2; repeatable): pages found on it become verified disk "
+              "references. NAME (the guest's device name, e.g. vda) defaults to the file name's stem.")
+@click.option("--all-phases", is_flag=True,
+              help="Scan every 512-byte phase of each disk, not only the partitions' own.")
+def convert(save, output, source_format, spool, level, frame_pages, parents, delta, disks, all_phases):
     """Convert a hypervisor save file (QEMU migration stream) into a lean image."""
     from leanimg.converters.convert import convert_file
+    disk_options = _open_convert_disks(disks, all_phases)
     total = os.path.getsize(save) if save != "-" and os.path.isfile(save) else 0
-    with _progress(total, "convert") as advance:
-        convert_file(save, output, source_format=source_format, spool=spool,
-                     writer_options=dict(level=level, frame_pages=frame_pages), progress=advance,
-                     parents=parents, allow_delta=delta)
+    try:
+        with _progress(total if not disk_options else _scan_total(disk_options), 
+                       "convert" if not disk_options else "scan disks") as advance:
+            if disk_options:
+                disk_options.progress = advance
+            convert_file(save, output, source_format=source_format, spool=spool,
+                         writer_options=dict(level=level, frame_pages=frame_pages),
+                         progress=None if disk_options else advance,
+                         parents=parents, allow_delta=delta, disks=disk_options)
+    finally:
+        if disk_options:
+            disk_options.close()
+    if disk_options:
+        _report_disk_pages(disk_options)
+
+
+def _open_convert_disks(values, all_phases: bool):
+    from leanimg.converters.convert import DiskOptions
+    from leanimg.restore.disks import open_disk
+    if not values:
+        return None
+    options = DiskOptions(all_phases=all_phases)
+    try:
+        for name, path in _parse_disks(values).items():
+            name = name or os.path.splitext(os.path.basename(path))[0]
+            if name in options.sources:
+                raise click.BadParameter(f"two disks named {name!r}: give NAME=PATH", param_hint="--disk")
+            options.sources[name] = open_disk(path, name)
+    except BaseException:
+        options.close()
+        raise
+    return options
+
+
+def _scan_total(options) -> int:
+    from leanimg.converters.diskrefs import scan_bytes
+    return sum(scan_bytes(d, 4096, options.all_phases) for d in options.sources.values())
+
+
+def _report_disk_pages(options) -> None:
+    summary = options.summary
+    for name in options.sources:
+        pages = summary.pages.get(name, 0)
+        click.echo(f"disk {name}: {pages} pages ({pages * 4096 / 2**20:.1f} MiB) are disk references", err=True)
+    click.echo(f"disks scanned: {summary.scanned_bytes / 2**20:.1f} MiB of data; "
+               f"{summary.indexed_pages} non-zero guest pages looked up", err=True)
 
 
 @main.command()

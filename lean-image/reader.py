@@ -93,6 +93,7 @@ class LeanImage:
         self._frame_cache: OrderedDict = OrderedDict()
         self._decompressor = zstandard.ZstdDecompressor()
         self._disk_sources: dict[int, object] = {}
+        self.sort_blocks = True                   # DISK pages read in ascending physical order
         self._resolutions: dict = {}              # region id -> chain.Resolution
         self._pool = None                         # read-ahead workers (enable_read_ahead)
         self._ahead: dict[int, object] = {}
@@ -279,6 +280,13 @@ class LeanImage:
     def attach_disks(self, disks: dict) -> None:
         """Open the named disks for this image and for every link of its chain that has them."""
         from leanimg.restore.disks import open_disk_source
+        disks = dict(disks)
+        if None in disks:
+            names = sorted({d.name for link in self.chain() for d in link.disks})
+            if len(names) != 1:
+                raise DiskError(f"--disk PATH without a NAME needs an image with one disk; this one has "
+                                f"{', '.join(names) or 'none'}: give NAME=PATH")
+            disks[names[0]] = disks.pop(None)
         for name in disks:
             if not any(d.name == name for link in self.chain() for d in link.disks):
                 known = ", ".join(d.name for d in self.disks) or "none"
@@ -511,25 +519,46 @@ class LeanImage:
         return self.frame_pages(frame)[start:start + self.page_size]
 
     def _disk_page(self, region: Region, page: int, slot: int) -> bytes:
-        if slot >= len(self._disk_refs):
-            raise FormatError(f"disk reference {slot} does not exist", structure="page_map", rule="LI-MAP-004")
-        disk_id, sector = int(self._disk_ref_ids[slot]), int(self._disk_refs[slot])
+        out = np.zeros(self.page_size, np.uint8)
+        self.fill_disk_pages(region, page, out, np.zeros(1, np.int64), np.array([slot], np.int64))
+        return out.tobytes()
+
+    def fill_disk_pages(self, region: Region, first_page: int, out: np.ndarray, rows: np.ndarray,
+                        slots: np.ndarray) -> None:
+        """Pages ``first_page + rows`` (DISK, references ``slots``) into ``out``, each checked
+        against its digest; with sort_blocks every disk's blocks are read in ascending physical
+        order, neighbours coalesced, else one read per page in page order."""
+        ps = self.page_size
+        if int(slots.max()) >= len(self._disk_refs):
+            raise FormatError(f"disk reference {int(slots.max())} does not exist", structure="page_map",
+                              rule="LI-MAP-004")
+        ids, sectors = self._disk_ref_ids[slots], self._disk_refs[slots].astype(np.int64)
+        _, expected = self._expected_range(region, first_page, int(rows.max()) + 1)
+        for disk_id in np.unique(ids).tolist():
+            mine = np.flatnonzero(ids == disk_id)
+            source = self._disk_source(region, first_page + int(rows[mine[0]]), disk_id, sectors[mine])
+            blocks = source.read_runs(sectors[mine] * DISK_SECTOR_SIZE, ps, sort=self.sort_blocks)
+            for k, block in zip(mine.tolist(), blocks):
+                row = int(rows[k])
+                if page_digest(block) != expected[row].tobytes():
+                    raise DiskError(f"region {region.name!r} page {first_page + row}: disk {source.name!r} "
+                                    f"sector {int(sectors[k])} does not hold the page recorded at checkpoint "
+                                    "(disk changed since?)", rule="LI-DSK-005",
+                                    structure=f"region[{region.region_id}].page[{first_page + row}]")
+                out[row * ps:(row + 1) * ps] = np.frombuffer(block, np.uint8)
+
+    def _disk_source(self, region: Region, page: int, disk_id: int, sectors: np.ndarray):
+        """The attached source of ``disk_id``, after checking ``sectors`` lie within the disk."""
         source = self._disk_sources.get(disk_id)
-        if source is None:
-            name = next((d.name for d in self.disks if d.disk_id == disk_id), f"#{disk_id}")
-            raise DiskError(f"region {region.name!r} page {page} is on disk {name!r}: pass --disk {name}=PATH")
         info = next((d for d in self.disks if d.disk_id == disk_id), None)
-        if info is None or sector * DISK_SECTOR_SIZE + self.page_size > info.size_bytes:
+        if info is None or int(sectors.max()) * DISK_SECTOR_SIZE + self.page_size > info.size_bytes:
             raise FormatError(f"region {region.name!r} page {page}: reference to disk {disk_id} sector "
-                              f"{sector} lies outside the disk table's disks", rule="LI-DSK-003",
-                              structure=f"disk_refs[{slot}]")
-        data = source.read(sector * DISK_SECTOR_SIZE, self.page_size)
-        expected = self.expected_digest(region, page)
-        if page_digest(data) != expected:
-            raise DiskError(f"region {region.name!r} page {page}: disk {source.name!r} sector {sector} "
-                            "does not hold the page recorded at checkpoint (disk changed since?)",
-                            structure=f"region[{region.region_id}].page[{page}]", rule="LI-DSK-005")
-        return data
+                              f"{int(sectors.max())} lies outside the disk table's disks", rule="LI-DSK-003",
+                              structure="disk_refs")
+        if source is None:
+            raise DiskError(f"region {region.name!r} page {page} is on disk {info.name!r}: "
+                            f"pass --disk {info.name}=PATH")
+        return source
 
     def _chained_page(self, region: Region, page: int) -> bytes:
         """PARENT/DELTA: walk down to the first link that has the bytes, then apply deltas upward."""
@@ -565,7 +594,8 @@ class LeanImage:
     def restore_chunk_pages(self) -> int:
         """Pages per region_bytes call for a sequential restore: larger for chains, whose cost
         per call grows with the number of links a chunk draws on."""
-        return (64 << 20) // self.page_size if self.parent is not None else (4 << 20) // self.page_size
+        large = self.parent is not None or len(self._disk_refs)
+        return (64 << 20) // self.page_size if large else (4 << 20) // self.page_size
 
     def region_bytes(self, region: Region, first_page: int, count: int) -> memoryview:
         """Pages [first_page, first_page+count) resolved and verified, in one buffer."""
@@ -575,6 +605,7 @@ class LeanImage:
         out = np.zeros(count * ps, np.uint8)
         got = np.zeros((count, DIGEST_SIZE), np.uint8)
         page, end = first_page, first_page + count
+        disk_rows, disk_slots = [], []
         i = int(np.searchsorted(region._starts, page, side="right")) - 1
         while page < end:
             extent = region.extents[i]
@@ -584,12 +615,17 @@ class LeanImage:
             if cls == PageClass.STORED:
                 self._copy_stored(out, got, page - first_page, int(extent["first_slot"]) + page - e_first,
                                   stop - page)
-            elif cls in (PageClass.DISK, PageClass.PARENT, PageClass.DELTA):
+            elif cls == PageClass.DISK:
+                disk_rows.append(np.arange(page, stop) - first_page)
+                disk_slots.append(int(extent["first_slot"]) + np.arange(page - e_first, stop - e_first))
+            elif cls in (PageClass.PARENT, PageClass.DELTA):
                 for p in range(page, stop):
                     out[(p - first_page) * ps:(p - first_page + 1) * ps] = np.frombuffer(
                         self.read_page(region, p), np.uint8)
             page = stop
             i += 1
+        if disk_rows:
+            self.fill_disk_pages(region, first_page, out, np.concatenate(disk_rows), np.concatenate(disk_slots))
         self._verify_stored(region, first_page, out, got)
         return memoryview(out)
 

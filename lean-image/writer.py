@@ -253,6 +253,12 @@ class LeanImageWriter:
         self._pending_disk_sizes.append(size_bytes)
         return disk_id
 
+    def disk_id(self, name: str) -> int:
+        for disk_id, known in self._disks.items():
+            if known == name:
+                return disk_id
+        raise WriterUsageError(f"no disk named {name!r}")
+
     def _flush_disks(self) -> None:
         for disk_id, body in enumerate(self._pending_disks):
             self._write_record(RecordType.DISK, [body], disk_id, 0,

@@ -96,3 +96,24 @@ def first_difference(a: Path, b: Path) -> str:
         return f"lengths {len(x)} != {len(y)}"
     diff = np.flatnonzero(x != y)
     return f"{len(diff)} bytes differ, first at {diff[0]:#x} (page {diff[0] // 4096:#x})"
+
+
+def qemu_save(ram: bytes, *, vmdesc: bool = True, page_size: int = 4096) -> bytes:
+    """A small QEMU 7.2 migration stream with one RAM block "pc.ram" holding ``ram`` and one
+    device section, written by our own stream writer (for tests that need a save, not a VM)."""
+    import json
+    import struct
+    from leanimg.converters import qemu as q
+    machine = b"pc-i440fx-7.2"
+    prologue = struct.pack(">II", q.QEVM_MAGIC, 3) + bytes([q.CONFIGURATION]) + \
+        struct.pack(">I", len(machine)) + machine
+    devices = [q.DeviceSection(q.FULL, q.SectionHeader(3, "timer", 0, 2), b"\x01" * 24)]
+    desc = {"page_size": page_size, "devices": [{"name": "timer", "instance_id": 0}]}
+    state = q.StreamState(prologue=prologue, machine=machine.decode(), page_size=page_size,
+                          capabilities=(), ram=q.SectionHeader(2, "ram", 0, 4),
+                          ram_blocks=(q.RamBlock("pc.ram", len(ram)),),
+                          ram_plan=[(q.START, 0), (q.PART, len(ram) // page_size), (q.END, 0)], footers=True,
+                          devices=devices, vmdesc=json.dumps(desc).encode() if vmdesc else None)
+    out = io.BytesIO()
+    q.write_qemu_stream(out, state, None, lambda b: [ram])
+    return out.getvalue()

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import zstandard
 
-from helpers import make_vectors
+from helpers import make_vectors, qemu_save
 from leanimg.cli import command_line
 from leanimg.fileutil import sha256_file
 from leanimg.converters import qemu as q
@@ -293,20 +293,7 @@ def test_empty_input_from_pipe(tmp_path):
 # ------------------------------------------------------------------ synthetic streams
 
 def synthetic(vmdesc: bool) -> bytes:
-    machine = b"pc-i440fx-7.2"
-    prologue = struct.pack(">II", q.QEVM_MAGIC, 3) + bytes([q.CONFIGURATION]) + \
-        struct.pack(">I", len(machine)) + machine
-    devices = [q.DeviceSection(q.FULL, q.SectionHeader(3, "timer", 0, 2), b"\x01" * 24)]
-    desc = {"page_size": PS, "devices": [{"name": "timer", "instance_id": 0}]}
-    state = q.StreamState(prologue=prologue, machine=machine.decode(), page_size=PS,
-                          capabilities=(), ram=q.SectionHeader(2, "ram", 0, 4),
-                          ram_blocks=(q.RamBlock("pc.ram", 4 * PS),),
-                          ram_plan=[(q.START, 0), (q.PART, 4), (q.END, 0)], footers=True,
-                          devices=devices, vmdesc=json.dumps(desc).encode() if vmdesc else None)
-    ram = bytes(PS) + b"\xab" * PS + bytes(PS) + os.urandom(PS)
-    out = io.BytesIO()
-    q.write_qemu_stream(out, state, None, lambda b: [ram])
-    return out.getvalue()
+    return qemu_save(bytes(PS) + b"\xab" * PS + bytes(PS) + os.urandom(PS), vmdesc=vmdesc)
 
 
 def test_synthetic_stream_converts(tmp_path):
