@@ -1,0 +1,377 @@
+"""DISK references (issue 4): convert --disk, restore from raw and qcow2 disks, bad disks.
+
+The guest memory here is synthetic but the disks are real files and the qcow2 disks are made
+by the real qemu-img (plain, compressed, a backing chain); the end-to-end proof with a real
+guest is in test_qemu_disk.py. The disk has an MBR with a partition at sector 63, so its
+file pages sit at a 512-byte phase of 7 sectors, and one at sector 4096 (phase 0).
+"""
+
+from __future__ import annotations
+
+import shutil
+import struct
+import subprocess
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from helpers import qemu_save
+from leanimg.cli import command_line
+from leanimg.converters.diskrefs import PageIndex, scan_segments, sketch
+from leanimg.converters.partitions import Partition, read_partitions
+from leanimg.format import PageClass
+from leanimg.reader import LeanImage
+from leanimg.restore.disks import RawDisk, open_disk
+
+PS = 4096
+SECTOR = 512
+DISK_BYTES = 16 << 20
+PART_A = (63, 4096 - 63)                     # (first sector, sectors): phase 7
+PART_B = (4096, DISK_BYTES // SECTOR - 4096)   # phase 0
+LEANIMG = command_line()
+needs_qemu_img = pytest.mark.skipif(shutil.which("qemu-img") is None, reason="qemu-img is not installed")
+
+
+def run(*args, stdin: bytes | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([*LEANIMG, *map(str, args)], capture_output=True, input=stdin, timeout=120)
+
+
+def ok(*args, stdin: bytes | None = None) -> subprocess.CompletedProcess:
+    proc = run(*args, stdin=stdin)
+    assert proc.returncode == 0, proc.stderr.decode()
+    return proc
+
+
+def fails(proc: subprocess.CompletedProcess, *needles: str, left_out: Path | None = None) -> str:
+    err = proc.stderr.decode()
+    assert proc.returncode == 1, err
+    assert "Traceback" not in err and err.startswith("leanimg: error:"), err
+    for needle in needles:
+        assert needle in err, err
+    if left_out is not None:
+        assert not left_out.exists(), f"{left_out} left behind"
+    return err
+
+
+def mbr(entries) -> bytes:
+    sector = bytearray(SECTOR)
+    for k, (kind, first, count) in enumerate(entries):
+        sector[446 + 16 * k + 4] = kind
+        struct.pack_into("<II", sector, 446 + 16 * k + 8, first, count)
+    sector[510:512] = b"\x55\xaa"
+    return bytes(sector)
+
+
+def gpt_disk(size: int, partitions) -> bytearray:
+    """A disk with a protective MBR and a GPT (CRCs right) listing ``partitions`` (first, last LBA)."""
+    disk = bytearray(size)
+    disk[:SECTOR] = mbr([(0xEE, 1, size // SECTOR - 1)])
+    entries = bytearray(128 * 128)
+    for k, (first, last) in enumerate(partitions):
+        struct.pack_into("<16s16sQQ", entries, 128 * k, b"\x0f" * 16, bytes([k + 1]) * 16, first, last)
+    header = bytearray(92)
+    struct.pack_into("<8sIIIIQQQQ16sQIII", header, 0, b"EFI PART", 0x10000, 92, 0, 0, 1, size // SECTOR - 1,
+                     34, size // SECTOR - 34, b"\x01" * 16, 2, 128, 128, zlib.crc32(entries))
+    struct.pack_into("<I", header, 16, zlib.crc32(header))
+    disk[SECTOR:SECTOR + 92] = header
+    disk[2 * SECTOR:2 * SECTOR + len(entries)] = entries
+    return disk
+
+
+def text_blocks(rng, count: int) -> bytes:
+    """Compressible but distinct blocks (so `qemu-img convert -c` really compresses clusters)."""
+    words = np.array([b"lean ", b"image ", b"page ", b"disk ", b"cache ", b"block "], object)
+    return b"".join(f"{k:08d} ".encode() + b"".join(rng.choice(words, 800))[:PS - 9] for k in range(count))
+
+
+class Scenario:
+    """A disk file, a save whose memory holds some of its blocks, and what must come out."""
+
+    def __init__(self, root: Path):
+        rng = np.random.default_rng(4)
+        disk = bytearray(DISK_BYTES)
+        disk[:SECTOR] = mbr([(0x83, *PART_A), (0x83, *PART_B)])
+        a_start, b_start = PART_A[0] * SECTOR, PART_B[0] * SECTOR
+        disk[a_start:b_start] = text_blocks(rng, (b_start - a_start) // PS + 1)[:b_start - a_start]
+        disk[b_start:8 << 20] = rng.bytes((8 << 20) - b_start)      # the rest stays a hole
+        self.disk = root / "disk.img"
+        self.disk.write_bytes(disk[:8 << 20])
+        with open(self.disk, "r+b") as f:
+            f.truncate(DISK_BYTES)
+        self.on_disk = [a_start + PS * k for k in range(0, 400, 3)] + [b_start + PS * k for k in range(0, 900, 2)]
+        self.odd_phase = a_start + 2 * SECTOR                # sector 65: found only with --all-phases
+        pages = [bytes(disk[o:o + PS]) for o in [*self.on_disk, self.odd_phase]]
+        pages += [bytes(PS)] * 200 + [rng.bytes(PS) for _ in range(150)]
+        pages.append(pages[5])                               # a page twice in memory, same disk block
+        order = rng.permutation(len(pages))
+        ram = b"".join(pages[i] for i in order)
+        self.ram = ram + bytes(-len(ram) % (1 << 20))
+        self.save = root / "vm.save"
+        self.save.write_bytes(qemu_save(self.ram))
+        self.disk_pages = len(self.on_disk) + 1              # + the duplicate
+
+    def convert(self, out: Path, *extra) -> LeanImage:
+        ok("convert", self.save, "-o", out, "--disk", f"vda={self.disk}", *extra)
+        return LeanImage.open(out)
+
+
+@pytest.fixture(scope="module")
+def scene(tmp_path_factory) -> Scenario:
+    return Scenario(tmp_path_factory.mktemp("disk-refs"))
+
+
+@pytest.fixture(scope="module")
+def image(scene, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("disk-image") / "vm.lean"
+    scene.convert(out).close()
+    return out
+
+
+def classes(path: Path, parents=()) -> np.ndarray:
+    with LeanImage.open(path, parents=parents) as img:
+        return img.classes(img.regions[0])
+
+
+# ------------------------------------------------------------------ convert
+
+def test_convert_finds_every_page_on_the_disk_at_the_partitions_phase(scene, image):
+    counts = np.bincount(classes(image), minlength=7)
+    assert counts[PageClass.DISK] == scene.disk_pages
+    assert counts[PageClass.STORED] == 150 + 1               # random pages + the odd-phase page
+    with LeanImage.open(image) as img:
+        assert [(d.name, d.size_bytes) for d in img.disks] == [("vda", DISK_BYTES)]
+        sectors = set(int(s) for s in img._disk_refs)
+    assert sectors == {o // SECTOR for o in scene.on_disk}
+    assert any(s % 8 == 7 for s in sectors) and any(s % 8 == 0 for s in sectors)
+
+
+def test_all_phases_also_finds_a_page_at_an_odd_sector(scene, tmp_path):
+    with scene.convert(tmp_path / "all.lean", "--all-phases") as img:
+        counts = np.bincount(img.classes(img.regions[0]), minlength=7)
+        assert counts[PageClass.DISK] == scene.disk_pages + 1
+        assert scene.odd_phase // SECTOR in set(int(s) for s in img._disk_refs)
+
+
+def test_convert_reports_the_disk_pages(scene, tmp_path):
+    proc = ok("convert", scene.save, "-o", tmp_path / "r.lean", "--disk", f"vda={scene.disk}")
+    assert f"disk vda: {scene.disk_pages} pages" in proc.stderr.decode()
+
+
+def test_convert_from_a_pipe_gives_the_same_references(scene, image, tmp_path):
+    ok("convert", "-", "-o", tmp_path / "pipe.lean", "--disk", f"vda={scene.disk}", stdin=scene.save.read_bytes())
+    assert np.array_equal(classes(tmp_path / "pipe.lean"), classes(image))
+
+
+def test_disk_name_defaults_to_the_file_stem(scene, tmp_path):
+    ok("convert", scene.save, "-o", tmp_path / "n.lean", "--disk", scene.disk)
+    with LeanImage.open(tmp_path / "n.lean") as img:
+        assert [d.name for d in img.disks] == ["disk"]
+
+
+# ------------------------------------------------------------------ restore
+
+def test_restore_with_the_raw_disk_is_the_save_byte_for_byte(scene, image, tmp_path):
+    for flag in ("--sort-blocks", "--no-sort-blocks"):
+        out = tmp_path / f"r{flag}.save"
+        ok("restore", image, "--to", "qemu", "-o", out, "--disk", f"vda={scene.disk}", flag)
+        assert out.read_bytes() == scene.save.read_bytes()
+    raw = tmp_path / "mem.raw"
+    ok("restore", image, "--to", "raw", "-o", raw, "--disk", str(scene.disk))      # NAME left out: one disk
+    assert raw.read_bytes() == scene.ram
+
+
+def test_validate_checks_every_disk_page(scene, image):
+    proc = ok("validate", image, "--disk", f"vda={scene.disk}")
+    assert f"{scene.disk_pages} disk_pages" in proc.stdout.decode()
+    assert "not checked" in ok("validate", image).stdout.decode()
+
+
+@needs_qemu_img
+@pytest.mark.parametrize("kind", ["qcow2", "compressed", "backing-chain"])
+def test_restore_from_qcow2(scene, image, tmp_path, kind):
+    disk = make_qcow2(scene.disk, tmp_path, kind)
+    out = tmp_path / "r.save"
+    ok("restore", image, "--to", "qemu", "-o", out, "--disk", f"vda={disk}")
+    assert out.read_bytes() == scene.save.read_bytes()
+
+
+def make_qcow2(raw: Path, tmp: Path, kind: str) -> Path:
+    if kind == "backing-chain":
+        # the base holds partition A only; the overlay gets partition B written through qemu-io
+        base_raw, part_b = tmp / "base.img", tmp / "part-b.bin"
+        data = raw.read_bytes()
+        b_start = PART_B[0] * SECTOR
+        base_raw.write_bytes(data[:b_start] + bytes(len(data) - b_start))
+        part_b.write_bytes(data[b_start:8 << 20])
+        qemu_img("convert", "-O", "qcow2", base_raw, tmp / "base.qcow2")
+        qemu_img("create", "-f", "qcow2", "-b", "base.qcow2", "-F", "qcow2", tmp / "top.qcow2")
+        subprocess.run(["qemu-io", "-f", "qcow2", "-c", f"write -s {part_b} {b_start} {(8 << 20) - b_start}",
+                        tmp / "top.qcow2"], check=True, capture_output=True)
+        extents = qemu_img_map(tmp / "top.qcow2")
+        assert {e["depth"] for e in extents if e["data"]} == {0, 1}, extents
+        return tmp / "top.qcow2"
+    out = tmp / f"{kind}.qcow2"
+    qemu_img("convert", *(["-c"] if kind == "compressed" else []), "-O", "qcow2", raw, out)
+    if kind == "compressed":
+        assert any(e["data"] and "offset" not in e for e in qemu_img_map(out)), "no compressed cluster"
+    return out
+
+
+def qemu_img(*args) -> None:
+    subprocess.run(["qemu-img", *map(str, args)], check=True, capture_output=True, cwd=Path(str(args[-1])).parent)
+
+
+def qemu_img_map(path: Path) -> list:
+    import json
+    return json.loads(subprocess.run(["qemu-img", "map", "--output=json", path], check=True,
+                                     capture_output=True).stdout)
+
+
+def test_restore_through_a_chain_reads_the_childs_disk_pages(scene, image, tmp_path):
+    child = tmp_path / "child.lean"
+    ok("convert", scene.save, "-o", child, "--parent", image, "--disk", f"vda={scene.disk}")
+    counts = np.bincount(classes(child, [image]), minlength=7)
+    assert counts[PageClass.DISK] == scene.disk_pages and counts[PageClass.PARENT] == 151
+    out = tmp_path / "r.raw"
+    ok("restore", child, "--parent", image, "-o", out, "--disk", f"vda={scene.disk}")
+    assert out.read_bytes() == scene.ram
+
+
+# ------------------------------------------------------------------ bad disks
+
+def test_another_disk_is_refused_before_any_read(scene, image, tmp_path):
+    other = tmp_path / "other.img"
+    other.write_bytes(np.random.default_rng(9).bytes(DISK_BYTES))
+    fails(run("restore", image, "-o", tmp_path / "o.raw", "--disk", f"vda={other}"),
+          "LI-DSK-004", "another identity", left_out=tmp_path / "o.raw")
+
+
+def test_a_truncated_disk_is_refused(scene, image, tmp_path):
+    short = tmp_path / "short.img"
+    short.write_bytes(scene.disk.read_bytes()[:DISK_BYTES // 2])
+    fails(run("restore", image, "-o", tmp_path / "o.raw", "--disk", f"vda={short}"),
+          "LI-DSK-004", f"{DISK_BYTES // 2} bytes", left_out=tmp_path / "o.raw")
+
+
+@pytest.mark.parametrize("sort", ["--sort-blocks", "--no-sort-blocks"])
+def test_a_disk_changed_at_a_referenced_block_names_page_region_and_sector(scene, image, tmp_path, sort):
+    changed = tmp_path / "changed.img"
+    data = bytearray(scene.disk.read_bytes())
+    victim = scene.on_disk[-1]                    # far from the fingerprint's 64 samples
+    assert all(abs(victim - DISK_BYTES * k // 64) >= PS for k in range(64))
+    data[victim + 100] ^= 0x01
+    changed.write_bytes(data)
+    with LeanImage.open(image) as img:
+        refs = img._disk_refs
+        slot = int(np.flatnonzero(refs == victim // SECTOR)[0])
+        rows = np.flatnonzero(img.classes(img.regions[0]) == PageClass.DISK)
+        page = int(rows[np.argsort([img.page_location(img.regions[0], int(p))[1] for p in rows])][slot])
+    err = fails(run("restore", image, "-o", tmp_path / "o.raw", "--disk", f"vda={changed}", sort),
+                "LI-DSK-005", f"page {page}", "'pc.ram'", f"sector {victim // SECTOR}", left_out=tmp_path / "o.raw")
+    assert "disk changed" in err
+    proc = run("validate", image, "--disk", f"vda={changed}")
+    assert proc.returncode == 1 and "LI-DSK-005" in proc.stdout.decode() + proc.stderr.decode()
+
+
+@needs_qemu_img
+def test_qcow2_with_a_missing_backing_file(scene, image, tmp_path):
+    top = make_qcow2(scene.disk, tmp_path, "backing-chain")
+    (tmp_path / "base.qcow2").unlink()
+    fails(run("restore", image, "-o", tmp_path / "o.raw", "--disk", f"vda={top}"),
+          "qemu-img cannot read", "base.qcow2", left_out=tmp_path / "o.raw")
+
+
+def test_a_disk_name_that_matches_nothing(scene, image, tmp_path):
+    fails(run("restore", image, "-o", tmp_path / "o.raw", "--disk", f"sdz={scene.disk}"),
+          "no disk named 'sdz'", "vda", left_out=tmp_path / "o.raw")
+
+
+def test_a_missing_disk_file_fails_convert_cleanly(scene, tmp_path):
+    fails(run("convert", scene.save, "-o", tmp_path / "x.lean", "--disk", f"vda={tmp_path / 'none.img'}"),
+          "cannot open", left_out=tmp_path / "x.lean")
+
+
+def test_restore_without_the_disk_says_which_to_pass(image, tmp_path):
+    fails(run("restore", image, "-o", tmp_path / "o.raw"), "--disk vda=PATH", left_out=tmp_path / "o.raw")
+
+
+# ------------------------------------------------------------------ pieces
+
+def test_partition_tables():
+    disk = bytearray(8 << 20)
+    disk[:SECTOR] = mbr([(0x83, 63, 1000), (0x05, 2048, 8192)])
+    disk[2048 * SECTOR:2049 * SECTOR] = mbr([(0x83, 2, 100), (0x05, 200, 300)])        # EBR 1
+    disk[2248 * SECTOR:2249 * SECTOR] = mbr([(0x83, 7, 50), (0, 0, 0)])                # EBR 2
+    found = read_partitions(lambda o, n: bytes(disk[o:o + n]), len(disk))
+    assert found == [Partition(63 * SECTOR, 1000 * SECTOR), Partition(2050 * SECTOR, 100 * SECTOR),
+                     Partition(2255 * SECTOR, 50 * SECTOR)]
+    gpt = gpt_disk(8 << 20, [(34, 2047), (2049, 4095)])
+    found = read_partitions(lambda o, n: bytes(gpt[o:o + n]), len(gpt))
+    assert found == [Partition(34 * SECTOR, 2014 * SECTOR), Partition(2049 * SECTOR, 2047 * SECTOR)]
+    gpt[SECTOR + 40] ^= 1                         # header CRC now wrong: not trusted
+    assert read_partitions(lambda o, n: bytes(gpt[o:o + n]), len(gpt)) == []
+    assert read_partitions(lambda o, n: bytes(8 << 20)[o:o + n], 8 << 20) == []
+
+
+def test_a_looping_extended_chain_ends():
+    disk = bytearray(4 << 20)
+    disk[:SECTOR] = mbr([(0x05, 2048, 4096)])
+    disk[2048 * SECTOR:2049 * SECTOR] = mbr([(0x83, 1, 10), (0x05, 0x0, 1)])   # next = itself... at +0
+    disk[2048 * SECTOR + 446 + 16 + 8:2048 * SECTOR + 446 + 16 + 12] = struct.pack("<I", 0)
+    found = read_partitions(lambda o, n: bytes(disk[o:o + n]), len(disk))
+    assert found == [Partition(2049 * SECTOR, 10 * SECTOR)]
+    disk[2048 * SECTOR:2049 * SECTOR] = mbr([(0x83, 1, 10), (0x05, 5000, 1)])   # next beyond the disk
+    assert len(read_partitions(lambda o, n: bytes(disk[o:o + n]), len(disk))) == 1
+
+
+def test_scan_segments_follow_the_partitions(scene):
+    disk = RawDisk(str(scene.disk), "vda")
+    try:
+        assert scan_segments(disk, PS) == [(0, DISK_BYTES, 0), (PART_A[0] * SECTOR, PART_B[0] * SECTOR, 7 * SECTOR)]
+        assert len(scan_segments(disk, PS, all_phases=True)) == 8
+        assert disk.data_ranges()[-1][0] + disk.data_ranges()[-1][1] <= 8 << 20, "the hole was not skipped"
+    finally:
+        disk.close()
+
+
+def test_sketch_is_equal_for_equal_pages_and_zero_only_for_zero_pages():
+    rng = np.random.default_rng(0)
+    pages = np.frombuffer(rng.bytes(64 * PS), np.uint64).reshape(64, PS // 8).copy()
+    pages[3] = 0
+    pages[5] = pages[7]
+    s = sketch(pages)
+    assert s[3] == 0 and np.count_nonzero(s) == 63 and s[5] == s[7]
+    assert len(np.unique(s)) == 63
+    flipped = pages.copy()
+    flipped[:, 100] ^= 1                          # one unsampled word changed in every page
+    assert not np.any(sketch(flipped)[np.arange(64) != 3] == s[np.arange(64) != 3])
+
+
+def test_page_index_matches_only_identical_content():
+    rng = np.random.default_rng(1)
+    ram = np.frombuffer(rng.bytes(16 * PS), np.uint64).reshape(16, PS // 8).copy()
+    index = PageIndex(PS)
+    index.add(0, 0, ram.tobytes())
+    index.freeze()
+    blocks = ram[[2, 9]].copy()
+    near = ram[4].copy()
+    near[0] ^= 1
+    index.match_blocks(np.vstack([blocks, near[None]]), np.array([0, PS, 2 * PS]), disk_id=0)
+    found = index.matches()[0]
+    assert found.pages.tolist() == [2, 9] and found.sectors.tolist() == [0, PS // SECTOR]
+
+
+@needs_qemu_img
+def test_sorted_and_unsorted_reads_agree_on_every_disk_kind(scene, tmp_path):
+    offsets = np.array([PART_B[0] * SECTOR + PS * k for k in (900, 3, 50, 4, 2)] + [PART_A[0] * SECTOR + 7 * SECTOR])
+    for path in (scene.disk, make_qcow2(scene.disk, tmp_path, "compressed"),
+                 make_qcow2(scene.disk, tmp_path, "backing-chain")):
+        disk = open_disk(str(path), "vda")
+        try:
+            sorted_reads = disk.read_runs(offsets, PS)
+            assert sorted_reads == disk.read_runs(offsets, PS, sort=False)
+            assert sorted_reads == [scene.disk.read_bytes()[o:o + PS] for o in offsets.tolist()]
+        finally:
+            disk.close()
