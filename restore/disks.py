@@ -146,12 +146,12 @@ class ImageDisk(DiskSource):
 
     def __init__(self, path: str, name: str):
         self.path, self.name = path, name
-        chain = _qemu_img(["info", "--backing-chain", "--output=json", path], name, path)
+        chain = _qemu_img(["info", "--force-share", "--backing-chain", "--output=json", path], name, path)
         self.size = int(chain[0]["virtual-size"])
         self._files = [_open(c["filename"], name) if c.get("format") in ("qcow2", "raw") else None
                        for c in chain]
         self._opened = np.array([fd is not None for fd in self._files])
-        extents = _qemu_img(["map", "--output=json", path], name, path)
+        extents = _qemu_img(["map", "--force-share", "--output=json", path], name, path)
         self._starts = np.array([e["start"] for e in extents], np.int64)
         self._lengths = np.array([e["length"] for e in extents], np.int64)
         self._data = np.array([bool(e.get("data")) for e in extents])
@@ -202,8 +202,11 @@ class ImageDisk(DiskSource):
                                 "reading them needs libnbd's Python module (Debian: python3-libnbd)") from None
             handle = nbd.NBD()
             try:
-                handle.connect_systemd_socket_activation(["qemu-nbd", "--read-only", "--persistent",
-                                                          "--format", _qemu_format(self.path), self.path])
+                handle.connect_systemd_socket_activation([
+                    "qemu-nbd", "--read-only", "--persistent", "--image-opts",
+                    # locking off: the destination QEMU may hold the image open while we read it
+                    f"driver={_qemu_format(self.path)},file.driver=file,"
+                    f"file.filename={self.path.replace(',', ',,')},file.locking=off"])
             except nbd.Error as exc:
                 raise DiskError(f"disk {self.name!r}: qemu-nbd cannot serve {self.path}: {exc}") from None
             self._nbd = handle
@@ -229,7 +232,7 @@ def _open(path: str, name: str) -> int:
 
 
 def _qemu_format(path: str) -> str:
-    info = _qemu_img(["info", "--output=json", path], path, path)
+    info = _qemu_img(["info", "--force-share", "--output=json", path], path, path)
     return info["format"]
 
 

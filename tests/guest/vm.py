@@ -30,12 +30,17 @@ class GuestError(RuntimeError):
     """The guest or QEMU did not do what the test asked in time."""
 
 
+def disk_format(disk: Path) -> str:
+    with open(disk, "rb") as f:
+        return "qcow2" if f.read(4) == b"QFI\xfb" else "raw"
+
+
 def qemu_args(build: GuestBuild, disk: Path, workdir: Path, mem_mib: int) -> list[str]:
     return [
         QEMU, "-accel", "tcg", "-machine", "pc", "-cpu", "qemu64", "-smp", "1",
         "-m", f"{mem_mib}M", "-nodefaults", "-vga", "std", "-display", "none", "-no-reboot",
         "-kernel", str(build.kernel), "-initrd", str(build.initrd), "-append", build.cmdline,
-        "-drive", f"file={disk},format=raw,if=virtio,cache=writeback",
+        "-drive", f"file={disk},format={disk_format(disk)},if=virtio,cache=writeback",
         "-chardev", f"socket,id=ser0,path={workdir / 'serial.sock'},server=on,wait=on",
         "-serial", "chardev:ser0",
         "-qmp", f"unix:{workdir / 'qmp.sock'},server=on,wait=off",
