@@ -113,14 +113,19 @@ def _raise_open_file_limit() -> None:
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.option("--map", "map_path", type=click.Path(dir_okay=False), metavar="FILE.png",
               help="Draw guest memory coloured by page class.")
+@click.option("--files", "with_files", is_flag=True,
+              help="Name the files (ext2/3/4, via debugfs) the DISK pages came from; needs --disk.")
 @parent_option
 @disk_option
-def inspect(image, as_json, map_path, parents, disks):
+def inspect(image, as_json, map_path, with_files, parents, disks):
     """Header, regions, disks, chain and a per-class breakdown of IMAGE."""
     from .inspect import render_text, summarize
     from .reader import LeanImage
     with LeanImage.open(image, parents=parents, disks=_parse_disks(disks)) as img:
         summary = summarize(img)
+        if with_files:
+            from .inspect import disk_files
+            summary["disk_files"] = disk_files(img)
         if map_path:
             from .pagemap import render_map
             render_map(img, map_path)

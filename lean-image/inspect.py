@@ -76,6 +76,13 @@ def summarize(image: LeanImage) -> dict:
     )
 
 
+def disk_files(image: LeanImage) -> dict[str, list[dict]]:
+    """Per disk, the files its DISK pages came from, largest first."""
+    from .diskfiles import attribute_pages
+    return {name: [dict(path=path, pages=n, mib=n * image.page_size / MIB) for path, n in pages.most_common()]
+            for name, pages in attribute_pages(image).items()}
+
+
 def render_text(summary: dict) -> str:
     lines = [
         f"{summary['path']}: lean image v{summary['format_version']}, page size {summary['page_size']}",
@@ -106,4 +113,7 @@ def render_text(summary: dict) -> str:
         lines.append(f"  {row['page_class']:<8} {row['pages']:>10} {row['mib']:>10.2f} {row['percent']:>6.2f}%")
     lines += ["", f"logical {summary['logical_bytes'] / MIB:.2f} MiB, stored {summary['stored_bytes'] / MIB:.2f} MiB, "
               f"ratio {summary['ratio']:.2f}x"]
+    for disk, files in summary.get("disk_files", {}).items():
+        lines += ["", f"DISK pages of {disk} by file:", f"  {'MiB':>10} {'pages':>8}  file"]
+        lines += [f"  {f['mib']:>10.2f} {f['pages']:>8}  {f['path']}" for f in files]
     return "\n".join(lines)

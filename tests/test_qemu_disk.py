@@ -88,3 +88,11 @@ def test_resume_with_disk_references(saved, image, tmp_path, disk_format):
         assert "leanimg:" not in vm.qemu_output()
         vm.cont()
         assert wait_heartbeat(vm, saved.mode, saved.heartbeat, timeout=60) > saved.heartbeat
+
+
+def test_inspect_names_the_files_the_guest_read(saved, image):
+    info = json.loads(cli("inspect", image, "--files", "--json", "--disk", f"vda={saved.disk}").stdout)
+    pages = {f["path"]: f["pages"] for f in info["disk_files"]["vda"]}
+    # DiskSpec(): 12 text files and 4 binary files of 1 MiB each, all read by the workload
+    files = [p for p in pages if p.startswith(("/text/", "/data/"))]
+    assert len(files) == 16 and all(pages[p] == 256 for p in files), pages
