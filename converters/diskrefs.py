@@ -46,6 +46,7 @@ class DiskMatches:
     pages: np.ndarray
     disk_ids: np.ndarray
     sectors: np.ndarray
+    digests: np.ndarray
 
 
 class PageIndex:
@@ -78,6 +79,7 @@ class PageIndex:
         order = np.argsort(sketches, kind="stable")
         self.sketches, self.digests = sketches[order], digests[order]
         self.regions, self.pages = regions[order], pages[order]
+        self._run_stop = np.searchsorted(self.sketches, self.sketches, side="right")
         self.disk_ids = np.full(len(order), -1, np.int64)
         self.sectors = np.zeros(len(order), np.uint64)
 
@@ -86,21 +88,32 @@ class PageIndex:
         return int((self.disk_ids < 0).sum())
 
     def match_blocks(self, blocks: np.ndarray, offsets: np.ndarray, disk_id: int) -> None:
-        """Record guest pages equal to any of ``blocks`` (rows) found at byte ``offsets``."""
+        """Record guest pages equal to any of ``blocks`` (rows) found at byte ``offsets``; a
+        page keeps the first block found for it."""
         sketches = sketch(blocks)
         pos = np.searchsorted(self.sketches, sketches)
         hit = (pos < len(self.sketches)) & (sketches != 0)
         hit[hit] = self.sketches[pos[hit]] == sketches[hit]
+        hits = np.flatnonzero(hit)
+        if not len(hits):
+            return
         raw = blocks.view(np.uint8)
-        for k in np.flatnonzero(hit).tolist():
-            lo, hi = int(pos[k]), int(np.searchsorted(self.sketches, sketches[k], side="right"))
-            free = lo + np.flatnonzero(self.disk_ids[lo:hi] < 0)
-            if not len(free):
-                continue
-            digest = np.frombuffer(page_digest(raw[k]), np.uint8)
-            same = free[(self.digests[free] == digest).all(axis=1)]
-            self.disk_ids[same] = disk_id
-            self.sectors[same] = int(offsets[k]) // DISK_SECTOR_SIZE
+        digests = np.frombuffer(b"".join([page_digest(raw[k]) for k in hits.tolist()]),
+                                np.uint8).reshape(-1, DIGEST_SIZE)
+        first, stop = pos[hits], self._run_stop[pos[hits]]
+        single = stop - first == 1                 # the usual case: one guest page per sketch
+        self._assign(first[single], digests[single], offsets[hits[single]], disk_id)
+        for k in np.flatnonzero(~single).tolist():  # the same content several times in memory
+            rows = np.arange(first[k], stop[k])
+            self._assign(rows, np.broadcast_to(digests[k], (len(rows), DIGEST_SIZE)),
+                         np.full(len(rows), offsets[hits[k]]), disk_id)
+
+    def _assign(self, rows: np.ndarray, digests: np.ndarray, offsets: np.ndarray, disk_id: int) -> None:
+        ok = (self.disk_ids[rows] < 0) & (self.digests[rows] == digests).all(axis=1)
+        rows, offsets = rows[ok], offsets[ok]
+        rows, first = np.unique(rows, return_index=True)      # first block (lowest offset) wins
+        self.disk_ids[rows] = disk_id
+        self.sectors[rows] = offsets[first] // DISK_SECTOR_SIZE
 
     def matches(self) -> dict[int, DiskMatches]:
         """Per region id, the matched pages sorted by page."""
@@ -109,7 +122,8 @@ class PageIndex:
         for region in np.unique(self.regions[found]).tolist():
             rows = found[self.regions[found] == region]
             rows = rows[np.argsort(self.pages[rows])]
-            out[region] = DiskMatches(self.pages[rows].astype(np.int64), self.disk_ids[rows], self.sectors[rows])
+            out[region] = DiskMatches(self.pages[rows].astype(np.int64), self.disk_ids[rows], self.sectors[rows],
+                                      self.digests[rows])
         return out
 
 
@@ -185,22 +199,22 @@ class DiskPages:
         for a, b, on_disk in _runs(is_disk):
             if not on_disk:
                 self.inner(region_id, first_page + a, data[a * ps:b * ps])
-        for k in np.flatnonzero(confirmed).tolist():
-            row, disk_id = int(rows[k]), int(found.disk_ids[lo + k])
-            self.writer.put_disk(region_id, first_page + row, disk_id, int(found.sectors[lo + k]),
-                                 page_digest(data[row * ps:(row + 1) * ps]))
-            self.counts[disk_id] = self.counts.get(disk_id, 0) + 1
+        ids = found.disk_ids[lo:hi][confirmed]
+        self.writer.put_disks(region_id, first_page + rows[confirmed], ids, found.sectors[lo:hi][confirmed],
+                              found.digests[lo:hi][confirmed])
+        for disk_id, n in zip(*np.unique(ids, return_counts=True)):
+            self.counts[int(disk_id)] = self.counts.get(int(disk_id), 0) + int(n)
 
     def _confirm(self, data, rows, disk_ids, sectors) -> np.ndarray:
         """Byte comparison of each matched page with its disk block (read sorted)."""
         ps = self.writer.page_size
+        pages = np.frombuffer(data, np.uint8).reshape(-1, ps)
         ok = np.zeros(len(rows), bool)
         for disk_id in np.unique(disk_ids).tolist():
             mine = np.flatnonzero(disk_ids == disk_id)
             blocks = self.disks[disk_id].read_runs(sectors[mine].astype(np.int64) * DISK_SECTOR_SIZE, ps)
-            for k, block in zip(mine.tolist(), blocks):
-                row = int(rows[k])
-                ok[k] = block == data[row * ps:(row + 1) * ps]
+            on_disk = np.frombuffer(b"".join(blocks), np.uint8).reshape(-1, ps)
+            ok[mine] = (on_disk == pages[rows[mine]]).all(axis=1)
         return ok
 
 

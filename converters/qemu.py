@@ -910,6 +910,18 @@ class RamImage:
         os.pwrite(f.fileno(), page.content(self.page_size), page.offset)
         self.seen[page.block][page.offset // self.page_size] = True
 
+    def apply_run(self, run: PageRun) -> None:
+        """A run of pages; zero pages are written only over a copy sent before (the scratch
+        file is sparse, so a page never written reads as zeros)."""
+        first = run.offset // self.page_size
+        seen = self.seen[run.block][first:first + run.count]
+        fd = self._files[run.block].fileno()
+        if run.data is not None:
+            os.pwrite(fd, run.data, run.offset)
+        elif seen.any():
+            os.pwrite(fd, bytes(run.count * self.page_size), run.offset)
+        seen[:] = True
+
     def read(self, name: str) -> bytes:
         return os.pread(self._files[name].fileno(), self.blocks[name].length, 0)
 
@@ -935,8 +947,10 @@ def load_stream(f: BinaryIO, directory: str | os.PathLike | None = None
     """Read a whole stream into a ``RamImage``; the caller closes the image."""
     image = None
     try:
-        for ev in read_qemu_stream(f):
-            if isinstance(ev, Page):
+        for ev in read_qemu_stream(f, batch=True):
+            if isinstance(ev, PageRun):
+                image.apply_run(ev)
+            elif isinstance(ev, Page):
                 image.apply(ev)
             elif isinstance(ev, RamBlocks):
                 image = RamImage(ev, directory)

@@ -357,13 +357,31 @@ class LeanImageWriter:
         region.classes[first_page:first_page + count] = PageClass.FREE
 
     def put_disk(self, region_id: int, page: int, disk_id: int, sector: int, digest: bytes) -> None:
-        if disk_id not in self._disks:
-            raise WriterUsageError(f"unknown disk id {disk_id}")
-        region = self._claim(region_id, page, 1)
-        region.classes[page] = PageClass.DISK
-        region.slots[page] = len(self._disk_refs)
-        region.digests[page] = np.frombuffer(digest, np.uint8)
-        self._disk_refs.append((disk_id, sector))
+        self.put_disks(region_id, np.array([page]), np.array([disk_id]), np.array([sector]),
+                       np.frombuffer(digest, np.uint8).reshape(1, DIGEST_SIZE))
+
+    def put_disks(self, region_id: int, pages: np.ndarray, disk_ids: np.ndarray, sectors: np.ndarray,
+                  digests: np.ndarray) -> None:
+        """DISK pages: page ``pages[k]`` is at ``sectors[k]`` of disk ``disk_ids[k]`` and has
+        digest ``digests[k]`` (a (n, 16) uint8 array)."""
+        if not len(pages):
+            return
+        unknown = set(np.unique(disk_ids).tolist()) - set(self._disks)
+        if unknown:
+            raise WriterUsageError(f"unknown disk id {min(unknown)}")
+        region = self._regions.get(region_id)
+        if region is None:
+            raise WriterUsageError(f"unknown region id {region_id}")
+        pages = np.asarray(pages, np.int64)
+        if pages.min() < 0 or pages.max() >= region.num_pages or len(np.unique(pages)) != len(pages):
+            raise WriterUsageError(f"region {region.name!r}: DISK pages outside 0..{region.num_pages} or repeated")
+        taken = pages[region.classes[pages] != 0]
+        if len(taken):
+            raise PageGivenTwice(f"region {region.name!r}: page {int(taken[0])} given twice")
+        region.classes[pages] = PageClass.DISK
+        region.slots[pages] = len(self._disk_refs) + np.arange(len(pages), dtype=np.uint64)
+        region.digests[pages] = digests
+        self._disk_refs.extend(zip(np.asarray(disk_ids).tolist(), np.asarray(sectors).tolist()))
 
     def put_parent(self, region_id: int, first_page: int, digests) -> None:
         """Pages unchanged since the parent; ``digests`` holds their 16-byte digests."""
