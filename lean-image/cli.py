@@ -184,7 +184,10 @@ def _print_report(report) -> None:
 @disk_option
 @click.option("--sort-blocks/--no-sort-blocks", default=True, show_default=True,
               help="Read disk blocks in ascending physical order, coalesced (off: one read per page).")
-def restore(image, target, output, parents, disks, sort_blocks):
+@click.option("--any-disk-identity", is_flag=True,
+              help="Accept a disk whose size or fingerprint differs from the disk table (a copy made "
+              "another way, a disk known to have changed elsewhere); every block is still checked.")
+def restore(image, target, output, parents, disks, sort_blocks, any_disk_identity):
     """Rebuild guest memory from IMAGE, every page checked against its digest.
 
     --to raw writes the regions in file order, concatenated (spec §11).
@@ -196,7 +199,8 @@ def restore(image, target, output, parents, disks, sort_blocks):
     from leanimg.restore.raw import restore_raw
     from leanimg.restore.qemu import restore_qemu
     produce = restore_qemu if target == "qemu" else restore_raw
-    with LeanImage.open(image, parents=parents, disks=_parse_disks(disks)) as img:
+    with LeanImage.open(image, parents=parents, disks=_parse_disks(disks),
+                        check_disk_identity=not any_disk_identity) as img:
         for link in img.chain():
             link.sort_blocks = sort_blocks
         total = sum(r.size_bytes for r in img.regions)

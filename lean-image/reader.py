@@ -101,14 +101,16 @@ class LeanImage:
 
     # -- opening -----------------------------------------------------------------
     @classmethod
-    def open(cls, path, *, parents=(), disks=None) -> "LeanImage":
+    def open(cls, path, *, parents=(), disks=None, check_disk_identity: bool = True) -> "LeanImage":
         """Open ``path`` and its chain; ``parents`` are candidate parent images (paths or open
         LeanImages), matched by UUID, and so are the *.lean files beside each link; ``disks``
-        maps disk names to disk sources (paths or restore.disks objects)."""
+        maps disk names to disk sources (paths or restore.disks objects). Without
+        ``check_disk_identity`` a disk's size and fingerprint are not compared with the disk
+        table (every block read is still checked against its page's digest)."""
         image = cls._open_one(path)
         try:
             image._attach_chain(list(parents))
-            image.attach_disks(disks or {})
+            image.attach_disks(disks or {}, check_identity=check_disk_identity)
         except BaseException:
             image.close()
             raise
@@ -277,7 +279,7 @@ class LeanImage:
                              structure="header.page_size", rule="LI-CHN-003", path=self.path)
         self.parent = parent
 
-    def attach_disks(self, disks: dict) -> None:
+    def attach_disks(self, disks: dict, check_identity: bool = True) -> None:
         """Open the named disks for this image and for every link of its chain that has them."""
         from leanimg.restore.disks import open_disk_source
         disks = dict(disks)
@@ -294,7 +296,8 @@ class LeanImage:
         for link in self.chain():
             for info in link.disks:
                 if info.name in disks:
-                    link._disk_sources[info.disk_id] = open_disk_source(disks[info.name], info)
+                    link._disk_sources[info.disk_id] = open_disk_source(disks[info.name], info,
+                                                                        check_identity=check_identity)
 
     def close(self) -> None:
         """Close this image and its whole chain."""

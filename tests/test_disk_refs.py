@@ -416,3 +416,22 @@ def test_inspect_files_names_the_files_of_the_disk_pages(tmp_path, disk_format):
 
 def test_inspect_files_needs_the_disk(image, tmp_path):
     fails(run("inspect", image, "--files"), "--disk vda=PATH")
+
+
+def test_any_disk_identity_accepts_a_changed_disk_but_still_checks_every_block(scene, image, tmp_path):
+    """A disk changed away from every referenced block: refused by identity, accepted with
+    --any-disk-identity (and restores exactly); changed at a referenced block: still refused."""
+    data = bytearray(scene.disk.read_bytes())
+    last_sample = DISK_BYTES * 63 // 64             # fingerprint sample 63 (spec §5.3); no page there
+    data[last_sample:last_sample + PS] = b"\xee" * PS
+    elsewhere = tmp_path / "elsewhere.img"
+    elsewhere.write_bytes(data)
+    out = tmp_path / "o.raw"
+    fails(run("restore", image, "-o", out, "--disk", f"vda={elsewhere}"), "LI-DSK-004", left_out=out)
+    ok("restore", image, "-o", out, "--disk", f"vda={elsewhere}", "--any-disk-identity")
+    assert out.read_bytes() == scene.ram
+    out.unlink()
+    data[scene.on_disk[0] + 7] ^= 0x40
+    elsewhere.write_bytes(data)
+    fails(run("restore", image, "-o", out, "--disk", f"vda={elsewhere}", "--any-disk-identity"),
+          "LI-DSK-005", f"sector {scene.on_disk[0] // SECTOR}", left_out=out)
