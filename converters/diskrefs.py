@@ -212,8 +212,7 @@ class DiskPages:
         ok = np.zeros(len(rows), bool)
         for disk_id in np.unique(disk_ids).tolist():
             mine = np.flatnonzero(disk_ids == disk_id)
-            blocks = self.disks[disk_id].read_runs(sectors[mine].astype(np.int64) * DISK_SECTOR_SIZE, ps)
-            on_disk = np.frombuffer(b"".join(blocks), np.uint8).reshape(-1, ps)
+            on_disk = self.disks[disk_id].read_runs(sectors[mine].astype(np.int64) * DISK_SECTOR_SIZE, ps)
             ok[mine] = (on_disk == pages[rows[mine]]).all(axis=1)
         return ok
 

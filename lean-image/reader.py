@@ -541,14 +541,15 @@ class LeanImage:
             mine = np.flatnonzero(ids == disk_id)
             source = self._disk_source(region, first_page + int(rows[mine[0]]), disk_id, sectors[mine])
             blocks = source.read_runs(sectors[mine] * DISK_SECTOR_SIZE, ps, sort=self.sort_blocks)
-            for k, block in zip(mine.tolist(), blocks):
-                row = int(rows[k])
-                if page_digest(block) != expected[row].tobytes():
-                    raise DiskError(f"region {region.name!r} page {first_page + row}: disk {source.name!r} "
-                                    f"sector {int(sectors[k])} does not hold the page recorded at checkpoint "
-                                    "(disk changed since?)", rule="LI-DSK-005",
-                                    structure=f"region[{region.region_id}].page[{first_page + row}]")
-                out[row * ps:(row + 1) * ps] = np.frombuffer(block, np.uint8)
+            got = np.frombuffer(b"".join([page_digest(b) for b in blocks]), np.uint8).reshape(-1, DIGEST_SIZE)
+            bad = np.flatnonzero((got != expected[rows[mine]]).any(axis=1))
+            if len(bad):
+                k, row = int(mine[bad[0]]), int(rows[mine[bad[0]]])
+                raise DiskError(f"region {region.name!r} page {first_page + row}: disk {source.name!r} "
+                                f"sector {int(sectors[k])} does not hold the page recorded at checkpoint "
+                                "(disk changed since?)", rule="LI-DSK-005",
+                                structure=f"region[{region.region_id}].page[{first_page + row}]")
+            out.reshape(-1, ps)[rows[mine]] = blocks
 
     def _disk_source(self, region: Region, page: int, disk_id: int, sectors: np.ndarray):
         """The attached source of ``disk_id``, after checking ``sectors`` lie within the disk."""

@@ -51,35 +51,43 @@ class DiskSource:
     def _file_fd(self, index: int) -> int:
         raise NotImplementedError
 
-    def read_runs(self, offsets, length: int, *, sort: bool = True) -> list[bytes]:
-        """The ``length`` bytes at each of ``offsets``, in the order given.
+    def read_runs(self, offsets, length: int, *, sort: bool = True) -> np.ndarray:
+        """The ``length`` bytes at each of ``offsets``: row k of a (len(offsets), length) array.
 
         Sorted: runs are read in ascending physical order, neighbours coalesced into reads of
         at most MAX_READ bytes. Unsorted: one read per run, in the order given.
         """
         offsets = np.asarray(offsets, np.int64)
+        out = np.empty((len(offsets), length), np.uint8)
         if not sort:
-            return [self.read(int(o), length) for o in offsets.tolist()]
+            for k, o in enumerate(offsets.tolist()):
+                out[k] = np.frombuffer(self.read(o, length), np.uint8)
+            return out
         for o in (offsets.min(), offsets.max()) if len(offsets) else ():
             self._check_span(int(o), length)
         files, physical = self._locate(offsets, length)
-        out: list[bytes | None] = [None] * len(offsets)
         for k in np.flatnonzero(files < 0).tolist():
-            out[k] = self.read(int(offsets[k]), length)
+            out[k] = np.frombuffer(self.read(int(offsets[k]), length), np.uint8)
         direct = np.flatnonzero(files >= 0)
         order = direct[np.lexsort((physical[direct], files[direct]))]
         for group in _coalesced(files[order], physical[order], length):
             rows = order[group]
-            fd, start = self._file_fd(int(files[rows[0]])), int(physical[rows[0]])
-            end = int(physical[rows[-1]]) + length
-            block = os.pread(fd, end - start, start)
-            if len(block) != end - start:
-                raise DiskError(f"disk {self.name!r} ({self.path}): short read at {start:#x} "
-                                "(file truncated?)", rule="LI-DSK-003")
-            for k in rows.tolist():
-                at = int(physical[k]) - start
-                out[k] = block[at:at + length]
+            start = int(physical[rows[0]])
+            block = self._pread(int(files[rows[0]]), start, int(physical[rows[-1]]) + length - start)
+            at = physical[rows] - start
+            if not (at % length).any():          # the usual case: whole pages apart
+                out[rows] = block[:len(block) // length * length].reshape(-1, length)[at // length]
+            else:
+                for k, a in zip(rows.tolist(), at.tolist()):
+                    out[k] = block[a:a + length]
         return out
+
+    def _pread(self, file_index: int, start: int, length: int) -> np.ndarray:
+        data = os.pread(self._file_fd(file_index), length, start)
+        if len(data) != length:
+            raise DiskError(f"disk {self.name!r} ({self.path}): short read at {start:#x} "
+                            "(file truncated?)", rule="LI-DSK-003")
+        return np.frombuffer(data, np.uint8)
 
     def close(self) -> None:
         pass
