@@ -10,6 +10,7 @@ from collections import Counter
 
 import numpy as np
 
+from .errors import FormatError
 from .format import DIGEST_SIZE, PageClass, page_digest
 from .reader import LeanImage
 from .writer import LeanImageWriter, ParentLink
@@ -83,12 +84,14 @@ def rebase(image: LeanImage, dest, onto: LeanImage | None, *, allow_delta: bool 
            chunk_pages: int = 1024) -> Counter:
     """Write ``image``'s memory as a new image whose parent is ``onto`` (None: self-contained).
 
-    flatten = rebase onto None; merge = rebase onto the grandparent. Source state is kept.
+    flatten = rebase onto None; merge = rebase onto the grandparent. Source state is kept, and
+    so are ``image``'s own DISK references (with its disk table): those pages are not read.
     """
     link = parent_link(onto) if onto is not None else None
     writer = LeanImageWriter(dest, page_size=image.page_size, parent=link,
                              allow_delta=allow_delta and onto is not None)
     with writer:
+        disk_ids = {d.disk_id: writer.add_disk(d.name, d.size_bytes, d.fingerprint) for d in image.disks}
         if image.source_states:
             writer.declare_source_state()
         feeder = AgainstParent(writer, onto)
@@ -98,20 +101,42 @@ def rebase(image: LeanImage, dest, onto: LeanImage | None, *, allow_delta: bool 
         for region, region_id in regions:
             for first in range(0, region.num_pages, chunk_pages):
                 count = min(chunk_pages, region.num_pages - first)
-                data = image.region_bytes(region, first, count)
-                free = image.classes(region, first, count) == PageClass.FREE
-                _put_chunk(writer, feeder, region_id, region.name, first, data, free)
+                classes = image.classes(region, first, count)
+                for a, b, cls in _class_runs(classes, (PageClass.FREE, PageClass.DISK)):
+                    if cls == PageClass.FREE:
+                        writer.put_free(region_id, first + a, b - a)
+                    elif cls == PageClass.DISK:
+                        _copy_disk_refs(image, writer, disk_ids, region, region_id, first + a, b - a)
+                    else:
+                        feeder.put_pages(region_id, region.name, first + a,
+                                         image.region_bytes(region, first + a, b - a))
+                        continue
+                    feeder.counts[PageClass(cls)] += b - a
     return feeder.counts
 
 
-def _put_chunk(writer, feeder, region_id, name, first, data, free) -> None:
-    """FREE pages stay FREE; the rest go through the parent classification in runs."""
-    ps = writer.page_size
-    edges = np.flatnonzero(np.diff(free.astype(np.int8))) + 1
-    bounds = [0, *edges.tolist(), len(free)]
+def _class_runs(classes: np.ndarray, kept: tuple):
+    """(start, stop, class) runs where a class in ``kept`` stands alone and any other class
+    is reported as -1 (pages whose bytes are needed)."""
+    key = np.where(np.isin(classes, kept), classes.astype(np.int64), -1)
+    edges = np.flatnonzero(np.diff(key)) + 1
+    bounds = [0, *edges.tolist(), len(key)]
     for a, b in zip(bounds, bounds[1:]):
-        if free[a]:
-            writer.put_free(region_id, first + a, b - a)
-            feeder.counts[PageClass.FREE] += b - a
-        else:
-            feeder.put_pages(region_id, name, first + a, data[a * ps:b * ps])
+        yield a, b, int(key[a])
+
+
+def _copy_disk_refs(image: LeanImage, writer, disk_ids: dict, region, region_id: int, first: int,
+                    count: int) -> None:
+    """The DISK references of pages [first, first+count) of ``image``, copied as they are."""
+    slots = image.page_slots(region, first, count)
+    if int(slots.max()) >= len(image._disk_refs):
+        raise FormatError(f"region {region.name!r}: disk reference {int(slots.max())} does not exist",
+                          structure="page_map", rule="LI-MAP-004", path=image.path)
+    _, digests = image._expected_range(region, first, count)
+    old_ids = image._disk_ref_ids[slots]
+    new_ids = np.zeros(len(old_ids), np.int64)
+    for old, new in disk_ids.items():
+        new_ids[old_ids == old] = new
+    writer.put_disks(region_id, np.arange(first, first + count), new_ids, image._disk_refs[slots], digests)
+
+

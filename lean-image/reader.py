@@ -395,6 +395,17 @@ class LeanImage:
         expected[classes == PageClass.ZERO] = np.frombuffer(zero_page_digest(self.page_size), np.uint8)
         return classes, expected
 
+    def page_slots(self, region: Region, first_page: int, count: int) -> np.ndarray:
+        """Per page of a range, its slot (stored ordinal, disk reference or delta entry index;
+        meaningless for classes without slots)."""
+        lo = int(np.searchsorted(region._starts, first_page, side="right")) - 1
+        hi = int(np.searchsorted(region._starts, first_page + count - 1, side="right"))
+        e = region.extents[lo:hi]
+        sizes = e["num_pages"].astype(np.int64)
+        skip = first_page - int(region._starts[lo])
+        starts = np.repeat(e["first_slot"].astype(np.int64) - e["first_page"].astype(np.int64), sizes)
+        return starts[skip:skip + count] + first_page + np.arange(count)
+
     # -- frames ----------------------------------------------------------------------
     def enable_read_ahead(self, threads: int = 2, depth: int = 4) -> None:
         """Decompress the next frames on worker threads while the caller reads sequentially."""

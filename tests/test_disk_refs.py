@@ -437,3 +437,16 @@ def test_any_disk_identity_accepts_a_changed_disk_but_still_checks_every_block(s
     elsewhere.write_bytes(data)
     fails(run("restore", image, "-o", out, "--disk", f"vda={elsewhere}", "--any-disk-identity"),
           "LI-DSK-005", f"sector {scene.on_disk[0] // SECTOR}", left_out=out)
+
+
+def test_flatten_and_merge_keep_disk_references_without_reading_the_disk(scene, image, tmp_path):
+    child = tmp_path / "child.lean"
+    ok("convert", scene.save, "-o", child, "--parent", image, "--disk", f"vda={scene.disk}")
+    for command, out in (("flatten", tmp_path / "flat.lean"), ("merge", tmp_path / "merged.lean")):
+        ok(command, child, "--parent", image, "-o", out)             # no --disk: refs are copied
+        counts = np.bincount(classes(out, [image]), minlength=7)
+        assert counts[PageClass.DISK] == scene.disk_pages, (command, counts)
+        assert "valid" in ok("validate", out, "--parent", image, "--disk", f"vda={scene.disk}").stdout.decode()
+        raw = tmp_path / f"{command}.raw"
+        ok("restore", out, "--parent", image, "-o", raw, "--disk", f"vda={scene.disk}")
+        assert raw.read_bytes() == scene.ram
