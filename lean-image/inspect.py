@@ -68,12 +68,19 @@ def summarize(image: LeanImage) -> dict:
                     classes={cls.name: n for cls, n in class_counts(link).items() if n})
                for link in image.chain()],
         source_states=len(image.source_states),
+        source=describe_source(image),
         classes=breakdown(image, counts),
         logical_bytes=logical,
         stored_bytes=stored,
         ratio=logical / stored if stored else 0.0,
         record_bytes=record_bytes(image),
     )
+
+
+def describe_source(image: LeanImage) -> str | None:
+    """What the SOURCE_STATE records rebuild, when a converter can tell."""
+    from leanimg.restore.xen import describe_image
+    return describe_image(image)
 
 
 def render_text(summary: dict) -> str:
@@ -83,6 +90,7 @@ def render_text(summary: dict) -> str:
         f"  parent  {summary['parent_uuid'] or '(none)'}",
         f"  features incompatible {summary['incompatible_features']:#x}, compatible "
         f"{summary['compatible_features']:#x}; {summary['source_states']} source-state records",
+        *([f"  source  {summary['source']}"] if summary.get("source") else []),
         "",
         "regions:",
     ]
