@@ -267,3 +267,49 @@ def verify_stream(path, form: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=str(XEN_LIB / "lib" / "python"))
     return subprocess.run(["/usr/bin/python3", str(VERIFY_STREAM), "-v", "-f", verifier_format(form),
                            "-i", str(path)], env=env, capture_output=True, timeout=120)
+
+
+# ---------------------------------------------------------------------------- reference reader
+
+def memory_after(stream: bytes, form: str, num_pfns: int) -> bytes:
+    """Guest memory a restore of ``stream`` ends with: PAGE_DATA entries applied in order
+    (pages without data become zeros). Independent of leanimg's reader, for comparisons."""
+    memory = bytearray(num_pfns * PAGE)
+    pos = 0
+    if form.startswith("xl"):
+        pos = 48 + struct.unpack_from("<I", stream, 44)[0]
+    embedded = form in ("xl", "libxl")
+    if embedded:
+        pos += 16 + 8                                # libxl header, LIBXC_CONTEXT
+    pos += 24 + 16                                   # libxc image and domain headers
+    while True:
+        rtype, length = struct.unpack_from("<II", stream, pos)
+        body = stream[pos + 8:pos + 8 + length]
+        pos += 8 + length + (-length % 8)
+        if rtype == PAGE_DATA:
+            _apply_page_data(memory, body)
+        elif rtype == END:
+            return bytes(memory)
+        elif rtype == CHECKPOINT and embedded:
+            pos = _skip_libxl_until_checkpoint_end(stream, pos)
+
+
+def _apply_page_data(memory: bytearray, body: bytes) -> None:
+    count = struct.unpack_from("<I", body)[0]
+    entries = struct.unpack_from(f"<{count}Q", body, 8)
+    data = 8 + 8 * count
+    for entry in entries:
+        pfn, t = entry & ((1 << 52) - 1), entry >> 60
+        if t in DATA_TYPES:
+            memory[pfn * PAGE:(pfn + 1) * PAGE] = body[data:data + PAGE]
+            data += PAGE
+        else:
+            memory[pfn * PAGE:(pfn + 1) * PAGE] = bytes(PAGE)
+
+
+def _skip_libxl_until_checkpoint_end(stream: bytes, pos: int) -> int:
+    while True:
+        rtype, length = struct.unpack_from("<II", stream, pos)
+        pos += 8 + length + (-length % 8)
+        if rtype == CHECKPOINT_END:
+            return pos
