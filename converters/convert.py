@@ -66,8 +66,9 @@ RUN_PAGES = 256
 def detect_format(head: bytes) -> str:
     if head.startswith(QEMU_MAGIC):
         return "qemu"
-    if head.startswith((XEN_XL_MAGIC, XEN_LIBXL_IDENT, XEN_LIBXC_MARKER)):
-        return "xen"
+    if head.startswith((XEN_XL_MAGIC, XEN_LIBXL_IDENT, XEN_LIBXC_MARKER)) or \
+            (head and any(magic.startswith(head) for magic in (XEN_XL_MAGIC, XEN_LIBXL_IDENT, XEN_LIBXC_MARKER))):
+        return "xen"       # a prefix: a truncated Xen file, reported as such by the Xen reader
     raise SourceFormatError(f"expected a QEMU migration stream (magic {QEMU_MAGIC.hex(' ')}) or a Xen "
                             f"save file (xl magic, \"LibxlFmt\" or libxc marker ff..ff), got "
                             f"{head[:8].hex(' ')}", offset=0, structure="magic")
