@@ -54,12 +54,14 @@ REGION_NAME = "xen-pfn"
 XL_MAGIC = b"Xen saved domain, xl format\n \0 \r"
 XL_HEADER = struct.Struct("<32sIIII")     # magic, byteorder, mandatory, optional flags, optdata length
 XL_BYTEORDER = 0x01020304
+XL_BYTEORDER_SWAPPED = 0x04030201         # the marker as a big-endian writer leaves it
 XL_FLAG_JSON = 1 << 0
 XL_FLAG_STREAMV2 = 1 << 1
 XL_KNOWN_MANDATORY = XL_FLAG_JSON | XL_FLAG_STREAMV2
 
 LIBXL_HEADER = struct.Struct(">QII")      # ident, version, options
 LIBXL_IDENT = 0x4C6962786C466D74          # "LibxlFmt"
+LIBXL_MAGIC = LIBXL_IDENT.to_bytes(8, "big")
 LIBXL_VERSION = 2
 LIBXL_OPT_BIG_ENDIAN = 1 << 0
 LIBXL_OPT_LEGACY = 1 << 1
@@ -117,7 +119,7 @@ ITEM_BYTES, ITEM_PAGE_DATA = 1, 2
 
 # limits of this tool (not of the formats)
 RECORD_LIMIT = 256 << 20      # a non-page record held in memory
-PFN_LIMIT = 1 << 30           # pfn space of a guest: 4 TiB
+PFN_LIMIT = 1 << 26           # pfn space of a guest: 256 GiB (the writer keeps ~25 bytes per pfn)
 BYTES_ITEM_TARGET = 16 << 20  # verbatim bytes gathered into one skeleton item
 READ_PAGES = 1024             # pages read at once when feeding the image
 
@@ -251,7 +253,7 @@ class _Scanner:
         inp.f.seek(0)
         if head == XL_MAGIC:
             self._xl_header()
-        elif head[:8] == LIBXL_HEADER.pack(LIBXL_IDENT, 0, 0)[:8]:
+        elif head[:8] == LIBXL_MAGIC:
             self._libxl_stream()
         else:
             self._libxc_stream()
@@ -273,7 +275,7 @@ class _Scanner:
         inp.structure = "xl header"
         raw = inp.take(XL_HEADER.size, "the xl header")
         _, byteorder, mandatory, optional, optlen = XL_HEADER.unpack(raw)
-        if byteorder == struct.unpack(">I", struct.pack("<I", XL_BYTEORDER))[0]:
+        if byteorder == XL_BYTEORDER_SWAPPED:
             raise inp.unsupported("big-endian xl save file (byte-order marker 0x04030201) "
                                   "is not supported", 32)
         if byteorder != XL_BYTEORDER:
@@ -633,7 +635,7 @@ def describe(items: Iterator[tuple[int, bytes]]) -> str:
     if first.startswith(XL_MAGIC):
         layers.append("xl save file")
         pos = XL_HEADER.size + XL_HEADER.unpack_from(first)[4]
-    if first[pos:pos + 8] == LIBXL_HEADER.pack(LIBXL_IDENT, 0, 0)[:8]:
+    if first[pos:pos + 8] == LIBXL_MAGIC:
         layers.append("libxl v2")
         pos += LIBXL_HEADER.size + RECORD_HEADER.size      # the LIBXC_CONTEXT record
     if first[pos:pos + 8] == b"\xff" * 8 and len(first) >= pos + LIBXC_IMAGE_HEADER.size + 4:

@@ -10,7 +10,6 @@ verifier gets a copy with the record's key/value data emptied (``verifier_copy``
 from __future__ import annotations
 
 import io
-import os
 import struct
 import subprocess
 from pathlib import Path
@@ -23,9 +22,8 @@ import xen_streams as xs
 from leanimg.cli import command_line
 from leanimg.converters.convert import convert_file
 from leanimg.converters import xen
-from leanimg.errors import SourceFormatError, UnsupportedError
-from leanimg.format import PageClass, SourceFormat
-from leanimg.inspect import class_counts, summarize
+from leanimg.format import PageClass
+from leanimg.inspect import class_counts
 from leanimg.reader import LeanImage
 from leanimg.restore.xen import restore_xen
 from leanimg.validate import validate
@@ -166,7 +164,7 @@ def test_page_classes(case, tmp_path):
 
 def test_convert_from_a_pipe(case, tmp_path):
     form, guest, full, _ = case
-    image, restored = tmp_path / "vm.lean", tmp_path / "restored.save"
+    image = tmp_path / "vm.lean"
     check_ok(run("convert", "-", "--from", "xen", "-o", image, stdin=full.read_bytes()))
     proc = run("restore", image, "--to", "xen", "-o", "-")
     check_ok(proc)
