@@ -4,6 +4,8 @@ The source format is detected from its first bytes. A QEMU stream becomes one
 region per RAM block; zero pages become ZERO, the rest STORED, and everything
 but the pages (configuration, device sections, RAM section plan, VMDESCRIPTION)
 is kept as one SOURCE_STATE record so restore can rebuild a stream QEMU accepts.
+A Xen stream (xl, libxl or libxc) becomes the region ``xen-pfn`` and one SOURCE_STATE
+record with the stream's skeleton (converters/xen.py).
 """
 
 from __future__ import annotations
@@ -20,15 +22,19 @@ from leanimg.incremental import AgainstParent, parent_link
 from leanimg.reader import LeanImage
 from leanimg.writer import LeanImageWriter, PageGivenTwice
 
-from . import qemu
+from . import qemu, xen
 from .diskrefs import DiskSummary, classify_by_disks, declare_disks
 
 QEMU_MAGIC = b"QEVM"
 XEN_XL_MAGIC = b"Xen saved domain"
 XEN_LIBXC_MARKER = b"\xff" * 8
+XEN_LIBXL_IDENT = b"LibxlFmt"
 # SOURCE_STATE tags of source_format QEMU (spec §5.4): tag 1 is one zstd frame holding
 # qemu.StreamState.to_bytes() (configuration, device sections verbatim, RAM plan, vmdesc)
 QEMU_TAG_STREAM_STATE = 1
+# SOURCE_STATE tags of source_format XEN (spec §5.4): tag 1 is one zstd frame holding the
+# skeleton of the stream (converters/xen.py): non-page bytes verbatim, PAGE_DATA pfn arrays
+XEN_TAG_SKELETON = 1
 
 
 def pack_stream_state(state: qemu.StreamState) -> bytes:
@@ -62,10 +68,11 @@ RUN_PAGES = 256
 def detect_format(head: bytes) -> str:
     if head.startswith(QEMU_MAGIC):
         return "qemu"
-    if head.startswith(XEN_XL_MAGIC) or head.startswith(XEN_LIBXC_MARKER):
-        raise UnsupportedError("this is a Xen save file; Xen conversion is not implemented yet",
-                               offset=0, structure="magic")
-    raise SourceFormatError(f"expected a QEMU migration stream (magic {QEMU_MAGIC.hex(' ')}), got "
+    if head.startswith((XEN_XL_MAGIC, XEN_LIBXL_IDENT, XEN_LIBXC_MARKER)) or \
+            (head and any(magic.startswith(head) for magic in (XEN_XL_MAGIC, XEN_LIBXL_IDENT, XEN_LIBXC_MARKER))):
+        return "xen"       # a prefix: a truncated Xen file, reported as such by the Xen reader
+    raise SourceFormatError(f"expected a QEMU migration stream (magic {QEMU_MAGIC.hex(' ')}) or a Xen "
+                            f"save file (xl magic, \"LibxlFmt\" or libxc marker ff..ff), got "
                             f"{head[:8].hex(' ')}", offset=0, structure="magic")
 
 
@@ -213,21 +220,88 @@ def convert_qemu_spooled(source: BinaryIO, writer: LeanImageWriter, workdir=None
             names[region] = block.name
             regions.append((region, block))
 
-        def chunks():
+        def feed(sink):
             for region, block in regions:
                 page = 0
                 for chunk in ram.page_source(block):
-                    yield region, page, chunk
+                    sink(region, page, chunk)
                     page += len(chunk) // ram.page_size
 
-        if disks:
-            disks.summary = classify_by_disks(writer, disks.sources, chunks, put_data,
-                                              all_phases=disks.all_phases, progress=disks.progress)
-        else:
-            for region, page, chunk in chunks():
-                put_data(region, page, chunk)
+        _write_pages(writer, feed, put_data, disks)
     writer.add_source_state(SourceFormat.QEMU, QEMU_TAG_STREAM_STATE, pack_stream_state(state))
     return state
+
+
+def convert_xen(source: BinaryIO, writer: LeanImageWriter, progress=None, parent=None,
+                workdir=None, disks: DiskOptions | None = None) -> xen.ScanResult:
+    """Convert the Xen stream in the seekable file ``source`` into ``writer``: region
+    ``xen-pfn`` (page p = pfn p), the last copy of each page, holes FREE, and the
+    skeleton as SOURCE_STATE (source_format XEN, tag 1). With ``disks``, pages found on
+    them become DISK references (the pages are read twice)."""
+    if writer.page_size != xen.PAGE_SIZE:
+        raise UnsupportedError(f"Xen streams have {xen.PAGE_SIZE}-byte pages, the image {writer.page_size}",
+                               structure="--parent")
+    writer.declare_source_state()
+    result = xen.scan(source, workdir)
+    with result.skeleton:
+        region = writer.add_region(xen.REGION_NAME, max(result.num_pfns, 1) * xen.PAGE_SIZE, guest_phys_base=0)
+        put_data = _page_sink(writer, parent, {region: xen.REGION_NAME})
+        def feed(sink):
+            xen.feed_pages(source, result, lambda pfn, data: sink(region, pfn, data), None if disks else progress)
+
+        _write_pages(writer, feed, put_data, disks)
+        _free_unsent(writer, {xen.REGION_NAME: region})
+        writer.add_source_state(SourceFormat.XEN, XEN_TAG_SKELETON, pack_skeleton(result.skeleton))
+    return result
+
+
+def pack_skeleton(skeleton: BinaryIO) -> bytes:
+    """One zstd frame declaring its content size, holding the whole skeleton file."""
+    size = skeleton.seek(0, io.SEEK_END)
+    skeleton.seek(0)
+    out = io.BytesIO()
+    zstandard.ZstdCompressor(level=9, write_content_size=True).copy_stream(skeleton, out, size=size)
+    return out.getvalue()
+
+
+def unpack_skeleton(data: bytes, offset: int | None = None):
+    """The skeleton items pack_skeleton stored, decompressed as they are read."""
+    structure = "source_state[Xen tag 1]"
+    try:
+        declared = zstandard.get_frame_parameters(data).content_size
+        if declared == zstandard.CONTENTSIZE_UNKNOWN:
+            raise zstandard.ZstdError("the frame does not declare its content size")
+        reader = zstandard.ZstdDecompressor().stream_reader(data)
+        counted = _CountingReader(reader)
+        yield from xen.iter_items(counted)
+        if counted.count != declared:
+            raise zstandard.ZstdError(f"the frame declares {declared} bytes, it holds {counted.count}")
+    except zstandard.ZstdError as exc:
+        raise SourceFormatError(f"Xen stream skeleton does not decompress: {exc}",
+                                offset=offset, structure=structure) from None
+    except SourceFormatError as exc:
+        raise SourceFormatError(f"byte {exc.offset} of the decompressed Xen skeleton: {exc.message}",
+                                offset=offset, structure=structure) from None
+
+
+class _CountingReader:
+    def __init__(self, reader):
+        self.reader, self.count = reader, 0
+
+    def read(self, n: int) -> bytes:
+        data = self.reader.read(n)
+        self.count += len(data)
+        return data
+
+
+def _write_pages(writer: LeanImageWriter, feed, put_data, disks: DiskOptions | None) -> None:
+    """Every page ``feed`` gives through ``put_data``; with ``disks``, pages found on them first
+    become DISK references (``feed`` is then called twice)."""
+    if disks:
+        disks.summary = classify_by_disks(writer, disks.sources, feed, put_data,
+                                          all_phases=disks.all_phases, progress=disks.progress)
+    else:
+        feed(put_data)
 
 
 def _check_page_size(page_size: int, writer: LeanImageWriter) -> None:
@@ -271,6 +345,9 @@ def _convert(src, dest, source_format, spool, writer_options, progress, parent, 
             body = stream
         else:
             body = io.BufferedReader(_PeekedInput(head, stream), 1 << 20)
+        if fmt == "xen":
+            _convert_xen(stream if seekable else body, seekable, dest, writer_options, progress, parent, disks)
+            return fmt
         if fmt != "qemu":
             raise UnsupportedError(f"source format {fmt!r} is not implemented", structure="--from")
         if spool or disks:
@@ -293,6 +370,19 @@ def _convert(src, dest, source_format, spool, writer_options, progress, parent, 
     finally:
         if stream is not _stdin():
             stream.close()
+
+
+def _convert_xen(source, seekable, dest, writer_options, progress, parent, disks) -> None:
+    """Xen streams are read twice (see converters/xen.py): a pipe is copied to a scratch file."""
+    spooled = None if seekable else xen.spool_to_file(source)
+    try:
+        with LeanImageWriter(dest, **writer_options) as writer:
+            if disks:
+                declare_disks(writer, disks.sources)
+            convert_xen(spooled or source, writer, progress, parent, disks=disks)
+    finally:
+        if spooled is not None:
+            spooled.close()
 
 
 def _stdin():

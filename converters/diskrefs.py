@@ -232,13 +232,15 @@ class DiskSummary:
     indexed_pages: int
 
 
-def classify_by_disks(writer: LeanImageWriter, disks: dict[str, object], chunks, put_data, *,
+def classify_by_disks(writer: LeanImageWriter, disks: dict[str, object], feed, put_data, *,
                       all_phases: bool = False, progress=None) -> DiskSummary:
-    """Write every page of ``chunks()`` (an iterable of (region id, first page, data), called
-    twice) through the three steps; pages not on any disk go to ``put_data``."""
+    """Write the guest's pages through the three steps; pages on no disk go to ``put_data``.
+
+    ``feed(sink)`` calls ``sink(region id, first page, data)`` for every run of pages of the
+    guest, each page once; it is called twice (the converter re-reads its source or spool).
+    """
     index = PageIndex(writer.page_size)
-    for region_id, first_page, data in chunks():
-        index.add(region_id, first_page, data)
+    feed(index.add)
     index.freeze()
     by_id, scanned = {}, 0
     for name, disk in disks.items():
@@ -246,8 +248,7 @@ def classify_by_disks(writer: LeanImageWriter, disks: dict[str, object], chunks,
         by_id[disk_id] = disk
         scanned += scan_disk(index, disk, disk_id, all_phases=all_phases, progress=progress)
     sink = DiskPages(writer, index.matches(), by_id, put_data)
-    for region_id, first_page, data in chunks():
-        sink.put(region_id, first_page, data)
+    feed(sink.put)
     names = {writer.disk_id(name): name for name in disks}
     return DiskSummary({names[i]: n for i, n in sink.counts.items()}, scanned, len(index.sketches))
 

@@ -43,13 +43,13 @@ class LeanGroup(click.Group):
 
 def _hint(exc: LeanImageError) -> str | None:
     if exc.rule == "LI-HDR-001" and exc.path and os.path.exists(exc.path):
-        from leanimg.converters.convert import QEMU_MAGIC, XEN_LIBXC_MARKER, XEN_XL_MAGIC
+        from leanimg.converters.convert import QEMU_MAGIC, XEN_LIBXC_MARKER, XEN_LIBXL_IDENT, XEN_XL_MAGIC
         with open(exc.path, "rb") as f:
             head = f.read(len(XEN_XL_MAGIC))
         if head.startswith(QEMU_MAGIC):
             return "this looks like a QEMU migration stream: convert it with `leanimg convert`"
-        if head.startswith(XEN_XL_MAGIC) or head.startswith(XEN_LIBXC_MARKER):
-            return "this looks like a Xen save file (Xen conversion is not implemented yet)"
+        if head.startswith((XEN_XL_MAGIC, XEN_LIBXL_IDENT, XEN_LIBXC_MARKER)):
+            return "this looks like a Xen save file: convert it with `leanimg convert`"
     if exc.rule == "LI-FTR-001":
         return "an image without a valid footer is incomplete (was the writer interrupted?)"
     return None
@@ -177,8 +177,9 @@ def _print_report(report) -> None:
 
 @main.command()
 @click.argument("image", type=click.Path(exists=True, dir_okay=False))
-@click.option("--to", "target", type=click.Choice(["raw", "qemu"]), default="raw", show_default=True,
-              help="raw: flat guest memory; qemu: a migration stream for `qemu -incoming`.")
+@click.option("--to", "target", type=click.Choice(["raw", "qemu", "xen"]), default="raw", show_default=True,
+              help="raw: flat guest memory; qemu: a migration stream for `qemu -incoming`; "
+              "xen: the Xen save file (xl, libxl or libxc stream) the image came from.")
 @click.option("-o", "--output", required=True, metavar="FILE|-", help="Output file, or - for stdout.")
 @parent_option
 @disk_option
@@ -193,12 +194,14 @@ def restore(image, target, output, parents, disks, sort_blocks, any_disk_identit
     --to raw writes the regions in file order, concatenated (spec §11).
     --to qemu rebuilds the QEMU migration stream the image was converted from:
     qemu-system-x86_64 ... -incoming "exec:leanimg restore IMG --to qemu -o -"
+    --to xen rebuilds the Xen save file (`xl restore FILE`) in the form it had.
     """
     from .reader import LeanImage
     from .fileutil import write_atomically
     from leanimg.restore.raw import restore_raw
     from leanimg.restore.qemu import restore_qemu
-    produce = restore_qemu if target == "qemu" else restore_raw
+    from leanimg.restore.xen import restore_xen
+    produce = {"raw": restore_raw, "qemu": restore_qemu, "xen": restore_xen}[target]
     with LeanImage.open(image, parents=parents, disks=_parse_disks(disks),
                         check_disk_identity=not any_disk_identity) as img:
         for link in img.chain():
@@ -214,7 +217,7 @@ def restore(image, target, output, parents, disks, sort_blocks, any_disk_identit
 @main.command()
 @click.argument("save", metavar="SAVE|-")
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="The lean image to write.")
-@click.option("--from", "source_format", type=click.Choice(["qemu"]), help="Force the source format.")
+@click.option("--from", "source_format", type=click.Choice(["qemu", "xen"]), help="Force the source format.")
 @click.option("--spool/--no-spool", default=None,
               help="Assemble RAM in scratch files first (needed for live saves read from a pipe).")
 @click.option("--level", default=3, show_default=True, help="zstd level of stored pages.")
@@ -230,7 +233,7 @@ def restore(image, target, output, parents, disks, sort_blocks, any_disk_identit
 @click.option("--all-phases", is_flag=True,
               help="Scan every 512-byte phase of each disk, not only the partitions' own.")
 def convert(save, output, source_format, spool, level, frame_pages, parents, delta, disks, all_phases):
-    """Convert a hypervisor save file (QEMU migration stream) into a lean image."""
+    """Convert a hypervisor save file (QEMU migration stream, Xen xl/libxl/libxc stream) into a lean image."""
     from leanimg.converters.convert import convert_file
     disk_options = _open_convert_disks(disks, all_phases)
     total = os.path.getsize(save) if save != "-" and os.path.isfile(save) else 0

@@ -68,6 +68,7 @@ def summarize(image: LeanImage) -> dict:
                     classes={cls.name: n for cls, n in class_counts(link).items() if n})
                for link in image.chain()],
         source_states=len(image.source_states),
+        source=describe_source(image),
         classes=breakdown(image, counts),
         logical_bytes=logical,
         stored_bytes=stored,
@@ -83,6 +84,12 @@ def disk_files(image: LeanImage) -> dict[str, list[dict]]:
             for name, pages in attribute_pages(image).items()}
 
 
+def describe_source(image: LeanImage) -> str | None:
+    """What the SOURCE_STATE records rebuild, when a converter can tell."""
+    from leanimg.restore.xen import describe_image
+    return describe_image(image)
+
+
 def render_text(summary: dict) -> str:
     lines = [
         f"{summary['path']}: lean image v{summary['format_version']}, page size {summary['page_size']}",
@@ -90,6 +97,7 @@ def render_text(summary: dict) -> str:
         f"  parent  {summary['parent_uuid'] or '(none)'}",
         f"  features incompatible {summary['incompatible_features']:#x}, compatible "
         f"{summary['compatible_features']:#x}; {summary['source_states']} source-state records",
+        *([f"  source  {summary['source']}"] if summary.get("source") else []),
         "",
         "regions:",
     ]
