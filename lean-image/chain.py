@@ -154,7 +154,10 @@ def _copy_runs(link, out: np.ndarray, rows: np.ndarray, slots: np.ndarray, ps: i
     from .errors import FormatError
     starts, counts = link._frame_starts, link._frame_counts
     frames = np.searchsorted(starts, slots, side="right") - 1
-    bad = (frames < 0) | (slots >= starts[np.maximum(frames, 0)] + counts[np.maximum(frames, 0)])
+    if len(starts):
+        bad = (frames < 0) | (slots >= starts[np.maximum(frames, 0)] + counts[np.maximum(frames, 0)])
+    else:
+        bad = np.ones(len(slots), bool)          # STORED pages in a link without any frame
     if bad.any():
         raise FormatError(f"stored ordinal {int(slots[bad][0])} is in no PAGE_FRAME", rule="LI-MAP-004",
                           structure="page_map", path=link.path)

@@ -551,8 +551,11 @@ class LeanImage:
         for disk_id in np.unique(ids).tolist():
             mine = np.flatnonzero(ids == disk_id)
             source = self._disk_source(region, first_page + int(rows[mine[0]]), disk_id, sectors[mine])
-            blocks = source.read_runs(sectors[mine] * DISK_SECTOR_SIZE, ps, sort=self.sort_blocks)
-            got = np.frombuffer(b"".join([page_digest(b) for b in blocks]), np.uint8).reshape(-1, DIGEST_SIZE)
+            pages = out.reshape(-1, ps)
+            source.read_runs(sectors[mine] * DISK_SECTOR_SIZE, ps, sort=self.sort_blocks, out=pages,
+                             rows=rows[mine])
+            got = np.frombuffer(b"".join([page_digest(pages[r]) for r in rows[mine].tolist()]),
+                                np.uint8).reshape(-1, DIGEST_SIZE)
             bad = np.flatnonzero((got != expected[rows[mine]]).any(axis=1))
             if len(bad):
                 k, row = int(mine[bad[0]]), int(rows[mine[bad[0]]])
@@ -560,7 +563,6 @@ class LeanImage:
                                 f"sector {int(sectors[k])} does not hold the page recorded at checkpoint "
                                 "(disk changed since?)", rule="LI-DSK-005",
                                 structure=f"region[{region.region_id}].page[{first_page + row}]")
-            out.reshape(-1, ps)[rows[mine]] = blocks
 
     def _disk_source(self, region: Region, page: int, disk_id: int, sectors: np.ndarray):
         """The attached source of ``disk_id``, after checking ``sectors`` lie within the disk."""

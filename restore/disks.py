@@ -23,6 +23,7 @@ from leanimg.errors import DiskError
 QCOW2_MAGIC = b"QFI\xfb"
 COALESCE_GAP = 64 << 10        # read through holes up to this size between referenced blocks
 MAX_READ = 8 << 20             # one coalesced read at most
+IOV_MAX = 1024                 # buffers per preadv call (Linux's UIO_MAXIOV)
 
 
 class DiskSource:
@@ -51,43 +52,59 @@ class DiskSource:
     def _file_fd(self, index: int) -> int:
         raise NotImplementedError
 
-    def read_runs(self, offsets, length: int, *, sort: bool = True) -> np.ndarray:
-        """The ``length`` bytes at each of ``offsets``: row k of a (len(offsets), length) array.
+    def read_runs(self, offsets, length: int, *, sort: bool = True, out: np.ndarray | None = None,
+                  rows: np.ndarray | None = None) -> np.ndarray:
+        """The ``length`` bytes at each of ``offsets``, into row ``rows[k]`` of ``out`` (a 2-D
+        uint8 array of rows of ``length`` bytes; by default a new one, row k for offset k).
 
         Sorted: runs are read in ascending physical order, neighbours coalesced into reads of
-        at most MAX_READ bytes. Unsorted: one read per run, in the order given.
+        at most MAX_READ bytes scattered straight into their rows (preadv). Unsorted: one read
+        per run, in the order given.
         """
         offsets = np.asarray(offsets, np.int64)
-        out = np.empty((len(offsets), length), np.uint8)
+        if out is None:
+            out, rows = np.empty((len(offsets), length), np.uint8), np.arange(len(offsets))
         if not sort:
-            for k, o in enumerate(offsets.tolist()):
-                out[k] = np.frombuffer(self.read(o, length), np.uint8)
+            for row, o in zip(rows.tolist(), offsets.tolist()):
+                out[row] = np.frombuffer(self.read(o, length), np.uint8)
             return out
         for o in (offsets.min(), offsets.max()) if len(offsets) else ():
             self._check_span(int(o), length)
         files, physical = self._locate(offsets, length)
         for k in np.flatnonzero(files < 0).tolist():
-            out[k] = np.frombuffer(self.read(int(offsets[k]), length), np.uint8)
+            out[rows[k]] = np.frombuffer(self.read(int(offsets[k]), length), np.uint8)
         direct = np.flatnonzero(files >= 0)
         order = direct[np.lexsort((physical[direct], files[direct]))]
         for group in _coalesced(files[order], physical[order], length):
-            rows = order[group]
-            start = int(physical[rows[0]])
-            block = self._pread(int(files[rows[0]]), start, int(physical[rows[-1]]) + length - start)
-            at = physical[rows] - start
-            if not (at % length).any():          # the usual case: whole pages apart
-                out[rows] = block[:len(block) // length * length].reshape(-1, length)[at // length]
-            else:
-                for k, a in zip(rows.tolist(), at.tolist()):
-                    out[k] = block[a:a + length]
+            ks = order[group]
+            self._scatter(int(files[ks[0]]), physical[ks], [out[r] for r in rows[ks].tolist()], length)
         return out
 
-    def _pread(self, file_index: int, start: int, length: int) -> np.ndarray:
-        data = os.pread(self._file_fd(file_index), length, start)
-        if len(data) != length:
-            raise DiskError(f"disk {self.name!r} ({self.path}): short read at {start:#x} "
-                            "(file truncated?)", rule="LI-DSK-003")
-        return np.frombuffer(data, np.uint8)
+    def _scatter(self, file_index: int, physical: np.ndarray, targets: list, length: int) -> None:
+        """One coalesced read: ascending ``physical`` offsets into ``targets``, gaps skipped.
+        Runs that overlap (blocks less than a page apart) are copied out of a plain read."""
+        fd, start = self._file_fd(file_index), int(physical[0])
+        total = int(physical[-1]) + length - start
+        if (np.diff(physical) < length).any():
+            data = os.pread(fd, total, start)
+            if len(data) != total:
+                raise DiskError(f"disk {self.name!r} ({self.path}): short read at {start:#x} (file truncated?)",
+                                rule="LI-DSK-003")
+            for target, at in zip(targets, (physical - start).tolist()):
+                target[:] = np.frombuffer(data, np.uint8, length, at)
+            return
+        buffers, pos = [], start
+        for target, at in zip(targets, physical.tolist()):
+            if at > pos:
+                buffers.append(bytearray(at - pos))
+            buffers.append(target)
+            pos = at + length
+        got = 0
+        for i in range(0, len(buffers), IOV_MAX):
+            got += os.preadv(fd, buffers[i:i + IOV_MAX], start + got)
+        if got != total:
+            raise DiskError(f"disk {self.name!r} ({self.path}): short read at {start:#x} (file truncated?)",
+                            rule="LI-DSK-003")
 
     def close(self) -> None:
         pass
