@@ -98,6 +98,7 @@ def fill(resolution: Resolution, out: np.ndarray, first_page: int, count: int) -
     links = resolution.base_link[first_page:stop]
     classes = resolution.base_class[first_page:stop]
     slots = resolution.base_slot[first_page:stop]
+    _prefetch(resolution, links, classes, slots)
     for link_index in np.unique(links[(classes == PageClass.STORED) | (classes == PageClass.DISK)]):
         link = resolution.links[int(link_index)]
         mine = links == link_index
@@ -147,6 +148,20 @@ def _apply_link_deltas(link, words, out, rows, slots, ps, apply_delta) -> None:
             entry = content[offsets[entry_index]:offsets[entry_index + 1]]
             page = apply_delta(entry, out[row * ps:(row + 1) * ps].tobytes(), structure=f"{link.path} delta")
             out[row * ps:(row + 1) * ps] = np.frombuffer(page, np.uint8)
+
+
+def _prefetch(resolution: Resolution, links: np.ndarray, classes: np.ndarray, slots: np.ndarray) -> None:
+    """Every frame this chunk needs, from every link, handed to the read-ahead workers first
+    (so decompression runs on all cores, not link after link on the caller's thread)."""
+    pool = resolution.links[0]._pool
+    if pool is None:
+        return
+    stored = classes == PageClass.STORED
+    for link_index in np.unique(links[stored]).tolist():
+        link = resolution.links[link_index]
+        mine = slots[stored & (links == link_index)]
+        frames = np.unique(np.searchsorted(link._frame_starts, mine, side="right") - 1)
+        link.prefetch_frames(frames[frames >= 0].tolist(), pool)
 
 
 def _copy_runs(link, out: np.ndarray, rows: np.ndarray, slots: np.ndarray, ps: int) -> None:

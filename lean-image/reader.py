@@ -425,7 +425,9 @@ class LeanImage:
             content, digests = self._frame_cache[key]
         else:
             pool = self._pool
-            if pool is None:
+            if frame in self._ahead:                 # asked for ahead of time (prefetch_frames)
+                content, digests = self._ahead.pop(frame).result()
+            elif pool is None:
                 content, digests = self._load_frame(frame), None
             else:
                 for ahead in range(frame, min(frame + self._depth + 1, len(self._frame_entries))):
@@ -436,6 +438,15 @@ class LeanImage:
             digests = self._digests_of(content)
         self._cache(key, (content, digests))
         return content, digests
+
+    def prefetch_frames(self, frames, pool) -> None:
+        """Decompress these PAGE_FRAMEs on ``pool``'s workers before they are asked for."""
+        for frame in frames:
+            if frame not in self._ahead and ("page", frame) not in self._frame_cache:
+                self._ahead[frame] = pool.submit(self._load_frame_only, frame)
+
+    def _load_frame_only(self, frame: int) -> tuple[bytes, None]:
+        return self._load_frame(frame), None
 
     def _digests_of(self, content: bytes) -> np.ndarray:
         ps, view = self.page_size, memoryview(content)
