@@ -230,6 +230,7 @@ class DiskSummary:
     pages: dict[str, int]
     scanned_bytes: int
     indexed_pages: int
+    page_size: int
 
 
 def classify_by_disks(writer: LeanImageWriter, disks: dict[str, object], feed, put_data, *,
@@ -250,7 +251,8 @@ def classify_by_disks(writer: LeanImageWriter, disks: dict[str, object], feed, p
     sink = DiskPages(writer, index.matches(), by_id, put_data)
     feed(sink.put)
     names = {writer.disk_id(name): name for name in disks}
-    return DiskSummary({names[i]: n for i, n in sink.counts.items()}, scanned, len(index.sketches))
+    return DiskSummary({names[i]: n for i, n in sink.counts.items()}, scanned, len(index.sketches),
+                       writer.page_size)
 
 
 def declare_disks(writer: LeanImageWriter, disks: dict[str, object]) -> None:

@@ -236,10 +236,12 @@ def convert(save, output, source_format, spool, level, frame_pages, parents, del
     """Convert a hypervisor save file (QEMU migration stream, Xen xl/libxl/libxc stream) into a lean image."""
     from leanimg.converters.convert import convert_file
     disk_options = _open_convert_disks(disks, all_phases)
-    total = os.path.getsize(save) if save != "-" and os.path.isfile(save) else 0
+    if disk_options:       # the bar follows the disk scan, the part whose length depends on the disk
+        total, label = _scan_total(disk_options), "scan disks"
+    else:
+        total, label = (os.path.getsize(save) if save != "-" and os.path.isfile(save) else 0), "convert"
     try:
-        with _progress(total if not disk_options else _scan_total(disk_options), 
-                       "convert" if not disk_options else "scan disks") as advance:
+        with _progress(total, label) as advance:
             if disk_options:
                 disk_options.progress = advance
             convert_file(save, output, source_format=source_format, spool=spool,
@@ -280,7 +282,8 @@ def _report_disk_pages(options) -> None:
     summary = options.summary
     for name in options.sources:
         pages = summary.pages.get(name, 0)
-        click.echo(f"disk {name}: {pages} pages ({pages * 4096 / 2**20:.1f} MiB) are disk references", err=True)
+        click.echo(f"disk {name}: {pages} pages ({pages * summary.page_size / 2**20:.1f} MiB) are disk "
+                   "references", err=True)
     click.echo(f"disks scanned: {summary.scanned_bytes / 2**20:.1f} MiB of data; "
                f"{summary.indexed_pages} non-zero guest pages looked up", err=True)
 
