@@ -98,7 +98,7 @@ def fill(resolution: Resolution, out: np.ndarray, first_page: int, count: int) -
     links = resolution.base_link[first_page:stop]
     classes = resolution.base_class[first_page:stop]
     slots = resolution.base_slot[first_page:stop]
-    _prefetch(resolution, links, classes, slots)
+    window = _FrameWindow(resolution, links, classes, slots)
     for link_index in np.unique(links[(classes == PageClass.STORED) | (classes == PageClass.DISK)]):
         link = resolution.links[int(link_index)]
         mine = links == link_index
@@ -107,7 +107,7 @@ def fill(resolution: Resolution, out: np.ndarray, first_page: int, count: int) -
             if not len(rows):
                 continue
             if cls == PageClass.STORED:
-                _copy_runs(link, out, rows, slots[rows], ps)
+                _copy_runs(link, out, rows, slots[rows], ps, window)
             else:
                 link.fill_disk_pages(resolution.regions[int(link_index)], first_page, out, rows,
                                      slots[rows].astype(np.int64))
@@ -150,21 +150,36 @@ def _apply_link_deltas(link, words, out, rows, slots, ps, apply_delta) -> None:
             out[row * ps:(row + 1) * ps] = np.frombuffer(page, np.uint8)
 
 
-def _prefetch(resolution: Resolution, links: np.ndarray, classes: np.ndarray, slots: np.ndarray) -> None:
-    """Every frame this chunk needs, from every link, handed to the read-ahead workers first
-    (so decompression runs on all cores, not link after link on the caller's thread)."""
-    pool = resolution.links[0]._pool
-    if pool is None:
-        return
-    stored = classes == PageClass.STORED
-    for link_index in np.unique(links[stored]).tolist():
-        link = resolution.links[link_index]
-        mine = slots[stored & (links == link_index)]
-        frames = np.unique(np.searchsorted(link._frame_starts, mine, side="right") - 1)
-        link.prefetch_frames(frames[frames >= 0].tolist(), pool)
+class _FrameWindow:
+    """The frames a chunk needs, from every link, in the order fill reads them; the next
+    AHEAD of them are decompressed on the read-ahead workers meanwhile (so decompression runs
+    on all cores, not link after link on the caller's thread), never more at once."""
+
+    AHEAD = 8
+
+    def __init__(self, resolution: Resolution, links: np.ndarray, classes: np.ndarray, slots: np.ndarray):
+        self.pool = resolution.links[0]._pool
+        self.pending: list = []
+        if self.pool is None:
+            return
+        stored = classes == PageClass.STORED
+        for link_index in np.unique(links[stored]).tolist():
+            link = resolution.links[link_index]
+            frames = np.unique(np.searchsorted(link._frame_starts, slots[stored & (links == link_index)],
+                                               side="right") - 1)
+            self.pending += [(link, f) for f in frames[frames >= 0].tolist()]
+        self.pending.reverse()
+        self.step(self.AHEAD)
+
+    def step(self, count: int = 1) -> None:
+        """One more frame (or ``count``) handed to the workers."""
+        while count and self.pending:
+            link, frame = self.pending.pop()
+            link.prefetch_frames([frame], self.pool)
+            count -= 1
 
 
-def _copy_runs(link, out: np.ndarray, rows: np.ndarray, slots: np.ndarray, ps: int) -> None:
+def _copy_runs(link, out: np.ndarray, rows: np.ndarray, slots: np.ndarray, ps: int, window: _FrameWindow) -> None:
     """Copy STORED pages of one link: one decompressed frame and one numpy copy per frame."""
     from .errors import FormatError
     starts, counts = link._frame_starts, link._frame_counts
@@ -178,6 +193,7 @@ def _copy_runs(link, out: np.ndarray, rows: np.ndarray, slots: np.ndarray, ps: i
                           structure="page_map", path=link.path)
     pages = out.reshape(-1, ps)
     for frame in np.unique(frames).tolist():
+        window.step()
         sel = frames == frame
         content = np.frombuffer(link.frame_pages(frame), np.uint8).reshape(-1, ps)
         pages[rows[sel]] = content[slots[sel] - starts[frame]]
