@@ -264,10 +264,10 @@ def test_a_disk_changed_at_a_referenced_block_names_page_region_and_sector(scene
     data[victim + 100] ^= 0x01
     changed.write_bytes(data)
     with LeanImage.open(image) as img:
-        refs = img._disk_refs
-        slot = int(np.flatnonzero(refs == victim // SECTOR)[0])
-        rows = np.flatnonzero(img.classes(img.regions[0]) == PageClass.DISK)
-        page = int(rows[np.argsort([img.page_location(img.regions[0], int(p))[1] for p in rows])][slot])
+        region = img.regions[0]
+        slot = int(np.flatnonzero(img._disk_refs == victim // SECTOR)[0])
+        disk_pages = np.flatnonzero(img.classes(region) == PageClass.DISK)
+        page = int(disk_pages[img.page_slots(region, 0, region.num_pages)[disk_pages] == slot][0])
     err = fails(run("restore", image, "-o", tmp_path / "o.raw", "--disk", f"vda={changed}", sort),
                 "LI-DSK-005", f"page {page}", "'pc.ram'", f"sector {victim // SECTOR}", left_out=tmp_path / "o.raw")
     assert "disk changed" in err
@@ -281,6 +281,28 @@ def test_qcow2_with_a_missing_backing_file(scene, image, tmp_path):
     (tmp_path / "base.qcow2").unlink()
     fails(run("restore", image, "-o", tmp_path / "o.raw", "--disk", f"vda={top}"),
           "qemu-img cannot read", "base.qcow2", left_out=tmp_path / "o.raw")
+
+
+@needs_qemu_img
+def test_a_truncated_or_damaged_qcow2_is_refused(scene, image, tmp_path):
+    good = make_qcow2(scene.disk, tmp_path, "qcow2")
+    data = good.read_bytes()
+    for name, bad in (("truncated", data[:len(data) // 3]), ("header-flip", data[:20] + bytes([data[20] ^ 0x40]) + data[21:])):
+        path = tmp_path / f"{name}.qcow2"
+        path.write_bytes(bad)
+        err = fails(run("restore", image, "-o", tmp_path / "o.raw", "--disk", f"vda={path}"),
+                    left_out=tmp_path / "o.raw")
+        assert "qemu-img cannot read" in err or "LI-DSK" in err, err
+
+
+def test_an_ext_superblock_that_lies_about_its_block_size_is_not_a_filesystem():
+    from leanimg.diskfiles import find_ext_filesystems
+    disk = bytearray(1 << 20)
+    struct.pack_into("<H", disk, 1024 + 56, 0xEF53)
+    struct.pack_into("<I", disk, 1024 + 24, 2)
+    assert [fs.block_size for fs in find_ext_filesystems(lambda o, n: bytes(disk[o:o + n]), len(disk))] == [4096]
+    struct.pack_into("<I", disk, 1024 + 24, 0xFFFFFFFF)
+    assert find_ext_filesystems(lambda o, n: bytes(disk[o:o + n]), len(disk)) == []
 
 
 def test_a_disk_name_that_matches_nothing(scene, image, tmp_path):
@@ -312,6 +334,15 @@ def test_partition_tables():
     assert found == [Partition(34 * SECTOR, 2014 * SECTOR), Partition(2049 * SECTOR, 2047 * SECTOR)]
     gpt[SECTOR + 40] ^= 1                         # header CRC now wrong: not trusted
     assert read_partitions(lambda o, n: bytes(gpt[o:o + n]), len(gpt)) == []
+    gpt[SECTOR + 40] ^= 1
+    for field, value in ((80, 1 << 31), (72, 1 << 40)):     # entry count, table LBA: beyond the disk
+        lying = bytearray(gpt)
+        struct.pack_into("<Q" if field == 72 else "<I", lying, SECTOR + field, value)
+        struct.pack_into("<I", lying, SECTOR + 16, 0)
+        struct.pack_into("<I", lying, SECTOR + 16, zlib.crc32(bytes(lying[SECTOR:SECTOR + 92])))
+        reads = []
+        assert read_partitions(lambda o, n: reads.append(n) or bytes(lying[o:o + n]), len(lying)) == []
+        assert max(reads) <= SECTOR, "a lying GPT made the parser read its declared size"
     assert read_partitions(lambda o, n: bytes(8 << 20)[o:o + n], 8 << 20) == []
 
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import os
-import shlex
 import shutil
 import subprocess
 from pathlib import Path
@@ -33,8 +32,8 @@ import numpy as np
 import pytest
 
 from guest.chain_scenarios import CHAIN_PHASES, VGA_WINDOW, Checkpoint, run_chain_scenario
-from guest.scenarios import wait_heartbeat
-from guest.vm import GuestVM, copy_disk, qemu_available
+from guest.scenarios import assert_resumes
+from guest.vm import copy_disk, qemu_available
 from helpers import first_difference
 from leanimg.cli import command_line
 from leanimg.fileutil import sha256_file
@@ -176,21 +175,8 @@ def test_link_restores_qemu_byte_identical(link, checkpoints, chain, tmp_path):
 def test_last_link_resumes_from_leanimg_pipe(checkpoints, chain, tmp_path):
     """A fresh QEMU loads the last link (its parents found beside it) via -incoming exec:."""
     cp = checkpoints[-1].point
-    disk = copy_disk(cp.disk, tmp_path / "disk.img")
-    vm_dir = tmp_path / "dest"
-    vm_dir.mkdir()
-    restore_cmd = shlex.join([*LEANIMG, "restore", str(chain[-1]), "--to", "qemu", "-o", "-"])
-    with GuestVM(cp.build, disk, mem_mib=cp.mem_mib, workdir=vm_dir,
-                 incoming=f"exec:{restore_cmd}") as vm:
-        vm.wait_incoming(timeout=180)
-        assert vm.status() == "paused"
-        restored = tmp_path / "restored.mem"
-        vm.pmemsave(restored)
-        assert sha256_file(restored) == sha256_file(cp.mem), first_difference(restored, cp.mem)
-        assert "Traceback" not in vm.qemu_output() and "leanimg:" not in vm.qemu_output()
-        vm.cont()
-        beat = wait_heartbeat(vm, cp.mode, cp.heartbeat, timeout=60)
-        assert beat > cp.heartbeat and vm.status() == "running"
+    assert_resumes(cp, copy_disk(cp.disk, tmp_path / "disk.img"), tmp_path,
+                   [*LEANIMG, "restore", str(chain[-1]), "--to", "qemu", "-o", "-"])
 
 
 # ------------------------------------------------------------------ flatten, merge, --parent

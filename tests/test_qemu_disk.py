@@ -12,18 +12,15 @@ its pmemsave equals the original's byte for byte and after ``cont`` the guest ru
 from __future__ import annotations
 
 import json
-import shlex
 import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
 
-from guest.scenarios import SavePoint, run_scenario, wait_heartbeat
-from guest.vm import GuestVM, copy_disk, qemu_available
-from helpers import first_difference
+from guest.scenarios import SavePoint, assert_resumes, run_scenario
+from guest.vm import copy_disk, qemu_available
 from leanimg.cli import command_line
-from leanimg.fileutil import sha256_file
 
 pytestmark = pytest.mark.qemu
 LEANIMG = command_line()
@@ -77,17 +74,8 @@ def test_resume_with_disk_references(saved, image, tmp_path, disk_format):
         copy_disk(saved.disk, disk)
     else:
         subprocess.run(["qemu-img", "convert", "-O", "qcow2", saved.disk, disk], check=True)
-    vm_dir = tmp_path / "dest"
-    vm_dir.mkdir()
-    restore = shlex.join([*LEANIMG, "restore", str(image), "--to", "qemu", "--disk", f"vda={disk}", "-o", "-"])
-    with GuestVM(saved.build, disk, mem_mib=saved.mem_mib, workdir=vm_dir, incoming=f"exec:{restore}") as vm:
-        vm.wait_incoming(timeout=180)
-        restored = tmp_path / "restored.mem"
-        vm.pmemsave(restored)
-        assert sha256_file(restored) == sha256_file(saved.mem), first_difference(restored, saved.mem)
-        assert "leanimg:" not in vm.qemu_output()
-        vm.cont()
-        assert wait_heartbeat(vm, saved.mode, saved.heartbeat, timeout=60) > saved.heartbeat
+    assert_resumes(saved, disk, tmp_path,
+                   [*LEANIMG, "restore", str(image), "--to", "qemu", "--disk", f"vda={disk}", "-o", "-"])
 
 
 def test_inspect_names_the_files_the_guest_read(saved, image):

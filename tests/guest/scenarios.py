@@ -127,3 +127,26 @@ def run_scenario(workdir: Path, steps=E2E_STEPS, mem_mib: int = 128,
             say(f"saved {name}: {saves[name].save.stat().st_size / 2**20:.1f} MiB in "
                 f"{saves[name].save_seconds:.1f} s")
     return saves
+
+
+def assert_resumes(sp: SavePoint, disk: Path, workdir: Path, restore_argv: list[str]) -> None:
+    """A fresh QEMU on ``disk`` loads the stream ``restore_argv`` writes to stdout through
+    ``-incoming exec:``: paused, its memory equal to ``sp``'s pmemsave byte for byte, no error
+    from the restorer; after ``cont`` the workload's heartbeat goes on."""
+    import shlex
+    from helpers import first_difference
+    from leanimg.fileutil import sha256_file
+    vm_dir = workdir / "dest"
+    vm_dir.mkdir()
+    with GuestVM(sp.build, disk, mem_mib=sp.mem_mib, workdir=vm_dir,
+                 incoming=f"exec:{shlex.join(restore_argv)}") as vm:
+        vm.wait_incoming(timeout=180)
+        assert vm.status() == "paused"
+        restored = workdir / "restored.mem"
+        vm.pmemsave(restored)
+        assert restored.stat().st_size == sp.mem.stat().st_size
+        assert sha256_file(restored) == sha256_file(sp.mem), first_difference(restored, sp.mem)
+        assert "Traceback" not in vm.qemu_output() and "leanimg:" not in vm.qemu_output()
+        vm.cont()
+        assert wait_heartbeat(vm, sp.mode, sp.heartbeat, timeout=60) > sp.heartbeat
+        assert vm.status() == "running"
