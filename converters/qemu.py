@@ -62,6 +62,7 @@ from typing import BinaryIO, Callable, Iterable, Iterator, Union
 import numpy as np
 
 from leanimg.errors import SourceFormatError, UnsupportedError
+from leanimg.fileutil import writev_all
 
 QEVM_MAGIC = 0x5145564D
 QEVM_VERSION = 3
@@ -135,6 +136,13 @@ class Zeros:
 
 
 @dataclasses.dataclass(frozen=True)
+class Pages:
+    """A page_source chunk sent as PAGE entries whatever its content (the caller knows these
+    pages are not blank); ``data`` is gathered into the output in place, not copied."""
+    data: memoryview
+
+
+@dataclasses.dataclass(frozen=True)
 class SectionHeader:
     section_id: int
     idstr: str
@@ -183,7 +191,7 @@ class StreamEnd:
 
 
 Event = Union[RamBlocks, Page, PageRun, StreamEnd]
-Chunk = Union[bytes, bytearray, memoryview, Zeros]
+Chunk = Union[bytes, bytearray, memoryview, Zeros, Pages]
 
 
 # ---------------------------------------------------------------------------- input
@@ -709,6 +717,7 @@ class _RamWriter:
 
     def __init__(self, out: BinaryIO, state: StreamState, blocks: tuple[RamBlock, ...]):
         self.out, self.state, self.blocks = out, state, blocks
+        self.fd = _gather_fd(out)
         self.ps = state.page_size
         self.written = 0
         self.last_block: str | None = None
@@ -723,8 +732,17 @@ class _RamWriter:
         self.left = self.plan[0][1]
 
     def put(self, blob: bytes | memoryview) -> None:
-        self.out.write(blob)
-        self.written += len(blob)
+        self.put_all([blob])
+
+    def put_all(self, parts: list) -> None:
+        """Byte buffers in order: one writev per IOV_MAX of them when ``out`` has a file
+        descriptor (pages go from the caller's buffers to the kernel without a copy)."""
+        if self.fd is None:
+            for part in parts:
+                self.out.write(part)
+            self.written += sum(map(len, parts))
+        else:
+            self.written += writev_all(self.fd, parts)
 
     def start_section(self) -> None:
         kind = self.plan[self.section][0]
@@ -767,14 +785,18 @@ class _RamWriter:
             self._check(block, chunk.length)
             self._run(block, chunk.length // self.ps, None)
             return
-        data = np.frombuffer(chunk, dtype=np.uint8)
+        if isinstance(chunk, Pages):
+            data = memoryview(chunk.data).cast("B")
+            self._check(block, len(data))
+            self._run(block, len(data) // self.ps, data)
+            return
+        data = memoryview(chunk).cast("B")
         self._check(block, len(data))
-        pages = data.reshape(-1, self.ps)
-        nonzero = pages.view(np.uint64).any(axis=1)
+        nonzero = np.frombuffer(data, np.uint64).reshape(-1, self.ps // 8).any(axis=1)
         edges = np.flatnonzero(np.diff(nonzero.astype(np.int8))) + 1
-        bounds = [0, *edges.tolist(), len(pages)]
+        bounds = [0, *edges.tolist(), len(nonzero)]
         for lo, hi in zip(bounds, bounds[1:]):
-            self._run(block, hi - lo, pages[lo:hi] if nonzero[lo] else None)
+            self._run(block, hi - lo, data[lo * self.ps:hi * self.ps] if nonzero[lo] else None)
 
     def _check(self, block: RamBlock, length: int) -> None:
         if length % self.ps or self.block_pos + length > block.length:
@@ -787,41 +809,58 @@ class _RamWriter:
                              f"{block.name!r}'s {block.length:#x} bytes")
         self.block_pos = 0
 
-    def _run(self, block: RamBlock, count: int, pages: np.ndarray | None) -> None:
+    def _run(self, block: RamBlock, count: int, pages: memoryview | None) -> None:
         """``count`` pages from the current position; ``pages`` None means all zero."""
-        done = 0
+        done, ps = 0, self.ps
         while done < count:
             self._next_section()
             n = min(count - done, self.left) if self.left else count - done
-            sub = None if pages is None else pages[done:done + n]
-            for part in self._entries(block, self.block_pos, n, sub):
-                self.put(part)
+            sub = None if pages is None else pages[done * ps:(done + n) * ps]
+            self.put_all(self._entries(block, self.block_pos, n, sub))
             self.block_pos += n * self.ps
             self.left -= n if self.left else 0
             done += n
 
-    def _entries(self, block: RamBlock, offset: int, n: int, pages: np.ndarray | None) -> list:
-        """n consecutive entries, vectorised: each is be64 header [+ name] + payload.
+    def _entries(self, block: RamBlock, offset: int, n: int, pages: memoryview | None) -> list:
+        """n consecutive entries as byte buffers: each is be64 header [+ name] + payload.
 
-        The entries after the first are laid out in one array (one copy of the pages)
-        and handed to the output as a view.
+        Zero entries after the first are laid out in one array; page entries alternate a
+        header with a view of the caller's page, so pages are never copied here.
         """
-        first = b""
+        ps = self.ps
+        first = []
         flag = F_ZERO if pages is None else F_PAGE
         if self.last_block != block.name:
-            payload = b"\0" if pages is None else pages[0].tobytes()
-            first = _BE64.pack(offset | flag) + _name_bytes(block.name) + payload
+            payload = b"\0" if pages is None else pages[:ps]
+            first = [_BE64.pack(offset | flag) + _name_bytes(block.name), payload]
             self.last_block = block.name
-            offset, n = offset + self.ps, n - 1
-            pages = None if pages is None else pages[1:]
+            offset, n = offset + ps, n - 1
+            pages = None if pages is None else pages[ps:]
         if n == 0:
-            return [first]
-        words = (offset + np.arange(n, dtype=np.uint64) * np.uint64(self.ps)) | \
+            return first
+        words = (offset + np.arange(n, dtype=np.uint64) * np.uint64(ps)) | \
             np.uint64(flag | F_CONTINUE)
-        entries = np.empty((n, 8 + (1 if pages is None else self.ps)), np.uint8)
-        entries[:, :8] = words.astype(">u8").view(np.uint8).reshape(n, 8)
-        entries[:, 8:] = 0 if pages is None else pages
-        return [first, memoryview(entries).cast("B")]
+        headers = words.astype(">u8").view(np.uint8).reshape(n, 8)
+        if pages is None:
+            entries = np.zeros((n, 9), np.uint8)
+            entries[:, :8] = headers
+            return first + [memoryview(entries).cast("B")]
+        heads = memoryview(headers.tobytes())
+        parts = [None] * (2 * n)
+        parts[0::2] = [heads[k:k + 8] for k in range(0, 8 * n, 8)]
+        parts[1::2] = [pages[k:k + ps] for k in range(0, n * ps, ps)]
+        return first + parts
+
+
+def _gather_fd(out: BinaryIO) -> int | None:
+    """The file descriptor under ``out`` (flushed, so direct writes keep the order), or
+    None for objects without one (BytesIO)."""
+    try:
+        fd = out.fileno()
+    except (AttributeError, OSError, ValueError):
+        return None
+    out.flush()
+    return fd
 
 
 def _section_header_bytes(kind: int, h: SectionHeader) -> bytes:

@@ -32,6 +32,38 @@ def evict_from_page_cache(path) -> None:
         os.close(fd)
 
 
+def _iov_max() -> int:
+    try:
+        return max(16, os.sysconf("SC_IOV_MAX"))
+    except (AttributeError, ValueError, OSError):
+        return 1024
+
+
+IOV_MAX = _iov_max()
+
+
+def writev_all(fd: int, buffers: list) -> int:
+    """Write ``buffers`` to ``fd`` in order, IOV_MAX at a time, resuming partial writes
+    (a pipe, a signal); return the number of bytes written.  Gathers from the buffers in
+    place: no joined copy."""
+    written, i = 0, 0
+    while i < len(buffers):
+        batch = buffers[i:i + IOV_MAX]
+        done = os.writev(fd, batch)
+        written += done
+        if done == sum(map(len, batch)):
+            i += len(batch)
+            continue
+        k = 0
+        while k < len(batch) and done >= len(batch[k]):
+            done -= len(batch[k])
+            k += 1
+        i += k
+        if done:                                    # the k-th buffer went out in part
+            buffers[i] = memoryview(buffers[i]).cast("B")[done:]
+    return written
+
+
 def write_atomically(path: str, produce) -> int:
     """Run ``produce(fileobj)`` into a temporary file that becomes ``path`` only when complete.
 

@@ -673,9 +673,47 @@ class LeanImage:
                 self._verify(region, first_page + k, out[k * ps:(k + 1) * ps].tobytes())
         return memoryview(out)
 
-    def _copy_stored(self, out: np.ndarray, got: np.ndarray | None, row: int, ordinal: int, count: int) -> None:
-        """Copy STORED pages into ``out`` from row ``row``; with ``got``, their digests too."""
+    def region_pieces(self, region: Region, first_page: int, count: int) -> list[tuple[int, memoryview | None]]:
+        """Pages [first_page, first_page+count) in order as verified runs ``(n, data)``: data
+        None for ZERO and FREE pages, else n pages of bytes.  In a self-contained image the
+        STORED runs are views of the decompressed frames (checked by the frames' digests), so a
+        restorer can hand them to the kernel without copying them."""
+        classes, expected = self._expected_range(region, first_page, count)
+        blank = (classes == PageClass.ZERO) | (classes == PageClass.FREE)
+        if blank.all():
+            return [(count, None)]
+        if self.parent is not None or (~blank & (classes != PageClass.STORED)).any():
+            return self._split_pieces(self.region_bytes(region, first_page, count), blank)
+        slots = self.page_slots(region, first_page, count)
+        starts = np.ones(count, bool)
+        starts[1:] = (blank[1:] != blank[:-1]) | (~blank[1:] & (slots[1:] != slots[:-1] + 1))
+        bounds = [*np.flatnonzero(starts).tolist(), count]
+        pieces = []
+        for lo, hi in zip(bounds, bounds[1:]):
+            if blank[lo]:
+                pieces.append((hi - lo, None))
+                continue
+            row = lo
+            for data, digests, start, n in self._stored_spans(int(slots[lo]), hi - lo):
+                bad = np.flatnonzero((digests[start:start + n] != expected[row:row + n]).any(axis=1))
+                view = memoryview(data)[start * self.page_size:(start + n) * self.page_size]
+                if len(bad):
+                    k = int(bad[0])
+                    self._verify(region, first_page + row + k,
+                                 bytes(view[k * self.page_size:(k + 1) * self.page_size]))
+                pieces.append((n, view))
+                row += n
+        return pieces
+
+    def _split_pieces(self, data: memoryview, blank: np.ndarray) -> list[tuple[int, memoryview | None]]:
+        edges = np.flatnonzero(blank[1:] != blank[:-1]) + 1
+        bounds = [0, *edges.tolist(), len(blank)]
         ps = self.page_size
+        return [(hi - lo, None if blank[lo] else data[lo * ps:hi * ps]) for lo, hi in zip(bounds, bounds[1:])]
+
+    def _stored_spans(self, ordinal: int, count: int, with_digests: bool = True):
+        """(frame content, its page digests or None, first page in it, pages) covering
+        STORED ordinals [ordinal, ordinal+count)."""
         while count:
             frame = int(np.searchsorted(self._frame_starts, ordinal, side="right")) - 1
             if frame < 0 or ordinal >= self._frame_starts[frame] + self._frame_counts[frame]:
@@ -683,11 +721,18 @@ class LeanImage:
                                   structure="page_map")
             start = ordinal - int(self._frame_starts[frame])
             n = min(count, int(self._frame_counts[frame]) - start)
-            data, digests = self._frame(frame, with_digests=got is not None)
+            data, digests = self._frame(frame, with_digests=with_digests)
+            yield data, digests, start, n
+            ordinal, count = ordinal + n, count - n
+
+    def _copy_stored(self, out: np.ndarray, got: np.ndarray | None, row: int, ordinal: int, count: int) -> None:
+        """Copy STORED pages into ``out`` from row ``row``; with ``got``, their digests too."""
+        ps = self.page_size
+        for data, digests, start, n in self._stored_spans(ordinal, count, with_digests=got is not None):
             out[row * ps:(row + n) * ps] = np.frombuffer(data, np.uint8, n * ps, start * ps)
             if got is not None:
                 got[row:row + n] = digests[start:start + n]
-            row, ordinal, count = row + n, ordinal + n, count - n
+            row += n
 
     def _verify_stored(self, region: Region, first_page: int, out: np.ndarray, got: np.ndarray) -> None:
         """Check STORED pages against their digests in one comparison; read_page checked DISK,

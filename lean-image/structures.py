@@ -184,7 +184,7 @@ class Record:
     flags: int
     body_length: int
     record_checksum: int
-    body: bytes
+    body: memoryview
     parsed: dict | None = None
 
     @property
@@ -233,9 +233,9 @@ def read_record(image: ImageFile, offset: int, limit: int, index: int | None = N
     padded = align8(body_length)
     raw = image.read_exact(offset, RECORD_HEADER_STRUCT.size + padded + 8, record_path(index))
     (stored,) = RECORD_TRAILER_STRUCT.unpack_from(raw, len(raw) - 8)
-    body = raw[16:16 + body_length]
+    body = memoryview(raw)[16:16 + body_length]      # a view: frame bodies are large
     record = Record(offset, record_type, flags, body_length, stored, body)
-    computed = checksum64(raw[:-8])
+    computed = checksum64(memoryview(raw)[:-8])
     if computed != stored:
         raise FormatError(f"expected record_checksum {computed:#018x}, got {stored:#018x}",
                           offset=offset + len(raw) - 8, structure=record_path(index, record, "record_checksum"),
@@ -277,7 +277,7 @@ class _Body:
             raise self.fail("LI-REC-008", f"expected reserved {field} 0, got {value:#x}", at, field)
 
     def name(self, start: int, length: int, limit: int, rule: str) -> str:
-        raw = self.record.body[start:start + length]
+        raw = bytes(self.record.body[start:start + length])
         if not 1 <= length <= limit:
             raise self.fail(rule, f"expected a name of 1..{limit} bytes, got {length}", start, "name")
         try:
@@ -306,7 +306,7 @@ def _parse_disk(b: _Body) -> dict:
 
 def _parse_source_state(b: _Body) -> dict:
     source_format, tag, sequence = b.fixed(SOURCE_STATE_STRUCT)
-    data = b.record.body[SOURCE_STATE_STRUCT.size:]
+    data = bytes(b.record.body[SOURCE_STATE_STRUCT.size:])
     return dict(source_format=source_format, tag=tag, sequence=sequence, len_data=len(data), data=data)
 
 

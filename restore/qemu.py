@@ -8,7 +8,7 @@ from typing import BinaryIO
 from leanimg.converters import qemu
 from leanimg.converters.convert import QEMU_TAG_STREAM_STATE, unpack_stream_state
 from leanimg.errors import FormatError, UnsupportedError
-from leanimg.format import PageClass, SourceFormat
+from leanimg.format import SourceFormat
 from leanimg.reader import LeanImage
 
 def stream_state(image: LeanImage) -> qemu.StreamState:
@@ -25,18 +25,13 @@ def _page_source(image: LeanImage, progress):
         if region.size_bytes != block.length:
             raise FormatError(f"region {block.name!r} has {region.size_bytes} bytes, the stream state "
                               f"says {block.length}", structure=f"region[{region.region_id}]")
-        classes = image.classes(region)
-        blank = (classes == PageClass.ZERO) | (classes == PageClass.FREE)
-        step = image.restore_chunk_pages
+        step, ps = image.restore_chunk_pages, image.page_size
         for first in range(0, region.num_pages, step):
             count = min(step, region.num_pages - first)
-            if blank[first:first + count].all():
-                chunk = qemu.Zeros(count * image.page_size)
-            else:
-                chunk = image.region_bytes(region, first, count)
+            for n, data in image.region_pieces(region, first, count):
+                yield qemu.Zeros(n * ps) if data is None else qemu.Pages(data)
             if progress:
-                progress(count * image.page_size)
-            yield chunk
+                progress(count * ps)
     return source
 
 
