@@ -62,7 +62,7 @@ from typing import BinaryIO, Callable, Iterable, Iterator, Union
 import numpy as np
 
 from leanimg.errors import SourceFormatError, UnsupportedError
-from leanimg.fileutil import writev_all
+from leanimg.fileutil import GatherWriter
 
 QEVM_MAGIC = 0x5145564D
 QEVM_VERSION = 3
@@ -717,9 +717,8 @@ class _RamWriter:
 
     def __init__(self, out: BinaryIO, state: StreamState, blocks: tuple[RamBlock, ...]):
         self.out, self.state, self.blocks = out, state, blocks
-        self.fd = _gather_fd(out)
+        self.gather = GatherWriter(out)
         self.ps = state.page_size
-        self.written = 0
         self.last_block: str | None = None
         self.block_pos = 0
         total_pages = sum(b.length for b in blocks) // self.ps
@@ -731,18 +730,12 @@ class _RamWriter:
         self.section = 0
         self.left = self.plan[0][1]
 
-    def put(self, blob: bytes | memoryview) -> None:
-        self.put_all([blob])
+    @property
+    def written(self) -> int:
+        return self.gather.written
 
-    def put_all(self, parts: list) -> None:
-        """Byte buffers in order: one writev per IOV_MAX of them when ``out`` has a file
-        descriptor (pages go from the caller's buffers to the kernel without a copy)."""
-        if self.fd is None:
-            for part in parts:
-                self.out.write(part)
-            self.written += sum(map(len, parts))
-        else:
-            self.written += writev_all(self.fd, parts)
+    def put(self, blob: bytes | memoryview) -> None:
+        self.gather.write_all([blob])
 
     def start_section(self) -> None:
         kind = self.plan[self.section][0]
@@ -816,7 +809,7 @@ class _RamWriter:
             self._next_section()
             n = min(count - done, self.left) if self.left else count - done
             sub = None if pages is None else pages[done * ps:(done + n) * ps]
-            self.put_all(self._entries(block, self.block_pos, n, sub))
+            self.gather.write_all(self._entries(block, self.block_pos, n, sub))
             self.block_pos += n * self.ps
             self.left -= n if self.left else 0
             done += n
@@ -850,17 +843,6 @@ class _RamWriter:
         parts[0::2] = [heads[k:k + 8] for k in range(0, 8 * n, 8)]
         parts[1::2] = [pages[k:k + ps] for k in range(0, n * ps, ps)]
         return first + parts
-
-
-def _gather_fd(out: BinaryIO) -> int | None:
-    """The file descriptor under ``out`` (flushed, so direct writes keep the order), or
-    None for objects without one (BytesIO)."""
-    try:
-        fd = out.fileno()
-    except (AttributeError, OSError, ValueError):
-        return None
-    out.flush()
-    return fd
 
 
 def _section_header_bytes(kind: int, h: SectionHeader) -> bytes:

@@ -64,6 +64,29 @@ def writev_all(fd: int, buffers: list) -> int:
     return written
 
 
+class GatherWriter:
+    """Writes lists of buffers to a binary file object in order: with writev straight from
+    the buffers when it has a file descriptor (flushed first, so nothing buffered is
+    overtaken), else one write() per buffer (BytesIO)."""
+
+    def __init__(self, out):
+        self.out, self.written = out, 0
+        try:
+            self.fd = out.fileno()
+        except (AttributeError, OSError, ValueError):
+            self.fd = None
+        else:
+            out.flush()
+
+    def write_all(self, parts: list) -> None:
+        if self.fd is None:
+            for part in parts:
+                self.out.write(part)
+            self.written += sum(map(len, parts))
+        else:
+            self.written += writev_all(self.fd, parts)
+
+
 def write_atomically(path: str, produce) -> int:
     """Run ``produce(fileobj)`` into a temporary file that becomes ``path`` only when complete.
 

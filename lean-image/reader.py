@@ -412,6 +412,10 @@ class LeanImage:
         from concurrent.futures import ThreadPoolExecutor
         self._pool = ThreadPoolExecutor(max_workers=threads)
         self._depth = depth
+        try:            # frames are read in file order: let the kernel read further ahead
+            os.posix_fadvise(self._file.fileobj.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        except (AttributeError, OSError, ValueError):
+            pass
 
     def frame_pages(self, frame: int) -> bytes:
         """Decompressed content of PAGE_FRAME number ``frame`` (cached)."""
@@ -624,6 +628,12 @@ class LeanImage:
         per call grows with the number of links a chunk draws on."""
         large = self.parent is not None or len(self._disk_refs)
         return (64 << 20) // self.page_size if large else (4 << 20) // self.page_size
+
+    @property
+    def gather_chunk_pages(self) -> int:
+        """Pages per region_pieces call for a sequential restore: STORED pages come as views of
+        frames (no buffer this size is allocated), and fewer, larger calls cost less per page."""
+        return max(self.restore_chunk_pages, (32 << 20) // self.page_size)
 
     def region_bytes(self, region: Region, first_page: int, count: int) -> memoryview:
         """Pages [first_page, first_page+count) resolved and verified, in one buffer."""

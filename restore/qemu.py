@@ -25,7 +25,8 @@ def _page_source(image: LeanImage, progress):
         if region.size_bytes != block.length:
             raise FormatError(f"region {block.name!r} has {region.size_bytes} bytes, the stream state "
                               f"says {block.length}", structure=f"region[{region.region_id}]")
-        step, ps = image.restore_chunk_pages, image.page_size
+        ps = image.page_size
+        step = image.gather_chunk_pages
         for first in range(0, region.num_pages, step):
             count = min(step, region.num_pages - first)
             for n, data in image.region_pieces(region, first, count):
