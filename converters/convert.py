@@ -14,6 +14,7 @@ import io
 from dataclasses import dataclass, field
 from typing import BinaryIO
 
+import numpy as np
 import zstandard
 
 from leanimg.errors import SourceFormatError, UnsupportedError
@@ -148,7 +149,11 @@ def _page_sink(writer: LeanImageWriter, parent, names: dict[int, str]):
     if parent is None:
         return writer.put_pages
     feeder = AgainstParent(writer, parent)
-    return lambda region, first, data: feeder.put_pages(region, names[region], first, data)
+    return lambda region, first, data: feeder.put_pages(region, names[region], first, _contiguous(data))
+
+
+def _contiguous(data):
+    return np.ascontiguousarray(data) if isinstance(data, np.ndarray) else data
 
 
 def convert_qemu(source: BinaryIO, writer: LeanImageWriter, progress=None, parent=None) -> qemu.StreamState:
@@ -174,10 +179,10 @@ def _stream_into(source: BinaryIO, writer: LeanImageWriter, progress, parent) ->
         if isinstance(event, qemu.PageRun):
             runs.flush()
             region, first = regions[event.block], event.offset // page_size
-            if event.data is None:
+            if event.pages is None:
                 writer.put_zero(region, first, event.count)
             else:
-                put_data(region, first, event.data)
+                put_data(region, first, event.pages)
             if progress:
                 progress(event.count * page_size)
         elif isinstance(event, qemu.Page):

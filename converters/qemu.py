@@ -120,13 +120,18 @@ class Page:
 class PageRun:
     """``count`` consecutive pages of one block from ``offset`` (``batch=True`` only).
 
-    ``data`` holds count * page_size bytes, or is None for a run of ZERO entries
-    with fill byte 0.
+    ``pages`` is a (count, page_size) uint8 array, a strided view of the page data
+    inside the input buffer (no copy; rows lie 8 header bytes apart), or None for a run
+    of ZERO entries with fill byte 0.  ``data`` is the same pages as one bytes object.
     """
     block: str
     offset: int
     count: int
-    data: bytes | None
+    pages: np.ndarray | None
+
+    @property
+    def data(self) -> bytes | None:
+        return None if self.pages is None else self.pages.tobytes()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -493,12 +498,11 @@ class _StreamReader:
         count = limit if good.all() else int(np.argmin(good))
         if count < 2:
             return None
-        data = None
-        if stride != 9:
-            data = np.ndarray((count, ps), np.uint8, buffer=buf, offset=pos + 8,
-                              strides=(stride, 1)).tobytes()
+        pages = None
+        if stride != 9:        # the buffer is never written again: _fill makes a new one
+            pages = np.ndarray((count, ps), np.uint8, buffer=buf, offset=pos + 8, strides=(stride, 1))
         inp.pos += count * stride
-        return PageRun(block.name, first, count, data)
+        return PageRun(block.name, first, count, pages)
 
     def _bad_flags(self, flags: int, word: int) -> None:
         for bit, feature in UNSUPPORTED_FLAGS.items():
@@ -937,7 +941,7 @@ class RamImage:
         first = run.offset // self.page_size
         seen = self.seen[run.block][first:first + run.count]
         fd = self._files[run.block].fileno()
-        if run.data is not None:
+        if run.pages is not None:
             os.pwrite(fd, run.data, run.offset)
         elif seen.any():
             os.pwrite(fd, bytes(run.count * self.page_size), run.offset)

@@ -10,6 +10,7 @@ import enum
 import functools
 import struct
 
+import numpy as np
 import xxhash
 
 FORMAT_MAJOR = 1
@@ -163,6 +164,14 @@ def checksum64(data) -> int:
 def page_digest(data) -> bytes:
     """xxh3-128 of one page, canonical (big-endian) 16 bytes."""
     return xxhash.xxh3_128_digest(data)
+
+
+def page_digests(data, page_size: int) -> np.ndarray:
+    """The digest of every page of contiguous ``data``, as an (n, 16) uint8 array."""
+    view = memoryview(data).cast("B")
+    joined = b"".join([xxhash.xxh3_128_digest(view[k:k + page_size])
+                       for k in range(0, len(view), page_size)])
+    return np.frombuffer(joined, np.uint8).reshape(-1, DIGEST_SIZE)
 
 
 @functools.lru_cache(maxsize=None)

@@ -19,7 +19,7 @@ from . import delta as deltacodec
 from .errors import ChainError, DiskError, FormatError, LeanImageError
 from .format import (
     CHAIN_DEPTH_MAX, DIGEST_CLASSES, DIGEST_SIZE, DISK_SECTOR_SIZE, DISKS_MAX, FRAME_PAGES_MAX_BYTES, REGIONS_MAX,
-    RECORD_HEADER_STRUCT, SOURCE_STATE_STRUCT, PageClass, RecordType, page_digest, zero_page_digest,
+    RECORD_HEADER_STRUCT, SOURCE_STATE_STRUCT, PageClass, RecordType, page_digest, page_digests, zero_page_digest,
 )
 from .structures import (
     Footer, Header, ImageFile, Record, body_problems, header_problems, parse_body, raw_body_dict,
@@ -453,9 +453,7 @@ class LeanImage:
         return self._load_frame(frame), None
 
     def _digests_of(self, content: bytes) -> np.ndarray:
-        ps, view = self.page_size, memoryview(content)
-        joined = b"".join([page_digest(view[k:k + ps]) for k in range(0, len(content), ps)])
-        return np.frombuffer(joined, np.uint8).reshape(-1, DIGEST_SIZE)
+        return page_digests(content, self.page_size)
 
     def _load_frame_with_digests(self, frame: int) -> tuple[bytes, np.ndarray]:
         content = self._load_frame(frame)

@@ -33,7 +33,7 @@ from .format import (
     HEADER_STRUCT, INDEX_ENTRY_DTYPE, INDEX_STRUCT, NO_KEY, PAGE_FRAME_STRUCT, PAGE_MAP_STRUCT,
     RECORD_HEADER_STRUCT, RECORD_TRAILER_STRUCT, REGION_FLAG_HAS_GPA, REGION_NAME_MAX, REGION_STRUCT,
     DIGEST_CLASSES, SLOT_CLASSES, SOURCE_STATE_STRUCT, CompatFeature, IncompatFeature, PageClass, RecordType, align8,
-    checksum64, page_digest,
+    checksum64, page_digest, page_digests,
 )
 
 _MAX_EXTENT_PAGES = 1 << 31
@@ -78,10 +78,11 @@ class _Sink:
 
 
 class _ParallelCompressor:
-    """zstd frames compressed on worker threads, handed back in submission order."""
+    """Page frames compressed, and their pages' digests computed, on worker threads; the
+    results handed back in submission order."""
 
-    def __init__(self, level: int, threads: int):
-        self.level = level
+    def __init__(self, level: int, threads: int, page_size: int):
+        self.level, self.page_size = level, page_size
         self.local = threading.local()
         self.pool = ThreadPoolExecutor(max_workers=threads) if threads > 1 else None
         self.pending: deque = deque()
@@ -94,11 +95,15 @@ class _ParallelCompressor:
                 level=self.level, write_content_size=True, write_checksum=False)
         return compressor.compress(data)
 
+    def _compress_pages(self, data) -> tuple[bytes, np.ndarray]:
+        return self._compress(data), page_digests(data, self.page_size)
+
     def submit(self, data, context) -> list:
-        """Queue data; return (context, compressed) pairs now ready, in order."""
+        """Queue a frame's pages; return (context, (compressed, page digests)) pairs now ready,
+        in order."""
         if self.pool is None:
-            return [(context, self._compress(data))]
-        self.pending.append((context, self.pool.submit(self._compress, data)))
+            return [(context, self._compress_pages(data))]
+        self.pending.append((context, self.pool.submit(self._compress_pages, data)))
         ready = []
         while self.pending and (len(self.pending) > self.max_pending or self.pending[0][1].done()):
             ctx, future = self.pending.popleft()
@@ -149,13 +154,15 @@ class LeanImageWriter:
         if self.allow_delta and parent is None:
             raise WriterUsageError("DELTA pages need a parent")
         self._open_destination(dest)
-        self._compressor = _ParallelCompressor(level, threads or min(4, os.cpu_count() or 1))
+        self._compressor = _ParallelCompressor(level, threads or min(4, os.cpu_count() or 1), page_size)
         self._regions: dict[int, _Region] = {}
         self._disks: dict[int, str] = {}
         self._index: list[tuple] = []
         self._header_written = False
-        self._frame_buffer = bytearray()
+        self._frame = np.empty((frame_pages, page_size), np.uint8)
+        self._frame_fill = 0
         self._frame_first_ordinal = 0
+        self._stored_digests: list[np.ndarray] = []       # per frame, in ordinal order
         self._next_ordinal = 0
         self._next_frame_ordinal = 0
         self._delta_entries: list[bytes] = []
@@ -317,16 +324,16 @@ class LeanImageWriter:
         return region
 
     def put_pages(self, region_id: int, first_page: int, data) -> None:
-        """Contiguous pages by content: all-zero ones become ZERO, the rest STORED."""
-        data = memoryview(data).cast("B")
-        ps = self.page_size
-        if len(data) % ps:
-            raise WriterUsageError(f"data length {len(data)} is not a multiple of {ps}")
-        count = len(data) // ps
+        """Contiguous pages by content: all-zero ones become ZERO, the rest STORED.
+
+        ``data`` is bytes-like (whole pages), or a (pages, page_size) uint8 array whose rows
+        may lie apart (a strided view into a source's buffer): copied once, into a frame.
+        Digests are computed with the compression, on the worker threads.
+        """
+        rows = self._page_rows(data)
+        count = len(rows)
         region = self._claim(region_id, first_page, count)
-        words = np.frombuffer(data, dtype=np.uint64).reshape(count, ps // 8)
-        nonzero = words.any(axis=1)
-        stored = np.flatnonzero(nonzero)
+        stored = np.flatnonzero(rows.view(np.uint64).any(axis=1))
         region.classes[first_page:first_page + count] = PageClass.ZERO
         if not len(stored):
             return
@@ -334,18 +341,27 @@ class LeanImageWriter:
         region.classes[pages] = PageClass.STORED
         region.slots[pages] = self._next_ordinal + np.arange(len(stored), dtype=np.uint64)
         self._next_ordinal += len(stored)
-        region.digests[pages] = np.frombuffer(b"".join(
-            [page_digest(data[i * ps:(i + 1) * ps]) for i in stored.tolist()]), np.uint8).reshape(-1, DIGEST_SIZE)
-        content = data if len(stored) == count else memoryview(words[stored]).cast("B")
-        self._append_to_frames(content)
+        self._append_to_frames(rows if len(stored) == count else rows[stored])
 
-    def _append_to_frames(self, content: memoryview) -> None:
-        frame_bytes = self.frame_pages * self.page_size
-        while len(content):
-            room = frame_bytes - len(self._frame_buffer)
-            self._frame_buffer += content[:room]
-            content = content[room:]
-            if len(self._frame_buffer) >= frame_bytes:
+    def _page_rows(self, data) -> np.ndarray:
+        ps = self.page_size
+        if isinstance(data, np.ndarray) and data.ndim == 2:
+            if data.dtype != np.uint8 or data.shape[1] != ps or data.strides[1] != 1:
+                raise WriterUsageError(f"page rows must be uint8 ({ps} contiguous bytes each), "
+                                       f"got {data.dtype} {data.shape} strides {data.strides}")
+            return data
+        data = memoryview(data).cast("B")
+        if len(data) % ps:
+            raise WriterUsageError(f"data length {len(data)} is not a multiple of {ps}")
+        return np.frombuffer(data, np.uint8).reshape(-1, ps)
+
+    def _append_to_frames(self, rows: np.ndarray) -> None:
+        while len(rows):
+            n = min(len(rows), self.frame_pages - self._frame_fill)
+            self._frame[self._frame_fill:self._frame_fill + n] = rows[:n]
+            self._frame_fill += n
+            rows = rows[n:]
+            if self._frame_fill == self.frame_pages:
                 self._flush_frame()
 
     def put_zero(self, region_id: int, first_page: int, count: int = 1) -> None:
@@ -416,17 +432,20 @@ class LeanImageWriter:
 
     # -- frames ------------------------------------------------------------------
     def _flush_frame(self) -> None:
-        if not self._frame_buffer:
+        num_pages = self._frame_fill
+        if not num_pages:
             return
-        num_pages = len(self._frame_buffer) // self.page_size
         context = (self._frame_first_ordinal, num_pages)
         self._frame_first_ordinal += num_pages
-        data, self._frame_buffer = self._frame_buffer, bytearray()   # handed over, not copied
-        for ctx, compressed in self._compressor.submit(data, context):
-            self._write_page_frame(ctx, compressed)
+        data = memoryview(self._frame[:num_pages]).cast("B")     # handed over, not copied
+        self._frame, self._frame_fill = np.empty_like(self._frame), 0
+        for ctx, result in self._compressor.submit(data, context):
+            self._write_page_frame(ctx, result)
 
-    def _write_page_frame(self, context, compressed: bytes) -> None:
+    def _write_page_frame(self, context, result: tuple[bytes, np.ndarray]) -> None:
         first, num_pages = context
+        compressed, digests = result
+        self._stored_digests.append(digests)
         self._write_record(RecordType.PAGE_FRAME, [PAGE_FRAME_STRUCT.pack(first, num_pages, 0), compressed],
                            NO_KEY, first, num_pages)
 
@@ -455,10 +474,11 @@ class LeanImageWriter:
                 self._flush_disks()
             self._check_complete()
             self._flush_frame()
-            for ctx, compressed in self._compressor.drain():
-                self._write_page_frame(ctx, compressed)
+            for ctx, result in self._compressor.drain():
+                self._write_page_frame(ctx, result)
             self._flush_deltas()
             self._write_disk_refs()
+            self._fill_stored_digests()
             for region in self._regions.values():
                 self._write_page_map(region)
                 self._write_digests(region)
@@ -501,6 +521,15 @@ class LeanImageWriter:
             self._write_record(RecordType.PAGE_MAP,
                                [PAGE_MAP_STRUCT.pack(region.region_id, len(chunk)), chunk.tobytes()],
                                region.region_id, int(chunk["first_page"][0]), pages)
+
+    def _fill_stored_digests(self) -> None:
+        """STORED pages get the digests the workers computed for their ordinals."""
+        if not self._stored_digests:
+            return
+        table = np.concatenate(self._stored_digests)
+        for region in self._regions.values():
+            stored = region.classes == PageClass.STORED
+            region.digests[stored] = table[region.slots[stored].astype(np.int64)]
 
     def _write_digests(self, region: _Region) -> None:
         """Digests of STORED, DISK, PARENT and DELTA pages only, in page order, in chunks."""
