@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .errors import ChainError
-from .format import PageClass
+from .format import DIGEST_SIZE, PageClass, page_digest, zero_page_digest
 
 CONCRETE = np.array([PageClass.STORED, PageClass.ZERO, PageClass.FREE, PageClass.DISK], np.uint8)
 
@@ -90,18 +90,22 @@ def _same_region(link, region):
     return None
 
 
-def fill(resolution: Resolution, out: np.ndarray, first_page: int, count: int) -> None:
-    """Write pages [first_page, first_page+count) of the resolved region into ``out``."""
+def fill(resolution: Resolution, out: np.ndarray, first_page: int, count: int,
+         want: np.ndarray | None = None, window: "_FrameWindow | None" = None) -> None:
+    """Write pages [first_page, first_page+count) of the resolved region into ``out``; with
+    ``want`` (a mask over the range; it must include every page with deltas) only those."""
     from .delta import apply as apply_delta
     ps = resolution.links[0].page_size
     stop = first_page + count
     links = resolution.base_link[first_page:stop]
     classes = resolution.base_class[first_page:stop]
     slots = resolution.base_slot[first_page:stop]
-    window = _FrameWindow(resolution, links, classes, slots)
-    for link_index in np.unique(links[(classes == PageClass.STORED) | (classes == PageClass.DISK)]):
+    want = np.ones(count, bool) if want is None else want
+    if window is None:
+        window = _FrameWindow(resolution.links[0]._pool, fill_frames(resolution, first_page, count, want))
+    for link_index in np.unique(links[want & ((classes == PageClass.STORED) | (classes == PageClass.DISK))]):
         link = resolution.links[int(link_index)]
-        mine = links == link_index
+        mine = want & (links == link_index)
         for cls in (PageClass.STORED, PageClass.DISK):
             rows = np.flatnonzero(mine & (classes == cls))
             if not len(rows):
@@ -151,32 +155,38 @@ def _apply_link_deltas(link, words, out, rows, slots, ps, apply_delta) -> None:
 
 
 class _FrameWindow:
-    """The frames a chunk needs, from every link, in the order fill reads them; the next
-    AHEAD of them are decompressed on the read-ahead workers meanwhile (so decompression runs
-    on all cores, not link after link on the caller's thread), never more at once."""
+    """Frames (link, frame, with digests) in the order they will be read; the next AHEAD of
+    them are decompressed on the read-ahead workers meanwhile (so decompression runs on all
+    cores, not link after link on the caller's thread), never more at once."""
 
     AHEAD = 8
 
-    def __init__(self, resolution: Resolution, links: np.ndarray, classes: np.ndarray, slots: np.ndarray):
-        self.pool = resolution.links[0]._pool
-        self.pending: list = []
-        if self.pool is None:
-            return
-        stored = classes == PageClass.STORED
-        for link_index in np.unique(links[stored]).tolist():
-            link = resolution.links[link_index]
-            frames = np.unique(np.searchsorted(link._frame_starts, slots[stored & (links == link_index)],
-                                               side="right") - 1)
-            self.pending += [(link, f) for f in frames[frames >= 0].tolist()]
-        self.pending.reverse()
+    def __init__(self, pool, order: list):
+        self.pool = pool
+        self.pending = list(reversed(order)) if pool is not None else []
         self.step(self.AHEAD)
 
     def step(self, count: int = 1) -> None:
         """One more frame (or ``count``) handed to the workers."""
         while count and self.pending:
-            link, frame = self.pending.pop()
-            link.prefetch_frames([frame], self.pool)
+            link, frame, with_digests = self.pending.pop()
+            link.prefetch_frames([frame], self.pool, with_digests)
             count -= 1
+
+
+def fill_frames(resolution: Resolution, first_page: int, count: int, want: np.ndarray) -> list:
+    """The STORED frames fill reads for the wanted pages of a range, in its order."""
+    stop = first_page + count
+    links = resolution.base_link[first_page:stop]
+    stored = want & (resolution.base_class[first_page:stop] == PageClass.STORED)
+    slots = resolution.base_slot[first_page:stop]
+    order = []
+    for link_index in np.unique(links[stored]).tolist():
+        link = resolution.links[link_index]
+        frames = np.unique(np.searchsorted(link._frame_starts, slots[stored & (links == link_index)],
+                                           side="right") - 1)
+        order += [(link, f, False) for f in frames[frames >= 0].tolist()]
+    return order
 
 
 def _copy_runs(link, out: np.ndarray, rows: np.ndarray, slots: np.ndarray, ps: int, window: _FrameWindow) -> None:
@@ -197,3 +207,131 @@ def _copy_runs(link, out: np.ndarray, rows: np.ndarray, slots: np.ndarray, ps: i
         sel = frames == frame
         content = np.frombuffer(link.frame_pages(frame), np.uint8).reshape(-1, ps)
         pages[rows[sel]] = content[slots[sel] - starts[frame]]
+
+
+# Decompressed frames whose pages one pieces() call may hand out as views (holding them
+# until written); pages of further frames are copied into the chunk buffer instead.
+DIRECT_FRAMES_MAX = 32
+
+
+def pieces(image, region, resolution: Resolution, first_page: int, count: int) -> list:
+    """Pages [first_page, first_page+count) of link 0 as verified ``(n, data)`` runs, like
+    LeanImage.region_pieces: a page whose bytes are a STORED page of some link, with no delta
+    above it, is a view of that link's decompressed frame (digested on the workers); pages
+    with deltas or on a disk are built in one buffer (fill).  Every page is checked against
+    link 0's digest, which covers the whole path."""
+    ps = image.page_size
+    stop = first_page + count
+    links = resolution.base_link[first_page:stop]
+    classes = resolution.base_class[first_page:stop]
+    slots = resolution.base_slot[first_page:stop]
+    lo, hi = (int(x) for x in np.searchsorted(resolution.delta_pages, [first_page, stop]))
+    has_delta = np.zeros(count, bool)
+    has_delta[resolution.delta_pages[lo:hi] - first_page] = True
+    blank = ~has_delta & ((classes == PageClass.ZERO) | (classes == PageClass.FREE))
+    frames = _direct_frames(resolution, links, slots, ~has_delta & (classes == PageClass.STORED))
+    direct = frames >= 0
+    built = ~blank & ~direct
+    own, expected = image._expected_range(region, first_page, count)
+    checked = (own != PageClass.FREE) & (own != PageClass.ZERO)
+    _check_blank(image, region, first_page, np.flatnonzero(blank & checked), expected)
+    order = fill_frames(resolution, first_page, count, built) if built.any() else []
+    order += [(resolution.links[li], f, True) for li, f in _page_order_frames(links, frames)]
+    window = _FrameWindow(resolution.links[0]._pool, order)
+    out = None
+    if built.any():
+        out = np.zeros(count * ps, np.uint8)
+        fill(resolution, out, first_page, count, want=built, window=window)
+        _check_built(image, region, first_page, out, np.flatnonzero(built & checked), expected)
+    held = _hold_direct_frames(image, region, resolution, window, first_page, links, frames, slots,
+                               checked, expected)
+    kind = np.where(blank, 0, np.where(direct, 1, 2))
+    starts = np.ones(count, bool)
+    starts[1:] = (kind[1:] != kind[:-1]) | (direct[1:] & (
+        (links[1:] != links[:-1]) | (frames[1:] != frames[:-1]) | (slots[1:] != slots[:-1] + 1)))
+    bounds = [*np.flatnonzero(starts).tolist(), count]
+    result = []
+    for lo, hi in zip(bounds, bounds[1:]):
+        if kind[lo] == 0:
+            result.append((hi - lo, None))
+        elif kind[lo] == 2:
+            result.append((hi - lo, memoryview(out)[lo * ps:hi * ps]))
+        else:
+            content, first_ordinal = held[(int(links[lo]), int(frames[lo]))]
+            start = int(slots[lo]) - first_ordinal
+            result.append((hi - lo, content[start * ps:(start + hi - lo) * ps]))
+    return result
+
+
+def _hold_direct_frames(image, region, resolution, window, first_page, links, frames, slots, checked,
+                        expected) -> dict:
+    """Decompress the direct frames (in the order the pages need them), check every direct
+    page's digest against link 0's at once; (link, frame) -> (content view, first ordinal)."""
+    rows = np.flatnonzero(frames >= 0)
+    got = np.zeros((len(links), DIGEST_SIZE), np.uint8)
+    held = {}
+    for link_index, frame in _page_order_frames(links, frames):
+        link = resolution.links[link_index]
+        window.step()
+        content, digests = link._frame(frame, with_digests=True)
+        first_ordinal = int(link._frame_starts[frame])
+        held[(link_index, frame)] = (memoryview(content), first_ordinal)
+        mine = rows[(links[rows] == link_index) & (frames[rows] == frame)]
+        got[mine] = digests[slots[mine] - first_ordinal]
+    bad = rows[checked[rows] & (got[rows] != expected[rows]).any(axis=1)]
+    if len(bad):
+        k = int(bad[0])
+        content, first_ordinal = held[(int(links[k]), int(frames[k]))]
+        at = (int(slots[k]) - first_ordinal) * image.page_size
+        image._verify(region, first_page + k, bytes(content[at:at + image.page_size]))
+    return held
+
+
+def _direct_frames(resolution: Resolution, links: np.ndarray, slots: np.ndarray,
+                   candidate: np.ndarray) -> np.ndarray:
+    """Per page, the frame of its base link holding it (or -1: not served as a view): at most
+    DIRECT_FRAMES_MAX distinct frames, those with the most pages."""
+    frames = np.full(len(links), -1, np.int64)
+    for link_index in np.unique(links[candidate]).tolist():
+        link = resolution.links[link_index]
+        sel = np.flatnonzero(candidate & (links == link_index))
+        f = np.searchsorted(link._frame_starts, slots[sel], side="right") - 1
+        ok = f >= 0
+        ok[ok] = slots[sel][ok] < link._frame_starts[f[ok]] + link._frame_counts[f[ok]]
+        frames[sel[ok]] = f[ok]     # the rest go through fill, which reports the bad slot
+    chosen = np.flatnonzero(frames >= 0)
+    keys = (links[chosen].astype(np.int64) << 32) | frames[chosen]
+    unique, inverse, counts = np.unique(keys, return_inverse=True, return_counts=True)
+    if len(unique) > DIRECT_FRAMES_MAX:
+        keep = np.zeros(len(unique), bool)
+        keep[np.argsort(-counts, kind="stable")[:DIRECT_FRAMES_MAX]] = True
+        frames[chosen[~keep[inverse]]] = -1
+    return frames
+
+
+def _page_order_frames(links: np.ndarray, frames: np.ndarray) -> list:
+    """(link index, frame) of the direct frames, in the order the pages first need them."""
+    rows = np.flatnonzero(frames >= 0)
+    keys = (links[rows].astype(np.int64) << 32) | frames[rows]
+    _, first = np.unique(keys, return_index=True)
+    return [(int(links[r]), int(frames[r])) for r in rows[np.sort(first)].tolist()]
+
+
+def _check_blank(image, region, first_page: int, rows: np.ndarray, expected: np.ndarray) -> None:
+    """Pages that resolve to ZERO or FREE but carry a digest in link 0 must be zero pages."""
+    if len(rows):
+        zero = np.frombuffer(zero_page_digest(image.page_size), np.uint8)
+        bad = rows[(expected[rows] != zero).any(axis=1)]
+        if len(bad):
+            image._verify(region, first_page + int(bad[0]), bytes(image.page_size))
+
+
+def _check_built(image, region, first_page: int, out: np.ndarray, rows: np.ndarray,
+                 expected: np.ndarray) -> None:
+    if not len(rows):
+        return
+    pages = out.reshape(-1, image.page_size)
+    got = np.frombuffer(b"".join([page_digest(pages[r]) for r in rows.tolist()]), np.uint8).reshape(-1, DIGEST_SIZE)
+    bad = rows[(got != expected[rows]).any(axis=1)]
+    if len(bad):
+        image._verify(region, first_page + int(bad[0]), pages[int(bad[0])].tobytes())

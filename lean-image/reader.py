@@ -443,11 +443,13 @@ class LeanImage:
         self._cache(key, (content, digests))
         return content, digests
 
-    def prefetch_frames(self, frames, pool) -> None:
-        """Decompress these PAGE_FRAMEs on ``pool``'s workers before they are asked for."""
+    def prefetch_frames(self, frames, pool, with_digests: bool = False) -> None:
+        """Decompress these PAGE_FRAMEs (and digest their pages) on ``pool``'s workers before
+        they are asked for."""
+        load = self._load_frame_with_digests if with_digests else self._load_frame_only
         for frame in frames:
             if frame not in self._ahead and ("page", frame) not in self._frame_cache:
-                self._ahead[frame] = pool.submit(self._load_frame_only, frame)
+                self._ahead[frame] = pool.submit(load, frame)
 
     def _load_frame_only(self, frame: int) -> tuple[bytes, None]:
         return self._load_frame(frame), None
@@ -667,13 +669,10 @@ class LeanImage:
 
     def _chained_region_bytes(self, region: Region, first_page: int, count: int) -> memoryview:
         """Through the chain resolved once per region (chain.py): cost independent of depth."""
-        from .chain import fill, resolve
-        cache = self._resolutions
-        if region.region_id not in cache:
-            cache[region.region_id] = resolve(self, region)
+        from .chain import fill
         ps = self.page_size
         out = np.zeros(count * ps, np.uint8)
-        fill(cache[region.region_id], out, first_page, count)
+        fill(self._resolution(region), out, first_page, count)
         classes, expected = self._expected_range(region, first_page, count)
         view, expected = memoryview(out), expected.tobytes()
         for k in np.flatnonzero((classes != PageClass.FREE) & (classes != PageClass.ZERO)).tolist():
@@ -686,11 +685,14 @@ class LeanImage:
         None for ZERO and FREE pages, else n pages of bytes.  In a self-contained image the
         STORED runs are views of the decompressed frames (checked by the frames' digests), so a
         restorer can hand them to the kernel without copying them."""
+        if self.parent is not None:
+            from .chain import pieces
+            return pieces(self, region, self._resolution(region), first_page, count)
         classes, expected = self._expected_range(region, first_page, count)
         blank = (classes == PageClass.ZERO) | (classes == PageClass.FREE)
         if blank.all():
             return [(count, None)]
-        if self.parent is not None or (~blank & (classes != PageClass.STORED)).any():
+        if (~blank & (classes != PageClass.STORED)).any():
             return self._split_pieces(self.region_bytes(region, first_page, count), blank)
         slots = self.page_slots(region, first_page, count)
         starts = np.ones(count, bool)
@@ -732,6 +734,13 @@ class LeanImage:
             data, digests = self._frame(frame, with_digests=with_digests)
             yield data, digests, start, n
             ordinal, count = ordinal + n, count - n
+
+    def _resolution(self, region: Region):
+        """The chain folded once for ``region`` (chain.resolve), cached."""
+        from .chain import resolve
+        if region.region_id not in self._resolutions:
+            self._resolutions[region.region_id] = resolve(self, region)
+        return self._resolutions[region.region_id]
 
     def _copy_stored(self, out: np.ndarray, got: np.ndarray | None, row: int, ordinal: int, count: int) -> None:
         """Copy STORED pages into ``out`` from row ``row``; with ``got``, their digests too."""

@@ -92,6 +92,70 @@ def test_resolver_agrees_with_page_by_page_walk(chain):
         assert walked == memories[-1] == bytes(image.region_bytes(region, 0, PAGES))
 
 
+def _joined_pieces(image, region, first, count) -> bytes:
+    return b"".join(bytes(n * PS) if data is None else bytes(data)
+                    for n, data in image.region_pieces(region, first, count))
+
+
+@pytest.mark.parametrize("direct_frames_max", [0, 1, 32])
+def test_pieces_agree_with_region_bytes(chain, monkeypatch, direct_frames_max):
+    """Views of frames, pages built with deltas and blank runs, whatever the frame budget."""
+    import leanimg.chain
+    monkeypatch.setattr(leanimg.chain, "DIRECT_FRAMES_MAX", direct_frames_max)
+    paths, memories = chain
+    for k in (1, len(paths) - 1):
+        with LeanImage.open(paths[k]) as image:
+            image.enable_read_ahead()
+            region = image.regions[0]
+            for first, count in ((0, PAGES), (17, 50), (PAGES - 1, 1)):
+                expected = memories[k][first * PS:(first + count) * PS]
+                assert _joined_pieces(image, region, first, count) == expected
+                assert bytes(image.region_bytes(region, first, count)) == expected
+
+
+def _lying_child(tmp_path, parent_path, lie: str) -> Path:
+    """A child whose page 3 claims a digest its resolved bytes do not have."""
+    child = tmp_path / f"lie-{lie}.lean"
+    with LeanImage.open(parent_path) as parent:
+        region = parent.regions[0]
+        digests = np.array([parent.expected_digest(region, p) or bytes(16) for p in range(PAGES)], dtype="S16")
+        link = parent_link(parent)
+    with LeanImageWriter(child, parent=link, frame_pages=32) as w:
+        rid = w.add_region("pc.ram", PAGES * PS, 0)
+        w.put_parent(rid, 0, digests[:3].tobytes())
+        if lie == "parent":             # the parent's bytes, a wrong digest
+            w.put_parent(rid, 3, b"\x55" * 16)
+        elif lie == "blank":            # over the parent's ZERO page 25, a non-zero digest
+            w.put_parent(rid, 3, digests[3:25].tobytes())
+            w.put_parent(rid, 25, b"\x55" * 16)
+        else:                           # a delta whose result is not what the digest says
+            w.put_delta(rid, 3, _one_word_delta(), b"\x55" * 16)
+        done = 26 if lie == "blank" else 4
+        w.put_parent(rid, done, digests[done:].tobytes())
+    return child
+
+
+def _one_word_delta() -> bytes:
+    from leanimg import delta
+    old = bytes(PS)
+    return delta.encode(old, b"\x01" + bytes(PS - 1)) or delta.encode(old, b"\x01" * 8 + bytes(PS - 8))
+
+
+@pytest.mark.parametrize("lie", ["parent", "blank", "delta"])
+def test_a_link_digest_that_lies_is_caught(chain, tmp_path, lie):
+    from leanimg.errors import FormatError
+    paths, _ = chain
+    child = _lying_child(tmp_path, paths[0], lie)
+    page = 25 if lie == "blank" else 3
+    with LeanImage.open(child, parents=[paths[0]]) as image:
+        image.enable_read_ahead()
+        region = image.regions[0]
+        for read in (lambda: image.region_pieces(region, 0, PAGES), lambda: image.region_bytes(region, 0, PAGES)):
+            with pytest.raises(FormatError) as info:
+                read()
+            assert info.value.rule == "LI-DIG-002" and f"page {page}" in str(info.value)
+
+
 def test_every_link_validates_against_its_parent(chain):
     paths, _ = chain
     for k, path in enumerate(paths):
