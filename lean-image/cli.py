@@ -209,7 +209,7 @@ def restore(image, target, output, parents, disks, sort_blocks, any_disk_identit
         total = sum(r.size_bytes for r in img.regions)
         with _progress(total, "restore") as advance:
             if output == "-":
-                produce(img, click.get_binary_stream("stdout"), advance)
+                produce(img, sys.stdout.buffer, advance)
             else:
                 write_atomically(output, lambda out: produce(img, out, advance))
 
