@@ -1,4 +1,4 @@
-"""Resolving a region of a chained image once, so restore time does not grow with depth.
+"""Resolving a region of a chained image once, so the work per page does not grow with depth.
 
 A page of link 0 (the image restored) may be PARENT in several links before one holds
 its bytes (the *base*), and links above the base may add DELTA entries. Walking the

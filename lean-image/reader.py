@@ -668,7 +668,7 @@ class LeanImage:
         return memoryview(out)
 
     def _chained_region_bytes(self, region: Region, first_page: int, count: int) -> memoryview:
-        """Through the chain resolved once per region (chain.py): cost independent of depth."""
+        """Through the chain resolved once per region (chain.py): work per page independent of depth."""
         from .chain import fill
         ps = self.page_size
         out = np.zeros(count * ps, np.uint8)
