@@ -692,9 +692,9 @@ class LeanImage:
         blank = (classes == PageClass.ZERO) | (classes == PageClass.FREE)
         if blank.all():
             return [(count, None)]
-        if (~blank & (classes != PageClass.STORED)).any():
-            return self._split_pieces(self.region_bytes(region, first_page, count), blank)
         slots = self.page_slots(region, first_page, count)
+        if (~blank & (classes != PageClass.STORED)).any() or self._frames_touched(slots[~blank]) > _held_frames_max():
+            return self._split_pieces(self.region_bytes(region, first_page, count), blank)
         starts = np.ones(count, bool)
         starts[1:] = (blank[1:] != blank[:-1]) | (~blank[1:] & (slots[1:] != slots[:-1] + 1))
         bounds = [*np.flatnonzero(starts).tolist(), count]
@@ -714,6 +714,9 @@ class LeanImage:
                 pieces.append((n, view))
                 row += n
         return pieces
+
+    def _frames_touched(self, ordinals: np.ndarray) -> int:
+        return len(np.unique(np.searchsorted(self._frame_starts, ordinals, side="right")))
 
     def _split_pieces(self, data: memoryview, blank: np.ndarray) -> list[tuple[int, memoryview | None]]:
         edges = np.flatnonzero(blank[1:] != blank[:-1]) + 1
@@ -772,6 +775,13 @@ class LeanImage:
         full = np.repeat(e["page_class"].astype(np.uint8), e["num_pages"].astype(np.int64))
         skip = first_page - int(region._starts[lo])
         return full[skip:skip + count]
+
+
+def _held_frames_max() -> int:
+    """Frames one region_pieces call may hand out views of (chain.DIRECT_FRAMES_MAX); a range
+    whose pages lie in more is copied into one buffer instead, so memory stays bounded."""
+    from . import chain
+    return chain.DIRECT_FRAMES_MAX
 
 
 def decompress_frame(decompressor, data, expected: int, offset: int, structure: str) -> bytes:
