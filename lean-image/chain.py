@@ -242,7 +242,7 @@ def pieces(image, region, resolution: Resolution, first_page: int, count: int) -
     if built.any():
         out = np.zeros(count * ps, np.uint8)
         fill(resolution, out, first_page, count, want=built, window=window)
-        _check_built(image, region, first_page, out, np.flatnonzero(built & checked), expected)
+        check_built(image, region, first_page, out, np.flatnonzero(built & checked), expected)
     held = _hold_direct_frames(image, region, resolution, window, first_page, links, frames, slots,
                                checked, expected)
     kind = np.where(blank, 0, np.where(direct, 1, 2))
@@ -326,8 +326,10 @@ def _check_blank(image, region, first_page: int, rows: np.ndarray, expected: np.
             image._verify(region, first_page + int(bad[0]), bytes(image.page_size))
 
 
-def _check_built(image, region, first_page: int, out: np.ndarray, rows: np.ndarray,
-                 expected: np.ndarray) -> None:
+def check_built(image, region, first_page: int, out: np.ndarray, rows: np.ndarray,
+                expected: np.ndarray) -> None:
+    """Rows ``rows`` of ``out`` (pages first_page + row) against ``expected`` digests; the
+    first that differs raises LI-DIG-002 through image._verify."""
     if not len(rows):
         return
     pages = out.reshape(-1, image.page_size)

@@ -669,15 +669,12 @@ class LeanImage:
 
     def _chained_region_bytes(self, region: Region, first_page: int, count: int) -> memoryview:
         """Through the chain resolved once per region (chain.py): work per page independent of depth."""
-        from .chain import fill
-        ps = self.page_size
-        out = np.zeros(count * ps, np.uint8)
+        from .chain import check_built, fill
+        out = np.zeros(count * self.page_size, np.uint8)
         fill(self._resolution(region), out, first_page, count)
         classes, expected = self._expected_range(region, first_page, count)
-        view, expected = memoryview(out), expected.tobytes()
-        for k in np.flatnonzero((classes != PageClass.FREE) & (classes != PageClass.ZERO)).tolist():
-            if page_digest(view[k * ps:(k + 1) * ps]) != expected[k * DIGEST_SIZE:(k + 1) * DIGEST_SIZE]:
-                self._verify(region, first_page + k, out[k * ps:(k + 1) * ps].tobytes())
+        checked = np.flatnonzero((classes != PageClass.FREE) & (classes != PageClass.ZERO))
+        check_built(self, region, first_page, out, checked, expected)
         return memoryview(out)
 
     def region_pieces(self, region: Region, first_page: int, count: int) -> list[tuple[int, memoryview | None]]:

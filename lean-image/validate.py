@@ -18,7 +18,7 @@ import zstandard
 from . import delta as deltacodec
 from .errors import LeanImageError, LimitError
 from .format import (
-    DIGEST_SIZE, DISK_SECTOR_SIZE, IncompatFeature, PageClass, RecordType, page_digest,
+    DIGEST_SIZE, DISK_SECTOR_SIZE, IncompatFeature, PageClass, RecordType, page_digests,
 )
 from .reader import LeanImage, decompress_frame
 from .structures import (
@@ -485,9 +485,7 @@ def _check_frames(image: ImageFile, scan: _Scan, page_size: int, tables: dict, r
             report.add(exc)
             continue
         report.checked["stored_pages"] += p["num_pages"]
-        view = memoryview(content)
-        got = np.frombuffer(b"".join([page_digest(view[k:k + page_size])
-                                      for k in range(0, len(content), page_size)]), np.uint8).reshape(-1, DIGEST_SIZE)
+        got = page_digests(content, page_size)
         first = min(p["first_ordinal"], 1 << 62)       # a lying u8 must not overflow the search
         lo, hi = np.searchsorted(ordinals, [first, first + len(got)])
         rows = ordinals[lo:hi] - first
