@@ -43,7 +43,7 @@ from pathlib import Path
 
 import numpy as np
 
-from common import size_parser
+from common import require_null_device, size_parser
 from leanimg.cli import command_line
 from leanimg.fileutil import evict_from_page_cache
 from leanimg.format import page_digest
@@ -318,6 +318,7 @@ def main(argv=None) -> int:
     parser.add_argument("--json", dest="json_path", metavar="FILE", help="also write the results as JSON")
     parser.add_argument("--keep", action="store_true", help="keep the chains")
     args = parser.parse_args(argv)
+    require_null_device()
     log = lambda msg: print(msg, file=sys.stderr, flush=True)
     work = Path(tempfile.mkdtemp(prefix="bench-chain-", dir=args.workdir))
     try:

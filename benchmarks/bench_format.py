@@ -33,7 +33,7 @@ import time
 
 import numpy as np
 
-from common import size_parser
+from common import require_null_device, size_parser
 from leanimg.fileutil import evict_from_page_cache, fsync_path
 from leanimg.reader import LeanImage
 from leanimg.restore.raw import restore_raw
@@ -214,6 +214,7 @@ def main(argv=None) -> int:
     parser.add_argument("--json", dest="json_path", metavar="FILE", help="also write the results as JSON")
     parser.add_argument("--keep", action="store_true", help="keep the temporary files")
     args = parser.parse_args(argv)
+    require_null_device()
     if shutil.which("zstd") is None:
         parser.error("the zstd command is needed for the baseline")
     results = measure(args)

@@ -42,6 +42,7 @@ import sys
 import time
 from pathlib import Path
 
+from common import require_null_device
 from leanimg.fileutil import evict_from_page_cache, fsync_path, sha256_file
 
 REPO = Path(__file__).resolve().parents[1]
@@ -128,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mem-mib", type=int, default=BENCH_MEM_MIB)
     ap.add_argument("--json", type=Path, help="write the results here")
     args = ap.parse_args(argv)
+    require_null_device()
     for tool in ("zstd", "cat"):
         if not shutil.which(tool):
             raise SystemExit(f"{tool} is not installed")

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import os
 import re
+import stat
 
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MB": 1 << 20,
           "MIB": 1 << 20, "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30}
@@ -20,3 +22,14 @@ def size_parser(multiple: int):
             raise argparse.ArgumentTypeError(f"size must be a non-zero multiple of {multiple} bytes, got {size}")
         return size
     return parse
+
+
+def require_null_device() -> None:
+    """Exit unless /dev/null is the null character device.  Output timed into /dev/null is
+    otherwise stored: on a machine where it had become a regular file (a tool that renamed a
+    finished file over it as root) every run appended ~600 MiB to it, and the timings
+    measured that."""
+    if not stat.S_ISCHR(os.stat(os.devnull).st_mode):
+        raise SystemExit(f"{os.devnull} is not a character device here, so writes into it are "
+                         f"kept; recreate it (as root: rm {os.devnull} && mknod -m 666 {os.devnull} "
+                         f"c 1 3) before timing anything written to it")

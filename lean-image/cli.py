@@ -8,7 +8,11 @@ import signal
 import sys
 import traceback
 
-import click
+# numpy's OpenBLAS starts a thread per core when imported (~0.1 s of CPU per command);
+# leanimg does no linear algebra.  Set before anything imports numpy.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+import click  # noqa: E402
 
 from .errors import LeanImageError
 

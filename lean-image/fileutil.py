@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
+import stat
 
 
 def umask() -> int:
@@ -77,6 +79,7 @@ class GatherWriter:
             self.fd = None
         else:
             out.flush()
+            widen_pipe(self.fd)
 
     def write_all(self, parts: list) -> None:
         if self.fd is None:
@@ -87,12 +90,44 @@ class GatherWriter:
             self.written += writev_all(self.fd, parts)
 
 
+# Linux F_SETPIPE_SZ; 1 MiB is /proc/sys/fs/pipe-max-size's default, allowed to anyone
+F_SETPIPE_SZ = 1031
+PIPE_BUFFER_BYTES = 1 << 20
+
+
+def widen_pipe(fd: int) -> None:
+    """Give a pipe on ``fd`` a 1 MiB buffer instead of 64 KiB: a restore piped into
+    ``qemu -incoming exec:`` then wakes its reader 16x less often.  Not a pipe, or not
+    allowed: left as it is."""
+    try:
+        if stat.S_ISFIFO(os.fstat(fd).st_mode):
+            fcntl.fcntl(fd, F_SETPIPE_SZ, PIPE_BUFFER_BYTES)
+    except OSError:
+        pass
+
+
+def is_special_file(path) -> bool:
+    """True if ``path`` exists and is a device (/dev/null) or a FIFO: such a destination is
+    written in place, because renaming a finished temporary file over it would replace the
+    device node or the pipe itself (as root: /dev/null becomes a regular file)."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return False
+    return stat.S_ISCHR(mode) or stat.S_ISBLK(mode) or stat.S_ISFIFO(mode)
+
+
 def write_atomically(path: str, produce) -> int:
     """Run ``produce(fileobj)`` into a temporary file that becomes ``path`` only when complete.
 
     The result has the permissions open() would give it; on any failure (or a signal
     turned into SystemExit) the temporary file is removed and ``path`` is untouched.
+    A device or FIFO (is_special_file) is written directly: there is no file to leave
+    behind, and what reads it sees the stream end early if ``produce`` fails.
     """
+    if is_special_file(path):
+        with open(path, "wb") as out:
+            return produce(out)
     temp = f"{path}.partial-{os.getpid()}"
     try:
         with open(temp, "wb") as out:

@@ -24,7 +24,7 @@ import xxhash
 import zstandard
 
 from . import delta as deltacodec
-from .fileutil import fsync_path, umask
+from .fileutil import fsync_path, is_special_file, umask
 from .format import (
     DEFAULT_FRAME_BYTES, DEFAULT_ZSTD_LEVEL, DELTA_FRAME_STRUCT, DIGEST_CHUNK_PAGES, DIGEST_SIZE,
     DIGESTS_STRUCT, DISK_REF_CHUNK, DISK_REF_DTYPE, DISK_REFS_STRUCT, DISK_SECTOR_SIZE, DISK_STRUCT,
@@ -180,9 +180,13 @@ class LeanImageWriter:
     def _open_destination(self, dest) -> None:
         if isinstance(dest, (str, os.PathLike)):
             self.path = os.fspath(dest)
-            directory = os.path.dirname(os.path.abspath(self.path))
-            fd, self._temp_path = tempfile.mkstemp(prefix=".leanimg-", suffix=".partial", dir=directory)
-            self._fileobj = os.fdopen(fd, "wb", buffering=1 << 20)
+            if is_special_file(self.path):      # /dev/null, a FIFO: written in place
+                self._temp_path = None
+                self._fileobj = open(self.path, "wb", buffering=1 << 20)
+            else:
+                directory = os.path.dirname(os.path.abspath(self.path))
+                fd, self._temp_path = tempfile.mkstemp(prefix=".leanimg-", suffix=".partial", dir=directory)
+                self._fileobj = os.fdopen(fd, "wb", buffering=1 << 20)
             self._owns_file = True
         else:
             self.path, self._temp_path = None, None
@@ -553,7 +557,9 @@ class LeanImageWriter:
 
     def _commit(self) -> None:
         self._fileobj.flush()
-        if self._owns_file:
+        if self._owns_file and self._temp_path is None:
+            self._fileobj.close()
+        elif self._owns_file:
             os.fsync(self._fileobj.fileno())
             self._fileobj.close()
             os.chmod(self._temp_path, 0o666 & ~umask())

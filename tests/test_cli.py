@@ -2,20 +2,25 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
+import stat
+import threading
 
 import numpy as np
 import pytest
 from click.testing import CliRunner
 
 from leanimg.cli import main
+from leanimg.fileutil import PIPE_BUFFER_BYTES, widen_pipe
 from leanimg.inspect import summarize
 from leanimg.reader import LeanImage
 from leanimg.validate import validate
 from leanimg.writer import LeanImageWriter, ParentLink
 
 PS = 4096
+F_GETPIPE_SZ = 1032
 
 
 def _memory(pages: int, seed: int) -> bytearray:
@@ -102,6 +107,59 @@ def test_restore_without_parent_is_a_clear_error(images, tmp_path):
     assert "LI-CHN-001" in result.output and "--parent" in result.output
     assert "Traceback" not in result.output
     assert os.listdir(alone) == ["child.lean"], "no output, no temp file left"
+
+
+def _read_fifo_in_background(fifo):
+    """Start a reader of ``fifo``; the returned dict gets "data" once the writer closes it."""
+    got = {}
+
+    def read():
+        with open(fifo, "rb") as f:
+            got["data"] = f.read()
+    thread = threading.Thread(target=read, daemon=True)
+    thread.start()
+    return got, thread
+
+
+def test_restore_into_a_fifo_writes_it_in_place(images, tmp_path):
+    # -o naming a FIFO or a device (/dev/null) must not rename a temporary file over it:
+    # as root that turns /dev/null into a regular file
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    got, reader = _read_fifo_in_background(fifo)
+    result = run("restore", images["child"], "--to", "raw", "-o", fifo)
+    reader.join(timeout=60)
+    assert result.exit_code == 0, result.output
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode), "the FIFO was replaced by a regular file"
+    assert got.get("data") == images["child_mem"]
+    assert sorted(os.listdir(tmp_path)) == ["child.lean", "parent.lean", "pipe"], "no temp file left"
+
+
+def test_writer_into_a_fifo_writes_a_whole_image(images, tmp_path):
+    fifo, copy = tmp_path / "pipe", tmp_path / "copy.lean"
+    os.mkfifo(fifo)
+    got, reader = _read_fifo_in_background(fifo)
+    with LeanImageWriter(fifo, frame_pages=8) as w:
+        w.put_pages(w.add_region("pc.ram", len(images["parent_mem"]), 0), 0, images["parent_mem"])
+    reader.join(timeout=60)
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode), "the FIFO was replaced by a regular file"
+    copy.write_bytes(got["data"])
+    with LeanImage.open(copy) as image:
+        assert image.region_bytes(image.regions[0], 0, 64) == images["parent_mem"]
+
+
+def test_widen_pipe_gives_a_pipe_a_1_mib_buffer(tmp_path):
+    read_end, write_end = os.pipe()
+    try:
+        if int(open("/proc/sys/fs/pipe-max-size").read()) < PIPE_BUFFER_BYTES:
+            pytest.skip("this kernel caps pipe buffers below 1 MiB")
+        widen_pipe(write_end)
+        assert fcntl.fcntl(write_end, F_GETPIPE_SZ) == PIPE_BUFFER_BYTES
+    finally:
+        os.close(read_end)
+        os.close(write_end)
+    with open(tmp_path / "f", "wb") as f:
+        widen_pipe(f.fileno())              # a regular file: left alone, no error
 
 
 def test_restore_finds_the_parent_beside_the_image(images, tmp_path):
