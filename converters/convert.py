@@ -25,43 +25,14 @@ from leanimg.writer import LeanImageWriter, PageGivenTwice
 
 from . import qemu, xen
 from .diskrefs import DiskSummary, classify_by_disks, declare_disks
+from .source_state import QEMU_TAG_STREAM_STATE, XEN_TAG_SKELETON, pack_skeleton, pack_stream_state
 
 QEMU_MAGIC = b"QEVM"
 XEN_XL_MAGIC = b"Xen saved domain"
 XEN_LIBXC_MARKER = b"\xff" * 8
 XEN_LIBXL_IDENT = b"LibxlFmt"
-# SOURCE_STATE tags of source_format QEMU (spec §5.4): tag 1 is one zstd frame holding
-# qemu.StreamState.to_bytes() (configuration, device sections verbatim, RAM plan, vmdesc)
-QEMU_TAG_STREAM_STATE = 1
-# SOURCE_STATE tags of source_format XEN (spec §5.4): tag 1 is one zstd frame holding the
-# skeleton of the stream (converters/xen.py): non-page bytes verbatim, PAGE_DATA pfn arrays
-XEN_TAG_SKELETON = 1
 
 
-def pack_stream_state(state: qemu.StreamState) -> bytes:
-    return zstandard.ZstdCompressor(level=19, write_content_size=True).compress(state.to_bytes())
-
-
-def unpack_stream_state(data: bytes, offset: int | None = None) -> qemu.StreamState:
-    """The state pack_stream_state stored; ``offset`` is where ``data`` lies in the image."""
-    structure = "source_state[QEMU tag 1]"
-    try:
-        # zstandard allocates whatever a frame declares, so the declared size is checked first
-        declared = zstandard.get_frame_parameters(data).content_size
-        if declared > STATE_LIMIT:
-            raise zstandard.ZstdError(f"the frame declares {declared} bytes")
-        raw = zstandard.ZstdDecompressor().decompress(data, max_output_size=declared, allow_extra_data=False)
-    except zstandard.ZstdError as exc:
-        raise SourceFormatError(f"QEMU stream state does not decompress within {STATE_LIMIT} bytes: {exc}",
-                                offset=offset, structure=structure) from None
-    try:
-        return qemu.StreamState.from_bytes(raw)
-    except SourceFormatError as exc:
-        raise SourceFormatError(f"byte {exc.offset} of the decompressed QEMU stream state: {exc.message}",
-                                offset=offset, structure=structure) from None
-
-
-STATE_LIMIT = 256 << 20
 
 RUN_PAGES = 256
 
@@ -258,45 +229,6 @@ def convert_xen(source: BinaryIO, writer: LeanImageWriter, progress=None, parent
         _free_unsent(writer, {xen.REGION_NAME: region})
         writer.add_source_state(SourceFormat.XEN, XEN_TAG_SKELETON, pack_skeleton(result.skeleton))
     return result
-
-
-def pack_skeleton(skeleton: BinaryIO) -> bytes:
-    """One zstd frame declaring its content size, holding the whole skeleton file."""
-    size = skeleton.seek(0, io.SEEK_END)
-    skeleton.seek(0)
-    out = io.BytesIO()
-    zstandard.ZstdCompressor(level=9, write_content_size=True).copy_stream(skeleton, out, size=size)
-    return out.getvalue()
-
-
-def unpack_skeleton(data: bytes, offset: int | None = None):
-    """The skeleton items pack_skeleton stored, decompressed as they are read."""
-    structure = "source_state[Xen tag 1]"
-    try:
-        declared = zstandard.get_frame_parameters(data).content_size
-        if declared == zstandard.CONTENTSIZE_UNKNOWN:
-            raise zstandard.ZstdError("the frame does not declare its content size")
-        reader = zstandard.ZstdDecompressor().stream_reader(data)
-        counted = _CountingReader(reader)
-        yield from xen.iter_items(counted)
-        if counted.count != declared:
-            raise zstandard.ZstdError(f"the frame declares {declared} bytes, it holds {counted.count}")
-    except zstandard.ZstdError as exc:
-        raise SourceFormatError(f"Xen stream skeleton does not decompress: {exc}",
-                                offset=offset, structure=structure) from None
-    except SourceFormatError as exc:
-        raise SourceFormatError(f"byte {exc.offset} of the decompressed Xen skeleton: {exc.message}",
-                                offset=offset, structure=structure) from None
-
-
-class _CountingReader:
-    def __init__(self, reader):
-        self.reader, self.count = reader, 0
-
-    def read(self, n: int) -> bytes:
-        data = self.reader.read(n)
-        self.count += len(data)
-        return data
 
 
 def _write_pages(writer: LeanImageWriter, feed, put_data, disks: DiskOptions | None) -> None:

@@ -202,10 +202,7 @@ def restore(image, target, output, parents, disks, sort_blocks, any_disk_identit
     """
     from .reader import LeanImage
     from .fileutil import write_atomically
-    from leanimg.restore.raw import restore_raw
-    from leanimg.restore.qemu import restore_qemu
-    from leanimg.restore.xen import restore_xen
-    produce = {"raw": restore_raw, "qemu": restore_qemu, "xen": restore_xen}[target]
+    produce = _restorer(target)
     with LeanImage.open(image, parents=parents, disks=_parse_disks(disks),
                         check_disk_identity=not any_disk_identity) as img:
         for link in img.chain():
@@ -216,6 +213,18 @@ def restore(image, target, output, parents, disks, sort_blocks, any_disk_identit
                 produce(img, sys.stdout.buffer, advance)
             else:
                 write_atomically(output, lambda out: produce(img, out, advance))
+
+
+def _restorer(target: str):
+    """The restore function for --to TARGET, importing only its own module."""
+    if target == "qemu":
+        from leanimg.restore.qemu import restore_qemu
+        return restore_qemu
+    if target == "xen":
+        from leanimg.restore.xen import restore_xen
+        return restore_xen
+    from leanimg.restore.raw import restore_raw
+    return restore_raw
 
 
 @main.command()

@@ -6,7 +6,7 @@ from typing import BinaryIO
 
 
 from leanimg.converters import qemu
-from leanimg.converters.convert import QEMU_TAG_STREAM_STATE, unpack_stream_state
+from leanimg.converters.source_state import QEMU_TAG_STREAM_STATE, unpack_stream_state
 from leanimg.errors import FormatError, UnsupportedError
 from leanimg.format import SourceFormat
 from leanimg.reader import LeanImage

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import BinaryIO
 
 from leanimg.converters import xen
-from leanimg.converters.convert import XEN_TAG_SKELETON, unpack_skeleton
+from leanimg.converters.source_state import XEN_TAG_SKELETON, unpack_skeleton
 from leanimg.errors import UnsupportedError
 from leanimg.format import SourceFormat
 from leanimg.reader import LeanImage
