@@ -491,11 +491,7 @@ class _StreamReader:
         limit = min((len(buf) - pos) // stride, (block.length - first) // ps)
         if limit < 2:
             return None
-        headers = np.ndarray((limit,), ">u8", buffer=buf, offset=pos, strides=(stride,))
-        good = headers == (first + ps * np.arange(limit, dtype=np.uint64)) | flags
-        if stride == 9:
-            good &= np.ndarray((limit,), np.uint8, buffer=buf, offset=pos + 8, strides=(9,)) == 0
-        count = limit if good.all() else int(np.argmin(good))
+        count = _run_length(buf, pos, first, flags, stride, limit, ps)
         if count < 2:
             return None
         pages = None
@@ -557,6 +553,24 @@ class _StreamReader:
         vmdesc = parser.trailer()
         _check_vmdesc(devices, vmdesc, base + parser.vmdesc_at)
         return devices, vmdesc
+
+
+def _run_length(buf, pos: int, first: int, flags: int, stride: int, limit: int, ps: int) -> int:
+    """How many of the ``limit`` entries at ``pos`` continue the run: headers ``first``,
+    ``first + ps``, ... with ``flags`` (and a zero fill byte when stride is 9).  Checked in
+    windows that grow 4x, so a short run costs little however much input is buffered."""
+    done, window = 0, 64
+    while done < limit:
+        n = min(window, limit - done)
+        at = pos + done * stride
+        headers = np.ndarray((n,), ">u8", buffer=buf, offset=at, strides=(stride,))
+        good = headers == (first + ps * np.arange(done, done + n, dtype=np.uint64)) | flags
+        if stride == 9:
+            good &= np.ndarray((n,), np.uint8, buffer=buf, offset=at + 8, strides=(9,)) == 0
+        if not good.all():
+            return done + int(np.argmin(good))
+        done, window = done + n, window * 4
+    return done
 
 
 def _be16(raw: bytes) -> int:

@@ -29,7 +29,8 @@ STATE_LIMIT = 256 << 20
 
 
 def pack_stream_state(state: qemu.StreamState) -> bytes:
-    return zstandard.ZstdCompressor(level=19, write_content_size=True).compress(state.to_bytes())
+    # level 9: level 19 took 0.06 s of the main thread to save ~200 bytes of a 1 GiB save
+    return zstandard.ZstdCompressor(level=9, write_content_size=True).compress(state.to_bytes())
 
 
 def unpack_stream_state(data: bytes, offset: int | None = None) -> qemu.StreamState:

@@ -93,6 +93,30 @@ def test_events_in_stream_order_with_cheap_zero_pages():
     assert events[-1].length == len(data)
 
 
+def test_batched_runs_end_exactly_where_the_entries_change():
+    # runs longer than the first 64-entry window, ending inside a later window
+    state = dataclasses.replace(synthetic_state(), ram_blocks=(q.RamBlock("big", 700 * PS),),
+                                ram_plan=[(q.START, 0), (q.PART, 700), (q.END, 0)])
+    rng = np.random.default_rng(5)
+    mem = bytearray(rng.bytes(700 * PS))
+    mem[300 * PS:400 * PS] = bytes(100 * PS)
+    data = emit(state, {"big": bytes(mem)})
+    got, kinds = bytearray(), []
+    for event in q.read_qemu_stream(io.BytesIO(data), batch=True):
+        if isinstance(event, q.PageRun):
+            assert event.offset == len(got)
+            got += bytes(event.count * PS) if event.pages is None else event.data
+            kinds += [event.pages is None] * event.count
+        elif isinstance(event, q.Page):
+            assert event.offset == len(got)
+            got += bytes(PS) if event.data is None else event.data
+            kinds.append(event.data is None)
+    assert got == mem
+    assert kinds == [False] * 300 + [True] * 100 + [False] * 300
+    runs = [e for e in q.read_qemu_stream(io.BytesIO(data), batch=True) if isinstance(e, q.PageRun)]
+    assert max(r.count for r in runs) > 64
+
+
 def test_state_serialises_to_bytes_and_back():
     state = synthetic_state()
     blob = state.to_bytes()
