@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 from typing import BinaryIO
 
 import numpy as np
-import zstandard
 
 from leanimg.errors import SourceFormatError, UnsupportedError
 from leanimg.format import SourceFormat
@@ -31,9 +30,6 @@ QEMU_MAGIC = b"QEVM"
 XEN_XL_MAGIC = b"Xen saved domain"
 XEN_LIBXC_MARKER = b"\xff" * 8
 XEN_LIBXL_IDENT = b"LibxlFmt"
-
-
-
 RUN_PAGES = 256
 
 

@@ -19,13 +19,9 @@ from leanimg.errors import SourceFormatError
 
 from . import qemu, xen
 
-# SOURCE_STATE tags of source_format QEMU (spec §5.4): tag 1 is one zstd frame holding
-# qemu.StreamState.to_bytes() (configuration, device sections verbatim, RAM plan, vmdesc)
 QEMU_TAG_STREAM_STATE = 1
-# SOURCE_STATE tags of source_format XEN (spec §5.4): tag 1 is one zstd frame holding the
-# skeleton of the stream (converters/xen.py): non-page bytes verbatim, PAGE_DATA pfn arrays
 XEN_TAG_SKELETON = 1
-STATE_LIMIT = 256 << 20
+STATE_LIMIT = 256 << 20         # decompressed QEMU stream state accepted on reading
 
 
 def pack_stream_state(state: qemu.StreamState) -> bytes:
