@@ -14,7 +14,8 @@ Each last link is then restored with the real CLI, ``leanimg restore LAST --to r
 /dev/null`` (ancestors found beside it), ``--repeat`` times with every file of the chain
 evicted from the page cache first (posix_fadvise DONTNEED; /proc/sys/vm/drop_caches is
 not writable here); medians are reported with the ratios depth100/depth1 (target <= 1.2)
-and depth10/depth1.  The three restores are checked to give identical bytes (sha256 of a
+and depth10/depth1, beside the cold read of the chain's files alone (the I/O floor: a
+chain holds the pages its links superseded).  The three restores are checked to give identical bytes (sha256 of a
 restore to a file).  The depth-1 / depth-10 / depth-100 runs are interleaved so drift
 hits all of them alike.
 
@@ -196,6 +197,17 @@ def timed_restore(chain: ChainBuilder, out: str = "/dev/null") -> float:
     return time.perf_counter() - t0
 
 
+def timed_read(chain: ChainBuilder) -> float:
+    """Cold read of every file of the chain, nothing else: the I/O floor of its restore."""
+    evict(chain.links)
+    t0 = time.perf_counter()
+    for path in chain.links:
+        with open(path, "rb", buffering=0) as f:
+            while f.read(1 << 22):
+                pass
+    return time.perf_counter() - t0
+
+
 def sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -224,16 +236,19 @@ def bench_depths(work: Path, args, log) -> dict:
     if len(set(digests.values())) != 1:
         raise SystemExit(f"restores of the last links differ: {digests}")
     times = {d: [] for d in depths}
+    reads = {d: [] for d in depths}
     for _ in range(args.repeat):
         for d in depths:
             times[d].append(timed_restore(chains[d]))
+            reads[d].append(timed_read(chains[d]))
     med = {d: statistics.median(t) for d, t in times.items()}
     return dict(
         size_bytes=args.size, word_frac=args.word_frac, page_frac=args.page_frac,
         build_seconds=build_s, final_sha256=digests[1],
         chains={str(d): dict(depth=d, links=len(c.links), bytes=chain_bytes(c),
                              last_link_bytes=c.links[-1].stat().st_size, classes_written=c.classes,
-                             restore_seconds=times[d], restore_median=med[d])
+                             restore_seconds=times[d], restore_median=med[d],
+                             cold_read_seconds=reads[d], cold_read_median=statistics.median(reads[d]))
                 for d, c in chains.items()},
         ratio_depth10_depth1=med[10] / med[1],
         ratio_depth100_depth1=med[100] / med[1],
@@ -286,10 +301,11 @@ def render(results: dict) -> str:
     d = results["depths"]
     lines = [f"restore --to raw of the last link, {d['size_bytes'] >> 20} MiB, median of "
              f"{results['repeat']} cold runs (same final memory, sha256 {d['final_sha256'][:16]}…)",
-             f"  {'depth':>6} {'chain MiB':>10} {'last link MiB':>14} {'restore s':>10}  runs"]
+             f"  {'depth':>6} {'chain MiB':>10} {'last link MiB':>14} {'cold read s':>12} {'restore s':>10}  runs"]
     for c in d["chains"].values():
         lines.append(f"  {c['depth']:>6} {c['bytes'] / 2**20:10.2f} {c['last_link_bytes'] / 2**20:14.2f} "
-                     f"{c['restore_median']:10.3f}  {' '.join(f'{t:.3f}' for t in c['restore_seconds'])}")
+                     f"{c['cold_read_median']:12.3f} {c['restore_median']:10.3f}  "
+                     f"{' '.join(f'{t:.3f}' for t in c['restore_seconds'])}")
     lines.append(f"  depth10/depth1 {d['ratio_depth10_depth1']:.3f}   depth100/depth1 "
                  f"{d['ratio_depth100_depth1']:.3f} (target <= 1.2: "
                  f"{'met' if d['meets_target'] else 'NOT met'})")
