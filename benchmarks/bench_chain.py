@@ -15,9 +15,9 @@ Each last link is then restored with the real CLI, ``leanimg restore LAST --to r
 evicted from the page cache first (posix_fadvise DONTNEED; /proc/sys/vm/drop_caches is
 not writable here); medians are reported with the ratios depth100/depth1 (target <= 1.2)
 and depth10/depth1, beside the cold read of the chain's files alone (the I/O floor: a
-chain holds the pages its links superseded).  The three restores are checked to give identical bytes (sha256 of a
-restore to a file).  The depth-1 / depth-10 / depth-100 runs are interleaved so drift
-hits all of them alike.
+chain holds the pages its links superseded).  The three restores are checked to give
+identical bytes (sha256 of a restore to a file).  The depth-1 / depth-10 / depth-100 runs
+are interleaved so drift hits all of them alike.
 
 A second check: a depth-1000 chain (default 8 MiB region) opens, validates (`validate
 --chain` is not run: 1000 full validations are the slow path, the last link is validated
