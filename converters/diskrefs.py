@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from leanimg.format import DIGEST_SIZE, DISK_SECTOR_SIZE, page_digest
+from leanimg.format import DIGEST_SIZE, DISK_SECTOR_SIZE, row_digests
 from leanimg.writer import LeanImageWriter
 
 from .partitions import read_partitions
@@ -64,9 +64,8 @@ class PageIndex:
         keep = np.flatnonzero(sketches)
         if not len(keep):
             return
-        view = memoryview(data).cast("B")
-        digests = b"".join([page_digest(view[k * ps:(k + 1) * ps]) for k in keep.tolist()])
-        self._parts.append((sketches[keep], np.frombuffer(digests, np.uint8).reshape(-1, DIGEST_SIZE),
+        digests = row_digests(np.frombuffer(data, np.uint8).reshape(-1, ps), keep)
+        self._parts.append((sketches[keep], digests,
                             np.full(len(keep), region_id, np.uint32), first_page + keep.astype(np.uint64)))
 
     def freeze(self) -> None:
@@ -97,9 +96,7 @@ class PageIndex:
         hits = np.flatnonzero(hit)
         if not len(hits):
             return
-        raw = blocks.view(np.uint8)
-        digests = np.frombuffer(b"".join([page_digest(raw[k]) for k in hits.tolist()]),
-                                np.uint8).reshape(-1, DIGEST_SIZE)
+        digests = row_digests(blocks.view(np.uint8), hits)
         first, stop = pos[hits], self._run_stop[pos[hits]]
         single = stop - first == 1                 # the usual case: one guest page per sketch
         self._assign(first[single], digests[single], offsets[hits[single]], disk_id)

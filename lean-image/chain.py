@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .errors import ChainError
-from .format import DIGEST_SIZE, PageClass, page_digest, zero_page_digest
+from .format import DIGEST_SIZE, PageClass, row_digests, zero_page_digest
 
 CONCRETE = np.array([PageClass.STORED, PageClass.ZERO, PageClass.FREE, PageClass.DISK], np.uint8)
 
@@ -33,15 +33,6 @@ class Resolution:
     delta_slots: np.ndarray
 
 
-def _per_page(region) -> tuple[np.ndarray, np.ndarray]:
-    e = region.extents
-    sizes = e["num_pages"].astype(np.int64)
-    classes = np.repeat(e["page_class"].astype(np.uint8), sizes)
-    starts = np.repeat(e["first_slot"].astype(np.int64) - np.concatenate(([0], np.cumsum(sizes)[:-1])), sizes)
-    slots = starts + np.arange(len(classes))
-    return classes, slots
-
-
 def resolve(image, region) -> Resolution:
     """Fold the chain of ``image`` for ``region`` into a Resolution."""
     links = image.chain()
@@ -55,8 +46,8 @@ def resolve(image, region) -> Resolution:
         r = regions[depth]
         if r is None:
             continue
-        classes, slots = _per_page(r)
-        classes, slots = classes[:n], slots[:n]
+        m = min(n, r.num_pages)
+        classes, slots = links[depth].classes(r, 0, m), links[depth].page_slots(r, 0, m)
         concrete = np.isin(classes, CONCRETE)
         idx = np.flatnonzero(concrete)
         base_link[idx] = depth
@@ -333,7 +324,7 @@ def check_built(image, region, first_page: int, out: np.ndarray, rows: np.ndarra
     if not len(rows):
         return
     pages = out.reshape(-1, image.page_size)
-    got = np.frombuffer(b"".join([page_digest(pages[r]) for r in rows.tolist()]), np.uint8).reshape(-1, DIGEST_SIZE)
+    got = row_digests(pages, rows)
     bad = rows[(got != expected[rows]).any(axis=1)]
     if len(bad):
         image._verify(region, first_page + int(bad[0]), pages[int(bad[0])].tobytes())

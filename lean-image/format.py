@@ -174,6 +174,12 @@ def page_digests(data, page_size: int) -> np.ndarray:
     return np.frombuffer(joined, np.uint8).reshape(-1, DIGEST_SIZE)
 
 
+def row_digests(pages: np.ndarray, rows) -> np.ndarray:
+    """The digests of rows ``rows`` of an (n, page_size) uint8 array, as (len(rows), 16) uint8."""
+    joined = b"".join([xxhash.xxh3_128_digest(pages[r]) for r in np.asarray(rows).tolist()])
+    return np.frombuffer(joined, np.uint8).reshape(-1, DIGEST_SIZE)
+
+
 @functools.lru_cache(maxsize=None)
 def zero_page_digest(page_size: int) -> bytes:
     """The implied digest of a ZERO page (spec §6.5)."""

@@ -138,5 +138,3 @@ def _copy_disk_refs(image: LeanImage, writer, disk_ids: dict, region, region_id:
     for old, new in disk_ids.items():
         new_ids[old_ids == old] = new
     writer.put_disks(region_id, np.arange(first, first + count), new_ids, image._disk_refs[slots], digests)
-
-

@@ -19,7 +19,7 @@ from . import delta as deltacodec
 from .errors import ChainError, DiskError, FormatError, LeanImageError
 from .format import (
     CHAIN_DEPTH_MAX, DIGEST_CLASSES, DIGEST_SIZE, DISK_SECTOR_SIZE, DISKS_MAX, FRAME_PAGES_MAX_BYTES, REGIONS_MAX,
-    RECORD_HEADER_STRUCT, SOURCE_STATE_STRUCT, PageClass, RecordType, page_digest, page_digests, zero_page_digest,
+    RECORD_HEADER_STRUCT, SOURCE_STATE_STRUCT, PageClass, RecordType, page_digest, page_digests, row_digests, zero_page_digest,
 )
 from .structures import (
     Footer, Header, ImageFile, Record, body_problems, header_problems, parse_body, raw_body_dict,
@@ -398,6 +398,8 @@ class LeanImage:
     def page_slots(self, region: Region, first_page: int, count: int) -> np.ndarray:
         """Per page of a range, its slot (stored ordinal, disk reference or delta entry index;
         meaningless for classes without slots)."""
+        if count <= 0:
+            return np.zeros(0, np.int64)
         lo = int(np.searchsorted(region._starts, first_page, side="right")) - 1
         hi = int(np.searchsorted(region._starts, first_page + count - 1, side="right"))
         e = region.extents[lo:hi]
@@ -569,8 +571,7 @@ class LeanImage:
             pages = out.reshape(-1, ps)
             source.read_runs(sectors[mine] * DISK_SECTOR_SIZE, ps, sort=self.sort_blocks, out=pages,
                              rows=rows[mine])
-            got = np.frombuffer(b"".join([page_digest(pages[r]) for r in rows[mine].tolist()]),
-                                np.uint8).reshape(-1, DIGEST_SIZE)
+            got = row_digests(pages, rows[mine])
             bad = np.flatnonzero((got != expected[rows[mine]]).any(axis=1))
             if len(bad):
                 k, row = int(mine[bad[0]]), int(rows[mine[bad[0]]])

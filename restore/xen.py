@@ -11,11 +11,17 @@ from leanimg.format import SourceFormat
 from leanimg.reader import LeanImage
 
 
+def _skeleton_state(image: LeanImage):
+    """The SOURCE_STATE record (Xen tag 1) holding the stream's skeleton, or None."""
+    return next((state for state in image.source_states
+                 if state.source_format == SourceFormat.XEN and state.tag == XEN_TAG_SKELETON), None)
+
+
 def skeleton_items(image: LeanImage):
     """The skeleton items of the image's Xen stream (SOURCE_STATE Xen tag 1)."""
-    for state in image.source_states:
-        if state.source_format == SourceFormat.XEN and state.tag == XEN_TAG_SKELETON:
-            return unpack_skeleton(state.data, state.offset)
+    state = _skeleton_state(image)
+    if state is not None:
+        return unpack_skeleton(state.data, state.offset)
     raise UnsupportedError("the image has no Xen stream skeleton (SOURCE_STATE Xen tag 1): it was "
                            "not converted from a Xen save; use --to raw", structure="source_state")
 
@@ -39,7 +45,5 @@ def restore_xen(image: LeanImage, out: BinaryIO, progress=None) -> int:
 
 def describe_image(image: LeanImage) -> str | None:
     """'Xen xl save file, libxl v2, libxc v3, x86 HVM' for an image converted from Xen."""
-    for state in image.source_states:
-        if state.source_format == SourceFormat.XEN and state.tag == XEN_TAG_SKELETON:
-            return xen.describe(unpack_skeleton(state.data, state.offset))
-    return None
+    state = _skeleton_state(image)
+    return None if state is None else xen.describe(unpack_skeleton(state.data, state.offset))
