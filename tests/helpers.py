@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 import tempfile
 from pathlib import Path
 
@@ -117,3 +118,41 @@ def qemu_save(ram: bytes, *, vmdesc: bool = True, page_size: int = 4096) -> byte
     out = io.BytesIO()
     q.write_qemu_stream(out, state, None, lambda b: [ram])
     return out.getvalue()
+
+
+def assert_clean_failure(proc, outdir: Path, *,
+                         match: str = "", offset: int | None = None,
+                         structure: str | None = "") -> str:
+    """Exit 1, exactly one stderr line 'leanimg: error: ...', nothing left in ``outdir``."""
+    err = proc.stderr.decode(errors="replace")
+    lines = err.strip().splitlines()
+    assert proc.returncode == 1, f"exit {proc.returncode}, stderr:\n{err}"
+    assert "Traceback" not in err and "internal error" not in err, err
+    assert len(lines) == 1, f"expected one line on stderr, got:\n{err}"
+    line = lines[0]
+    assert line.startswith("leanimg: error: "), line
+    assert match in line, f"expected {match!r} in: {line}"
+    if offset == -1:
+        pass               # the caller checks where the error points
+    elif offset is not None:
+        assert f"offset {offset:#x}" in line, f"expected offset {offset:#x} in: {line}"
+    else:
+        assert re.search(r"offset 0x[0-9a-f]+", line), f"no offset in: {line}"
+    if structure is not None:
+        assert structure in line, f"expected structure {structure!r} in: {line}"
+    left = sorted(os.listdir(outdir))
+    assert left == [], f"left behind in {outdir}: {left}"
+    return line
+
+
+def with_source_state_data(image: Path, out: Path, data: bytes) -> None:
+    """``image`` with the data of its first SOURCE_STATE record replaced; every checksum, the
+    index and the footer recomputed, so the blob's content is the only thing wrong."""
+    from leanimg.format import SOURCE_STATE_STRUCT, RecordType
+    mv = make_vectors()
+    lean = mv.Lean.parse(image.read_bytes())
+    k = next(i for i, r in enumerate(lean.records) if r.type == RecordType.SOURCE_STATE)
+    head = lean.records[k].body[:SOURCE_STATE_STRUCT.size]
+    lean.records[k].body = head + data
+    lean.records[k].count = len(data)
+    out.write_bytes(lean.build())

@@ -9,7 +9,6 @@ and leave nothing in the output directory: neither the image nor a temp file suc
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import re
@@ -22,11 +21,11 @@ from pathlib import Path
 import pytest
 import zstandard
 
-from helpers import make_vectors, qemu_save
+from helpers import assert_clean_failure, qemu_save, with_source_state_data
 from leanimg.cli import command_line
 from leanimg.fileutil import sha256_file
 from leanimg.converters import qemu as q
-from leanimg.format import SOURCE_STATE_STRUCT, RecordType, checksum64
+from leanimg.format import RecordType, checksum64
 from leanimg.reader import LeanImage, dump_structure
 from leanimg.validate import validate as validate_image
 from leanimg.writer import LeanImageWriter
@@ -46,29 +45,6 @@ def run(*args, stdin: bytes | None = None) -> subprocess.CompletedProcess:
 
 
 
-def assert_clean_failure(proc: subprocess.CompletedProcess, outdir: Path, *,
-                         match: str = "", offset: int | None = None,
-                         structure: str | None = "") -> str:
-    """Exit 1, exactly one stderr line 'leanimg: error: ...', nothing left in ``outdir``."""
-    err = proc.stderr.decode(errors="replace")
-    lines = err.strip().splitlines()
-    assert proc.returncode == 1, f"exit {proc.returncode}, stderr:\n{err}"
-    assert "Traceback" not in err and "internal error" not in err, err
-    assert len(lines) == 1, f"expected one line on stderr, got:\n{err}"
-    line = lines[0]
-    assert line.startswith("leanimg: error: "), line
-    assert match in line, f"expected {match!r} in: {line}"
-    if offset == -1:
-        pass               # the caller checks where the error points
-    elif offset is not None:
-        assert f"offset {offset:#x}" in line, f"expected offset {offset:#x} in: {line}"
-    else:
-        assert re.search(r"offset 0x[0-9a-f]+", line), f"no offset in: {line}"
-    if structure is not None:
-        assert structure in line, f"expected structure {structure!r} in: {line}"
-    left = sorted(os.listdir(outdir))
-    assert left == [], f"left behind in {outdir}: {left}"
-    return line
 
 
 # ------------------------------------------------------------------ the sample stream
@@ -490,16 +466,6 @@ def test_restore_interrupted_leaves_nothing(sig, sample_image, tmp_path):
 
 # ------------------------------------------------------------------ a damaged QEMU state blob
 
-def _with_state(image: Path, out: Path, data: bytes) -> None:
-    """``image`` with its QEMU SOURCE_STATE data replaced; every checksum, the index and the
-    footer recomputed, so the blob's content is the only thing wrong."""
-    mv = make_vectors()
-    lean = mv.Lean.parse(image.read_bytes())
-    k = next(i for i, r in enumerate(lean.records) if r.type == RecordType.SOURCE_STATE)
-    head = lean.records[k].body[:SOURCE_STATE_STRUCT.size]
-    lean.records[k].body = head + data
-    lean.records[k].count = len(data)
-    out.write_bytes(lean.build())
 
 
 def _state_cases(blob: bytes) -> dict[str, bytes]:
@@ -526,7 +492,7 @@ def test_restore_qemu_with_a_damaged_state_blob(case, sample_image, tmp_path):
     with LeanImage.open(sample_image) as image:
         blob = image.source_states[0].data
     damaged = tmp_path / "damaged.lean"
-    _with_state(sample_image, damaged, _state_cases(blob)[case])
+    with_source_state_data(sample_image, damaged, _state_cases(blob)[case])
     assert validate_image(damaged).valid, "only the blob's meaning is wrong, the image itself is valid"
     outdir = tmp_path / "out"
     outdir.mkdir()

@@ -9,13 +9,16 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import zstandard
 from hypothesis import given, settings, strategies as st
 
 import xen_streams as xs
+from helpers import assert_clean_failure, with_source_state_data
 from leanimg.cli import command_line
 from leanimg.converters import xen
 from leanimg.converters.convert import convert_file
 from leanimg.errors import LeanImageError, SourceFormatError, UnsupportedError
+from leanimg.reader import LeanImage
 from leanimg.writer import LeanImageWriter
 
 LEANIMG = command_line()
@@ -277,6 +280,52 @@ def test_restore_to_xen_needs_a_xen_image(tmp_path):
                           capture_output=True, timeout=60)
     assert proc.returncode == 1 and b"no Xen stream skeleton" in proc.stderr
     assert not (tmp_path / "out.save").exists()
+
+
+def _skeleton_cases(blob: bytes) -> dict[str, bytes]:
+    raw = zstandard.ZstdDecompressor().decompress(blob)
+    return {
+        "truncated": blob[:len(blob) // 2],
+        "wrong-magic": b"\x00" * 4 + blob[4:],
+        # a frame header declaring 1 TiB of content, then garbage: nothing that size is allocated
+        "declares-1TiB": b"\x28\xb5\x2f\xfd\xe0" + (1 << 40).to_bytes(8, "little") + b"\x01" * 16,
+        "no-content-size": zstandard.ZstdCompressor(write_content_size=False).compress(raw),
+        "skeleton-cut-inside": zstandard.ZstdCompressor(write_content_size=True).compress(raw[:len(raw) // 3]),
+    }
+
+
+@pytest.mark.parametrize("case", ["truncated", "wrong-magic", "declares-1TiB", "no-content-size",
+                                  "skeleton-cut-inside"])
+def test_restore_to_xen_with_a_damaged_skeleton(tmp_path, case):
+    # a writer that stored a bad skeleton (every checksum right): restore names the record
+    src, image, damaged = tmp_path / "vm.save", tmp_path / "vm.lean", tmp_path / "damaged.lean"
+    src.write_bytes(bytes(libxc_stream()))
+    convert_file(str(src), str(image), source_format="xen")
+    with LeanImage.open(image) as opened:
+        blob = opened.source_states[0].data
+    with_source_state_data(image, damaged, _skeleton_cases(blob)[case])
+    outdir = tmp_path / "out"
+    outdir.mkdir()
+    proc = subprocess.run([*LEANIMG, "restore", damaged, "--to", "xen", "-o", outdir / "vm.save"],
+                          capture_output=True, timeout=60)
+    assert_clean_failure(proc, outdir, match="skeleton", structure="source_state[Xen tag 1]")
+
+
+def test_restore_to_xen_of_a_flipped_skeleton_bit(tmp_path):
+    # the same record damaged on disk: its record checksum catches it before the blob is read
+    src, image = tmp_path / "vm.save", tmp_path / "vm.lean"
+    src.write_bytes(bytes(libxc_stream()))
+    convert_file(str(src), str(image), source_format="xen")
+    with LeanImage.open(image) as opened:
+        state = opened.source_states[0]
+    data = bytearray(image.read_bytes())
+    data[state.offset + len(state.data) // 2] ^= 0x10
+    image.write_bytes(bytes(data))
+    outdir = tmp_path / "out"
+    outdir.mkdir()
+    proc = subprocess.run([*LEANIMG, "restore", image, "--to", "xen", "-o", outdir / "vm.save"],
+                          capture_output=True, timeout=60)
+    assert_clean_failure(proc, outdir, match="LI-REC", structure="record_checksum")
 
 
 # ---------------------------------------------------------------------------- properties
