@@ -16,6 +16,7 @@ import numpy as np
 import zstandard
 
 from . import delta as deltacodec
+from .compression import SIZE, FrameError, decompress_exact
 from .errors import ChainError, DiskError, FormatError, LeanImageError
 from .format import (
     CHAIN_DEPTH_MAX, DIGEST_CLASSES, DIGEST_SIZE, DISK_SECTOR_SIZE, DISKS_MAX, FRAME_PAGES_MAX_BYTES, REGIONS_MAX,
@@ -788,22 +789,10 @@ def decompress_frame(decompressor, data, expected: int, offset: int, structure: 
         raise FormatError(f"frame declares {expected} bytes, limit {FRAME_PAGES_MAX_BYTES}",
                           offset=offset, structure=structure, rule="LI-FRM-004")
     try:
-        params = zstandard.get_frame_parameters(data)
-    except zstandard.ZstdError as exc:
-        raise FormatError(f"not a zstd frame: {exc}", offset=offset, structure=structure,
-                          rule="LI-FRM-002") from None
-    if params.content_size != expected:
-        raise FormatError(f"expected a zstd frame declaring {expected} bytes, got content size "
-                          f"{params.content_size}", offset=offset, structure=structure, rule="LI-FRM-003")
-    try:
-        content = decompressor.decompress(data, max_output_size=expected, allow_extra_data=False)
-    except zstandard.ZstdError as exc:
-        raise FormatError(f"zstd frame does not decompress: {exc}", offset=offset, structure=structure,
-                          rule="LI-FRM-002") from None
-    if len(content) != expected:
-        raise FormatError(f"expected {expected} decompressed bytes, got {len(content)}", offset=offset,
-                          structure=structure, rule="LI-FRM-003")
-    return content
+        return decompress_exact(data, expected=expected, limit=FRAME_PAGES_MAX_BYTES, decompressor=decompressor)
+    except FrameError as exc:
+        rule = "LI-FRM-003" if exc.kind == SIZE else "LI-FRM-002"
+        raise FormatError(exc.message, offset=offset, structure=structure, rule=rule) from None
 
 
 def _check_numbering(starts: np.ndarray, counts: np.ndarray, name: str, rule: str) -> None:
