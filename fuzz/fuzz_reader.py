@@ -35,9 +35,8 @@ sys.path.insert(0, HERE)
 with atheris.instrument_imports(include=["leanimg"]):
     from leanimg.errors import LeanImageError
     from leanimg.format import (
-        FOOTER_SIZE, HEADER_CHECKSUM_OFFSET, HEADER_LENGTH_MAX, HEADER_MAGIC, HEADER_SIZE_V1_0,
-        RECORD_BODY_MAX, RECORD_HEADER_STRUCT, align8, checksum64,
-    )
+    FOOTER, HEADER, HEADER_LENGTH_MAX, HEADER_MAGIC, RECORD_BODY_MAX, RECORD, align8, checksum64,
+)
     from leanimg.inspect import summarize
     from leanimg.reader import LeanImage
     from leanimg.validate import validate
@@ -119,18 +118,18 @@ def fix_checksums(data: bytes) -> bytes:
     fuzzer would stop at the checksum checks; with it, it reaches the structure checks.
     """
     b = bytearray(data)
-    if len(b) < HEADER_SIZE_V1_0 + FOOTER_SIZE or b[:8] != HEADER_MAGIC:
+    if len(b) < HEADER.size + FOOTER.size or b[:8] != HEADER_MAGIC:
         return data
     (length,) = struct.unpack_from("<I", b, 12)
-    end = len(b) - FOOTER_SIZE
-    if length % 8 or not HEADER_SIZE_V1_0 <= length <= min(HEADER_LENGTH_MAX, end):
+    end = len(b) - FOOTER.size
+    if length % 8 or not HEADER.size <= length <= min(HEADER_LENGTH_MAX, end):
         return data
-    b[HEADER_CHECKSUM_OFFSET:HEADER_CHECKSUM_OFFSET + 8] = bytes(8)
-    struct.pack_into("<Q", b, HEADER_CHECKSUM_OFFSET, checksum64(bytes(b[:length])))
+    b[HEADER.offset("header_checksum"):HEADER.offset("header_checksum") + 8] = bytes(8)
+    struct.pack_into("<Q", b, HEADER.offset("header_checksum"), checksum64(bytes(b[:length])))
     offset = length
-    while offset + RECORD_HEADER_STRUCT.size <= end:
-        _, _, body_length = RECORD_HEADER_STRUCT.unpack_from(b, offset)
-        size = RECORD_HEADER_STRUCT.size + align8(body_length) + 8
+    while offset + RECORD.struct.size <= end:
+        _, _, body_length = RECORD.struct.unpack_from(b, offset)
+        size = RECORD.struct.size + align8(body_length) + 8
         if body_length > RECORD_BODY_MAX or offset + size > end:
             break
         struct.pack_into("<Q", b, offset + size - 8, checksum64(bytes(b[offset:offset + size - 8])))

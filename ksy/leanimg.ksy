@@ -38,7 +38,7 @@ instances:
     type: footer
     doc: |
       The footer read from the end of the file, the entry point for random
-      access: its `ofs_index` locates the INDEX record. In a complete image it
+      access: its `index_offset` locates the INDEX record. In a complete image it
       is the same footer as `footer`.
 types:
   header:
@@ -53,7 +53,7 @@ types:
       - id: minor_version
         type: u2
         doc: A reader of major version 1 accepts any minor version.
-      - id: len_header
+      - id: header_length
         type: u4
         valid:
           expr: _ >= 104 and _ <= 4096 and _ % 8 == 0
@@ -92,11 +92,11 @@ types:
         valid: 0
       - id: header_checksum
         type: u8
-        doc: xxh3-64 of the len_header header bytes with these 8 bytes zeroed.
-      - id: extension_bytes
+        doc: xxh3-64 of the header_length header bytes with these 8 bytes zeroed.
+      - id: extension
         type: u1
         repeat: expr
-        repeat-expr: len_header - 104
+        repeat-expr: header_length - 104
         valid:
           expr: minor_version > 0 or _ == 0
         doc: |
@@ -135,10 +135,10 @@ types:
       - id: flags
         type: u4
         valid: 0
-      - id: len_body
+      - id: body_length
         type: u8
       - id: body
-        size: len_body
+        size: body_length
         type:
           switch-on: record_type
           cases:
@@ -154,7 +154,7 @@ types:
       - id: padding
         type: u1
         repeat: expr
-        repeat-expr: (8 - len_body % 8) % 8
+        repeat-expr: (8 - body_length % 8) % 8
         valid: 0
       - id: record_checksum
         type: u8
@@ -184,7 +184,7 @@ types:
         type: u8
         valid:
           expr: _ != 0 and _ % _root.header.page_size == 0 and _ <= 1 << 48
-      - id: len_name
+      - id: name_length
         type: u4
         valid:
           min: 1
@@ -194,7 +194,7 @@ types:
         valid: 0
       - id: name
         type: str
-        size: len_name
+        size: name_length
         doc: Unique among the image's regions.
 
   disk_body:
@@ -223,7 +223,7 @@ types:
           down to a multiple of 512.
       - id: fingerprint
         size: 16
-      - id: len_name
+      - id: name_length
         type: u4
         valid:
           min: 1
@@ -233,7 +233,7 @@ types:
         valid: 0
       - id: name
         type: str
-        size: len_name
+        size: name_length
         doc: Unique among the image's disks.
 
   source_state_body:
@@ -280,7 +280,7 @@ types:
       - id: reserved
         type: u4
         valid: 0
-      - id: zstd_frame
+      - id: frame
         size-eos: true
         type: zstd_frame
         valid:
@@ -314,7 +314,7 @@ types:
         repeat-expr: (8 - _io.pos % 8) % 8
         valid: 0
         doc: Aligns the zstd frame to 8 bytes from the start of the body.
-      - id: zstd_frame
+      - id: frame
         size-eos: true
         type: zstd_frame
         valid:
@@ -460,7 +460,7 @@ types:
       0xFFFFFFFF, 0, 0.
     doc-ref: spec/format.md §8
     seq:
-      - id: ofs_record
+      - id: record_offset
         type: u8
       - id: record_type
         type: u4
@@ -474,7 +474,7 @@ types:
     instances:
       record:
         io: _root._io
-        pos: ofs_record
+        pos: record_offset
         type: record
 
   footer:
@@ -483,16 +483,16 @@ types:
     seq:
       - id: magic
         contents: [0x89, LEANEND]
-      - id: ofs_index
+      - id: index_offset
         type: u8
         doc: Offset of the INDEX record.
-      - id: len_file
+      - id: file_length
         type: u8
         valid:
           expr: _ == _root._io.size and _io.pos == _ - 24
         doc: |
           The file size. The footer is the last 48 bytes, so after this field
-          (24 bytes into the footer) the position is len_file - 24.
+          (24 bytes into the footer) the position is file_length - 24.
       - id: image_digest
         size: 16
         doc: xxh3-128 of all bytes before the footer.
@@ -502,7 +502,7 @@ types:
     instances:
       index:
         io: _root._io
-        pos: ofs_index
+        pos: index_offset
         type: record
 
   zstd_frame:
@@ -617,7 +617,7 @@ types:
     seq:
       - id: start_word
         type: u2
-      - id: len_run
+      - id: run_length
         type: u2
         valid:
           min: 1

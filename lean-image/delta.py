@@ -11,11 +11,12 @@ import struct
 import numpy as np
 
 from .errors import FormatError
-from .format import DELTA_ENTRY_STRUCT, DELTA_RUNS_STRUCT, WORD_SIZE, DeltaEncoding
+from .format import DELTA_ENTRY, DELTA_RUN, WORD_SIZE, DeltaEncoding
 
-_HEAD = DELTA_ENTRY_STRUCT.size
-_RUNS_HEAD = DELTA_RUNS_STRUCT.size
-_RUN_SIZE = 4
+_HEAD = DELTA_ENTRY.size
+_NUM_RUNS = DELTA_ENTRY.field("num_runs").struct
+_RUNS_HEAD = _NUM_RUNS.size
+_RUN_SIZE = DELTA_RUN.size
 
 
 def _words(page) -> np.ndarray:
@@ -54,7 +55,7 @@ def encode(old_page, new_page) -> bytes | None:
     encoding = min(sizes, key=sizes.get)
     if sizes[encoding] >= page_size:
         return None
-    head = DELTA_ENTRY_STRUCT.pack(encoding, 0, len(positions))
+    head = DELTA_ENTRY.pack(encoding=encoding, num_words=len(positions))
     values = new[positions].astype("<u8").tobytes()
     if encoding == DeltaEncoding.INDEX_LIST:
         return head + positions.tobytes() + values
@@ -64,7 +65,7 @@ def encode(old_page, new_page) -> bytes | None:
         return head + np.packbits(bits, bitorder="little").tobytes() + values
     runs = np.empty((len(starts), 2), dtype="<u2")
     runs[:, 0], runs[:, 1] = starts, lengths
-    return head + DELTA_RUNS_STRUCT.pack(len(starts)) + runs.tobytes() + values
+    return head + _NUM_RUNS.pack(len(starts)) + runs.tobytes() + values
 
 
 def _fail(rule: str, message: str, offset: int | None, structure: str) -> FormatError:
@@ -80,7 +81,7 @@ def decode_positions(entry, page_size: int, *, offset: int | None = None,
     if len(entry) >= page_size:
         raise _fail("LI-DLT-004", f"expected an entry smaller than {page_size} bytes, got {len(entry)}",
                     offset, structure)
-    encoding, reserved, num_words = DELTA_ENTRY_STRUCT.unpack_from(entry)
+    encoding, reserved, num_words = DELTA_ENTRY.unpack(entry)
     words_per_page = page_size // WORD_SIZE
     if reserved:
         raise _fail("LI-REC-008", f"expected reserved 0, got {reserved:#x}", offset, structure)
@@ -116,7 +117,7 @@ def _expect_length(body, expected: int, offset, structure) -> None:
 def _run_positions(body, num_words: int, offset, structure):
     if len(body) < _RUNS_HEAD:
         raise _fail("LI-DLT-002", "expected a run count, got end of entry", offset, structure)
-    (num_runs,) = DELTA_RUNS_STRUCT.unpack_from(body)
+    (num_runs,) = _NUM_RUNS.unpack_from(body)
     positions_len = _RUNS_HEAD + _RUN_SIZE * num_runs
     _expect_length(body, positions_len + WORD_SIZE * num_words, offset, structure)
     runs = np.frombuffer(body[_RUNS_HEAD:positions_len], dtype="<u2").reshape(-1, 2).astype(np.int64)
@@ -162,7 +163,7 @@ def small_index_list(entry, page_size: int) -> tuple[tuple, bytes] | None:
     entry = bytes(entry)
     if len(entry) < _HEAD or len(entry) >= page_size:
         return None
-    encoding, reserved, num_words = DELTA_ENTRY_STRUCT.unpack_from(entry)
+    encoding, reserved, num_words = DELTA_ENTRY.unpack(entry)
     if encoding != DeltaEncoding.INDEX_LIST or reserved or not 0 < num_words <= FAST_WORDS \
             or len(entry) != _HEAD + 10 * num_words:
         return None

@@ -1,11 +1,15 @@
-"""Constants and structures of lean image format v1.0, named as in spec/format.md.
+"""Every constant and on-disk structure of lean image format v1.0, declared once.
 
-Every struct string is explicit little-endian with no implicit padding; the
-test suite checks that each ``calcsize`` equals the size the spec's tables give.
+Each structure is declared here as the spec's byte table declares it (spec/format.md): field
+names, types and order. From that one declaration come the struct used to pack and unpack
+it, the numpy dtype of its tables, the byte offset of each field (for error messages), and
+the names the Kaitai description (ksy/leanimg.ksy) uses; tests/test_format.py checks the
+declarations against the spec's tables and the .ksy, so none of the three can drift.
 """
 
 from __future__ import annotations
 
+import collections
 import enum
 import functools
 import struct
@@ -13,14 +17,89 @@ import struct
 import numpy as np
 import xxhash
 
+# Field types as the spec's tables write them; a name ending in [] is a variable-length array.
+_SCALARS = {"u1": "B", "u2": "H", "u4": "I", "u8": "Q", "b[8]": "8s", "uuid": "16s", "digest": "16s"}
+_NUMPY = {"u1": "<u1", "u2": "<u2", "u4": "<u4", "u8": "<u8", "b[8]": "S8", "uuid": ("u1", 16),
+          "digest": ("u1", 16)}
+
+
+class Field:
+    """One field of a structure: its name and its type in the spec's notation."""
+
+    def __init__(self, name: str, type_: str):
+        self.name, self.type = name, type_
+
+    @property
+    def is_fixed(self) -> bool:
+        return self.type in _SCALARS
+
+    @property
+    def element(self) -> str | None:
+        """The element type of an array field (``extent`` for ``extent[]``), else None."""
+        return self.type[:-2] if self.type.endswith("[]") else None
+
+    @functools.cached_property
+    def struct(self) -> struct.Struct:
+        return struct.Struct("<" + _SCALARS[self.type])
+
+
+class Structure:
+    """An on-disk structure: its fixed-size head packs and unpacks with one struct; fields
+    after the first variable-length one (names, arrays, frames) are parsed by their users."""
+
+    def __init__(self, name: str, fields: list[tuple[str, str]]):
+        self.name = name                       # the type's name in ksy/leanimg.ksy
+        self.fields = [Field(*f) for f in fields]
+        head = []
+        for f in self.fields:
+            if not f.is_fixed:
+                break
+            head.append(f)
+        self.head = head
+        self.struct = struct.Struct("<" + "".join(_SCALARS[f.type] for f in head))
+        self.size = self.struct.size
+        self.offsets = {}
+        at = 0
+        for f in head:
+            self.offsets[f.name] = at
+            at += f.struct.size
+        self.Values = collections.namedtuple(f"{name}_values", [f.name for f in head])
+
+    def field(self, name: str) -> Field:
+        return next(f for f in self.fields if f.name == name)
+
+    def offset(self, name: str) -> int:
+        """Byte offset of a head field within the structure."""
+        return self.offsets[name]
+
+    @functools.cached_property
+    def dtype(self) -> np.dtype:
+        """numpy dtype of the head, for tables of this structure."""
+        return np.dtype([(f.name, _NUMPY[f.type]) for f in self.head])
+
+    def pack(self, **values) -> bytes:
+        """The head from keyword values; fields not given (reserved ones) are zero."""
+        unknown = set(values) - set(self.offsets)
+        if unknown:
+            raise TypeError(f"{self.name} has no field {sorted(unknown)[0]!r}")
+        return self.struct.pack(*[values.get(f.name, b"" if f.type in ("b[8]", "uuid", "digest") else 0)
+                                  for f in self.head])
+
+    def unpack(self, buffer, offset: int = 0):
+        """The head's fields as a named tuple."""
+        return self.Values._make(self.struct.unpack_from(buffer, offset))
+
+
 FORMAT_MAJOR = 1
 FORMAT_MINOR = 0
 
 # --- header (spec §3) --------------------------------------------------------
 HEADER_MAGIC = b"\x89LEANIMG"
-HEADER_STRUCT = struct.Struct("<8sHHIQQQ16s16s16sIIQ")
-HEADER_SIZE_V1_0 = 104
-HEADER_CHECKSUM_OFFSET = 96
+HEADER = Structure("header", [
+    ("magic", "b[8]"), ("major_version", "u2"), ("minor_version", "u2"), ("header_length", "u4"),
+    ("incompatible_features", "u8"), ("compatible_features", "u8"), ("autoclear_features", "u8"),
+    ("image_uuid", "uuid"), ("parent_uuid", "uuid"), ("parent_digest", "digest"), ("page_size", "u4"),
+    ("reserved", "u4"), ("header_checksum", "u8"), ("extension", "b[]")])
 HEADER_LENGTH_MAX = 4096
 PAGE_SIZE_MIN = 4096
 PAGE_SIZE_MAX = 65536
@@ -46,8 +125,10 @@ KNOWN_INCOMPAT = int(IncompatFeature.PARENT | IncompatFeature.DISK | IncompatFea
 KNOWN_COMPAT = int(CompatFeature.SOURCE_STATE)
 
 # --- records (spec §4) -------------------------------------------------------
-RECORD_HEADER_STRUCT = struct.Struct("<IIQ")
-RECORD_TRAILER_STRUCT = struct.Struct("<Q")
+RECORD = Structure("record", [
+    ("record_type", "u4"), ("flags", "u4"), ("body_length", "u8"), ("body", "b[]"), ("padding", "b[]"),
+    ("record_checksum", "u8")])
+RECORD_TRAILER = RECORD.field("record_checksum").struct
 RECORD_ALIGN = 8
 RECORD_OPTIONAL_BIT = 0x8000_0000
 
@@ -64,18 +145,24 @@ class RecordType(enum.IntEnum):
     SOURCE_STATE = 0x8000_0003
 
 
-REGION_STRUCT = struct.Struct("<IIQQII")        # id, flags, gpa, size, name_len, reserved
+REGION_BODY = Structure("region_body", [
+    ("region_id", "u4"), ("flags", "u4"), ("guest_phys_base", "u8"), ("size_bytes", "u8"),
+    ("name_length", "u4"), ("reserved", "u4"), ("name", "b[]")])
 REGION_FLAG_HAS_GPA = 1 << 0
 REGION_NAME_MAX = 255
 
-DISK_STRUCT = struct.Struct("<IIQII16sII")       # id, flags, size, sector, fp_method, fp, name_len, rsvd
+DISK_BODY = Structure("disk_body", [
+    ("disk_id", "u4"), ("flags", "u4"), ("size_bytes", "u8"), ("sector_size", "u4"),
+    ("fingerprint_method", "u4"), ("fingerprint", "digest"), ("name_length", "u4"), ("reserved", "u4"),
+    ("name", "b[]")])
 DISK_SECTOR_SIZE = 512
 DISK_NAME_MAX = 255
 FINGERPRINT_SAMPLED_XXH3 = 1
 FINGERPRINT_SAMPLES = 64
 FINGERPRINT_SAMPLE_SIZE = 4096
 
-SOURCE_STATE_STRUCT = struct.Struct("<IIQ")      # source_format, tag, sequence
+SOURCE_STATE_BODY = Structure("source_state_body", [
+    ("source_format", "u4"), ("tag", "u4"), ("sequence", "u8"), ("data", "b[]")])
 
 
 class SourceFormat(enum.IntEnum):
@@ -83,24 +170,27 @@ class SourceFormat(enum.IntEnum):
     XEN = 2
 
 
-PAGE_FRAME_STRUCT = struct.Struct("<QII")        # first_ordinal, num_pages, reserved
-DELTA_FRAME_STRUCT = struct.Struct("<QII")       # first_delta, num_deltas, reserved
-DISK_REFS_STRUCT = struct.Struct("<QII")         # first_ref, num_refs, reserved
-DISK_REF_STRUCT = struct.Struct("<IIQ")          # disk_id, reserved, sector
-PAGE_MAP_STRUCT = struct.Struct("<II")           # region_id, num_extents
-EXTENT_STRUCT = struct.Struct("<QIHHQ")          # first_page, num_pages, class, reserved, first_slot
-DIGESTS_STRUCT = struct.Struct("<IIQQ")          # region_id, num_digests, first_page, num_pages
+PAGE_FRAME_BODY = Structure("page_frame_body", [
+    ("first_ordinal", "u8"), ("num_pages", "u4"), ("reserved", "u4"), ("frame", "b[]")])
+DELTA_FRAME_BODY = Structure("delta_frame_body", [
+    ("first_delta", "u8"), ("num_deltas", "u4"), ("reserved", "u4"), ("entry_offsets", "u4[]"),
+    ("padding", "b[]"), ("frame", "b[]")])
+DISK_REFS_BODY = Structure("disk_refs_body", [
+    ("first_ref", "u8"), ("num_refs", "u4"), ("reserved", "u4"), ("refs", "disk_ref[]")])
+DISK_REF = Structure("disk_ref", [("disk_id", "u4"), ("reserved", "u4"), ("sector", "u8")])
+PAGE_MAP_BODY = Structure("page_map_body", [
+    ("region_id", "u4"), ("num_extents", "u4"), ("extents", "extent[]")])
+EXTENT = Structure("extent", [
+    ("first_page", "u8"), ("num_pages", "u4"), ("page_class", "u2"), ("reserved", "u2"),
+    ("first_slot", "u8")])
+DIGESTS_BODY = Structure("digests_body", [
+    ("region_id", "u4"), ("num_digests", "u4"), ("first_page", "u8"), ("num_pages", "u8"),
+    ("digests", "digest[]")])
 DIGEST_SIZE = 16
-INDEX_STRUCT = struct.Struct("<II")              # num_entries, reserved
-INDEX_ENTRY_STRUCT = struct.Struct("<QIIQQ")     # record_offset, record_type, key, first, count
+INDEX_BODY = Structure("index_body", [("num_entries", "u4"), ("reserved", "u4"), ("entries", "index_entry[]")])
+INDEX_ENTRY = Structure("index_entry", [
+    ("record_offset", "u8"), ("record_type", "u4"), ("key", "u4"), ("first", "u8"), ("count", "u8")])
 NO_KEY = 0xFFFF_FFFF
-
-# numpy dtypes mirroring the repeated structures (all little-endian)
-EXTENT_DTYPE = [("first_page", "<u8"), ("num_pages", "<u4"), ("page_class", "<u2"),
-                ("reserved", "<u2"), ("first_slot", "<u8")]
-DISK_REF_DTYPE = [("disk_id", "<u4"), ("reserved", "<u4"), ("sector", "<u8")]
-INDEX_ENTRY_DTYPE = [("record_offset", "<u8"), ("record_type", "<u4"), ("key", "<u4"),
-                     ("first", "<u8"), ("count", "<u8")]
 
 
 class PageClass(enum.IntEnum):
@@ -117,8 +207,10 @@ SLOT_CLASSES = {PageClass.STORED, PageClass.DISK, PageClass.DELTA}
 DIGEST_CLASSES = {PageClass.STORED, PageClass.DISK, PageClass.PARENT, PageClass.DELTA}
 
 # --- delta entries (spec §6) -------------------------------------------------
-DELTA_ENTRY_STRUCT = struct.Struct("<BBH")       # encoding, reserved, num_words
-DELTA_RUNS_STRUCT = struct.Struct("<H")          # num_runs
+DELTA_ENTRY = Structure("delta_entry", [
+    ("encoding", "u1"), ("reserved", "u1"), ("num_words", "u2"), ("word_indexes", "u2[]"),
+    ("bitmap", "b[]"), ("num_runs", "u2"), ("runs", "delta_run[]"), ("values", "u8[]")])
+DELTA_RUN = Structure("delta_run", [("start_word", "u2"), ("run_length", "u2")])
 WORD_SIZE = 8
 
 
@@ -130,8 +222,9 @@ class DeltaEncoding(enum.IntEnum):
 
 # --- footer (spec §8) --------------------------------------------------------
 FOOTER_MAGIC = b"\x89LEANEND"
-FOOTER_STRUCT = struct.Struct("<8sQQ16sQ")       # magic, index_offset, file_length, digest, checksum
-FOOTER_SIZE = 48
+FOOTER = Structure("footer", [
+    ("magic", "b[8]"), ("index_offset", "u8"), ("file_length", "u8"), ("image_digest", "digest"),
+    ("footer_checksum", "u8")])
 
 # --- resource limits a reader MAY enforce (spec §9) ---------------------------
 FRAME_PAGES_MAX_BYTES = 16 * 1024 * 1024     # decompressed size of one frame, writers MUST NOT exceed
@@ -154,7 +247,7 @@ def align8(n: int) -> int:
 
 def record_size(body_length: int) -> int:
     """Bytes one record occupies: header, body, zero padding, checksum."""
-    return RECORD_HEADER_STRUCT.size + align8(body_length) + RECORD_TRAILER_STRUCT.size
+    return RECORD.size + align8(body_length) + RECORD_TRAILER.size
 
 
 def checksum64(data) -> int:
@@ -188,3 +281,16 @@ def zero_page_digest(page_size: int) -> bytes:
 
 def is_mandatory(record_type: int) -> bool:
     return not record_type & RECORD_OPTIONAL_BIT
+
+
+STRUCTURES = {s.name: s for s in (
+    HEADER, RECORD, REGION_BODY, DISK_BODY, SOURCE_STATE_BODY, PAGE_FRAME_BODY, DELTA_FRAME_BODY,
+    DISK_REFS_BODY, DISK_REF, PAGE_MAP_BODY, EXTENT, DIGESTS_BODY, INDEX_BODY, INDEX_ENTRY, FOOTER,
+    DELTA_ENTRY, DELTA_RUN)}
+
+BODY_OF = {
+    RecordType.REGION: REGION_BODY, RecordType.DISK: DISK_BODY, RecordType.SOURCE_STATE: SOURCE_STATE_BODY,
+    RecordType.PAGE_FRAME: PAGE_FRAME_BODY, RecordType.DELTA_FRAME: DELTA_FRAME_BODY,
+    RecordType.DISK_REFS: DISK_REFS_BODY, RecordType.PAGE_MAP: PAGE_MAP_BODY, RecordType.DIGESTS: DIGESTS_BODY,
+    RecordType.INDEX: INDEX_BODY,
+}

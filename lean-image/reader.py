@@ -19,11 +19,12 @@ from . import delta as deltacodec
 from .compression import SIZE, FrameError, decompress_exact
 from .errors import ChainError, DiskError, FormatError, LeanImageError
 from .format import (
-    CHAIN_DEPTH_MAX, DIGEST_CLASSES, DIGEST_SIZE, DISK_SECTOR_SIZE, DISKS_MAX, FRAME_PAGES_MAX_BYTES, REGIONS_MAX,
-    RECORD_HEADER_STRUCT, SOURCE_STATE_STRUCT, PageClass, RecordType, page_digest, page_digests, row_digests, zero_page_digest,
+    BODY_OF, CHAIN_DEPTH_MAX, DIGEST_CLASSES, DIGEST_SIZE, DISK_SECTOR_SIZE, DISKS_MAX, FRAME_PAGES_MAX_BYTES,
+    HEADER, RECORD, REGION_FLAG_HAS_GPA, REGIONS_MAX, SLOT_CLASSES, SOURCE_STATE_BODY, PageClass,
+    RecordType, align8, page_digest, page_digests, row_digests, zero_page_digest,
 )
 from .structures import (
-    Footer, Header, ImageFile, Record, body_problems, header_problems, parse_body, raw_body_dict,
+    Footer, Header, ImageFile, Record, body_problems, dump_fields, header_problems, parse_body,
     read_footer, read_header, read_record, record_path,
 )
 
@@ -216,7 +217,7 @@ class LeanImage:
                                                        for r in self.regions):
                 raise FormatError(f"region id {p['region_id']} / name {p['name']!r} repeated or too many regions",
                                   offset=record.offset, structure=record_path(i, record), rule="LI-REG-001")
-            gpa = p["guest_phys_base"] if p["flags"] & 1 else None
+            gpa = p["guest_phys_base"] if p["flags"] & REGION_FLAG_HAS_GPA else None
             self.regions.append(Region(p["region_id"], p["name"], p["size_bytes"], gpa, self.page_size))
         elif kind == RecordType.DISK:
             if len(self.disks) >= DISKS_MAX or any(d.disk_id == p["disk_id"] or d.name == p["name"]
@@ -226,7 +227,7 @@ class LeanImage:
             self.disks.append(DiskInfo(p["disk_id"], p["name"], p["size_bytes"], p["fingerprint"]))
         elif kind == RecordType.SOURCE_STATE:
             self.source_states.append(SourceState(p["source_format"], p["tag"], p["sequence"], bytes(p["data"]),
-                                                  record.offset + RECORD_HEADER_STRUCT.size + SOURCE_STATE_STRUCT.size))
+                                                  record.body_offset + SOURCE_STATE_BODY.size))
         elif kind == RecordType.PAGE_MAP:
             if not any(r.region_id == p["region_id"] for r in self.regions):
                 raise FormatError(f"page map of region {p['region_id']} before its REGION record",
@@ -336,7 +337,7 @@ class LeanImage:
         i = int(np.searchsorted(region._starts, page, side="right")) - 1
         extent = region.extents[i]
         cls = int(extent["page_class"])
-        slot = int(extent["first_slot"]) + page - int(extent["first_page"]) if cls in (1, 4, 6) else 0
+        slot = int(extent["first_slot"]) + page - int(extent["first_page"]) if cls in SLOT_CLASSES else 0
         return cls, slot
 
     def digests(self, region: Region) -> np.ndarray:
@@ -472,7 +473,7 @@ class LeanImage:
                 record.parsed["num_pages"] != self._frame_counts[frame]:
             raise FormatError("frame header disagrees with its index entry", offset=record.offset,
                               structure=record_path(i, record), rule="LI-IDX-001")
-        return decompress_frame(zstandard.ZstdDecompressor(), record.body[16:], expected, record.offset,
+        return decompress_frame(zstandard.ZstdDecompressor(), record.parsed["frame"], expected, record.offset,
                                 record_path(i, record, "zstd"))
 
     def delta_entries(self, slots: np.ndarray) -> list:
@@ -507,7 +508,7 @@ class LeanImage:
             i = int(self._delta_entries[frame])
             record = self._record_at(i)
             p = record.parsed
-            content = self._decompress(record, i, record.body[p["ofs_zstd"] - record.offset - 16:],
+            content = self._decompress(record, i, p["frame"],
                                        int(p["entry_offsets"][-1]))
             self._cache(key, (content, p["entry_offsets"].tolist(), p["first_delta"]))
         return self._frame_cache[key]
@@ -868,7 +869,8 @@ def _image_uuid(path) -> bytes | None:
 
 
 def dump_structure(path) -> dict:
-    """Every structure of an image, fields named as in the spec and the .ksy."""
+    """Every structure of an image with every field its declaration (format.py) names, as plain
+    Python values: the names the spec's tables and the .ksy use."""
     with open(path, "rb") as fileobj:
         image = ImageFile(fileobj, os.fspath(path))
         header = read_header(image)
@@ -876,11 +878,16 @@ def dump_structure(path) -> dict:
         records, offset, i = [], header.header_length, 0
         while offset < footer.offset:
             record = read_record(image, offset, footer.offset, i)
-            body = parse_body(record, i)
-            records.append(dict(offset=record.offset, record_type=record.record_type, flags=record.flags,
-                                body_length=record.body_length, record_checksum=record.record_checksum,
-                                body=raw_body_dict(record) if body is not None else {}))
+            records.append(_dump_record(record, parse_body(record, i)))
             offset, i = record.end, i + 1
-    header_dict = {k: v for k, v in vars(header).items() if k not in ("raw", "reserved")}
-    footer_dict = {k: v for k, v in vars(footer).items() if k != "offset"}
-    return dict(header=header_dict, records=records, footer=footer_dict)
+    header_dump = dict(header.fields(), extension=bytes(header.raw[HEADER.size:]))
+    return dict(header=header_dump, records=records, footer=footer.fields())
+
+
+def _dump_record(record: Record, body: dict) -> dict:
+    structure = BODY_OF.get(record.record_type)
+    return dict(offset=record.offset, record_type=record.record_type, flags=record.flags,
+                body_length=record.body_length,
+                body=dump_fields(structure, body) if structure else bytes(record.body),
+                padding=bytes(align8(record.body_length) - record.body_length),
+                record_checksum=record.record_checksum)

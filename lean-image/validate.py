@@ -195,12 +195,12 @@ def _collect(record: Record, i: int, scan: _Scan, report: Report, page_size: int
         key, count = p["disk_id"], p["size_bytes"] // DISK_SECTOR_SIZE
     elif kind == RecordType.SOURCE_STATE:
         scan.sequences.append((p["sequence"], record, i))
-        key, first, count = p["tag"], p["sequence"], p["len_data"]
+        key, first, count = p["tag"], p["sequence"], len(p["data"])
     elif kind == RecordType.PAGE_FRAME:
-        scan.frames.append((i, record.offset, p))
+        scan.frames.append((i, record.offset, _without_frame(p)))
         first, count = p["first_ordinal"], p["num_pages"]
     elif kind == RecordType.DELTA_FRAME:
-        scan.delta_frames.append((i, record.offset, p))
+        scan.delta_frames.append((i, record.offset, _without_frame(p)))
         first, count = p["first_delta"], p["num_deltas"]
     elif kind == RecordType.DISK_REFS:
         unknown = sorted(set(int(d) for d in np.unique(p["refs"]["disk_id"])) - set(scan.disks))
@@ -221,6 +221,11 @@ def _collect(record: Record, i: int, scan: _Scan, report: Report, page_size: int
         scan.digests.setdefault(p["region_id"], []).append((p["first_page"], p["digests"], record, i))
         key, first, count = p["region_id"], p["first_page"], p["num_pages"]
     scan.records.append((record.offset, record.record_type, key, first, count))
+
+
+def _without_frame(parsed: dict) -> dict:
+    """The fields of a frame record without its frame: the scan must not hold every frame."""
+    return {k: v for k, v in parsed.items() if k != "frame"}
 
 
 def _unique(table: dict, ident: int, name: str, record, i, rule, report) -> None:
@@ -479,7 +484,7 @@ def _check_frames(image: ImageFile, scan: _Scan, page_size: int, tables: dict, r
     for i, offset, p in scan.frames:
         record = read_record(image, offset, image.size, i)
         try:
-            content = decompress_frame(decompressor, record.body[16:], p["num_pages"] * page_size, offset,
+            content = decompress_frame(decompressor, parse_body(record, i)["frame"], p["num_pages"] * page_size, offset,
                                        record_path(i, record, "zstd"))
         except LeanImageError as exc:
             report.add(exc)
@@ -501,7 +506,7 @@ def _check_delta_structure(image: ImageFile, scan: _Scan, page_size: int, report
     for i, offset, p in scan.delta_frames:
         record = read_record(image, offset, image.size, i)
         offsets = p["entry_offsets"].astype(np.int64)
-        data = record.body[p["ofs_zstd"] - offset - 16:]
+        data = parse_body(record, i)["frame"]
         try:
             declared = zstandard.get_frame_parameters(data).content_size
         except zstandard.ZstdError:
@@ -512,7 +517,7 @@ def _check_delta_structure(image: ImageFile, scan: _Scan, page_size: int, report
                                       structure=record_path(i, record, "entry_offsets"), rule="LI-DLT-001"))
             continue
         try:
-            content = decompress_frame(decompressor, record.body[p["ofs_zstd"] - offset - 16:], int(offsets[-1]),
+            content = decompress_frame(decompressor, data, int(offsets[-1]),
                                        offset, record_path(i, record, "zstd"))
         except LeanImageError as exc:
             report.add(exc)

@@ -26,15 +26,15 @@ import zstandard
 from . import delta as deltacodec
 from .fileutil import fsync_path, is_special_file, umask
 from .format import (
-    DEFAULT_FRAME_BYTES, DEFAULT_ZSTD_LEVEL, DELTA_FRAME_STRUCT, DIGEST_CHUNK_PAGES, DIGEST_SIZE,
-    DIGESTS_STRUCT, DISK_REF_CHUNK, DISK_REF_DTYPE, DISK_REFS_STRUCT, DISK_SECTOR_SIZE, DISK_STRUCT,
-    EXTENT_CHUNK, EXTENT_DTYPE, FINGERPRINT_SAMPLED_XXH3, FOOTER_MAGIC, FOOTER_STRUCT, FORMAT_MAJOR,
-    FORMAT_MINOR, FRAME_PAGES_MAX_BYTES, HEADER_CHECKSUM_OFFSET, HEADER_MAGIC, HEADER_SIZE_V1_0,
-    HEADER_STRUCT, INDEX_ENTRY_DTYPE, INDEX_STRUCT, NO_KEY, PAGE_FRAME_STRUCT, PAGE_MAP_STRUCT,
-    RECORD_HEADER_STRUCT, RECORD_TRAILER_STRUCT, REGION_FLAG_HAS_GPA, REGION_NAME_MAX, REGION_STRUCT,
-    DIGEST_CLASSES, SLOT_CLASSES, SOURCE_STATE_STRUCT, CompatFeature, IncompatFeature, PageClass, RecordType, align8,
-    checksum64, page_digest, page_digests,
+    DEFAULT_FRAME_BYTES, DEFAULT_ZSTD_LEVEL, DELTA_FRAME_BODY, DIGEST_CHUNK_PAGES, DIGEST_CLASSES, DIGEST_SIZE,
+    DIGESTS_BODY, DISK_BODY, DISK_REF, DISK_REF_CHUNK, DISK_REFS_BODY, DISK_SECTOR_SIZE, EXTENT, EXTENT_CHUNK,
+    FINGERPRINT_SAMPLE_SIZE, FINGERPRINT_SAMPLED_XXH3, FINGERPRINT_SAMPLES, FOOTER, FOOTER_MAGIC, FORMAT_MAJOR,
+    FORMAT_MINOR, FRAME_PAGES_MAX_BYTES, HEADER, HEADER_MAGIC, INDEX_BODY, INDEX_ENTRY, NO_KEY, PAGE_FRAME_BODY,
+    PAGE_MAP_BODY, RECORD, RECORD_TRAILER, REGION_BODY, REGION_FLAG_HAS_GPA, REGION_NAME_MAX, SLOT_CLASSES,
+    SOURCE_STATE_BODY, CompatFeature, IncompatFeature, PageClass, RecordType, align8, checksum64, page_digest,
+    page_digests,
 )
+from .structures import footer_checksum, header_checksum
 
 _MAX_EXTENT_PAGES = 1 << 31
 
@@ -125,7 +125,6 @@ def disk_fingerprint(read_at, size_bytes: int) -> bytes:
 
     ``read_at(offset, length)`` returns disk bytes.
     """
-    from .format import FINGERPRINT_SAMPLE_SIZE, FINGERPRINT_SAMPLES
     hasher = xxhash.xxh3_128()
     hasher.update(struct.pack("<Q", size_bytes))
     for k in range(FINGERPRINT_SAMPLES):
@@ -225,18 +224,19 @@ class LeanImageWriter:
         compat = CompatFeature.SOURCE_STATE if self._has_source_state else 0
         parent_uuid = self.parent.uuid if self.parent else bytes(16)
         parent_digest = self.parent.digest if self.parent else bytes(16)
-        fields = [HEADER_MAGIC, FORMAT_MAJOR, FORMAT_MINOR, HEADER_SIZE_V1_0, int(incompat), int(compat),
-                  0, self.image_uuid, parent_uuid, parent_digest, self.page_size, 0, 0]
-        header = bytearray(HEADER_STRUCT.pack(*fields))
-        struct.pack_into("<Q", header, HEADER_CHECKSUM_OFFSET, checksum64(bytes(header)))
-        self._sink.write(header)
+        fields = dict(magic=HEADER_MAGIC, major_version=FORMAT_MAJOR, minor_version=FORMAT_MINOR,
+                      header_length=HEADER.size, incompatible_features=int(incompat),
+                      compatible_features=int(compat), image_uuid=self.image_uuid, parent_uuid=parent_uuid,
+                      parent_digest=parent_digest, page_size=self.page_size)
+        header = HEADER.pack(**fields)
+        self._sink.write(HEADER.pack(**fields, header_checksum=header_checksum(header)))
         self._header_written = True
 
     def _write_record(self, record_type: int, body_parts, key=NO_KEY, first=0, count=0) -> None:
         if not self._header_written:
             self._write_header()
         body_length = sum(len(p) for p in body_parts)
-        head = RECORD_HEADER_STRUCT.pack(record_type, 0, body_length)
+        head = RECORD.pack(record_type=record_type, body_length=body_length)
         padding = bytes(align8(body_length) - body_length)
         hasher = xxhash.xxh3_64(head)
         for part in body_parts:
@@ -246,7 +246,7 @@ class LeanImageWriter:
         self._sink.write(head)
         for part in body_parts:
             self._sink.write(part)
-        self._sink.write(padding + RECORD_TRAILER_STRUCT.pack(hasher.intdigest()))
+        self._sink.write(padding + RECORD_TRAILER.pack(hasher.intdigest()))
 
     # -- declarations ----------------------------------------------------------
     def add_disk(self, name: str, size_bytes: int, fingerprint: bytes) -> int:
@@ -258,9 +258,10 @@ class LeanImageWriter:
             raise WriterUsageError(f"disk name {name!r} declared twice")
         disk_id = len(self._disks)
         self._disks[disk_id] = name
-        self._pending_disks.append(DISK_STRUCT.pack(disk_id, 0, size_bytes, DISK_SECTOR_SIZE,
-                                                    FINGERPRINT_SAMPLED_XXH3, fingerprint,
-                                                    len(encoded), 0) + encoded)
+        self._pending_disks.append(DISK_BODY.pack(
+            disk_id=disk_id, size_bytes=size_bytes, sector_size=DISK_SECTOR_SIZE,
+            fingerprint_method=FINGERPRINT_SAMPLED_XXH3, fingerprint=fingerprint,
+            name_length=len(encoded)) + encoded)
         self._pending_disk_sizes.append(size_bytes)
         return disk_id
 
@@ -290,7 +291,8 @@ class LeanImageWriter:
         elif not self._has_source_state:
             raise WriterUsageError("call declare_source_state() before the first record")
         self._write_record(RecordType.SOURCE_STATE,
-                           [SOURCE_STATE_STRUCT.pack(source_format, tag, self._source_sequence), data],
+                           [SOURCE_STATE_BODY.pack(source_format=source_format, tag=tag,
+                                                   sequence=self._source_sequence), data],
                            tag, self._source_sequence, len(data))
         self._source_sequence += 1
 
@@ -307,7 +309,8 @@ class LeanImageWriter:
         region_id = len(self._regions)
         num_pages = size_bytes // self.page_size
         flags = REGION_FLAG_HAS_GPA if guest_phys_base is not None else 0
-        body = REGION_STRUCT.pack(region_id, flags, guest_phys_base or 0, size_bytes, len(encoded), 0)
+        body = REGION_BODY.pack(region_id=region_id, flags=flags, guest_phys_base=guest_phys_base or 0,
+                                size_bytes=size_bytes, name_length=len(encoded))
         self._write_record(RecordType.REGION, [body, encoded], region_id, 0, num_pages)
         self._regions[region_id] = _Region(
             region_id, name, num_pages, np.zeros(num_pages, np.uint8), np.zeros(num_pages, np.uint64),
@@ -450,7 +453,8 @@ class LeanImageWriter:
         first, num_pages = context
         compressed, digests = result
         self._stored_digests.append(digests)
-        self._write_record(RecordType.PAGE_FRAME, [PAGE_FRAME_STRUCT.pack(first, num_pages, 0), compressed],
+        self._write_record(RecordType.PAGE_FRAME,
+                           [PAGE_FRAME_BODY.pack(first_ordinal=first, num_pages=num_pages), compressed],
                            NO_KEY, first, num_pages)
 
     def _flush_deltas(self) -> None:
@@ -458,7 +462,7 @@ class LeanImageWriter:
             return
         offsets = np.zeros(len(self._delta_entries) + 1, dtype="<u4")
         np.cumsum([len(e) for e in self._delta_entries], out=offsets[1:])
-        head = DELTA_FRAME_STRUCT.pack(self._delta_first, len(self._delta_entries), 0)
+        head = DELTA_FRAME_BODY.pack(first_delta=self._delta_first, num_deltas=len(self._delta_entries))
         table = offsets.tobytes()
         table += bytes(align8(len(head) + len(table)) - len(head) - len(table))
         compressed = self._compressor._compress(b"".join(self._delta_entries))
@@ -509,13 +513,13 @@ class LeanImageWriter:
                                        f"first is page {int(missing[0])}")
 
     def _write_disk_refs(self) -> None:
-        refs = np.zeros(len(self._disk_refs), dtype=DISK_REF_DTYPE)
+        refs = np.zeros(len(self._disk_refs), dtype=DISK_REF.dtype)
         if len(refs):
             refs["disk_id"], refs["sector"] = zip(*self._disk_refs)
         for first in range(0, len(refs), DISK_REF_CHUNK):
             chunk = refs[first:first + DISK_REF_CHUNK]
-            self._write_record(RecordType.DISK_REFS, [DISK_REFS_STRUCT.pack(first, len(chunk), 0),
-                                                      chunk.tobytes()], NO_KEY, first, len(chunk))
+            head = DISK_REFS_BODY.pack(first_ref=first, num_refs=len(chunk))
+            self._write_record(RecordType.DISK_REFS, [head, chunk.tobytes()], NO_KEY, first, len(chunk))
 
     def _write_page_map(self, region: _Region) -> None:
         extents = build_extents(region.classes, region.slots)
@@ -523,7 +527,8 @@ class LeanImageWriter:
             chunk = extents[first:first + EXTENT_CHUNK]
             pages = int(chunk["num_pages"].sum())
             self._write_record(RecordType.PAGE_MAP,
-                               [PAGE_MAP_STRUCT.pack(region.region_id, len(chunk)), chunk.tobytes()],
+                               [PAGE_MAP_BODY.pack(region_id=region.region_id, num_extents=len(chunk)),
+                                chunk.tobytes()],
                                region.region_id, int(chunk["first_page"][0]), pages)
 
     def _fill_stored_digests(self) -> None:
@@ -542,17 +547,19 @@ class LeanImageWriter:
             count = min(DIGEST_CHUNK_PAGES, region.num_pages - first)
             chunk = region.digests[first:first + count][bearing[first:first + count]]
             self._write_record(RecordType.DIGESTS,
-                               [DIGESTS_STRUCT.pack(region.region_id, len(chunk), first, count), chunk.tobytes()],
+                               [DIGESTS_BODY.pack(region_id=region.region_id, num_digests=len(chunk),
+                                                  first_page=first, num_pages=count), chunk.tobytes()],
                                region.region_id, first, count)
 
     def _write_index_and_footer(self) -> bytes:
-        entries = np.array(self._index, dtype=INDEX_ENTRY_DTYPE)
+        entries = np.array(self._index, dtype=INDEX_ENTRY.dtype)
         index_offset = self._sink.offset
-        self._write_record(RecordType.INDEX, [INDEX_STRUCT.pack(len(entries), 0), entries.tobytes()])
+        self._write_record(RecordType.INDEX, [INDEX_BODY.pack(num_entries=len(entries)), entries.tobytes()])
         digest = self._sink.hasher.digest()
-        file_length = self._sink.offset + FOOTER_STRUCT.size
-        head = FOOTER_STRUCT.pack(FOOTER_MAGIC, index_offset, file_length, digest, 0)[:40]
-        self._sink.write(head + struct.pack("<Q", checksum64(head)))
+        fields = dict(magic=FOOTER_MAGIC, index_offset=index_offset, file_length=self._sink.offset + FOOTER.size,
+                      image_digest=digest)
+        footer = FOOTER.pack(**fields)
+        self._sink.write(FOOTER.pack(**fields, footer_checksum=footer_checksum(footer)))
         return digest
 
     def _commit(self) -> None:
@@ -575,7 +582,7 @@ def build_extents(classes: np.ndarray, slots: np.ndarray) -> np.ndarray:
     starts_mask[1:] = (classes[1:] != classes[:-1]) | (has_slot[1:] & (slots[1:] != slots[:-1] + 1))
     starts_mask[::_MAX_EXTENT_PAGES] = True
     starts = np.flatnonzero(starts_mask)
-    extents = np.zeros(len(starts), dtype=EXTENT_DTYPE)
+    extents = np.zeros(len(starts), dtype=EXTENT.dtype)
     extents["first_page"] = starts
     extents["num_pages"] = np.diff(np.append(starts, n))
     extents["page_class"] = classes[starts]

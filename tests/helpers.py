@@ -148,11 +148,11 @@ def assert_clean_failure(proc, outdir: Path, *,
 def with_source_state_data(image: Path, out: Path, data: bytes) -> None:
     """``image`` with the data of its first SOURCE_STATE record replaced; every checksum, the
     index and the footer recomputed, so the blob's content is the only thing wrong."""
-    from leanimg.format import SOURCE_STATE_STRUCT, RecordType
+    from leanimg.format import SOURCE_STATE_BODY, RecordType
     mv = make_vectors()
     lean = mv.Lean.parse(image.read_bytes())
     k = next(i for i, r in enumerate(lean.records) if r.type == RecordType.SOURCE_STATE)
-    head = lean.records[k].body[:SOURCE_STATE_STRUCT.size]
+    head = lean.records[k].body[:SOURCE_STATE_BODY.struct.size]
     lean.records[k].body = head + data
     lean.records[k].count = len(data)
     out.write_bytes(lean.build())

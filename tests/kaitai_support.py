@@ -21,6 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
+from leanimg import format as fmt
+
 KSC_VERSION = "0.11.0"
 NPM_PACKAGES = (f"kaitai-struct-compiler@{KSC_VERSION}", "js-yaml")
 TESTS_DIR = Path(__file__).resolve().parent
@@ -30,9 +32,6 @@ COMPILE_SCRIPT = TESTS_DIR / "kaitai_compile.js"
 # The generated module is named after meta/id, "leanimg", like our package:
 # it is imported under this name so that it never shadows the real one.
 GENERATED_MODULE_NAME = "leanimg_kaitai_generated"
-FOOTER_SIZE = 48
-RECORD_HEADER_SIZE = 16
-RECORD_TRAILER_SIZE = 8
 
 
 class KaitaiUnavailable(RuntimeError):
@@ -128,84 +127,59 @@ def generated_parser_for_tests(out_dir: Path):
 
 
 # --- Kaitai object -> dump_structure() dict -----------------------------------
+# Generic over the declarations of leanimg.format: the .ksy names every field as they do
+# (tests/test_format.py checks that), so no field is renamed or listed here.
 
 def _int(value) -> int:
     """An enum field as its number (an unknown value is already a plain int)."""
     return value.value if isinstance(value, enum.Enum) else int(value)
 
 
-def _zstd_length(frame) -> int:
-    return frame._io.size()
+def _field_value(obj, field):
+    raw = getattr(obj, "_raw_" + field.name, None)      # a sized field parsed as a type: its bytes
+    value = raw if raw is not None else getattr(obj, field.name)
+    element = field.element
+    if element in fmt.STRUCTURES:
+        return [structure_dump(item, fmt.STRUCTURES[element]) for item in value]
+    if field.type in ("b[]", "b[8]") and isinstance(value, list):
+        return bytes(value)                             # a u1 repeat (padding, extension)
+    if isinstance(value, enum.Enum):
+        return value.value
+    return value
 
 
-def _body(rtype, body) -> dict:
-    name = rtype.name if isinstance(rtype, enum.Enum) else None
-    if name == "region":
-        return {"region_id": body.region_id, "flags": body.flags, "guest_phys_base": body.guest_phys_base,
-                "size_bytes": body.size_bytes, "name": body.name}
-    if name == "disk":
-        return {"disk_id": body.disk_id, "flags": body.flags, "size_bytes": body.size_bytes,
-                "sector_size": body.sector_size, "fingerprint_method": body.fingerprint_method,
-                "fingerprint": body.fingerprint, "name": body.name}
-    if name == "source_state":
-        return {"source_format": _int(body.source_format), "tag": body.tag, "sequence": body.sequence,
-                "len_data": len(body.data)}
-    if name == "page_frame":
-        return {"first_ordinal": body.first_ordinal, "num_pages": body.num_pages,
-                "len_zstd": _zstd_length(body.zstd_frame)}
-    if name == "delta_frame":
-        return {"first_delta": body.first_delta, "num_deltas": body.num_deltas,
-                "entry_offsets": list(body.entry_offsets), "len_zstd": _zstd_length(body.zstd_frame)}
-    if name == "disk_refs":
-        return {"first_ref": body.first_ref, "num_refs": body.num_refs,
-                "refs": [{"disk_id": r.disk_id, "sector": r.sector} for r in body.refs]}
-    if name == "page_map":
-        return {"region_id": body.region_id, "num_extents": body.num_extents,
-                "extents": [{"first_page": e.first_page, "num_pages": e.num_pages,
-                             "page_class": _int(e.page_class), "first_slot": e.first_slot}
-                            for e in body.extents]}
-    if name == "digests":
-        return {"region_id": body.region_id, "num_digests": body.num_digests, "first_page": body.first_page,
-                "num_pages": body.num_pages, "digests": list(body.digests)}
-    if name == "index":
-        return {"num_entries": body.num_entries,
-                "entries": [{"record_offset": e.ofs_record, "record_type": _int(e.record_type), "key": e.key,
-                             "first": e.first, "count": e.count} for e in body.entries]}
-    assert isinstance(body, bytes), f"record type {rtype!r} parsed into {type(body).__name__}, expected raw bytes"
-    return {}
+def structure_dump(obj, structure) -> dict:
+    """Every field ``structure`` declares, read from the Kaitai object ``obj``."""
+    return {f.name: _field_value(obj, f) for f in structure.fields}
 
 
-def header_dump(h) -> dict:
-    return {"magic": h.magic, "major_version": h.major_version, "minor_version": h.minor_version,
-            "header_length": h.len_header, "incompatible_features": h.incompatible_features,
-            "compatible_features": h.compatible_features, "autoclear_features": h.autoclear_features,
-            "image_uuid": h.image_uuid, "parent_uuid": h.parent_uuid, "parent_digest": h.parent_digest,
-            "page_size": h.page_size, "header_checksum": h.header_checksum}
-
-
-def footer_dump(f) -> dict:
-    return {"magic": f.magic, "index_offset": f.ofs_index, "file_length": f.len_file,
-            "image_digest": f.image_digest, "footer_checksum": f.footer_checksum}
-
-
-def record_size(len_body: int) -> int:
-    return RECORD_HEADER_SIZE + (len_body + 7) // 8 * 8 + RECORD_TRAILER_SIZE
+def _record_dump(record, offset: int) -> dict:
+    dump = {"offset": offset}
+    for field in fmt.RECORD.fields:
+        if field.name != "body":
+            dump[field.name] = _field_value(record, field)
+    dump["record_type"] = _int(record.record_type)
+    body = fmt.BODY_OF.get(dump["record_type"])
+    if body is None:
+        assert isinstance(record.body, bytes), f"record type {dump['record_type']:#x} parsed into " \
+            f"{type(record.body).__name__}, expected raw bytes"
+    dump["body"] = structure_dump(record.body, body) if body else record.body
+    return dump
 
 
 def to_dump(image) -> dict:
     """The ``dump_structure()`` dict of a parsed ``Leanimg`` object.
 
     Kaitai does not keep positions, so record offsets are computed from the
-    lengths the parser read: the first record starts at len_header.
+    lengths the parser read: the first record starts at header_length.
     """
     records = []
-    offset = image.header.len_header
+    offset = image.header.header_length
     for rec in image.records:
-        records.append({"offset": offset, "record_type": _int(rec.record_type), "flags": rec.flags,
-                        "body_length": rec.len_body, "record_checksum": rec.record_checksum,
-                        "body": _body(rec.record_type, rec.body)})
-        offset += record_size(rec.len_body)
-    return {"header": header_dump(image.header), "records": records, "footer": footer_dump(image.footer)}
+        records.append(_record_dump(rec, offset))
+        offset += fmt.record_size(rec.body_length)
+    return {"header": structure_dump(image.header, fmt.HEADER), "records": records,
+            "footer": structure_dump(image.footer, fmt.FOOTER)}
 
 
 def normalize(value):
@@ -216,6 +190,8 @@ def normalize(value):
         return [normalize(item) for item in value]
     if isinstance(value, (bytearray, memoryview, np.void)):
         return bytes(value)
+    if isinstance(value, str):
+        return value.encode("utf-8")                    # names: str in Kaitai, UTF-8 in the file
     if isinstance(value, enum.Enum):
         return value.value
     if isinstance(value, np.integer):

@@ -16,8 +16,7 @@ import pytest
 from helpers import VECTORS_DIR, make_vectors, restore_bytes, write_bytes
 from leanimg.errors import ChainError, LeanImageError
 from leanimg.format import (
-    DIGESTS_STRUCT,
-    FOOTER_SIZE, PAGE_FRAME_STRUCT, RECORD_HEADER_STRUCT, RecordType, page_digest,
+    DIGESTS_BODY, FOOTER, PAGE_FRAME_BODY, RECORD, RecordType, page_digest,
 )
 from leanimg.reader import LeanImage
 from leanimg.rules import RULES
@@ -39,9 +38,9 @@ def record_boundaries(data: bytes) -> list[int]:
     """Offsets where records start, plus the footer offset and the file end."""
     header_length = struct.unpack_from("<I", data, 12)[0]
     offsets, pos = [header_length], header_length
-    end = len(data) - FOOTER_SIZE
+    end = len(data) - FOOTER.size
     while pos < end:
-        _, _, body_length = RECORD_HEADER_STRUCT.unpack_from(data, pos)
+        _, _, body_length = RECORD.struct.unpack_from(data, pos)
         pos += 16 + ((body_length + 7) & ~7) + 8
         offsets.append(pos)
     assert pos == end
@@ -119,7 +118,7 @@ def test_every_byte_flipped_is_reported(tmp_path):
 def test_flips_in_header_and_footer_every_bit(tmp_path):
     path = tmp_path / "flip.lean"
     missed = []
-    for pos in list(range(104)) + list(range(len(BASIC) - FOOTER_SIZE, len(BASIC))):
+    for pos in list(range(104)) + list(range(len(BASIC) - FOOTER.size, len(BASIC))):
         for bit in range(8):
             path.write_bytes(_flip(BASIC, pos, bit))
             if not validate(path).findings:
@@ -176,7 +175,7 @@ def _frame_declaring(size: int, num_pages: int | None = None) -> bytes:
     lean = Lean.parse(BASIC)
     i = lean.find(RecordType.PAGE_FRAME)
     n = lean.records[i].count if num_pages is None else num_pages
-    rewrite_body(lean, i, lambda b: PAGE_FRAME_STRUCT.pack(0, n, 0) + _zstd_with_content_size(size))
+    rewrite_body(lean, i, lambda b: PAGE_FRAME_BODY.struct.pack(0, n, 0) + _zstd_with_content_size(size))
     lean.records[i].count = n
     return lean.build()
 
@@ -237,11 +236,11 @@ def _index_entries_huge() -> bytes:
     index_offset = struct.unpack_from("<Q", data, len(data) - 40)[0]
     body = bytearray(data[index_offset + 16:len(data) - 48 - 8])
     struct.pack_into("<I", body, 0, 0xFFFF_FFFF)
-    rec = Rec(RecordType.INDEX, bytes(body[:RECORD_HEADER_STRUCT.unpack_from(data, index_offset)[2]]))
+    rec = Rec(RecordType.INDEX, bytes(body[:RECORD.struct.unpack_from(data, index_offset)[2]]))
     out = data[:index_offset] + rec.serialize()
     import xxhash
-    from leanimg.format import FOOTER_MAGIC, FOOTER_STRUCT, checksum64
-    head = FOOTER_STRUCT.pack(FOOTER_MAGIC, index_offset, len(out) + 48, xxhash.xxh3_128_digest(out), 0)[:40]
+    from leanimg.format import FOOTER_MAGIC, FOOTER, checksum64
+    head = FOOTER.struct.pack(FOOTER_MAGIC, index_offset, len(out) + 48, xxhash.xxh3_128_digest(out), 0)[:40]
     return out + head + struct.pack("<Q", checksum64(head))
 
 
@@ -250,7 +249,7 @@ def _digests_range_overflowing():
     lean = mv.Lean.parse(BASIC)
     at = next(i for i, r in enumerate(lean.records) if r.type == RecordType.DIGESTS)
     region_id = lean.records[at].key
-    bogus = mv.Rec(RecordType.DIGESTS, DIGESTS_STRUCT.pack(region_id, 0, 0, 1 << 63), region_id, 0, 1 << 63)
+    bogus = mv.Rec(RecordType.DIGESTS, DIGESTS_BODY.struct.pack(region_id, 0, 0, 1 << 63), region_id, 0, 1 << 63)
     lean.records.insert(at, bogus)
     return lean.build()
 

@@ -28,9 +28,9 @@ from kaitaistruct import KaitaiStream
 
 import kaitai_support as ks
 from leanimg import delta as deltacodec
+from leanimg import format as fmt
 from leanimg.format import (
-    FOOTER_SIZE, HEADER_SIZE_V1_0, RECORD_HEADER_STRUCT, DeltaEncoding, PageClass, RecordType,
-    SourceFormat, page_digest,
+    FOOTER, HEADER, RECORD, DeltaEncoding, PageClass, RecordType, SourceFormat, page_digest,
 )
 from leanimg.reader import dump_structure
 from leanimg.writer import LeanImageWriter, ParentLink
@@ -71,7 +71,7 @@ def delta_positions(entry, page_size: int) -> list[int]:
     if entry.encoding == DeltaEncoding.BITMAP:
         bits = np.unpackbits(np.frombuffer(entry.bitmap, np.uint8), bitorder="little")
         return [int(i) for i in np.flatnonzero(bits)]
-    return [run.start_word + k for run in entry.runs for k in range(run.len_run)]
+    return [run.start_word + k for run in entry.runs for k in range(run.run_length)]
 
 
 def check_delta_entries(Leanimg, image, page_size: int) -> None:
@@ -80,7 +80,7 @@ def check_delta_entries(Leanimg, image, page_size: int) -> None:
         if record.record_type != RecordType.DELTA_FRAME:
             continue
         body = record.body
-        content = zstandard.ZstdDecompressor().decompress(_substream_bytes(body.zstd_frame._io))
+        content = zstandard.ZstdDecompressor().decompress(_substream_bytes(body.frame._io))
         offsets = body.entry_offsets
         assert len(content) == offsets[-1]
         for i in range(body.num_deltas):
@@ -100,9 +100,9 @@ def _substream_bytes(io: KaitaiStream) -> bytes:
 def check_image(Leanimg, path) -> None:
     image = Leanimg.from_file(os.fspath(path))
     assert_same_structure(ks.to_dump(image), dump_structure(path))
-    assert ks.footer_dump(image.footer_at_end) == ks.footer_dump(image.footer)
+    assert ks.structure_dump(image.footer_at_end, fmt.FOOTER) == ks.structure_dump(image.footer, fmt.FOOTER)
     index = image.records[-1]
-    assert image.footer.index.len_body == index.len_body
+    assert image.footer.index.body_length == index.body_length
     for entry in index.body.entries:
         assert entry.record.record_type == entry.record_type
     check_delta_entries(Leanimg, image, image.header.page_size)
@@ -273,13 +273,13 @@ def test_rejects_wrong_header_magic(Leanimg, image_bytes):
 
 
 def test_rejects_wrong_footer_magic(Leanimg, image_bytes):
-    end = len(image_bytes) - FOOTER_SIZE
+    end = len(image_bytes) - FOOTER.size
     bad = image_bytes[:end] + b"\x89LEANENX" + image_bytes[end + 8:]
     with pytest.raises(kaitaistruct.ValidationNotEqualError):
         Leanimg.from_bytes(bad)
 
 
-FIRST_RECORD = HEADER_SIZE_V1_0  # the writer writes a v1.0 header
+FIRST_RECORD = HEADER.size  # the writer writes a v1.0 header
 
 
 @pytest.mark.parametrize("offset, fmt, value, error", [
@@ -300,7 +300,7 @@ def test_rejects_invalid_field(Leanimg, image_bytes, offset, fmt, value, error):
 
 def test_skips_unknown_optional_record(Leanimg, image_bytes):
     """An optional record of an unknown type parses as raw bytes."""
-    _, _, length = RECORD_HEADER_STRUCT.unpack_from(image_bytes, FIRST_RECORD)
+    _, _, length = RECORD.struct.unpack_from(image_bytes, FIRST_RECORD)
     bad = _mutated(image_bytes, FIRST_RECORD, "<I", 0x8000_0099)
     first = Leanimg.from_bytes(bad).records[0]
     assert first.record_type == 0x8000_0099 and first.is_optional

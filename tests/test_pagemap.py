@@ -13,7 +13,7 @@ import pytest
 from click.testing import CliRunner
 
 from leanimg.cli import main
-from leanimg.format import EXTENT_DTYPE, PageClass, page_digest
+from leanimg.format import EXTENT, PageClass, page_digest
 from leanimg.pagemap import (
     BACKGROUND, CLASS_COLOURS, MAX_ROWS, cell_classes, encode_png, layout, render_map, render_pixels,
 )
@@ -148,7 +148,7 @@ def _brute_force_cells(extents, num_pages, per_cell):
 
 
 def _extents(runs):
-    e = np.zeros(len(runs), EXTENT_DTYPE)
+    e = np.zeros(len(runs), EXTENT.dtype)
     lengths = np.array([n for n, _ in runs])
     e["first_page"] = np.concatenate(([0], np.cumsum(lengths)[:-1]))
     e["num_pages"] = lengths

@@ -20,7 +20,7 @@ import sys
 import pytest
 
 from helpers import VECTORS_DIR, make_vectors, restore_bytes
-from leanimg.format import DIGESTS_STRUCT, RecordType, page_digest
+from leanimg.format import DIGESTS_BODY, RecordType, page_digest
 from leanimg.rules import RULES
 from leanimg.validate import validate
 
@@ -139,13 +139,13 @@ def test_valid_vector_digests_only_for_digest_bearing_pages(rel):
         assert len(classes) == size // page_size
         covered = 0
         for rec in lean.records:
-            if rec.type != RecordType.DIGESTS or DIGESTS_STRUCT.unpack_from(rec.body)[0] != region_id:
+            if rec.type != RecordType.DIGESTS or DIGESTS_BODY.struct.unpack_from(rec.body)[0] != region_id:
                 continue
-            _, num_digests, first, num_pages = DIGESTS_STRUCT.unpack_from(rec.body)
+            _, num_digests, first, num_pages = DIGESTS_BODY.struct.unpack_from(rec.body)
             assert first == covered and num_pages >= 1
             bearing = [p for p in range(first, first + num_pages) if classes[p] in mv.DIGEST_BEARING]
             assert num_digests == len(bearing)
-            assert len(rec.body) == DIGESTS_STRUCT.size + 16 * num_digests
+            assert len(rec.body) == DIGESTS_BODY.struct.size + 16 * num_digests
             for k, p in enumerate(bearing):
                 content = raw[base + p * page_size:base + (p + 1) * page_size]
                 assert rec.body[24 + 16 * k:40 + 16 * k] == page_digest(content), (region_id, p)

@@ -31,10 +31,7 @@ import xxhash
 import zstandard
 
 from leanimg.format import (
-    DELTA_ENTRY_STRUCT, DELTA_FRAME_STRUCT, DIGESTS_STRUCT, EXTENT_STRUCT, FOOTER_MAGIC,
-    FOOTER_STRUCT, HEADER_CHECKSUM_OFFSET, INDEX_ENTRY_STRUCT, INDEX_STRUCT, NO_KEY,
-    PAGE_FRAME_STRUCT, PAGE_MAP_STRUCT, RECORD_HEADER_STRUCT, DeltaEncoding, PageClass, RecordType,
-    SourceFormat, align8, checksum64, page_digest,
+    DELTA_ENTRY, DELTA_FRAME_BODY, DIGESTS_BODY, EXTENT, FOOTER_MAGIC, FOOTER, HEADER, INDEX_ENTRY, INDEX_BODY, NO_KEY, PAGE_FRAME_BODY, PAGE_MAP_BODY, RECORD, DeltaEncoding, PageClass, RecordType, SourceFormat, align8, checksum64, page_digest,
 )
 from leanimg.writer import LeanImageWriter, ParentLink, disk_fingerprint
 
@@ -99,7 +96,7 @@ class Rec:
     padding: bytes | None = None       # None: zeros
 
     def serialize(self) -> bytes:
-        head = RECORD_HEADER_STRUCT.pack(self.type, self.flags, len(self.body))
+        head = RECORD.struct.pack(self.type, self.flags, len(self.body))
         pad = self.padding if self.padding is not None else bytes(align8(len(self.body)) - len(self.body))
         raw = head + self.body + pad
         return raw + struct.pack("<Q", checksum64(raw) if self.checksum is None else self.checksum)
@@ -118,13 +115,13 @@ class Lean:
     def parse(cls, data: bytes) -> "Lean":
         header_length = struct.unpack_from("<I", data, 12)[0]
         index_offset = struct.unpack_from("<Q", data, len(data) - 40)[0]
-        _, _, index_len = RECORD_HEADER_STRUCT.unpack_from(data, index_offset)
+        _, _, index_len = RECORD.struct.unpack_from(data, index_offset)
         index_body = data[index_offset + 16:index_offset + 16 + index_len]
-        (n, _) = INDEX_STRUCT.unpack_from(index_body)
-        entries = [INDEX_ENTRY_STRUCT.unpack_from(index_body, 8 + 32 * k) for k in range(n)]
+        (n, _) = INDEX_BODY.struct.unpack_from(index_body)
+        entries = [INDEX_ENTRY.struct.unpack_from(index_body, 8 + 32 * k) for k in range(n)]
         records = []
         for offset, rtype, key, first, count in entries:
-            t, flags, blen = RECORD_HEADER_STRUCT.unpack_from(data, offset)
+            t, flags, blen = RECORD.struct.unpack_from(data, offset)
             assert t == rtype and flags == 0
             records.append(Rec(t, data[offset + 16:offset + 16 + blen], key, first, count))
         return cls(data[:header_length], records)
@@ -150,8 +147,8 @@ class Lean:
               footer: dict | None = None, fix_footer_checksum: bool = True) -> bytes:
         header = bytearray(self.header)
         if fix_header:
-            struct.pack_into("<Q", header, HEADER_CHECKSUM_OFFSET, 0)
-            struct.pack_into("<Q", header, HEADER_CHECKSUM_OFFSET, checksum64(bytes(header)))
+            struct.pack_into("<Q", header, HEADER.offset("header_checksum"), 0)
+            struct.pack_into("<Q", header, HEADER.offset("header_checksum"), checksum64(bytes(header)))
         out = bytearray(header)
         entries = []
         for rec in self.records:
@@ -160,12 +157,12 @@ class Lean:
         if index_entries is not None:
             entries = index_entries(entries)
         index_offset = len(out)
-        index_body = INDEX_STRUCT.pack(len(entries), 0) + b"".join(INDEX_ENTRY_STRUCT.pack(*e) for e in entries)
+        index_body = INDEX_BODY.struct.pack(len(entries), 0) + b"".join(INDEX_ENTRY.struct.pack(*e) for e in entries)
         out += Rec(RecordType.INDEX, index_body + index_extra).serialize()
         fields = dict(magic=FOOTER_MAGIC, index_offset=index_offset, file_length=len(out) + 48,
                       image_digest=xxhash.xxh3_128_digest(bytes(out)), footer_checksum=0)
         fields.update(footer or {})
-        raw = FOOTER_STRUCT.pack(*fields.values())
+        raw = FOOTER.struct.pack(*fields.values())
         if fix_footer_checksum:
             raw = raw[:40] + struct.pack("<Q", checksum64(raw[:40]))
         return bytes(out + raw)
@@ -185,12 +182,12 @@ def rewrite_body(lean: Lean, i: int, fn) -> Lean:
 
 
 def extents_of(body: bytes) -> list[list[int]]:
-    _, n = PAGE_MAP_STRUCT.unpack_from(body)
-    return [list(EXTENT_STRUCT.unpack_from(body, 8 + 24 * k)) for k in range(n)]
+    _, n = PAGE_MAP_BODY.struct.unpack_from(body)
+    return [list(EXTENT.struct.unpack_from(body, 8 + 24 * k)) for k in range(n)]
 
 
 def page_map_body(region_id: int, extents) -> bytes:
-    return PAGE_MAP_STRUCT.pack(region_id, len(extents)) + b"".join(EXTENT_STRUCT.pack(*e) for e in extents)
+    return PAGE_MAP_BODY.struct.pack(region_id, len(extents)) + b"".join(EXTENT.struct.pack(*e) for e in extents)
 
 
 DIGEST_BEARING = {PageClass.STORED, PageClass.DISK, PageClass.PARENT, PageClass.DELTA}
@@ -200,7 +197,7 @@ def page_classes(lean: "Lean", region_id: int) -> list[int]:
     """The class of every page of a region, from its PAGE_MAP records in file order."""
     classes = []
     for rec in lean.records:
-        if rec.type == RecordType.PAGE_MAP and PAGE_MAP_STRUCT.unpack_from(rec.body)[0] == region_id:
+        if rec.type == RecordType.PAGE_MAP and PAGE_MAP_BODY.struct.unpack_from(rec.body)[0] == region_id:
             for first, n, cls, _, _ in extents_of(rec.body):
                 assert first == len(classes)
                 classes += [cls] * n
@@ -217,11 +214,11 @@ def digest_rank(lean: "Lean", region_id: int, page: int, cls: PageClass) -> int:
 
 def digests_body(region_id: int, first_page: int, num_pages: int, digests: bytes) -> bytes:
     assert len(digests) % 16 == 0
-    return DIGESTS_STRUCT.pack(region_id, len(digests) // 16, first_page, num_pages) + digests
+    return DIGESTS_BODY.struct.pack(region_id, len(digests) // 16, first_page, num_pages) + digests
 
 
 def split_delta_frame(body: bytes):
-    first, n, reserved = DELTA_FRAME_STRUCT.unpack_from(body)
+    first, n, reserved = DELTA_FRAME_BODY.struct.unpack_from(body)
     offsets = list(struct.unpack_from(f"<{n + 1}I", body, 16))
     zstd_at = align8(16 + 4 * (n + 1))
     content = zstandard.ZstdDecompressor().decompress(body[zstd_at:])
@@ -234,7 +231,7 @@ def delta_frame_body(first: int, entries: list[bytes], offsets=None, content_siz
         offsets = [0]
         for e in entries:
             offsets.append(offsets[-1] + len(e))
-    table = DELTA_FRAME_STRUCT.pack(first, len(offsets) - 1, 0) + struct.pack(f"<{len(offsets)}I", *offsets)
+    table = DELTA_FRAME_BODY.struct.pack(first, len(offsets) - 1, 0) + struct.pack(f"<{len(offsets)}I", *offsets)
     table += bytes(align8(len(table)) - len(table))
     content = b"".join(entries) if frame_content is None else frame_content
     return table + compress(content, content_size)
@@ -435,7 +432,7 @@ def split_digests(data: bytes, sizes: list[int]) -> bytes:
     """The image with its (single) DIGESTS record of region 0 split into records of ``sizes`` pages."""
     lean = Lean.parse(data)
     i = lean.find(RecordType.DIGESTS)
-    rid, n, first, pages = DIGESTS_STRUCT.unpack_from(lean.records[i].body)
+    rid, n, first, pages = DIGESTS_BODY.struct.unpack_from(lean.records[i].body)
     assert first == 0 and pages == sum(sizes) and lean.count(RecordType.DIGESTS) == 1
     digests = lean.records[i].body[24:]
     bearing = [c in DIGEST_BEARING for c in page_classes(lean, rid)]
@@ -599,9 +596,9 @@ def generate(outdir: Path) -> None:
         entries.append((len(body), r.type, r.key, r.first, r.count))
         body += r.serialize()
     index_offset = len(body)
-    body += Rec(RecordType.INDEX, INDEX_STRUCT.pack(len(entries), 0)
-                + b"".join(INDEX_ENTRY_STRUCT.pack(*e) for e in entries)).serialize()
-    head = FOOTER_STRUCT.pack(FOOTER_MAGIC, index_offset, len(body) + 48, xxhash.xxh3_128_digest(bytes(body)), 0)
+    body += Rec(RecordType.INDEX, INDEX_BODY.struct.pack(len(entries), 0)
+                + b"".join(INDEX_ENTRY.struct.pack(*e) for e in entries)).serialize()
+    head = FOOTER.struct.pack(FOOTER_MAGIC, index_offset, len(body) + 48, xxhash.xxh3_128_digest(bytes(body)), 0)
     v.invalid("rec-001-gap", "LI-REC-001", bytes(body) + head[:40] + struct.pack("<Q", checksum64(head[:40])),
               "8 zero bytes between records 1 and 2 (index offsets, digest, footer fixed)",
               also=["LI-REC-002", "LI-REC-003", "LI-IDX-001"])
@@ -611,7 +608,7 @@ def generate(outdir: Path) -> None:
     index_offset = struct.unpack_from("<Q", data, len(data) - 40)[0]
     bad = bytearray(data[:-48])
     struct.pack_into("<Q", bad, index_offset + 8, len(data))          # INDEX body_length runs past the footer
-    head = FOOTER_STRUCT.pack(FOOTER_MAGIC, index_offset, len(data), xxhash.xxh3_128_digest(bytes(bad)), 0)
+    head = FOOTER.struct.pack(FOOTER_MAGIC, index_offset, len(data), xxhash.xxh3_128_digest(bytes(bad)), 0)
     v.invalid("rec-002-past-footer", "LI-REC-002", bytes(bad) + head[:40] + struct.pack("<Q", checksum64(head[:40])),
               "INDEX body_length runs past the footer (digest and footer fixed)", also=["LI-IDX-001"])
 
@@ -778,7 +775,7 @@ def generate(outdir: Path) -> None:
     n = lean.count(RecordType.PAGE_FRAME)
     last = lean.find(RecordType.PAGE_FRAME, n - 1)
     total = lean.records[last].first + lean.records[last].count
-    lean.records.insert(last + 1, Rec(RecordType.PAGE_FRAME, PAGE_FRAME_STRUCT.pack(total, 0, 0) + compress(b""),
+    lean.records.insert(last + 1, Rec(RecordType.PAGE_FRAME, PAGE_FRAME_BODY.struct.pack(total, 0, 0) + compress(b""),
                                       NO_KEY, total, 0))
     v.invalid("frm-004-empty", "LI-FRM-004", lean.build(), "a PAGE_FRAME with num_pages 0 (empty zstd frame)")
 
@@ -851,7 +848,7 @@ def generate(outdir: Path) -> None:
         n = 504
         bits = np.zeros(512, bool)
         bits[:n] = True
-        entries[1] = DELTA_ENTRY_STRUCT.pack(2, 0, n) + np.packbits(bits, bitorder="little").tobytes() + bytes(8 * n)
+        entries[1] = DELTA_ENTRY.struct.pack(2, 0, n) + np.packbits(bits, bitorder="little").tobytes() + bytes(8 * n)
         return delta_frame_body(first, entries)
     v.invalid("dlt-004-too-big", "LI-DLT-004", child_delta(too_big),
               "BITMAP entry of 504 words: 4100 bytes >= page_size")
@@ -860,7 +857,7 @@ def generate(outdir: Path) -> None:
     lean = L(uniform)
     i = lean.find(RecordType.DIGESTS)
     b = lean.records[i].body
-    rid, n, first, pages = DIGESTS_STRUCT.unpack_from(b)
+    rid, n, first, pages = DIGESTS_BODY.struct.unpack_from(b)
     assert (n, first, pages) == (4, 0, 4)
     d = b[24:]
     lean.records[i] = Rec(RecordType.DIGESTS, digests_body(rid, 2, 2, d[32:]), rid, 2, 2)
