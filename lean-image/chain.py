@@ -15,8 +15,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .digests import verify_rows
 from .errors import ChainError
 from .format import DIGEST_SIZE, PageClass, row_digests, zero_page_digest
+from . import pages as page_module
+from .rules import implements
 
 CONCRETE = np.array([PageClass.STORED, PageClass.ZERO, PageClass.FREE, PageClass.DISK], np.uint8)
 
@@ -33,6 +36,7 @@ class Resolution:
     delta_slots: np.ndarray
 
 
+@implements("LI-CHN-004")
 def resolve(image, region) -> Resolution:
     """Fold the chain of ``image`` for ``region`` into a Resolution."""
     links = image.chain()
@@ -93,7 +97,7 @@ def fill(resolution: Resolution, out: np.ndarray, first_page: int, count: int,
     slots = resolution.base_slot[first_page:stop]
     want = np.ones(count, bool) if want is None else want
     if window is None:
-        window = _FrameWindow(resolution.links[0]._pool, fill_frames(resolution, first_page, count, want))
+        window = _FrameWindow(resolution.links[0].frames.pool, fill_frames(resolution, first_page, count, want))
     for link_index in np.unique(links[want & ((classes == PageClass.STORED) | (classes == PageClass.DISK))]):
         link = resolution.links[int(link_index)]
         mine = want & (links == link_index)
@@ -120,19 +124,12 @@ def fill(resolution: Resolution, out: np.ndarray, first_page: int, count: int,
 def _apply_link_deltas(link, words, out, rows, slots, ps, apply_delta) -> None:
     """One link's deltas (at most one per page): INDEX_LIST entries parsed per frame with
     numpy and applied in one scatter; any other entry through the fully checked path."""
-    from .errors import FormatError
-    frames = np.searchsorted(link._delta_starts, slots, side="right") - 1
-    if (frames < 0).any():
-        raise FormatError(f"delta entry {int(slots[frames < 0][0])} is in no DELTA_FRAME",
-                          rule="LI-MAP-004", structure="delta_frame", path=link.path)
+    frames = link.frames.delta_frames.frame_of(slots)     # every slot has one (checked at open)
     for frame in np.unique(frames).tolist():
         sel = frames == frame
         first, content, offsets, (simple, word_start, num_words, positions, values) = \
-            link.delta_frame_parsed(frame)
+            link.frames.delta_frame_parsed(frame)
         k = slots[sel] - first
-        if (k >= len(offsets) - 1).any():
-            raise FormatError(f"delta entry {int(slots[sel][k >= len(offsets) - 1][0])} is in no DELTA_FRAME",
-                              rule="LI-MAP-004", structure="delta_frame", path=link.path)
         frame_rows = rows[sel]
         fast = simple[k]
         counts = num_words[k[fast]]
@@ -161,7 +158,7 @@ class _FrameWindow:
         """One more frame (or ``count``) handed to the workers."""
         while count and self.pending:
             link, frame, with_digests = self.pending.pop()
-            link.prefetch_frames([frame], self.pool, with_digests)
+            link.frames.prefetch([frame], self.pool, with_digests)
             count -= 1
 
 
@@ -174,35 +171,21 @@ def fill_frames(resolution: Resolution, first_page: int, count: int, want: np.nd
     order = []
     for link_index in np.unique(links[stored]).tolist():
         link = resolution.links[link_index]
-        frames = np.unique(np.searchsorted(link._frame_starts, slots[stored & (links == link_index)],
-                                           side="right") - 1)
-        order += [(link, f, False) for f in frames[frames >= 0].tolist()]
+        frames = np.unique(link.frames.page_frames.frame_of(slots[stored & (links == link_index)]))
+        order += [(link, f, False) for f in frames.tolist()]
     return order
 
 
 def _copy_runs(link, out: np.ndarray, rows: np.ndarray, slots: np.ndarray, ps: int, window: _FrameWindow) -> None:
     """Copy STORED pages of one link: one decompressed frame and one numpy copy per frame."""
-    from .errors import FormatError
-    starts, counts = link._frame_starts, link._frame_counts
-    frames = np.searchsorted(starts, slots, side="right") - 1
-    if len(starts):
-        bad = (frames < 0) | (slots >= starts[np.maximum(frames, 0)] + counts[np.maximum(frames, 0)])
-    else:
-        bad = np.ones(len(slots), bool)          # STORED pages in a link without any frame
-    if bad.any():
-        raise FormatError(f"stored ordinal {int(slots[bad][0])} is in no PAGE_FRAME", rule="LI-MAP-004",
-                          structure="page_map", path=link.path)
+    starts = link.frames.page_frames.starts
+    frames = link.frames.page_frames.frame_of(slots)     # every slot has one (checked at open)
     pages = out.reshape(-1, ps)
     for frame in np.unique(frames).tolist():
         window.step()
         sel = frames == frame
-        content = np.frombuffer(link.frame_pages(frame), np.uint8).reshape(-1, ps)
+        content = np.frombuffer(link.frames.frame_pages(frame), np.uint8).reshape(-1, ps)
         pages[rows[sel]] = content[slots[sel] - starts[frame]]
-
-
-# Decompressed frames whose pages one pieces() call may hand out as views (holding them
-# until written); pages of further frames are copied into the chunk buffer instead.
-DIRECT_FRAMES_MAX = 32
 
 
 def pieces(image, region, resolution: Resolution, first_page: int, count: int) -> list:
@@ -223,12 +206,12 @@ def pieces(image, region, resolution: Resolution, first_page: int, count: int) -
     frames = _direct_frames(resolution, links, slots, ~has_delta & (classes == PageClass.STORED))
     direct = frames >= 0
     built = ~blank & ~direct
-    own, expected = image._expected_range(region, first_page, count)
+    own, expected = image.digests.expected_range(region, first_page, count)
     checked = (own != PageClass.FREE) & (own != PageClass.ZERO)
     _check_blank(image, region, first_page, np.flatnonzero(blank & checked), expected)
     order = fill_frames(resolution, first_page, count, built) if built.any() else []
     order += [(resolution.links[li], f, True) for li, f in _page_order_frames(links, frames)]
-    window = _FrameWindow(resolution.links[0]._pool, order)
+    window = _FrameWindow(resolution.links[0].frames.pool, order)
     out = None
     if built.any():
         out = np.zeros(count * ps, np.uint8)
@@ -264,17 +247,12 @@ def _hold_direct_frames(image, region, resolution, window, first_page, links, fr
     for link_index, frame in _page_order_frames(links, frames):
         link = resolution.links[link_index]
         window.step()
-        content, digests = link._frame(frame, with_digests=True)
-        first_ordinal = int(link._frame_starts[frame])
+        content, digests = link.frames.frame(frame, with_digests=True)
+        first_ordinal = int(link.frames.page_frames.starts[frame])
         held[(link_index, frame)] = (memoryview(content), first_ordinal)
         mine = rows[(links[rows] == link_index) & (frames[rows] == frame)]
         got[mine] = digests[slots[mine] - first_ordinal]
-    bad = rows[checked[rows] & (got[rows] != expected[rows]).any(axis=1)]
-    if len(bad):
-        k = int(bad[0])
-        content, first_ordinal = held[(int(links[k]), int(frames[k]))]
-        at = (int(slots[k]) - first_ordinal) * image.page_size
-        image._verify(region, first_page + k, bytes(content[at:at + image.page_size]))
+    verify_rows(region, first_page, rows[checked[rows]], got, expected)
     return held
 
 
@@ -286,16 +264,13 @@ def _direct_frames(resolution: Resolution, links: np.ndarray, slots: np.ndarray,
     for link_index in np.unique(links[candidate]).tolist():
         link = resolution.links[link_index]
         sel = np.flatnonzero(candidate & (links == link_index))
-        f = np.searchsorted(link._frame_starts, slots[sel], side="right") - 1
-        ok = f >= 0
-        ok[ok] = slots[sel][ok] < link._frame_starts[f[ok]] + link._frame_counts[f[ok]]
-        frames[sel[ok]] = f[ok]     # the rest go through fill, which reports the bad slot
+        frames[sel] = link.frames.page_frames.frame_of(slots[sel])
     chosen = np.flatnonzero(frames >= 0)
     keys = (links[chosen].astype(np.int64) << 32) | frames[chosen]
     unique, inverse, counts = np.unique(keys, return_inverse=True, return_counts=True)
-    if len(unique) > DIRECT_FRAMES_MAX:
+    if len(unique) > page_module.DIRECT_FRAMES_MAX:
         keep = np.zeros(len(unique), bool)
-        keep[np.argsort(-counts, kind="stable")[:DIRECT_FRAMES_MAX]] = True
+        keep[np.argsort(-counts, kind="stable")[:page_module.DIRECT_FRAMES_MAX]] = True
         frames[chosen[~keep[inverse]]] = -1
     return frames
 
@@ -311,20 +286,16 @@ def _page_order_frames(links: np.ndarray, frames: np.ndarray) -> list:
 def _check_blank(image, region, first_page: int, rows: np.ndarray, expected: np.ndarray) -> None:
     """Pages that resolve to ZERO or FREE but carry a digest in link 0 must be zero pages."""
     if len(rows):
-        zero = np.frombuffer(zero_page_digest(image.page_size), np.uint8)
-        bad = rows[(expected[rows] != zero).any(axis=1)]
-        if len(bad):
-            image._verify(region, first_page + int(bad[0]), bytes(image.page_size))
+        zero = np.broadcast_to(np.frombuffer(zero_page_digest(image.page_size), np.uint8), expected.shape)
+        verify_rows(region, first_page, rows, zero, expected)
 
 
 def check_built(image, region, first_page: int, out: np.ndarray, rows: np.ndarray,
                 expected: np.ndarray) -> None:
     """Rows ``rows`` of ``out`` (pages first_page + row) against ``expected`` digests; the
-    first that differs raises LI-DIG-002 through image._verify."""
+    first that differs raises LI-DIG-002."""
     if not len(rows):
         return
-    pages = out.reshape(-1, image.page_size)
-    got = row_digests(pages, rows)
-    bad = rows[(got != expected[rows]).any(axis=1)]
-    if len(bad):
-        image._verify(region, first_page + int(bad[0]), pages[int(bad[0])].tobytes())
+    got = np.zeros(expected.shape, np.uint8)
+    got[rows] = row_digests(out.reshape(-1, image.page_size), rows)
+    verify_rows(region, first_page, rows, got, expected)

@@ -331,7 +331,7 @@ def merge(image, output, delta, parents, disks):
     from .reader import LeanImage
     with LeanImage.open(image, parents=parents, disks=_parse_disks(disks)) as img:
         if img.parent is None:
-            raise ChainError("the image has no parent to merge into; use flatten", rule="LI-CHN-001")
+            raise ChainError("the image has no parent to merge into; use flatten")
         ancestors = [link.path for link in img.parent.chain()[1:]]
         rebase(img, output, img.parent.parent, allow_delta=delta)
         _report_rebase(output, ancestors)

@@ -12,6 +12,8 @@ import numpy as np
 
 from .errors import FormatError
 from .format import DELTA_ENTRY, DELTA_RUN, WORD_SIZE, DeltaEncoding
+from .rules import implements
+from .structures import reserved_problems
 
 _HEAD = DELTA_ENTRY.size
 _NUM_RUNS = DELTA_ENTRY.field("num_runs").struct
@@ -72,6 +74,7 @@ def _fail(rule: str, message: str, offset: int | None, structure: str) -> Format
     return FormatError(message, rule=rule, offset=offset, structure=structure)
 
 
+@implements("LI-DLT-002", "LI-DLT-003", "LI-DLT-004")
 def decode_positions(entry, page_size: int, *, offset: int | None = None,
                      structure: str = "delta_entry") -> tuple[np.ndarray, np.ndarray]:
     """Word positions and new values of a delta entry, checking every rule of §7."""
@@ -83,8 +86,8 @@ def decode_positions(entry, page_size: int, *, offset: int | None = None,
                     offset, structure)
     encoding, reserved, num_words = DELTA_ENTRY.unpack(entry)
     words_per_page = page_size // WORD_SIZE
-    if reserved:
-        raise _fail("LI-REC-008", f"expected reserved 0, got {reserved:#x}", offset, structure)
+    for problem in reserved_problems(DELTA_ENTRY, {"reserved": reserved}, offset, structure):
+        raise problem
     if encoding not in DeltaEncoding.__members__.values() or num_words == 0:
         raise _fail("LI-DLT-002", f"expected encoding 1-3 and num_words >= 1, got encoding "
                     f"{encoding}, num_words {num_words}", offset, structure)

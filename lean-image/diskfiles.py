@@ -58,7 +58,7 @@ def attribute_pages(image) -> dict[str, Counter]:
         sectors = refs.get(info.disk_id)
         if sectors is None:
             continue
-        source = image._disk_sources.get(info.disk_id)
+        source = image.disk_sources.get(info.disk_id)
         if source is None:
             raise DiskError(f"--files: pass --disk {info.name}=PATH to name the files of disk {info.name!r}")
         out[info.name] = _files_of(source, sectors)
@@ -75,7 +75,8 @@ def _references(image) -> dict[int, np.ndarray]:
     if not used:
         return {}
     slots = np.concatenate(used)
-    ids, sectors = image._disk_ref_ids[slots], image._disk_refs[slots].astype(np.int64)
+    refs = image.tables.disk_refs
+    ids, sectors = refs.disk_ids[slots], refs.sectors[slots].astype(np.int64)
     return {int(d): sectors[ids == d] for d in np.unique(ids)}
 
 

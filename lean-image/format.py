@@ -47,9 +47,11 @@ class Structure:
     """An on-disk structure: its fixed-size head packs and unpacks with one struct; fields
     after the first variable-length one (names, arrays, frames) are parsed by their users."""
 
-    def __init__(self, name: str, fields: list[tuple[str, str]]):
+    def __init__(self, name: str, fields: list[tuple[str, str]], zero: tuple[str, ...] = ()):
         self.name = name                       # the type's name in ksy/leanimg.ksy
         self.fields = [Field(*f) for f in fields]
+        # head fields that must be zero (rule LI-REC-008): the reserved ones, and any named here
+        self.zero_fields = [f.name for f in self.fields if f.name == "reserved" or f.name in zero]
         head = []
         for f in self.fields:
             if not f.is_fixed:
@@ -154,7 +156,7 @@ REGION_NAME_MAX = 255
 DISK_BODY = Structure("disk_body", [
     ("disk_id", "u4"), ("flags", "u4"), ("size_bytes", "u8"), ("sector_size", "u4"),
     ("fingerprint_method", "u4"), ("fingerprint", "digest"), ("name_length", "u4"), ("reserved", "u4"),
-    ("name", "b[]")])
+    ("name", "b[]")], zero=("flags",))
 DISK_SECTOR_SIZE = 512
 DISK_NAME_MAX = 255
 FINGERPRINT_SAMPLED_XXH3 = 1
@@ -239,6 +241,11 @@ DEFAULT_ZSTD_LEVEL = 3
 DIGEST_CHUNK_PAGES = 1 << 16
 EXTENT_CHUNK = 1 << 16
 DISK_REF_CHUNK = 1 << 16
+
+
+def valid_page_size(page_size: int) -> bool:
+    """A power of two from 4096 to 65536 (spec §3.7)."""
+    return not page_size & (page_size - 1) and PAGE_SIZE_MIN <= page_size <= PAGE_SIZE_MAX
 
 
 def align8(n: int) -> int:

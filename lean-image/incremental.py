@@ -10,7 +10,6 @@ from collections import Counter
 
 import numpy as np
 
-from .errors import FormatError
 from .format import DIGEST_SIZE, PageClass, page_digest
 from .reader import LeanImage
 from .writer import LeanImageWriter, ParentLink
@@ -44,7 +43,7 @@ class AgainstParent:
             digests[i] = np.frombuffer(page_digest(data[i * ps:(i + 1) * ps]), np.uint8)
         same = np.zeros(count, bool)
         if within:
-            parent_classes, expected = self.parent._expected_range(parent_region, first_page, within)
+            parent_classes, expected = self.parent.digests.expected_range(parent_region, first_page, within)
             same[:within] = nonzero[:within] & (parent_classes != PageClass.FREE) & \
                 (digests[:within] == expected).all(axis=1)
         for start, stop, kind in _runs(same, nonzero):
@@ -129,12 +128,10 @@ def _copy_disk_refs(image: LeanImage, writer, disk_ids: dict, region, region_id:
                     count: int) -> None:
     """The DISK references of pages [first, first+count) of ``image``, copied as they are."""
     slots = image.page_slots(region, first, count)
-    if int(slots.max()) >= len(image._disk_refs):
-        raise FormatError(f"region {region.name!r}: disk reference {int(slots.max())} does not exist",
-                          structure="page_map", rule="LI-MAP-004", path=image.path)
-    _, digests = image._expected_range(region, first, count)
-    old_ids = image._disk_ref_ids[slots]
+    refs = image.tables.disk_refs
+    _, digests = image.digests.expected_range(region, first, count)
+    old_ids = refs.disk_ids[slots]
     new_ids = np.zeros(len(old_ids), np.int64)
     for old, new in disk_ids.items():
         new_ids[old_ids == old] = new
-    writer.put_disks(region_id, np.arange(first, first + count), new_ids, image._disk_refs[slots], digests)
+    writer.put_disks(region_id, np.arange(first, first + count), new_ids, refs.sectors[slots], digests)

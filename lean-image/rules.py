@@ -1,8 +1,16 @@
-"""Every conformance rule of format v1.0, by id, as spec/format.md states it.
+"""Every conformance rule of format v1.0, by id, as spec/format.md states it, and the one
+function that implements each.
 
-`leanimg validate` reports findings by these ids; spec/conformance.md lists them
-with how each is checked; tests/vectors has an invalid vector for each.
+`leanimg validate` reports findings by these ids; spec/conformance.md lists them with how
+each is checked; tests/vectors has an invalid vector for each. A rule is checked by exactly
+one function, registered here with ``@implements``: the reader raises that function's first
+finding, the validator reports them all (tests/test_rules.py checks that no other code
+raises the rule).
 """
+
+from __future__ import annotations
+
+IMPLEMENTATIONS: dict = {}
 
 RULES = {
     # header (spec §3)
@@ -80,3 +88,16 @@ RULES = {
 
 def describe(rule: str) -> str:
     return RULES.get(rule, "")
+
+
+def implements(*rules: str):
+    """Register the decorated function as the one implementation of ``rules``."""
+    def register(function):
+        for rule in rules:
+            if rule not in RULES:
+                raise ValueError(f"{function.__qualname__}: unknown rule {rule}")
+            if rule in IMPLEMENTATIONS:
+                raise ValueError(f"{rule} is implemented by {IMPLEMENTATIONS[rule].__qualname__} already")
+            IMPLEMENTATIONS[rule] = function
+        return function
+    return register

@@ -6,41 +6,26 @@ reader can raise the first while the validator collects them all.
 from __future__ import annotations
 
 import os
-import struct
 from dataclasses import dataclass
 from typing import Iterator
 
 import numpy as np
+import xxhash
 
-from .errors import FormatError, LimitError, TruncatedError
+from .compression import FrameError, declared_size
+from .errors import FormatError, LeanImageError, LimitError, TruncatedError
 from .format import (
-    BODY_OF, DELTA_FRAME_BODY, DIGEST_SIZE, DIGESTS_BODY, DISK_BODY, DISK_NAME_MAX, DISK_REF, DISK_REFS_BODY,
+    BODY_OF, DELTA_FRAME_BODY, DIGEST_SIZE, DIGESTS_BODY, DISK_REF, DISK_REFS_BODY,
     DISK_SECTOR_SIZE, EXTENT, FINGERPRINT_SAMPLED_XXH3, FOOTER, FOOTER_MAGIC, FORMAT_MAJOR,
     FRAME_PAGES_MAX_BYTES, HEADER, HEADER_LENGTH_MAX, HEADER_MAGIC, INDEX_BODY, INDEX_ENTRY, KNOWN_INCOMPAT,
     PAGE_FRAME_BODY, PAGE_MAP_BODY, PAGE_SIZE_MAX, PAGE_SIZE_MIN, RECORD, RECORD_BODY_MAX,
-    RECORD_OPTIONAL_BIT, RECORD_TRAILER, REGION_BODY, REGION_FLAG_HAS_GPA, REGION_NAME_MAX,
+    RECORD_OPTIONAL_BIT, RECORD_TRAILER, REGION_FLAG_HAS_GPA,
     REGION_SIZE_MAX, SLOT_CLASSES, SOURCE_STATE_BODY, IncompatFeature, PageClass, RecordType, SourceFormat,
-    align8, checksum64,
+    align8, checksum64, record_size, valid_page_size,
 )
+from .rules import implements
 
 KNOWN_TYPES = {int(t) for t in RecordType}
-
-
-def extent_ranks(extents: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Per extent: whether its pages have stored digests, and how many digests precede it."""
-    from .format import DIGEST_CLASSES
-    bearing = np.isin(extents["page_class"], [int(c) for c in DIGEST_CLASSES])
-    counts = np.where(bearing, extents["num_pages"].astype(np.int64), 0)
-    rank0 = np.concatenate(([0], np.cumsum(counts)[:-1])) if len(counts) else counts
-    return bearing, rank0
-
-
-def bearing_before(extents: np.ndarray, bearing: np.ndarray, rank0: np.ndarray, pages: np.ndarray) -> np.ndarray:
-    """For each page number (up to the region end), how many pages before it have stored digests."""
-    starts = extents["first_page"].astype(np.int64)
-    i = np.searchsorted(starts, pages, side="right") - 1
-    within = np.minimum(pages - starts[i], extents["num_pages"][i].astype(np.int64))
-    return rank0[i] + np.where(bearing[i], within, 0)
 
 
 class ImageFile:
@@ -83,6 +68,7 @@ def _header_error(field: str, message: str, rule: str, error=FormatError) -> For
     return error(message, offset=HEADER.offset(field), structure=f"header.{field}", rule=rule)
 
 
+@implements("LI-HDR-001", "LI-HDR-002", "LI-HDR-003")
 def read_header(image: ImageFile) -> Header:
     """Read and check the fixed part; raise on what makes the rest unreadable."""
     raw = image.read_exact(0, min(HEADER.size, image.size), "header")
@@ -113,6 +99,7 @@ def header_checksum(raw: bytes) -> int:
     return checksum64(bytes(raw[:at]) + bytes(8) + bytes(raw[at + 8:]))
 
 
+@implements("LI-HDR-004", "LI-HDR-005", "LI-HDR-006", "LI-HDR-007", "LI-HDR-008")
 def header_problems(header: Header) -> Iterator[FormatError]:
     computed = header_checksum(header.raw)
     if computed != header.header_checksum:
@@ -122,10 +109,9 @@ def header_problems(header: Header) -> Iterator[FormatError]:
     if unknown:
         yield _header_error("incompatible_features", f"unknown incompatible feature bits {unknown:#x}",
                             "LI-HDR-005")
-    ps = header.page_size
-    if ps & (ps - 1) or not PAGE_SIZE_MIN <= ps <= PAGE_SIZE_MAX:
+    if not valid_page_size(header.page_size):
         yield _header_error("page_size", f"expected page_size a power of two in {PAGE_SIZE_MIN}.."
-                            f"{PAGE_SIZE_MAX}, got {ps}", "LI-HDR-006")
+                            f"{PAGE_SIZE_MAX}, got {header.page_size}", "LI-HDR-006")
     if header.reserved or (header.minor_version == 0 and any(header.raw[HEADER.size:])):
         yield _header_error("reserved", "expected reserved header bytes zero", "LI-HDR-007")
     has_uuid, has_digest = header.parent_uuid != bytes(16), header.parent_digest != bytes(16)
@@ -152,6 +138,7 @@ def footer_checksum(raw: bytes) -> int:
     return checksum64(bytes(raw[:FOOTER.offset("footer_checksum")]))
 
 
+@implements("LI-FTR-001", "LI-FTR-002", "LI-FTR-003")
 def read_footer(image: ImageFile, header_length: int) -> Footer:
     offset = image.size - FOOTER.size
 
@@ -173,10 +160,47 @@ def read_footer(image: ImageFile, header_length: int) -> Footer:
                    f"{footer.footer_checksum:#018x}", "LI-FTR-002")
     if footer.file_length != image.size:
         raise fail("file_length", f"expected file_length {image.size}, got {footer.file_length}", "LI-FTR-003")
-    if not header_length <= footer.index_offset < offset or footer.index_offset % 8:
-        raise fail("index_offset", f"expected index_offset an aligned offset in {header_length:#x}..{offset:#x}, "
-                   f"got {footer.index_offset:#x}", "LI-FTR-005")
+    for problem in index_location_problems(footer, header_length):
+        raise problem
     return footer
+
+
+@implements("LI-FTR-004")
+def image_digest_problems(image: ImageFile, footer: Footer) -> Iterator[FormatError]:
+    """image_digest is the xxh3-128 of every byte before the footer (reads the whole file)."""
+    hasher = xxhash.xxh3_128()
+    image.fileobj.seek(0)
+    remaining = footer.offset
+    while remaining:
+        chunk = image.fileobj.read(min(remaining, 8 << 20))
+        if not chunk:
+            break
+        hasher.update(chunk)
+        remaining -= len(chunk)
+    if hasher.digest() != footer.image_digest:
+        yield FormatError(f"expected image_digest {hasher.digest().hex()}, got {footer.image_digest.hex()}",
+                          offset=footer.offset + FOOTER.offset("image_digest"), structure="footer.image_digest",
+                          rule="LI-FTR-004")
+
+
+@implements("LI-FTR-005")
+def index_location_problems(footer: Footer, header_length: int, index: Record | None = None,
+                            scanned_index: Record | None = None) -> Iterator[FormatError]:
+    """index_offset is an aligned offset between header and footer; with ``index`` (the record
+    read there) it is the INDEX record ending at the footer; with ``scanned_index`` (the INDEX
+    a sequential scan found) it is that one."""
+    field_offset = footer.offset + FOOTER.offset("index_offset")
+    where = "footer.index_offset"
+    if not header_length <= footer.index_offset < footer.offset or footer.index_offset % 8:
+        yield FormatError(f"expected index_offset an aligned offset in {header_length:#x}..{footer.offset:#x}, "
+                          f"got {footer.index_offset:#x}", offset=field_offset, structure=where, rule="LI-FTR-005")
+    elif index is not None and (index.record_type != RecordType.INDEX or index.end != footer.offset):
+        yield FormatError(f"expected the INDEX record ending at the footer {footer.offset:#x}, got "
+                          f"{index.name} ending at {index.end:#x}", offset=footer.index_offset,
+                          structure=where, rule="LI-FTR-005")
+    elif scanned_index is not None and scanned_index.offset != footer.index_offset:
+        yield FormatError(f"expected index_offset {scanned_index.offset:#x}, got {footer.index_offset:#x}",
+                          offset=field_offset, structure=where, rule="LI-FTR-005")
 
 
 # --- records -------------------------------------------------------------------
@@ -188,11 +212,12 @@ class Record:
     body_length: int
     record_checksum: int
     body: memoryview
+    index: int | None = None                  # position in file order, for structure paths
     parsed: dict | None = None
 
     @property
     def size(self) -> int:
-        return RECORD.size + align8(self.body_length) + RECORD_TRAILER.size
+        return record_size(self.body_length)
 
     @property
     def end(self) -> int:
@@ -209,6 +234,13 @@ class Record:
         except ValueError:
             return f"type_{self.record_type:#010x}"
 
+    def path(self, field: str = "") -> str:
+        return record_path(self.index, self, field)
+
+    def error(self, rule: str | None, message: str, at: int = 0, field: str = "") -> FormatError:
+        """A finding about this record, ``at`` bytes into its body."""
+        return FormatError(message, offset=self.body_offset + at, structure=self.path(field), rule=rule)
+
 
 def record_path(index: int | None, record: Record | None = None, field: str = "") -> str:
     name = record.name if record else "record"
@@ -216,13 +248,11 @@ def record_path(index: int | None, record: Record | None = None, field: str = ""
     return f"{where}.{name}" + (f".{field}" if field else "")
 
 
+@implements("LI-REC-002")
 def read_record_header(image: ImageFile, offset: int, limit: int, index: int | None) -> tuple[int, int, int]:
     path = record_path(index)
-    if limit - offset < RECORD.size + RECORD_TRAILER.size:
-        raise FormatError(f"{limit - offset} bytes before {limit:#x} cannot hold a record",
-                          offset=offset, structure=path, rule="LI-REC-001")
     head = RECORD.unpack(image.read_exact(offset, RECORD.size, path))
-    end = offset + RECORD.size + align8(head.body_length) + RECORD_TRAILER.size
+    end = offset + record_size(head.body_length)
     if end > limit:
         raise TruncatedError(f"record of {end - offset} bytes runs past {limit:#x}",
                              offset=offset + RECORD.offset("body_length"), structure=path + ".body_length",
@@ -234,32 +264,73 @@ def read_record_header(image: ImageFile, offset: int, limit: int, index: int | N
     return head.record_type, head.flags, head.body_length
 
 
+@implements("LI-REC-003", "LI-REC-005")
 def read_record(image: ImageFile, offset: int, limit: int, index: int | None = None) -> Record:
     """Read one record, checking framing, checksum, padding and flags."""
     record_type, flags, body_length = read_record_header(image, offset, limit, index)
-    padded = align8(body_length)
-    raw = image.read_exact(offset, RECORD.size + padded + RECORD_TRAILER.size, record_path(index))
+    raw = image.read_exact(offset, record_size(body_length), record_path(index))
     trailer_at = len(raw) - RECORD_TRAILER.size
     (stored,) = RECORD_TRAILER.unpack_from(raw, trailer_at)
     body = memoryview(raw)[RECORD.size:RECORD.size + body_length]      # a view: frame bodies are large
-    record = Record(offset, record_type, flags, body_length, stored, body)
+    record = Record(offset, record_type, flags, body_length, stored, body, index)
     computed = checksum64(memoryview(raw)[:trailer_at])
     if computed != stored:
         raise FormatError(f"expected record_checksum {computed:#018x}, got {stored:#018x}",
-                          offset=offset + trailer_at, structure=record_path(index, record, "record_checksum"),
+                          offset=offset + trailer_at, structure=record.path("record_checksum"),
                           rule="LI-REC-003")
-    if any(raw[RECORD.size + body_length:trailer_at]):
-        raise FormatError("expected zero padding", offset=offset + RECORD.size + body_length,
-                          structure=record_path(index, record, "padding"), rule="LI-REC-004")
+    for problem in padding_problems(raw[RECORD.size + body_length:trailer_at], offset + RECORD.size + body_length,
+                                    record.path("padding")):
+        raise problem
     if flags:
         raise FormatError(f"expected flags 0, got {flags:#x}", offset=offset + RECORD.offset("flags"),
-                          structure=record_path(index, record, "flags"), rule="LI-REC-005")
+                          structure=record.path("flags"), rule="LI-REC-005")
     return record
+
+
+@implements("LI-REC-004")
+def padding_problems(padding, offset: int, structure: str) -> Iterator[FormatError]:
+    if any(padding):
+        yield FormatError("expected zero padding", offset=offset, structure=structure, rule="LI-REC-004")
+
+
+@implements("LI-REC-001")
+def scan_records(image: ImageFile, start: int, limit: int, listed=()) -> Iterator[Record | LeanImageError]:
+    """Every record from ``start`` to ``limit`` in file order, or the error that stopped one.
+
+    After a record that cannot be read, the scan continues behind it when its framing is
+    sound; at an offset the INDEX does not list (``listed``: the record offsets it gives)
+    with a listed record further on, the bytes in between belong to no record."""
+    offset, i = start, 0
+    listed = sorted(listed)
+    while offset < limit:
+        if limit - offset < RECORD.size + RECORD_TRAILER.size:
+            yield FormatError(f"{limit - offset} bytes before {limit:#x} cannot hold a record",
+                              offset=offset, structure=record_path(i), rule="LI-REC-001")
+            return
+        try:
+            record = read_record(image, offset, limit, i)
+        except LeanImageError as exc:
+            following = [o for o in listed if o > offset]
+            if listed and offset not in listed and following:
+                yield FormatError(f"bytes {offset:#x}..{following[0]:#x} belong to no record: the index "
+                                  f"lists the next record at {following[0]:#x}", offset=offset,
+                                  structure=record_path(i), rule="LI-REC-001")
+                offset = following[0]
+                continue
+            yield exc
+            try:
+                offset = offset + record_size(read_record_header(image, offset, limit, i)[2])
+            except LeanImageError:
+                return
+            i += 1
+            continue
+        yield record
+        offset, i = record.end, i + 1
 
 
 # --- record bodies ---------------------------------------------------------------
 class _Body:
-    """Cursor over a record body raising LI-REC-007/008 with exact offsets."""
+    """Cursor over a record body: parsed fields, and findings at exact offsets."""
 
     def __init__(self, record: Record, index: int | None):
         self.record, self.index = record, index
@@ -274,125 +345,133 @@ class _Body:
         """An error about a head field of the body, at that field's offset."""
         return self.fail(rule, message, self.structure.offset(field), field)
 
-    def head(self) -> dict:
-        st = self.structure
-        if self.record.body_length < st.size:
-            raise self.fail("LI-REC-007", f"expected a body of at least {st.size} bytes, "
-                            f"got {self.record.body_length}", 0, "body_length")
-        return st.unpack(self.record.body)._asdict()
+    def table(self, at: int, element, count: int) -> np.ndarray:
+        """``count`` elements of a declared structure from body offset ``at``."""
+        return np.frombuffer(self.record.body, dtype=element.dtype, count=count, offset=at)
 
-    def expect_length(self, expected: int) -> None:
-        if self.record.body_length != expected:
-            raise self.fail("LI-REC-007", f"expected body_length {expected}, got {self.record.body_length}",
-                            RECORD.offset("body_length") - RECORD.size, "body_length")
+    def name(self, values: dict) -> str:
+        """The name (checked by the region and disk table rules, checks.py), decoded leniently."""
+        start = self.structure.size
+        return bytes(self.record.body[start:start + values["name_length"]]).decode("utf-8", "replace")
 
-    def zero(self, values: dict, field: str) -> None:
-        if values[field]:
-            raise self.fail_at("LI-REC-008", f"expected reserved {field} 0, got {values[field]:#x}", field)
 
-    def table(self, at: int, element, count: int, field: str) -> np.ndarray:
-        """``count`` elements of a declared structure from body offset ``at``; reserved ones zero."""
-        rows = np.frombuffer(self.record.body, dtype=element.dtype, count=count, offset=at)
-        if "reserved" in element.offsets:
-            bad = np.flatnonzero(rows["reserved"])
+def _first(problems) -> None:
+    for problem in problems:
+        raise problem
+
+
+@implements("LI-REC-007")
+def body_length_problems(record: Record, head: dict | None) -> Iterator[FormatError]:
+    """body_length as the type's structure requires (spec §4.4); ``head`` is None when the
+    body is shorter than the structure's fixed part."""
+    structure = BODY_OF[record.record_type]
+    if head is None:
+        yield record.error("LI-REC-007", f"expected a body of at least {structure.size} bytes, "
+                           f"got {record.body_length}", 0, "body_length")
+        return
+    kind = record.record_type
+    if kind == RecordType.DELTA_FRAME:
+        needed = align8(DELTA_FRAME_BODY.size + 4 * (head["num_deltas"] + 1))
+        if record.body_length < needed:
+            yield record.error("LI-REC-007", f"expected {head['num_deltas'] + 1} entry offsets, body has "
+                               f"{record.body_length} bytes", structure.offset("num_deltas"), "num_deltas")
+        return
+    exact = _exact_body_length(kind, head)
+    if exact is not None and record.body_length != exact:
+        yield record.error("LI-REC-007", f"expected body_length {exact}, got {record.body_length}",
+                           RECORD.offset("body_length") - RECORD.size, "body_length")
+    elif kind == RecordType.DISK_REFS and head["num_refs"] == 0:
+        yield record.error("LI-REC-007", "expected num_refs >= 1, got 0", structure.offset("num_refs"), "num_refs")
+    elif kind == RecordType.DIGESTS and (head["num_pages"] == 0 or head["num_digests"] > head["num_pages"]):
+        yield record.error("LI-REC-007", f"expected num_pages >= 1 and num_digests <= num_pages, got "
+                           f"{head['num_pages']} and {head['num_digests']}", structure.offset("num_pages"),
+                           "num_pages")
+
+
+def _exact_body_length(kind: int, head: dict) -> int | None:
+    """The body_length a type's head fixes (spec §4.4), or None where the body runs on."""
+    tails = {
+        RecordType.REGION: lambda: head["name_length"],
+        RecordType.DISK: lambda: head["name_length"],
+        RecordType.DISK_REFS: lambda: DISK_REF.size * head["num_refs"],
+        RecordType.PAGE_MAP: lambda: EXTENT.size * head["num_extents"],
+        RecordType.DIGESTS: lambda: DIGEST_SIZE * head["num_digests"],
+        RecordType.INDEX: lambda: INDEX_ENTRY.size * head["num_entries"],
+    }
+    tail = tails.get(kind)
+    return None if tail is None else BODY_OF[kind].size + tail()
+
+
+@implements("LI-REC-008")
+def reserved_problems(structure, values, at: int | None, path: str) -> Iterator[FormatError]:
+    """The fields ``structure`` declares zero (reserved ones, DISK flags) are zero; ``values`` is
+    one head (a dict) or a table of them (a numpy array), ``at`` the file offset of the first."""
+    for field in structure.zero_fields:
+        column = values[field]
+        if isinstance(column, np.ndarray):
+            bad = np.flatnonzero(column)
             if len(bad):
                 k = int(bad[0])
-                raise self.fail("LI-REC-008", f"expected reserved {field}[{k}].reserved 0, got "
-                                f"{int(rows['reserved'][k]):#x}", at + element.size * k + element.offset("reserved"),
-                                f"{field}[{k}].reserved")
-        return rows
-
-    def name(self, values: dict, limit: int, rule: str) -> str:
-        start, length = self.structure.size, values["name_length"]
-        raw = bytes(self.record.body[start:start + length])
-        if not 1 <= length <= limit:
-            raise self.fail(rule, f"expected a name of 1..{limit} bytes, got {length}", start, "name")
-        try:
-            return raw.decode("utf-8")
-        except UnicodeDecodeError as exc:
-            raise self.fail(rule, f"expected UTF-8 name, got invalid byte at {exc.start}", start, "name")
+                yield FormatError(f"expected reserved {path}[{k}].{field} 0, got {int(column[k]):#x}",
+                                  offset=at + structure.size * k + structure.offset(field),
+                                  structure=f"{path}[{k}].{field}", rule="LI-REC-008")
+        elif column:
+            yield FormatError(f"expected reserved {field} 0, got {column:#x}",
+                              offset=None if at is None else at + structure.offset(field),
+                              structure=f"{path}.{field}" if path else field, rule="LI-REC-008")
 
 
-def _parse_region(b: _Body) -> dict:
-    p = b.head()
-    b.expect_length(REGION_BODY.size + p["name_length"])
-    b.zero(p, "reserved")
-    p["name"] = b.name(p, REGION_NAME_MAX, "LI-REG-001")
+def _parse_region(b: _Body, p: dict) -> dict:
+    p["name"] = b.name(p)
     return p
 
 
-def _parse_disk(b: _Body) -> dict:
-    p = b.head()
-    b.expect_length(DISK_BODY.size + p["name_length"])
-    b.zero(p, "flags")
-    b.zero(p, "reserved")
-    p["name"] = b.name(p, DISK_NAME_MAX, "LI-DSK-001")
+def _parse_disk(b: _Body, p: dict) -> dict:
+    p["name"] = b.name(p)
     return p
 
 
-def _parse_source_state(b: _Body) -> dict:
-    p = b.head()
+def _parse_source_state(b: _Body, p: dict) -> dict:
     p["data"] = b.record.body[SOURCE_STATE_BODY.size:]
     return p
 
 
-def _parse_page_frame(b: _Body) -> dict:
-    p = b.head()
-    b.zero(p, "reserved")
+def _parse_page_frame(b: _Body, p: dict) -> dict:
     p["frame"] = b.record.body[PAGE_FRAME_BODY.size:]
     return p
 
 
-def _parse_delta_frame(b: _Body) -> dict:
-    p = b.head()
-    b.zero(p, "reserved")
+def _parse_delta_frame(b: _Body, p: dict) -> dict:
     table_end = DELTA_FRAME_BODY.size + 4 * (p["num_deltas"] + 1)
     frame_start = align8(table_end)
-    if b.record.body_length < frame_start:
-        raise b.fail_at("LI-REC-007", f"expected {p['num_deltas'] + 1} entry offsets, body has "
-                        f"{b.record.body_length} bytes", "num_deltas")
     p["entry_offsets"] = np.frombuffer(b.record.body, dtype="<u4", count=p["num_deltas"] + 1,
                                        offset=DELTA_FRAME_BODY.size)
     p["padding"] = bytes(b.record.body[table_end:frame_start])
-    if any(p["padding"]):
-        raise b.fail("LI-REC-004", "expected zero padding after entry_offsets", table_end, "padding")
+    _first(padding_problems(p["padding"], b.base + table_end, b.record.path("padding")))
     p["frame"] = b.record.body[frame_start:]
     return p
 
 
-def _parse_disk_refs(b: _Body) -> dict:
-    p = b.head()
-    b.zero(p, "reserved")
-    b.expect_length(DISK_REFS_BODY.size + DISK_REF.size * p["num_refs"])
-    if p["num_refs"] == 0:
-        raise b.fail_at("LI-REC-007", "expected num_refs >= 1, got 0", "num_refs")
-    p["refs"] = b.table(DISK_REFS_BODY.size, DISK_REF, p["num_refs"], "refs")
+def _parse_disk_refs(b: _Body, p: dict) -> dict:
+    p["refs"] = b.table(DISK_REFS_BODY.size, DISK_REF, p["num_refs"])
+    _first(reserved_problems(DISK_REF, p["refs"], b.base + DISK_REFS_BODY.size, b.record.path("refs")))
     return p
 
 
-def _parse_page_map(b: _Body) -> dict:
-    p = b.head()
-    b.expect_length(PAGE_MAP_BODY.size + EXTENT.size * p["num_extents"])
-    p["extents"] = b.table(PAGE_MAP_BODY.size, EXTENT, p["num_extents"], "extents")
+def _parse_page_map(b: _Body, p: dict) -> dict:
+    p["extents"] = b.table(PAGE_MAP_BODY.size, EXTENT, p["num_extents"])
+    _first(reserved_problems(EXTENT, p["extents"], b.base + PAGE_MAP_BODY.size, b.record.path("extents")))
     return p
 
 
-def _parse_digests(b: _Body) -> dict:
-    p = b.head()
-    b.expect_length(DIGESTS_BODY.size + DIGEST_SIZE * p["num_digests"])
-    if p["num_pages"] == 0 or p["num_digests"] > p["num_pages"]:
-        raise b.fail_at("LI-REC-007", f"expected num_pages >= 1 and num_digests <= num_pages, got "
-                        f"{p['num_pages']} and {p['num_digests']}", "num_pages")
+def _parse_digests(b: _Body, p: dict) -> dict:
     p["digests"] = np.frombuffer(b.record.body, dtype=np.uint8,
                                  offset=DIGESTS_BODY.size).reshape(-1, DIGEST_SIZE)
     return p
 
 
-def _parse_index(b: _Body) -> dict:
-    p = b.head()
-    b.zero(p, "reserved")
-    b.expect_length(INDEX_BODY.size + INDEX_ENTRY.size * p["num_entries"])
-    p["entries"] = b.table(INDEX_BODY.size, INDEX_ENTRY, p["num_entries"], "entries")
+def _parse_index(b: _Body, p: dict) -> dict:
+    p["entries"] = b.table(INDEX_BODY.size, INDEX_ENTRY, p["num_entries"])
     return p
 
 
@@ -409,17 +488,24 @@ BODY_PARSERS = {
 }
 
 
+@implements("LI-REC-006")
 def parse_body(record: Record, index: int | None = None) -> dict:
     """Decode a record body by type into its declared fields; unknown optional types give {}."""
+    if index is not None:
+        record.index = index
     parser = BODY_PARSERS.get(record.record_type)
     if parser is None:
         if record.record_type & RECORD_OPTIONAL_BIT:
             record.parsed = {}
             return record.parsed
         raise FormatError(f"unknown mandatory record type {record.record_type:#010x}",
-                          offset=record.offset, structure=record_path(index, record, "record_type"),
-                          rule="LI-REC-006")
-    record.parsed = parser(_Body(record, index))
+                          offset=record.offset, structure=record.path("record_type"), rule="LI-REC-006")
+    b = _Body(record, record.index)
+    structure = b.structure
+    head = structure.unpack(record.body)._asdict() if record.body_length >= structure.size else None
+    _first(body_length_problems(record, head))
+    _first(reserved_problems(structure, head, b.base, record.path()))
+    record.parsed = parser(b, head)
     return record.parsed
 
 
@@ -430,6 +516,7 @@ def body_problems(record: Record, index: int | None, page_size: int) -> Iterator
         yield from check(record.parsed, _Body(record, index), page_size)
 
 
+@implements("LI-REG-002", "LI-REG-003")
 def _region_values(p: dict, b: _Body, page_size: int) -> Iterator[FormatError]:
     has_gpa = p["flags"] & REGION_FLAG_HAS_GPA
     if p["flags"] & ~REGION_FLAG_HAS_GPA or (not has_gpa and p["guest_phys_base"]):
@@ -441,6 +528,7 @@ def _region_values(p: dict, b: _Body, page_size: int) -> Iterator[FormatError]:
                         f"at most 2^48, got {size}", "size_bytes")
 
 
+@implements("LI-DSK-002")
 def _disk_values(p: dict, b: _Body, page_size: int) -> Iterator[FormatError]:
     if p["sector_size"] != DISK_SECTOR_SIZE or p["fingerprint_method"] != FINGERPRINT_SAMPLED_XXH3 \
             or p["size_bytes"] == 0:
@@ -448,25 +536,57 @@ def _disk_values(p: dict, b: _Body, page_size: int) -> Iterator[FormatError]:
                         f"{p['sector_size']}, {p['fingerprint_method']}, {p['size_bytes']}", "size_bytes")
 
 
+@implements("LI-SRC-002")
 def _source_state_values(p: dict, b: _Body, page_size: int) -> Iterator[FormatError]:
     if p["source_format"] not in {int(s) for s in SourceFormat}:
         yield b.fail_at("LI-SRC-002", f"expected source_format 1 or 2, got {p['source_format']}",
                         "source_format")
 
 
+@implements("LI-FRM-004")
+def frame_size_problems(record_type: int, amount: int, page_size: int, offset: int,
+                        path: str) -> Iterator[FormatError]:
+    """A PAGE_FRAME holds 1 page or more and at most 16 MiB of them (``amount``: num_pages);
+    a DELTA_FRAME at most 16 MiB of entries (``amount``: their bytes). ``offset``: the
+    record's body."""
+    if record_type == RecordType.PAGE_FRAME:
+        most = FRAME_PAGES_MAX_BYTES // page_size
+        if not 1 <= amount <= most:
+            yield FormatError(f"expected 1..{most} pages, got {amount}", rule="LI-FRM-004",
+                              offset=offset + PAGE_FRAME_BODY.offset("num_pages"), structure=f"{path}.num_pages")
+    elif amount > FRAME_PAGES_MAX_BYTES:
+        yield FormatError(f"entries of {amount} bytes exceed {FRAME_PAGES_MAX_BYTES} bytes", rule="LI-FRM-004",
+                          offset=offset + DELTA_FRAME_BODY.size, structure=f"{path}.entry_offsets")
+
+
 def _page_frame_values(p: dict, b: _Body, page_size: int) -> Iterator[FormatError]:
-    most = FRAME_PAGES_MAX_BYTES // page_size
-    if not 1 <= p["num_pages"] <= most:
-        yield b.fail_at("LI-FRM-004", f"expected 1..{most} pages, got {p['num_pages']}", "num_pages")
+    yield from frame_size_problems(RecordType.PAGE_FRAME, p["num_pages"], page_size, b.base, b.record.path())
 
 
-def _delta_frame_values(p: dict, b: _Body, page_size: int) -> Iterator[FormatError]:
+@implements("LI-DLT-001")
+def _delta_offsets(p: dict, b: _Body, page_size: int) -> Iterator[FormatError]:
+    """entry_offsets start at 0, never decrease and end at the size the zstd frame declares."""
     offsets = p["entry_offsets"].astype(np.int64)
     if p["num_deltas"] == 0 or offsets[0] != 0 or (np.diff(offsets) < 0).any():
         yield b.fail("LI-DLT-001", "expected entry_offsets from 0, never decreasing, and num_deltas >= 1",
                      DELTA_FRAME_BODY.size, "entry_offsets")
+        return
+    try:
+        declared = declared_size(p["frame"])
+    except FrameError:
+        return                                  # not a zstd frame: LI-FRM-002 when it is read
+    if declared is not None and declared != int(offsets[-1]):
+        yield b.fail("LI-DLT-001", f"last entry offset {int(offsets[-1])}, zstd frame declares {declared} bytes",
+                     DELTA_FRAME_BODY.size + 4 * (len(offsets) - 1), "entry_offsets")
 
 
+def _delta_frame_values(p: dict, b: _Body, page_size: int) -> Iterator[FormatError]:
+    yield from _delta_offsets(p, b, page_size)
+    yield from frame_size_problems(RecordType.DELTA_FRAME, int(p["entry_offsets"][-1]), page_size, b.base,
+                                   b.record.path())
+
+
+@implements("LI-MAP-002", "LI-MAP-003")
 def _page_map_values(p: dict, b: _Body, page_size: int) -> Iterator[FormatError]:
     e = p["extents"]
     bad = np.flatnonzero(~np.isin(e["page_class"], [int(c) for c in PageClass]) | (e["num_pages"] == 0))
@@ -513,3 +633,28 @@ def dump_value(value):
 def dump_fields(structure, values: dict) -> dict:
     """Every field ``structure`` declares, from parsed ``values``, as plain Python."""
     return {f.name: dump_value(values[f.name]) for f in structure.fields if f.name in values}
+
+
+def dump_structure(path) -> dict:
+    """Every structure of an image with every field its declaration (format.py) names, as plain
+    Python values: the names the spec's tables and the .ksy use."""
+    with open(path, "rb") as fileobj:
+        image = ImageFile(fileobj, os.fspath(path))
+        header = read_header(image)
+        footer = read_footer(image, header.header_length)
+        records = []
+        for item in scan_records(image, header.header_length, footer.offset):
+            if isinstance(item, LeanImageError):
+                raise item
+            records.append(_dump_record(item, parse_body(item)))
+    header_dump = dict(header.fields(), extension=bytes(header.raw[HEADER.size:]))
+    return dict(header=header_dump, records=records, footer=footer.fields())
+
+
+def _dump_record(record: Record, body: dict) -> dict:
+    structure = BODY_OF.get(record.record_type)
+    return dict(offset=record.offset, record_type=record.record_type, flags=record.flags,
+                body_length=record.body_length,
+                body=dump_fields(structure, body) if structure else bytes(record.body),
+                padding=bytes(align8(record.body_length) - record.body_length),
+                record_checksum=record.record_checksum)

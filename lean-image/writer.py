@@ -31,8 +31,8 @@ from .format import (
     FINGERPRINT_SAMPLE_SIZE, FINGERPRINT_SAMPLED_XXH3, FINGERPRINT_SAMPLES, FOOTER, FOOTER_MAGIC, FORMAT_MAJOR,
     FORMAT_MINOR, FRAME_PAGES_MAX_BYTES, HEADER, HEADER_MAGIC, INDEX_BODY, INDEX_ENTRY, NO_KEY, PAGE_FRAME_BODY,
     PAGE_MAP_BODY, RECORD, RECORD_TRAILER, REGION_BODY, REGION_FLAG_HAS_GPA, REGION_NAME_MAX, SLOT_CLASSES,
-    SOURCE_STATE_BODY, CompatFeature, IncompatFeature, PageClass, RecordType, align8, checksum64, page_digest,
-    page_digests,
+    SOURCE_STATE_BODY, CompatFeature, IncompatFeature, PageClass, RecordType, align8, page_digest,
+    page_digests, valid_page_size,
 )
 from .structures import footer_checksum, header_checksum
 
@@ -140,7 +140,7 @@ class LeanImageWriter:
                  frame_pages: int | None = None, level: int = DEFAULT_ZSTD_LEVEL,
                  threads: int | None = None, image_uuid: bytes | None = None,
                  allow_delta: bool | None = None):
-        if page_size & (page_size - 1) or not 4096 <= page_size <= 65536:
+        if not valid_page_size(page_size):
             raise WriterUsageError(f"page_size must be a power of two in 4096..65536, got {page_size}")
         frame_pages = frame_pages or DEFAULT_FRAME_BYTES // page_size
         if not 1 <= frame_pages * page_size <= FRAME_PAGES_MAX_BYTES:

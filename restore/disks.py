@@ -19,6 +19,7 @@ import subprocess
 import numpy as np
 
 from leanimg.errors import DiskError
+from leanimg.rules import implements
 
 QCOW2_MAGIC = b"QFI\xfb"
 COALESCE_GAP = 64 << 10        # read through holes up to this size between referenced blocks
@@ -43,7 +44,7 @@ class DiskSource:
     def _check_span(self, offset: int, length: int) -> None:
         if offset < 0 or offset + length > self.size:
             raise DiskError(f"disk {self.name!r} ({self.path}): {length} bytes at {offset:#x} lie beyond "
-                            f"its end {self.size:#x} (truncated disk?)", rule="LI-DSK-003")
+                            f"its end {self.size:#x} (truncated disk?)")
 
     def _locate(self, offsets: np.ndarray, length: int) -> tuple[np.ndarray, np.ndarray]:
         """(file index, physical offset) of runs readable with one pread; file -1 = not so."""
@@ -88,8 +89,7 @@ class DiskSource:
         if (np.diff(physical) < length).any():
             data = os.pread(fd, total, start)
             if len(data) != total:
-                raise DiskError(f"disk {self.name!r} ({self.path}): short read at {start:#x} (file truncated?)",
-                                rule="LI-DSK-003")
+                raise DiskError(f"disk {self.name!r} ({self.path}): short read at {start:#x} (file truncated?)")
             for target, at in zip(targets, (physical - start).tolist()):
                 target[:] = np.frombuffer(data, np.uint8, length, at)
             return
@@ -103,8 +103,7 @@ class DiskSource:
         for i in range(0, len(buffers), IOV_MAX):
             got += os.preadv(fd, buffers[i:i + IOV_MAX], start + got)
         if got != total:
-            raise DiskError(f"disk {self.name!r} ({self.path}): short read at {start:#x} (file truncated?)",
-                            rule="LI-DSK-003")
+            raise DiskError(f"disk {self.name!r} ({self.path}): short read at {start:#x} (file truncated?)")
 
     def close(self) -> None:
         pass
@@ -137,7 +136,7 @@ class RawDisk(DiskSource):
         data = os.pread(self.fd, length, offset)
         if len(data) != length:
             raise DiskError(f"disk {self.name!r} ({self.path}): expected {length} bytes at {offset:#x}, "
-                            f"disk ends at {self.size:#x} (truncated disk?)", rule="LI-DSK-003")
+                            f"disk ends at {self.size:#x} (truncated disk?)")
         return data
 
     def data_ranges(self) -> list[tuple[int, int]]:
@@ -213,8 +212,7 @@ class ImageDisk(DiskSource):
             pos, i = stop, i + 1
         data = b"".join(parts)
         if len(data) != length:
-            raise DiskError(f"disk {self.name!r} ({self.path}): short read at {offset:#x} (file truncated?)",
-                            rule="LI-DSK-003")
+            raise DiskError(f"disk {self.name!r} ({self.path}): short read at {offset:#x} (file truncated?)")
         return data
 
     def _read_through_qemu(self, offset: int, length: int) -> bytes:
@@ -290,6 +288,7 @@ def fingerprint_of(source: DiskSource) -> bytes:
     return disk_fingerprint(source.read, source.size)
 
 
+@implements("LI-DSK-004")
 def open_disk_source(source, info=None, *, check_identity: bool = True) -> DiskSource:
     """Open ``source`` (a path or a DiskSource) for disk ``info``, checking it is that disk."""
     name = info.name if info else os.fspath(source)

@@ -26,7 +26,8 @@ from leanimg.cli import command_line
 from leanimg.fileutil import sha256_file
 from leanimg.converters import qemu as q
 from leanimg.format import RecordType, checksum64
-from leanimg.reader import LeanImage, dump_structure
+from leanimg.reader import LeanImage
+from leanimg.structures import dump_structure
 from leanimg.validate import validate as validate_image
 from leanimg.writer import LeanImageWriter
 

@@ -142,7 +142,7 @@ def test_convert_finds_every_page_on_the_disk_at_the_partitions_phase(scene, ima
     assert counts[PageClass.STORED] == 150 + 1               # random pages + the odd-phase page
     with LeanImage.open(image) as img:
         assert [(d.name, d.size_bytes) for d in img.disks] == [("vda", DISK_BYTES)]
-        sectors = set(int(s) for s in img._disk_refs)
+        sectors = set(int(s) for s in img.tables.disk_refs.sectors)
     assert sectors == {o // SECTOR for o in scene.on_disk}
     assert any(s % 8 == 7 for s in sectors) and any(s % 8 == 0 for s in sectors)
 
@@ -151,7 +151,7 @@ def test_all_phases_also_finds_a_page_at_an_odd_sector(scene, tmp_path):
     with scene.convert(tmp_path / "all.lean", "--all-phases") as img:
         counts = np.bincount(img.classes(img.regions[0]), minlength=7)
         assert counts[PageClass.DISK] == scene.disk_pages + 1
-        assert scene.odd_phase // SECTOR in set(int(s) for s in img._disk_refs)
+        assert scene.odd_phase // SECTOR in set(int(s) for s in img.tables.disk_refs.sectors)
 
 
 def test_convert_reports_the_disk_pages(scene, tmp_path):
@@ -265,7 +265,7 @@ def test_a_disk_changed_at_a_referenced_block_names_page_region_and_sector(scene
     changed.write_bytes(data)
     with LeanImage.open(image) as img:
         region = img.regions[0]
-        slot = int(np.flatnonzero(img._disk_refs == victim // SECTOR)[0])
+        slot = int(np.flatnonzero(img.tables.disk_refs.sectors == victim // SECTOR)[0])
         disk_pages = np.flatnonzero(img.classes(region) == PageClass.DISK)
         page = int(disk_pages[img.page_slots(region, 0, region.num_pages)[disk_pages] == slot][0])
     err = fails(run("restore", image, "-o", tmp_path / "o.raw", "--disk", f"vda={changed}", sort),
@@ -292,7 +292,9 @@ def test_a_truncated_or_damaged_qcow2_is_refused(scene, image, tmp_path):
         path.write_bytes(bad)
         err = fails(run("restore", image, "-o", tmp_path / "o.raw", "--disk", f"vda={path}"),
                     left_out=tmp_path / "o.raw")
-        assert "qemu-img cannot read" in err or "LI-DSK" in err, err
+        # refused by qemu-img, by the identity check (LI-DSK-004), or as a short read of the file
+        # behind the disk, naming the disk, the path and the offset (an I/O failure, not a rule)
+        assert "qemu-img cannot read" in err or "LI-DSK" in err or f"({path}): short read at" in err, err
 
 
 def test_an_ext_superblock_that_lies_about_its_block_size_is_not_a_filesystem():

@@ -32,7 +32,7 @@ from leanimg import format as fmt
 from leanimg.format import (
     FOOTER, HEADER, RECORD, DeltaEncoding, PageClass, RecordType, SourceFormat, page_digest,
 )
-from leanimg.reader import dump_structure
+from leanimg.structures import dump_structure
 from leanimg.writer import LeanImageWriter, ParentLink
 
 pytestmark = pytest.mark.kaitai

@@ -36,7 +36,8 @@ from helpers import first_difference
 from leanimg.cli import command_line
 from leanimg.fileutil import sha256_file
 from leanimg.converters import qemu as q
-from leanimg.reader import LeanImage, dump_structure
+from leanimg.reader import LeanImage
+from leanimg.structures import dump_structure
 
 pytestmark = pytest.mark.qemu
 

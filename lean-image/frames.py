@@ -1,0 +1,160 @@
+"""The frames of one image (spec §6.3, §7.1): PAGE_FRAMEs hold stored pages, DELTA_FRAMEs
+delta entries. A frame is read when first needed, its record checked, its zstd frame
+decompressed within its declared size; a few are cached, and during a sequential restore the
+next ones are decompressed (and their pages digested) ahead on worker threads.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import zstandard
+
+from .compression import SIZE, FrameError, decompress_exact
+from .delta import parse_index_lists
+from .errors import FormatError
+from .format import FRAME_PAGES_MAX_BYTES, page_digests
+from .rules import implements
+from .tables import FrameTable, ImageTables
+
+FRAME_CACHE_SIZE = 8
+
+
+@implements("LI-FRM-002", "LI-FRM-003")
+def decompress_frame(decompressor, data, expected: int, offset: int, structure: str) -> bytes:
+    """One zstd frame of exactly ``expected`` bytes (at most 16 MiB); never allocates beyond that."""
+    try:
+        return decompress_exact(data, expected=expected, limit=FRAME_PAGES_MAX_BYTES, decompressor=decompressor)
+    except FrameError as exc:
+        rule = "LI-FRM-003" if exc.kind == SIZE else "LI-FRM-002"
+        raise FormatError(exc.message, offset=offset, structure=structure, rule=rule) from None
+
+
+class FrameStore:
+    def __init__(self, tables: ImageTables):
+        self.tables = tables
+        self.page_size = tables.page_size
+        self.page_frames: FrameTable = tables.page_frames
+        self.delta_frames: FrameTable = tables.delta_frames
+        self.pool: ThreadPoolExecutor | None = None       # read-ahead workers, see enable_read_ahead
+        self._depth = 0
+        self._cache: OrderedDict = OrderedDict()
+        self._ahead: dict[int, object] = {}
+        self._decompressor = zstandard.ZstdDecompressor()
+
+    def enable_read_ahead(self, threads: int = 2, depth: int = 4) -> None:
+        """Decompress the next frames on worker threads while the caller reads sequentially."""
+        self.pool = ThreadPoolExecutor(max_workers=threads)
+        self._depth = depth
+        try:            # frames are read in file order: let the kernel read further ahead
+            os.posix_fadvise(self.tables.file.fileobj.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        except (AttributeError, OSError, ValueError):
+            pass
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=True, cancel_futures=True)
+
+    # -- page frames ---------------------------------------------------------------
+    def frame(self, frame: int, with_digests: bool = False) -> tuple[bytes, np.ndarray | None]:
+        """(content, page digests or None) of PAGE_FRAME ``frame``; read-ahead workers compute both."""
+        key = ("page", frame)
+        if key in self._cache:
+            self._cache.move_to_end(key)
+            content, digests = self._cache[key]
+        elif frame in self._ahead:                   # asked for ahead of time (prefetch)
+            content, digests = self._ahead.pop(frame).result()
+        elif self.pool is None:
+            content, digests = self._load(frame), None
+        else:
+            for ahead in range(frame, min(frame + self._depth + 1, len(self.page_frames))):
+                if ahead not in self._ahead and ("page", ahead) not in self._cache:
+                    self._ahead[ahead] = self.pool.submit(self._load_with_digests, ahead)
+            content, digests = self._ahead.pop(frame).result()
+        if with_digests and digests is None:
+            digests = page_digests(content, self.page_size)
+        self._keep(key, (content, digests))
+        return content, digests
+
+    def frame_pages(self, frame: int) -> bytes:
+        """Decompressed content of PAGE_FRAME number ``frame`` (cached)."""
+        return self.frame(frame)[0]
+
+    def prefetch(self, frames, pool, with_digests: bool = False) -> None:
+        """Decompress these PAGE_FRAMEs (and digest their pages) on ``pool``'s workers before
+        they are asked for."""
+        load = self._load_with_digests if with_digests else self._load_only
+        for frame in frames:
+            if frame not in self._ahead and ("page", frame) not in self._cache:
+                self._ahead[frame] = pool.submit(load, frame)
+
+    def stored_spans(self, ordinal: int, count: int, with_digests: bool = True):
+        """(frame content, its page digests or None, first page in it, pages) covering
+        STORED ordinals [ordinal, ordinal+count)."""
+        while count:
+            frame = int(self.page_frames.frame_of([ordinal])[0])
+            start = ordinal - int(self.page_frames.starts[frame])
+            n = min(count, int(self.page_frames.counts[frame]) - start)
+            data, digests = self.frame(frame, with_digests=with_digests)
+            yield data, digests, start, n
+            ordinal, count = ordinal + n, count - n
+
+    def stored_page(self, ordinal: int) -> bytes:
+        for data, _, start, _ in self.stored_spans(ordinal, 1, with_digests=False):
+            return data[start * self.page_size:(start + 1) * self.page_size]
+
+    def frames_touched(self, ordinals: np.ndarray) -> int:
+        return len(np.unique(self.page_frames.frame_of(ordinals)))
+
+    def _load_only(self, frame: int) -> tuple[bytes, None]:
+        return self._load(frame), None
+
+    def _load_with_digests(self, frame: int) -> tuple[bytes, np.ndarray]:
+        content = self._load(frame)
+        return content, page_digests(content, self.page_size)
+
+    def _load(self, frame: int) -> bytes:
+        record = self.tables.frame_record(self.page_frames, frame)
+        return decompress_frame(zstandard.ZstdDecompressor(), record.parsed["frame"],
+                                record.parsed["num_pages"] * self.page_size, record.offset, record.path("frame"))
+
+    # -- delta frames ----------------------------------------------------------------
+    def delta_entries(self, slots: np.ndarray) -> list:
+        """The delta entries of many slots, each DELTA_FRAME looked up once per run."""
+        frames = self.delta_frames.frame_of(slots)
+        out = []
+        for frame, slot in zip(frames.tolist(), np.asarray(slots).tolist()):
+            content, offsets, first = self._delta_frame(frame)
+            k = slot - first
+            out.append(content[offsets[k]:offsets[k + 1]])
+        return out
+
+    def delta_entry(self, slot: int) -> bytes:
+        return self.delta_entries(np.array([slot], np.int64))[0]
+
+    def delta_frame_parsed(self, frame: int):
+        """(first_delta, content, offsets, parse_index_lists(...)) of a DELTA_FRAME, cached."""
+        key = ("delta-parsed", frame)
+        if key not in self._cache:
+            content, offsets, first = self._delta_frame(frame)
+            self._keep(key, (first, content, offsets,
+                             parse_index_lists(content, np.array(offsets, np.int64), self.page_size)))
+        return self._cache[key]
+
+    def _delta_frame(self, frame: int):
+        key = ("delta", frame)
+        if key not in self._cache:
+            record = self.tables.frame_record(self.delta_frames, frame)
+            p = record.parsed
+            content = decompress_frame(self._decompressor, p["frame"], int(p["entry_offsets"][-1]), record.offset,
+                                       record.path("frame"))
+            self._keep(key, (content, p["entry_offsets"].tolist(), p["first_delta"]))
+        return self._cache[key]
+
+    def _keep(self, key, value) -> None:
+        self._cache[key] = value
+        while len(self._cache) > FRAME_CACHE_SIZE:
+            self._cache.popitem(last=False)

@@ -1,0 +1,203 @@
+"""Resolving the pages of an image (spec §6.6, §10.2, §11): which class and slot a page has,
+its bytes from a frame, a disk or the parent chain, checked against its digest, one page at a
+time or a whole range (region_bytes into one buffer, region_pieces as views of the frames for
+restores that write without copying).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import checks
+from .checks import first_problem
+from .digests import verify_page, verify_rows
+from .errors import DiskError, LeanImageError
+from .format import DIGEST_SIZE, DISK_SECTOR_SIZE, SLOT_CLASSES, PageClass, row_digests
+from .tables import Region
+
+# Decompressed frames whose pages one region_pieces call may hand out as views (holding
+# them until written); a range whose pages lie in more frames is copied into one buffer.
+DIRECT_FRAMES_MAX = 32
+
+
+def page_location(region: Region, page: int) -> tuple[int, int]:
+    """(class, slot) of one page: binary search over the region's extents."""
+    if not 0 <= page < region.num_pages:
+        raise LeanImageError(f"page {page} outside region {region.name!r} of {region.num_pages} pages")
+    i = int(np.searchsorted(region.starts, page, side="right")) - 1
+    extent = region.extents[i]
+    cls = int(extent["page_class"])
+    slot = int(extent["first_slot"]) + page - int(extent["first_page"]) if cls in SLOT_CLASSES else 0
+    return cls, slot
+
+
+def classes(region: Region, first_page: int = 0, count: int | None = None) -> np.ndarray:
+    """Per-page class of a range of a region (uint8 array), from the extents it overlaps."""
+    count = region.num_pages - first_page if count is None else count
+    if count <= 0:
+        return np.zeros(0, np.uint8)
+    lo, hi = region.extent_span(first_page, count)
+    e = region.extents[lo:hi]
+    full = np.repeat(e["page_class"].astype(np.uint8), e["num_pages"].astype(np.int64))
+    skip = first_page - int(region.starts[lo])
+    return full[skip:skip + count]
+
+
+def page_slots(region: Region, first_page: int, count: int) -> np.ndarray:
+    """Per page of a range, its slot (stored ordinal, disk reference or delta entry index;
+    meaningless for classes without slots)."""
+    if count <= 0:
+        return np.zeros(0, np.int64)
+    lo, hi = region.extent_span(first_page, count)
+    e = region.extents[lo:hi]
+    sizes = e["num_pages"].astype(np.int64)
+    skip = first_page - int(region.starts[lo])
+    starts = np.repeat(e["first_slot"].astype(np.int64) - e["first_page"].astype(np.int64), sizes)
+    return starts[skip:skip + count] + first_page + np.arange(count)
+
+
+def read_page(image, region: Region, page: int) -> bytes:
+    """One page, resolved through disks and the parent chain, checked against its digest."""
+    cls, slot = page_location(region, page)
+    if cls == PageClass.FREE:
+        return bytes(image.page_size)
+    if cls in (PageClass.PARENT, PageClass.DELTA):
+        return bytes(region_bytes(image, region, page, 1))
+    if cls == PageClass.ZERO:
+        data = bytes(image.page_size)
+    elif cls == PageClass.STORED:
+        data = image.frames.stored_page(slot)
+    else:
+        out = np.zeros(image.page_size, np.uint8)
+        fill_disk_pages(image, region, page, out, np.zeros(1, np.int64), np.array([slot], np.int64))
+        return out.tobytes()
+    verify_page(region, page, data, image.digests.expected(region, page))
+    return data
+
+
+def region_bytes(image, region: Region, first_page: int, count: int) -> memoryview:
+    """Pages [first_page, first_page+count) resolved and verified, in one buffer."""
+    if image.parent is not None:
+        return _chained_region_bytes(image, region, first_page, count)
+    ps = image.page_size
+    out = np.zeros(count * ps, np.uint8)
+    got = np.zeros((count, DIGEST_SIZE), np.uint8)
+    cls = classes(region, first_page, count)
+    slots = page_slots(region, first_page, count)
+    stored = np.flatnonzero(cls == PageClass.STORED)
+    for lo, hi in _runs(stored, slots):
+        _copy_stored(image, out, got, int(stored[lo]), int(slots[stored[lo]]), hi - lo)
+    disk = np.flatnonzero(cls == PageClass.DISK)
+    if len(disk):
+        fill_disk_pages(image, region, first_page, out, disk, slots[disk])
+    classes_, expected = image.digests.expected_range(region, first_page, count)
+    verify_rows(region, first_page, stored, got, expected)
+    return memoryview(out)
+
+
+def _runs(rows: np.ndarray, slots: np.ndarray):
+    """[lo, hi) runs of ``rows`` (indexes into ``slots``) whose rows and slots both ascend by one."""
+    if not len(rows):
+        return []
+    breaks = np.flatnonzero((np.diff(rows) != 1) | (np.diff(slots[rows]) != 1)) + 1
+    bounds = [0, *breaks.tolist(), len(rows)]
+    return list(zip(bounds, bounds[1:]))
+
+
+def _chained_region_bytes(image, region: Region, first_page: int, count: int) -> memoryview:
+    """Through the chain resolved once per region (chain.py): work per page independent of depth."""
+    from .chain import check_built, fill
+    out = np.zeros(count * image.page_size, np.uint8)
+    fill(image.resolution(region), out, first_page, count)
+    cls, expected = image.digests.expected_range(region, first_page, count)
+    checked = np.flatnonzero((cls != PageClass.FREE) & (cls != PageClass.ZERO))
+    check_built(image, region, first_page, out, checked, expected)
+    return memoryview(out)
+
+
+def _copy_stored(image, out: np.ndarray, got: np.ndarray | None, row: int, ordinal: int, count: int) -> None:
+    """Copy STORED pages into ``out`` from row ``row``; with ``got``, their digests too."""
+    ps = image.page_size
+    for data, digests, start, n in image.frames.stored_spans(ordinal, count, with_digests=got is not None):
+        out[row * ps:(row + n) * ps] = np.frombuffer(data, np.uint8, n * ps, start * ps)
+        if got is not None:
+            got[row:row + n] = digests[start:start + n]
+        row += n
+
+
+def region_pieces(image, region: Region, first_page: int, count: int) -> list[tuple[int, memoryview | None]]:
+    """Pages [first_page, first_page+count) in order as verified runs ``(n, data)``: data
+    None for ZERO and FREE pages, else n pages of bytes.  In a self-contained image the
+    STORED runs are views of the decompressed frames (checked by the frames' digests), so a
+    restorer can hand them to the kernel without copying them."""
+    if image.parent is not None:
+        from .chain import pieces
+        return pieces(image, region, image.resolution(region), first_page, count)
+    cls, expected = image.digests.expected_range(region, first_page, count)
+    blank = (cls == PageClass.ZERO) | (cls == PageClass.FREE)
+    if blank.all():
+        return [(count, None)]
+    slots = page_slots(region, first_page, count)
+    if (~blank & (cls != PageClass.STORED)).any() or image.frames.frames_touched(slots[~blank]) > DIRECT_FRAMES_MAX:
+        return _split_pieces(image, region_bytes(image, region, first_page, count), blank)
+    starts = np.ones(count, bool)
+    starts[1:] = (blank[1:] != blank[:-1]) | (~blank[1:] & (slots[1:] != slots[:-1] + 1))
+    bounds = [*np.flatnonzero(starts).tolist(), count]
+    pieces = []
+    for lo, hi in zip(bounds, bounds[1:]):
+        if blank[lo]:
+            pieces.append((hi - lo, None))
+            continue
+        row = lo
+        for data, digests, start, n in image.frames.stored_spans(int(slots[lo]), hi - lo):
+            verify_rows(region, first_page + row, np.arange(n), digests[start:start + n], expected[row:row + n])
+            pieces.append((n, memoryview(data)[start * image.page_size:(start + n) * image.page_size]))
+            row += n
+    return pieces
+
+
+def _split_pieces(image, data: memoryview, blank: np.ndarray) -> list[tuple[int, memoryview | None]]:
+    edges = np.flatnonzero(blank[1:] != blank[:-1]) + 1
+    bounds = [0, *edges.tolist(), len(blank)]
+    ps = image.page_size
+    return [(hi - lo, None if blank[lo] else data[lo * ps:hi * ps]) for lo, hi in zip(bounds, bounds[1:])]
+
+
+def fill_disk_pages(image, region: Region, first_page: int, out: np.ndarray, rows: np.ndarray,
+                    slots: np.ndarray) -> None:
+    """Pages ``first_page + rows`` (DISK, references ``slots``) into ``out``, each checked
+    against its digest; with sort_blocks every disk's blocks are read in ascending physical
+    order, neighbours coalesced, else one read per page in page order."""
+    ps = image.page_size
+    refs = image.tables.disk_refs
+    ids, sectors = refs.disk_ids[slots], refs.sectors[slots].astype(np.int64)
+    _, expected = image.digests.expected_range(region, first_page, int(rows.max()) + 1)
+    pages = out.reshape(-1, ps)
+    for disk_id in np.unique(ids).tolist():
+        mine = np.flatnonzero(ids == disk_id)
+        source = _disk_source(image, region, first_page + int(rows[mine[0]]), disk_id)
+        source.read_runs(sectors[mine] * DISK_SECTOR_SIZE, ps, sort=image.sort_blocks, out=pages, rows=rows[mine])
+        first_problem(checks.disk_content_problems(region.region_id, region.name, first_page + rows[mine],
+                                                   row_digests(pages, rows[mine]), expected[rows[mine]],
+                                                   source.name, sectors[mine]))
+
+
+def _disk_source(image, region: Region, page: int, disk_id: int):
+    source = image.disk_sources.get(disk_id)
+    if source is None:
+        info = next(d for d in image.disks if d.disk_id == disk_id)
+        raise DiskError(f"region {region.name!r} page {page} is on disk {info.name!r}: pass --disk {info.name}=PATH")
+    return source
+
+
+def restore_chunk_pages(image) -> int:
+    """Pages per region_bytes call for a sequential restore: larger for chains, whose cost
+    per call grows with the number of links a chunk draws on."""
+    large = image.parent is not None or len(image.tables.disk_refs)
+    return (64 << 20) // image.page_size if large else (4 << 20) // image.page_size
+
+
+def gather_chunk_pages(image) -> int:
+    """Pages per region_pieces call for a sequential restore: STORED pages come as views of
+    frames (no buffer this size is allocated), and fewer, larger calls cost less per page."""
+    return max(restore_chunk_pages(image), (32 << 20) // image.page_size)

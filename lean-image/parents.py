@@ -1,0 +1,106 @@
+"""Finding an image's parent chain (spec §10): each parent is looked up by its UUID among
+the candidates the caller names and the *.lean files beside the child, opened, and then
+verified by digest and page size, link after link (chains may be 4096 deep).
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+from .errors import ChainError
+from .format import CHAIN_DEPTH_MAX, HEADER
+from .rules import implements
+
+SIBLINGS_MAX = 100_000
+
+
+@implements("LI-CHN-001", "LI-CHN-005")
+def attach_chain(image, parents: list, open_link) -> None:
+    """Set ``parent`` on ``image`` and every link below it; ``open_link(path)`` opens one link.
+    ``parents`` are candidate paths or open images (an open image brings its own chain)."""
+    index: dict = {}
+    seen = {image.header.image_uuid}
+    link = image
+    while link.header.has_parent:
+        wanted = link.header.parent_uuid
+        where = dict(offset=HEADER.offset("parent_uuid"), structure="header.parent_uuid", path=link.path)
+        if wanted in seen:
+            raise ChainError(f"parent {_uuid(wanted)} is already in the chain (cycle)", rule="LI-CHN-005", **where)
+        if len(seen) >= CHAIN_DEPTH_MAX:
+            raise ChainError(f"chain deeper than {CHAIN_DEPTH_MAX}", rule="LI-CHN-005", **where)
+        candidate = _find_candidate(wanted, parents, index) or \
+            _find_candidate(wanted, _siblings(link.path, index), index)
+        if candidate is None:
+            raise ChainError(f"parent image {_uuid(wanted)} not found among {len(parents)} candidate(s) "
+                             "and the files beside the image; pass it with --parent", rule="LI-CHN-001", **where)
+        if not isinstance(candidate, str):
+            link.parent = candidate                  # an open image brings its own chain
+            break
+        link.parent = open_link(candidate)
+        seen.add(link.parent.header.image_uuid)
+        link = link.parent
+    # links are joined by UUID first, so that a cycle is reported as one; then verified by digest
+    for link in image.chain():
+        if link.parent is not None:
+            first = next(parent_problems(link, link.parent), None)
+            if first is not None:
+                raise first
+
+
+@implements("LI-CHN-002", "LI-CHN-003")
+def parent_problems(child, parent):
+    """The parent is the image the child was made against: its digest and page size."""
+    if parent.footer.image_digest != child.header.parent_digest:
+        yield ChainError(f"parent {parent.path} has image_digest {parent.footer.image_digest.hex()}, "
+                         f"expected {child.header.parent_digest.hex()} (parent modified or replaced)",
+                         offset=HEADER.offset("parent_digest"), structure="header.parent_digest",
+                         rule="LI-CHN-002", path=child.path)
+    if parent.page_size != child.page_size:
+        yield ChainError(f"parent page_size {parent.page_size}, expected {child.page_size}",
+                         offset=HEADER.offset("page_size"), structure="header.page_size", rule="LI-CHN-003",
+                         path=child.path)
+
+
+def _uuid(raw: bytes) -> str:
+    return str(uuid.UUID(bytes=bytes(raw)))
+
+
+def _find_candidate(wanted: bytes, candidates, index: dict):
+    """The candidate (open image or path) whose image_uuid is ``wanted``; ``index`` caches reads."""
+    for candidate in candidates:
+        if not isinstance(candidate, (str, os.PathLike)):
+            if candidate.header.image_uuid == wanted:
+                return candidate
+            continue
+        key = os.path.abspath(os.fspath(candidate))
+        if key not in index:
+            index[key] = _image_uuid(key)
+    for key, found in index.items():
+        if found == wanted and isinstance(key, str):
+            return key
+    return None
+
+
+def _siblings(path: str, index: dict) -> list[str]:
+    """The *.lean files beside ``path`` (where the links of a chain usually live), listed once."""
+    directory = os.path.dirname(os.path.abspath(path))
+    marker = ("scanned", directory)
+    if marker in index:
+        return []
+    index[marker] = True
+    try:
+        names = sorted(n for n in os.listdir(directory) if n.endswith(".lean"))[:SIBLINGS_MAX]
+    except OSError:
+        return []
+    return [os.path.join(directory, n) for n in names]
+
+
+def _image_uuid(path) -> bytes | None:
+    at = HEADER.offset("image_uuid")
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(at + 16)
+    except OSError:
+        return None        # unreadable candidates simply do not match
+    return raw[at:] if len(raw) == at + 16 else None

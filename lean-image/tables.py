@@ -1,0 +1,235 @@
+"""What opening an image reads and checks (spec §5-§8, §8.4): the INDEX, then the small records
+it points at (regions, disks, source states, page maps, disk references) and the numbering of
+the frames. Every cross-record rule that needs no page content is checked here, by the same
+functions (checks.py) ``leanimg validate`` uses; the first finding is raised.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from . import checks
+from .checks import first_problem
+from .errors import FormatError
+from .format import (
+    FRAME_PAGES_MAX_BYTES, RECORD, RECORD_OPTIONAL_BIT, REGION_FLAG_HAS_GPA, SOURCE_STATE_BODY, RecordType,
+)
+from .structures import (
+    Footer, Header, ImageFile, Record, body_problems, frame_size_problems, index_location_problems, parse_body,
+    read_record,
+)
+
+
+@dataclass
+class Region:
+    region_id: int
+    name: str
+    size_bytes: int
+    guest_phys_base: int | None
+    page_size: int
+    extents: np.ndarray = field(default=None, repr=False)
+    starts: np.ndarray = field(default=None, repr=False)          # per extent: its first page
+    digest_bearing: np.ndarray = field(default=None, repr=False)  # per extent: digests stored
+    digest_rank0: np.ndarray = field(default=None, repr=False)    # per extent: digests before it
+
+    @property
+    def num_pages(self) -> int:
+        return self.size_bytes // self.page_size
+
+    def set_extents(self, extents: np.ndarray) -> None:
+        self.extents = extents
+        self.starts = extents["first_page"].astype(np.int64)
+        self.digest_bearing, self.digest_rank0 = checks.digest_ranks(extents)
+
+    def extent_span(self, first_page: int, count: int) -> tuple[int, int]:
+        """Indexes [lo, hi) of the extents that pages [first_page, first_page+count) lie in."""
+        lo = int(np.searchsorted(self.starts, first_page, side="right")) - 1
+        hi = int(np.searchsorted(self.starts, first_page + count - 1, side="right"))
+        return lo, hi
+
+
+@dataclass
+class DiskInfo:
+    disk_id: int
+    name: str
+    size_bytes: int
+    fingerprint: bytes
+
+
+@dataclass
+class SourceState:
+    source_format: int
+    tag: int
+    sequence: int
+    data: bytes
+    offset: int | None = None        # file offset of ``data``, for errors about its content
+
+
+@dataclass
+class FrameTable:
+    """The PAGE_FRAMEs (or DELTA_FRAMEs) of an image as the INDEX lists them: frame k holds
+    ordinals (entries) starts[k] .. starts[k] + counts[k] and is index entry positions[k]."""
+    starts: np.ndarray
+    counts: np.ndarray
+    positions: np.ndarray
+
+    @classmethod
+    def of(cls, entries: np.ndarray, record_type: int) -> "FrameTable":
+        positions = np.flatnonzero(entries["record_type"] == record_type)
+        return cls(entries["first"][positions].astype(np.int64), entries["count"][positions].astype(np.int64),
+                   positions)
+
+    def __len__(self) -> int:
+        return len(self.starts)
+
+    @property
+    def total(self) -> int:
+        return int(self.counts.sum())
+
+    def frame_of(self, slots) -> np.ndarray:
+        """The frame holding each ordinal (entry) of ``slots``; -1 where none does."""
+        slots = np.asarray(slots, np.int64)
+        frames = np.searchsorted(self.starts, slots, side="right") - 1
+        inside = frames >= 0
+        inside[inside] = slots[inside] < self.starts[frames[inside]] + self.counts[frames[inside]]
+        return np.where(inside, frames, -1)
+
+
+@dataclass
+class DiskRefs:
+    disk_ids: np.ndarray
+    sectors: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.sectors)
+
+
+SMALL_RECORDS = [RecordType.REGION, RecordType.DISK, RecordType.SOURCE_STATE, RecordType.PAGE_MAP,
+                 RecordType.DISK_REFS]
+
+
+class ImageTables:
+    """The tables of one image, read and checked when it is opened."""
+
+    def __init__(self, file: ImageFile, header: Header, footer: Footer, index: Record):
+        self.file, self.header, self.footer, self.index = file, header, footer, index
+        self.page_size = header.page_size
+        self.entries = index.parsed["entries"]
+        self.regions: list[Region] = []
+        self.disks: list[DiskInfo] = []
+        self.source_states: list[SourceState] = []
+        self.page_frames = FrameTable.of(self.entries, RecordType.PAGE_FRAME)
+        self.delta_frames = FrameTable.of(self.entries, RecordType.DELTA_FRAME)
+        self.disk_refs = DiskRefs(np.zeros(0, np.uint32), np.zeros(0, np.uint64))
+        self.digest_positions: dict[int, list[int]] = {}
+        self._load()
+
+    @classmethod
+    def read(cls, file: ImageFile, header: Header, footer: Footer) -> "ImageTables":
+        index = read_record(file, footer.index_offset, footer.offset)
+        first_problem(index_location_problems(footer, header.header_length, index=index))
+        parse_body(index)
+        return cls(file, header, footer, index)
+
+    def record(self, position: int) -> Record:
+        """The record of index entry ``position``, checked against its entry and parsed."""
+        entries = self.entries
+        offset = int(entries["record_offset"][position])
+        limit = int(entries["record_offset"][position + 1]) if position + 1 < len(entries) else self.index.offset
+        record = read_record(self.file, offset, limit, position)
+        parse_body(record, position)
+        first_problem(checks.index_problems(self.index, entries, [(checks.index_entry_of(record, self.page_size),
+                                                                    record.end)], first_entry=position))
+        first_problem(body_problems(record, position, self.page_size))
+        return record
+
+    # -- loading -----------------------------------------------------------------
+    def _load(self) -> None:
+        entries = self.entries
+        first_problem(checks.index_problems(self.index, entries, [], header_length=self.header.header_length))
+        unknown = [int(t) for t in np.unique(entries["record_type"]) if not _known_or_optional(int(t))]
+        if unknown:                                  # refused without reading it (spec §4.2)
+            self.record(int(np.flatnonzero(entries["record_type"] == unknown[0])[0]))
+        small = [self.record(int(i)) for i in np.flatnonzero(np.isin(entries["record_type"], SMALL_RECORDS))]
+        by_type = {kind: [r for r in small if r.record_type == kind] for kind in SMALL_RECORDS}
+        first_problem(checks.region_table_problems(by_type[RecordType.REGION]))
+        first_problem(checks.disk_table_problems(by_type[RecordType.DISK]))
+        first_problem(checks.reference_order_problems(self._references(small)))
+        self._load_regions(by_type[RecordType.REGION], by_type[RecordType.PAGE_MAP])
+        self._load_disks(by_type[RecordType.DISK], by_type[RecordType.DISK_REFS])
+        self._load_source_states(by_type[RecordType.SOURCE_STATE])
+        self._check_frames(by_type[RecordType.DISK_REFS])
+        first_problem(checks.feature_problems(self.header, checks.class_counts([r.extents for r in self.regions])))
+
+    def _references(self, small: list[Record]):
+        """The order rule's items, in file order: loaded records, and DIGESTS by their entry."""
+        items = [(r.record_type, r.index, r.offset, checks.record_references(r)[1]) for r in small]
+        for i in np.flatnonzero(self.entries["record_type"] == RecordType.DIGESTS).tolist():
+            items.append((RecordType.DIGESTS, i, int(self.entries["record_offset"][i]), (int(self.entries["key"][i]),)))
+        return sorted(items, key=lambda item: item[1])
+
+    def _load_regions(self, records: list[Record], maps: list[Record]) -> None:
+        for record in records:
+            p = record.parsed
+            gpa = p["guest_phys_base"] if p["flags"] & REGION_FLAG_HAS_GPA else None
+            self.regions.append(Region(p["region_id"], p["name"], p["size_bytes"], gpa, self.page_size))
+        for region in self.regions:
+            parts = [m.parsed["extents"] for m in maps if m.parsed["region_id"] == region.region_id]
+            extents = np.concatenate(parts) if parts else np.zeros(0, maps[0].parsed["extents"].dtype
+                                                                  if maps else [("first_page", "<u8")])
+            first_problem(checks.coverage_problems(region.region_id, region.name, region.num_pages, extents))
+            region.set_extents(extents)
+            positions = [i for i in np.flatnonzero(self.entries["record_type"] == RecordType.DIGESTS).tolist()
+                         if int(self.entries["key"][i]) == region.region_id]
+            self.digest_positions[region.region_id] = positions
+            ranges = [(int(self.entries["first"][i]), int(self.entries["count"][i]), None,
+                       int(self.entries["record_offset"][i])) for i in positions]
+            first_problem(checks.digest_coverage_problems(region.region_id, region.name, region.num_pages, ranges))
+
+    def _load_disks(self, records: list[Record], refs: list[Record]) -> None:
+        for record in records:
+            p = record.parsed
+            self.disks.append(DiskInfo(p["disk_id"], p["name"], p["size_bytes"], p["fingerprint"]))
+        sizes = {d.disk_id: d.size_bytes for d in self.disks}
+        for record in refs:
+            first_problem(checks.disk_ref_problems(sizes, record.parsed["refs"], self.page_size, record.offset,
+                                                   record.path()))
+        if refs:
+            self.disk_refs = DiskRefs(np.concatenate([r.parsed["refs"]["disk_id"] for r in refs]),
+                                      np.concatenate([r.parsed["refs"]["sector"] for r in refs]))
+
+    def _load_source_states(self, records: list[Record]) -> None:
+        first_problem(checks.source_sequence_problems([(r.parsed["sequence"], r) for r in records]))
+        for record in records:
+            p = record.parsed
+            self.source_states.append(SourceState(p["source_format"], p["tag"], p["sequence"], bytes(p["data"]),
+                                                  record.body_offset + SOURCE_STATE_BODY.size))
+
+    def _check_frames(self, refs: list[Record]) -> None:
+        offsets = self.entries["record_offset"].astype(np.int64)
+        frames = self.page_frames
+        for k in np.flatnonzero((frames.counts == 0) | (frames.counts * self.page_size > FRAME_PAGES_MAX_BYTES))[:1]:
+            position = int(frames.positions[k])       # the index says so; the record is read only when used
+            first_problem(frame_size_problems(RecordType.PAGE_FRAME, int(frames.counts[k]), self.page_size,
+                                              int(offsets[position]) + RECORD.size,
+                                              f"record[{position}].page_frame"))
+        for name, table in (("page_frame", self.page_frames), ("delta_frame", self.delta_frames)):
+            first_problem(checks.numbering_problems(name, table.starts, table.counts, offsets[table.positions]))
+        first_problem(checks.slot_problems([r.extents for r in self.regions], self.page_frames.total,
+                                           self.delta_frames.total, [r.parsed["first_ref"] for r in refs],
+                                           [r.parsed["num_refs"] for r in refs], [r.offset for r in refs]))
+
+    def frame_record(self, table: FrameTable, frame: int) -> Record:
+        """The PAGE_FRAME or DELTA_FRAME record of frame ``frame`` of ``table``."""
+        if not 0 <= frame < len(table):
+            raise FormatError(f"no frame {frame}", structure="index")
+        return self.record(int(table.positions[frame]))
+
+    def digest_records(self, region: Region) -> list[Record]:
+        return [self.record(i) for i in self.digest_positions.get(region.region_id, [])]
+
+
+def _known_or_optional(record_type: int) -> bool:
+    return record_type in RecordType._value2member_map_ or bool(record_type & RECORD_OPTIONAL_BIT)
