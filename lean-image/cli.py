@@ -131,7 +131,7 @@ def inspect(image, as_json, map_path, with_files, parents, disks):
             from .inspect import disk_files
             summary["disk_files"] = disk_files(img)
         if map_path:
-            from .pagemap import render_map
+            from .memory_picture import render_map
             render_map(img, map_path)
             summary["map"] = map_path
     click.echo(json.dumps(summary, indent=2) if as_json else render_text(summary))

@@ -178,7 +178,7 @@ def test_convert_from_pipe(saves, images, tmp_path):
             [(r.name, r.size_bytes) for r in b.regions]
         for ra, rb in zip(a.regions, b.regions):
             assert np.array_equal(a.classes(ra), b.classes(rb)), ra.name
-            assert np.array_equal(a.digests(ra), b.digests(rb)), ra.name
+            assert np.array_equal(a.digests.table(ra), b.digests.table(rb)), ra.name
             step = 4096
             for first in range(0, ra.num_pages, step):
                 count = min(step, ra.num_pages - first)

@@ -14,7 +14,7 @@ from click.testing import CliRunner
 
 from leanimg.cli import main
 from leanimg.format import EXTENT, PageClass, page_digest
-from leanimg.pagemap import (
+from leanimg.memory_picture import (
     BACKGROUND, CLASS_COLOURS, MAX_ROWS, cell_classes, encode_png, layout, render_map, render_pixels,
 )
 from leanimg.reader import LeanImage
