@@ -280,7 +280,7 @@ def restore(image, target, output, parents, disks, sort_blocks, any_disk_identit
               help="Scan every 512-byte phase of each disk, not only the partitions' own.")
 def convert(save, output, source_format, spool, level, frame_pages, parents, delta, disks, all_phases):
     """Convert a hypervisor save file (QEMU migration stream, Xen xl/libxl/libxc stream) into a lean image."""
-    from .disks import scan_bytes
+    from .disks.partitions import scan_bytes
     with _disk_sources(_parse_disks(disks), name_from_file=True) as sources:
         if sources:        # the bar follows the disk scan, the part whose length depends on the disk
             total = sum(scan_bytes(d, 4096, all_phases) for d in sources.values())

@@ -20,7 +20,8 @@ import pytest
 from helpers import qemu_save
 from leanimg.cli import command_line
 from leanimg.converters.diskrefs import PageIndex, sketch
-from leanimg.disks import Partition, RawDisk, open_disk, read_partitions, scan_segments
+from leanimg.disks import RawDisk, open_disk
+from leanimg.disks.partitions import Partition, read_partitions, scan_segments
 from leanimg.format import PageClass
 from leanimg.reader import LeanImage
 
