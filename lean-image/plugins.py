@@ -34,7 +34,9 @@ class Source(Protocol):
 
     def convert(self, save, output: str, **options):
         """Convert ``save`` (a path, - for stdin, or a binary file) into the lean image
-        ``output``; ``options`` as `leanimg convert` gives them."""
+        ``output``. ``options`` as `leanimg convert` gives them: spool, writer_options,
+        progress, parents, allow_delta, and disks (open DiskSources by name; the caller closes
+        them), all_phases, disk_progress; returns the disk scan's summary (None without disks)."""
 
 
 class Target(Protocol):
