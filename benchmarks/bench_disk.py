@@ -76,7 +76,7 @@ def time_scan(save: Path, disk_path: Path, leanimg_dir: Path) -> dict:
     the same data ranges with one pread each."""
     from leanimg.converters import qemu
     from leanimg.converters.diskrefs import PageIndex, scan_disk
-    from leanimg.restore.disks import open_disk
+    from leanimg.disks import open_disk
     with open(save, "rb") as f:
         state, ram = qemu.load_stream(f, leanimg_dir)
     index = PageIndex(4096)

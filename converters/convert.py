@@ -1,6 +1,7 @@
 """Hypervisor save file → lean image.
 
-The source format is detected from its first bytes. A QEMU stream becomes one
+The source format is named, or detected from its first bytes (converters/formats.py, through
+the plugin registry leanimg.plugins). A QEMU stream becomes one
 region per RAM block; zero pages become ZERO, the rest STORED, and everything
 but the pages (configuration, device sections, RAM section plan, VMDESCRIPTION)
 is kept as one SOURCE_STATE record so restore can rebuild a stream QEMU accepts.
@@ -11,14 +12,17 @@ record with the stream's skeleton (converters/xen.py).
 from __future__ import annotations
 
 import io
+import sys
 from dataclasses import dataclass, field
 from typing import BinaryIO
 
 import numpy as np
 
 from leanimg.errors import SourceFormatError, UnsupportedError
+from leanimg.fileutil import PrefixedInput, open_input
 from leanimg.format import SourceFormat
 from leanimg.incremental import AgainstParent, parent_link
+from leanimg.plugins import HEAD_BYTES, detect_source
 from leanimg.reader import LeanImage
 from leanimg.writer import LeanImageWriter, PageGivenTwice
 
@@ -26,42 +30,7 @@ from . import qemu, xen
 from .diskrefs import DiskSummary, classify_by_disks, declare_disks
 from .source_state import QEMU_TAG_STREAM_STATE, XEN_TAG_SKELETON, pack_skeleton, pack_stream_state
 
-QEMU_MAGIC = b"QEVM"
-XEN_XL_MAGIC = b"Xen saved domain"
-XEN_LIBXC_MARKER = b"\xff" * 8
-XEN_LIBXL_IDENT = b"LibxlFmt"
 RUN_PAGES = 256
-
-
-def detect_format(head: bytes) -> str:
-    if head.startswith(QEMU_MAGIC):
-        return "qemu"
-    if head.startswith((XEN_XL_MAGIC, XEN_LIBXL_IDENT, XEN_LIBXC_MARKER)) or \
-            (head and any(magic.startswith(head) for magic in (XEN_XL_MAGIC, XEN_LIBXL_IDENT, XEN_LIBXC_MARKER))):
-        return "xen"       # a prefix: a truncated Xen file, reported as such by the Xen reader
-    raise SourceFormatError(f"expected a QEMU migration stream (magic {QEMU_MAGIC.hex(' ')}) or a Xen "
-                            f"save file (xl magic, \"LibxlFmt\" or libxc marker ff..ff), got "
-                            f"{head[:8].hex(' ')}", offset=0, structure="magic")
-
-
-class _PeekedInput(io.RawIOBase):
-    """A non-seekable input whose first bytes were already read for detection."""
-
-    def __init__(self, head: bytes, rest: BinaryIO):
-        self.head, self.rest = head, rest
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, buffer) -> int:
-        if self.head:
-            n = min(len(buffer), len(self.head))
-            buffer[:n] = self.head[:n]
-            self.head = self.head[n:]
-            return n
-        data = self.rest.read(len(buffer))
-        buffer[:len(data)] = data
-        return len(data)
 
 
 class _RunBuffer:
@@ -97,7 +66,7 @@ class _RunBuffer:
 @dataclass
 class DiskOptions:
     """``convert --disk``: the open disks by name, how to scan them, and what came of it."""
-    sources: dict = field(default_factory=dict)          # name -> restore.disks.DiskSource
+    sources: dict = field(default_factory=dict)          # name -> leanimg.disks.DiskSource
     all_phases: bool = False
     progress: object = None
     summary: DiskSummary | None = None
@@ -250,10 +219,11 @@ def _free_unsent(writer: LeanImageWriter, regions: dict[str, int]) -> None:
             writer.put_free(region_id, first, count)
 
 
-def convert_file(src: str, dest: str, *, source_format: str | None = None, spool: bool | None = None,
+def convert_file(src, dest: str, *, source_format: str | None = None, spool: bool | None = None,
                  writer_options: dict | None = None, progress=None, parents=(),
                  allow_delta: bool = True, disks: DiskOptions | None = None) -> str:
-    """Convert the save file ``src`` (or ``-`` for stdin) into the lean image ``dest``.
+    """Convert the save file ``src`` (a path, ``-`` for stdin, or an open binary file) into the
+    lean image ``dest``; ``source_format`` names the format (by default: detected).
 
     ``parents``: the parent image first, then any of its ancestors (matched by UUID; the
     parent's directory is searched too). The new image is written against the parent.
@@ -268,16 +238,16 @@ def convert_file(src: str, dest: str, *, source_format: str | None = None, spool
 
 
 def _convert(src, dest, source_format, spool, writer_options, progress, parent, disks=None) -> str:
-    stream = _open_source(src)
+    stream = open_input(src)
     try:
-        head = stream.read(16) if source_format is None else b""
-        fmt = source_format or detect_format(head)
+        head = stream.read(HEAD_BYTES) if source_format is None else b""
+        fmt = source_format or detect_source(head).name
         seekable = stream.seekable()
         if seekable:
             stream.seek(0)
             body = stream
         else:
-            body = io.BufferedReader(_PeekedInput(head, stream), 1 << 20)
+            body = io.BufferedReader(PrefixedInput(head, stream), 1 << 20)
         if fmt == "xen":
             _convert_xen(stream if seekable else body, seekable, dest, writer_options, progress, parent, disks)
             return fmt
@@ -301,7 +271,7 @@ def _convert(src, dest, source_format, spool, writer_options, progress, parent, 
                 convert_qemu_spooled(stream, writer, parent=parent)
         return fmt
     finally:
-        if stream is not _stdin():
+        if stream is not sys.stdin.buffer:
             stream.close()
 
 
@@ -316,17 +286,3 @@ def _convert_xen(source, seekable, dest, writer_options, progress, parent, disks
     finally:
         if spooled is not None:
             spooled.close()
-
-
-def _stdin():
-    import sys
-    return sys.stdin.buffer
-
-
-def _open_source(src: str) -> BinaryIO:
-    if src == "-":
-        return _stdin()
-    try:
-        return open(src, "rb", buffering=1 << 20)
-    except OSError as exc:
-        raise SourceFormatError(f"cannot open {src}: {exc.strerror}", structure="input") from None

@@ -17,10 +17,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from leanimg.disks.partitions import aligned_ranges, scan_segments
 from leanimg.format import DIGEST_SIZE, DISK_SECTOR_SIZE, row_digests
 from leanimg.writer import LeanImageWriter
-
-from .partitions import read_partitions
 
 SCAN_CHUNK = 8 << 20
 # odd 64-bit multipliers: a sampled word's contribution to the sketch depends on its position
@@ -124,25 +123,12 @@ class PageIndex:
         return out
 
 
-def scan_segments(disk, page_size: int, all_phases: bool = False) -> list[tuple[int, int, int]]:
-    """(start, end, phase in bytes) to scan: the whole disk at phase 0, and every partition
-    that does not start on a page boundary at its own phase (or the disk at every phase)."""
-    if all_phases:
-        return [(0, disk.size, p) for p in range(0, page_size, DISK_SECTOR_SIZE)]
-    segments = [(0, disk.size, 0)]
-    for part in read_partitions(disk.read, disk.size):
-        phase = part.start % page_size
-        if phase:
-            segments.append((part.start, part.start + part.length, phase))
-    return segments
-
-
 def scan_disk(index: PageIndex, disk, disk_id: int, *, all_phases: bool = False, progress=None) -> int:
     """Step 2 for one disk: match its blocks against the index; returns bytes read."""
     ps, read_bytes = index.page_size, 0
     ranges = disk.data_ranges()
     for start, end, phase in scan_segments(disk, ps, all_phases):
-        for lo, hi in _aligned_ranges(ranges, start, end, phase, ps):
+        for lo, hi in aligned_ranges(ranges, start, end, phase, ps):
             for at in range(lo, hi, SCAN_CHUNK):
                 length = min(SCAN_CHUNK, hi - at)
                 data = disk.read(at, length)
@@ -152,23 +138,6 @@ def scan_disk(index: PageIndex, disk, disk_id: int, *, all_phases: bool = False,
                 if progress:
                     progress(length)
     return read_bytes
-
-
-def _aligned_ranges(ranges, start: int, end: int, phase: int, ps: int):
-    """Pieces of the data ``ranges`` within [start, end), cut to whole blocks at ``phase``."""
-    for offset, length in ranges:
-        lo, hi = max(offset, start), min(offset + length, end)
-        lo = lo + (phase - lo) % ps
-        hi = lo + (hi - lo) // ps * ps
-        if hi > lo:
-            yield lo, hi
-
-
-def scan_bytes(disk, page_size: int, all_phases: bool = False) -> int:
-    """How many bytes scan_disk will read (for a progress bar)."""
-    ranges = disk.data_ranges()
-    return sum(hi - lo for start, end, phase in scan_segments(disk, page_size, all_phases)
-               for lo, hi in _aligned_ranges(ranges, start, end, phase, page_size))
 
 
 @dataclass
@@ -254,6 +223,5 @@ def classify_by_disks(writer: LeanImageWriter, disks: dict[str, object], feed, p
 
 def declare_disks(writer: LeanImageWriter, disks: dict[str, object]) -> None:
     """Add each disk to the image's disk table with its size and identity fingerprint."""
-    from leanimg.restore.disks import fingerprint_of
     for name, disk in disks.items():
-        writer.add_disk(name, disk.size, fingerprint_of(disk))
+        writer.add_disk(name, disk.size, disk.fingerprint())

@@ -26,6 +26,7 @@ import shutil
 import sys
 import tempfile
 import traceback
+from contextlib import contextmanager
 
 import atheris
 
@@ -33,6 +34,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 with atheris.instrument_imports(include=["leanimg"]):
+    from leanimg.disks import open_disk
     from leanimg.errors import LeanImageError
     from leanimg.format import (
     FOOTER, HEADER, HEADER_LENGTH_MAX, HEADER_MAGIC, RECORD_BODY_MAX, RECORD, align8, checksum64,
@@ -97,18 +99,30 @@ def exercise(path: str) -> None:
     """The whole read surface on one file; only LeanImageError may escape (and is swallowed)."""
     disks = {}
     try:
-        with LeanImage.open(path, parents=[PARENT]) as image:
+        with LeanImage.open(path, parents=[PARENT]) as image, disk_sources({make_corpus.DISK_NAME: DISK}) as sources:
             if any(d.name == make_corpus.DISK_NAME for d in image.disks):
                 disks = {make_corpus.DISK_NAME: DISK}
-                image.attach_disks(disks)
+                image.attach_disks(sources)
             summarize(image)
             read_everything(image)
     except LeanImageError:
         pass
     try:
-        validate(path, disks=disks, parents=[PARENT])
+        with disk_sources(disks) as sources:
+            validate(path, disks=sources, parents=[PARENT])
     except LeanImageError:
         pass
+
+
+@contextmanager
+def disk_sources(disks: dict):
+    """``disks`` (name -> path) opened as disk sources for the block."""
+    sources = {name: open_disk(path, name) for name, path in disks.items()}
+    try:
+        yield sources
+    finally:
+        for source in sources.values():
+            source.close()
 
 
 def fix_checksums(data: bytes) -> bytes:

@@ -7,6 +7,7 @@ import os
 import signal
 import sys
 import traceback
+from contextlib import contextmanager
 
 # numpy's OpenBLAS starts a thread per core when imported (~0.1 s of CPU per command);
 # leanimg does no linear algebra.  Set before anything imports numpy.
@@ -47,13 +48,11 @@ class LeanGroup(click.Group):
 
 def _hint(exc: LeanImageError) -> str | None:
     if exc.rule == "LI-HDR-001" and exc.path and os.path.exists(exc.path):
-        from leanimg.converters.convert import QEMU_MAGIC, XEN_LIBXC_MARKER, XEN_LIBXL_IDENT, XEN_XL_MAGIC
+        from .plugins import HEAD_BYTES, find_source
         with open(exc.path, "rb") as f:
-            head = f.read(len(XEN_XL_MAGIC))
-        if head.startswith(QEMU_MAGIC):
-            return "this looks like a QEMU migration stream: convert it with `leanimg convert`"
-        if head.startswith((XEN_XL_MAGIC, XEN_LIBXL_IDENT, XEN_LIBXC_MARKER)):
-            return "this looks like a Xen save file: convert it with `leanimg convert`"
+            source = find_source(f.read(HEAD_BYTES))
+        if source is not None:
+            return f"this looks like {source.description}: convert it with `leanimg convert`"
     if exc.rule == "LI-FTR-001":
         return "an image without a valid footer is incomplete (was the writer interrupted?)"
     return None
@@ -72,6 +71,50 @@ def _parse_disks(values) -> dict:
             raise click.BadParameter(f"disk {name or 'without a name'} given twice", param_hint="--disk")
         disks[name] = path
     return disks
+
+
+def _open_disks(paths: dict, *, name_from_file: bool = False) -> dict:
+    """The parsed --disk values opened as disk sources by NAME; where it was left out, under
+    None (the image's only disk) or, with ``name_from_file``, the file name's stem."""
+    from .disks import open_disk
+    sources = {}
+    try:
+        for name, path in paths.items():
+            stem = os.path.splitext(os.path.basename(path))[0]
+            if name_from_file:
+                name = name or stem
+                if name in sources:
+                    raise click.BadParameter(f"two disks named {name!r}: give NAME=PATH", param_hint="--disk")
+            sources[name] = open_disk(path, name or stem)
+    except BaseException:
+        _close_disks(sources)
+        raise
+    return sources
+
+
+def _close_disks(sources: dict) -> None:
+    for source in sources.values():
+        source.close()
+
+
+@contextmanager
+def _disk_sources(paths: dict, **options):
+    """The parsed --disk values opened for the block (an image they are attached to closes them too)."""
+    sources = _open_disks(paths, **options)
+    try:
+        yield sources
+    finally:
+        _close_disks(sources)
+
+
+@contextmanager
+def _open_image(image, parents, disks, check_disk_identity: bool = True):
+    """IMAGE with its chain and the --disk sources attached."""
+    from .reader import LeanImage
+    paths = _parse_disks(disks)
+    with LeanImage.open(image, parents=parents) as img, _disk_sources(paths) as sources:
+        img.attach_disks(sources, check_identity=check_disk_identity)
+        yield img
 
 
 disk_option = click.option("--disk", "disks", multiple=True, metavar="[NAME=]PATH",
@@ -124,8 +167,7 @@ def _raise_open_file_limit() -> None:
 def inspect(image, as_json, map_path, with_files, parents, disks):
     """Header, regions, disks, chain and a per-class breakdown of IMAGE."""
     from .inspect import render_text, summarize
-    from .reader import LeanImage
-    with LeanImage.open(image, parents=parents, disks=_parse_disks(disks)) as img:
+    with _open_image(image, parents, disks) as img:
         summary = summarize(img)
         if with_files:
             from .inspect import disk_files
@@ -148,7 +190,11 @@ def validate(image, as_json, whole_chain, parents, disks):
     """Strict conformance check of IMAGE. Exit 0 valid, 1 invalid."""
     from .validate import validate as run
     links = _chain_paths(image, parents) if whole_chain else [image]
-    reports = [run(link, disks=_parse_disks(disks), parents=list(parents) + links) for link in links]
+    paths = _parse_disks(disks)
+    reports = []
+    for link in links:
+        with _disk_sources(paths) as sources:
+            reports.append(run(link, disks=sources, parents=list(parents) + links))
     if as_json:
         body = [r.to_json() for r in reports]
         click.echo(json.dumps(body if whole_chain else body[0], indent=2))
@@ -200,11 +246,10 @@ def restore(image, target, output, parents, disks, sort_blocks, any_disk_identit
     qemu-system-x86_64 ... -incoming "exec:leanimg restore IMG --to qemu -o -"
     --to xen rebuilds the Xen save file (`xl restore FILE`) in the form it had.
     """
-    from .reader import LeanImage
     from .fileutil import write_atomically
-    produce = _restorer(target)
-    with LeanImage.open(image, parents=parents, disks=_parse_disks(disks),
-                        check_disk_identity=not any_disk_identity) as img:
+    from .plugins import target as restore_target
+    produce = restore_target(target).restore
+    with _open_image(image, parents, disks, check_disk_identity=not any_disk_identity) as img:
         for link in img.chain():
             link.sort_blocks = sort_blocks
         total = sum(r.size_bytes for r in img.regions)
@@ -213,18 +258,6 @@ def restore(image, target, output, parents, disks, sort_blocks, any_disk_identit
                 produce(img, sys.stdout.buffer, advance)
             else:
                 write_atomically(output, lambda out: produce(img, out, advance))
-
-
-def _restorer(target: str):
-    """The restore function for --to TARGET, importing only its own module."""
-    if target == "qemu":
-        from leanimg.restore.qemu import restore_qemu
-        return restore_qemu
-    if target == "xen":
-        from leanimg.restore.xen import restore_xen
-        return restore_xen
-    from leanimg.restore.raw import restore_raw
-    return restore_raw
 
 
 @main.command()
@@ -247,53 +280,41 @@ def _restorer(target: str):
               help="Scan every 512-byte phase of each disk, not only the partitions' own.")
 def convert(save, output, source_format, spool, level, frame_pages, parents, delta, disks, all_phases):
     """Convert a hypervisor save file (QEMU migration stream, Xen xl/libxl/libxc stream) into a lean image."""
-    from leanimg.converters.convert import convert_file
-    disk_options = _open_convert_disks(disks, all_phases)
-    if disk_options:       # the bar follows the disk scan, the part whose length depends on the disk
-        total, label = _scan_total(disk_options), "scan disks"
-    else:
-        total, label = (os.path.getsize(save) if save != "-" and os.path.isfile(save) else 0), "convert"
-    try:
+    from .disks.partitions import scan_bytes
+    with _disk_sources(_parse_disks(disks), name_from_file=True) as sources:
+        if sources:        # the bar follows the disk scan, the part whose length depends on the disk
+            total = sum(scan_bytes(d, 4096, all_phases) for d in sources.values())
+            label = "scan disks"
+        else:
+            total, label = (os.path.getsize(save) if save != "-" and os.path.isfile(save) else 0), "convert"
         with _progress(total, label) as advance:
-            if disk_options:
-                disk_options.progress = advance
-            convert_file(save, output, source_format=source_format, spool=spool,
-                         writer_options=dict(level=level, frame_pages=frame_pages),
-                         progress=None if disk_options else advance,
-                         parents=parents, allow_delta=delta, disks=disk_options)
-    finally:
-        if disk_options:
-            disk_options.close()
-    if disk_options:
-        _report_disk_pages(disk_options)
+            source, save = _save_source(save, source_format)
+            summary = source.convert(save, output, spool=spool,
+                                     writer_options=dict(level=level, frame_pages=frame_pages),
+                                     progress=None if sources else advance, parents=parents, allow_delta=delta,
+                                     disks=sources, all_phases=all_phases, disk_progress=advance)
+    if summary:
+        _report_disk_pages(sources, summary)
 
 
-def _open_convert_disks(values, all_phases: bool):
-    from leanimg.converters.convert import DiskOptions
-    from leanimg.restore.disks import open_disk
-    if not values:
-        return None
-    options = DiskOptions(all_phases=all_phases)
+def _save_source(save: str, source_format: str | None):
+    """The source plugin --from names, or the one that recognises SAVE's first bytes, and SAVE
+    to convert (opened when it had to be read for that)."""
+    from . import plugins
+    from .fileutil import peek_input
+    if source_format:
+        return plugins.source(source_format), save
+    head, opened = peek_input(save, plugins.HEAD_BYTES)
     try:
-        for name, path in _parse_disks(values).items():
-            name = name or os.path.splitext(os.path.basename(path))[0]
-            if name in options.sources:
-                raise click.BadParameter(f"two disks named {name!r}: give NAME=PATH", param_hint="--disk")
-            options.sources[name] = open_disk(path, name)
+        return plugins.detect_source(head), opened
     except BaseException:
-        options.close()
+        if opened is not sys.stdin.buffer:
+            opened.close()
         raise
-    return options
 
 
-def _scan_total(options) -> int:
-    from leanimg.converters.diskrefs import scan_bytes
-    return sum(scan_bytes(d, 4096, options.all_phases) for d in options.sources.values())
-
-
-def _report_disk_pages(options) -> None:
-    summary = options.summary
-    for name in options.sources:
+def _report_disk_pages(sources: dict, summary) -> None:
+    for name in sources:
         pages = summary.pages.get(name, 0)
         click.echo(f"disk {name}: {pages} pages ({pages * summary.page_size / 2**20:.1f} MiB) are disk "
                    "references", err=True)
@@ -309,8 +330,7 @@ def _report_disk_pages(options) -> None:
 def flatten(image, output, parents, disks):
     """Write IMAGE as a self-contained image: no parent, same memory, same source state."""
     from .incremental import rebase
-    from .reader import LeanImage
-    with LeanImage.open(image, parents=parents, disks=_parse_disks(disks)) as img:
+    with _open_image(image, parents, disks) as img:
         rebase(img, output, None)
     _report_rebase(output)
 
@@ -328,8 +348,7 @@ def merge(image, output, delta, parents, disks):
     """
     from .errors import ChainError
     from .incremental import rebase
-    from .reader import LeanImage
-    with LeanImage.open(image, parents=parents, disks=_parse_disks(disks)) as img:
+    with _open_image(image, parents, disks) as img:
         if img.parent is None:
             raise ChainError("the image has no parent to merge into; use flatten")
         ancestors = [link.path for link in img.parent.chain()[1:]]

@@ -15,8 +15,9 @@ from importlib import resources
 import click
 import zstandard
 
-from .fileutil import sha256_file
+from .fileutil import sha256_file, write_atomically
 from .inspect import render_text, summarize
+from .plugins import source, target
 from .reader import LeanImage
 from .validate import validate
 
@@ -43,10 +44,6 @@ def _done(start: float, note: str = "") -> None:
 
 
 def run_demo(workdir: str | None = None, keep: bool = False) -> bool:
-    from leanimg.converters.convert import convert_file
-    from leanimg.restore.qemu import restore_qemu
-    from leanimg.fileutil import write_atomically
-    from leanimg.restore.raw import restore_raw
     owned = workdir is None
     workdir = workdir or tempfile.mkdtemp(prefix="leanimg-demo-")
     os.makedirs(workdir, exist_ok=True)
@@ -58,7 +55,7 @@ def run_demo(workdir: str | None = None, keep: bool = False) -> bool:
         _done(t, f"{save}: {os.path.getsize(save) / 2**20:.1f} MiB")
 
         t = _step(f"leanimg convert {save} -o {lean}")
-        convert_file(save, lean)
+        source("qemu").convert(save, lean)
         _done(t)
 
         t = _step(f"leanimg inspect {lean}")
@@ -76,12 +73,12 @@ def run_demo(workdir: str | None = None, keep: bool = False) -> bool:
 
         t = _step(f"leanimg restore {lean} --to qemu -o {rebuilt}")
         with LeanImage.open(lean) as image:
-            write_atomically(rebuilt, lambda out: restore_qemu(image, out))
+            write_atomically(rebuilt, lambda out: target("qemu").restore(image, out))
         _done(t, "(feed it to `qemu-system-x86_64 ... -incoming \"exec:cat rebuilt.save\"`)")
 
         t = _step(f"leanimg restore {lean} --to raw -o {raw}")
         with LeanImage.open(lean) as image:
-            write_atomically(raw, lambda out: restore_raw(image, out))
+            write_atomically(raw, lambda out: target("raw").restore(image, out))
         _done(t, "every page checked against its xxh3-128 digest")
 
         t = _step("verify: the rebuilt stream is the original, byte for byte")

@@ -4,8 +4,13 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import io
 import os
 import stat
+import sys
+from typing import BinaryIO
+
+from .errors import SourceFormatError
 
 
 def umask() -> int:
@@ -149,3 +154,55 @@ def sha256_file(path) -> str:
         for chunk in iter(lambda: f.read(4 << 20), b""):
             digest.update(chunk)
     return digest.hexdigest()
+
+
+def open_input(src) -> BinaryIO:
+    """The save file ``src`` opened for reading: a path, - for stdin, or an open binary file."""
+    if src == "-":
+        return sys.stdin.buffer
+    if not isinstance(src, (str, os.PathLike)):
+        return src
+    try:
+        return open(src, "rb", buffering=1 << 20)
+    except OSError as exc:
+        raise SourceFormatError(f"cannot open {src}: {exc.strerror}", structure="input") from None
+
+
+def peek_input(src, size: int) -> tuple[bytes, BinaryIO]:
+    """The first ``size`` bytes of the save file ``src`` (fewer when it is shorter) and the
+    file to read from the start: ``src`` opened and rewound, or, when it cannot seek (a pipe),
+    a reader that gives those bytes again first."""
+    stream = open_input(src)
+    head = stream.read(size)
+    if stream.seekable():
+        stream.seek(0)
+        return head, stream
+    return head, PrefixedInput(head, stream, close_rest=stream is not sys.stdin.buffer)
+
+
+class PrefixedInput(io.RawIOBase):
+    """A non-seekable input whose first bytes were already read (for format detection)."""
+
+    def __init__(self, head: bytes, rest: BinaryIO, close_rest: bool = False):
+        self.head, self.rest, self.close_rest = head, rest, close_rest
+
+    def readable(self) -> bool:
+        return True
+
+    def read(self, size: int = -1) -> bytes:
+        return super().read(size) if self.head else self.rest.read(size)
+
+    def readinto(self, buffer) -> int:
+        if self.head:
+            n = min(len(buffer), len(self.head))
+            buffer[:n] = self.head[:n]
+            self.head = self.head[n:]
+            return n
+        data = self.rest.read(len(buffer))
+        buffer[:len(data)] = data
+        return len(data)
+
+    def close(self) -> None:
+        if self.close_rest and not self.closed:
+            self.rest.close()
+        super().close()

@@ -79,15 +79,15 @@ def summarize(image: LeanImage) -> dict:
 
 def disk_files(image: LeanImage) -> dict[str, list[dict]]:
     """Per disk, the files its DISK pages came from, largest first."""
-    from .diskfiles import attribute_pages
+    from .disks.files import attribute_pages
     return {name: [dict(path=path, pages=n, mib=n * image.page_size / MIB) for path, n in pages.most_common()]
             for name, pages in attribute_pages(image).items()}
 
 
 def describe_source(image: LeanImage) -> str | None:
-    """What the SOURCE_STATE records rebuild, when a converter can tell."""
-    from leanimg.restore.xen import describe_image
-    return describe_image(image)
+    """What the SOURCE_STATE records rebuild, when a restore target can tell."""
+    from .plugins import targets
+    return next((text for target in targets() if (text := target.describe(image))), None)
 
 
 def render_text(summary: dict) -> str:

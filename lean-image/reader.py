@@ -56,9 +56,9 @@ class LeanImage:
     def open(cls, path, *, parents=(), disks=None, check_disk_identity: bool = True) -> "LeanImage":
         """Open ``path`` and its chain; ``parents`` are candidate parent images (paths or open
         LeanImages), matched by UUID, and so are the *.lean files beside each link; ``disks``
-        maps disk names to disk sources (paths or restore.disks objects). Without
-        ``check_disk_identity`` a disk's size and fingerprint are not compared with the disk
-        table (every block read is still checked against its page's digest)."""
+        maps disk names to open disk sources (``leanimg.disks.open_disk``), attached with
+        ``attach_disks``. Without ``check_disk_identity`` a disk's size and fingerprint are not
+        compared with the disk table (every block read is still checked against its page's digest)."""
         image = cls.open_link(path)
         try:
             attach_chain(image, list(parents), cls.open_link)
@@ -88,8 +88,11 @@ class LeanImage:
             raise
 
     def attach_disks(self, disks: dict, check_identity: bool = True) -> None:
-        """Open the named disks for this image and for every link of its chain that has them."""
-        from leanimg.restore.disks import open_disk_source
+        """Attach disk sources (``leanimg.disks.DiskSource`` by disk name; under None: the disk of
+        an image with one disk) to this image and to every link of its chain that has the disk.
+        Each is first checked to be that disk, size and fingerprint (LI-DSK-004), unless not
+        ``check_identity``. The image closes the sources attached to it when it closes."""
+        from .disks import check_identity as check_disk
         disks = dict(disks)
         if None in disks:
             names = sorted({d.name for link in self.chain() for d in link.disks})
@@ -97,6 +100,7 @@ class LeanImage:
                 raise DiskError(f"--disk PATH without a NAME needs an image with one disk; this one has "
                                 f"{', '.join(names) or 'none'}: give NAME=PATH")
             disks[names[0]] = disks.pop(None)
+            disks[names[0]].name = names[0]
         for name in disks:
             if not any(d.name == name for link in self.chain() for d in link.disks):
                 known = ", ".join(d.name for d in self.disks) or "none"
@@ -104,8 +108,9 @@ class LeanImage:
         for link in self.chain():
             for info in link.disks:
                 if info.name in disks:
-                    link.disk_sources[info.disk_id] = open_disk_source(disks[info.name], info,
-                                                                        check_identity=check_identity)
+                    if check_identity:
+                        check_disk(disks[info.name], info)
+                    link.disk_sources[info.disk_id] = disks[info.name]
 
     @property
     def has_disk_sources(self) -> bool:

@@ -10,6 +10,7 @@ import io
 import os
 import re
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -44,12 +45,33 @@ def write_bytes(build, **writer_kwargs) -> bytes:
     return out.getvalue()
 
 
+@contextmanager
+def disk_sources(paths=None):
+    """``paths`` (disk name -> file) opened as disk sources for the block."""
+    from leanimg.disks import open_disk
+    sources = {}
+    try:
+        for name, path in (paths or {}).items():
+            sources[name] = open_disk(str(path), name)
+        yield sources
+    finally:
+        for source in sources.values():
+            source.close()
+
+
+def validate_with_disks(path, *, disks=None, **kw):
+    """``validate`` with ``disks`` (disk name -> file) opened for it."""
+    from leanimg.validate import validate
+    with disk_sources(disks) as sources:
+        return validate(path, disks=sources, **kw)
+
+
 def restore_bytes(path, *, parents=(), disks=None) -> bytes:
     """Raw restore of ``path`` (regions in file order, concatenated) as bytes."""
     from leanimg.reader import LeanImage
     from leanimg.restore.raw import restore_raw
     out = io.BytesIO()
-    with LeanImage.open(path, parents=list(parents), disks=disks or {}) as image:
+    with disk_sources(disks) as sources, LeanImage.open(path, parents=list(parents), disks=sources) as image:
         restore_raw(image, out)
     return out.getvalue()
 
@@ -64,9 +86,10 @@ def roundtrip(data: bytes, expected: dict[str, bytes], *, page_size: int, tmpdir
         path = os.path.join(d, "image.lean")
         with open(path, "wb") as f:
             f.write(data)
-        report = validate(path, parents=parents, disks=disks)
+        with disk_sources(disks) as sources:
+            report = validate(path, parents=parents, disks=sources)
         assert report.valid, [str(f) for f in report.findings]
-        with LeanImage.open(path, parents=list(parents), disks=disks or {}) as image:
+        with disk_sources(disks) as sources, LeanImage.open(path, parents=list(parents), disks=sources) as image:
             assert [r.name for r in image.regions] == list(expected)
             for region in image.regions:
                 content = expected[region.name]

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from helpers import VECTORS_DIR, make_vectors, restore_bytes, write_bytes
+from helpers import VECTORS_DIR, disk_sources, make_vectors, restore_bytes, validate_with_disks, write_bytes
+from leanimg.disks import open_disk
 from leanimg.errors import ChainError, LeanImageError
 from leanimg.format import (
     DIGESTS_BODY, FOOTER, PAGE_FRAME_BODY, RECORD, RecordType, page_digest,
@@ -49,7 +50,7 @@ def record_boundaries(data: bytes) -> list[int]:
 
 def open_and_read_everything(path, **kw) -> bytes:
     """Open, read every page and restore: what a consumer does with an image."""
-    with LeanImage.open(path, **kw) as image:
+    with disk_sources(kw.get("disks")) as disks, LeanImage.open(path, **dict(kw, disks=disks)) as image:
         for region in image.regions:
             for page in range(region.num_pages):
                 image.read_page(region, page)
@@ -136,7 +137,7 @@ def test_flips_with_chain_and_disk_are_reported(tmp_path, name, data, kw):
     for pos in range(0, len(data), 3):
         bit = (pos * 5) % 8
         path.write_bytes(_flip(data, pos, bit))
-        if not validate(path, **kw).findings:
+        if not validate_with_disks(path, **kw).findings:
             missed.append((pos, bit))
     assert not missed, f"flips not reported: {missed[:20]}"
 
@@ -298,7 +299,7 @@ def test_hostile_input_clean_error_bounded_memory(tmp_path, name):
         except LeanImageError as exc:
             opened = False
             assert exc.rule is None or exc.rule in RULES
-        report = validate(path, **kw)
+        report = validate_with_disks(path, **kw)
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
@@ -367,11 +368,11 @@ def test_missing_disk_is_a_clean_error(tmp_path):
     with pytest.raises(LeanImageError):
         open_and_read_everything(disk)
     with pytest.raises(LeanImageError):
-        LeanImage.open(disk, disks={"disk0": str(tmp_path / "nope.raw")})
+        LeanImage.open(disk, disks={"disk0": open_disk(str(tmp_path / "nope.raw"), "disk0")})
     short = tmp_path / "short.raw"
     short.write_bytes((VECTORS_DIR / "valid" / "disk0.raw").read_bytes()[:8192])
     with pytest.raises(LeanImageError) as info:
-        LeanImage.open(disk, disks={"disk0": str(short)})
+        LeanImage.open(disk, disks={"disk0": open_disk(str(short), "disk0")})
     assert info.value.rule == "LI-DSK-004"
 
 

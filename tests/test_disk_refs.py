@@ -19,11 +19,11 @@ import pytest
 
 from helpers import qemu_save
 from leanimg.cli import command_line
-from leanimg.converters.diskrefs import PageIndex, scan_segments, sketch
-from leanimg.converters.partitions import Partition, read_partitions
+from leanimg.converters.diskrefs import PageIndex, sketch
+from leanimg.disks import RawDisk, open_disk
+from leanimg.disks.partitions import Partition, read_partitions, scan_segments
 from leanimg.format import PageClass
 from leanimg.reader import LeanImage
-from leanimg.restore.disks import RawDisk, open_disk
 
 PS = 4096
 SECTOR = 512
@@ -298,7 +298,7 @@ def test_a_truncated_or_damaged_qcow2_is_refused(scene, image, tmp_path):
 
 
 def test_an_ext_superblock_that_lies_about_its_block_size_is_not_a_filesystem():
-    from leanimg.diskfiles import find_ext_filesystems
+    from leanimg.disks.files import find_ext_filesystems
     disk = bytearray(1 << 20)
     struct.pack_into("<H", disk, 1024 + 56, 0xEF53)
     struct.pack_into("<I", disk, 1024 + 24, 2)

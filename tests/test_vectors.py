@@ -19,7 +19,7 @@ import sys
 
 import pytest
 
-from helpers import VECTORS_DIR, make_vectors, restore_bytes
+from helpers import VECTORS_DIR, make_vectors, restore_bytes, validate_with_disks
 from leanimg.format import DIGESTS_BODY, RecordType, page_digest
 from leanimg.rules import RULES
 from leanimg.validate import validate
@@ -36,7 +36,7 @@ def _args(meta: dict) -> dict:
 
 
 def _findings(rel: str):
-    return validate(VECTORS_DIR / rel, **_args(META[rel])).findings
+    return validate_with_disks(VECTORS_DIR / rel, **_args(META[rel])).findings
 
 
 def test_vector_files_match_json():

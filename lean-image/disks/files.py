@@ -18,8 +18,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .errors import DiskError
-from .format import DISK_SECTOR_SIZE, PageClass
+from leanimg.errors import DiskError
+from leanimg.format import DISK_SECTOR_SIZE, PageClass
+
+from .partitions import Partition, read_partitions
+from .sources import RawDisk
 
 EXT_MAGIC = 0xEF53
 NOT_IN_A_FILESYSTEM = "(not in an ext2/3/4 filesystem)"
@@ -35,7 +38,6 @@ class Filesystem:
 
 def find_ext_filesystems(read, size: int) -> list[Filesystem]:
     """ext2/3/4 filesystems on the whole disk or on its partitions."""
-    from leanimg.converters.partitions import Partition, read_partitions
     found = []
     for part in [Partition(0, size), *read_partitions(read, size)]:
         if part.length < 2048:
@@ -135,7 +137,6 @@ class _raw_path:
         self.source, self.tmp = source, None
 
     def __enter__(self) -> str:
-        from leanimg.restore.disks import RawDisk
         if isinstance(self.source, RawDisk):
             return self.source.path
         self.tmp = tempfile.TemporaryDirectory(prefix="leanimg-files-")

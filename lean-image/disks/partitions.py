@@ -3,7 +3,8 @@
 A guest caches file pages read from a filesystem, so a page duplicates the disk at the
 filesystem's block alignment, which is the partition's start sector: a partition starting at
 sector 63 puts every cached page at sector 63 + 8k. The disk scan reads each partition at
-its own phase (start sector modulo the sectors of a page).
+its own phase (start sector modulo the sectors of a page): ``scan_segments`` and
+``aligned_ranges`` say which page-sized blocks that is, ``scan_bytes`` how many bytes.
 """
 
 from __future__ import annotations
@@ -101,3 +102,33 @@ def _clip(parts: list[Partition], disk_size: int) -> list[Partition]:
         if p.start < end:
             out.append(Partition(p.start, end - p.start))
     return out
+
+
+def scan_segments(disk, page_size: int, all_phases: bool = False) -> list[tuple[int, int, int]]:
+    """(start, end, phase in bytes) to scan: the whole disk at phase 0, and every partition
+    that does not start on a page boundary at its own phase (or the disk at every phase)."""
+    if all_phases:
+        return [(0, disk.size, p) for p in range(0, page_size, SECTOR)]
+    segments = [(0, disk.size, 0)]
+    for part in read_partitions(disk.read, disk.size):
+        phase = part.start % page_size
+        if phase:
+            segments.append((part.start, part.start + part.length, phase))
+    return segments
+
+
+def aligned_ranges(ranges, start: int, end: int, phase: int, ps: int):
+    """Pieces of the data ``ranges`` within [start, end), cut to whole blocks at ``phase``."""
+    for offset, length in ranges:
+        lo, hi = max(offset, start), min(offset + length, end)
+        lo = lo + (phase - lo) % ps
+        hi = lo + (hi - lo) // ps * ps
+        if hi > lo:
+            yield lo, hi
+
+
+def scan_bytes(disk, page_size: int, all_phases: bool = False) -> int:
+    """How many bytes a scan of ``disk`` reads (the converters' disk scan; for a progress bar)."""
+    ranges = disk.data_ranges()
+    return sum(hi - lo for start, end, phase in scan_segments(disk, page_size, all_phases)
+               for lo, hi in aligned_ranges(ranges, start, end, phase, page_size))

@@ -1,9 +1,11 @@
-"""Disk sources for DISK pages: raw files and qcow2 (or any qemu-img format), by guest-visible offset.
+"""Disk sources: the interface DISK pages are read through, and its raw and qcow2 backends.
 
-A disk source reads the bytes the guest sees (``read``), lists where data may be
-(``data_ranges``: holes and unallocated clusters are skipped by scans) and reads many
-page-sized runs at once in ascending physical order, coalesced (``read_runs``): for a raw file
-the physical offset is the offset, for qcow2 the host-file offset of the data cluster that
+The reader, the validator, ``inspect --files`` and the converters' disk scan see a disk only
+through ``DiskSource``; ``open_disk`` opens a path as the right backend. A backend reads the
+bytes the guest sees (``read``), lists where data may be (``data_ranges``: holes and
+unallocated clusters are skipped by scans) and reads many page-sized runs at once in
+ascending physical order, coalesced (``read_runs``): for a raw file the physical offset is the
+offset, for qcow2 (or any qemu-img format) the host-file offset of the data cluster that
 ``qemu-img map --output=json`` reports, per file of the backing chain. Clusters without a
 host offset (compressed, encrypted) are read through qemu's own block layer: qemu-nbd, spoken
 to with libnbd.
@@ -28,18 +30,33 @@ IOV_MAX = 1024                 # buffers per preadv call (Linux's UIO_MAXIOV)
 
 
 class DiskSource:
-    """What every disk source offers; subclasses implement ``read`` and ``_locate``."""
+    """A disk by guest-visible offset: what the reader and the converters use of a disk.
+
+    ``name``: the disk's name in messages (a source attached to an image under no name takes
+    the name of the image's only disk); ``path``: where it is, for messages; ``size``: bytes.
+    ``read``, ``read_runs``, ``data_ranges``, ``fingerprint`` and ``close`` below; ``close``
+    may be called more than once: by the image the source is attached to (once per link of
+    its chain that has the disk) and by whoever opened it.
+    A backend implements ``read``, ``close`` and, for ``read_runs``' coalesced reads,
+    ``_locate`` and ``_file_fd``.
+    """
 
     name: str
     path: str
     size: int
 
     def read(self, offset: int, length: int) -> bytes:
+        """The ``length`` bytes at ``offset``; DiskError (LI-DSK-003) beyond the end."""
         raise NotImplementedError
 
     def data_ranges(self) -> list[tuple[int, int]]:
         """(offset, length) ranges that may hold non-zero data, ascending."""
         return [(0, self.size)]
+
+    def fingerprint(self) -> bytes:
+        """The identity fingerprint of the disk table (spec §5.3), from 64 sampled blocks."""
+        from leanimg.writer import disk_fingerprint
+        return disk_fingerprint(self.read, self.size)
 
     def _check_span(self, offset: int, length: int) -> None:
         if offset < 0 or offset + length > self.size:
@@ -106,7 +123,7 @@ class DiskSource:
             raise DiskError(f"disk {self.name!r} ({self.path}): short read at {start:#x} (file truncated?)")
 
     def close(self) -> None:
-        pass
+        """Release what the source holds open."""
 
 
 def _coalesced(files: np.ndarray, physical: np.ndarray, length: int):
@@ -162,7 +179,9 @@ class RawDisk(DiskSource):
         return self.fd
 
     def close(self) -> None:
-        os.close(self.fd)
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
 
 
 class ImageDisk(DiskSource):
@@ -242,6 +261,7 @@ class ImageDisk(DiskSource):
         for fd in self._files:
             if fd is not None:
                 os.close(fd)
+        self._files = [None] * len(self._files)
         if self._nbd is not None:
             self._nbd.shutdown()
             self._nbd = None
@@ -283,23 +303,15 @@ def open_disk(path: str, name: str) -> DiskSource:
     return RawDisk(path, name)
 
 
-def fingerprint_of(source: DiskSource) -> bytes:
-    from leanimg.writer import disk_fingerprint
-    return disk_fingerprint(source.read, source.size)
-
-
 @implements("LI-DSK-004")
-def open_disk_source(source, info=None, *, check_identity: bool = True) -> DiskSource:
-    """Open ``source`` (a path or a DiskSource) for disk ``info``, checking it is that disk."""
-    name = info.name if info else os.fspath(source)
-    disk = open_disk(os.fspath(source), name) if isinstance(source, (str, os.PathLike)) else source
-    if info is not None and check_identity:
-        if disk.size != info.size_bytes:
-            disk.close()
-            raise DiskError(f"disk {info.name!r}: {disk.path} has {disk.size} bytes, the image recorded "
-                            f"{info.size_bytes}", rule="LI-DSK-004")
-        if fingerprint_of(disk) != info.fingerprint:
-            disk.close()
-            raise DiskError(f"disk {info.name!r}: {disk.path} has another identity (fingerprint differs "
-                            "from the disk table): not the disk of this checkpoint", rule="LI-DSK-004")
-    return disk
+def check_identity(disk: DiskSource, info) -> None:
+    """Refuse (LI-DSK-004, closing it) a source that is not the disk ``info`` of a disk table
+    (its name, size_bytes and fingerprint): another size or another fingerprint."""
+    if disk.size != info.size_bytes:
+        disk.close()
+        raise DiskError(f"disk {info.name!r}: {disk.path} has {disk.size} bytes, the image recorded "
+                        f"{info.size_bytes}", rule="LI-DSK-004")
+    if disk.fingerprint() != info.fingerprint:
+        disk.close()
+        raise DiskError(f"disk {info.name!r}: {disk.path} has another identity (fingerprint differs "
+                        "from the disk table): not the disk of this checkpoint", rule="LI-DSK-004")

@@ -1,0 +1,47 @@
+"""The save-file formats the converters read, as ``leanimg.sources`` plugins (leanimg.plugins).
+
+Recognising a format from a file's first bytes is done here and nowhere else: by the
+command line's hint for a save file given where a lean image was expected, and by
+``convert`` when no ``--from`` names the format. Converting is converters/convert.py,
+imported only when a conversion starts, so recognising a file stays cheap.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+QEMU_MAGIC = b"QEVM"
+XEN_XL_MAGIC = b"Xen saved domain"
+XEN_LIBXL_IDENT = b"LibxlFmt"
+XEN_LIBXC_MARKER = b"\xff" * 8
+
+
+@dataclass(frozen=True)
+class SaveFormat:
+    """A source plugin: a save-file format known by its magics, converted by convert_file."""
+
+    name: str
+    description: str
+    signature: str
+    magics: tuple[bytes, ...]
+    cut_inside_magic: bool = False      # a file shorter than its magic counts (its reader says truncated)
+
+    def detect(self, head: bytes) -> bool:
+        if head.startswith(self.magics):
+            return True
+        return self.cut_inside_magic and bool(head) and any(magic.startswith(head) for magic in self.magics)
+
+    def convert(self, save, output: str, *, disks: dict | None = None, all_phases: bool = False,
+                disk_progress=None, **options):
+        """Convert ``save`` into the lean image ``output`` (``options``: convert_file's). With
+        ``disks`` (open disk sources by name; the caller closes them), pages found on them
+        become DISK references and the scan's DiskSummary is returned."""
+        from .convert import DiskOptions, convert_file
+        scan = DiskOptions(dict(disks), all_phases, disk_progress) if disks else None
+        convert_file(save, output, source_format=self.name, disks=scan, **options)
+        return scan.summary if scan else None
+
+
+QEMU = SaveFormat("qemu", "a QEMU migration stream", f"magic {QEMU_MAGIC.hex(' ')}", (QEMU_MAGIC,))
+XEN = SaveFormat("xen", "a Xen save file", 'xl magic, "LibxlFmt" or libxc marker ff..ff',
+                 (XEN_XL_MAGIC, XEN_LIBXL_IDENT, XEN_LIBXC_MARKER), cut_inside_magic=True)

@@ -1,0 +1,96 @@
+"""Plugins: the save-file formats that convert into lean images, and the restore targets.
+
+A plugin is an object registered as an entry point, in group ``leanimg.sources`` (see
+``Source``) or ``leanimg.targets`` (see ``Target``), by the distribution that provides it;
+leanimg's own (converters/formats.py, restore/targets.py) are declared in its pyproject.toml.
+
+The core (the command line, ``inspect``, the demo) reaches converters and restorers only
+through here. An entry point is loaded when its name is asked for, or when its whole group
+is, so a restore imports only the restorer of its target.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from typing import BinaryIO, Protocol
+
+from .errors import SourceFormatError, UnsupportedError
+
+SOURCES = "leanimg.sources"
+TARGETS = "leanimg.targets"
+HEAD_BYTES = 16                 # how much of a file Source.detect is shown
+
+
+class Source(Protocol):
+    """A save-file format that converts into lean images (entry point group leanimg.sources)."""
+
+    name: str                   # as `convert --from` names it
+    description: str            # what a file of the format is: "a QEMU migration stream"
+    signature: str              # how such a file starts, for messages: "magic 51 45 56 4d"
+
+    def detect(self, head: bytes) -> bool:
+        """Whether a file starting with ``head`` (its first HEAD_BYTES bytes, fewer when the
+        file is shorter) is in this format."""
+
+    def convert(self, save, output: str, **options):
+        """Convert ``save`` (a path, - for stdin, or a binary file) into the lean image
+        ``output``. ``options`` as `leanimg convert` gives them: spool, writer_options,
+        progress, parents, allow_delta, and disks (open DiskSources by name; the caller closes
+        them), all_phases, disk_progress; returns the disk scan's summary (None without disks)."""
+
+
+class Target(Protocol):
+    """A form a lean image restores to (entry point group leanimg.targets)."""
+
+    name: str                   # as `restore --to` names it
+    description: str
+
+    def restore(self, image, out: BinaryIO, progress=None) -> int:
+        """Write the open LeanImage ``image`` to ``out``; return the bytes written."""
+
+    def describe(self, image) -> str | None:
+        """What the image's SOURCE_STATE records rebuild in this target's form, if they are its."""
+
+
+def source(name: str) -> Source:
+    return _load(SOURCES, name, "source format")
+
+
+def target(name: str) -> Target:
+    return _load(TARGETS, name, "restore target")
+
+
+def sources() -> list[Source]:
+    return [entry.load() for entry in _entry_points(SOURCES)]
+
+
+def targets() -> list[Target]:
+    return [entry.load() for entry in _entry_points(TARGETS)]
+
+
+def find_source(head: bytes) -> Source | None:
+    """The source format of a file starting with ``head``, or None."""
+    return next((candidate for candidate in sources() if candidate.detect(head)), None)
+
+
+def detect_source(head: bytes) -> Source:
+    """The source format of a file starting with ``head``; SourceFormatError when none is."""
+    found = find_source(head)
+    if found is None:
+        expected = " or ".join(f"{s.description} ({s.signature})" for s in sources())
+        raise SourceFormatError(f"expected {expected}, got {head[:8].hex(' ')}", offset=0, structure="magic")
+    return found
+
+
+@cache
+def _entry_points(group: str) -> list:
+    from importlib.metadata import entry_points
+    return sorted(entry_points(group=group), key=lambda entry: entry.name)
+
+
+def _load(group: str, name: str, kind: str):
+    for entry in _entry_points(group):
+        if entry.name == name:
+            return entry.load()
+    known = ", ".join(entry.name for entry in _entry_points(group)) or "none"
+    raise UnsupportedError(f"no {kind} {name!r} is installed (installed: {known})", structure=group)

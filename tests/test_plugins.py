@@ -1,0 +1,74 @@
+"""The plugin registry (leanimg.plugins) and the layering it allows: lean-image/ imports
+neither converters/ nor restore/, and a restore imports the restorer of its target alone."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from helpers import VECTORS_DIR
+from leanimg import plugins
+from leanimg.errors import SourceFormatError, UnsupportedError
+
+CORE = Path(__file__).resolve().parent.parent / "lean-image"
+
+
+def test_the_built_in_plugins_are_registered():
+    assert [s.name for s in plugins.sources()] == ["qemu", "xen"]
+    assert [t.name for t in plugins.targets()] == ["qemu", "raw", "xen"]
+    assert plugins.target("raw").name == "raw"
+    with pytest.raises(UnsupportedError, match="no restore target 'vmware'"):
+        plugins.target("vmware")
+
+
+@pytest.mark.parametrize("head,name", [
+    (b"QEVM\x00\x00\x00\x03" + bytes(8), "qemu"),
+    (b"Xen saved domain, xl format\n", "xen"),
+    (b"LibxlFmt\x00\x00\x00\x02", "xen"),
+    (b"\xff" * 8 + b"\x00\x00\x00\x00", "xen"),
+    (b"Xen sav", "xen"),                      # cut inside the magic: the Xen reader says truncated
+    (b"QEV", None),
+    (b"", None),
+    (b"\x89LEANIMG", None),
+])
+def test_source_detection(head, name):
+    found = plugins.find_source(head)
+    assert (found.name if found else None) == name
+
+
+def test_an_unknown_save_file_names_every_format():
+    with pytest.raises(SourceFormatError, match=r"expected a QEMU migration stream \(magic 51 45 56 4d\) or a Xen "
+                       r"save file .*, got 00 01 02"):
+        plugins.detect_source(bytes(range(16)))
+
+
+def imported_modules(path: Path):
+    """The absolute names of the modules the core file ``path`` imports, lazy imports included."""
+    package = ["leanimg", *path.relative_to(CORE).parent.parts]
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            yield from (alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = package[:len(package) - node.level + 1] if node.level else []
+            yield ".".join([*base, *([node.module] if node.module else [])])
+
+
+def test_core_imports_neither_converters_nor_restore():
+    offenders = [f"{path.relative_to(CORE)}: {module}" for path in CORE.rglob("*.py")
+                 for module in imported_modules(path)
+                 if module.startswith(("leanimg.converters", "leanimg.restore"))]
+    assert offenders == []
+
+
+def test_a_restore_imports_only_its_own_restorer(tmp_path):
+    script = ("import sys\nfrom leanimg.cli import main\n"
+              f"try:\n    main([\"restore\", {str(VECTORS_DIR / 'valid' / 'basic.lean')!r}, \"--to\", \"raw\", "
+              f"\"-o\", {str(tmp_path / 'out.raw')!r}])\nexcept SystemExit:\n    pass\n"
+              "print(' '.join(sorted(m for m in sys.modules if m.startswith(('leanimg.converters', "
+              "'leanimg.restore')))))\n")
+    loaded = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout.split()
+    assert loaded == ["leanimg.restore", "leanimg.restore.raw", "leanimg.restore.targets"]
