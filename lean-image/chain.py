@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .digests import verify_rows
-from .errors import ChainError
+from .errors import ChainError, LeanImageError
 from .format import DIGEST_SIZE, PageClass, row_digests, zero_page_digest
 from . import pages as page_module
 from .rules import implements
@@ -138,7 +138,14 @@ def _apply_link_deltas(link, words, out, rows, slots, ps, apply_delta) -> None:
         words[np.repeat(frame_rows[fast] * (ps // 8), counts) + positions[at]] = values[at]
         for row, entry_index in zip(frame_rows[~fast].tolist(), k[~fast].tolist()):
             entry = content[offsets[entry_index]:offsets[entry_index + 1]]
-            page = apply_delta(entry, out[row * ps:(row + 1) * ps].tobytes(), structure=f"{link.path} delta")
+            offset, path = link.frames.delta_frame_location(frame)
+            try:
+                page = apply_delta(entry, out[row * ps:(row + 1) * ps].tobytes(), offset=offset,
+                                   structure=f"{path}.entries[{entry_index}]")
+            except LeanImageError as exc:
+                exc.path = exc.path or link.path
+                exc.args = (str(exc),)
+                raise
             out[row * ps:(row + 1) * ps] = np.frombuffer(page, np.uint8)
 
 

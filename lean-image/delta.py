@@ -86,7 +86,8 @@ def decode_positions(entry, page_size: int, *, offset: int | None = None,
                     offset, structure)
     encoding, reserved, num_words = DELTA_ENTRY.unpack(entry)
     words_per_page = page_size // WORD_SIZE
-    for problem in reserved_problems(DELTA_ENTRY, {"reserved": reserved}, offset, structure):
+    for problem in reserved_problems(DELTA_ENTRY, {"reserved": reserved}, None, structure):
+        problem.offset = offset            # inside a frame's content: the frame record's offset
         raise problem
     if encoding not in DeltaEncoding.__members__.values() or num_words == 0:
         raise _fail("LI-DLT-002", f"expected encoding 1-3 and num_words >= 1, got encoding "

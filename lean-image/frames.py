@@ -132,6 +132,11 @@ class FrameStore:
             out.append(content[offsets[k]:offsets[k + 1]])
         return out
 
+    def delta_frame_location(self, frame: int) -> tuple[int, str]:
+        """(record offset, structure path) of DELTA_FRAME ``frame``, for findings about its entries."""
+        position = int(self.delta_frames.positions[frame])
+        return int(self.tables.entries["record_offset"][position]), f"record[{position}].delta_frame"
+
     def delta_entry(self, slot: int) -> bytes:
         return self.delta_entries(np.array([slot], np.int64))[0]
 

@@ -412,11 +412,11 @@ def reserved_problems(structure, values, at: int | None, path: str) -> Iterator[
             bad = np.flatnonzero(column)
             if len(bad):
                 k = int(bad[0])
-                yield FormatError(f"expected reserved {path}[{k}].{field} 0, got {int(column[k]):#x}",
+                yield FormatError(f"expected {field} of element {k} 0, got {int(column[k]):#x}",
                                   offset=at + structure.size * k + structure.offset(field),
                                   structure=f"{path}[{k}].{field}", rule="LI-REC-008")
         elif column:
-            yield FormatError(f"expected reserved {field} 0, got {column:#x}",
+            yield FormatError(f"expected {field} 0, got {column:#x}",
                               offset=None if at is None else at + structure.offset(field),
                               structure=f"{path}.{field}" if path else field, rule="LI-REC-008")
 

@@ -170,7 +170,7 @@ class LeanImageWriter:
         self._delta_first = 0
         self._disk_refs: list[tuple[int, int]] = []
         self._pending_disks: list[bytes] = []
-        self._pending_disk_sizes: list[int] = []
+        self._disk_sizes: list[int] = []                  # by disk id
         self._source_sequence = 0
         self._has_source_state = False
         self._finished = False
@@ -256,13 +256,15 @@ class LeanImageWriter:
         encoded = _check_name(name, "disk")
         if name in self._disks.values():
             raise WriterUsageError(f"disk name {name!r} declared twice")
+        if size_bytes <= 0:
+            raise WriterUsageError(f"disk {name!r}: size {size_bytes} is not positive")
         disk_id = len(self._disks)
         self._disks[disk_id] = name
         self._pending_disks.append(DISK_BODY.pack(
             disk_id=disk_id, size_bytes=size_bytes, sector_size=DISK_SECTOR_SIZE,
             fingerprint_method=FINGERPRINT_SAMPLED_XXH3, fingerprint=fingerprint,
             name_length=len(encoded)) + encoded)
-        self._pending_disk_sizes.append(size_bytes)
+        self._disk_sizes.append(size_bytes)
         return disk_id
 
     def disk_id(self, name: str) -> int:
@@ -274,7 +276,7 @@ class LeanImageWriter:
     def _flush_disks(self) -> None:
         for disk_id, body in enumerate(self._pending_disks):
             self._write_record(RecordType.DISK, [body], disk_id, 0,
-                               self._pending_disk_sizes[disk_id] // DISK_SECTOR_SIZE)
+                               self._disk_sizes[disk_id] // DISK_SECTOR_SIZE)
         self._pending_disks = []
 
     def declare_source_state(self) -> None:
@@ -389,9 +391,18 @@ class LeanImageWriter:
         digest ``digests[k]`` (a (n, 16) uint8 array)."""
         if not len(pages):
             return
+        if not len(pages) == len(disk_ids) == len(sectors) == len(digests):
+            raise WriterUsageError(f"put_disks: {len(pages)} pages, {len(disk_ids)} disk ids, {len(sectors)} "
+                                   f"sectors and {len(digests)} digests: expected one of each per page")
         unknown = set(np.unique(disk_ids).tolist()) - set(self._disks)
         if unknown:
             raise WriterUsageError(f"unknown disk id {min(unknown)}")
+        sizes = np.array(self._disk_sizes, np.float64)[np.asarray(disk_ids, np.int64)]
+        ends = np.asarray(sectors, np.float64) * DISK_SECTOR_SIZE + self.page_size      # no u64 overflow
+        if (ends > sizes).any():
+            k = int(np.flatnonzero(ends > sizes)[0])
+            raise WriterUsageError(f"page at sector {int(sectors[k])} runs past the end of disk "
+                                   f"{self._disks[int(disk_ids[k])]!r}")
         region = self._regions.get(region_id)
         if region is None:
             raise WriterUsageError(f"unknown region id {region_id}")

@@ -179,3 +179,87 @@ def with_source_state_data(image: Path, out: Path, data: bytes) -> None:
     lean.records[k].body = head + data
     lean.records[k].count = len(data)
     out.write_bytes(lean.build())
+
+
+def make_record(record_type: int, body: bytes, *, offset: int = 0, index: int | None = 0, parse: bool = True):
+    """A ``leanimg.structures.Record`` of ``body`` as if read at ``offset`` (record ``index`` in
+    file order), parsed with ``parse_body`` unless ``parse`` is false (for unit tests of the
+    per-record and cross-record checks without writing a file)."""
+    from leanimg.format import checksum64
+    from leanimg.structures import Record, parse_body
+    record = Record(offset, int(record_type), 0, len(body), checksum64(body), memoryview(bytes(body)), index)
+    if parse:
+        parse_body(record)
+    return record
+
+
+PS = 4096
+
+
+def _pages(seed: int, count: int, page_size: int = PS) -> bytes:
+    """``count`` pages of random bytes (none all-zero)."""
+    return np.random.default_rng(seed).integers(1, 256, count * page_size, dtype=np.uint8).tobytes()
+
+
+def write_two_link_chain(directory):
+    """A parent and a child image (and the child's disk) in ``directory``, small and with every
+    record type and page class between them.
+
+    parent.lean (flat, one page per PAGE_FRAME): region "ram" of 8 pages, STORED but page 6
+    ZERO; region "rom" of 2 STORED pages at guest_phys_base 0xf0000.
+    child.lean (against parent.lean, two SOURCE_STATE records, disk "disk0" = disk0.raw):
+    "ram" = PARENT, DELTA, STORED, ZERO, FREE, DISK (disk sector 8), DISK (sector 0), DELTA;
+    "rom" = 2 PARENT pages.
+    Returns paths (parent, child, disk), the image uuids, and each image's content per region
+    as the reader gives it (FREE pages as zeros).
+    """
+    import types
+    from leanimg.format import PageClass, SourceFormat, page_digest
+    from leanimg.writer import LeanImageWriter, ParentLink, disk_fingerprint
+    directory = Path(directory)
+    disk = _pages(50, 4)
+    disk_path = directory / "disk0.raw"
+    disk_path.write_bytes(disk)
+    parent_uuid, child_uuid = bytes([0x11] * 16), bytes([0x22] * 16)
+
+    ram = bytearray(_pages(51, 8))
+    ram[6 * PS:7 * PS] = bytes(PS)
+    rom = _pages(52, 2)
+    parent_path = directory / "parent.lean"
+    with LeanImageWriter(parent_path, frame_pages=1, threads=1, image_uuid=parent_uuid) as w:
+        r = w.add_region("ram", 8 * PS)
+        w.put_pages(r, 0, bytes(ram))
+        o = w.add_region("rom", 2 * PS, guest_phys_base=0xF0000)
+        w.put_pages(o, 0, rom)
+    parent_digest = parent_path.read_bytes()[-24:-8]
+
+    def page(data, k):
+        return bytes(data[k * PS:(k + 1) * PS])
+
+    def changed(k, words):
+        new = np.frombuffer(page(ram, k), "<u8").copy()
+        new[list(words)] ^= np.uint64(0x0123_4567_89AB_CDEF)
+        return new.tobytes()
+
+    child_ram = [page(ram, 0), changed(1, [0, 5, 511]), _pages(53, 1), bytes(PS), bytes(PS),
+                 disk[PS:2 * PS], disk[:PS], changed(7, range(100, 140))]
+    child_path = directory / "child.lean"
+    with LeanImageWriter(child_path, frame_pages=2, threads=1, image_uuid=child_uuid,
+                         parent=ParentLink(parent_uuid, parent_digest)) as w:
+        disk_id = w.add_disk("disk0", len(disk), disk_fingerprint(lambda o, n: disk[o:o + n], len(disk)))
+        w.add_source_state(SourceFormat.QEMU, 3, b"cpu state")
+        w.add_source_state(SourceFormat.QEMU, 4, b"devices")
+        r = w.add_region("ram", 8 * PS)
+        w.put_parent(r, 0, page_digest(child_ram[0]))
+        assert w.put_changed(r, 1, page(ram, 1), child_ram[1]) == PageClass.DELTA
+        w.put_pages(r, 2, child_ram[2])
+        w.put_zero(r, 3)
+        w.put_free(r, 4)
+        w.put_disks(r, np.array([5, 6]), np.array([disk_id, disk_id]), np.array([8, 0]),
+                    np.frombuffer(page_digest(child_ram[5]) + page_digest(child_ram[6]), np.uint8).reshape(2, 16))
+        assert w.put_changed(r, 7, page(ram, 7), child_ram[7]) == PageClass.DELTA
+        o = w.add_region("rom", 2 * PS, guest_phys_base=0xF0000)
+        w.put_parent(o, 0, page_digest(page(rom, 0)) + page_digest(page(rom, 1)))
+    return types.SimpleNamespace(
+        parent=parent_path, child=child_path, disk=disk_path, parent_uuid=parent_uuid, child_uuid=child_uuid,
+        parent_content={"ram": bytes(ram), "rom": rom}, child_content={"ram": b"".join(child_ram), "rom": rom})
