@@ -20,7 +20,7 @@ from .format import (
     RecordType,
 )
 from .rules import implements
-from .structures import Record
+from .structures import Record, record_type_name
 
 
 def first_problem(problems: Iterable) -> None:
@@ -106,8 +106,7 @@ def reference_order_problems(items: Iterable[tuple[int, int, int, tuple]]) -> It
 
 
 def _path(index: int, kind: int, field: str = "") -> str:
-    name = RecordType(kind).name.lower() if kind in RecordType._value2member_map_ else f"type_{kind:#010x}"
-    return f"record[{index}].{name}" + (f".{field}" if field else "")
+    return f"record[{index}].{record_type_name(kind)}" + (f".{field}" if field else "")
 
 
 # --- page maps, frames and slots (spec §6) ----------------------------------------

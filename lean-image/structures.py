@@ -229,10 +229,7 @@ class Record:
 
     @property
     def name(self) -> str:
-        try:
-            return RecordType(self.record_type).name.lower()
-        except ValueError:
-            return f"type_{self.record_type:#010x}"
+        return record_type_name(self.record_type)
 
     def path(self, field: str = "") -> str:
         return record_path(self.index, self, field)
@@ -242,16 +239,27 @@ class Record:
         return FormatError(message, offset=self.body_offset + at, structure=self.path(field), rule=rule)
 
 
-def record_path(index: int | None, record: Record | None = None, field: str = "") -> str:
-    name = record.name if record else "record"
+def record_type_name(record_type: int) -> str:
+    """A record type as structure paths name it: ``page_map``, or ``type_0x00000077``."""
+    try:
+        return RecordType(record_type).name.lower()
+    except ValueError:
+        return f"type_{record_type:#010x}"
+
+
+def record_path(index: int | None, record: Record | None = None, field: str = "", *,
+                record_type: int | None = None) -> str:
+    """``record[3].page_map.extents``: position, type (of ``record`` or ``record_type``), field."""
+    kind = record.record_type if record is not None else record_type
+    name = record_type_name(kind) if kind is not None else "record"
     where = f"record[{index}]" if index is not None else "record"
     return f"{where}.{name}" + (f".{field}" if field else "")
 
 
 @implements("LI-REC-002")
 def read_record_header(image: ImageFile, offset: int, limit: int, index: int | None) -> tuple[int, int, int]:
-    path = record_path(index)
-    head = RECORD.unpack(image.read_exact(offset, RECORD.size, path))
+    head = RECORD.unpack(image.read_exact(offset, RECORD.size, record_path(index)))
+    path = record_path(index, record_type=head.record_type)
     end = offset + record_size(head.body_length)
     if end > limit:
         raise TruncatedError(f"record of {end - offset} bytes runs past {limit:#x}",
