@@ -61,8 +61,10 @@ from typing import BinaryIO, Callable, Iterable, Iterator, Union
 
 import numpy as np
 
-from leanimg.errors import SourceFormatError, UnsupportedError
+from leanimg.errors import SourceFormatError
 from leanimg.fileutil import GatherWriter
+
+from .cursor import Cursor
 
 QEVM_MAGIC = 0x5145564D
 QEVM_VERSION = 3
@@ -83,7 +85,6 @@ UNSUPPORTED_FLAGS = {F_XBZRLE: "XBZRLE-encoded pages", F_COMPRESS: "compressed p
 
 DEFAULT_PAGE_SIZE = 4096
 TAIL_LIMIT = 64 << 20          # device sections + VMDESCRIPTION held in memory
-READ_CHUNK = 4 << 20
 SUPPORTED_CAPABILITIES = {"x-ignore-shared"}
 
 _BE32 = struct.Struct(">I")
@@ -199,100 +200,6 @@ Event = Union[RamBlocks, Page, PageRun, StreamEnd]
 Chunk = Union[bytes, bytearray, memoryview, Zeros, Pages]
 
 
-# ---------------------------------------------------------------------------- input
-
-class _Input:
-    """Sequential reader with absolute offsets and truncation errors; never seeks."""
-
-    def __init__(self, f: BinaryIO):
-        self._f = f
-        self.buf = b""
-        self.pos = 0
-        self.base = 0
-        self.structure = "stream header"
-        self.recording: list[bytes] | None = None
-
-    @property
-    def offset(self) -> int:
-        return self.base + self.pos
-
-    def _fill(self, n: int) -> bool:
-        """Make n bytes available: a new buffer starting with the unread tail, then input."""
-        if len(self.buf) - self.pos >= n:
-            return True
-        rest = len(self.buf) - self.pos
-        buf = bytearray(max(READ_CHUNK, n))
-        buf[:rest] = memoryview(self.buf)[self.pos:]
-        filled = rest
-        view = memoryview(buf)
-        while filled < n:
-            got = self._f.readinto(view[filled:])
-            if not got:
-                break
-            filled += got
-        view.release()
-        del buf[filled:]
-        self.base += self.pos
-        self.buf, self.pos = buf, 0
-        return filled >= n
-
-    def take(self, n: int, what: str) -> bytes:
-        if len(self.buf) - self.pos < n and not self._fill(n):
-            have = len(self.buf) - self.pos
-            raise SourceFormatError(
-                f"truncated stream: expected {n} bytes of {what}, got {have} before end of input",
-                offset=self.offset, structure=self.structure)
-        start = self.pos
-        self.pos += n
-        out = bytes(memoryview(self.buf)[start:self.pos])
-        if self.recording is not None:
-            self.recording.append(out)
-        return out
-
-    def u8(self, what: str) -> int:
-        return self.take(1, what)[0]
-
-    def be32(self, what: str) -> int:
-        return _BE32.unpack(self.take(4, what))[0]
-
-    def be64(self, what: str) -> int:
-        return _BE64.unpack(self.take(8, what))[0]
-
-    def peek_u8(self) -> int | None:
-        if len(self.buf) - self.pos < 1 and not self._fill(1):
-            return None
-        return self.buf[self.pos]
-
-    def name(self, what: str) -> str:
-        raw = self.take(self.u8(f"{what} length"), what)
-        try:
-            return raw.decode("ascii")
-        except UnicodeDecodeError:
-            raise self.error(f"expected an ASCII {what}, got {raw!r}", -len(raw)) from None
-
-    def rest(self, limit: int) -> bytes:
-        """All remaining input (at most ``limit`` bytes)."""
-        parts = [self.buf[self.pos:]]
-        size = len(parts[0])
-        self.base += len(self.buf)
-        self.buf, self.pos = b"", 0
-        while True:
-            chunk = self._f.read(READ_CHUNK)
-            if not chunk:
-                return b"".join(parts)
-            size += len(chunk)
-            if size > limit:
-                raise UnsupportedError(f"device state after the RAM larger than {limit} bytes",
-                                       offset=self.base, structure=self.structure)
-            parts.append(chunk)
-
-    def error(self, message: str, delta: int = 0) -> SourceFormatError:
-        return SourceFormatError(message, offset=self.offset + delta, structure=self.structure)
-
-    def unsupported(self, message: str, delta: int = 0) -> UnsupportedError:
-        return UnsupportedError(message, offset=self.offset + delta, structure=self.structure)
-
-
 # ---------------------------------------------------------------------------- reading
 
 def read_qemu_stream(f: BinaryIO, batch: bool = False) -> Iterator[Event]:
@@ -307,7 +214,7 @@ def read_qemu_stream(f: BinaryIO, batch: bool = False) -> Iterator[Event]:
 
 class _StreamReader:
     def __init__(self, f: BinaryIO, batch: bool = False):
-        self.inp = _Input(f)
+        self.inp = Cursor.over_stream(f, structure="stream header")
         self.batch = batch
         self.page_size = DEFAULT_PAGE_SIZE
         self.machine: str | None = None
@@ -346,21 +253,20 @@ class _StreamReader:
 
     def _read_prologue(self) -> bytes:
         inp = self.inp
-        inp.recording = []
+        inp.start_recording()
         magic = inp.be32("magic")
         if magic != QEVM_MAGIC:
-            raise inp.error(f"expected QEVM magic 0x5145564d, got {magic:#010x}", -4)
+            raise inp.error(f"expected QEVM magic 0x5145564d, got {magic:#010x}", back=4)
         version = inp.be32("version")
         if version == QEVM_VERSION_COMPAT:
-            raise inp.unsupported("stream version 2 (pre-2.x QEMU)", -4)
+            raise inp.unsupported("stream version 2 (pre-2.x QEMU)", back=4)
         if version != QEVM_VERSION:
-            raise inp.error(f"expected stream version 3, got {version}", -4)
+            raise inp.error(f"expected stream version 3, got {version}", back=4)
         if inp.peek_u8() == CONFIGURATION:
             inp.structure = "configuration"
             inp.u8("section type")
             self._read_configuration()
-        prologue, inp.recording = b"".join(inp.recording), None
-        return prologue
+        return inp.stop_recording()
 
     def _read_configuration(self) -> None:
         inp = self.inp
@@ -368,12 +274,12 @@ class _StreamReader:
         self.machine = raw.decode("ascii", errors="replace")
         while inp.peek_u8() == SUBSECTION:
             inp.u8("subsection marker")
-            name = inp.name("subsection name")
+            name = _read_name(inp, "subsection name")
             inp.be32("subsection version")
             if name == "configuration/target-page-bits":
                 bits = inp.be32("target page bits")
                 if not 9 <= bits <= 16:
-                    raise inp.error(f"expected target page bits 9..16, got {bits}", -4)
+                    raise inp.error(f"expected target page bits 9..16, got {bits}", back=4)
                 self.page_size = 1 << bits
             elif name == "configuration/capabilities":
                 self._read_capabilities()
@@ -386,7 +292,7 @@ class _StreamReader:
         inp = self.inp
         caps = []
         for _ in range(inp.be32("capability count")):
-            cap = inp.name("capability")
+            cap = _read_name(inp, "capability")
             if cap not in SUPPORTED_CAPABILITIES:
                 raise inp.unsupported(f"migration capability {cap!r}")
             caps.append(cap)
@@ -399,17 +305,17 @@ class _StreamReader:
         if kind == COMMAND:
             cmd = inp.take(2, "command id")
             raise inp.unsupported(f"QEMU_VM_COMMAND {_be16(cmd)} (postcopy, COLO or "
-                                  "return-path commands)", -3)
+                                  "return-path commands)", back=3)
         if kind not in (START, PART, END):
             raise inp.error(f"expected a section type (START, PART, END, FULL, EOF), "
-                            f"got {kind:#04x}", -1)
+                            f"got {kind:#04x}", back=1)
         section_id = inp.be32("section id")
         if kind == START:
             self._ram_start(section_id)
         elif self.ram is None or section_id != self.ram.section_id:
             raise inp.error(f"expected section id of 'ram' "
                             f"({self.ram.section_id if self.ram else 'none started'}), "
-                            f"got {section_id}", -4)
+                            f"got {section_id}", back=4)
         inp.structure = f"section[{self.nsections}] {SECTION_NAMES[kind]} 'ram' id={section_id}"
         entries = yield from self._ram_entries(kind)
         self.plan.append((kind, entries))
@@ -419,7 +325,7 @@ class _StreamReader:
 
     def _ram_start(self, section_id: int) -> None:
         inp = self.inp
-        idstr = inp.name("section idstr")
+        idstr = _read_name(inp, "section idstr")
         instance_id, version_id = inp.be32("instance id"), inp.be32("version id")
         if idstr != "ram":
             raise inp.unsupported(f"iterative section {idstr!r} (block migration or dirty "
@@ -436,10 +342,10 @@ class _StreamReader:
             return
         marker = inp.u8("section footer")
         if marker != FOOTER:
-            raise inp.error(f"expected section footer 0x7e, got {marker:#04x}", -1)
+            raise inp.error(f"expected section footer 0x7e, got {marker:#04x}", back=1)
         got = inp.be32("footer section id")
         if got != section_id:
-            raise inp.error(f"expected footer section id {section_id}, got {got}", -4)
+            raise inp.error(f"expected footer section id {section_id}, got {got}", back=4)
 
     def _ram_entries(self, kind: int) -> Iterator[Page]:
         """Yield the pages of one RAM section up to EOS; return the number of entries."""
@@ -462,7 +368,7 @@ class _StreamReader:
                 block = self._entry_block(cont)
                 if addr + ps > block.length:
                     raise inp.error(f"expected a page offset below block {block.name!r} "
-                                    f"length {block.length:#x}, got {addr:#x}", -8)
+                                    f"length {block.length:#x}, got {addr:#x}", back=8)
                 if flags == F_PAGE:
                     yield Page(block.name, addr, inp.take(ps, "page data"))
                 else:
@@ -481,7 +387,7 @@ class _StreamReader:
         """
         inp, ps, block = self.inp, self.page_size, self.last_block
         buf, pos = inp.buf, inp.pos
-        if len(buf) - pos < 8 or inp.recording is not None:
+        if len(buf) - pos < 8 or inp.recording:
             return None
         word = int.from_bytes(buf[pos:pos + 8], "big")
         flags, first = word & (ps - 1), word & ~(ps - 1)
@@ -495,7 +401,7 @@ class _StreamReader:
         if count < 2:
             return None
         pages = None
-        if stride != 9:        # the buffer is never written again: _fill makes a new one
+        if stride != 9:        # the cursor never writes a buffer again: a refill makes a new one
             pages = np.ndarray((count, ps), np.uint8, buffer=buf, offset=pos + 8, strides=(stride, 1))
         inp.pos += count * stride
         return PageRun(block.name, first, count, pages)
@@ -504,38 +410,38 @@ class _StreamReader:
         for bit, feature in UNSUPPORTED_FLAGS.items():
             if flags & bit:
                 raise self.inp.unsupported(f"{feature} (RAM flag {bit:#x} in entry "
-                                           f"{word:#018x})", -8)
+                                           f"{word:#018x})", back=8)
         raise self.inp.error(f"expected RAM flags PAGE, ZERO, MEM_SIZE (first section) or EOS, "
-                             f"got {flags:#x}", -8)
+                             f"got {flags:#x}", back=8)
 
     def _entry_block(self, cont: int) -> RamBlock:
         inp = self.inp
         if cont:
             if self.last_block is None:
-                raise inp.error("expected a block name: CONTINUE flag on the first page", -8)
+                raise inp.error("expected a block name: CONTINUE flag on the first page", back=8)
             return self.last_block
-        name = inp.name("RAM block name")
+        name = _read_name(inp, "RAM block name")
         block = self.blocks.get(name)
         if block is None:
             raise inp.error(f"expected a RAM block listed in MEM_SIZE, got {name!r} (missing "
-                            "from MEM_SIZE)", -len(name) - 1)
+                            "from MEM_SIZE)", back=len(name) + 1)
         self.last_block = block
         return block
 
     def _mem_size(self, total: int) -> None:
         inp, seen = self.inp, 0
         while seen < total:
-            name = inp.name("RAM block name")
+            name = _read_name(inp, "RAM block name")
             length = inp.be64("RAM block length")
             addr = inp.be64("RAM block address") if "x-ignore-shared" in self.capabilities \
                 else None
             if name in self.blocks:
-                raise inp.error(f"expected unique RAM block names, got {name!r} twice", -8)
+                raise inp.error(f"expected unique RAM block names, got {name!r} twice", back=8)
             if length % self.page_size or length == 0 or not name:
                 raise inp.error(f"expected a RAM block with a name and a length that is a "
                                 f"positive multiple of {self.page_size} (MEM_SIZE {total:#x}, "
                                 f"lengths so far add up to {seen:#x}), got {name!r} length "
-                                f"{length:#x}", -8)
+                                f"{length:#x}", back=8)
             self.blocks[name] = RamBlock(name, length, addr)
             seen += length
         if seen != total:
@@ -545,14 +451,24 @@ class _StreamReader:
     # --- device sections, EOF, VMDESCRIPTION ------------------------------------------
 
     def _read_tail(self) -> tuple[list[DeviceSection], bytes | None]:
-        base = self.inp.offset
-        self.inp.structure = f"section[{self.nsections}]"
-        tail = self.inp.rest(TAIL_LIMIT)
-        parser = _TailParser(tail, base, self.nsections, self.footers)
+        inp = self.inp
+        inp.structure = f"section[{self.nsections}]"
+        base = inp.offset
+        tail = Cursor.over_buffer(inp.rest(TAIL_LIMIT, "device state after the RAM"), base)
+        parser = _TailParser(tail, self.nsections, self.footers)
         devices = parser.sections()
         vmdesc = parser.trailer()
-        _check_vmdesc(devices, vmdesc, base + parser.vmdesc_at)
+        _check_vmdesc(devices, vmdesc, parser.vmdesc_at)
         return devices, vmdesc
+
+
+def _read_name(inp: Cursor, what: str) -> str:
+    """A u8 length, then that many ASCII bytes (section idstrs, RAM block names)."""
+    raw = inp.take(inp.u8(f"{what} length"), what)
+    try:
+        return raw.decode("ascii")
+    except UnicodeDecodeError:
+        raise inp.error(f"expected an ASCII {what}, got {raw!r}", back=len(raw)) from None
 
 
 def _run_length(buf, pos: int, first: int, flags: int, stride: int, limit: int, ps: int) -> int:
@@ -578,109 +494,125 @@ def _be16(raw: bytes) -> int:
 
 
 class _TailParser:
-    """FULL device sections held in memory.
+    """FULL device sections, EOF and VMDESCRIPTION, read with a cursor over the bytes after
+    the RAM (held in memory).
 
     Their bodies are opaque, so a section ends at the first footer (0x7e + its id) that is
     followed by a plausible next structure; the VMDESCRIPTION's device list confirms it."""
 
-    def __init__(self, buf: bytes, base: int, first_index: int, footers: bool | None):
-        self.buf, self.base, self.index, self.footers = buf, base, first_index, footers
-        self.pos = 0
-        self.vmdesc_at = 0
-
-    def error(self, message: str, pos: int, structure: str | None = None):
-        return SourceFormatError(message, offset=self.base + pos,
-                                 structure=structure or f"section[{self.index}]")
+    def __init__(self, cur: Cursor, first_index: int, footers: bool | None):
+        self.cur, self.index, self.footers = cur, first_index, footers
+        self.vmdesc_at = cur.offset
 
     def sections(self) -> list[DeviceSection]:
-        devices = []
-        while self.pos < len(self.buf) and self.buf[self.pos] == FULL:
+        cur, devices = self.cur, []
+        while True:
+            cur.structure = f"section[{self.index}]"
+            kind = cur.peek_u8()
+            if kind != FULL:
+                break
             if not self.footers:
-                raise UnsupportedError("device sections without section footers (machine "
-                                       "types before 2.4)", offset=self.base + self.pos,
-                                       structure=f"section[{self.index}]")
+                raise cur.unsupported("device sections without section footers (machine "
+                                      "types before 2.4)")
             devices.append(self._section())
             self.index += 1
-        if self.pos >= len(self.buf):
-            raise self.error("truncated stream: expected QEMU_VM_EOF, got end of input",
-                             self.pos)
-        if self.buf[self.pos] != EOF:
-            raise self.error(f"expected a FULL section or QEMU_VM_EOF, got "
-                             f"{self.buf[self.pos]:#04x}", self.pos)
-        self.pos += 1
+        if kind is None:
+            raise cur.error("truncated stream: expected QEMU_VM_EOF, got end of input")
+        if kind != EOF:
+            raise cur.error(f"expected a FULL section or QEMU_VM_EOF, got {kind:#04x}")
+        cur.skip(1, "QEMU_VM_EOF")
         return devices
 
     def _section(self) -> DeviceSection:
-        start = self.pos
-        header, body_at = self._header(start)
-        label = f"section[{self.index}] FULL {header.idstr!r} id={header.section_id}"
+        cur = self.cur
+        header = self._header()
         footer = _footer_bytes(header.section_id)
-        at = self.buf.find(footer, body_at)
-        eof_candidate = None
+        body = cur.take(self._body_length(header, footer), "section body")
+        cur.skip(len(footer), "section footer")
+        return DeviceSection(FULL, header, body)
+
+    def _body_length(self, header: SectionHeader, footer: bytes) -> int:
+        """Bytes from the cursor to the first ``footer`` followed by a plausible next
+        structure."""
+        cur, eof_candidate = self.cur, None
+        at = cur.find(footer)
         while at >= 0:
-            nxt = at + len(footer)
-            if self._plausible_next(nxt):
-                self.pos = nxt
-                return DeviceSection(FULL, header, self.buf[body_at:at])
-            if nxt < len(self.buf) and self.buf[nxt] == EOF and eof_candidate is None:
-                eof_candidate = nxt
-            at = self.buf.find(footer, at + 1)
+            after = at + len(footer)
+            if self._plausible_next(after):
+                return at
+            if eof_candidate is None and cur.peek(1, after) == bytes([EOF]):
+                eof_candidate = after
+            at = cur.find(footer, at + 1)
+        raise self._no_footer(header, eof_candidate)
+
+    def _no_footer(self, header: SectionHeader, eof_candidate: int | None) -> SourceFormatError:
+        """A section without its closing footer: garbage after what looks like an EOF (the
+        footer found before it), or the input ends."""
+        cur = self.cur
         if eof_candidate is not None:
-            got = self.buf[eof_candidate + 1]
-            raise self.error(f"expected end of stream or QEMU_VM_VMDESCRIPTION (0x06) after "
-                             f"QEMU_VM_EOF, got {got:#04x}", eof_candidate + 1, "after EOF")
-        raise self.error(f"truncated stream: expected a section footer 7e "
+            cur.structure = "after EOF"
+            got = cur.peek(1, eof_candidate + 1)[0]
+            return cur.error(f"expected end of stream or QEMU_VM_VMDESCRIPTION (0x06) after "
+                             f"QEMU_VM_EOF, got {got:#04x}", at=cur.offset + eof_candidate + 1)
+        cur.structure = f"section[{self.index}] FULL {header.idstr!r} id={header.section_id}"
+        return cur.error(f"truncated stream: expected a section footer 7e "
                          f"{header.section_id:08x} followed by a section or EOF, got end of "
-                         "input", len(self.buf), label)
+                         "input", at=cur.size)
 
-    def _header(self, start: int) -> tuple[SectionHeader, int]:
-        buf = self.buf
-        if start + 6 > len(buf):
-            raise self.error("truncated stream: expected a FULL section header, got end of "
-                             "input", len(buf))
-        section_id = _BE32.unpack_from(buf, start + 1)[0]
-        n = buf[start + 5]
-        end = start + 6 + n + 8
-        if end > len(buf):
-            raise self.error("truncated stream: expected a FULL section header, got end of "
-                             "input", len(buf))
-        idstr = buf[start + 6:start + 6 + n]
+    def _header(self) -> SectionHeader:
+        """The FULL section header at the cursor, up to the body."""
+        cur = self.cur
+        head = cur.peek(6)
+        if len(head) < 6 or cur.remaining() < 6 + head[5] + 8:
+            raise cur.error("truncated stream: expected a FULL section header, got end of "
+                            "input", at=cur.size)
+        cur.skip(1, "section type")
+        section_id = cur.be32("section id")
+        idstr = cur.take(cur.u8("section idstr length"), "section idstr")
         if not _printable(idstr):
-            raise self.error(f"expected a printable section idstr, got {idstr!r}", start + 6)
-        instance_id, version_id = struct.unpack_from(">II", buf, start + 6 + n)
-        return SectionHeader(section_id, idstr.decode(), instance_id, version_id), end
+            raise cur.error(f"expected a printable section idstr, got {idstr!r}", back=len(idstr))
+        instance_id, version_id = cur.be32("instance id"), cur.be32("version id")
+        return SectionHeader(section_id, idstr.decode(), instance_id, version_id)
 
-    def _plausible_next(self, pos: int) -> bool:
-        buf = self.buf
-        if pos >= len(buf):
+    def _plausible_next(self, ahead: int) -> bool:
+        """Whether a FULL section header or an EOF (at the end or before VMDESCRIPTION)
+        starts ``ahead`` bytes past the cursor."""
+        cur = self.cur
+        head = cur.peek(6, ahead)
+        if not head:
             return False
-        if buf[pos] == EOF:
-            return pos + 1 == len(buf) or buf[pos + 1] == VMDESCRIPTION
-        if buf[pos] != FULL or pos + 6 > len(buf):
+        if head[0] == EOF:
+            return len(head) == 1 or head[1] == VMDESCRIPTION
+        if head[0] != FULL or len(head) < 6:
             return False
-        n = buf[pos + 5]
-        return n > 0 and pos + 6 + n + 8 <= len(buf) and _printable(buf[pos + 6:pos + 6 + n])
+        n = head[5]
+        return n > 0 and cur.remaining() >= ahead + 6 + n + 8 and _printable(cur.peek(n, ahead + 6))
 
     def trailer(self) -> bytes | None:
-        buf, pos = self.buf, self.pos
-        self.vmdesc_at = pos
-        if pos == len(buf):
+        """The VMDESCRIPTION JSON after EOF, or None when the stream ends at EOF."""
+        cur = self.cur
+        self.vmdesc_at = cur.offset
+        kind = cur.peek_u8()
+        if kind is None:
             return None
-        if buf[pos] != VMDESCRIPTION:
-            raise self.error(f"expected end of stream or QEMU_VM_VMDESCRIPTION (0x06) after "
-                             f"QEMU_VM_EOF, got {buf[pos]:#04x}", pos, "after EOF")
-        if pos + 5 > len(buf):
-            raise self.error("truncated stream: expected the VMDESCRIPTION length, got end "
-                             "of input", len(buf), "vmdescription")
-        n = _BE32.unpack_from(buf, pos + 1)[0]
-        text = buf[pos + 5:pos + 5 + n]
-        if len(text) < n:
-            raise self.error(f"truncated stream: expected {n} bytes of VMDESCRIPTION JSON, "
-                             f"got {len(text)}", len(buf), "vmdescription")
-        if pos + 5 + n != len(buf):
-            raise self.error(f"expected end of stream after VMDESCRIPTION, got "
-                             f"{len(buf) - pos - 5 - n} more bytes", pos + 5 + n,
-                             "after vmdescription")
+        if kind != VMDESCRIPTION:
+            cur.structure = "after EOF"
+            raise cur.error(f"expected end of stream or QEMU_VM_VMDESCRIPTION (0x06) after "
+                            f"QEMU_VM_EOF, got {kind:#04x}")
+        cur.structure = "vmdescription"
+        if cur.remaining() < 5:
+            raise cur.error("truncated stream: expected the VMDESCRIPTION length, got end "
+                            "of input", at=cur.size)
+        cur.skip(1, "section type")
+        n = cur.be32("VMDESCRIPTION length")
+        if cur.remaining() < n:
+            raise cur.error(f"truncated stream: expected {n} bytes of VMDESCRIPTION JSON, "
+                            f"got {cur.remaining()}", at=cur.size)
+        text = cur.take(n, "VMDESCRIPTION JSON")
+        if not cur.at_end():
+            cur.structure = "after vmdescription"
+            raise cur.error(f"expected end of stream after VMDESCRIPTION, got "
+                            f"{cur.remaining()} more bytes")
         return text
 
 

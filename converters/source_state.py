@@ -15,6 +15,7 @@ from typing import BinaryIO
 
 import zstandard
 
+from leanimg.compression import FrameError, decompress_exact
 from leanimg.errors import SourceFormatError
 
 from . import qemu, xen
@@ -22,6 +23,7 @@ from . import qemu, xen
 QEMU_TAG_STREAM_STATE = 1
 XEN_TAG_SKELETON = 1
 STATE_LIMIT = 256 << 20         # decompressed QEMU stream state accepted on reading
+SKELETON_LIMIT = 1 << 30        # decompressed Xen skeleton accepted on reading
 
 
 def pack_stream_state(state: qemu.StreamState) -> bytes:
@@ -33,14 +35,10 @@ def unpack_stream_state(data: bytes, offset: int | None = None) -> qemu.StreamSt
     """The state pack_stream_state stored; ``offset`` is where ``data`` lies in the image."""
     structure = "source_state[QEMU tag 1]"
     try:
-        # zstandard allocates whatever a frame declares, so the declared size is checked first
-        declared = zstandard.get_frame_parameters(data).content_size
-        if declared > STATE_LIMIT:
-            raise zstandard.ZstdError(f"the frame declares {declared} bytes")
-        raw = zstandard.ZstdDecompressor().decompress(data, max_output_size=declared, allow_extra_data=False)
-    except zstandard.ZstdError as exc:
-        raise SourceFormatError(f"QEMU stream state does not decompress within {STATE_LIMIT} bytes: {exc}",
-                                offset=offset, structure=structure) from None
+        raw = decompress_exact(data, limit=STATE_LIMIT)
+    except FrameError as exc:
+        raise SourceFormatError(f"QEMU stream state does not decompress within {STATE_LIMIT} bytes: "
+                                f"{exc.message}", offset=offset, structure=structure) from None
     try:
         return qemu.StreamState.from_bytes(raw)
     except SourceFormatError as exc:
@@ -58,30 +56,15 @@ def pack_skeleton(skeleton: BinaryIO) -> bytes:
 
 
 def unpack_skeleton(data: bytes, offset: int | None = None):
-    """The skeleton items pack_skeleton stored, decompressed as they are read."""
+    """The skeleton items pack_skeleton stored."""
     structure = "source_state[Xen tag 1]"
     try:
-        declared = zstandard.get_frame_parameters(data).content_size
-        if declared == zstandard.CONTENTSIZE_UNKNOWN:
-            raise zstandard.ZstdError("the frame does not declare its content size")
-        reader = zstandard.ZstdDecompressor().stream_reader(data)
-        counted = _CountingReader(reader)
-        yield from xen.iter_items(counted)
-        if counted.count != declared:
-            raise zstandard.ZstdError(f"the frame declares {declared} bytes, it holds {counted.count}")
-    except zstandard.ZstdError as exc:
-        raise SourceFormatError(f"Xen stream skeleton does not decompress: {exc}",
+        raw = decompress_exact(data, limit=SKELETON_LIMIT)
+    except FrameError as exc:
+        raise SourceFormatError(f"Xen stream skeleton does not decompress: {exc.message}",
                                 offset=offset, structure=structure) from None
+    try:
+        yield from xen.iter_items(io.BytesIO(raw))
     except SourceFormatError as exc:
         raise SourceFormatError(f"byte {exc.offset} of the decompressed Xen skeleton: {exc.message}",
                                 offset=offset, structure=structure) from None
-
-
-class _CountingReader:
-    def __init__(self, reader):
-        self.reader, self.count = reader, 0
-
-    def read(self, n: int) -> bytes:
-        data = self.reader.read(n)
-        self.count += len(data)
-        return data

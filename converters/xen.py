@@ -45,7 +45,9 @@ from typing import BinaryIO, Callable, Iterator
 
 import numpy as np
 
-from leanimg.errors import SourceFormatError, UnsupportedError
+from leanimg.errors import SourceFormatError
+
+from .cursor import Cursor
 
 PAGE_SIZE = 4096
 PAGE_SHIFT = 12
@@ -140,46 +142,7 @@ class ScanResult:
     length: int                   # bytes of the stream
 
 
-# ---------------------------------------------------------------------------- input
-
-class _Input:
-    """A seekable stream of known size: exact reads, skips, truncation errors with offsets."""
-
-    def __init__(self, f: BinaryIO):
-        self.f = f
-        self.size = f.seek(0, os.SEEK_END)
-        f.seek(0)
-        self.offset = 0
-        self.structure = "stream"
-
-    def take(self, n: int, what: str) -> bytes:
-        self.need(n, what)
-        data = self.f.read(n)
-        if len(data) != n:
-            raise self.error(f"truncated stream: expected {n} bytes of {what}, got {len(data)}")
-        self.offset += n
-        return data
-
-    def skip(self, n: int, what: str) -> None:
-        self.need(n, what)
-        self.offset = self.f.seek(self.offset + n)
-
-    def need(self, n: int, what: str) -> None:
-        if self.offset + n > self.size:
-            raise self.error(f"truncated stream: expected {n} bytes of {what}, got "
-                             f"{self.size - self.offset} before end of input")
-
-    def at_end(self) -> bool:
-        return self.offset >= self.size
-
-    def error(self, message: str, offset: int | None = None) -> SourceFormatError:
-        return SourceFormatError(message, offset=self.offset if offset is None else offset,
-                                 structure=self.structure)
-
-    def unsupported(self, message: str, offset: int | None = None) -> UnsupportedError:
-        return UnsupportedError(message, offset=self.offset if offset is None else offset,
-                                structure=self.structure)
-
+# ---------------------------------------------------------------------------- skeleton file (first pass)
 
 class _Skeleton:
     """Writes skeleton items to a scratch file, gathering verbatim bytes into large items."""
@@ -222,7 +185,7 @@ def _padding(length: int) -> bytes:
 
 def scan(f: BinaryIO, directory=None) -> ScanResult:
     """Check the whole stream in the seekable file ``f`` and build its skeleton."""
-    scanner = _Scanner(_Input(f), _Skeleton(directory))
+    scanner = _Scanner(Cursor.over_file(f, structure="stream"), _Skeleton(directory))
     try:
         return scanner.run()
     except BaseException:
@@ -231,7 +194,7 @@ def scan(f: BinaryIO, directory=None) -> ScanResult:
 
 
 class _Scanner:
-    def __init__(self, inp: _Input, skeleton: _Skeleton):
+    def __init__(self, inp: Cursor, skeleton: _Skeleton):
         self.inp, self.skeleton = inp, skeleton
         self.form: list[str] = []
         self.version = 0
@@ -249,8 +212,7 @@ class _Scanner:
 
     def run(self) -> ScanResult:
         inp = self.inp
-        head = inp.f.read(len(XL_MAGIC))
-        inp.f.seek(0)
+        head = inp.peek(len(XL_MAGIC))
         if head == XL_MAGIC:
             self._xl_header()
         elif head[:8] == LIBXL_MAGIC:
@@ -260,7 +222,7 @@ class _Scanner:
         inp.structure = "after END"
         if not inp.at_end():
             raise inp.error(f"expected end of input after the final END record, got "
-                            f"{inp.size - inp.offset} more bytes")
+                            f"{inp.remaining()} more bytes")
         return ScanResult(form="/".join(self.form), libxc_version=self.version,
                           domain_type=self.domain_type, num_pfns=self.num_pfns,
                           last_entry=self.last_entry[:self.num_pfns], data_offsets=self.data_offsets,
@@ -277,14 +239,14 @@ class _Scanner:
         _, byteorder, mandatory, optional, optlen = XL_HEADER.unpack(raw)
         if byteorder == XL_BYTEORDER_SWAPPED:
             raise inp.unsupported("big-endian xl save file (byte-order marker 0x04030201) "
-                                  "is not supported", 32)
+                                  "is not supported", at=32)
         if byteorder != XL_BYTEORDER:
-            raise inp.error(f"expected byte-order marker {XL_BYTEORDER:#010x}, got {byteorder:#010x}", 32)
+            raise inp.error(f"expected byte-order marker {XL_BYTEORDER:#010x}, got {byteorder:#010x}", at=32)
         unknown = mandatory & ~XL_KNOWN_MANDATORY
         if unknown:
-            raise inp.unsupported(f"unknown mandatory flags {unknown:#x} in the xl header", 36)
+            raise inp.unsupported(f"unknown mandatory flags {unknown:#x} in the xl header", at=36)
         if optlen > RECORD_LIMIT:
-            raise inp.unsupported(f"xl optional data of {optlen} bytes exceeds {RECORD_LIMIT}", 44)
+            raise inp.unsupported(f"xl optional data of {optlen} bytes exceeds {RECORD_LIMIT}", at=44)
         inp.structure = "xl optional data"
         optdata = inp.take(optlen, "xl optional data")
         self._check_xl_config(optdata)
@@ -300,12 +262,11 @@ class _Scanner:
             return
         if len(optdata) < 4:
             raise self.inp.error(f"expected the u4 config length in the xl optional data, got "
-                                 f"{len(optdata)} bytes", self.inp.offset - len(optdata))
+                                 f"{len(optdata)} bytes", back=len(optdata))
         (config_len,) = struct.unpack_from("<I", optdata)
         if config_len > len(optdata) - 4:
             raise self.inp.error(f"xl config of {config_len} bytes does not fit the "
-                                 f"{len(optdata)} bytes of optional data",
-                                 self.inp.offset - len(optdata))
+                                 f"{len(optdata)} bytes of optional data", back=len(optdata))
 
     # --- libxl ----------------------------------------------------------------------
 
@@ -316,14 +277,15 @@ class _Scanner:
         raw = inp.take(LIBXL_HEADER.size, "the libxl header")
         ident, version, options = LIBXL_HEADER.unpack(raw)
         if ident != LIBXL_IDENT:
-            raise inp.error(f"expected libxl ident {LIBXL_IDENT:#018x} (\"LibxlFmt\"), got {ident:#018x}", start)
+            raise inp.error(f"expected libxl ident {LIBXL_IDENT:#018x} (\"LibxlFmt\"), got {ident:#018x}",
+                            at=start)
         if version != LIBXL_VERSION:
-            raise inp.error(f"expected libxl stream version {LIBXL_VERSION}, got {version}", start + 8)
+            raise inp.error(f"expected libxl stream version {LIBXL_VERSION}, got {version}", at=start + 8)
         if options & LIBXL_OPT_BIG_ENDIAN:
-            raise inp.unsupported("big-endian libxl stream (options bit 0) is not supported", start + 12)
+            raise inp.unsupported("big-endian libxl stream (options bit 0) is not supported", at=start + 12)
         reserved = options & ~(LIBXL_OPT_BIG_ENDIAN | LIBXL_OPT_LEGACY)
         if reserved:
-            raise inp.error(f"reserved bits set in the libxl header options: {reserved:#x}", start + 12)
+            raise inp.error(f"reserved bits set in the libxl header options: {reserved:#x}", at=start + 12)
         self.skeleton.verbatim(raw)
         self.form.append("libxl")
         self.embedded = True
@@ -361,30 +323,32 @@ class _Scanner:
         marker, ident, version, options, reserved1, reserved2 = LIBXC_IMAGE_HEADER.unpack(raw)
         if marker != LIBXC_MARKER:
             raise inp.error(f"expected libxc marker {LIBXC_MARKER:#018x}, got {marker:#018x} (not a "
-                            f"Xen save stream, or a legacy pre-4.6 one)", start)
+                            f"Xen save stream, or a legacy pre-4.6 one)", at=start)
         if ident != LIBXC_IDENT:
-            raise inp.error(f"expected libxc ident {LIBXC_IDENT:#010x} (\"XENF\"), got {ident:#010x}", start + 8)
+            raise inp.error(f"expected libxc ident {LIBXC_IDENT:#010x} (\"XENF\"), got {ident:#010x}",
+                            at=start + 8)
         if version not in LIBXC_VERSIONS:
-            raise inp.error(f"expected libxc stream version 2 or 3, got {version}", start + 12)
+            raise inp.error(f"expected libxc stream version 2 or 3, got {version}", at=start + 12)
         if options & LIBXC_OPT_BIG_ENDIAN:
-            raise inp.unsupported("big-endian libxc stream (options bit 0) is not supported", start + 16)
+            raise inp.unsupported("big-endian libxc stream (options bit 0) is not supported", at=start + 16)
         if options & ~LIBXC_OPT_BIG_ENDIAN:
             raise inp.error(f"reserved bits set in the libxc image options: "
-                            f"{options & ~LIBXC_OPT_BIG_ENDIAN:#x}", start + 16)
+                            f"{options & ~LIBXC_OPT_BIG_ENDIAN:#x}", at=start + 16)
         if reserved1 or reserved2:
             raise inp.error(f"reserved fields of the libxc image header not zero: "
-                            f"{reserved1:#06x}:{reserved2:#010x}", start + 18)
+                            f"{reserved1:#06x}:{reserved2:#010x}", at=start + 18)
         self.version = version
         inp.structure = "libxc domain header"
         domain = inp.take(LIBXC_DOMAIN_HEADER.size, "the libxc domain header")
         gtype, page_shift, reserved, _, _ = LIBXC_DOMAIN_HEADER.unpack(domain)
         if gtype not in DOMAIN_TYPES:
             raise inp.unsupported(f"domain type {gtype:#x} (only 1 x86 PV and 2 x86 HVM are supported)",
-                                  start + 24)
+                                  at=start + 24)
         if page_shift != PAGE_SHIFT:
-            raise inp.unsupported(f"page shift {page_shift} (only 12, 4096-byte pages)", start + 28)
+            raise inp.unsupported(f"page shift {page_shift} (only 12, 4096-byte pages)", at=start + 28)
         if reserved:
-            raise inp.error(f"reserved field of the libxc domain header not zero: {reserved:#06x}", start + 30)
+            raise inp.error(f"reserved field of the libxc domain header not zero: {reserved:#06x}",
+                            at=start + 30)
         self.domain_type = DOMAIN_TYPES[gtype]
         self.skeleton.verbatim(raw, domain)
         self.form.append("libxc")
@@ -418,7 +382,8 @@ class _Scanner:
             return rtype
         self._record(start, head, LIBXC_RECORD_NAMES, LIBXC_EMPTY_RECORDS, "libxc")
         if rtype in LIBXC_V3_RECORDS and self.version < 3:
-            raise inp.error(f"{LIBXC_RECORD_NAMES[rtype]} record in a version {self.version} stream", start)
+            raise inp.error(f"{LIBXC_RECORD_NAMES[rtype]} record in a version {self.version} stream",
+                            at=start)
         return rtype
 
     def _record(self, start: int, head: bytes, names: dict, empty: set, layer: str) -> bytes:
@@ -427,16 +392,17 @@ class _Scanner:
         inp = self.inp
         rtype, length = RECORD_HEADER.unpack(head)
         if rtype not in names and not rtype & OPTIONAL_RECORD:
-            raise inp.unsupported(f"unknown mandatory {layer} record type {rtype:#010x}", start)
+            raise inp.unsupported(f"unknown mandatory {layer} record type {rtype:#010x}", at=start)
         if rtype in empty and length:
-            raise inp.error(f"expected an empty {names[rtype]} record, got body_length {length}", start + 4)
+            raise inp.error(f"expected an empty {names[rtype]} record, got body_length {length}",
+                            at=start + 4)
         if length > RECORD_LIMIT:
             inp.need(length, "the record body")
-            raise inp.unsupported(f"record body of {length} bytes exceeds {RECORD_LIMIT}", start + 4)
+            raise inp.unsupported(f"record body of {length} bytes exceeds {RECORD_LIMIT}", at=start + 4)
         body = inp.take(length, "the record body")
         padding = inp.take(-length % 8, "the record padding")
         if any(padding):
-            raise inp.error(f"expected zero padding, got {padding.hex()}", inp.offset - len(padding))
+            raise inp.error(f"expected zero padding, got {padding.hex()}", back=len(padding))
         self.skeleton.verbatim(head, body, padding)
         return body
 
@@ -445,16 +411,16 @@ class _Scanner:
     def _page_data(self, start: int, length: int) -> None:
         inp = self.inp
         if length < PAGE_DATA_HEADER.size + 8:
-            raise inp.error(f"expected a PAGE_DATA body of at least 16 bytes, got {length}", start + 4)
+            raise inp.error(f"expected a PAGE_DATA body of at least 16 bytes, got {length}", at=start + 4)
         inp.need(length, "the PAGE_DATA body")
-        count, reserved = PAGE_DATA_HEADER.unpack(inp.take(PAGE_DATA_HEADER.size, "the PAGE_DATA count"))
+        count, reserved = inp.unpack(PAGE_DATA_HEADER, "the PAGE_DATA count")
         if count == 0:
-            raise inp.error("PAGE_DATA count is 0 (the spec requires > 0)", start + 8)
+            raise inp.error("PAGE_DATA count is 0 (the spec requires > 0)", at=start + 8)
         if reserved:
-            raise inp.error(f"reserved field of PAGE_DATA not zero: {reserved:#010x}", start + 12)
+            raise inp.error(f"reserved field of PAGE_DATA not zero: {reserved:#010x}", at=start + 12)
         if 8 + 8 * count > length:
             raise inp.error(f"PAGE_DATA count {count} needs {8 + 8 * count} bytes of pfns, the record "
-                            f"has {length}", start + 8)
+                            f"has {length}", at=start + 8)
         raw = inp.take(8 * count, "the PAGE_DATA pfn array")
         entries = np.frombuffer(raw, "<u8")
         self._check_entries(entries, start + 16)
@@ -463,7 +429,7 @@ class _Scanner:
         expected = 8 + 8 * count + PAGE_SIZE * with_data
         if length != expected:
             raise inp.error(f"PAGE_DATA of {count} entries ({with_data} with page contents) must be "
-                            f"{expected} bytes, body_length is {length}", start + 4)
+                            f"{expected} bytes, body_length is {length}", at=start + 4)
         self.data_offsets.append(inp.offset)
         inp.skip(PAGE_SIZE * with_data, "PAGE_DATA page contents")
         self._note_entries(entries & np.uint64(PFN_MASK))
@@ -474,18 +440,18 @@ class _Scanner:
         bad = np.flatnonzero(entries & np.uint64(PFN_RESERVED_MASK))
         if len(bad):
             i = int(bad[0])
-            raise self.inp.error(f"reserved bits set in pfn[{i}]: {int(entries[i]):#018x}", offset + 8 * i)
+            raise self.inp.error(f"reserved bits set in pfn[{i}]: {int(entries[i]):#018x}", at=offset + 8 * i)
         types = entries >> np.uint64(TYPE_SHIFT)
         bad = np.flatnonzero(np.isin(types, INVALID_TYPES))
         if len(bad):
             i = int(bad[0])
             raise self.inp.error(f"invalid page type {int(types[i]):#x} in pfn[{i}]: {int(entries[i]):#018x}",
-                                 offset + 8 * i)
+                                 at=offset + 8 * i)
         pfns = entries & np.uint64(PFN_MASK)
         top = int(pfns.max())
         if top >= PFN_LIMIT:
             raise self.inp.unsupported(f"pfn {top:#x} beyond this tool's limit of {PFN_LIMIT:#x} pfns",
-                                       offset + 8 * int(pfns.argmax()))
+                                       at=offset + 8 * int(pfns.argmax()))
 
     def _note_entries(self, pfns: np.ndarray) -> None:
         """Remember each pfn's latest entry: the copy that wins when pages are re-sent."""
