@@ -15,7 +15,7 @@ from typing import BinaryIO
 
 import zstandard
 
-from leanimg.compression import FrameError, decompress_exact
+from leanimg.compression import FrameError, FrameReader, decompress_exact
 from leanimg.errors import SourceFormatError
 
 from . import qemu, xen
@@ -23,7 +23,6 @@ from . import qemu, xen
 QEMU_TAG_STREAM_STATE = 1
 XEN_TAG_SKELETON = 1
 STATE_LIMIT = 256 << 20         # decompressed QEMU stream state accepted on reading
-SKELETON_LIMIT = 1 << 30        # decompressed Xen skeleton accepted on reading
 
 
 def pack_stream_state(state: qemu.StreamState) -> bytes:
@@ -56,15 +55,15 @@ def pack_skeleton(skeleton: BinaryIO) -> bytes:
 
 
 def unpack_skeleton(data: bytes, offset: int | None = None):
-    """The skeleton items pack_skeleton stored."""
+    """The skeleton items pack_skeleton stored, decompressed as they are read."""
     structure = "source_state[Xen tag 1]"
     try:
-        raw = decompress_exact(data, limit=SKELETON_LIMIT)
+        reader = FrameReader(data)
+        yield from xen.iter_items(reader)
+        reader.finish()
     except FrameError as exc:
         raise SourceFormatError(f"Xen stream skeleton does not decompress: {exc.message}",
                                 offset=offset, structure=structure) from None
-    try:
-        yield from xen.iter_items(io.BytesIO(raw))
     except SourceFormatError as exc:
         raise SourceFormatError(f"byte {exc.offset} of the decompressed Xen skeleton: {exc.message}",
                                 offset=offset, structure=structure) from None

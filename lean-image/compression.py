@@ -48,3 +48,31 @@ def decompress_exact(data, *, expected: int | None = None, limit: int, decompres
     if len(content) != size:
         raise FrameError(SIZE, f"expected {size} decompressed bytes, got {len(content)}")
     return content
+
+
+class FrameReader:
+    """One whole zstd frame that declares its content size, read as a stream (``read``), for
+    contents too large to hold at once. Reading past the declared size, a damaged frame, or a
+    frame that ends before its declared size (seen by ``finish``) raise FrameError."""
+
+    def __init__(self, data):
+        self.declared = declared_size(data)
+        if self.declared is None:
+            raise FrameError(SIZE, "the zstd frame does not declare its content size")
+        self._reader = zstandard.ZstdDecompressor().stream_reader(data)
+        self.count = 0
+
+    def read(self, n: int) -> bytes:
+        try:
+            chunk = self._reader.read(n)
+        except zstandard.ZstdError as exc:
+            raise FrameError(CORRUPT, f"zstd frame does not decompress: {exc}") from None
+        self.count += len(chunk)
+        if self.count > self.declared:
+            raise FrameError(SIZE, f"the zstd frame declares {self.declared} bytes and holds more")
+        return chunk
+
+    def finish(self) -> None:
+        """After the last read: the frame held exactly what it declared."""
+        if self.count != self.declared or self.read(1):
+            raise FrameError(SIZE, f"the zstd frame declares {self.declared} bytes, it holds {self.count}")

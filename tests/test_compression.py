@@ -9,7 +9,7 @@ import tracemalloc
 import pytest
 import zstandard
 
-from leanimg.compression import CORRUPT, NOT_A_FRAME, SIZE, FrameError, declared_size, decompress_exact
+from leanimg.compression import CORRUPT, NOT_A_FRAME, SIZE, FrameError, FrameReader, declared_size, decompress_exact
 
 CONTENT = bytes(range(256)) * 40
 LIMIT = 1 << 20
@@ -109,3 +109,44 @@ def test_a_truncated_frame_is_corrupt():
 
 def test_content_shorter_than_declared_is_refused():
     assert kind_of(declaring(4096), expected=4096, limit=LIMIT) in (CORRUPT, SIZE)
+
+
+# --- FrameReader: the same guards, for contents read as a stream -------------------------
+def read_all(data: bytes, n: int = 1000) -> bytes:
+    reader = FrameReader(data)
+    parts = []
+    while chunk := reader.read(n):
+        parts.append(chunk)
+    reader.finish()
+    return b"".join(parts)
+
+
+def stream_kind(data: bytes) -> str:
+    with pytest.raises(FrameError) as info:
+        read_all(data)
+    return info.value.kind
+
+
+def test_frame_reader_streams_the_content():
+    assert read_all(frame()) == CONTENT
+    assert read_all(frame(), n=7) == CONTENT
+
+
+def test_frame_reader_refuses_a_frame_without_its_size():
+    assert stream_kind(frame(content_size=False)) == SIZE
+
+
+def test_frame_reader_refuses_content_longer_than_declared():
+    longer = bytearray(frame())
+    assert longer[4] == 0x60                      # single segment, 2-byte content size field
+    struct.pack_into("<H", longer, 5, len(CONTENT) - 256 - 100)    # declares 100 bytes fewer
+    assert stream_kind(bytes(longer)) in (SIZE, CORRUPT)          # our count, or zstd's own check
+
+
+def test_frame_reader_refuses_content_shorter_than_declared():
+    assert stream_kind(declaring(4096)) in (SIZE, CORRUPT)
+
+
+def test_frame_reader_refuses_a_damaged_frame():
+    assert stream_kind(frame()[:-4]) in (CORRUPT, SIZE)
+    assert stream_kind(b"not a zstd frame") == NOT_A_FRAME
