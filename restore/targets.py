@@ -6,43 +6,30 @@ imports the raw restorer alone and `inspect` none but the Xen one.
 
 from __future__ import annotations
 
-
-class RawTarget:
-    name = "raw"
-    description = "flat guest memory: the regions in file order, concatenated"
-
-    def restore(self, image, out, progress=None) -> int:
-        from .raw import restore_raw
-        return restore_raw(image, out, progress)
-
-    def describe(self, image) -> None:
-        return None
+import importlib
+from dataclasses import dataclass
 
 
-class QemuTarget:
-    name = "qemu"
-    description = "the QEMU migration stream the image was converted from, for `qemu -incoming`"
+@dataclass(frozen=True)
+class RestoreTarget:
+    name: str
+    description: str
+    module: str                      # the restorer's module in this package
+    restorer: str                    # its function (image, out, progress) -> bytes written
+    describer: str | None = None     # its function (image) -> what the image rebuilds, or None
 
     def restore(self, image, out, progress=None) -> int:
-        from .qemu import restore_qemu
-        return restore_qemu(image, out, progress)
-
-    def describe(self, image) -> None:
-        return None
-
-
-class XenTarget:
-    name = "xen"
-    description = "the Xen save file (xl, libxl or libxc stream) the image was converted from"
-
-    def restore(self, image, out, progress=None) -> int:
-        from .xen import restore_xen
-        return restore_xen(image, out, progress)
+        return getattr(self._module(), self.restorer)(image, out, progress)
 
     def describe(self, image) -> str | None:
-        """'Xen xl save file, libxl v2, libxc v3, x86 HVM' for an image converted from Xen."""
-        from .xen import describe_image
-        return describe_image(image)
+        return getattr(self._module(), self.describer)(image) if self.describer else None
+
+    def _module(self):
+        return importlib.import_module(f"{__package__}.{self.module}")
 
 
-RAW, QEMU, XEN = RawTarget(), QemuTarget(), XenTarget()
+RAW = RestoreTarget("raw", "flat guest memory: the regions in file order, concatenated", "raw", "restore_raw")
+QEMU = RestoreTarget("qemu", "the QEMU migration stream the image was converted from, for `qemu -incoming`",
+                     "qemu", "restore_qemu")
+XEN = RestoreTarget("xen", "the Xen save file (xl, libxl or libxc stream) the image was converted from",
+                    "xen", "restore_xen", "describe_image")
