@@ -15,7 +15,7 @@ import numpy as np
 
 from .errors import DiskError, FormatError, LimitError
 from .format import (
-    DIGEST_CLASSES, DISK_BODY, DISK_NAME_MAX, DISK_SECTOR_SIZE, DISKS_MAX, INDEX_BODY,
+    HAS_DIGEST, IS_PAGE_CLASS, DISK_BODY, DISK_NAME_MAX, DISK_SECTOR_SIZE, DISKS_MAX, INDEX_BODY,
     INDEX_ENTRY, NO_KEY, RECORD, REGION_BODY, REGION_NAME_MAX, REGIONS_MAX, IncompatFeature, PageClass,
     RecordType,
 )
@@ -150,6 +150,7 @@ def slot_problems(extents: list[np.ndarray], stored: int, deltas: int, ref_first
     contiguously from 0."""
     yield from _contiguous("disk_refs", ref_firsts, ref_counts, ref_offsets, "LI-MAP-004")
     references = int(np.sum(ref_counts)) if len(ref_counts) else 0
+    extents = np.concatenate(extents) if extents else np.zeros(0, [("page_class", "<u2")])
     for cls, available, what in ((PageClass.STORED, stored, "stored ordinal"),
                                  (PageClass.DISK, references, "disk reference"),
                                  (PageClass.DELTA, deltas, "delta entry")):
@@ -162,20 +163,25 @@ def slot_problems(extents: list[np.ndarray], stored: int, deltas: int, ref_first
                               rule="LI-MAP-004")
 
 
-def _slots_used(extents: list[np.ndarray], cls: int) -> np.ndarray:
+def _slots_used(extents: np.ndarray, cls: int) -> np.ndarray:
     """The slots the pages of class ``cls`` use, sorted; work per extent, not per page, when
-    the extents' slot ranges do not overlap (the usual case)."""
-    parts = [e[e["page_class"] == cls] for e in extents]
-    sel = np.concatenate(parts) if parts else np.zeros(0, extents[0].dtype if extents else [("x", "u1")])
+    the extents' slot ranges follow each other (the usual case, in file order or sorted)."""
+    sel = extents[extents["page_class"] == cls]
     if not len(sel):
         return np.zeros(0, np.int64)
-    counts = sel["num_pages"].astype(np.int64)
-    order = np.argsort(sel["first_slot"], kind="stable")
-    starts, counts = sel["first_slot"][order].astype(np.int64), counts[order]
-    if (starts[1:] == starts[:-1] + counts[:-1]).all() and starts[0] == 0:
-        return np.arange(int(counts.sum()))          # contiguous ranges: each slot used once
+    starts, counts = sel["first_slot"].astype(np.int64), sel["num_pages"].astype(np.int64)
+    if not _follow_on(starts, counts):
+        order = np.argsort(starts, kind="stable")
+        starts, counts = starts[order], counts[order]
+    if _follow_on(starts, counts):
+        return np.arange(int(counts.sum()))          # each slot used once
     return np.sort(np.repeat(starts - np.cumsum(np.concatenate(([0], counts[:-1]))), counts)
                    + np.arange(int(counts.sum())))
+
+
+def _follow_on(starts: np.ndarray, counts: np.ndarray) -> bool:
+    """Slot ranges [start, start + count) that tile 0.. without gap or overlap, in this order."""
+    return starts[0] == 0 and bool((starts[1:] == starts[:-1] + counts[:-1]).all())
 
 
 @implements("LI-HDR-009", "LI-MAP-005")
@@ -194,11 +200,12 @@ def feature_problems(header, classes: Counter) -> Iterator[FormatError]:
 
 
 def class_counts(extents: list[np.ndarray]) -> Counter:
+    """Pages per class over extent tables (classes outside the spec counted by number)."""
     counts = Counter()
     for e in extents:
-        for cls in np.unique(e["page_class"]).tolist():
-            counts[PageClass(cls) if cls in PageClass._value2member_map_ else cls] += \
-                int(e["num_pages"][e["page_class"] == cls].astype(np.int64).sum())
+        pages = np.bincount(e["page_class"], weights=e["num_pages"], minlength=len(PageClass) + 1)
+        for cls in np.flatnonzero(pages).tolist():
+            counts[PageClass(cls) if IS_PAGE_CLASS[cls] else cls] += int(pages[cls])
     return counts
 
 
@@ -222,7 +229,7 @@ def digest_coverage_problems(region_id: int, name: str, num_pages: int,
 
 def digest_ranks(extents: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Per extent: whether its pages have stored digests, and how many digests precede it."""
-    bearing = np.isin(extents["page_class"], [int(c) for c in DIGEST_CLASSES])
+    bearing = HAS_DIGEST[extents["page_class"]]
     counts = np.where(bearing, extents["num_pages"].astype(np.int64), 0)
     rank0 = np.concatenate(([0], np.cumsum(counts)[:-1])) if len(counts) else counts
     return bearing, rank0

@@ -208,6 +208,18 @@ SLOT_CLASSES = {PageClass.STORED, PageClass.DISK, PageClass.DELTA}
 # pages whose digest is stored in DIGESTS records; a ZERO page's digest is implied, FREE has none
 DIGEST_CLASSES = {PageClass.STORED, PageClass.DISK, PageClass.PARENT, PageClass.DELTA}
 
+
+def _class_table(classes) -> np.ndarray:
+    table = np.zeros(1 << 16, bool)
+    table[[int(c) for c in classes]] = True
+    return table
+
+
+# indexed by a u2 page_class: a vectorised ``in`` for whole extent tables
+IS_PAGE_CLASS = _class_table(PageClass)
+HAS_SLOT = _class_table(SLOT_CLASSES)
+HAS_DIGEST = _class_table(DIGEST_CLASSES)
+
 # --- delta entries (spec §6) -------------------------------------------------
 DELTA_ENTRY = Structure("delta_entry", [
     ("encoding", "u1"), ("reserved", "u1"), ("num_words", "u2"), ("word_indexes", "u2[]"),

@@ -95,7 +95,7 @@ class FrameStore:
         """(frame content, its page digests or None, first page in it, pages) covering
         STORED ordinals [ordinal, ordinal+count)."""
         while count:
-            frame = int(self.page_frames.frame_of([ordinal])[0])
+            frame = self.page_frames.frame_at(ordinal)
             start = ordinal - int(self.page_frames.starts[frame])
             n = min(count, int(self.page_frames.counts[frame]) - start)
             data, digests = self.frame(frame, with_digests=with_digests)

@@ -85,9 +85,20 @@ def disk_files(image: LeanImage) -> dict[str, list[dict]]:
 
 
 def describe_source(image: LeanImage) -> str | None:
-    """What the SOURCE_STATE records rebuild, when a restore target can tell."""
-    from .plugins import targets
-    return next((text for target in targets() if (text := target.describe(image))), None)
+    """What the SOURCE_STATE records rebuild, as the restore target of their source format
+    tells (none is loaded for an image without source state)."""
+    from .errors import UnsupportedError
+    from .format import SourceFormat
+    from .plugins import target
+    formats = {state.source_format for state in image.source_states} & {int(f) for f in SourceFormat}
+    for source_format in sorted(formats):
+        try:
+            text = target(SourceFormat(source_format).name.lower()).describe(image)
+        except UnsupportedError:          # that target is not installed
+            continue
+        if text:
+            return text
+    return None
 
 
 def render_text(summary: dict) -> str:

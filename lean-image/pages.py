@@ -150,7 +150,7 @@ def region_pieces(image, region: Region, first_page: int, count: int) -> list[tu
             continue
         row = lo
         for data, digests, start, n in image.frames.stored_spans(int(slots[lo]), hi - lo):
-            verify_rows(region, first_page + row, np.arange(n), digests[start:start + n], expected[row:row + n])
+            verify_rows(region, first_page + row, None, digests[start:start + n], expected[row:row + n])
             pieces.append((n, memoryview(data)[start * image.page_size:(start + n) * image.page_size]))
             row += n
     return pieces

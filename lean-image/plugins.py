@@ -88,8 +88,25 @@ def _entry_points(group: str) -> list:
     return sorted(entry_points(group=group), key=lambda entry: entry.name)
 
 
+@cache
+def _own_entry_points(group: str) -> list:
+    """leanimg's own plugins of ``group``: looked up in its own distribution's metadata alone,
+    which costs a few milliseconds where scanning every installed distribution costs tens."""
+    from importlib.metadata import PackageNotFoundError, distribution
+    try:
+        return [entry for entry in distribution("leanimg").entry_points if entry.group == group]
+    except PackageNotFoundError:
+        return []
+
+
+def _candidates(group: str):
+    """leanimg's own entry points first; every installed one only when those do not serve."""
+    yield from _own_entry_points(group)
+    yield from _entry_points(group)
+
+
 def _load(group: str, name: str, kind: str):
-    for entry in _entry_points(group):
+    for entry in _candidates(group):
         if entry.name == name:
             return entry.load()
     known = ", ".join(entry.name for entry in _entry_points(group)) or "none"

@@ -20,7 +20,7 @@ from .format import (
     FRAME_PAGES_MAX_BYTES, HEADER, HEADER_LENGTH_MAX, HEADER_MAGIC, INDEX_BODY, INDEX_ENTRY, KNOWN_INCOMPAT,
     PAGE_FRAME_BODY, PAGE_MAP_BODY, PAGE_SIZE_MAX, PAGE_SIZE_MIN, RECORD, RECORD_BODY_MAX,
     RECORD_OPTIONAL_BIT, RECORD_TRAILER, REGION_FLAG_HAS_GPA,
-    REGION_SIZE_MAX, SLOT_CLASSES, SOURCE_STATE_BODY, IncompatFeature, PageClass, RecordType, SourceFormat,
+    REGION_SIZE_MAX, HAS_SLOT, IS_PAGE_CLASS, SOURCE_STATE_BODY, IncompatFeature, RecordType, SourceFormat,
     align8, checksum64, record_size, valid_page_size,
 )
 from .rules import implements
@@ -597,14 +597,14 @@ def _delta_frame_values(p: dict, b: _Body, page_size: int) -> Iterator[FormatErr
 @implements("LI-MAP-002", "LI-MAP-003")
 def _page_map_values(p: dict, b: _Body, page_size: int) -> Iterator[FormatError]:
     e = p["extents"]
-    bad = np.flatnonzero(~np.isin(e["page_class"], [int(c) for c in PageClass]) | (e["num_pages"] == 0))
+    bad = np.flatnonzero(~IS_PAGE_CLASS[e["page_class"]] | (e["num_pages"] == 0))
     if p["num_extents"] == 0 or len(bad):
         i = int(bad[0]) if len(bad) else 0
         yield b.fail("LI-MAP-002", "expected page_class 1..6 and num_pages >= 1 in every extent"
                      + (f", extent {i} has class {int(e['page_class'][i])}, {int(e['num_pages'][i])} pages"
                         if len(bad) else ", got no extents"),
                      PAGE_MAP_BODY.size + EXTENT.size * i, f"extents[{i}]")
-    no_slot = ~np.isin(e["page_class"], [int(c) for c in SLOT_CLASSES]) & (e["first_slot"] != 0)
+    no_slot = ~HAS_SLOT[e["page_class"]] & (e["first_slot"] != 0)
     if no_slot.any():
         i = int(np.flatnonzero(no_slot)[0])
         yield b.fail("LI-MAP-003", f"expected first_slot 0 for class {int(e['page_class'][i])}, "

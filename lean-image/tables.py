@@ -88,6 +88,10 @@ class FrameTable:
     def total(self) -> int:
         return int(self.counts.sum())
 
+    def frame_at(self, slot: int) -> int:
+        """The frame holding ordinal (entry) ``slot``, one the page maps use (checked on open)."""
+        return int(np.searchsorted(self.starts, slot, side="right")) - 1
+
     def frame_of(self, slots) -> np.ndarray:
         """The frame holding each ordinal (entry) of ``slots``; -1 where none does."""
         slots = np.asarray(slots, np.int64)
@@ -175,14 +179,14 @@ class ImageTables:
             p = record.parsed
             gpa = p["guest_phys_base"] if p["flags"] & REGION_FLAG_HAS_GPA else None
             self.regions.append(Region(p["region_id"], p["name"], p["size_bytes"], gpa, self.page_size))
+        digests = np.flatnonzero(self.entries["record_type"] == RecordType.DIGESTS)
         for region in self.regions:
             parts = [m.parsed["extents"] for m in maps if m.parsed["region_id"] == region.region_id]
-            extents = np.concatenate(parts) if parts else np.zeros(0, maps[0].parsed["extents"].dtype
-                                                                  if maps else [("first_page", "<u8")])
+            extents = np.concatenate(parts) if len(parts) > 1 else parts[0] if parts else \
+                np.zeros(0, [("first_page", "<u8")])
             first_problem(checks.coverage_problems(region.region_id, region.name, region.num_pages, extents))
             region.set_extents(extents)
-            positions = [i for i in np.flatnonzero(self.entries["record_type"] == RecordType.DIGESTS).tolist()
-                         if int(self.entries["key"][i]) == region.region_id]
+            positions = digests[self.entries["key"][digests] == region.region_id].tolist()
             self.digest_positions[region.region_id] = positions
             ranges = [(int(self.entries["first"][i]), int(self.entries["count"][i]), None,
                        int(self.entries["record_offset"][i])) for i in positions]

@@ -26,11 +26,11 @@ import zstandard
 from . import delta as deltacodec
 from .fileutil import fsync_path, is_special_file, umask
 from .format import (
-    DEFAULT_FRAME_BYTES, DEFAULT_ZSTD_LEVEL, DELTA_FRAME_BODY, DIGEST_CHUNK_PAGES, DIGEST_CLASSES, DIGEST_SIZE,
+    DEFAULT_FRAME_BYTES, DEFAULT_ZSTD_LEVEL, DELTA_FRAME_BODY, DIGEST_CHUNK_PAGES, DIGEST_SIZE, HAS_DIGEST, HAS_SLOT,
     DIGESTS_BODY, DISK_BODY, DISK_REF, DISK_REF_CHUNK, DISK_REFS_BODY, DISK_SECTOR_SIZE, EXTENT, EXTENT_CHUNK,
     FINGERPRINT_SAMPLE_SIZE, FINGERPRINT_SAMPLED_XXH3, FINGERPRINT_SAMPLES, FOOTER, FOOTER_MAGIC, FORMAT_MAJOR,
     FORMAT_MINOR, FRAME_PAGES_MAX_BYTES, HEADER, HEADER_MAGIC, INDEX_BODY, INDEX_ENTRY, NO_KEY, PAGE_FRAME_BODY,
-    PAGE_MAP_BODY, RECORD, RECORD_TRAILER, REGION_BODY, REGION_FLAG_HAS_GPA, REGION_NAME_MAX, SLOT_CLASSES,
+    PAGE_MAP_BODY, RECORD, RECORD_TRAILER, REGION_BODY, REGION_FLAG_HAS_GPA, REGION_NAME_MAX,
     SOURCE_STATE_BODY, CompatFeature, IncompatFeature, PageClass, RecordType, align8, page_digest,
     page_digests, valid_page_size,
 )
@@ -553,7 +553,7 @@ class LeanImageWriter:
 
     def _write_digests(self, region: _Region) -> None:
         """Digests of STORED, DISK, PARENT and DELTA pages only, in page order, in chunks."""
-        bearing = np.isin(region.classes, [int(c) for c in DIGEST_CLASSES])
+        bearing = HAS_DIGEST[region.classes]
         for first in range(0, region.num_pages, DIGEST_CHUNK_PAGES):
             count = min(DIGEST_CHUNK_PAGES, region.num_pages - first)
             chunk = region.digests[first:first + count][bearing[first:first + count]]
@@ -588,7 +588,7 @@ class LeanImageWriter:
 def build_extents(classes: np.ndarray, slots: np.ndarray) -> np.ndarray:
     """Run-length extents of a region: a new extent where the class changes or slots jump."""
     n = len(classes)
-    has_slot = np.isin(classes, [int(c) for c in SLOT_CLASSES])
+    has_slot = HAS_SLOT[classes]
     starts_mask = np.ones(n, dtype=bool)
     starts_mask[1:] = (classes[1:] != classes[:-1]) | (has_slot[1:] & (slots[1:] != slots[:-1] + 1))
     starts_mask[::_MAX_EXTENT_PAGES] = True
