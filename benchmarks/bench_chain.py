@@ -193,7 +193,7 @@ def run_cli(*args, stdout=subprocess.DEVNULL) -> None:
 def timed_restore(chain: ChainBuilder, out: str = "/dev/null") -> float:
     evict(chain.links)
     t0 = time.perf_counter()
-    run_cli("restore", chain.links[-1], "--to", "raw", "-o", out)
+    run_cli("restore", chain.links[-1], "--to", "raw", "-o", out, "-f")
     return time.perf_counter() - t0
 
 
@@ -230,7 +230,7 @@ def bench_depths(work: Path, args, log) -> dict:
     digests = {}
     for d, c in chains.items():
         out = work / f"restored-{d}.raw"
-        run_cli("restore", c.links[-1], "--to", "raw", "-o", out)
+        run_cli("restore", c.links[-1], "--to", "raw", "-o", out, "-f")
         digests[d] = sha256(out)
         out.unlink()
     if len(set(digests.values())) != 1:
@@ -275,7 +275,7 @@ def bench_depth1000(work: Path, args, log) -> dict:
     out = work / "deep.raw"
     evict(deep.links)
     t0 = time.perf_counter()
-    run_cli("restore", deep.links[-1], "--to", "raw", "-o", out)
+    run_cli("restore", deep.links[-1], "--to", "raw", "-o", out, "-f")
     restore_s = time.perf_counter() - t0
     same = sha256(out) == sha256_restore(flat, work / "flat.raw")
     if not same:
@@ -291,7 +291,7 @@ def bench_depth1000(work: Path, args, log) -> dict:
 
 
 def sha256_restore(chain: ChainBuilder, out: Path) -> str:
-    run_cli("restore", chain.links[-1], "--to", "raw", "-o", out)
+    run_cli("restore", chain.links[-1], "--to", "raw", "-o", out, "-f")
     digest = sha256(out)
     out.unlink()
     return digest

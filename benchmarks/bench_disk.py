@@ -121,19 +121,19 @@ def main(argv: list[str] | None = None) -> int:
 
     convert = {
         "zstd -T0 -3": timed(["zstd", "-T0", "-3", "-q", "-f", str(save), "-o", str(zst)], cold=[save])["wall"],
-        "convert inline": timed([*leanimg, "convert", str(save), "-o", str(inline)], cold=[save])["wall"],
-        "convert --disk": timed([*leanimg, "convert", str(save), "-o", str(lean), "--disk", f"vda={raw}"],
+        "convert inline": timed([*leanimg, "convert", str(save), "-o", str(inline), "-f"], cold=[save])["wall"],
+        "convert --disk": timed([*leanimg, "convert", str(save), "-o", str(lean), "-f", "--disk", f"vda={raw}"],
                                 cold=[save, raw])["wall"],
     }
     pages = class_pages(leanimg, lean)
     variants = {
-        "inline": ([*leanimg, "restore", str(inline), "--to", "raw", "-o", str(out)], [inline]),
-        "sorted": ([*leanimg, "restore", str(lean), "--to", "raw", "-o", str(out), "--disk", f"vda={raw}"], [lean, raw]),
-        "unsorted": ([*leanimg, "restore", str(lean), "--to", "raw", "-o", str(out), "--disk", f"vda={raw}",
+        "inline": ([*leanimg, "restore", str(inline), "--to", "raw", "-o", str(out), "-f"], [inline]),
+        "sorted": ([*leanimg, "restore", str(lean), "--to", "raw", "-o", str(out), "-f", "--disk", f"vda={raw}"], [lean, raw]),
+        "unsorted": ([*leanimg, "restore", str(lean), "--to", "raw", "-o", str(out), "-f", "--disk", f"vda={raw}",
                       "--no-sort-blocks"], [lean, raw]),
-        "qcow2 sorted": ([*leanimg, "restore", str(lean), "--to", "raw", "-o", str(out), "--disk", f"vda={qcow2}"],
+        "qcow2 sorted": ([*leanimg, "restore", str(lean), "--to", "raw", "-o", str(out), "-f", "--disk", f"vda={qcow2}"],
                          [lean, qcow2]),
-        "qcow2 unsorted": ([*leanimg, "restore", str(lean), "--to", "raw", "-o", str(out), "--disk", f"vda={qcow2}",
+        "qcow2 unsorted": ([*leanimg, "restore", str(lean), "--to", "raw", "-o", str(out), "-f", "--disk", f"vda={qcow2}",
                             "--no-sort-blocks"], [lean, qcow2]),
     }
     runs: dict[str, list[float]] = {k: [] for k in variants}
@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
             runs[name].append(timed(argv_, cold=cold)["wall"])
         print(f"run {i + 1}/{args.runs}: " + ", ".join(f"{k} {v[-1]:.2f}s" for k, v in runs.items()), flush=True)
     rebuilt = wd / "rebuilt.save"
-    subprocess.run([*leanimg, "restore", str(lean), "--to", "qemu", "-o", str(rebuilt), "--disk", f"vda={qcow2}"],
+    subprocess.run([*leanimg, "restore", str(lean), "--to", "qemu", "-o", str(rebuilt), "-f", "--disk", f"vda={qcow2}"],
                    check=True)
     identical = sha256_file(rebuilt) == sha256_file(save)
     rebuilt.unlink()

@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
                                    ("convert", "zstd", "restore", "zstd -d", "cat")}
     null = open(os.devnull, "wb")
     for i in range(args.runs):
-        runs["convert"].append(timed([*leanimg, "convert", str(save), "-o", str(img)],
+        runs["convert"].append(timed([*leanimg, "convert", str(save), "-o", str(img), "-f"],
                                      cold=[save]))
         runs["zstd"].append(timed(["zstd", "-T0", "-3", "-q", "-f", str(save), "-o", str(zst)],
                                   cold=[save], after=lambda: fsync_path(zst)))
@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # correctness, outside the timings: the restored stream is the save, byte for byte
     rebuilt = wd / "rebuilt.save"
-    subprocess.run([*leanimg, "restore", str(img), "--to", "qemu", "-o", str(rebuilt)],
+    subprocess.run([*leanimg, "restore", str(img), "--to", "qemu", "-o", str(rebuilt), "-f"],
                    check=True)
     identical = sha256_file(rebuilt) == sha256_file(save)
     rebuilt.unlink()

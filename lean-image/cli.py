@@ -125,6 +125,29 @@ parent_option = click.option("--parent", "parents", multiple=True, type=click.Pa
                              "images beside IMAGE are found without it).")
 
 
+force_option = click.option("-f", "--force", is_flag=True,
+                            help="Replace an existing output file (an input of the command never is).")
+
+
+def _guard_output(output, inputs, force: bool) -> None:
+    """Refuse an output that is one of the command's inputs (by path, hard or symbolic link),
+    an existing file without --force, or binary output to a terminal without --force."""
+    from .fileutil import OutputRefused, check_output
+    if output == "-":
+        if sys.stdout.isatty() and not force:
+            raise click.UsageError("refusing to write binary output to a terminal: redirect it, or use -f")
+        return
+    try:
+        check_output(output, [os.fspath(p) for p in inputs], force=force)
+    except OutputRefused as exc:
+        raise click.UsageError(str(exc)) from None
+
+
+def _inputs_of(img, disks=()) -> list:
+    """The files a command on the open image ``img`` reads: every link of its chain, its disks."""
+    return [link.path for link in img.chain()] + list(_parse_disks(disks).values())
+
+
 def command_line() -> list[str]:
     """The command that runs this CLI in the current environment (for tests and benchmarks)."""
     script = os.path.join(os.path.dirname(sys.executable), "leanimg")
@@ -164,10 +187,13 @@ def _raise_open_file_limit() -> None:
               help="Name the files (ext2/3/4, via debugfs) the DISK pages came from; needs --disk.")
 @parent_option
 @disk_option
-def inspect(image, as_json, map_path, with_files, parents, disks):
+@force_option
+def inspect(image, as_json, map_path, with_files, parents, disks, force):
     """Header, regions, disks, chain and a per-class breakdown of IMAGE."""
     from .inspect import render_text, summarize
     with _open_image(image, parents, disks) as img:
+        if map_path:
+            _guard_output(map_path, _inputs_of(img, disks), force)
         summary = summarize(img)
         if with_files:
             from .inspect import disk_files
@@ -238,7 +264,8 @@ def _print_report(report) -> None:
 @click.option("--any-disk-identity", is_flag=True,
               help="Accept a disk whose size or fingerprint differs from the disk table (a copy made "
               "another way, a disk known to have changed elsewhere); every block is still checked.")
-def restore(image, target, output, parents, disks, sort_blocks, any_disk_identity):
+@force_option
+def restore(image, target, output, parents, disks, sort_blocks, any_disk_identity, force):
     """Rebuild guest memory from IMAGE, every page checked against its digest.
 
     --to raw writes the regions in file order, concatenated (spec §11).
@@ -250,6 +277,7 @@ def restore(image, target, output, parents, disks, sort_blocks, any_disk_identit
     from .plugins import target as restore_target
     produce = restore_target(target).restore
     with _open_image(image, parents, disks, check_disk_identity=not any_disk_identity) as img:
+        _guard_output(output, _inputs_of(img, disks), force)
         for link in img.chain():
             link.sort_blocks = sort_blocks
         total = sum(r.size_bytes for r in img.regions)
@@ -278,9 +306,12 @@ def restore(image, target, output, parents, disks, sort_blocks, any_disk_identit
               "references. NAME (the guest's device name, e.g. vda) defaults to the file name's stem.")
 @click.option("--all-phases", is_flag=True,
               help="Scan every 512-byte phase of each disk, not only the partitions' own.")
-def convert(save, output, source_format, spool, level, frame_pages, parents, delta, disks, all_phases):
+@force_option
+def convert(save, output, source_format, spool, level, frame_pages, parents, delta, disks, all_phases, force):
     """Convert a hypervisor save file (QEMU migration stream, Xen xl/libxl/libxc stream) into a lean image."""
     from .disks.partitions import scan_bytes
+    chain = _chain_paths(parents[0], parents) if parents else []
+    _guard_output(output, [save, *parents, *chain, *_parse_disks(disks).values()], force)
     with _disk_sources(_parse_disks(disks), name_from_file=True) as sources:
         if sources:        # the bar follows the disk scan, the part whose length depends on the disk
             total = sum(scan_bytes(d, 4096, all_phases) for d in sources.values())
@@ -327,10 +358,12 @@ def _report_disk_pages(sources: dict, summary) -> None:
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="The image to write.")
 @parent_option
 @disk_option
-def flatten(image, output, parents, disks):
+@force_option
+def flatten(image, output, parents, disks, force):
     """Write IMAGE as a self-contained image: no parent, same memory, same source state."""
     from .incremental import rebase
     with _open_image(image, parents, disks) as img:
+        _guard_output(output, _inputs_of(img, disks), force)
         rebase(img, output, None)
     _report_rebase(output)
 
@@ -341,7 +374,8 @@ def flatten(image, output, parents, disks):
 @click.option("--delta/--no-delta", default=True, show_default=True, help="Re-encode changed pages as deltas.")
 @parent_option
 @disk_option
-def merge(image, output, delta, parents, disks):
+@force_option
+def merge(image, output, delta, parents, disks, force):
     """Fold IMAGE into its parent: OUTPUT has IMAGE's memory and IMAGE's grandparent as parent.
 
     Use it to keep chains short: merging link k into link k-1 removes one level.
@@ -351,6 +385,7 @@ def merge(image, output, delta, parents, disks):
     with _open_image(image, parents, disks) as img:
         if img.parent is None:
             raise ChainError("the image has no parent to merge into; use flatten")
+        _guard_output(output, _inputs_of(img, disks), force)
         ancestors = [link.path for link in img.parent.chain()[1:]]
         rebase(img, output, img.parent.parent, allow_delta=delta)
         _report_rebase(output, ancestors)

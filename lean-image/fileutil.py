@@ -122,6 +122,31 @@ def is_special_file(path) -> bool:
     return stat.S_ISCHR(mode) or stat.S_ISBLK(mode) or stat.S_ISFIFO(mode)
 
 
+class OutputRefused(Exception):
+    """An output path the command must not write (an input, or an existing file without --force)."""
+
+
+def check_output(output, inputs, *, force: bool = False) -> None:
+    """Refuse ``output`` when it is one of ``inputs`` (the same file by path, hard link or
+    symbolic link: the same device and inode), even with ``force``; refuse an existing file
+    that is not a device or FIFO unless ``force`` (zstd's convention). A device (/dev/null)
+    or FIFO is written in place and is never 'existing output'."""
+    try:
+        target = os.stat(output)
+    except OSError:
+        return                                     # nothing there yet: nothing to lose
+    for path in inputs:
+        try:
+            source = os.stat(path)
+        except OSError:
+            continue
+        if (source.st_dev, source.st_ino) == (target.st_dev, target.st_ino):
+            same = "" if os.path.abspath(path) == os.path.abspath(output) else f" (the same file as {path})"
+            raise OutputRefused(f"{output} is an input of this command{same}: it is never written over")
+    if not force and not is_special_file(output):
+        raise OutputRefused(f"{output} exists; use -f/--force to replace it")
+
+
 def write_atomically(path: str, produce) -> int:
     """Run ``produce(fileobj)`` into a temporary file that becomes ``path`` only when complete.
 

@@ -273,7 +273,7 @@ def test_cli_convert_against_parent_and_chain_commands(sample_save, tmp_path):
         out = tmp_path / f"{command}.lean"
         result = run.invoke(main, [command, str(second), "-o", str(out)])
         assert result.exit_code == 0, result.output
-        assert run.invoke(main, ["restore", str(out), "--to", "qemu", "-o", str(rebuilt)]).exit_code == 0
+        assert run.invoke(main, ["restore", str(out), "--to", "qemu", "-o", str(rebuilt), "--force"]).exit_code == 0
         assert rebuilt.read_bytes() == changed.read_bytes(), command
     no_delta = tmp_path / "nodelta.lean"
     assert run.invoke(main, ["convert", str(changed), "-o", str(no_delta), "--parent", str(first),

@@ -1,0 +1,140 @@
+"""No command writes over its inputs (issue 16 §1): the source save, the image, any link of
+its chain, any disk; by path, hard link or symbolic link. An existing output file is
+replaced only with -f/--force; binary output to a terminal is refused; a device or FIFO
+output is written in place without --force."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import pty
+import subprocess
+
+import numpy as np
+import pytest
+
+from helpers import qemu_save
+from leanimg.cli import command_line
+from leanimg.reader import LeanImage
+from leanimg.writer import LeanImageWriter, ParentLink
+
+PS = 4096
+
+
+def _digest(path) -> str:
+    return hashlib.sha256(open(path, "rb").read()).hexdigest()
+
+
+@pytest.fixture
+def chain(tmp_path):
+    """parent.lean and child.lean (beside it), a raw save-like input file, a disk file."""
+    rng = np.random.default_rng(7)
+    memory = rng.integers(0, 256, 32 * PS, dtype=np.uint8).tobytes()
+    parent = tmp_path / "parent.lean"
+    with LeanImageWriter(parent) as w:
+        w.put_pages(w.add_region("pc.ram", len(memory), 0), 0, memory)
+    with LeanImage.open(parent) as p:
+        link = ParentLink(p.header.image_uuid, p.footer.image_digest)
+        digests = b"".join(p.expected_digest(p.regions[0], page) for page in range(32))
+    child = tmp_path / "child.lean"
+    with LeanImageWriter(child, parent=link) as w:
+        w.put_parent(w.add_region("pc.ram", len(memory), 0), 0, digests)
+    disk = tmp_path / "disk.raw"
+    disk.write_bytes(bytes(1 << 20))
+    return dict(parent=parent, child=child, disk=disk, dir=tmp_path)
+
+
+def run(*args, stdout=subprocess.PIPE):
+    return subprocess.run([*command_line(), *map(str, args)], stdout=stdout, stderr=subprocess.PIPE)
+
+
+def refused(proc, *needles) -> str:
+    err = proc.stderr.decode()
+    assert proc.returncode == 2, (proc.returncode, err)
+    assert "Traceback" not in err
+    for needle in needles:
+        assert needle in err, err
+    return err
+
+
+def untouched(paths: list, before: dict) -> None:
+    assert {str(p): _digest(p) for p in paths} == before
+
+
+@pytest.mark.parametrize("command", ["restore", "flatten"])
+@pytest.mark.parametrize("victim", ["child", "parent"])
+@pytest.mark.parametrize("how", ["path", "hardlink", "symlink"])
+def test_an_image_command_never_writes_over_a_link_of_the_chain(chain, command, victim, how):
+    inputs = [chain["child"], chain["parent"]]
+    before = {str(p): _digest(p) for p in inputs}
+    output = chain[victim]
+    if how != "path":
+        output = chain["dir"] / f"alias-{how}.lean"
+        (os.link if how == "hardlink" else os.symlink)(chain[victim], output)
+    refused(run(command, chain["child"], "-o", output, "-f"), "is an input of this command")
+    untouched(inputs, before)
+    with LeanImage.open(chain["child"]) as image:               # the chain still opens
+        assert image.parent is not None
+
+
+def test_merge_never_writes_over_the_parent(chain):
+    before = {str(chain["parent"]): _digest(chain["parent"])}
+    refused(run("merge", chain["child"], "-o", chain["parent"], "-f"), "is an input of this command")
+    untouched([chain["parent"]], before)
+
+
+def test_restore_never_writes_over_a_disk(chain, tmp_path):
+    with LeanImageWriter(tmp_path / "d.lean") as w:
+        w.add_disk("vda", 1 << 20, bytes(16))
+        w.put_pages(w.add_region("pc.ram", PS, 0), 0, bytes(PS))
+    before = {str(chain["disk"]): _digest(chain["disk"])}
+    refused(run("restore", tmp_path / "d.lean", "--disk", f"vda={chain['disk']}", "--any-disk-identity",
+                "-o", chain["disk"], "-f"),
+            "is an input of this command")
+    untouched([chain["disk"]], before)
+
+
+def test_convert_never_writes_over_its_save_nor_its_parent_chain(chain, tmp_path):
+    save = tmp_path / "vm.save"
+    save.write_bytes(qemu_save(bytes(range(256)) * 64))
+    before = {str(p): _digest(p) for p in (save, chain["child"], chain["parent"])}
+    refused(run("convert", save, "-o", save, "-f"), "is an input of this command")
+    # the parent's own parent is found beside it: it is an input too
+    refused(run("convert", save, "-o", chain["parent"], "--parent", chain["child"], "-f"),
+            "is an input of this command")
+    untouched([save, chain["child"], chain["parent"]], before)
+
+
+@pytest.mark.parametrize("command", ["restore", "flatten"])
+def test_an_existing_output_is_replaced_only_with_force(chain, command):
+    output = chain["dir"] / "existing.out"
+    output.write_bytes(b"keep me")
+    refused(run(command, chain["child"], "-o", output), "exists", "-f/--force")
+    assert output.read_bytes() == b"keep me"
+    proc = run(command, chain["child"], "-o", output, "--force")
+    assert proc.returncode == 0, proc.stderr.decode()
+    assert output.read_bytes() != b"keep me"
+
+
+def test_an_existing_map_is_replaced_only_with_force(chain):
+    picture = chain["dir"] / "memory.png"
+    picture.write_bytes(b"keep me")
+    refused(run("inspect", chain["child"], "--map", picture), "exists")
+    assert picture.read_bytes() == b"keep me"
+    assert run("inspect", chain["child"], "--map", picture, "-f").returncode == 0
+    assert picture.read_bytes().startswith(b"\x89PNG")
+
+
+def test_a_device_output_needs_no_force(chain):
+    proc = run("restore", chain["child"], "-o", "/dev/null")
+    assert proc.returncode == 0, proc.stderr.decode()
+
+
+def test_binary_output_to_a_terminal_is_refused(chain):
+    leader, follower = pty.openpty()
+    try:
+        proc = run("restore", chain["child"], "-o", "-", stdout=follower)
+    finally:
+        os.close(follower)
+        os.close(leader)
+    refused(proc, "terminal")
