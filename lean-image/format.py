@@ -9,7 +9,6 @@ declarations against the spec's tables and the .ksy, so none of the three can dr
 
 from __future__ import annotations
 
-import collections
 import enum
 import functools
 import struct
@@ -21,6 +20,27 @@ import xxhash
 _SCALARS = {"u1": "B", "u2": "H", "u4": "I", "u8": "Q", "b[8]": "8s", "uuid": "16s", "digest": "16s"}
 _NUMPY = {"u1": "<u1", "u2": "<u2", "u4": "<u4", "u8": "<u8", "b[8]": "S8", "uuid": ("u1", 16),
           "digest": ("u1", 16)}
+
+
+class Values(tuple):
+    """The head fields of one structure as a tuple that also answers by name (a namedtuple
+    without the cost of building one class per structure when the module is imported)."""
+    __slots__ = ()
+    _fields: tuple = ()
+    _index: dict = {}
+
+    def __getattr__(self, name: str):
+        try:
+            return self[self._index[name]]
+        except KeyError:
+            raise AttributeError(name) from None
+
+    def _asdict(self) -> dict:
+        return dict(zip(self._fields, self))
+
+    @classmethod
+    def _make(cls, iterable) -> "Values":
+        return cls(iterable)
 
 
 class Field:
@@ -65,7 +85,8 @@ class Structure:
         for f in head:
             self.offsets[f.name] = at
             at += f.struct.size
-        self.Values = collections.namedtuple(f"{name}_values", [f.name for f in head])
+        self.Values = type(f"{name}_values", (Values,), {"__slots__": (), "_fields": tuple(f.name for f in head),
+                                                         "_index": {f.name: k for k, f in enumerate(head)}})
 
     def field(self, name: str) -> Field:
         return next(f for f in self.fields if f.name == name)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import zstandard
@@ -39,7 +38,7 @@ class FrameStore:
         self.page_size = tables.page_size
         self.page_frames: FrameTable = tables.page_frames
         self.delta_frames: FrameTable = tables.delta_frames
-        self.pool: ThreadPoolExecutor | None = None       # read-ahead workers, see enable_read_ahead
+        self.pool = None                                  # read-ahead workers, see enable_read_ahead
         self._depth = 0
         self._cache: OrderedDict = OrderedDict()
         self._ahead: dict[int, object] = {}
@@ -47,6 +46,7 @@ class FrameStore:
 
     def enable_read_ahead(self, threads: int = 2, depth: int = 4) -> None:
         """Decompress the next frames on worker threads while the caller reads sequentially."""
+        from concurrent.futures import ThreadPoolExecutor      # a restore's only use of threads
         self.pool = ThreadPoolExecutor(max_workers=threads)
         self._depth = depth
         try:            # frames are read in file order: let the kernel read further ahead

@@ -11,6 +11,9 @@ is, so a restore imports only the restorer of its target.
 
 from __future__ import annotations
 
+import importlib
+import os
+import sys
 from functools import cache
 from typing import BinaryIO, Protocol
 
@@ -90,13 +93,36 @@ def _entry_points(group: str) -> list:
 
 @cache
 def _own_entry_points(group: str) -> list:
-    """leanimg's own plugins of ``group``: looked up in its own distribution's metadata alone,
-    which costs a few milliseconds where scanning every installed distribution costs tens."""
-    from importlib.metadata import PackageNotFoundError, distribution
-    try:
-        return [entry for entry in distribution("leanimg").entry_points if entry.group == group]
-    except PackageNotFoundError:
-        return []
+    """leanimg's own plugins of ``group``, read from the entry_points.txt of its installed
+    metadata directly: importing importlib.metadata costs ~20 ms, a tenth of a short command.
+    Any other plugin is found through importlib.metadata (``_entry_points``)."""
+    import configparser
+    for directory in sys.path:
+        try:
+            names = os.listdir(directory or ".")
+        except OSError:
+            continue
+        for name in names:
+            if name.startswith("leanimg-") and name.endswith(".dist-info"):
+                parser = configparser.ConfigParser(delimiters=("=",))
+                parser.read(os.path.join(directory or ".", name, "entry_points.txt"))
+                return [_EntryPoint(key, value) for key, value in parser.items(group)] \
+                    if parser.has_section(group) else []
+    return []
+
+
+class _EntryPoint:
+    """``name = module:attribute``, loaded like importlib.metadata.EntryPoint.load."""
+
+    def __init__(self, name: str, value: str):
+        self.name, self.value = name, value.strip()
+
+    def load(self):
+        module, _, attribute = self.value.partition(":")
+        target = importlib.import_module(module.strip())
+        for part in attribute.strip().split(".") if attribute else ():
+            target = getattr(target, part)
+        return target
 
 
 def _candidates(group: str):

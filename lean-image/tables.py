@@ -67,13 +67,12 @@ class SourceState:
     offset: int | None = None        # file offset of ``data``, for errors about its content
 
 
-@dataclass
 class FrameTable:
     """The PAGE_FRAMEs (or DELTA_FRAMEs) of an image as the INDEX lists them: frame k holds
     ordinals (entries) starts[k] .. starts[k] + counts[k] and is index entry positions[k]."""
-    starts: np.ndarray
-    counts: np.ndarray
-    positions: np.ndarray
+
+    def __init__(self, starts: np.ndarray, counts: np.ndarray, positions: np.ndarray):
+        self.starts, self.counts, self.positions = starts, counts, positions
 
     @classmethod
     def of(cls, entries: np.ndarray, record_type: int) -> "FrameTable":
@@ -101,10 +100,11 @@ class FrameTable:
         return np.where(inside, frames, -1)
 
 
-@dataclass
 class DiskRefs:
-    disk_ids: np.ndarray
-    sectors: np.ndarray
+    """The disk references of an image: reference k is sector sectors[k] of disk disk_ids[k]."""
+
+    def __init__(self, disk_ids: np.ndarray, sectors: np.ndarray):
+        self.disk_ids, self.sectors = disk_ids, sectors
 
     def __len__(self) -> int:
         return len(self.sectors)

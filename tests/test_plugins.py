@@ -72,3 +72,14 @@ def test_a_restore_imports_only_its_own_restorer(tmp_path):
               "'leanimg.restore')))))\n")
     loaded = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout.split()
     assert loaded == ["leanimg.restore", "leanimg.restore.raw", "leanimg.restore.targets"]
+
+
+@pytest.mark.parametrize("group", [plugins.SOURCES, plugins.TARGETS])
+def test_the_fast_lookup_of_leanimgs_own_plugins_agrees_with_importlib_metadata(group):
+    from importlib.metadata import distribution
+    declared = {(e.name, e.value) for e in distribution("leanimg").entry_points if e.group == group}
+    assert declared                                   # the built-ins are declared in pyproject.toml
+    assert {(e.name, e.value) for e in plugins._own_entry_points(group)} == declared
+    for entry in plugins._own_entry_points(group):
+        assert entry.load() is next(e for e in distribution("leanimg").entry_points
+                                    if e.group == group and e.name == entry.name).load()
