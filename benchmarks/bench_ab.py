@@ -2,7 +2,7 @@
 
 Sequential benchmark runs of two commits drift with this host (the same `zstd -d` varies by
 20 % from one run to the next); interleaving A and B run by run, every input evicted from
-the page cache first, leaves the drift to both alike. Each of A and B is a `leanimg`
+the page cache first, leaves the drift to both alike; the order alternates (A B, B A, ...). Each of A and B is a `leanimg`
 executable (e.g. the console script of another checkout's virtualenv).
 
     python benchmarks/bench_ab.py --a /work/old/.venv/bin/leanimg --b .venv/bin/leanimg \\
@@ -58,8 +58,8 @@ def main(argv=None) -> int:
     for image in args.images:
         inputs = sorted(glob.glob(os.path.join(os.path.dirname(os.path.abspath(image)), "*.lean"))) + disks
         times = {"a": [], "b": []}
-        for _ in range(args.runs):
-            for key in ("a", "b"):
+        for run in range(args.runs):
+            for key in ("a", "b") if run % 2 == 0 else ("b", "a"):      # ABBA: no order bias
                 times[key].append(timed_restore(getattr(args, key), image, args.to, extra, inputs))
         a, b = statistics.median(times["a"]), statistics.median(times["b"])
         print(f"{image}: A {a:.3f} s, B {b:.3f} s, B/A {b / a:.3f} (medians of {args.runs}, cold, interleaved)")
