@@ -9,7 +9,8 @@ executable (e.g. the console script of another checkout's virtualenv).
         --to raw --runs 9 CHAIN_DIR/d100-0099.lean /var/tmp/leanimg-bench-qemu/vm.lean
 
 An image's ancestors (found beside it) and --disk files are evicted too. Prints the median
-of each and B/A per image.
+of each and B/A per image; with --convert SAVE, the same for converting SAVE. (B is given -f
+to replace its scratch output: a build from before -f existed overwrote without it.)
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -36,11 +38,21 @@ def evict(paths) -> None:
             os.close(fd)
 
 
-def timed_restore(leanimg: str, image: str, target: str, extra: list[str], inputs: list[str]) -> float:
+def timed(command: list[str], inputs: list[str]) -> float:
     evict(inputs)
     start = time.perf_counter()
-    subprocess.run([leanimg, "restore", image, "--to", target, "-o", "/dev/null", *extra], check=True)
+    subprocess.run(command, check=True)
     return time.perf_counter() - start
+
+
+def compare(label: str, commands: dict, inputs: list[str], runs: int) -> None:
+    """commands: {"a": argv, "b": argv}, run alternately (A B, B A, ...)."""
+    times = {"a": [], "b": []}
+    for run in range(runs):
+        for key in ("a", "b") if run % 2 == 0 else ("b", "a"):      # ABBA: no order bias
+            times[key].append(timed(commands[key], inputs))
+    a, b = statistics.median(times["a"]), statistics.median(times["b"])
+    print(f"{label}: A {a:.3f} s, B {b:.3f} s, B/A {b / a:.3f} (medians of {runs}, cold, interleaved)")
 
 
 def main(argv=None) -> int:
@@ -50,19 +62,21 @@ def main(argv=None) -> int:
     parser.add_argument("--to", default="raw", choices=["raw", "qemu", "xen"])
     parser.add_argument("--runs", type=int, default=7)
     parser.add_argument("--disk", action="append", default=[], metavar="NAME=PATH")
-    parser.add_argument("images", nargs="+")
+    parser.add_argument("--convert", metavar="SAVE", help="also time `convert SAVE` (into a temporary file)")
+    parser.add_argument("images", nargs="*")
     args = parser.parse_args(argv)
     require_null_device()
     extra = [f"--disk={d}" for d in args.disk]
     disks = [d.partition("=")[2] for d in args.disk]
     for image in args.images:
         inputs = sorted(glob.glob(os.path.join(os.path.dirname(os.path.abspath(image)), "*.lean"))) + disks
-        times = {"a": [], "b": []}
-        for run in range(args.runs):
-            for key in ("a", "b") if run % 2 == 0 else ("b", "a"):      # ABBA: no order bias
-                times[key].append(timed_restore(getattr(args, key), image, args.to, extra, inputs))
-        a, b = statistics.median(times["a"]), statistics.median(times["b"])
-        print(f"{image}: A {a:.3f} s, B {b:.3f} s, B/A {b / a:.3f} (medians of {args.runs}, cold, interleaved)")
+        compare(f"restore --to {args.to} {image}", {k: [getattr(args, k), "restore", image, "--to", args.to, "-o",
+                                                       "/dev/null", *extra] for k in ("a", "b")}, inputs, args.runs)
+    if args.convert:
+        with tempfile.TemporaryDirectory(dir=os.path.dirname(os.path.abspath(args.convert))) as scratch:
+            out = os.path.join(scratch, "out.lean")
+            compare(f"convert {args.convert}", {k: [getattr(args, k), "convert", args.convert, "-o", out, *(
+                ["-f"] if k == "b" else [])] for k in ("a", "b")}, [args.convert], args.runs)
     return 0
 
 
