@@ -25,8 +25,6 @@ from .format import (
 )
 from .rules import implements
 
-KNOWN_TYPES = {int(t) for t in RecordType}
-
 
 class ImageFile:
     """Positional reads with exact-length checking."""
