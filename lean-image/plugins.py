@@ -81,8 +81,22 @@ def detect_source(head: bytes) -> Source:
     found = find_source(head)
     if found is None:
         expected = " or ".join(f"{s.description} ({s.signature})" for s in sources())
-        raise SourceFormatError(f"expected {expected}, got {head[:8].hex(' ')}", offset=0, structure="magic")
+        raise SourceFormatError(f"expected {expected}, got {head[:8].hex(' ')}{_compressed_hint(head)}",
+                                offset=0, structure="magic")
     return found
+
+
+# how compressed files start (RFC 8878, RFC 1952, the xz and bzip2 file formats)
+COMPRESSED = {b"\x28\xb5\x2f\xfd": ("zstd", "zstd -dc"), b"\x1f\x8b": ("gzip", "gzip -dc"),
+              b"\xfd7zXZ\x00": ("xz", "xz -dc"), b"BZh": ("bzip2", "bzip2 -dc")}
+
+
+def _compressed_hint(head: bytes) -> str:
+    for magic, (name, command) in COMPRESSED.items():
+        if head.startswith(magic):
+            return f": this is a {name}-compressed file; decompress it on the way in: {command} FILE | " \
+                   "leanimg convert - -o IMAGE"
+    return ""
 
 
 @cache

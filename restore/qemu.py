@@ -11,12 +11,15 @@ from leanimg.errors import FormatError, UnsupportedError
 from leanimg.format import SourceFormat
 from leanimg.reader import LeanImage
 
+from .targets import fitting_targets
+
+
 def stream_state(image: LeanImage) -> qemu.StreamState:
     for state in image.source_states:
         if state.source_format == SourceFormat.QEMU and state.tag == QEMU_TAG_STREAM_STATE:
             return unpack_stream_state(state.data, state.offset)
     raise UnsupportedError("the image has no QEMU stream state (SOURCE_STATE tag 1): it was not "
-                           "converted from a QEMU save; use --to raw", structure="source_state")
+                           f"converted from a QEMU save; use {fitting_targets(image)}", structure="source_state")
 
 
 def _page_source(image: LeanImage, progress):

@@ -28,6 +28,14 @@ class RestoreTarget:
         return importlib.import_module(f"{__package__}.{self.module}")
 
 
+def fitting_targets(image) -> str:
+    """The --to options that fit an image, for messages: its source format's, and raw."""
+    from leanimg.format import SourceFormat
+    formats = sorted({SourceFormat(s.source_format).name.lower() for s in image.source_states
+                      if s.source_format in {int(f) for f in SourceFormat}})
+    return " or ".join(f"--to {name}" for name in [*formats, "raw"])
+
+
 RAW = RestoreTarget("raw", "flat guest memory: the regions in file order, concatenated", "raw", "restore_raw")
 QEMU = RestoreTarget("qemu", "the QEMU migration stream the image was converted from, for `qemu -incoming`",
                      "qemu", "restore_qemu")

@@ -10,6 +10,8 @@ from leanimg.errors import UnsupportedError
 from leanimg.format import SourceFormat
 from leanimg.reader import LeanImage
 
+from .targets import fitting_targets
+
 
 def _skeleton_state(image: LeanImage):
     """The SOURCE_STATE record (Xen tag 1) holding the stream's skeleton, or None."""
@@ -23,7 +25,7 @@ def skeleton_items(image: LeanImage):
     if state is not None:
         return unpack_skeleton(state.data, state.offset)
     raise UnsupportedError("the image has no Xen stream skeleton (SOURCE_STATE Xen tag 1): it was "
-                           "not converted from a Xen save; use --to raw", structure="source_state")
+                           f"not converted from a Xen save; use {fitting_targets(image)}", structure="source_state")
 
 
 def restore_xen(image: LeanImage, out: BinaryIO, progress=None) -> int:

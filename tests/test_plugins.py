@@ -83,3 +83,32 @@ def test_the_fast_lookup_of_leanimgs_own_plugins_agrees_with_importlib_metadata(
     for entry in plugins._own_entry_points(group):
         assert entry.load() is next(e for e in distribution("leanimg").entry_points
                                     if e.group == group and e.name == entry.name).load()
+
+
+@pytest.mark.parametrize("head,name", [(b"\x28\xb5\x2f\xfd\x04\x00", "zstd"), (b"\x1f\x8b\x08\x00", "gzip"),
+                                       (b"\xfd7zXZ\x00\x00", "xz"), (b"BZh91AY", "bzip2")])
+def test_a_compressed_save_is_named_with_the_way_to_convert_it(head, name):
+    with pytest.raises(SourceFormatError) as info:
+        plugins.detect_source(head)
+    assert f"this is a {name}-compressed file" in str(info.value)
+    assert "| leanimg convert - -o IMAGE" in str(info.value)
+
+
+def test_an_unknown_save_gets_no_compression_hint():
+    with pytest.raises(SourceFormatError) as info:
+        plugins.detect_source(b"\x00" * 16)
+    assert "compressed" not in str(info.value)
+
+
+def test_restore_to_the_wrong_target_names_the_one_that_fits(tmp_path):
+    from helpers import qemu_save
+    from leanimg.cli import command_line
+    save, image, out = tmp_path / "vm.save", tmp_path / "vm.lean", tmp_path / "out.save"
+    save.write_bytes(qemu_save(bytes(range(256)) * 64))
+    subprocess.run([*command_line(), "convert", str(save), "-o", str(image)], check=True, capture_output=True)
+    proc = subprocess.run([*command_line(), "restore", str(image), "--to", "xen", "-o", str(out)],
+                          capture_output=True)
+    err = proc.stderr.decode()
+    assert proc.returncode == 1 and "Traceback" not in err, err
+    assert "not converted from a Xen save; use --to qemu or --to raw" in err
+    assert not out.exists()
