@@ -37,6 +37,10 @@ class LeanGroup(click.Group):
             raise
         except BrokenPipeError:
             ctx.exit(EXIT_INVALID)
+        except OSError as exc:    # the environment (a full disk, a permission), not a bug
+            where = f"{exc.filename}: " if exc.filename else ""
+            click.echo(f"leanimg: error: {where}{exc.strerror or exc}", err=True)
+            ctx.exit(EXIT_INVALID)
         except Exception as exc:  # a bug in leanimg, not bad input
             click.echo(f"leanimg: internal error: {type(exc).__name__}: {exc}", err=True)
             if os.environ.get("LEANIMG_DEBUG"):
@@ -137,6 +141,9 @@ def _guard_output(output, inputs, force: bool) -> None:
         if sys.stdout.isatty() and not force:
             raise click.UsageError("refusing to write binary output to a terminal: redirect it, or use -f")
         return
+    directory = os.path.dirname(os.path.abspath(output))
+    if not os.path.isdir(directory):
+        raise click.UsageError(f"cannot write {output}: directory {directory} does not exist")
     try:
         check_output(output, [os.fspath(p) for p in inputs], force=force)
     except OutputRefused as exc:
@@ -294,8 +301,10 @@ def restore(image, target, output, parents, disks, sort_blocks, any_disk_identit
 @click.option("--from", "source_format", type=click.Choice(["qemu", "xen"]), help="Force the source format.")
 @click.option("--spool/--no-spool", default=None,
               help="Assemble RAM in scratch files first (needed for live saves read from a pipe).")
-@click.option("--level", default=3, show_default=True, help="zstd level of stored pages.")
-@click.option("--frame-pages", type=int, help="Pages per zstd frame (default: 2 MiB worth).")
+@click.option("--level", default=3, show_default=True, type=click.IntRange(1, 22),
+              help="zstd level of stored pages (1-22).")
+@click.option("--frame-pages", type=click.IntRange(1, 4096),
+              help="Pages per zstd frame, at most 16 MiB of them (default: 2 MiB worth).")
 @click.option("--parent", "parents", multiple=True, type=click.Path(exists=True, dir_okay=False),
               metavar="PREV.lean", help="Write an incremental image against PREV (the first --parent); "
               "more --parent options name PREV's ancestors (also found beside PREV).")

@@ -138,3 +138,24 @@ def test_binary_output_to_a_terminal_is_refused(chain):
         os.close(follower)
         os.close(leader)
     refused(proc, "terminal")
+
+
+# --- user mistakes are usage errors or clear errors, never "internal error" ---------------------
+def test_output_into_a_missing_directory_is_a_usage_error(chain):
+    refused(run("restore", chain["child"], "-o", chain["dir"] / "no" / "such" / "out.raw"), "does not exist")
+    refused(run("flatten", chain["child"], "-o", chain["dir"] / "no" / "out.lean"), "does not exist")
+
+
+@pytest.mark.parametrize("option", [["--level", "50"], ["--level", "0"], ["--frame-pages", "0"],
+                                    ["--frame-pages", "100000"]])
+def test_convert_options_out_of_range_are_usage_errors(chain, option):
+    save = chain["dir"] / "vm.save"
+    save.write_bytes(qemu_save(bytes(range(256)) * 64))
+    refused(run("convert", save, "-o", chain["dir"] / "vm.lean", *option), "Invalid value")
+
+
+def test_an_output_the_system_refuses_is_a_clear_error(chain):
+    proc = run("restore", chain["child"], "-o", "/proc/leanimg-cannot-write-here.raw")
+    err = proc.stderr.decode()
+    assert proc.returncode == 1, err
+    assert err.startswith("leanimg: error:") and "internal error" not in err and "Traceback" not in err
