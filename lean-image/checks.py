@@ -20,7 +20,7 @@ from .format import (
     RecordType,
 )
 from .rules import implements
-from .structures import Record, record_type_name
+from .structures import Record, record_path
 
 
 def first_problem(problems: Iterable) -> None:
@@ -95,18 +95,14 @@ def reference_order_problems(items: Iterable[tuple[int, int, int, tuple]]) -> It
         elif kind in (RecordType.PAGE_MAP, RecordType.DIGESTS):
             if ids[0] not in regions:
                 yield FormatError(f"region {ids[0]} not declared by an earlier REGION record",
-                                  offset=offset + RECORD.size, structure=_path(index, kind, "region_id"),
+                                  offset=offset + RECORD.size, structure=record_path(index, field="region_id", record_type=kind),
                                   rule="LI-REC-009")
         elif kind == RecordType.DISK_REFS:
             unknown = sorted(set(ids) - disks)
             if unknown:
                 yield FormatError(f"refers to disk {unknown[0]} not declared by an earlier DISK record",
-                                  offset=offset + RECORD.size, structure=_path(index, kind, "refs"),
+                                  offset=offset + RECORD.size, structure=record_path(index, field="refs", record_type=kind),
                                   rule="LI-REC-009")
-
-
-def _path(index: int, kind: int, field: str = "") -> str:
-    return f"record[{index}].{record_type_name(kind)}" + (f".{field}" if field else "")
 
 
 # --- page maps, frames and slots (spec §6) ----------------------------------------

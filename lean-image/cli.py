@@ -319,7 +319,8 @@ def restore(image, target, output, parents, disks, sort_blocks, any_disk_identit
 def convert(save, output, source_format, spool, level, frame_pages, parents, delta, disks, all_phases, force):
     """Convert a hypervisor save file (QEMU migration stream, Xen xl/libxl/libxc stream) into a lean image."""
     from .disks.partitions import scan_bytes
-    chain = _chain_paths(parents[0], parents) if parents else []
+    # the parent's chain is opened to name its links only when OUTPUT exists: it could be one
+    chain = _chain_paths(parents[0], parents) if parents and os.path.exists(output) else []
     _guard_output(output, [save, *parents, *chain, *_parse_disks(disks).values()], force)
     with _disk_sources(_parse_disks(disks), name_from_file=True) as sources:
         if sources:        # the bar follows the disk scan, the part whose length depends on the disk

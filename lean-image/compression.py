@@ -30,12 +30,18 @@ def declared_size(data) -> int | None:
     return None if size == zstandard.CONTENTSIZE_UNKNOWN else size
 
 
-def decompress_exact(data, *, expected: int | None = None, limit: int, decompressor=None) -> bytes:
-    """One whole zstd frame that declares its content size: ``expected`` bytes when given,
-    at most ``limit`` bytes in any case; never allocates more than that."""
+def _required_size(data) -> int:
+    """The content size the frame declares; FrameError when it declares none."""
     size = declared_size(data)
     if size is None:
         raise FrameError(SIZE, "the zstd frame does not declare its content size")
+    return size
+
+
+def decompress_exact(data, *, expected: int | None = None, limit: int, decompressor=None) -> bytes:
+    """One whole zstd frame that declares its content size: ``expected`` bytes when given,
+    at most ``limit`` bytes in any case; never allocates more than that."""
+    size = _required_size(data)
     if expected is not None and size != expected:
         raise FrameError(SIZE, f"expected a zstd frame declaring {expected} bytes, got content size {size}")
     if size > limit:
@@ -56,9 +62,7 @@ class FrameReader:
     frame that ends before its declared size (seen by ``finish``) raise FrameError."""
 
     def __init__(self, data):
-        self.declared = declared_size(data)
-        if self.declared is None:
-            raise FrameError(SIZE, "the zstd frame does not declare its content size")
+        self.declared = _required_size(data)
         self._reader = zstandard.ZstdDecompressor().stream_reader(data)
         self.count = 0
 

@@ -88,12 +88,10 @@ def describe_source(image: LeanImage) -> str | None:
     """What the SOURCE_STATE records rebuild, as the restore target of their source format
     tells (none is loaded for an image without source state)."""
     from .errors import UnsupportedError
-    from .format import SourceFormat
-    from .plugins import target
-    formats = {state.source_format for state in image.source_states} & {int(f) for f in SourceFormat}
-    for source_format in sorted(formats):
+    from .plugins import source_targets, target
+    for name in source_targets(image):
         try:
-            text = target(SourceFormat(source_format).name.lower()).describe(image)
+            text = target(name).describe(image)
         except UnsupportedError:          # that target is not installed
             continue
         if text:

@@ -82,7 +82,7 @@ def region_bytes(image, region: Region, first_page: int, count: int) -> memoryvi
     ps = image.page_size
     out = np.zeros(count * ps, np.uint8)
     got = np.zeros((count, DIGEST_SIZE), np.uint8)
-    cls = classes(region, first_page, count)
+    cls, expected = image.digests.expected_range(region, first_page, count)
     slots = page_slots(region, first_page, count)
     stored = np.flatnonzero(cls == PageClass.STORED)
     for lo, hi in _runs(stored, slots):
@@ -90,7 +90,6 @@ def region_bytes(image, region: Region, first_page: int, count: int) -> memoryvi
     disk = np.flatnonzero(cls == PageClass.DISK)
     if len(disk):
         fill_disk_pages(image, region, first_page, out, disk, slots[disk])
-    classes_, expected = image.digests.expected_range(region, first_page, count)
     verify_rows(region, first_page, stored, got, expected)
     return memoryview(out)
 

@@ -71,6 +71,14 @@ def targets() -> list[Target]:
     return [entry.load() for entry in _entry_points(TARGETS)]
 
 
+def source_targets(image) -> list[str]:
+    """The restore targets named after the formats of an image's SOURCE_STATE records (those
+    that can rebuild the save it came from), in source_format order."""
+    from .format import SourceFormat
+    known = {int(f) for f in SourceFormat}
+    return [SourceFormat(f).name.lower() for f in sorted({s.source_format for s in image.source_states} & known)]
+
+
 def find_source(head: bytes) -> Source | None:
     """The source format of a file starting with ``head``, or None."""
     return next((candidate for candidate in sources() if candidate.detect(head)), None)

@@ -30,10 +30,8 @@ class RestoreTarget:
 
 def fitting_targets(image) -> str:
     """The --to options that fit an image, for messages: its source format's, and raw."""
-    from leanimg.format import SourceFormat
-    formats = sorted({SourceFormat(s.source_format).name.lower() for s in image.source_states
-                      if s.source_format in {int(f) for f in SourceFormat}})
-    return " or ".join(f"--to {name}" for name in [*formats, "raw"])
+    from leanimg.plugins import source_targets
+    return " or ".join(f"--to {name}" for name in [*source_targets(image), "raw"])
 
 
 RAW = RestoreTarget("raw", "flat guest memory: the regions in file order, concatenated", "raw", "restore_raw")
