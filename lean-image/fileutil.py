@@ -8,6 +8,7 @@ import io
 import os
 import stat
 import sys
+import tempfile
 from typing import BinaryIO
 
 from .errors import SourceFormatError
@@ -147,6 +148,15 @@ def check_output(output, inputs, *, force: bool = False) -> None:
         raise OutputRefused(f"{output} exists; use -f/--force to replace it")
 
 
+def temporary_beside(path: str) -> tuple[int, str]:
+    """Open a new temporary file in ``path``'s directory, for an output that becomes ``path``
+    by rename once complete: (fd, name). Every command names them alike,
+    ``.leanimg-<output name>-<random>.partial``, so a file a SIGKILL left behind says what it
+    was; it is never the complete output (that is renamed away before the command ends)."""
+    directory, name = os.path.split(os.path.abspath(path))
+    return tempfile.mkstemp(prefix=f".leanimg-{name[:100]}-", suffix=".partial", dir=directory)
+
+
 def write_atomically(path: str, produce) -> int:
     """Run ``produce(fileobj)`` into a temporary file that becomes ``path`` only when complete.
 
@@ -158,12 +168,13 @@ def write_atomically(path: str, produce) -> int:
     if is_special_file(path):
         with open(path, "wb") as out:
             return produce(out)
-    temp = f"{path}.partial-{os.getpid()}"
+    fd, temp = temporary_beside(path)
     try:
-        with open(temp, "wb") as out:
+        with os.fdopen(fd, "wb") as out:
             written = produce(out)
             out.flush()
             os.fsync(out.fileno())
+        os.chmod(temp, 0o666 & ~umask())
         os.replace(temp, path)
         fsync_path(os.path.dirname(os.path.abspath(path)))
     except BaseException:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import struct
-import tempfile
 import threading
 import uuid as uuidlib
 from collections import deque
@@ -24,7 +23,7 @@ import xxhash
 import zstandard
 
 from . import delta as deltacodec
-from .fileutil import fsync_path, is_special_file, umask
+from .fileutil import fsync_path, is_special_file, temporary_beside, umask
 from .format import (
     DEFAULT_FRAME_BYTES, DEFAULT_ZSTD_LEVEL, DELTA_FRAME_BODY, DIGEST_CHUNK_PAGES, DIGEST_SIZE, HAS_DIGEST, HAS_SLOT,
     DIGESTS_BODY, DISK_BODY, DISK_REF, DISK_REF_CHUNK, DISK_REFS_BODY, DISK_SECTOR_SIZE, EXTENT, EXTENT_CHUNK,
@@ -183,8 +182,7 @@ class LeanImageWriter:
                 self._temp_path = None
                 self._fileobj = open(self.path, "wb", buffering=1 << 20)
             else:
-                directory = os.path.dirname(os.path.abspath(self.path))
-                fd, self._temp_path = tempfile.mkstemp(prefix=".leanimg-", suffix=".partial", dir=directory)
+                fd, self._temp_path = temporary_beside(self.path)
                 self._fileobj = os.fdopen(fd, "wb", buffering=1 << 20)
             self._owns_file = True
         else:
