@@ -24,7 +24,7 @@ import zstandard
 
 from . import delta as deltacodec
 from .errors import LimitError
-from .fileutil import fsync_path, is_special_file, temporary_beside, umask
+from .fileutil import commit_temporary, create_temporary, discard_temporary, is_special_file
 from .format import (
     DEFAULT_FRAME_BYTES, DEFAULT_ZSTD_LEVEL, DELTA_FRAME_BODY, DIGEST_CHUNK_PAGES, DIGEST_SIZE, HAS_DIGEST, HAS_SLOT,
     DIGESTS_BODY, DISK_BODY, DISK_REF, DISK_REF_CHUNK, DISK_REFS_BODY, DISK_SECTOR_SIZE, EXTENT, EXTENT_CHUNK,
@@ -183,8 +183,7 @@ class LeanImageWriter:
                 self._temp_path = None
                 self._fileobj = open(self.path, "wb", buffering=1 << 20)
             else:
-                fd, self._temp_path = temporary_beside(self.path)
-                self._fileobj = os.fdopen(fd, "wb", buffering=1 << 20)
+                self._temp_path, self._fileobj = create_temporary(self.path, buffering=1 << 20)
             self._owns_file = True
         else:
             self.path, self._temp_path = None, None
@@ -207,8 +206,8 @@ class LeanImageWriter:
         self._compressor.close()
         if self._owns_file:
             self._fileobj.close()
-            if self._temp_path and os.path.exists(self._temp_path):
-                os.unlink(self._temp_path)
+            if self._temp_path:
+                discard_temporary(self._temp_path)
         self._finished = True
 
     # -- header and records --------------------------------------------------
@@ -581,9 +580,7 @@ class LeanImageWriter:
         elif self._owns_file:
             os.fsync(self._fileobj.fileno())
             self._fileobj.close()
-            os.chmod(self._temp_path, 0o666 & ~umask())
-            os.replace(self._temp_path, self.path)
-            fsync_path(os.path.dirname(os.path.abspath(self.path)))
+            commit_temporary(self._temp_path, self.path)
 
 
 def _region_tables(name: str, num_pages: int) -> tuple:

@@ -172,11 +172,10 @@ def test_every_command_names_its_temporary_file_alike(chain, command, tmp_path, 
     original = fileutil.temporary_beside
 
     def spy(path):
-        fd, name = original(path)
+        name = original(path)
         seen.append((path, name))
-        return fd, name
+        return name
     monkeypatch.setattr(fileutil, "temporary_beside", spy)
-    monkeypatch.setattr("leanimg.writer.temporary_beside", spy)
     out = tmp_path / "out.file"
     args = ["restore", chain["child"], "--to", "raw"] if command == "restore" else ["flatten", chain["child"]]
     result = CliRunner().invoke(main, [*map(str, args), "-o", str(out)])
