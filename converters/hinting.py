@@ -51,6 +51,7 @@ class _RegionHints:
     unchanged: np.ndarray | None = None      # bool
     last_end: np.ndarray = field(default=None)   # int64: where the page's last copy ends, -1 never sent
     made_free: np.ndarray | None = None      # bool: FREE because of a hint
+    skipped: np.ndarray | None = None        # bool: pages the feed must not hand on
 
 
 class HintPlan:
@@ -109,18 +110,21 @@ class HintPlan:
 
     def free_pages(self, region_id: int, last_end: np.ndarray) -> np.ndarray:
         """For a converter that knows every page's last copy up front (spooled QEMU, Xen): the
-        pages FREE by a hint, given to the writer now; the converter then skips them."""
+        pages FREE by a hint, given to the writer now; the converter then skips them, and the
+        pages hinted UNCHANGED that the stream never sent (``finish`` gives those)."""
         mask = self.free_mask(region_id, 0, last_end)
         for a, b, free in _runs(mask):
             if free:
                 self.writer.put_free(region_id, a, b - a)
-        self.regions[region_id].made_free = mask
+        region = self.regions[region_id]
+        region.made_free = mask
+        region.skipped = mask if region.unchanged is None else mask | (region.unchanged & (last_end < 0))
         return mask
 
     def skip_free(self, sink):
-        """``sink`` without the pages ``free_pages`` made FREE."""
+        """``sink`` without the pages ``free_pages`` took care of."""
         def put(region_id: int, first: int, data) -> None:
-            mask = self.regions[region_id].made_free
+            mask = self.regions[region_id].skipped
             rows = _rows(data, self.writer.page_size)
             part = mask[first:first + len(rows)] if mask is not None else None
             if part is None or not part.any():

@@ -504,10 +504,8 @@ def _map_pages(record: RangeRecord, hints: Hints, guest: Guest):
     num = e["num_pages"].astype(np.int64)
     if record.addressing == Addressing.REGION:
         name = hints.regions[record.region_id]
-        size = guest.regions.get(name)
-        pages = first.astype(np.float64)
-        outside = (pages + num > (size or 0)) if size is not None else np.ones(len(num), bool)
-        return name, first.astype(np.int64, copy=False) if size else np.zeros(len(num), np.int64), num, outside
+        outside = first.astype(np.float64) + num > guest.regions.get(name, 0)
+        return name, np.where(outside, 0, first).astype(np.int64), num, outside
     if hints.address_map == AddressMap.XEN:
         name = "xen-pfn"
         pages = (first >> np.uint64(12)).astype(np.int64)

@@ -544,3 +544,32 @@ def test_xen_save_with_a_toolstack_hint_file(tmp_path, form):
         assert proc.returncode == 0, proc.stderr.decode()[-2000:]
     else:
         pytest.fail("verify-stream-v2 is not installed: run .ci/install")
+
+
+@pytest.mark.parametrize("spool", [False, True])
+def test_unchanged_hints_for_a_qemu_stream_that_omits_clean_pages(tmp_path, spool):
+    """A dirty-log QEMU stream sends pages 0-39 only (5 of them changed); the hints say 0-63 are
+    unchanged. Without --trust-dirty-log: refused; with it, 40-63 come from the parent."""
+    stream, pages, _ = precopy_stream()
+    (tmp_path / "base.save").write_bytes(stream)
+    ok(run("convert", tmp_path / "base.save", "-o", tmp_path / "base.lean"))
+    with LeanImage.open(str(tmp_path / "base.lean")) as img:
+        parent_uuid = img.header.image_uuid
+    changed = {p: bytes([p]) * PS for p in (1, 7, 20, 21, 39)}
+    child = b"".join(changed.get(p, pages[p]) for p in range(N))
+    data = qemu_save(child)
+    start, stop = data.index(pages[40]) - 8, data.index(pages[N - 1]) + PS      # drop entries 40..63
+    (tmp_path / "child.save").write_bytes(data[:start] + data[stop:])
+    hints = tmp_path / "dirty.hnt"
+    hints.write_bytes(write_hints(lambda w: (w.parent(parent_uuid), w.unchanged(
+        [(0, N)], stream_offset=0, region="pc.ram"))))
+    out, spooling = tmp_path / "child.lean", ["--spool"] if spool else []
+    args = ["convert", tmp_path / "child.save", "-o", out, "--parent", tmp_path / "base.lean", "--hints", hints]
+    proc = run(*args, *spooling)
+    assert proc.returncode == 1 and "LI-HNT-022" in proc.stderr.decode() and "page 40" in proc.stderr.decode()
+    report = ok(run(*args, *spooling, "--trust-dirty-log"))
+    assert "hints UNCHANGED: 35 verified: PARENT, 5 ignored: page changed" in report
+    assert "24 applied on trust" in report
+    classes = classes_of(out, parents=[tmp_path / "base.lean"])
+    assert np.flatnonzero(classes != PageClass.PARENT).tolist() == sorted(changed)
+    assert raw_memory(out, parents=[tmp_path / "base.lean"])["pc.ram"] == child
