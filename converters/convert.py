@@ -292,7 +292,7 @@ def convert_file(src, dest: str, *, source_format: str | None = None, spool: boo
     ``disks``: pages found on these disks become DISK references (the RAM is spooled).
     ``hints``: hints to apply (spec/hints.md); their structure is checked before anything is read.
     """
-    if hints:
+    if hints and not hints.deferred:
         hints.load()
     if not parents:
         return _convert(src, dest, source_format, spool, dict(writer_options or {}), progress, None, disks, hints)

@@ -23,16 +23,26 @@ from leanimg.writer import LeanImageWriter
 
 @dataclass
 class HintOptions:
-    """``convert --hints``: the hints (a path, bytes or binary stream), how far to trust them,
-    and what came of them (``report``, set by the conversion)."""
+    """``convert --hints``: the hints, how far to trust them, and what came of them
+    (``report``, set by the conversion).
+
+    ``source`` is a path, bytes, a binary stream, a read ``Hints``, or a callable returning one
+    of those: a producer that writes hints while the save stream flows (``leanimg checkpoint``)
+    passes a callable, which is called only once the converter needs the hints (the spooled
+    QEMU path and the Xen path: after the whole stream was read)."""
     source: object
     trust_dirty_log: bool = False
     hints: Hints | None = None
     report: dict | None = None
 
+    @property
+    def deferred(self) -> bool:
+        return callable(self.source) and self.hints is None
+
     def load(self) -> Hints:
         if self.hints is None:
-            self.hints = self.source if isinstance(self.source, Hints) else read_hints(self.source)
+            source = self.source() if callable(self.source) else self.source
+            self.hints = source if isinstance(source, Hints) else read_hints(source)
         return self.hints
 
     @property
@@ -259,12 +269,6 @@ def _kind_runs(values: np.ndarray):
     edges = np.flatnonzero(np.diff(values)) + 1
     bounds = [0, *edges.tolist(), len(values)]
     yield from zip(bounds, bounds[1:])
-
-
-def format_report(report: dict) -> list[str]:
-    """One line per hint kind: 'hints FREE: 120 applied, 3 ignored: defeated by a later copy'."""
-    return [f"hints {kind}: " + ", ".join(f"{n} {what}" for what, n in counts.items()) + " (pages)"
-            for kind, counts in report.items()]
 
 
 def guest_of_save(source_format: str, path: str) -> Guest:

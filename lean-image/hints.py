@@ -11,6 +11,7 @@ them to a conversion is the converters' business (converters/hinting.py).
 
 from __future__ import annotations
 
+import io
 import os
 import struct
 from dataclasses import dataclass, field
@@ -404,7 +405,6 @@ def _end_error(message: str, offset: int) -> HintError:
 
 def _open(source):
     if isinstance(source, (bytes, bytearray, memoryview)):
-        import io
         return io.BytesIO(bytes(source)), True
     if isinstance(source, (str, os.PathLike)):
         return open(source, "rb"), True
@@ -626,6 +626,28 @@ def resolve(hints: Hints, guest: Guest) -> list[Resolved]:
 
 
 # ---------------------------------------------------------------------------- writing
+
+class CountingReader(io.RawIOBase):
+    """A binary stream that counts the bytes it has handed out: put it between a save stream
+    and the converter, and ``offset`` is the ``stream_offset`` of a hint requested now."""
+
+    def __init__(self, stream: BinaryIO):
+        super().__init__()
+        self.stream, self.offset = stream, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        if hasattr(self.stream, "readinto"):
+            n = self.stream.readinto(buffer) or 0
+        else:
+            data = self.stream.read(len(buffer))
+            n = len(data)
+            buffer[:n] = data
+        self.offset += n
+        return n
+
 
 class HintWriter:
     """Writes hints to a binary stream (a file, pipe or socket), flushing after each record.

@@ -573,3 +573,47 @@ def test_unchanged_hints_for_a_qemu_stream_that_omits_clean_pages(tmp_path, spoo
     classes = classes_of(out, parents=[tmp_path / "base.lean"])
     assert np.flatnonzero(classes != PageClass.PARENT).tolist() == sorted(changed)
     assert raw_memory(out, parents=[tmp_path / "base.lean"])["pc.ram"] == child
+
+
+def test_hints_written_while_the_stream_flows(tmp_path):
+    """What `leanimg checkpoint` does: the stream goes through a CountingReader into the
+    converter; a snapshot requested when page 47's copy had been read is a FREE hint at that
+    offset; the hints are complete before the stream ends and handed over lazily."""
+    import threading
+    from leanimg.converters.convert import convert_file
+    from leanimg.converters.hinting import HintOptions
+    from leanimg.hints import CountingReader
+    stream, pages, again = precopy_stream(resend=(5, 50))
+    hint_bytes = io.BytesIO()
+    hints = HintWriter(hint_bytes)
+    page_47_end = copy_end(stream, pages[47])
+    done = threading.Event()
+
+    class Feeding(io.RawIOBase):
+        """The migration fd: hands out the stream in small pieces; once page 47's copy is
+        through, the 'guest' is asked for its free pages (all of them, here)."""
+        pos = 0
+
+        def readable(self):
+            return True
+
+        def readinto(self, b):
+            n = min(len(b), 1000, len(stream) - self.pos)
+            b[:n] = stream[self.pos:self.pos + n]
+            self.pos += n
+            if counting.offset + n >= page_47_end and not done.is_set():
+                hints.free([(0, N)], stream_offset=counting.offset + n, region="pc.ram")
+                hints.close()
+                done.set()
+            return n
+
+    counting = CountingReader(Feeding())
+    convert_file(counting, str(tmp_path / "live.lean"), spool=True,
+                 hints=HintOptions(lambda: hint_bytes.getvalue()))
+    classes = classes_of(tmp_path / "live.lean")
+    sent_late = np.array([p for p in range(N) if copy_end(stream, pages[p]) > page_47_end + 999] + [5, 50])
+    assert (classes[sent_late] != PageClass.FREE).all()
+    early = np.array([p for p in range(N) if copy_end(stream, pages[p]) <= page_47_end and p not in (5, 50)])
+    assert len(early) >= 47 and (classes[early] == PageClass.FREE).all()
+    memory = raw_memory(tmp_path / "live.lean")["pc.ram"]
+    assert memory[50 * PS:51 * PS] == again[50]
