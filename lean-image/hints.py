@@ -207,16 +207,16 @@ class _Scanner:
             yield HintError(f"truncated record: {len(body)} of {length + CHECKSUM.size} bytes after its header",
                             offset=start, structure=where, rule="LI-HNT-005")
             return True
+        self.count += 1
+        if self.count > MAX_RECORDS:
+            yield HintError(f"more than {MAX_RECORDS} records", offset=start, structure=where, rule="LI-HNT-014")
+            return True
         payload, (checksum,) = body[:length], CHECKSUM.unpack(body[length:])
         want = xxhash.xxh3_64_intdigest(head + payload)
         if checksum != want:
             yield HintError(f"record_checksum {checksum:#018x}, the record's xxh3-64 is {want:#018x}",
                             offset=start + 8 + length, structure=f"{where}.record_checksum", rule="LI-HNT-007")
             return False
-        self.count += 1
-        if self.count > MAX_RECORDS:
-            yield HintError(f"more than {MAX_RECORDS} records", offset=start, structure=where, rule="LI-HNT-014")
-            return True
         known = rtype in set(RecordType)
         if flags or (not known and not rtype & OPTIONAL):
             yield HintError(f"record type {rtype:#x} (flags {flags:#x}) is not a known type with zero flags",
