@@ -498,27 +498,29 @@ def qemu_pc_low_ram(ram_bytes: int) -> int:
 
 
 def _map_pages(record: RangeRecord, hints: Hints, guest: Guest):
-    """(region name, first pages, pages, index of the first range outside memory or -1)."""
+    """(region name, first page and page count of each range, which ranges lie outside memory).
+    Bounds are compared in float64: a u8 count near 2^64 must not wrap into a small one."""
     e, ps = record.entries, hints.page_size
     first = e["first"].astype(np.uint64)
-    num = e["num_pages"].astype(np.int64)
+    count = e["num_pages"].astype(np.float64)
     if record.addressing == Addressing.REGION:
         name = hints.regions[record.region_id]
-        outside = first.astype(np.float64) + num > guest.regions.get(name, 0)
-        return name, np.where(outside, 0, first).astype(np.int64), num, outside
-    if hints.address_map == AddressMap.XEN:
+        start = first.astype(np.float64)
+    elif hints.address_map == AddressMap.XEN:
         name = "xen-pfn"
-        pages = (first >> np.uint64(12)).astype(np.int64)
-        outside = pages + num > guest.regions.get(name, 0)
-        return name, pages, num, outside
-    name = "pc.ram"
-    ram = guest.regions.get(name, 0) * ps
-    low = qemu_pc_low_ram(ram)
-    end = first.astype(np.float64) + num.astype(np.float64) * ps
-    below = end <= low
-    above = (first >= np.uint64(4 * GIB)) & (end <= 4 * GIB + ram - low)
-    offset = np.where(below, first, first - np.uint64(4 * GIB) + np.uint64(low) * above)
-    return name, (offset // np.uint64(ps)).astype(np.int64), num, ~(below | above)
+        start = (first >> np.uint64(12)).astype(np.float64)
+    else:
+        name = "pc.ram"
+        ram = guest.regions.get(name, 0) * ps
+        low = qemu_pc_low_ram(ram)
+        end = first.astype(np.float64) + count * ps
+        below = end <= low
+        above = (first >= np.uint64(4 * GIB)) & (end <= 4 * GIB + ram - low)
+        start = np.where(below, first.astype(np.float64), first.astype(np.float64) - 4 * GIB + low) / ps
+        start[~(below | above)] = -1
+    outside = (start < 0) | (start + count > guest.regions.get(name, 0))
+    pages = np.where(outside, 0, start).astype(np.int64)
+    return name, pages, np.where(outside, 0, count).astype(np.int64), outside
 
 
 @implements("LI-HNT-017")
@@ -759,6 +761,8 @@ def _merged(ranges, unit: int) -> np.ndarray:
     rows = rows[rows[:, 1] > 0]
     if not len(rows):
         return np.zeros(0, RANGE)
+    if (rows[:, 0].astype(np.float64) + rows[:, 1].astype(np.float64) * unit >= 2.0 ** 64).any():
+        raise ValueError("a range runs past 2^64")
     rows = rows[np.argsort(rows[:, 0], kind="stable")]
     starts, ends = rows[:, 0], rows[:, 0] + rows[:, 1] * np.uint64(unit)
     reach = np.maximum.accumulate(ends)
