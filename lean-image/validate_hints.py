@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
+from .errors import UnsupportedError
 from .hints import Guest, HintError, check_against, check_hints
 
 MAX_PER_RULE = 20
@@ -67,7 +68,11 @@ def _guest(save: str | None, image: str | None) -> Guest:
         from .plugins import HEAD_BYTES, detect_source
         with open(save, "rb") as f:
             source = detect_source(f.read(HEAD_BYTES))
-        return source.guest(save)
+        describe = getattr(source, "guest", None)       # optional: a plugin may not offer it
+        if describe is None:
+            raise UnsupportedError(f"the {source.name} source plugin cannot describe its saves for hint checks: "
+                                   "convert the save and give --image", structure="--save")
+        return describe(save)
     return guest_of_image(image)
 
 
