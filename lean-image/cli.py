@@ -319,13 +319,22 @@ def restore(image, target, output, parents, disks, sort_blocks, any_disk_identit
               "references. NAME (the guest's device name, e.g. vda) defaults to the file name's stem.")
 @click.option("--all-phases", is_flag=True,
               help="Scan every 512-byte phase of each disk, not only the partitions' own.")
+@click.option("--hints", "hints_path", type=click.Path(exists=True, dir_okay=False), metavar="FILE",
+              help="Hints to apply (spec/hints.md): FREE by the stream-offset rule, DISK verified against "
+              "--disk, UNCHANGED against --parent.")
+@click.option("--trust-dirty-log", is_flag=True,
+              help="With --hints: pages hinted UNCHANGED that the stream never sends are taken from the parent.")
+@click.option("--disk-scan/--no-disk-scan", default=None,
+              help="Scan the --disk disks for pages (default: yes, unless the hints have DISK hints).")
 @force_option
-def convert(save, output, source_format, spool, level, frame_pages, parents, delta, disks, all_phases, force):
+def convert(save, output, source_format, spool, level, frame_pages, parents, delta, disks, all_phases, hints_path,
+            trust_dirty_log, disk_scan, force):
     """Convert a hypervisor save file (QEMU migration stream, Xen xl/libxl/libxc stream) into a lean image."""
     from .disks.partitions import scan_bytes
     # the parent's chain is opened to name its links only when OUTPUT exists: it could be one
     chain = _chain_paths(parents[0], parents) if parents and os.path.exists(output) else []
-    _guard_output(output, [save, *parents, *chain, *_parse_disks(disks).values()], force)
+    _guard_output(output, [save, *parents, *chain, *_parse_disks(disks).values(), *filter(None, [hints_path])], force)
+    hinting = _hint_options(hints_path, trust_dirty_log, disk_scan)
     with _disk_sources(_parse_disks(disks), name_from_file=True) as sources:
         if sources:        # the bar follows the disk scan, the part whose length depends on the disk
             total = sum(scan_bytes(d, 4096, all_phases) for d in sources.values())
@@ -337,9 +346,54 @@ def convert(save, output, source_format, spool, level, frame_pages, parents, del
             summary = source.convert(save, output, spool=spool,
                                      writer_options=dict(level=level, frame_pages=frame_pages),
                                      progress=None if sources else advance, parents=parents, allow_delta=delta,
-                                     disks=sources, all_phases=all_phases, disk_progress=advance)
+                                     disks=sources, all_phases=all_phases, disk_progress=advance, **hinting)
     if summary:
         _report_disk_pages(sources, summary)
+    _report_hints(hinting)
+
+
+# -- hints (spec/hints.md) ------------------------------------------------------------------
+def _hint_options(path, trust_dirty_log: bool, disk_scan) -> dict:
+    """The convert options of --hints: the hints read and checked before the save is."""
+    if path is None:
+        if trust_dirty_log:
+            raise click.UsageError("--trust-dirty-log needs --hints")
+        return {"disk_scan": disk_scan} if disk_scan is not None else {}
+    from .hints import read_hints
+    return dict(hints=read_hints(path), trust_dirty_log=trust_dirty_log, disk_scan=disk_scan, hint_report={})
+
+
+def _report_hints(hinting: dict) -> None:
+    for kind, counts in hinting.get("hint_report", {}).items():
+        click.echo(f"hints {kind}: " + ", ".join(f"{n} {what}" for what, n in counts.items()) + " (pages)", err=True)
+
+
+@main.command("validate-hints")
+@click.argument("hints_file", metavar="FILE", type=click.Path(exists=True, dir_okay=False))
+@click.option("--save", type=click.Path(exists=True, dir_okay=False), help="The save the hints are for.")
+@click.option("--image", type=click.Path(exists=True, dir_okay=False), help="An image converted from that save.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def validate_hints(hints_file, save, image, as_json):
+    """Check a hint file against spec/hints.md. Exit 0 valid, 1 invalid."""
+    from .rules import describe
+    from .validate_hints import validate_hints as run
+    if save and image:
+        raise click.UsageError("give --save or --image, not both")
+    report = run(hints_file, save=save, image=image)
+    if as_json:
+        click.echo(json.dumps(report.to_json(), indent=2))
+    else:
+        for finding in report.findings:
+            where = f"offset {finding.offset:#x}" if finding.offset is not None else "offset -"
+            click.echo(f"{finding.rule} {where} {finding.structure}: {finding.message}")
+            click.echo(f"    rule: {describe(finding.rule)}")
+        for rule, count in report.suppressed.items():
+            click.echo(f"{rule}: {count} more findings not shown")
+        for note in report.not_checked:
+            click.echo(f"not checked: {note}")
+        verdict = "valid" if report.valid else f"INVALID ({len(report.findings)} findings)"
+        click.echo(f"{hints_file}: {verdict}; {report.records} hint records")
+    sys.exit(0 if report.valid else EXIT_INVALID)
 
 
 def _save_source(save: str, source_format: str | None):

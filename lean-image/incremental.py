@@ -12,6 +12,7 @@ import numpy as np
 
 from .format import DIGEST_SIZE, PageClass, page_digest
 from .reader import LeanImage
+from .rules import implements
 from .writer import LeanImageWriter, ParentLink
 
 
@@ -27,6 +28,7 @@ class AgainstParent:
         self.counts: Counter = Counter()
         self._parent_regions = {r.name: r for r in parent.regions} if parent else {}
 
+    @implements("LI-HNT-025")   # a page becomes PARENT only when its digest equals the parent's
     def put_pages(self, region_id: int, region_name: str, first_page: int, data) -> None:
         data = memoryview(data).cast("B")
         ps = self.writer.page_size

@@ -39,7 +39,10 @@ class Source(Protocol):
         """Convert ``save`` (a path, - for stdin, or a binary file) into the lean image
         ``output``. ``options`` as `leanimg convert` gives them: spool, writer_options,
         progress, parents, allow_delta, and disks (open DiskSources by name; the caller closes
-        them), all_phases, disk_progress; returns the disk scan's summary (None without disks)."""
+        them), all_phases, disk_progress; hints (a path, bytes, stream or leanimg.hints.Hints:
+        spec/hints.md), trust_dirty_log, disk_scan and hint_report (a dict the plugin fills with
+        what the hints did), given only with --hints; returns the disk scan's summary (None
+        without disks)."""
 
 
 class Target(Protocol):

@@ -86,18 +86,53 @@ RULES = {
 }
 
 
+# The hint protocol (spec/hints.md): a separate registry, so the image vectors of
+# tests/vectors keep covering exactly RULES. ``implements`` registers either kind.
+HINT_RULES = {
+    "LI-HNT-001": "the hints start with the magic 89 4C 45 41 4E 48 4E 54",
+    "LI-HNT-002": "major_version is 1",
+    "LI-HNT-003": "header_checksum is the xxh3-64 of the header's first 24 bytes",
+    "LI-HNT-004": "page_size is a power of two 4096-65536, address_map 0-2 (2 only with 4096), "
+                  "flags and reserved zero",
+    "LI-HNT-005": "a record lies wholly within the input",
+    "LI-HNT-006": "payload_length is at most 1 MiB",
+    "LI-HNT-007": "record_checksum is the xxh3-64 of the record's header and payload",
+    "LI-HNT-008": "a record type without the OPTIONAL bit is known; record flags are zero",
+    "LI-HNT-009": "payload_length matches the record's structure",
+    "LI-HNT-010": "reserved fields are zero",
+    "LI-HNT-011": "the hints end with END, its record_count equals the records before it, nothing follows",
+    "LI-HNT-012": "name ids unique and below 256, names unique and 1-255 bytes of UTF-8, declared before use",
+    "LI-HNT-013": "ranges non-empty, without overflow, page-aligned (guest-physical, with an address map), "
+                  "sorted and disjoint within a record",
+    "LI-HNT-014": "at most 65536 records and 2^22 ranges in all",
+    "LI-HNT-015": "at most one PARENT record, before every UNCHANGED record, which need it",
+    "LI-HNT-016": "addressing is 1 or 2; a FREE source is 0-3",
+    "LI-HNT-017": "page_size equals the save's; address_map fits the save",
+    "LI-HNT-018": "every range lies within guest memory (one piece of the map, or its region)",
+    "LI-HNT-019": "stream_offset does not exceed the save stream's length",
+    "LI-HNT-020": "each disk a DISK hint names is supplied, and the hinted block lies within it",
+    "LI-HNT-021": "the PARENT image_uuid is the writer's parent; UNCHANGED hints need a parent",
+    "LI-HNT-022": "a page hinted UNCHANGED that the stream never sends is PARENT only with --trust-dirty-log",
+    "LI-HNT-023": "a FREE hint makes a page FREE only if every copy of it ended at or before stream_offset",
+    "LI-HNT-024": "a DISK hint makes a DISK reference only if the page equals the disk block byte for byte",
+    "LI-HNT-025": "a page hinted UNCHANGED and sent becomes PARENT only if its digest equals the parent's",
+}
+HINT_IMPLEMENTATIONS: dict = {}
+
+
 def describe(rule: str) -> str:
-    return RULES.get(rule, "")
+    return RULES.get(rule) or HINT_RULES.get(rule, "")
 
 
 def implements(*rules: str):
     """Register the decorated function as the one implementation of ``rules``."""
     def register(function):
         for rule in rules:
-            if rule not in RULES:
+            registry = IMPLEMENTATIONS if rule in RULES else HINT_IMPLEMENTATIONS if rule in HINT_RULES else None
+            if registry is None:
                 raise ValueError(f"{function.__qualname__}: unknown rule {rule}")
-            if rule in IMPLEMENTATIONS:
-                raise ValueError(f"{rule} is implemented by {IMPLEMENTATIONS[rule].__qualname__} already")
-            IMPLEMENTATIONS[rule] = function
+            if rule in registry:
+                raise ValueError(f"{rule} is implemented by {registry[rule].__qualname__} already")
+            registry[rule] = function
         return function
     return register

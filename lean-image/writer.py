@@ -510,6 +510,12 @@ class LeanImageWriter:
         self._finished = True
         return digest
 
+    def page_classes(self, region_id: int) -> np.ndarray:
+        """The class given so far to each page of a region (0: not yet given); read-only."""
+        view = self._regions[region_id].classes.view()
+        view.flags.writeable = False
+        return view
+
     def missing_runs(self, region_id: int) -> list[tuple[int, int]]:
         """(first_page, count) of every run of pages not given yet."""
         missing = self._regions[region_id].classes == 0
