@@ -61,7 +61,7 @@ from typing import BinaryIO, Callable, Iterable, Iterator, Union
 
 import numpy as np
 
-from leanimg.errors import SourceFormatError
+from leanimg.errors import LimitError, SourceFormatError
 from leanimg.fileutil import GatherWriter
 from leanimg.format import REGION_SIZE_MAX
 
@@ -886,9 +886,9 @@ class RamImage:
             f = open(Path(self._tmp.name) / f"block{i}", "w+b")
             f.truncate(b.length)
             self._files[b.name] = f
-        self.seen = {b.name: np.zeros(b.length // self.page_size, bool) for b in blocks.blocks}
+        self.seen = {b.name: _page_table(b, self.page_size, bool, False) for b in blocks.blocks}
         # per page: the stream offset where its last copy ends, -1 if never sent (spec/hints.md §3)
-        self.last_end = {b.name: np.full(b.length // self.page_size, -1, np.int64) for b in blocks.blocks}
+        self.last_end = {b.name: _page_table(b, self.page_size, np.int64, -1) for b in blocks.blocks}
         self.stream_length = 0
 
     def apply(self, page: Page) -> None:
@@ -928,6 +928,17 @@ class RamImage:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _page_table(block: RamBlock, page_size: int, dtype, fill) -> np.ndarray:
+    """One ``dtype`` value per page of ``block``, or a LimitError when that does not fit in this
+    process's memory (MEM_SIZE may claim up to 256 TiB)."""
+    try:
+        return np.full(block.length // page_size, fill, dtype)
+    except MemoryError:
+        raise LimitError(f"RAM block {block.name!r} of {block.length:#x} bytes: a table of its "
+                         f"{block.length // page_size} pages does not fit in this process's memory",
+                         structure="ram MEM_SIZE") from None
 
 
 def load_stream(f: BinaryIO, directory: str | os.PathLike | None = None
