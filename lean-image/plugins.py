@@ -167,7 +167,7 @@ def installed() -> list[Installed]:
         own = {entry.name for entry in _entry_points(group) if _is_own(entry)}
         for entry in _entry_points(group):
             plugin, problem = _check(group, entry)
-            if problem is None and entry.name in own and not _is_own(entry):
+            if entry.name in own and not _is_own(entry):
                 problem = f"leanimg's own {kind} {entry.name!r} takes precedence: this one is never used"
             dist = getattr(entry, "dist", None)
             description = getattr(plugin, "description", None) if problem is None else None
