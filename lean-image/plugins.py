@@ -177,11 +177,22 @@ def installed() -> list[Installed]:
 
 
 def source_targets(image) -> list[str]:
-    """The restore targets named after the formats of an image's SOURCE_STATE records (those
-    that can rebuild the save it came from), in source_format order."""
-    from .format import SourceFormat
-    known = {int(f) for f in SourceFormat}
-    return [SourceFormat(f).name.lower() for f in sorted({s.source_format for s in image.source_states} & known)]
+    """The restore targets that can rebuild the save an image came from: those named after
+    the formats of its SOURCE_STATE records, in source_format order, then, for a private-use
+    format (a plugin's, spec §5.4), every other installed target whose ``describe`` claims it."""
+    from .format import PRIVATE_SOURCE_FORMATS, SourceFormat
+    formats = {s.source_format for s in image.source_states}
+    names = [SourceFormat(f).name.lower() for f in sorted(formats & {int(f) for f in SourceFormat})]
+    if max(formats, default=0) >= PRIVATE_SOURCE_FORMATS:
+        names += [t.name for t in targets() if t.name not in names and _describes(t, image)]
+    return names
+
+
+def _describes(plugin: Target, image) -> bool:
+    try:
+        return bool(plugin.describe(image))
+    except Exception:                   # noqa: BLE001 - a third party's bug must not break another command
+        return False
 
 
 def find_source(head: bytes) -> Source | None:

@@ -159,8 +159,11 @@ def test_a_toyvm_save_converts_validates_and_restores(plugin_dir, tmp_path):
     assert report.startswith(f"{image}: valid")
     summary = json.loads(leanimg(plugin_dir, "inspect", "--json", image).stdout)
     assert {c["page_class"]: c["pages"] for c in summary["classes"] if c["pages"]} == {"STORED": 18, "ZERO": 4, "FREE": 2}
+    assert summary["source"] == f"a toyvm save ({len(DEVICES) + 32} bytes of header and device state)"
     leanimg(plugin_dir, "restore", image, "--to", "raw", "-o", raw)
     assert raw.read_bytes() == memory_of(FINAL)
+    wrong = leanimg(plugin_dir, "restore", image, "--to", "qemu", "-o", tmp_path / "q.save", check=False)
+    assert wrong.returncode == 1 and "use --to toyvm or --to raw" in wrong.stderr, wrong.stderr
     leanimg(plugin_dir, "restore", image, "--to", "toyvm", "-o", back)
     assert back.read_bytes() == canonical_save()          # each page once, in order, the last copy sent
 
