@@ -54,7 +54,9 @@ class Source(Protocol):
 
         ``save`` is a path, ``-`` for stdin, or a readable binary file positioned at the
         file's first byte (detection read the head: a seekable file is rewound, a pipe is
-        wrapped so its head is given again); it may not be seekable. ``output`` is a path.
+        wrapped so its head is given again); it may not be seekable, and a read from it may
+        return fewer bytes than asked before its end (read until you have them, or wrap it in
+        io.BufferedReader). ``output`` is a path.
 
         ``options``, as `leanimg convert` gives them (accept unknown ones with ``**options``
         and ignore them; later versions add options):
@@ -78,10 +80,11 @@ class Source(Protocol):
           - output appears only complete: write through ``with LeanImageWriter(output, ...)``,
             which writes a temporary file and renames it on a clean exit and removes it when
             an exception leaves the block;
-          - bad input raises a LeanImageError subclass (SourceFormatError for a malformed
-            save, TruncatedError for one that ends early) with offset= (in the save file),
-            structure= (what was being read) and, where a spec rule applies, rule=; never an
-            unbounded allocation driven by a size field it has not checked.
+          - bad input raises SourceFormatError (leanimg.errors; for a malformed save and for one
+            that ends early) with offset= (in the save file) and structure= (what was being
+            read), UnsupportedError for a valid save using what the plugin does not handle;
+            never an unbounded allocation driven by a size field it has not checked. Any
+            other exception is reported as an internal error (exit 3).
         The writer API it may use is leanimg.writer.LeanImageWriter: add_region, put_pages,
         put_zero, put_free, put_disks, put_parent, put_changed, declare_source_state,
         add_source_state (source_format: its own private-use value, spec §5.4), finish.
@@ -96,8 +99,8 @@ class Target(Protocol):
 
     def restore(self, image, out: BinaryIO, progress=None) -> int:
         """Write the open LeanImage ``image`` to ``out`` (a binary file, possibly a pipe);
-        return the bytes written. Read pages with ``image.read_pages(region, first, count)``
-        (every page checked against its digest). ``progress``: None or a callable taking a
+        return the bytes written. Read pages with ``image.region_bytes(region, first, count)``
+        (every page checked against its digest; ``image.classes`` gives their classes). ``progress``: None or a callable taking a
         number of memory bytes done. An image this target cannot rebuild (no SOURCE_STATE of
         its format) raises UnsupportedError naming the ``--to`` that fits, before writing."""
 

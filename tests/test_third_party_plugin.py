@@ -168,6 +168,16 @@ def test_a_toyvm_save_converts_validates_and_restores(plugin_dir, tmp_path):
     assert back.read_bytes() == canonical_save()          # each page once, in order, the last copy sent
 
 
+def test_a_toyvm_save_converts_from_a_pipe(plugin_dir, tmp_path):
+    image, raw = tmp_path / "piped.lean", tmp_path / "piped.raw"
+    env = dict(os.environ, PYTHONPATH=str(plugin_dir))
+    proc = subprocess.run([*command_line(), "convert", "-", "-o", str(image)], input=messy_save(), env=env,
+                          capture_output=True)
+    assert proc.returncode == 0, proc.stderr.decode()
+    leanimg(plugin_dir, "restore", image, "--to", "raw", "-o", raw)
+    assert raw.read_bytes() == memory_of(FINAL)
+
+
 def test_a_canonical_toyvm_save_round_trips_byte_identical(plugin_dir, tmp_path):
     save, image, back = tmp_path / "vm.toy", tmp_path / "vm.lean", tmp_path / "back.toy"
     save.write_bytes(canonical_save())

@@ -8,7 +8,7 @@ import sys
 
 import numpy as np
 
-from leanimg.errors import SourceFormatError, TruncatedError, UnsupportedError
+from leanimg.errors import SourceFormatError, UnsupportedError
 from leanimg.fileutil import open_input
 from leanimg.format import PRIVATE_SOURCE_FORMATS
 from leanimg.writer import LeanImageWriter
@@ -100,11 +100,15 @@ def _read_save(stream, progress) -> tuple[int, bytes, np.ndarray, np.ndarray]:
 
 
 def _read_exactly(stream, size: int, offset: int, what: str) -> bytes:
-    data = stream.read(size)
-    if len(data) != size:
-        raise TruncatedError(f"the save ends inside a {what}: {len(data)} of {size} bytes",
-                             offset=offset + len(data), structure=f"toyvm.{what}")
-    return data
+    """``size`` bytes; a pipe may give fewer at a time, so read until they are there or the save ends."""
+    data = bytearray()
+    while len(data) < size:
+        chunk = stream.read(size - len(data))
+        if not chunk:
+            raise SourceFormatError(f"the save ends inside a {what}: {len(data)} of {size} bytes",
+                                    offset=offset + len(data), structure=f"toyvm.{what}")
+        data += chunk
+    return bytes(data)
 
 
 def _runs(flags: np.ndarray):
