@@ -100,9 +100,10 @@ class Target(Protocol):
     def restore(self, image, out: BinaryIO, progress=None) -> int:
         """Write the open LeanImage ``image`` to ``out`` (a binary file, possibly a pipe);
         return the bytes written. Read pages with ``image.region_bytes(region, first, count)``
-        (every page checked against its digest; ``image.classes`` gives their classes). ``progress``: None or a callable taking a
-        number of memory bytes done. An image this target cannot rebuild (no SOURCE_STATE of
-        its format) raises UnsupportedError naming the ``--to`` that fits, before writing."""
+        (every page checked against its digest; ``image.classes`` gives their classes).
+        ``progress``: None or a callable taking a number of memory bytes done. An image this
+        target cannot rebuild (no SOURCE_STATE of its format) raises UnsupportedError naming
+        the ``--to`` that fits, before writing."""
 
     def describe(self, image) -> str | None:
         """What the image's SOURCE_STATE records rebuild in this target's form, if they are its."""
@@ -168,7 +169,7 @@ def installed() -> list[Installed]:
     found = []
     for group, kind in ((SOURCES, "source"), (TARGETS, "target")):
         own = {entry.name for entry in _entry_points(group) if _is_own(entry)}
-        for entry in _entry_points(group):
+        for entry in sorted(_entry_points(group), key=lambda entry: (entry.name, not _is_own(entry))):
             plugin, problem = _check(group, entry)
             if entry.name in own and not _is_own(entry):
                 problem = f"leanimg's own {kind} {entry.name!r} takes precedence: this one is never used"
@@ -311,7 +312,7 @@ def _check(group: str, entry) -> tuple:
     except BaseException as exc:        # noqa: BLE001 - SystemExit or worse from a plugin's import
         if isinstance(exc, KeyboardInterrupt):
             raise
-        return None, f"cannot be imported: {type(exc).__name__}: {exc}"
+        return None, f"cannot be loaded: {type(exc).__name__}: {exc}"
     missing = [attribute for attribute in REQUIRED[group] if not hasattr(plugin, attribute)
                or (attribute in METHODS and not callable(getattr(plugin, attribute)))]
     if missing:

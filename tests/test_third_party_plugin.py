@@ -146,7 +146,7 @@ def test_broken_plugins_are_listed_with_the_reason(plugin_dir):
     assert "lacks restore, describe of the restore target protocol" in broken[("target", "halfdone")]
     assert "leanimg's own target 'qemu' takes precedence" in broken[("target", "qemu")]
     text = leanimg(plugin_dir, "plugins").stdout
-    assert re.search(r"^source +gone +BROKEN: cannot be imported: ModuleNotFoundError", text, re.M), text
+    assert re.search(r"^source +gone +BROKEN: cannot be loaded: ModuleNotFoundError", text, re.M), text
     assert "from leanimg-broken 2.0: leanimg_broken_missing_module:SOURCE" in text
 
 
@@ -158,7 +158,8 @@ def test_a_toyvm_save_converts_validates_and_restores(plugin_dir, tmp_path):
     assert report.strip().endswith(f"checked {RAM_PAGES} pages, 6 records, 18 stored_pages"), report
     assert report.startswith(f"{image}: valid")
     summary = json.loads(leanimg(plugin_dir, "inspect", "--json", image).stdout)
-    assert {c["page_class"]: c["pages"] for c in summary["classes"] if c["pages"]} == {"STORED": 18, "ZERO": 4, "FREE": 2}
+    counts = {c["page_class"]: c["pages"] for c in summary["classes"] if c["pages"]}
+    assert counts == {"STORED": 18, "ZERO": 4, "FREE": 2}
     assert summary["source"] == f"a toyvm save ({len(DEVICES) + 32} bytes of header and device state)"
     leanimg(plugin_dir, "restore", image, "--to", "raw", "-o", raw)
     assert raw.read_bytes() == memory_of(FINAL)
@@ -232,12 +233,14 @@ def test_broken_plugins_do_not_break_other_commands(plugin_dir, tmp_path):
 @pytest.mark.parametrize("args,message", [
     (["convert", "{save}", "-o", "{out}", "--from", "gone"],
      "the source format plugin 'gone' (leanimg_broken_missing_module:SOURCE of distribution leanimg-broken 2.0) "
-     "cannot be used: cannot be imported: ModuleNotFoundError"),
-    (["convert", "{save}", "-o", "{out}", "--from", "exploding"], "cannot be imported: RuntimeError: the plugin's own bug"),
-    (["restore", "{image}", "--to", "halfdone", "-o", "{out}"], "lacks restore, describe of the restore target protocol"),
+     "cannot be used: cannot be loaded: ModuleNotFoundError"),
+    (["convert", "{save}", "-o", "{out}", "--from", "exploding"],
+     "cannot be loaded: RuntimeError: the plugin's own bug"),
+    (["restore", "{image}", "--to", "halfdone", "-o", "{out}"],
+     "lacks restore, describe of the restore target protocol"),
     (["convert", "{unknown}", "-o", "{out}"],
-     "source plugins that could not be loaded: exploding (cannot be imported: RuntimeError: the plugin's own bug), "
-     "gone (cannot be imported: ModuleNotFoundError"),
+     "source plugins that could not be loaded: exploding (cannot be loaded: RuntimeError: the plugin's own bug), "
+     "gone (cannot be loaded: ModuleNotFoundError"),
 ])
 def test_a_broken_plugin_that_is_needed_is_a_clear_error(plugin_dir, tmp_path, args, message):
     paths = dict(save=tmp_path / "q.save", image=tmp_path / "q.lean", out=tmp_path / "out", unknown=tmp_path / "u")
