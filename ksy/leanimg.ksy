@@ -247,9 +247,7 @@ types:
         type: u4
         enum: source_format
         valid:
-          any-of:
-            - source_format::qemu
-            - source_format::xen
+          expr: _ == source_format::qemu or _ == source_format::xen or _.to_i >= 0x80000000
       - id: tag
         type: u4
         doc: |

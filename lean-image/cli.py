@@ -264,9 +264,11 @@ def _print_report(report) -> None:
 
 @main.command()
 @click.argument("image", type=click.Path(exists=True, dir_okay=False))
-@click.option("--to", "target", type=click.Choice(["raw", "qemu", "xen"]), default="raw", show_default=True,
+@click.option("--to", "target", default="raw", show_default=True, metavar="raw|qemu|xen|PLUGIN",
+              callback=lambda ctx, param, value: _installed_plugin("leanimg.targets", param, value),
               help="raw: flat guest memory; qemu: a migration stream for `qemu -incoming`; "
-              "xen: the Xen save file (xl, libxl or libxc stream) the image came from.")
+              "xen: the Xen save file (xl, libxl or libxc stream) the image came from; "
+              "or an installed target plugin's name (leanimg plugins).")
 @click.option("-o", "--output", required=True, metavar="FILE|-", help="Output file, or - for stdout.")
 @parent_option
 @disk_option
@@ -302,7 +304,9 @@ def restore(image, target, output, parents, disks, sort_blocks, any_disk_identit
 @main.command()
 @click.argument("save", metavar="SAVE|-")
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="The lean image to write.")
-@click.option("--from", "source_format", type=click.Choice(["qemu", "xen"]), help="Force the source format.")
+@click.option("--from", "source_format", metavar="qemu|xen|PLUGIN",
+              callback=lambda ctx, param, value: _installed_plugin("leanimg.sources", param, value),
+              help="Force the source format (an installed source plugin's name: leanimg plugins).")
 @click.option("--spool/--no-spool", default=None,
               help="Assemble RAM in scratch files first (needed for live saves read from a pipe).")
 @click.option("--level", default=3, show_default=True, type=click.IntRange(1, 22),
@@ -466,6 +470,28 @@ def _report_rebase(output, parents=()) -> None:
         counts = class_counts(written)
     parts = ", ".join(f"{n} {cls.name}" for cls, n in sorted(counts.items()) if n)
     click.echo(f"{output}: written, {parts}")
+
+
+# -- plugins (issue 13 §2) ------------------------------------------------------
+def _installed_plugin(group: str, param, value):
+    """A --to/--from value that names an installed plugin of ``group`` (a usage error otherwise)."""
+    from .plugins import is_installed, names
+    if value is not None and not is_installed(group, value):
+        raise click.BadParameter(f"{value!r} is not an installed plugin (installed: {', '.join(names(group))})",
+                                 param=param)
+    return value
+
+
+@main.command("plugins")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def plugins_command(as_json):
+    """List the installed source formats and restore targets, with the distribution that
+    provides each; a plugin that cannot be loaded is listed as BROKEN with the reason."""
+    from .plugin_list import render_text
+    from .plugins import installed
+    found = installed()
+    click.echo(json.dumps([p.to_json() for p in found], indent=2) if as_json else render_text(found))
+# -- end plugins --------------------------------------------------------------------
 
 
 @main.command()

@@ -193,6 +193,9 @@ class SourceFormat(enum.IntEnum):
     XEN = 2
 
 
+PRIVATE_SOURCE_FORMATS = 0x8000_0000     # source_format values from here up: private use (spec §5.4)
+
+
 PAGE_FRAME_BODY = Structure("page_frame_body", [
     ("first_ordinal", "u8"), ("num_pages", "u4"), ("reserved", "u4"), ("frame", "b[]")])
 DELTA_FRAME_BODY = Structure("delta_frame_body", [

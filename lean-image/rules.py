@@ -82,7 +82,7 @@ RULES = {
     "LI-CHN-005": "a chain has no cycle and is at most 4096 links deep",
     # source state (spec §5)
     "LI-SRC-001": "SOURCE_STATE sequence numbers count up from 0 without gaps",
-    "LI-SRC-002": "source_format is 1 (QEMU) or 2 (Xen)",
+    "LI-SRC-002": "source_format is 1 (QEMU), 2 (Xen) or private use (0x80000000 and above)",
 }
 
 

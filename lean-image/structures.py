@@ -20,7 +20,8 @@ from .format import (
     FRAME_PAGES_MAX_BYTES, HEADER, HEADER_LENGTH_MAX, HEADER_MAGIC, INDEX_BODY, INDEX_ENTRY, KNOWN_INCOMPAT,
     PAGE_FRAME_BODY, PAGE_MAP_BODY, PAGE_SIZE_MAX, PAGE_SIZE_MIN, RECORD, RECORD_BODY_MAX,
     RECORD_OPTIONAL_BIT, RECORD_TRAILER, REGION_FLAG_HAS_GPA,
-    REGION_SIZE_MAX, HAS_SLOT, IS_PAGE_CLASS, SOURCE_STATE_BODY, IncompatFeature, RecordType, SourceFormat,
+    REGION_SIZE_MAX, HAS_SLOT, IS_PAGE_CLASS, PRIVATE_SOURCE_FORMATS, SOURCE_STATE_BODY, IncompatFeature,
+    RecordType, SourceFormat,
     align8, checksum64, record_size, valid_page_size,
 )
 from .rules import implements
@@ -544,8 +545,9 @@ def _disk_values(p: dict, b: _Body, page_size: int) -> Iterator[FormatError]:
 
 @implements("LI-SRC-002")
 def _source_state_values(p: dict, b: _Body, page_size: int) -> Iterator[FormatError]:
-    if p["source_format"] not in {int(s) for s in SourceFormat}:
-        yield b.fail_at("LI-SRC-002", f"expected source_format 1 or 2, got {p['source_format']}",
+    if p["source_format"] not in {int(s) for s in SourceFormat} and p["source_format"] < PRIVATE_SOURCE_FORMATS:
+        yield b.fail_at("LI-SRC-002", f"expected source_format 1, 2 or at least {PRIVATE_SOURCE_FORMATS:#x} "
+                        f"(private use), got {p['source_format']:#x}",
                         "source_format")
 
 

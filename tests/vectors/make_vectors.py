@@ -299,6 +299,17 @@ def img_source_state() -> bytes:
     return write_image(build, name="source-state")
 
 
+def img_source_state_private() -> bytes:
+    def build(w):
+        w.add_source_state(0xB5A1_7E00, 1, b"toyvm device state")
+        w.add_source_state(0xFFFF_FFFF, 7, b"")
+        r = w.add_region("ram", 2 * PS)
+        w.put_pages(r, 0, random_pages(16, 1))
+        w.put_free(r, 1)
+    RAW["source-state-private"] = random_pages(16, 1) + bytes(PS)
+    return write_image(build, name="source-state-private")
+
+
 DISK_SIZE = 16384
 
 
@@ -522,6 +533,9 @@ def generate(outdir: Path) -> None:
     v.valid("page-size-8192", p8k, "page_size 8192: STORED, ZERO, FREE", raw=RAW["page-size-8192"])
     v.valid("source-state", source, "three SOURCE_STATE records (QEMU, QEMU, Xen with empty data), "
                                     "SOURCE_STATE compat bit", raw=RAW["source-state"])
+    v.valid("source-state-private", img_source_state_private(), "two SOURCE_STATE records of private-use "
+            "source_formats 0xb5a17e00 and 0xffffffff (a writer plugin's own, spec §5.4)",
+            raw=RAW["source-state-private"])
     v.valid("disk", disk, "two DISK pages on disk0 (sectors 8 and 1)", disks={"disk0": "valid/disk0.raw"}, raw=RAW["disk"])
     v.valid("disk-unused-entry", disk_extra, "DISK pages on disk0 and a second, unreferenced disk table entry",
             disks={"disk0": "valid/disk0.raw"}, raw=RAW["disk"])
