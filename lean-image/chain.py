@@ -34,6 +34,7 @@ class Resolution:
     delta_pages: np.ndarray     # delta entries to apply, sorted by page then deepest link first
     delta_links: np.ndarray
     delta_slots: np.ndarray
+    digest_link: np.ndarray     # per page: the nearest link whose own digest is the page's (spec §10.2)
 
 
 @implements("LI-CHN-004")
@@ -45,6 +46,7 @@ def resolve(image, region) -> Resolution:
     base_link = np.full(n, -1, np.int32)
     base_class = np.zeros(n, np.uint8)
     base_slot = np.zeros(n, np.int64)
+    digest_link = np.full(n, -1, np.int32)
     deltas = []
     for depth in range(len(links) - 1, -1, -1):
         r = regions[depth]
@@ -57,6 +59,10 @@ def resolve(image, region) -> Resolution:
         base_link[idx] = depth
         base_class[idx] = classes[idx]
         base_slot[idx] = slots[idx]
+        if links[depth].digests.inherits:
+            digest_link[:m][classes != PageClass.PARENT] = depth
+        else:
+            digest_link[:m] = depth
         delta_idx = np.flatnonzero(classes == PageClass.DELTA)
         if len(delta_idx):
             deltas.append((delta_idx, np.full(len(delta_idx), depth, np.int32), slots[delta_idx]))
@@ -75,7 +81,7 @@ def resolve(image, region) -> Resolution:
         pages, dlinks, dslots = pages[order], dlinks[order], dslots[order]
     else:
         pages = dlinks = dslots = np.zeros(0, np.int64)
-    return Resolution(links, regions, base_link, base_class, base_slot, pages, dlinks, dslots)
+    return Resolution(links, regions, base_link, base_class, base_slot, pages, dlinks, dslots, digest_link)
 
 
 def _same_region(link, region):
