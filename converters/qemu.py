@@ -63,6 +63,7 @@ import numpy as np
 
 from leanimg.errors import SourceFormatError
 from leanimg.fileutil import GatherWriter
+from leanimg.format import REGION_SIZE_MAX
 
 from .cursor import Cursor
 
@@ -442,6 +443,9 @@ class _StreamReader:
                                 f"positive multiple of {self.page_size} (MEM_SIZE {total:#x}, "
                                 f"lengths so far add up to {seen:#x}), got {name!r} length "
                                 f"{length:#x}", back=8)
+            if length > REGION_SIZE_MAX:
+                raise inp.error(f"expected a RAM block a lean image region can hold (at most "
+                                f"{REGION_SIZE_MAX:#x} bytes), got {name!r} length {length:#x}", back=8)
             self.blocks[name] = RamBlock(name, length, addr)
             seen += length
         if seen != total:

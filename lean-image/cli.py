@@ -37,6 +37,10 @@ class LeanGroup(click.Group):
             raise
         except BrokenPipeError:
             ctx.exit(EXIT_INVALID)
+        except MemoryError as exc:   # the environment too: an input larger than this process may hold
+            click.echo(f"leanimg: error: out of memory{': ' + str(exc) if str(exc) else ''} "
+                       "(the input needs more memory than this process may use)", err=True)
+            ctx.exit(EXIT_INVALID)
         except OSError as exc:    # the environment (a full disk, a permission), not a bug
             where = f"{exc.filename}: " if exc.filename else ""
             click.echo(f"leanimg: error: {where}{exc.strerror or exc}", err=True)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import struct
-import tempfile
 import threading
 import uuid as uuidlib
 from collections import deque
@@ -24,13 +23,15 @@ import xxhash
 import zstandard
 
 from . import delta as deltacodec
-from .fileutil import fsync_path, is_special_file, umask
+from .errors import LimitError
+from .fileutil import commit_temporary, create_temporary, discard_temporary, is_special_file
 from .format import (
     DEFAULT_FRAME_BYTES, DEFAULT_ZSTD_LEVEL, DELTA_FRAME_BODY, DIGEST_CHUNK_PAGES, DIGEST_SIZE, HAS_SLOT,
     DIGESTS_BODY, DISK_BODY, DISK_REF, DISK_REF_CHUNK, DISK_REFS_BODY, DISK_SECTOR_SIZE, EXTENT, EXTENT_CHUNK,
     FINGERPRINT_SAMPLE_SIZE, FINGERPRINT_SAMPLED_XXH3, FINGERPRINT_SAMPLES, FOOTER, FOOTER_MAGIC, FORMAT_MAJOR,
-    FORMAT_MINOR, FORMAT_MINOR_PLAIN, FRAME_PAGES_MAX_BYTES, HEADER, HEADER_MAGIC, INDEX_BODY, INDEX_ENTRY, NO_KEY, PAGE_FRAME_BODY,
-    PAGE_MAP_BODY, RECORD, RECORD_TRAILER, REGION_BODY, REGION_FLAG_HAS_GPA, REGION_NAME_MAX,
+    FORMAT_MINOR, FORMAT_MINOR_PLAIN, FRAME_PAGES_MAX_BYTES, HEADER, HEADER_MAGIC, INDEX_BODY, INDEX_ENTRY, NO_KEY,
+    PAGE_FRAME_BODY, PAGE_MAP_BODY, RECORD, RECORD_TRAILER, REGION_BODY, REGION_FLAG_HAS_GPA, REGION_NAME_MAX,
+    REGION_SIZE_MAX,
     SOURCE_STATE_BODY, CompatFeature, IncompatFeature, PageClass, RecordType, align8, page_digest,
     digest_class_table, page_digests, valid_page_size,
 )
@@ -189,9 +190,7 @@ class LeanImageWriter:
                 self._temp_path = None
                 self._fileobj = open(self.path, "wb", buffering=1 << 20)
             else:
-                directory = os.path.dirname(os.path.abspath(self.path))
-                fd, self._temp_path = tempfile.mkstemp(prefix=".leanimg-", suffix=".partial", dir=directory)
-                self._fileobj = os.fdopen(fd, "wb", buffering=1 << 20)
+                self._temp_path, self._fileobj = create_temporary(self.path, buffering=1 << 20)
             self._owns_file = True
         else:
             self.path, self._temp_path = None, None
@@ -214,8 +213,8 @@ class LeanImageWriter:
         self._compressor.close()
         if self._owns_file:
             self._fileobj.close()
-            if self._temp_path and os.path.exists(self._temp_path):
-                os.unlink(self._temp_path)
+            if self._temp_path:
+                discard_temporary(self._temp_path)
         self._finished = True
 
     # -- header and records --------------------------------------------------
@@ -318,6 +317,10 @@ class LeanImageWriter:
         if size_bytes <= 0 or size_bytes % self.page_size:
             raise WriterUsageError(f"region {name!r}: size {size_bytes} is not a non-zero multiple "
                                    f"of page_size {self.page_size}")
+        if size_bytes > REGION_SIZE_MAX:
+            raise LimitError(f"{size_bytes} bytes, more than a lean image holds "
+                             f"({REGION_SIZE_MAX} bytes, LI-REG-002)", structure=f"region {name!r}")
+        tables = _region_tables(name, size_bytes // self.page_size)
         if not self._header_written:
             self._write_header()
             self._flush_disks()
@@ -327,9 +330,7 @@ class LeanImageWriter:
         body = REGION_BODY.pack(region_id=region_id, flags=flags, guest_phys_base=guest_phys_base or 0,
                                 size_bytes=size_bytes, name_length=len(encoded))
         self._write_record(RecordType.REGION, [body, encoded], region_id, 0, num_pages)
-        self._regions[region_id] = _Region(
-            region_id, name, num_pages, np.zeros(num_pages, np.uint8), np.zeros(num_pages, np.uint64),
-            np.zeros((num_pages, DIGEST_SIZE), np.uint8))
+        self._regions[region_id] = _Region(region_id, name, num_pages, *tables)
         return region_id
 
     # -- pages -------------------------------------------------------------------
@@ -601,9 +602,18 @@ class LeanImageWriter:
         elif self._owns_file:
             os.fsync(self._fileobj.fileno())
             self._fileobj.close()
-            os.chmod(self._temp_path, 0o666 & ~umask())
-            os.replace(self._temp_path, self.path)
-            fsync_path(os.path.dirname(os.path.abspath(self.path)))
+            commit_temporary(self._temp_path, self.path)
+
+
+def _region_tables(name: str, num_pages: int) -> tuple:
+    """The writer's per-page tables of a region (class, slot, digest: 25 bytes a page), or a
+    LimitError when they do not fit in this process's memory (a 1 TiB guest needs 6.25 GiB)."""
+    try:
+        return (np.zeros(num_pages, np.uint8), np.zeros(num_pages, np.uint64),
+                np.zeros((num_pages, DIGEST_SIZE), np.uint8))
+    except MemoryError:
+        raise LimitError(f"{num_pages} pages: their page tables ({25 * num_pages} bytes) "
+                         "do not fit in this process's memory", structure=f"region {name!r}") from None
 
 
 def build_extents(classes: np.ndarray, slots: np.ndarray) -> np.ndarray:
