@@ -117,6 +117,16 @@ def test_reading_an_inherited_digest_without_the_parent_says_so(tmp_path):
             link.expected_digest(region, page)
 
 
+def test_inspect_names_the_format_version_and_the_inherited_digests_bit(tmp_path):
+    from leanimg.inspect import render_text, summarize
+    paths, _ = build_chain(tmp_path, 1)
+    with LeanImage.open(paths[0]) as parent, LeanImage.open(paths[1], parents=[paths[0]]) as child:
+        assert summarize(parent)["format_version"] == "1.0"
+        summary = summarize(child)
+        assert summary["format_version"] == "1.1" and summary["incompatible_features"] & 0x8
+        assert "lean image v1.1" in render_text(summary)
+
+
 def test_deep_1_1_chain_restores_bit_exact(tmp_path):
     paths, memories = build_chain(tmp_path, 12)
     for k in (1, 6, 12):
