@@ -1,4 +1,4 @@
-"""Every conformance rule of format v1.0, by id, as spec/format.md states it, and the one
+"""Every conformance rule of format v1.1, by id, as spec/format.md states it, and the one
 function that implements each.
 
 `leanimg validate` reports findings by these ids; spec/conformance.md lists them with how
@@ -21,11 +21,12 @@ RULES = {
     "LI-HDR-005": "no incompatible feature bit unknown to the reader is set",
     "LI-HDR-006": "page_size is a power of two between 4096 and 65536",
     "LI-HDR-007": "the reserved header field is zero, and so are header bytes past offset 104 "
-                  "when minor_version is 0 (later minors append fields a 1.0 reader ignores)",
+                  "when minor_version is 0 or 1 (later minors append fields a 1.1 reader ignores)",
     "LI-HDR-008": "parent_uuid and parent_digest are both zero or both non-zero, "
                   "and the PARENT incompatible bit is set exactly when they are non-zero",
     "LI-HDR-009": "the DISK (DELTA) incompatible bit is set when any DISK (DELTA) page exists; "
                   "a writer MAY set it without such pages (the header is written first)",
+    "LI-HDR-010": "the INHERITED_DIGESTS incompatible bit is set only with the PARENT bit",
     # records (spec §4)
     "LI-REC-001": "records follow each other from header_length to the footer without gap",
     "LI-REC-002": "a record lies wholly before the footer",
@@ -65,7 +66,8 @@ RULES = {
     "LI-DIG-001": "each region's digests are given exactly once, in page order",
     "LI-DIG-002": "a page's content has the xxh3-128 digest its table gives "
                   "(a ZERO page's digest is that of page_size zero bytes)",
-    "LI-DIG-003": "num_digests equals the number of STORED, DISK, PARENT and DELTA pages in the range",
+    "LI-DIG-003": "num_digests equals the number of digest-bearing pages in the range: STORED, DISK, "
+                  "DELTA, and PARENT unless INHERITED_DIGESTS is set",
     # index and footer (spec §8)
     "LI-IDX-001": "the INDEX is the last record and lists every other record, in file order, "
                   "with matching offset, type, key, first and count",
@@ -80,6 +82,8 @@ RULES = {
     "LI-CHN-003": "parent and child have the same page_size",
     "LI-CHN-004": "a PARENT or DELTA page lies within a parent region of the same name",
     "LI-CHN-005": "a chain has no cycle and is at most 4096 links deep",
+    "LI-CHN-006": "in an image with INHERITED_DIGESTS, a PARENT page's page in the parent, followed down "
+                  "the chain through inherited PARENT pages, is not FREE",
     # source state (spec §5)
     "LI-SRC-001": "SOURCE_STATE sequence numbers count up from 0 without gaps",
     "LI-SRC-002": "source_format is 1 (QEMU), 2 (Xen) or private use (0x80000000 and above)",
