@@ -195,11 +195,14 @@ def page_entries(name: str, page_size: int, first: int, pages: np.ndarray | None
 
 class ReturnPath(threading.Thread):
     """Parses the destination's messages from ``fileobj`` into ``events``:
-    ("req", block, start, length), ("shut", value), ("eof",), ("bad", message)."""
+    ("req", block, start, length), ("shut", value), ("eof",), ("bad", message).
+
+    Reads the file descriptor itself: a buffered reader blocked in this thread would hold
+    its lock, and closing it (at exit, after an error) would wait for the destination."""
 
     def __init__(self, fileobj, events: queue.Queue):
         super().__init__(name="return-path", daemon=True)
-        self.fileobj, self.events = fileobj, events
+        self.fd, self.events = fileobj.fileno(), events
 
     def run(self) -> None:
         block = None
@@ -230,7 +233,7 @@ class ReturnPath(threading.Thread):
     def _read(self, n: int) -> bytes | None:
         buf = b""
         while len(buf) < n:
-            chunk = self.fileobj.read(n - len(buf))
+            chunk = os.read(self.fd, n - len(buf))
             if not chunk:
                 return None
             buf += chunk
