@@ -6,13 +6,17 @@ MiB and 2 GiB) each boot, read their disk's files into the page cache, run ``wor
 converted to a lean image.  Then, per guest, one destination QEMU after another (no -S: the
 guest starts as soon as it can), in the same run:
 
-  full        -incoming "exec:leanimg restore IMG --to qemu -o -"
+  full        -incoming "exec:leanimg restore IMG --to qemu -o -", then `cont` as soon as
+              the load completed (a pre-copy load of a stopped VM's save stays paused; a
+              post-copy destination starts the guest at POSTCOPY_RUN by itself)
   postcopy S  -incoming "exec:leanimg serve IMG --postcopy --prepage S", S in --strategies
 
 and for each:
 
-  to running   destination started -> the guest's first new heartbeat on the serial console
-               (the check workload prints it after reading its 16 MiB back)
+  to running   destination started -> the guest's serial console printing again (the first
+               heartbeat of any workload; the page-cache one touches little memory)
+  working set  destination started -> the first heartbeat of the check workload, which it
+               prints after reading its 16 MiB back
   resident     destination started -> query-migrate "completed" (every page that must travel
                has arrived; for the full restore, the whole stream is loaded)
   on demand    pages the serve sent because the destination faulted on them (its --stats)
@@ -28,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import shlex
 import sys
 import tempfile
@@ -76,19 +81,23 @@ def measure(build, image: Path, disk: Path, mem_mib: int, incoming_argv: list[st
         t0 = time.monotonic()
         with GuestVM(build, copy, mem_mib=mem_mib, workdir=work / "vm", autostart=True,
                      incoming=f"exec:{shlex.join(incoming_argv)}", extra_args=POSTCOPY if postcopy else ()) as vm:
-            running = resident = None
+            running = working = resident = None
             deadline = t0 + TIMEOUT
-            while (running is None or (completes and resident is None)) and time.monotonic() < deadline:
-                if running is None and heartbeats(vm.serial.text, "check"):
+            while (working is None or (completes and resident is None)) and time.monotonic() < deadline:
+                if running is None and re.search(r"HB \w+ \d+", vm.serial.text):
                     running = time.monotonic() - t0
+                if working is None and heartbeats(vm.serial.text, "check"):
+                    working = time.monotonic() - t0
                 if resident is None and vm.qmp.execute("query-migrate").get("status") == "completed":
                     resident = time.monotonic() - t0
+                    if not postcopy and vm.status() == "paused":
+                        vm.cont()     # the save was of a stopped VM: a pre-copy load stays paused
                 if vm.proc.poll() is not None or "WORKLOAD-ERROR" in vm.serial.text:
                     raise RuntimeError(f"destination failed:\n{vm.serial.text[-1000:]}\n{vm.qemu_output()[-2000:]}")
                 time.sleep(0.02)
             vm.qmp.execute("quit")
             vm.proc.wait(timeout=60)
-    return {"to_running_s": running, "resident_s": resident}
+    return {"to_running_s": running, "working_set_s": working, "resident_s": resident}
 
 
 def read_stats(path: Path) -> dict:
@@ -137,8 +146,8 @@ def _line(row: dict) -> str:
     fmt = lambda v: "-" if v is None else f"{v:.2f} s"  # noqa: E731
     demand = "" if row["demand_pages"] is None else (f"  on demand {row['demand_pages']} pages, pushed "
                                                      f"{row['pushed_pages']} of {row['pages_to_send']}")
-    return (f"{row['mem_mib']:>5} MiB  {row['run']:<22} to running {fmt(row['to_running_s']):>9}  "
-            f"resident {fmt(row['resident_s']):>9}{demand}")
+    return (f"{row['mem_mib']:>5} MiB  {row['run']:<22} to running {fmt(row['to_running_s']):>8}  "
+            f"working set {fmt(row['working_set_s']):>8}  resident {fmt(row['resident_s']):>8}{demand}")
 
 
 if __name__ == "__main__":

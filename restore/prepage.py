@@ -99,9 +99,16 @@ class Bubble:
         self.block, self.forward, self.backward = block, page + 1, page - 1
 
     def next_runs(self, limit: int) -> list:
-        if self.block is None:
-            return self.fallback.next_runs(limit)
-        block, half = self.block, max(1, limit // 2)
+        while self.block is not None:
+            pages = self._around(max(1, limit // 2))
+            if len(pages):
+                return runs(self.blocks, np.full(len(pages), self.last_block.index, np.int32), pages)
+        return self.fallback.next_runs(limit)
+
+    def _around(self, half: int) -> np.ndarray:
+        """Up to ``half`` unsent pages behind the bubble and ``half`` ahead of it, ascending;
+        moves both edges (by a window where there are none) and ends the bubble at both ends."""
+        block = self.block
         todo = ~block.blank & ~block.sent
         ahead = np.flatnonzero(todo[self.forward:self.forward + WINDOW])[:half] + self.forward
         lo = max(0, self.backward - WINDOW + 1)
@@ -110,10 +117,8 @@ class Bubble:
         self.backward = int(behind[0]) - 1 if len(behind) == half else lo - 1
         if self.forward >= len(todo) and self.backward < 0:
             self.block = None
-        pages = np.concatenate([behind, ahead])
-        if not len(pages):
-            return self.next_runs(limit)
-        return runs(self.blocks, np.full(len(pages), block.index, np.int32), pages)
+        self.last_block = block
+        return np.concatenate([behind, ahead])
 
 
 def _disk_sorted_order(image, blocks):
