@@ -335,12 +335,17 @@ class PostcopyServer:
 
     def serve(self) -> ServeStats:
         ReturnPath(self.inp, self.events).start()
-        self._write(opening(self.state, self.ps))
-        self._write(package(self.state))
-        self._flush()
-        self.stats.seconds_to_run = time.monotonic() - self.t0
         try:
+            self._write(opening(self.state, self.ps))
+            self._write(package(self.state))
+            self._flush()
+            self.stats.seconds_to_run = time.monotonic() - self.t0
             self._loop()
+        except BrokenPipeError:
+            self.stats.error = (f"the destination closed the migration stream after {self.stats.bytes_sent} bytes "
+                                "(its own error says why; is post-copy enabled on it: -global "
+                                "migration.x-postcopy-ram=on?)")
+            raise ServeError(self.stats.error) from None
         except ServeError as exc:
             self.stats.error = str(exc)
             raise

@@ -296,3 +296,14 @@ def test_cli_serve_answers_a_destination_that_leaves(image):
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=60) == 0, err
     assert "serve --postcopy (none): 0 pages on demand" in err and "stream not completed" in err, err
+
+
+def test_cli_serve_to_a_destination_that_closed_the_stream(image):
+    proc = subprocess.Popen([*command_line(), "serve", str(image), "--postcopy"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    proc.stdin.close()
+    assert proc.wait(timeout=60) == 1, err
+    assert "leanimg: error: the destination closed the migration stream after 0 bytes" in err, err
+    assert "migration.x-postcopy-ram=on" in err and "Traceback" not in err, err
