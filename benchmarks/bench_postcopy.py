@@ -13,6 +13,9 @@ guest starts as soon as it can), in the same run:
 
 and for each:
 
+  qmp          destination started -> its QMP socket answers (QEMU's own start-up)
+  started      destination started -> query-status "running" (the vCPU runs; for the full
+               restore, after our `cont`)
   to running   destination started -> the guest's serial console printing again (the first
                heartbeat of any workload; the page-cache one touches little memory)
   working set  destination started -> the first heartbeat of the check workload, which it
@@ -81,9 +84,12 @@ def measure(build, image: Path, disk: Path, mem_mib: int, incoming_argv: list[st
         t0 = time.monotonic()
         with GuestVM(build, copy, mem_mib=mem_mib, workdir=work / "vm", autostart=True,
                      incoming=f"exec:{shlex.join(incoming_argv)}", extra_args=POSTCOPY if postcopy else ()) as vm:
-            running = working = resident = None
+            qmp = time.monotonic() - t0          # GuestVM returns once QMP answered
+            running = working = resident = started = None
             deadline = t0 + TIMEOUT
             while (working is None or (completes and resident is None)) and time.monotonic() < deadline:
+                if started is None and vm.status() == "running":
+                    started = time.monotonic() - t0
                 if running is None and re.search(r"HB \w+ \d+", vm.serial.text):
                     running = time.monotonic() - t0
                 if working is None and heartbeats(vm.serial.text, "check"):
@@ -97,7 +103,8 @@ def measure(build, image: Path, disk: Path, mem_mib: int, incoming_argv: list[st
                 time.sleep(0.02)
             vm.qmp.execute("quit")
             vm.proc.wait(timeout=60)
-    return {"to_running_s": running, "working_set_s": working, "resident_s": resident}
+    return {"qmp_s": qmp, "started_s": started, "to_running_s": running, "working_set_s": working,
+            "resident_s": resident}
 
 
 def read_stats(path: Path) -> dict:
@@ -146,7 +153,8 @@ def _line(row: dict) -> str:
     fmt = lambda v: "-" if v is None else f"{v:.2f} s"  # noqa: E731
     demand = "" if row["demand_pages"] is None else (f"  on demand {row['demand_pages']} pages, pushed "
                                                      f"{row['pushed_pages']} of {row['pages_to_send']}")
-    return (f"{row['mem_mib']:>5} MiB  {row['run']:<22} to running {fmt(row['to_running_s']):>8}  "
+    return (f"{row['mem_mib']:>5} MiB  {row['run']:<22} qmp {fmt(row['qmp_s']):>7}  started "
+            f"{fmt(row['started_s']):>7}  to running {fmt(row['to_running_s']):>8}  "
             f"working set {fmt(row['working_set_s']):>8}  resident {fmt(row['resident_s']):>8}{demand}")
 
 
