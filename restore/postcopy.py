@@ -205,30 +205,34 @@ class ReturnPath(threading.Thread):
         self.fd, self.events = fileobj.fileno(), events
 
     def run(self) -> None:
-        block = None
         try:
-            while True:
-                head = self._read(4)
-                if head is None:
-                    break
-                kind, length = _BE16.unpack_from(head)[0], _BE16.unpack_from(head, 2)[0]
-                data = self._read(length) if length else b""
-                if data is None:
-                    self.events.put(("bad", f"return path ended inside a {RP_NAMES.get(kind, kind)} message"))
-                    return
-                if kind in (RP_REQ_PAGES_ID, RP_REQ_PAGES):
-                    start, size = _BE64.unpack_from(data)[0], _BE32.unpack_from(data, 8)[0]
-                    if kind == RP_REQ_PAGES_ID:
-                        block = data[13:13 + data[12]].decode(errors="replace")
-                    self.events.put(("req", block, start, size))
-                elif kind == RP_SHUT:
-                    self.events.put(("shut", _BE32.unpack(data)[0]))
-                elif kind not in (RP_PONG,):
-                    self.events.put(("bad", f"unexpected return-path message {RP_NAMES.get(kind, kind)}"))
+            self._parse()
         except OSError as exc:
             self.events.put(("bad", f"return path: {exc.strerror or exc}"))
-            return
-        self.events.put(("eof",))
+        finally:
+            self.events.put(("eof",))
+
+    def _parse(self) -> None:
+        block = None
+        while True:
+            head = self._read(4)
+            if head is None:
+                return
+            kind, length = _BE16.unpack_from(head)[0], _BE16.unpack_from(head, 2)[0]
+            name = RP_NAMES.get(kind, kind)
+            data = self._read(length) if length else b""
+            if data is None:
+                self.events.put(("bad", f"return path ended inside a {name} message"))
+                return
+            if kind in (RP_REQ_PAGES_ID, RP_REQ_PAGES) and len(data) >= 12:
+                start, size = _BE64.unpack_from(data)[0], _BE32.unpack_from(data, 8)[0]
+                if kind == RP_REQ_PAGES_ID:
+                    block = data[13:13 + data[12]].decode(errors="replace") if len(data) > 12 else None
+                self.events.put(("req", block, start, size))
+            elif kind == RP_SHUT and length == 4:
+                self.events.put(("shut", _BE32.unpack(data)[0]))
+            elif kind != RP_PONG:
+                self.events.put(("bad", f"unexpected return-path message {name} of {length} bytes"))
 
     def _read(self, n: int) -> bytes | None:
         buf = b""

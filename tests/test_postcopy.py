@@ -307,3 +307,19 @@ def test_cli_serve_to_a_destination_that_closed_the_stream(image):
     assert proc.wait(timeout=60) == 1, err
     assert "leanimg: error: the destination closed the migration stream after 0 bytes" in err, err
     assert "migration.x-postcopy-ram=on" in err and "Traceback" not in err, err
+
+
+def test_a_broken_return_path_ends_the_serve_with_a_warning(image):
+    """A message cut short, then end of file: the serve warns and ends (never waits for ever)."""
+    down_r, down_w = os.pipe()
+    up_r, up_w = os.pipe()
+    drained = threading.Thread(target=lambda: open(down_r, "rb").read(), daemon=True)
+    drained.start()
+    os.write(up_w, struct.pack(">HH", pc.RP_REQ_PAGES_ID, 32) + b"abc")
+    os.close(up_w)
+    said = []
+    with LeanImage.open(image) as img, open(up_r, "rb") as inp, open(down_w, "wb") as out:
+        stats = pc.PostcopyServer(img, out, inp, "none", log=said.append).serve()
+    drained.join(timeout=30)
+    assert said == ["warning: return path ended inside a REQ_PAGES_ID message"], said
+    assert not stats.completed and stats.requests == 0
