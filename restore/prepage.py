@@ -51,8 +51,8 @@ class Ordered:
 
     def __init__(self, blocks, order):
         self.blocks = blocks
-        self.block_of = np.concatenate([np.full(len(p), b.index, np.int32) for b, p in order] or [np.zeros(0, np.int32)])
-        self.page_of = np.concatenate([p.astype(np.int64) for _, p in order] or [np.zeros(0, np.int64)])
+        self.block_of = np.concatenate([np.zeros(0, np.int32)] + [np.full(len(p), b.index, np.int32) for b, p in order])
+        self.page_of = np.concatenate([np.zeros(0, np.int64)] + [p.astype(np.int64) for _, p in order])
         self.cursor = 0
 
     @property

@@ -37,7 +37,7 @@ import numpy as np
 import pytest
 
 from guest.chain_scenarios import VGA_WINDOW
-from guest.scenarios import SavePoint, heartbeats, run_scenario, wait_heartbeat
+from guest.scenarios import SavePoint, heartbeats, run_scenario
 from guest.vm import GuestError, GuestVM, copy_disk, qemu_available
 from leanimg.cli import command_line
 from leanimg.format import PageClass
@@ -261,7 +261,8 @@ def test_a_disk_changed_under_a_disk_page_stops_the_serve(images, tmp_path):
     with LeanImage.open(image) as img:
         region = img.region("pc.ram")
         disk_pages = np.flatnonzero(img.classes(region) == PageClass.DISK)
-        offsets = img.tables.disk_refs.sectors[img.page_slots(region, 0, region.num_pages)[disk_pages]].astype(np.int64) * 512
+        slots = img.page_slots(region, 0, region.num_pages)[disk_pages]
+        offsets = img.tables.disk_refs.sectors[slots].astype(np.int64) * 512
     offset = int(offsets[len(offsets) // 2])
     on_block = disk_pages[(offsets <= offset + 100) & (offset + 100 < offsets + 4096)].tolist()
     with open(bad_disk, "r+b") as f:
