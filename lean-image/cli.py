@@ -494,6 +494,39 @@ def plugins_command(as_json):
 # -- end plugins --------------------------------------------------------------------
 
 
+# --- serve: lazy restore (restore/postcopy.py, spec/guides/lazy-restore.md) ----------------
+@main.command()
+@click.argument("image", type=click.Path(exists=True, dir_okay=False))
+@click.option("--postcopy", is_flag=True, required=True,
+              help="Speak the source side of QEMU 7.2's post-copy migration: the stream on stdout, "
+              "QEMU's return path on stdin (for -incoming \"exec:leanimg serve IMG --postcopy\").")
+@click.option("--prepage", type=click.Choice(["none", "sequential", "bubble", "disk-sorted"]),
+              default="sequential", show_default=True,
+              help="The order pages are pushed in while the guest runs (none: only on demand).")
+@click.option("--stats", "stats_path", type=click.Path(dir_okay=False), metavar="FILE",
+              help="Also write the counts (pages on demand, pushed, ...) to FILE as JSON.")
+@parent_option
+@disk_option
+@click.option("--any-disk-identity", is_flag=True, help="As for restore: every block is still checked.")
+@force_option
+def serve(image, postcopy, prepage, stats_path, parents, disks, any_disk_identity, force):
+    """Serve IMAGE to a QEMU destination that runs the guest before its memory has arrived.
+
+    qemu-system-x86_64 ... -global migration.x-postcopy-ram=on
+    -incoming "exec:leanimg serve IMG --postcopy"
+    """
+    from .plugins import target as restore_target
+    if not postcopy:
+        raise click.UsageError("serve needs --postcopy (the only protocol it speaks)")
+    if sys.stdout.isatty():
+        raise click.UsageError("serve writes a migration stream to stdout: run it as QEMU's -incoming exec:")
+    with _open_image(image, parents, disks, check_disk_identity=not any_disk_identity) as img:
+        if stats_path:
+            _guard_output(stats_path, _inputs_of(img, disks), force)
+        restore_target("qemu").serve(img, sys.stdout.buffer, sys.stdin.buffer, strategy=prepage,
+                                     stats_path=stats_path)
+
+
 @main.command()
 @click.option("--workdir", type=click.Path(file_okay=False), help="Keep the files here.")
 def demo(workdir):

@@ -183,3 +183,15 @@ def test_every_command_names_its_temporary_file_alike(chain, command, tmp_path, 
     ((path, name),) = seen
     assert os.path.dirname(name) == str(tmp_path) and os.path.basename(name).startswith(".leanimg-out.file-")
     assert name.endswith(".partial") and not os.path.exists(name) and out.exists()
+
+
+def test_serve_never_writes_its_stats_over_an_input_nor_an_existing_file(chain, tmp_path):
+    before = {str(p): _digest(p) for p in (chain["child"], chain["parent"])}
+    for victim in ("child", "parent"):
+        refused(run("serve", chain["child"], "--postcopy", "--stats", chain[victim], "-f"),
+                "is an input of this command")
+    stats = tmp_path / "stats.json"
+    stats.write_text("kept")
+    refused(run("serve", chain["child"], "--postcopy", "--stats", stats), "exists; use -f/--force")
+    assert stats.read_text() == "kept"
+    untouched([chain["child"], chain["parent"]], before)

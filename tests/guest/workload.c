@@ -9,6 +9,11 @@
  *                               fill MIB MiB (page aligned) with random data, then each
  *                               round write 1..4 random 8-byte words in each of PAGES
  *                               (default 256) random pages spread over the whole buffer
+ *   workload check MIB          fill MIB MiB with random data and remember its checksum;
+ *                               before every heartbeat read the whole buffer again and
+ *                               compare ("WORKLOAD-ERROR check ..." and exit on a mismatch),
+ *                               so "HB check n" after a restore means every page read back
+ *                               as it was written
  *   workload pages MIB [ROUNDS] [PERMILLE]
  *                               fill MIB MiB (page aligned) with random data, then each
  *                               round rewrite PERMILLE/1000 (default 50, i.e. 5%) of its
@@ -175,6 +180,40 @@ static void pages_round(uint64_t *mem, size_t pages, long permille)
         fill_random(mem + (next_random() % pages) * (PAGE / 8), PAGE / 8);
 }
 
+static uint64_t checksum(const uint64_t *mem, size_t words)
+{
+    uint64_t sum = 0;
+
+    for (size_t i = 0; i < words; i++)
+        sum = (sum ^ mem[i]) * 0x100000001b3ULL;
+    return sum;
+}
+
+/* Reads back its whole buffer before every heartbeat: a lazily restored page that arrived
+ * wrong (or as zeros) ends the heartbeat. */
+static void check_loop(long mib)
+{
+    struct timespec ts = { HB_MS / 1000, (HB_MS % 1000) * 1000000L };
+    size_t pages;
+    uint64_t *mem = alloc_filled(mib, &pages);
+    size_t words = pages * (PAGE / 8);
+    uint64_t want = checksum(mem, words);
+
+    printf("WORKLOAD-DONE check %016llx\n", (unsigned long long)want);
+    for (unsigned long n = 0;; n++) {
+        uint64_t got = checksum(mem, words);
+        if (got != want) {
+            printf("WORKLOAD-ERROR check round %lu: checksum %016llx, expected %016llx\n", n,
+                   (unsigned long long)got, (unsigned long long)want);
+            fflush(stdout);
+            exit(1);
+        }
+        printf("HB check %lu\n", n);
+        fflush(stdout);
+        nanosleep(&ts, NULL);
+    }
+}
+
 static void rounds(const char *mode, long mib, long limit, long amount)
 {
     struct timespec ts = { HB_MS / 1000, (HB_MS % 1000) * 1000000L };
@@ -207,14 +246,17 @@ int main(int argc, char **argv)
         sum = fill_anon(atol(argv[2]));
     else if (!strcmp(mode, "dirty") && argc > 3)
         sum = write_dirty(argv[2], atol(argv[3]));
-    else if ((!strcmp(mode, "words") || !strcmp(mode, "pages")) && argc > 2) {
+    else if (!strcmp(mode, "check") && argc > 2) {
+        rng_state ^= 0x27d4eb2f165667c5ULL;
+        check_loop(atol(argv[2]));
+    } else if ((!strcmp(mode, "words") || !strcmp(mode, "pages")) && argc > 2) {
         /* Seeded apart from anon/dirty so their random data never coincide. */
         rng_state ^= mode[0] == 'w' ? 0x5bd1e9955bd1e995ULL : 0xc2b2ae3d27d4eb4fULL;
         rounds(mode, atol(argv[2]), argc > 3 ? atol(argv[3]) : 0,
                argc > 4 ? atol(argv[4]) : (mode[0] == 'w' ? 256 : 50));
     } else if (strcmp(mode, "idle")) {
         printf("WORKLOAD-ERROR usage: workload pagecache DIR | anon MIB | dirty DIR MIB | "
-               "words MIB [ROUNDS] [PAGES] | pages MIB [ROUNDS] [PERMILLE] | idle\n");
+               "words MIB [ROUNDS] [PAGES] | check MIB | pages MIB [ROUNDS] [PERMILLE] | idle\n");
         return 2;
     }
     printf("WORKLOAD-DONE %s %016llx\n", mode, (unsigned long long)sum);
