@@ -1,4 +1,4 @@
-"""The `leanimg` command line. Exit codes: 0 ok, 1 bad input, 2 usage, 3 internal error."""
+"""The `leanimg` command line. Exit codes: 0 ok, 1 bad input, 2 usage, 3 internal error, 4 (validate) not every rule checked."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from .errors import LeanImageError
 
 EXIT_INVALID = 1
 EXIT_INTERNAL = 3
+EXIT_NOT_CHECKED = 4
 
 
 class LeanGroup(click.Group):
@@ -224,7 +225,8 @@ def inspect(image, as_json, map_path, with_files, parents, disks, force):
 @parent_option
 @disk_option
 def validate(image, as_json, whole_chain, parents, disks):
-    """Strict conformance check of IMAGE. Exit 0 valid, 1 invalid."""
+    """Strict conformance check of IMAGE. Exit 0 valid, 1 invalid, 4 no violation found but some rules
+    not checked (a parent or disk not given)."""
     from .validate import validate as run
     links = _chain_paths(image, parents) if whole_chain else [image]
     paths = _parse_disks(disks)
@@ -238,7 +240,21 @@ def validate(image, as_json, whole_chain, parents, disks):
     else:
         for report in reports:
             _print_report(report)
-    sys.exit(0 if all(r.valid for r in reports) else EXIT_INVALID)
+    sys.exit(_validate_status(reports))
+
+
+def _verdict(report) -> str:
+    if not report.valid:
+        return f"INVALID ({len(report.findings)} findings)"
+    return "valid" if report.complete else "no violation found, but not every rule checked (see above)"
+
+
+def _validate_status(reports) -> int:
+    """0 valid and every rule checked, 1 invalid, 4 no finding but some rules not checked (a
+    parent or disk not given): like qemu-img check, "could not check" is not "valid"."""
+    if not all(r.valid for r in reports):
+        return EXIT_INVALID
+    return 0 if all(r.complete for r in reports) else EXIT_NOT_CHECKED
 
 
 def _chain_paths(image, parents) -> list[str]:
@@ -258,7 +274,7 @@ def _print_report(report) -> None:
     for note in report.not_checked:
         click.echo(f"not checked: {note}")
     checked = ", ".join(f"{v} {k}" for k, v in sorted(report.checked.items()))
-    verdict = "valid" if report.valid else f"INVALID ({len(report.findings)} findings)"
+    verdict = _verdict(report)
     click.echo(f"{report.path}: {verdict}; checked {checked}")
 
 
@@ -378,7 +394,8 @@ def _report_hints(hinting: dict) -> None:
 @click.option("--image", type=click.Path(exists=True, dir_okay=False), help="An image converted from that save.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def validate_hints(hints_file, save, image, as_json):
-    """Check a hint file against spec/hints.md. Exit 0 valid, 1 invalid."""
+    """Check a hint file against spec/hints.md. Exit 0 valid, 1 invalid, 4 no violation found but
+    some rules not checked (no --save or --image)."""
     from .rules import describe
     from .validate_hints import validate_hints as run
     if save and image:
@@ -395,9 +412,9 @@ def validate_hints(hints_file, save, image, as_json):
             click.echo(f"{rule}: {count} more findings not shown")
         for note in report.not_checked:
             click.echo(f"not checked: {note}")
-        verdict = "valid" if report.valid else f"INVALID ({len(report.findings)} findings)"
+        verdict = _verdict(report)
         click.echo(f"{hints_file}: {verdict}; {report.records} hint records")
-    sys.exit(0 if report.valid else EXIT_INVALID)
+    sys.exit(_validate_status([report]))
 
 
 def _save_source(save: str, source_format: str | None):

@@ -58,5 +58,14 @@ class DiskError(LeanImageError):
     """A referenced disk is missing, of another identity, or changed."""
 
 
+class InputMissing(LeanImageError):
+    """An input the work needs besides the image (a parent, a disk) was not given or not found:
+    no fault of the image. `validate` reports what it therefore could not check (exit 4)."""
+
+
+class DiskNotGiven(DiskError, InputMissing):
+    """A page's bytes are on a disk that was not supplied (--disk)."""
+
+
 class SourceFormatError(LeanImageError):
     """A hypervisor save file (QEMU or Xen stream) is malformed."""

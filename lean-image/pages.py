@@ -11,7 +11,7 @@ import numpy as np
 from . import checks
 from .checks import first_problem
 from .digests import verify_page, verify_rows
-from .errors import DiskError, LeanImageError
+from .errors import DiskError, DiskNotGiven, LeanImageError
 from .format import DIGEST_SIZE, DISK_SECTOR_SIZE, SLOT_CLASSES, PageClass, row_digests
 from .tables import Region
 
@@ -185,7 +185,8 @@ def _disk_source(image, region: Region, page: int, disk_id: int):
     source = image.disk_sources.get(disk_id)
     if source is None:
         info = next(d for d in image.disks if d.disk_id == disk_id)
-        raise DiskError(f"region {region.name!r} page {page} is on disk {info.name!r}: pass --disk {info.name}=PATH")
+        raise DiskNotGiven(f"region {region.name!r} page {page} is on disk {info.name!r}: pass --disk {info.name}=PATH",
+                           structure=f"disk {info.name!r}")
     return source
 
 

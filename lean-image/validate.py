@@ -16,7 +16,7 @@ import zstandard
 
 from . import checks
 from . import delta as deltacodec
-from .errors import LeanImageError, LimitError
+from .errors import InputMissing, LeanImageError, LimitError
 from .format import (
     DIGEST_SIZE, PAGE_SIZE_MIN, PageClass, RecordType, digest_class_table, inherits_digests, page_digests,
     valid_page_size,
@@ -50,16 +50,27 @@ class Report:
     suppressed: Counter = field(default_factory=Counter)
     checked: Counter = field(default_factory=Counter)
     not_checked: list[str] = field(default_factory=list)
+    # checks an input missing at run time prevented: structure -> (count, first message)
+    unavailable: dict = field(default_factory=dict)
 
     @property
     def valid(self) -> bool:
         return not self.findings
+
+    @property
+    def complete(self) -> bool:
+        """Every rule was checked: nothing is listed as not checked."""
+        return not self.not_checked
 
     def add_all(self, problems) -> None:
         for problem in problems:
             self.add(problem)
 
     def add(self, error: LeanImageError) -> None:
+        if isinstance(error, InputMissing):          # not a fault of the image: not checked
+            count, first = self.unavailable.get(error.structure, (0, error.message))
+            self.unavailable[error.structure] = (count + 1, first)
+            return
         rule = error.rule or ("reader-limit" if isinstance(error, LimitError) else "io")
         if sum(1 for f in self.findings if f.rule == rule) >= FINDINGS_PER_RULE:
             self.suppressed[rule] += 1
@@ -100,6 +111,9 @@ def validate(path, *, disks: dict | None = None, parents=()) -> Report:
         return report
     with fileobj:
         _validate_file(ImageFile(fileobj, path), report, disks or {}, list(parents))
+    for structure, (count, first) in report.unavailable.items():
+        report.not_checked.append(f"LI-DIG-002 of {count} page(s) whose bytes are on {structure} (through "
+                                  f"the chain), which was not given; the first: {first}")
     return report
 
 

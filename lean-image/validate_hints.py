@@ -30,6 +30,10 @@ class HintReport:
     def valid(self) -> bool:
         return not self.findings
 
+    @property
+    def complete(self) -> bool:
+        return not self.not_checked
+
     def add(self, finding: HintError) -> None:
         if sum(f.rule == finding.rule for f in self.findings) >= MAX_PER_RULE:
             self.suppressed[finding.rule] += 1
