@@ -21,6 +21,7 @@ from .errors import SourceFormatError, UnsupportedError
 
 SOURCES = "leanimg.sources"
 TARGETS = "leanimg.targets"
+CHECKPOINTS = "leanimg.checkpoints"      # writers on a running hypervisor: `leanimg checkpoint`
 HEAD_BYTES = 16                 # how much of a file Source.detect is shown
 
 
@@ -61,6 +62,13 @@ def source(name: str) -> Source:
 
 def target(name: str) -> Target:
     return _load(TARGETS, name, "restore target")
+
+
+def checkpointer(name: str):
+    """The checkpoint writer for hypervisor ``name`` (``qemu``: converters/checkpoint.py): an
+    object with ``Request`` (the request dataclass) and ``checkpoint(request)`` (the result,
+    whose ``summary()`` is one line)."""
+    return _load(CHECKPOINTS, name, "checkpoint writer")
 
 
 def sources() -> list[Source]:

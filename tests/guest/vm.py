@@ -153,8 +153,9 @@ class GuestVM:
     """One QEMU process.  ``incoming`` (e.g. ``"exec:cat FILE"``) makes it a destination."""
 
     def __init__(self, build: GuestBuild, disk: Path, mem_mib: int = 128,
-                 incoming: str | None = None, workdir: Path | None = None):
+                 incoming: str | None = None, workdir: Path | None = None, extra_args=()):
         self.build, self.disk, self.mem_mib, self.incoming = build, disk, mem_mib, incoming
+        self.extra_args = list(extra_args)      # more devices, a second -qmp socket
         self._own_workdir = workdir is None
         self.workdir = Path(workdir or tempfile.mkdtemp(prefix="leanimg-vm-"))
         self.proc: subprocess.Popen | None = None
@@ -173,7 +174,7 @@ class GuestVM:
         self.close()
 
     def _start(self) -> None:
-        args = qemu_args(self.build, self.disk, self.workdir, self.mem_mib)
+        args = qemu_args(self.build, self.disk, self.workdir, self.mem_mib) + self.extra_args
         if self.incoming:
             args += ["-S", "-incoming", self.incoming]
         self.stderr = open(self.workdir / "qemu.stderr", "wb")
