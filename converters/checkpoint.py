@@ -198,9 +198,10 @@ class Monitor:
 
 
 def _cause(exc: BaseException) -> str:
-    inner = getattr(exc, "exc", None) or exc.__cause__
-    text = str(inner or exc) or type(inner or exc).__name__
-    return text
+    """The reason qemu.qmp gives, on one line."""
+    inner = getattr(exc, "exc", None) or exc.__cause__ or exc
+    text = str(inner) or type(inner).__name__
+    return " ".join(line.strip() for line in text.splitlines() if line.strip())
 
 
 # ------------------------------------------------------------------------------ signals
