@@ -30,6 +30,9 @@ Failures (the monitor unreachable or not QMP, a QMP error, a failed or cancelled
 writer error, SIGINT/SIGTERM) cancel the migration, shut the socket, restore the run state the
 guest had (``cont`` if it ran) and the migration capabilities and parameters leanimg changed,
 and leave no output file; a block snapshot already taken stays, and the error says where.
+A background snapshot is run to its end instead of cancelled (``_finish_background``: QEMU 7.2
+leaves a cancelled one's guest RAM write-protected and the guest hangs) — which also means a
+``migrate_cancel`` sent by someone else during ``--background`` hangs the guest.
 
 Seam for guest FREE hints (spec/hints.md, route iii of issue 13): ``CheckpointRequest.hints``
 will carry a hint source applied to the spooled RAM before the image is written; it is not
@@ -273,8 +276,19 @@ class _Spool(threading.Thread):
                 self.state, self.ram = qemu.load_stream(stream, self.workdir)
         except BaseException as exc:   # handed to the main thread
             self.error = exc
+            self._drain()
         finally:
             self.sock.close()
+
+    def _drain(self) -> None:
+        """Read on until the stream ends or is shut: QEMU 7.2 must be able to finish a background
+        snapshot (see _Checkpoint._finish_background)."""
+        buffer = bytearray(1 << 20)
+        try:
+            while self.sock.recv_into(buffer):
+                pass
+        except OSError:
+            pass
 
     def shut(self) -> None:
         """Make a blocked read return: QEMU's writes then fail too."""
@@ -442,10 +456,22 @@ class _Checkpoint:
                 self._freeze_disks()
                 self.qmp.execute("migrate-continue", state="pre-switchover")
                 continue
-            if not self.spool.is_alive():
-                self.spool.result()
+            if self.spool.error is not None or not self.spool.is_alive():
+                if self.req.mode == "background" or not self._stream_ended_first():
+                    self.spool.result()
                 raise CheckpointError("the migration stream ended before the migration completed")
             time.sleep(0.02 if status == "device" else 0.05)
+
+    def _stream_ended_first(self) -> bool:
+        """The stream ended while the migration was active: QEMU ending the migration (cancelled,
+        failed) cuts the stream first; give its status a moment to say so (True), so the error
+        names the migration's end rather than the truncated stream it left."""
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            if self.qmp.execute("query-migrate").get("status") not in ACTIVE:
+                return True
+            time.sleep(0.05)
+        return False
 
     def _note_resumed(self) -> None:
         """--background after leanimg's stop: QEMU resumes the guest itself; note when."""
@@ -572,9 +598,12 @@ class _Checkpoint:
         """Cancel, resume, restore settings; the error to raise (what remains named)."""
         notes = []
         try:
-            self._cancel_migration()
+            if self.req.mode == "background":
+                self._finish_background()
+            else:
+                self._cancel_migration()
         except CheckpointError as error:
-            notes.append(f"cancelling the migration failed: {error}")
+            notes.append(f"ending the migration failed: {error}")
         if self.spool is not None:
             self.spool.shut()
             self.spool.join(CANCEL_TIMEOUT)
@@ -608,6 +637,21 @@ class _Checkpoint:
             if time.monotonic() > deadline:
                 raise CheckpointError(f"the migration did not end within {CANCEL_TIMEOUT:.0f} s of migrate_cancel")
             self.spool.shut()
+            time.sleep(0.05)
+        self.migrating = False
+
+    def _finish_background(self) -> None:
+        """A background snapshot is never cancelled: QEMU 7.2 does not lift the write protection
+        of guest RAM when one is cancelled or fails (ram_write_tracking_stop runs only on
+        completion), and the guest then hangs on its next write. So it is run to its end at full
+        speed, the stream read and dropped, and the image not written."""
+        if not self.migrating:
+            return
+        self.qmp.execute("migrate-set-parameters", **{"max-bandwidth": UNLIMITED_BANDWIDTH})
+        deadline = time.monotonic() + 10 * CANCEL_TIMEOUT
+        while self.qmp.execute("query-migrate").get("status") in ACTIVE:
+            if time.monotonic() > deadline:
+                raise CheckpointError("the background snapshot did not end")
             time.sleep(0.05)
         self.migrating = False
 
