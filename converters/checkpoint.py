@@ -457,8 +457,9 @@ class _Checkpoint:
                 self.qmp.execute("migrate-continue", state="pre-switchover")
                 continue
             if self.spool.error is not None or not self.spool.is_alive():
-                if self.req.mode == "background" or not self._stream_ended_first():
-                    self.spool.result()
+                if self.req.mode != "background" and self._stream_ended_first():
+                    continue        # the next query-migrate names how the migration ended
+                self.spool.result()
                 raise CheckpointError("the migration stream ended before the migration completed")
             time.sleep(0.02 if status == "device" else 0.05)
 
