@@ -300,6 +300,32 @@ def test_a_disk_that_is_not_the_guests_is_refused(guest, tmp_path):
     _assert_running_on(guest)
 
 
+@qemu
+def test_an_incremental_checkpoint_against_a_parent(guest):
+    parent = guest.work / "stop.lean"
+    if not parent.exists():
+        pytest.skip("needs the image of test_stop_checkpoint_equals_the_stopped_guest")
+    image, stream = guest.work / "incremental.lean", guest.work / "incremental.save"
+    checkpoint(guest, image, "--live", "--parent", parent, "--keep-stream", stream)
+    assert leanimg("validate", image, "--chain").returncode == 0
+    assert _classes(image)["PARENT"] > 0
+    full = guest.work / "incremental-full.lean"      # the kept stream, converted on its own
+    assert leanimg("convert", stream, "-o", full).returncode == 0
+    for name in (image, full):
+        assert leanimg("restore", name, "--to", "raw", "-o", name.with_suffix(".raw")).returncode == 0
+    assert sha256_file(image.with_suffix(".raw")) == sha256_file(full.with_suffix(".raw"))
+
+
+@qemu
+def test_then_quit_ends_qemu_after_the_image(guest):
+    """Last of the shared guest's tests: QEMU quits."""
+    image = guest.work / "quit.lean"
+    proc = checkpoint(guest, image, "--then", "quit")
+    assert proc.stdout.rstrip().endswith("guest quit")
+    guest.vm.proc.wait(timeout=60)
+    assert leanimg("validate", image).returncode == 0
+
+
 def test_a_missing_socket_is_one_clear_line(tmp_path):
     proc = leanimg("checkpoint", "--qmp", tmp_path / "nothing.sock", "-o", tmp_path / "x.lean")
     assert proc.returncode == 1
