@@ -5,6 +5,8 @@ socket (SCM_RIGHTS, QMP ``getfd``) and starts ``migrate uri=fd:NAME``; a thread 
 end into the RAM spool of ``qemu.load_stream`` (deleted, sparse scratch files holding at most
 the guest's RAM: live streams resend pages and the last copy wins; never a save file). When the
 migration has completed, the image is written from the spool with ``convert.write_spooled``.
+``--background`` without disks needs no spool (every page comes once): ``_Direct`` feeds the
+writer while the snapshot runs.
 
 Modes (the checkpoint instant in brackets):
 
@@ -42,6 +44,7 @@ wired yet (``run_checkpoint`` refuses a request that sets it).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import io
 import json
@@ -60,7 +63,7 @@ from leanimg.format import PageClass, SourceFormat
 from leanimg.writer import LeanImageWriter
 
 from . import qemu
-from .convert import DiskOptions, write_spooled
+from .convert import DiskOptions, convert_qemu, write_spooled
 from .diskrefs import declare_disks
 
 MODES = ("stop", "live", "background")
@@ -269,16 +272,25 @@ class _Spool(threading.Thread):
         self.sock, self.workdir = sock, workdir
         self.reader = _SocketReader(sock, keep)
         self.state = self.ram = self.error = None
+        self.parsed = threading.Event()      # the whole stream has been read
 
     def run(self) -> None:
         try:
             with io.BufferedReader(self.reader, 1 << 20) as stream:
-                self.state, self.ram = qemu.load_stream(stream, self.workdir)
+                self.state, self.ram = self._consume(stream)
         except BaseException as exc:   # handed to the main thread
             self.error = exc
             self._drain()
         finally:
             self.sock.close()
+
+    def _consume(self, stream):
+        state, ram = qemu.load_stream(stream, self.workdir)
+        self.parsed.set()
+        return state, ram
+
+    def abandon(self) -> None:
+        """The checkpoint failed: whatever waits for the main thread stops waiting."""
 
     def _drain(self) -> None:
         """Read on until the stream ends or is shut: QEMU 7.2 must be able to finish a background
@@ -305,6 +317,36 @@ class _Spool(threading.Thread):
         return self.state, self.ram
 
 
+class _Direct(_Spool):
+    """``--background`` without disks: QEMU sends every page once, so pages go into the writer
+    as they arrive (convert.convert_qemu; pages never sent become FREE) and compression runs
+    while the snapshot does. No spool. The writer finishes when the main thread hands over the
+    checkpoint note (``finish``)."""
+
+    def __init__(self, sock: socket.socket, keep: str | None, out, open_writer):
+        super().__init__(sock, keep, None)
+        self.out, self.open_writer = out, open_writer
+        self.note = None
+        self._go = threading.Event()
+
+    def _consume(self, stream):
+        with self.open_writer(self.out) as (writer, parent):
+            state = convert_qemu(stream, writer, parent=parent)
+            self.parsed.set()
+            self._go.wait()
+            if self.note is None:
+                raise CheckpointError("abandoned")
+            writer.add_source_state(SourceFormat.QEMU, QEMU_TAG_CHECKPOINT_NOTE, self.note)
+        return state, None
+
+    def finish(self, note: bytes) -> None:
+        self.note = note
+        self._go.set()
+
+    def abandon(self) -> None:
+        self._go.set()
+
+
 # ------------------------------------------------------------------------------ the checkpoint
 
 def run_checkpoint(request: CheckpointRequest) -> CheckpointResult:
@@ -322,6 +364,7 @@ class _Checkpoint:
         self.qmp, self.req, self.signals = monitor, request, signals
         self.fd_name = f"leanimg-checkpoint-{os.getpid()}"
         self.spool: _Spool | None = None
+        self.staged = self.staged_out = None     # --background without disks: the image being written
         self.disks: list[FrozenDisk] = []
         self.migrating = self.fd_passed = self.fd_used = False
         self.changed_caps: dict[str, bool] = {}
@@ -345,8 +388,11 @@ class _Checkpoint:
             self._resume_if_continuing()
             state, ram = self._spooled()
             self._restore_migration_settings()
-            with ram:
-                staged = self._write_image(state, ram)
+            if ram is None:
+                staged = self._finish_direct()
+            else:
+                with ram:
+                    staged = self._write_image(state, ram)
             try:
                 if self.req.then == "quit":
                     self._quit()
@@ -399,7 +445,11 @@ class _Checkpoint:
             self.fd_passed = True
         finally:
             theirs.close()
-        self.spool = _Spool(ours, self.req.keep_stream, self.req.workdir)
+        if self.req.mode == "background" and not self.disks:
+            self.staged, self.staged_out = _temp_beside(self.req.output)
+            self.spool = _Direct(ours, self.req.keep_stream, self.staged_out, self._open_writer)
+        else:
+            self.spool = _Spool(ours, self.req.keep_stream, self.req.workdir)
         self.spool.start()
 
     def _migrate(self) -> dict:
@@ -481,10 +531,23 @@ class _Checkpoint:
                 self.resumed_at = time.monotonic()
 
     def _spooled(self):
+        while self.spool.is_alive() and not self.spool.parsed.is_set():
+            self.signals.check()
+            self.spool.join(0.1)
+        if self.spool.error is not None:
+            self.spool.result()
+        return self.spool.state, self.spool.ram
+
+    def _finish_direct(self) -> str:
+        self.spool.finish(self._note())
         while self.spool.is_alive():
             self.signals.check()
             self.spool.join(0.1)
-        return self.spool.result()
+        self.spool.result()
+        self.staged_out.flush()
+        os.fsync(self.staged_out.fileno())
+        self.staged_out.close()
+        return self.staged
 
     def _resume_if_continuing(self) -> None:
         if self.req.then == "continue" and self.was_running:
@@ -515,10 +578,9 @@ class _Checkpoint:
     # -- the image -----------------------------------------------------------------------
     def _write_image(self, state, ram) -> str:
         """The image, in a temporary file beside the output; its path."""
-        directory = os.path.dirname(os.path.abspath(self.req.output))
-        fd, temp = tempfile.mkstemp(prefix=".leanimg-", suffix=".partial", dir=directory)
+        temp, out = _temp_beside(self.req.output)
         try:
-            with os.fdopen(fd, "wb", buffering=1 << 20) as out:
+            with out:
                 self._write_into(out, state, ram)
                 out.flush()
                 os.fsync(out.fileno())
@@ -529,22 +591,12 @@ class _Checkpoint:
 
     def _write_into(self, out, state, ram) -> None:
         from leanimg.disks import open_disk
-        from leanimg.incremental import parent_link
-        from leanimg.reader import LeanImage
-        parent = LeanImage.open(self.req.parents[0], parents=list(self.req.parents[1:])) \
-            if self.req.parents else None
         sources = {}
         try:
-            options = dict(self.req.writer_options)
-            if parent is not None:
-                options.update(parent=parent_link(parent), allow_delta=self.req.allow_delta,
-                               page_size=parent.page_size)
             for disk in self.disks:           # opened after the freeze: size and fingerprint of it
                 sources[disk.name] = open_disk(disk.path, disk.name)
             scan = DiskOptions(sources) if sources else None
-            with LeanImageWriter(out, **options) as writer:
-                if sources:
-                    declare_disks(writer, sources)
+            with self._open_writer(out, sources) as (writer, parent):
                 self.signals.check()
                 write_spooled(writer, state, ram, parent=parent, disks=scan, unsent_free=True)
                 writer.add_source_state(SourceFormat.QEMU, QEMU_TAG_CHECKPOINT_NOTE, self._note())
@@ -554,6 +606,25 @@ class _Checkpoint:
         finally:
             for source in sources.values():
                 source.close()
+
+    @contextlib.contextmanager
+    def _open_writer(self, out, sources=None):
+        """A LeanImageWriter into ``out`` (against the --parent, with the disks declared) and the
+        open parent image (or None)."""
+        from leanimg.incremental import parent_link
+        from leanimg.reader import LeanImage
+        parent = LeanImage.open(self.req.parents[0], parents=list(self.req.parents[1:])) \
+            if self.req.parents else None
+        try:
+            options = dict(self.req.writer_options)
+            if parent is not None:
+                options.update(parent=parent_link(parent), allow_delta=self.req.allow_delta,
+                               page_size=parent.page_size)
+            with LeanImageWriter(out, **options) as writer:
+                if sources:
+                    declare_disks(writer, sources)
+                yield writer, parent
+        finally:
             if parent is not None:
                 parent.close()
 
@@ -606,10 +677,15 @@ class _Checkpoint:
         except CheckpointError as error:
             notes.append(f"ending the migration failed: {error}")
         if self.spool is not None:
+            self.spool.abandon()
             self.spool.shut()
             self.spool.join(CANCEL_TIMEOUT)
             if self.spool.ram is not None:
                 self.spool.ram.close()
+        if self.staged is not None:
+            self.staged_out.close()
+            if os.path.exists(self.staged):
+                os.unlink(self.staged)
         for step in (self._close_fd, self._restore_run_state, self._restore_migration_settings):
             try:
                 step()
@@ -703,6 +779,13 @@ def _overlay_path(disk: str, output: str) -> str:
         n += 1
         candidate = f"{base}-{n}.qcow2"
     return candidate
+
+
+def _temp_beside(output: str):
+    """A new temporary file in the output's directory: (path, binary file object)."""
+    directory = os.path.dirname(os.path.abspath(output))
+    fd, temp = tempfile.mkstemp(prefix=".leanimg-", suffix=".partial", dir=directory)
+    return temp, os.fdopen(fd, "wb", buffering=1 << 20)
 
 
 def _commit(temp: str, output: str) -> None:

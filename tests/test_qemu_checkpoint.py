@@ -317,6 +317,22 @@ def test_an_incremental_checkpoint_against_a_parent(guest):
 
 
 @qemu
+def test_a_background_checkpoint_without_disks_streams_into_the_writer(guest):
+    """No disk to scan: the pages go into the writer as QEMU sends them (no spool); the image
+    holds what the stream holds (the stream converted on its own, already proven against QEMU)."""
+    image, stream = guest.work / "streamed.lean", guest.work / "streamed.save"
+    proc = checkpoint(guest, image, "--background", "--keep-stream", stream)
+    assert "background checkpoint" in proc.stdout
+    _assert_running_on(guest)
+    assert leanimg("validate", image).returncode == 0
+    full = guest.work / "streamed-full.lean"
+    assert leanimg("convert", stream, "-o", full).returncode == 0
+    for name in (image, full):
+        assert leanimg("restore", name, "--to", "raw", "-o", name.with_suffix(".raw")).returncode == 0
+    assert sha256_file(image.with_suffix(".raw")) == sha256_file(full.with_suffix(".raw"))
+
+
+@qemu
 def test_then_quit_ends_qemu_after_the_image(guest):
     """Last of the shared guest's tests: QEMU quits."""
     image = guest.work / "quit.lean"
