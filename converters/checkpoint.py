@@ -59,7 +59,7 @@ from collections import Counter
 
 from leanimg.errors import CheckpointError, CheckpointInterrupted, LeanImageError
 from leanimg.fileutil import fsync_path, umask
-from leanimg.format import PageClass, SourceFormat
+from leanimg.format import SourceFormat
 from leanimg.writer import LeanImageWriter
 
 from . import qemu
