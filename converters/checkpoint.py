@@ -63,7 +63,7 @@ from leanimg.format import SourceFormat
 from leanimg.writer import LeanImageWriter
 
 from . import qemu
-from .convert import DiskOptions, convert_qemu, write_spooled
+from .convert import DiskOptions, RepeatedPages, convert_qemu, write_spooled
 from .diskrefs import declare_disks
 
 MODES = ("stop", "live", "background")
@@ -331,7 +331,10 @@ class _Direct(_Spool):
 
     def _consume(self, stream):
         with self.open_writer(self.out) as (writer, parent):
-            state = convert_qemu(stream, writer, parent=parent)
+            try:
+                state = convert_qemu(stream, writer, parent=parent)
+            except RepeatedPages as exc:
+                raise CheckpointError(f"QEMU sent a page twice in a background snapshot ({exc})") from None
             self.parsed.set()
             self._go.wait()
             if self.note is None:
