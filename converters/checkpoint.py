@@ -36,6 +36,9 @@ A background snapshot is run to its end instead of cancelled (``_finish_backgrou
 leaves a cancelled one's guest RAM write-protected and the guest hangs) — which also means a
 ``migrate_cancel`` sent by someone else during ``--background`` hangs the guest.
 
+``--balloon-inflate`` (seed 001): the balloon is inflated before, deflated after (and after a
+failure); the note records its size before, which a restored guest's balloon is deflated to.
+
 Seam for guest FREE hints (spec/hints.md, route iii of issue 13): ``CheckpointRequest.hints``
 will carry a hint source applied to the spooled RAM before the image is written; it is not
 wired yet (``run_checkpoint`` refuses a request that sets it).
@@ -75,6 +78,7 @@ CANCEL_TIMEOUT = 60.0           # for a cancelled migration to end
 ACTIVE = {"setup", "active", "pre-switchover", "device", "cancelling", "wait-unplug",
           "postcopy-active", "postcopy-paused", "postcopy-recover", "colo"}
 UNLIMITED_BANDWIDTH = 1 << 40   # bytes/s: "as fast as the writer reads"
+BALLOON_SETTLE = 5.0            # --balloon-inflate: seconds without progress that end the wait
 
 
 @dataclasses.dataclass
@@ -90,6 +94,7 @@ class CheckpointRequest:
     max_bandwidth: int | None = None    # bytes/s; None: unlimited
     keep_stream: str | None = None      # also copy QEMU's raw stream there (debugging, tests)
     hints: object = None                # coming: a FREE/DISK hint source (spec/hints.md)
+    balloon_inflate: int = 0            # bytes to inflate the balloon by first (seed 001)
     progress: bool = False              # a status line on stderr
     workdir: str | None = None          # where the RAM spool lives (default: $TMPDIR)
 
@@ -118,6 +123,24 @@ class FrozenDisk:
 
 
 @dataclasses.dataclass
+class Balloon:
+    """``--balloon-inflate``: the guest's balloon before, the target asked and the size reached."""
+    before: int                         # query-balloon "actual", bytes of guest RAM
+    target: int
+    reached: int = 0
+    deflated: bool = False
+
+    def note(self) -> dict:
+        return {"before_bytes": self.before, "target_bytes": self.target, "reached_bytes": self.reached}
+
+    def describe(self) -> str:
+        inflated = (self.before - self.reached) / 2**20
+        after = "deflated again" if self.deflated else "still inflated"
+        return (f"balloon inflated by {inflated:.0f} MiB for the checkpoint ({after}); a guest restored from "
+                f"the image has it inflated: deflate it with QMP balloon value={self.before}")
+
+
+@dataclasses.dataclass
 class CheckpointResult:
     output: str
     mode: str
@@ -130,6 +153,7 @@ class CheckpointResult:
     seconds: float
     disks: list
     guest: str                          # the guest's run state at the end
+    balloon: Balloon | None = None
 
     def summary(self) -> str:
         mib = lambda pages: pages * self.page_size / 2**20  # noqa: E731
@@ -139,7 +163,8 @@ class CheckpointResult:
             timing += f", guest paused {self.paused_ms:.0f} ms"
         line = (f"{self.output}: {self.file_bytes / 2**20:.1f} MiB, {self.mode} checkpoint in "
                 f"{self.seconds:.1f} s, {timing}; MiB by class: {classes}; guest {self.guest}")
-        return "; ".join([line] + [d.describe() for d in self.disks])
+        extra = [self.balloon.describe()] if self.balloon else []
+        return "; ".join([line] + [d.describe() for d in self.disks] + extra)
 
 
 # ------------------------------------------------------------------------------ QMP
@@ -374,6 +399,7 @@ class _Checkpoint:
         self.saved_bandwidth = None
         self.stopped_at = self.resumed_at = None
         self.downtime_ms = None
+        self.balloon: Balloon | None = None
         self.started = time.monotonic()
         self._status_shown = False
 
@@ -385,10 +411,12 @@ class _Checkpoint:
             raise CheckpointError("a migration is already in progress on this QEMU")
         self.disks = self._match_disks()
         try:
+            self._inflate_balloon()
             self._open_stream()
             info = self._migrate()
             self.downtime_ms = info.get("downtime")
             self._resume_if_continuing()
+            self._deflate_balloon()
             state, ram = self._spooled()
             self._restore_migration_settings()
             if ram is None:
@@ -408,6 +436,34 @@ class _Checkpoint:
         finally:
             self._end_status_line()
         return self._result()
+
+    # -- the balloon (seed 001) -----------------------------------------------------------
+    def _inflate_balloon(self) -> None:
+        """Inflate the balloon by --balloon-inflate and wait until the guest has given the pages
+        (or stopped giving: no progress for BALLOON_SETTLE seconds)."""
+        if not self.req.balloon_inflate:
+            return
+        before = self.qmp.execute("query-balloon")["actual"]
+        self.balloon = Balloon(before, max(before - self.req.balloon_inflate, 0))
+        self.qmp.execute("balloon", value=self.balloon.target)
+        last, still = before, time.monotonic()
+        while True:
+            self.signals.check()
+            actual = self.qmp.execute("query-balloon")["actual"]
+            if actual != last:
+                last, still = actual, time.monotonic()
+            if actual <= self.balloon.target or time.monotonic() - still > BALLOON_SETTLE:
+                self.balloon.reached = actual
+                return
+            time.sleep(0.1)
+
+    def _deflate_balloon(self) -> None:
+        """Give the guest its memory back (if it runs on)."""
+        if self.balloon is None or self.balloon.deflated or self.req.then == "quit":
+            return
+        if self.req.then == "continue" or self.qmp.execute("query-status")["status"] == "running":
+            self.qmp.execute("balloon", value=self.balloon.before)
+            self.balloon.deflated = True
 
     # -- disks ---------------------------------------------------------------------------
     def _match_disks(self) -> list[FrozenDisk]:
@@ -635,7 +691,8 @@ class _Checkpoint:
         note = {"written_by": "leanimg checkpoint", "mode": self.req.mode, "then": self.req.then,
                 "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                 "downtime_ms": self.downtime_ms, "paused_ms": self._paused_ms(),
-                "disks": [d.note() for d in self.disks]}
+                "disks": [d.note() for d in self.disks],
+                "balloon": self.balloon.note() if self.balloon else None}
         return json.dumps(note, indent=1).encode()
 
     def _paused_ms(self) -> float | None:
@@ -651,7 +708,7 @@ class _Checkpoint:
         guest = "quit" if self.req.then == "quit" else self.qmp.execute("query-status")["status"]
         return CheckpointResult(self.req.output, self.req.mode, self.req.then, os.path.getsize(self.req.output),
                                 page_size, counts, self.downtime_ms, self._paused_ms(),
-                                time.monotonic() - self.started, self.disks, guest)
+                                time.monotonic() - self.started, self.disks, guest, self.balloon)
 
     # -- progress ------------------------------------------------------------------------
     def _show_status(self, status: str) -> None:
@@ -689,7 +746,8 @@ class _Checkpoint:
             self.staged_out.close()
             if os.path.exists(self.staged):
                 os.unlink(self.staged)
-        for step in (self._close_fd, self._restore_run_state, self._restore_migration_settings):
+        for step in (self._close_fd, self._restore_run_state, self._restore_migration_settings,
+                     self._deflate_after_failure):
             try:
                 step()
             except CheckpointError as error:
@@ -734,6 +792,11 @@ class _Checkpoint:
                 raise CheckpointError("the background snapshot did not end")
             time.sleep(0.05)
         self.migrating = False
+
+    def _deflate_after_failure(self) -> None:
+        if self.balloon is not None and not self.balloon.deflated:
+            self.qmp.execute("balloon", value=self.balloon.before)
+            self.balloon.deflated = True
 
     def _close_fd(self) -> None:
         if self.fd_passed and not self.fd_used:

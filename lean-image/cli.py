@@ -440,10 +440,14 @@ def demo(workdir):
 @click.option("--level", default=3, show_default=True, type=click.IntRange(1, 22), help="zstd level.")
 @click.option("--max-bandwidth", type=click.IntRange(1), metavar="MIB/S",
               help="Limit the migration (default: as fast as leanimg reads).")
+@click.option("--balloon-inflate", type=click.IntRange(1), metavar="MIB",
+              help="Inflate the guest's virtio-balloon by MIB first (its pages save as zeros) and deflate it "
+              "afterwards; the image records the size before (restored guests: QMP balloon value=BEFORE).")
 @click.option("--keep-stream", type=click.Path(dir_okay=False), metavar="FILE",
               help="Also write QEMU's raw migration stream to FILE (for debugging: a full-size file).")
 @force_option
-def checkpoint(qmp_socket, output, mode, then, disks, parents, delta, level, max_bandwidth, keep_stream, force):
+def checkpoint(qmp_socket, output, mode, then, disks, parents, delta, level, max_bandwidth, balloon_inflate,
+               keep_stream, force):
     """Checkpoint a running QEMU 7.2 over QMP straight into a lean image (no save file)."""
     from .errors import CheckpointInterrupted
     from .plugins import checkpointer
@@ -457,6 +461,7 @@ def checkpoint(qmp_socket, output, mode, then, disks, parents, delta, level, max
     request = writer.Request(qmp=qmp_socket, output=output, mode=mode or "stop", then=then, disks=paths,
                              parents=parents, allow_delta=delta, writer_options=dict(level=level),
                              max_bandwidth=max_bandwidth and max_bandwidth << 20, keep_stream=keep_stream,
+                             balloon_inflate=(balloon_inflate or 0) << 20,
                              progress=sys.stderr.isatty())
     try:
         result = writer.checkpoint(request)

@@ -164,6 +164,42 @@ def test_stop_checkpoint_equals_the_stopped_guest(guest):
     _assert_restores(guest, image, truth, disk, "stop")
 
 
+def _wait_balloon(vm: GuestVM, actual: int, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while vm.qmp.execute("query-balloon")["actual"] != actual:
+        assert time.monotonic() < deadline, f"balloon at {vm.qmp.execute('query-balloon')}, expected {actual}"
+        time.sleep(0.2)
+
+
+@qemu
+def test_balloon_inflate_is_recorded_and_undone(guest):
+    """Seed 001's route: inflate by 64 MiB, checkpoint, deflate; the image records the size
+    before, and a restored guest (inflated, as the device state says) is deflated with it."""
+    import json
+    vm = guest.vm
+    before = vm.qmp.execute("query-balloon")["actual"]
+    disk = copy_disk(guest.disk, guest.work / "balloon.disk.img")   # the guest writes only memory now
+    image = guest.work / "balloon.lean"
+    proc = checkpoint(guest, image, "--balloon-inflate", "64")
+    assert "balloon inflated by" in proc.stdout and "(deflated again)" in proc.stdout
+    assert f"QMP balloon value={before}" in proc.stdout
+    _wait_balloon(vm, before)
+    _assert_running_on(guest)
+    with LeanImage.open(image) as img:
+        note = json.loads(bytes(next(s for s in img.source_states if s.tag == 2).data))
+    assert note["balloon"]["before_bytes"] == before
+    assert note["balloon"]["reached_bytes"] <= before - (32 << 20)
+    argv = [*LEANIMG, "restore", str(image), "--to", "qemu", "-o", "-"]
+    with _dest(guest, disk, "balloon-dest", f"exec:{shlex.join(argv)}") as dest:
+        dest.wait_incoming(timeout=300)
+        dest.cont()
+        assert dest.qmp.execute("query-balloon")["actual"] == note["balloon"]["reached_bytes"]
+        dest.qmp.execute("balloon", value=before)
+        _wait_balloon(dest, before)
+        assert wait_heartbeat(dest, "pages", -1, timeout=120) >= 0
+        dest.run_workload("check", timeout=TIMEOUT)
+
+
 @qemu
 def test_live_checkpoint_with_a_frozen_disk(guest):
     image, stream = guest.work / "live.lean", guest.work / "live.save"
