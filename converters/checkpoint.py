@@ -40,8 +40,11 @@ leaves a cancelled one's guest RAM write-protected and the guest hangs) — whic
 failure); the note records its size before, which a restored guest's balloon is deflated to.
 
 Seam for guest FREE hints (spec/hints.md, route iii of issue 13): ``CheckpointRequest.hints``
-will carry a hint source applied to the spooled RAM before the image is written; it is not
-wired yet (``run_checkpoint`` refuses a request that sets it).
+is to carry a ``converters.hinting.HintOptions`` (its source may be a callable, read only once
+the stream has ended, so a producer can write hints while it flows) and ``_write_into`` to pass
+it to ``write_spooled(hints=...)``, which applies it with the stream-offset safety rule (the
+spool records where each page's last copy ended). Not wired yet: ``run_checkpoint`` refuses a
+request that sets it, and no option takes one.
 """
 
 from __future__ import annotations

@@ -28,6 +28,7 @@ from leanimg.writer import LeanImageWriter, PageGivenTwice
 
 from . import qemu, xen
 from .diskrefs import DiskSummary, classify_by_disks, declare_disks
+from .hinting import HintOptions, HintPlan
 from .source_state import QEMU_TAG_STREAM_STATE, XEN_TAG_SKELETON, pack_skeleton, pack_stream_state
 
 RUN_PAGES = 256
@@ -70,6 +71,7 @@ class DiskOptions:
     all_phases: bool = False
     progress: object = None
     summary: DiskSummary | None = None
+    scan: bool = True          # scan the disks for pages (with DISK hints: only when asked)
 
     def close(self) -> None:
         for disk in self.sources.values():
@@ -92,30 +94,36 @@ def _contiguous(data):
     return np.ascontiguousarray(data) if isinstance(data, np.ndarray) else data
 
 
-def convert_qemu(source: BinaryIO, writer: LeanImageWriter, progress=None, parent=None) -> qemu.StreamState:
+def convert_qemu(source: BinaryIO, writer: LeanImageWriter, progress=None, parent=None,
+                 hints: HintOptions | None = None, disks: DiskOptions | None = None) -> qemu.StreamState:
     """Stream a QEMU migration stream into ``writer``; each page must come once.
 
     With ``parent`` (an open LeanImage), pages are classified against it. A page sent
-    twice (a live save) raises RepeatedPages, wherever the writer notices it.
+    twice (a live save) raises RepeatedPages, wherever the writer notices it. With ``hints``,
+    FREE hints apply by the stream-offset rule and DISK hints are verified against ``disks``.
     """
     try:
-        return _stream_into(source, writer, progress, parent)
+        return _stream_into(source, writer, progress, parent, hints, disks)
     except PageGivenTwice as exc:
         raise RepeatedPages(str(exc)) from None
 
 
-def _stream_into(source: BinaryIO, writer: LeanImageWriter, progress, parent) -> qemu.StreamState:
+def _stream_into(source: BinaryIO, writer: LeanImageWriter, progress, parent, hints=None,
+                 disks=None) -> qemu.StreamState:
     writer.declare_source_state()
     regions: dict[str, int] = {}
     names: dict[int, str] = {}
     put_data = _page_sink(writer, parent, names)
-    runs = None
+    runs = plan = None
     page_size = None
     for event in qemu.read_qemu_stream(source, batch=True):
         if isinstance(event, qemu.PageRun):
             runs.flush()
             region, first = regions[event.block], event.offset // page_size
-            if event.pages is None:
+            free = plan.free_mask(region, first, event.ends()) if plan else None
+            if free is not None and free.any():
+                _put_run_hinted(writer, put_data, region, first, event, free)
+            elif event.pages is None:
                 writer.put_zero(region, first, event.count)
             else:
                 put_data(region, first, event.pages)
@@ -125,18 +133,29 @@ def _stream_into(source: BinaryIO, writer: LeanImageWriter, progress, parent) ->
             data = event.data
             if data is None and event.fill:
                 data = event.content(page_size)
-            runs.add(regions[event.block], event.offset // page_size, data)
+            region, page = regions[event.block], event.offset // page_size
+            if plan and plan.free_mask(region, page, np.array([event.end], np.int64))[0]:
+                runs.flush()
+                writer.put_free(region, page)
+            else:
+                runs.add(region, page, data)
             if progress:
                 progress(page_size)
         elif isinstance(event, qemu.RamBlocks):
             page_size = event.page_size
             _check_page_size(page_size, writer)
-            runs = _RunBuffer(writer, page_size, put_data)
             for block in event.blocks:
                 regions[block.name] = writer.add_region(block.name, block.length)
                 names[regions[block.name]] = block.name
+            if hints:
+                plan = _plan(hints, writer, "qemu", regions, disks, parent)
+                put_data = plan.disk_sink(put_data)
+            runs = _RunBuffer(writer, page_size, put_data)
         else:
             runs.flush()
+            if plan:
+                plan.check_length(event.length)
+                plan.finish()
             _free_unsent(writer, regions)
             writer.add_source_state(SourceFormat.QEMU, QEMU_TAG_STREAM_STATE, pack_stream_state(event.state))
             return event.state
@@ -144,20 +163,21 @@ def _stream_into(source: BinaryIO, writer: LeanImageWriter, progress, parent) ->
 
 
 def convert_qemu_spooled(source: BinaryIO, writer: LeanImageWriter, workdir=None, parent=None,
-                         disks: DiskOptions | None = None) -> qemu.StreamState:
+                         disks: DiskOptions | None = None, hints: HintOptions | None = None) -> qemu.StreamState:
     """Like convert_qemu for streams that resend pages: the last copy of each page wins.
 
     With ``disks``, pages found on one of the disks become DISK references (two passes
-    over the spooled RAM, one over each disk).
+    over the spooled RAM, one over each disk). With ``hints``, as convert_qemu.
     """
     state, ram = qemu.load_stream(source, workdir)
     with ram:
-        write_spooled(writer, state, ram, parent=parent, disks=disks)
+        write_spooled(writer, state, ram, parent=parent, disks=disks, hints=hints)
     return state
 
 
 def write_spooled(writer: LeanImageWriter, state: qemu.StreamState, ram: qemu.RamImage, *, parent=None,
-                  disks: DiskOptions | None = None, unsent_free: bool = False) -> None:
+                  disks: DiskOptions | None = None, hints: HintOptions | None = None,
+                  unsent_free: bool = False) -> None:
     """The RAM a stream was spooled into (qemu.load_stream) and its state, into ``writer``.
 
     ``unsent_free``: pages the stream never sent (free pages QEMU skipped under virtio-balloon
@@ -187,7 +207,18 @@ def write_spooled(writer: LeanImageWriter, state: qemu.StreamState, ram: qemu.Ra
                         sink(region, page + a, view[a * ps:b * ps])
                 page += count
 
+    plan = None
+    if hints:
+        plan = _plan(hints, writer, "qemu", {block.name: region for region, block in regions}, disks, parent,
+                     ram.stream_length)
+        for region, block in regions:
+            plan.free_pages(region, ram.last_end[block.name])
+        put_data = plan.disk_sink(put_data)
+        unhinted_feed = feed
+        feed = lambda sink: unhinted_feed(plan.skip_free(sink))    # noqa: E731
     _write_pages(writer, feed, put_data, disks)
+    if plan:
+        plan.finish()
     if unsent_free:
         _free_unsent(writer, {name: region for region, name in names.items()})
     writer.add_source_state(SourceFormat.QEMU, QEMU_TAG_STREAM_STATE, pack_stream_state(state))
@@ -200,7 +231,7 @@ def _true_runs(flags: np.ndarray):
 
 
 def convert_xen(source: BinaryIO, writer: LeanImageWriter, progress=None, parent=None,
-                workdir=None, disks: DiskOptions | None = None) -> xen.ScanResult:
+                workdir=None, disks: DiskOptions | None = None, hints: HintOptions | None = None) -> xen.ScanResult:
     """Convert the Xen stream in the seekable file ``source`` into ``writer``: region
     ``xen-pfn`` (page p = pfn p), the last copy of each page, holes FREE, and the
     skeleton as SOURCE_STATE (source_format XEN, tag 1). With ``disks``, pages found on
@@ -216,16 +247,47 @@ def convert_xen(source: BinaryIO, writer: LeanImageWriter, progress=None, parent
         def feed(sink):
             xen.feed_pages(source, result, lambda pfn, data: sink(region, pfn, data), None if disks else progress)
 
+        plan = None
+        if hints:
+            plan = _plan(hints, writer, "xen", {xen.REGION_NAME: region}, disks, parent, result.length)
+            last_end = np.full(writer.page_classes(region).shape[0], -1, np.int64)
+            last_end[:len(result.last_end)] = result.last_end
+            plan.free_pages(region, last_end)
+            put_data = plan.disk_sink(put_data)
+            unhinted_feed = feed
+            feed = lambda sink: unhinted_feed(plan.skip_free(sink))    # noqa: E731
         _write_pages(writer, feed, put_data, disks)
+        if plan:
+            plan.finish()
         _free_unsent(writer, {xen.REGION_NAME: region})
         writer.add_source_state(SourceFormat.XEN, XEN_TAG_SKELETON, pack_skeleton(result.skeleton))
     return result
 
 
+def _plan(hints: HintOptions, writer: LeanImageWriter, source: str, regions: dict, disks, parent,
+          stream_length: int | None = None) -> HintPlan:
+    """The hints resolved against this save: ``regions`` by name -> region id."""
+    sizes = {name: (rid, writer.page_classes(rid).shape[0]) for name, rid in regions.items()}
+    return HintPlan(hints, writer, source, sizes, disks.sources if disks else {}, parent, stream_length)
+
+
+def _put_run_hinted(writer: LeanImageWriter, put_data, region: int, first: int, run, free: np.ndarray) -> None:
+    """A run of pages of which some are FREE by a hint: FREE runs, ZERO or data runs for the rest."""
+    edges = np.flatnonzero(np.diff(free.astype(np.int8))) + 1
+    bounds = [0, *edges.tolist(), len(free)]
+    for a, b in zip(bounds, bounds[1:]):
+        if free[a]:
+            writer.put_free(region, first + a, b - a)
+        elif run.pages is None:
+            writer.put_zero(region, first + a, b - a)
+        else:
+            put_data(region, first + a, run.pages[a:b])
+
+
 def _write_pages(writer: LeanImageWriter, feed, put_data, disks: DiskOptions | None) -> None:
-    """Every page ``feed`` gives through ``put_data``; with ``disks``, pages found on them first
-    become DISK references (``feed`` is then called twice)."""
-    if disks:
+    """Every page ``feed`` gives through ``put_data``; with ``disks`` to scan, pages found on them
+    first become DISK references (``feed`` is then called twice)."""
+    if disks and disks.scan:
         disks.summary = classify_by_disks(writer, disks.sources, feed, put_data,
                                           all_phases=disks.all_phases, progress=disks.progress)
     else:
@@ -247,23 +309,27 @@ def _free_unsent(writer: LeanImageWriter, regions: dict[str, int]) -> None:
 
 def convert_file(src, dest: str, *, source_format: str | None = None, spool: bool | None = None,
                  writer_options: dict | None = None, progress=None, parents=(),
-                 allow_delta: bool = True, disks: DiskOptions | None = None) -> str:
+                 allow_delta: bool = True, disks: DiskOptions | None = None,
+                 hints: HintOptions | None = None) -> str:
     """Convert the save file ``src`` (a path, ``-`` for stdin, or an open binary file) into the
     lean image ``dest``; ``source_format`` names the format (by default: detected).
 
     ``parents``: the parent image first, then any of its ancestors (matched by UUID; the
     parent's directory is searched too). The new image is written against the parent.
     ``disks``: pages found on these disks become DISK references (the RAM is spooled).
+    ``hints``: hints to apply (spec/hints.md); their structure is checked before anything is read.
     """
+    if hints and not hints.deferred:
+        hints.load()
     if not parents:
-        return _convert(src, dest, source_format, spool, dict(writer_options or {}), progress, None, disks)
+        return _convert(src, dest, source_format, spool, dict(writer_options or {}), progress, None, disks, hints)
     with LeanImage.open(parents[0], parents=list(parents[1:])) as parent:
         options = dict(writer_options or {}, parent=parent_link(parent), allow_delta=allow_delta,
                        page_size=parent.page_size)
-        return _convert(src, dest, source_format, spool, options, progress, parent, disks)
+        return _convert(src, dest, source_format, spool, options, progress, parent, disks, hints)
 
 
-def _convert(src, dest, source_format, spool, writer_options, progress, parent, disks=None) -> str:
+def _convert(src, dest, source_format, spool, writer_options, progress, parent, disks=None, hints=None) -> str:
     stream = open_input(src)
     try:
         head = stream.read(HEAD_BYTES) if source_format is None else b""
@@ -275,40 +341,44 @@ def _convert(src, dest, source_format, spool, writer_options, progress, parent, 
         else:
             body = io.BufferedReader(PrefixedInput(head, stream), 1 << 20)
         if fmt == "xen":
-            _convert_xen(stream if seekable else body, seekable, dest, writer_options, progress, parent, disks)
+            _convert_xen(stream if seekable else body, seekable, dest, writer_options, progress, parent, disks, hints)
             return fmt
         if fmt != "qemu":
             raise UnsupportedError(f"source format {fmt!r} is not implemented", structure="--from")
-        if spool or disks:
+        if spool or (disks and disks.scan):
             with LeanImageWriter(dest, **writer_options) as writer:
                 if disks:
                     declare_disks(writer, disks.sources)
-                convert_qemu_spooled(body, writer, parent=parent, disks=disks)
+                convert_qemu_spooled(body, writer, parent=parent, disks=disks, hints=hints)
             return fmt
         try:
             with LeanImageWriter(dest, **writer_options) as writer:
-                convert_qemu(body, writer, progress, parent)
+                if disks:
+                    declare_disks(writer, disks.sources)
+                convert_qemu(body, writer, progress, parent, hints, disks)
         except RepeatedPages as exc:
             if not seekable:
                 raise UnsupportedError(f"this stream sends pages more than once (a live save: {exc}); "
                                        "convert it with --spool", structure="ram") from None
             stream.seek(0)
             with LeanImageWriter(dest, **writer_options) as writer:
-                convert_qemu_spooled(stream, writer, parent=parent)
+                if disks:
+                    declare_disks(writer, disks.sources)
+                convert_qemu_spooled(stream, writer, parent=parent, disks=disks, hints=hints)
         return fmt
     finally:
         if stream is not sys.stdin.buffer:
             stream.close()
 
 
-def _convert_xen(source, seekable, dest, writer_options, progress, parent, disks) -> None:
+def _convert_xen(source, seekable, dest, writer_options, progress, parent, disks, hints=None) -> None:
     """Xen streams are read twice (see converters/xen.py): a pipe is copied to a scratch file."""
     spooled = None if seekable else xen.spool_to_file(source)
     try:
         with LeanImageWriter(dest, **writer_options) as writer:
             if disks:
                 declare_disks(writer, disks.sources)
-            convert_xen(spooled or source, writer, progress, parent, disks=disks)
+            convert_xen(spooled or source, writer, progress, parent, disks=disks, hints=hints)
     finally:
         if spooled is not None:
             spooled.close()

@@ -32,14 +32,30 @@ class SaveFormat:
         return self.cut_inside_magic and bool(head) and any(magic.startswith(head) for magic in self.magics)
 
     def convert(self, save, output: str, *, disks: dict | None = None, all_phases: bool = False,
-                disk_progress=None, **options):
+                disk_progress=None, hints=None, trust_dirty_log: bool = False, disk_scan: bool | None = None,
+                hint_report: dict | None = None, **options):
         """Convert ``save`` into the lean image ``output`` (``options``: convert_file's). With
         ``disks`` (open disk sources by name; the caller closes them), pages found on them
-        become DISK references and the scan's DiskSummary is returned."""
+        become DISK references and the scan's DiskSummary is returned. ``hints`` (a path, bytes,
+        a stream or a read leanimg.hints.Hints) are applied as spec/hints.md says; with DISK hints
+        the disks are scanned only when ``disk_scan`` says so; what the hints did is put in the
+        dict ``hint_report``."""
         from .convert import DiskOptions, convert_file
-        scan = DiskOptions(dict(disks), all_phases, disk_progress) if disks else None
-        convert_file(save, output, source_format=self.name, disks=scan, **options)
-        return scan.summary if scan else None
+        from .hinting import HintOptions
+        hinted = HintOptions(hints, trust_dirty_log) if hints is not None else None
+        scan = None
+        if disks:
+            wanted = disk_scan if disk_scan is not None else not (hinted and hinted.has_disk_hints)
+            scan = DiskOptions(dict(disks), all_phases, disk_progress, scan=wanted)
+        convert_file(save, output, source_format=self.name, disks=scan, hints=hinted, **options)
+        if hinted is not None and hint_report is not None:
+            hint_report.update(hinted.report or {})
+        return scan.summary if scan and scan.scan else None
+
+    def guest(self, save):
+        """What hints for ``save`` are checked against (leanimg.hints.Guest)."""
+        from .hinting import guest_of_save
+        return guest_of_save(self.name, save)
 
 
 QEMU = SaveFormat("qemu", "a QEMU migration stream", f"magic {QEMU_MAGIC.hex(' ')}", (QEMU_MAGIC,))

@@ -60,8 +60,9 @@ from typing import BinaryIO, Callable, Iterable, Iterator, Union
 
 import numpy as np
 
-from leanimg.errors import SourceFormatError
+from leanimg.errors import LimitError, SourceFormatError
 from leanimg.fileutil import GatherWriter
+from leanimg.format import REGION_SIZE_MAX
 
 from .cursor import Cursor
 
@@ -111,6 +112,7 @@ class Page:
     offset: int
     data: bytes | None          # None: a ZERO entry, page filled with ``fill``
     fill: int = 0
+    end: int = 0                # stream offset just after the entry (spec/hints.md §3)
 
     def content(self, page_size: int) -> bytes:
         return self.data if self.data is not None else bytes([self.fill]) * page_size
@@ -123,11 +125,17 @@ class PageRun:
     ``pages`` is a (count, page_size) uint8 array, a strided view of the page data
     inside the input buffer (no copy; rows lie 8 header bytes apart), or None for a run
     of ZERO entries with fill byte 0.  ``data`` is the same pages as one bytes object.
+    ``at`` is the stream offset of the first entry; ``ends()`` where each entry ends.
     """
     block: str
     offset: int
     count: int
     pages: np.ndarray | None
+    at: int = 0
+
+    def ends(self) -> np.ndarray:
+        stride = 9 if self.pages is None else 8 + self.pages.shape[1]
+        return self.at + stride * np.arange(1, self.count + 1, dtype=np.int64)
 
     @property
     def data(self) -> bytes | None:
@@ -369,9 +377,9 @@ class _StreamReader:
                     raise inp.error(f"expected a page offset below block {block.name!r} "
                                     f"length {block.length:#x}, got {addr:#x}", back=8)
                 if flags == F_PAGE:
-                    yield Page(block.name, addr, inp.take(ps, "page data"))
+                    yield Page(block.name, addr, inp.take(ps, "page data"), 0, inp.offset)
                 else:
-                    yield Page(block.name, addr, None, inp.u8("zero page fill byte"))
+                    yield Page(block.name, addr, None, inp.u8("zero page fill byte"), inp.offset)
                 count += 1
             elif flags == F_MEM_SIZE and not cont and kind == START and not self.blocks:
                 self._mem_size(addr)
@@ -402,8 +410,9 @@ class _StreamReader:
         pages = None
         if stride != 9:        # the cursor never writes a buffer again: a refill makes a new one
             pages = np.ndarray((count, ps), np.uint8, buffer=buf, offset=pos + 8, strides=(stride, 1))
+        at = inp.offset
         inp.pos += count * stride
-        return PageRun(block.name, first, count, pages)
+        return PageRun(block.name, first, count, pages, at)
 
     def _bad_flags(self, flags: int, word: int) -> None:
         for bit, feature in UNSUPPORTED_FLAGS.items():
@@ -441,6 +450,9 @@ class _StreamReader:
                                 f"positive multiple of {self.page_size} (MEM_SIZE {total:#x}, "
                                 f"lengths so far add up to {seen:#x}), got {name!r} length "
                                 f"{length:#x}", back=8)
+            if length > REGION_SIZE_MAX:
+                raise inp.error(f"expected a RAM block a lean image region can hold (at most "
+                                f"{REGION_SIZE_MAX:#x} bytes), got {name!r} length {length:#x}", back=8)
             self.blocks[name] = RamBlock(name, length, addr)
             seen += length
         if seen != total:
@@ -876,12 +888,16 @@ class RamImage:
             f = tempfile.TemporaryFile(prefix="leanimg-ram-", dir=directory)
             f.truncate(b.length)
             self._files[b.name] = f
-        self.seen = {b.name: np.zeros(b.length // self.page_size, bool) for b in blocks.blocks}
+        self.seen = {b.name: _page_table(b, self.page_size, bool, False) for b in blocks.blocks}
+        # per page: the stream offset where its last copy ends, -1 if never sent (spec/hints.md §3)
+        self.last_end = {b.name: _page_table(b, self.page_size, np.int64, -1) for b in blocks.blocks}
+        self.stream_length = 0
 
     def apply(self, page: Page) -> None:
         f = self._files[page.block]
         os.pwrite(f.fileno(), page.content(self.page_size), page.offset)
         self.seen[page.block][page.offset // self.page_size] = True
+        self.last_end[page.block][page.offset // self.page_size] = page.end
 
     def apply_run(self, run: PageRun) -> None:
         """A run of pages; zero pages are written only over a copy sent before (the scratch
@@ -894,6 +910,7 @@ class RamImage:
         elif seen.any():
             os.pwrite(fd, bytes(run.count * self.page_size), run.offset)
         seen[:] = True
+        self.last_end[run.block][first:first + run.count] = run.ends()
 
     def read(self, name: str) -> bytes:
         return os.pread(self._files[name].fileno(), self.blocks[name].length, 0)
@@ -914,6 +931,17 @@ class RamImage:
         self.close()
 
 
+def _page_table(block: RamBlock, page_size: int, dtype, fill) -> np.ndarray:
+    """One ``dtype`` value per page of ``block``, or a LimitError when that does not fit in this
+    process's memory (MEM_SIZE may claim up to 256 TiB)."""
+    try:
+        return np.full(block.length // page_size, fill, dtype)
+    except MemoryError:
+        raise LimitError(f"RAM block {block.name!r} of {block.length:#x} bytes: a table of its "
+                         f"{block.length // page_size} pages does not fit in this process's memory",
+                         structure="ram MEM_SIZE") from None
+
+
 def load_stream(f: BinaryIO, directory: str | os.PathLike | None = None
                 ) -> tuple[StreamState, RamImage]:
     """Read a whole stream into a ``RamImage``; the caller closes the image."""
@@ -927,6 +955,7 @@ def load_stream(f: BinaryIO, directory: str | os.PathLike | None = None
             elif isinstance(ev, RamBlocks):
                 image = RamImage(ev, directory)
             else:
+                image.stream_length = ev.length
                 return ev.state, image
     except BaseException:
         if image is not None:

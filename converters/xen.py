@@ -140,6 +140,8 @@ class ScanResult:
     checkpoints: int
     skeleton: BinaryIO
     length: int                   # bytes of the stream
+    last_end: np.ndarray | None = None   # per pfn: stream offset where its winning copy's data
+                                         # ends, -1 if its last entry carries none (spec/hints.md §3)
 
 
 # ---------------------------------------------------------------------------- skeleton file (first pass)
@@ -203,6 +205,7 @@ class _Scanner:
         self.libxc_state = "not started"     # running, checkpoint, ended
         self.embedded = False
         self.last_entry = np.full(0, -1, np.int64)
+        self.last_end_offset = np.full(0, -1, np.int64)
         self.num_pfns = 0
         self.entries = 0
         self.data_entries = 0
@@ -228,7 +231,7 @@ class _Scanner:
                           last_entry=self.last_entry[:self.num_pfns], data_offsets=self.data_offsets,
                           data_entries=self.data_entries, resent=self.resent,
                           checkpoints=self.checkpoints, skeleton=self.skeleton.finish(),
-                          length=inp.size)
+                          length=inp.size, last_end=self.last_end_offset[:self.num_pfns])
 
     # --- xl -------------------------------------------------------------------------
 
@@ -425,14 +428,17 @@ class _Scanner:
         entries = np.frombuffer(raw, "<u8")
         self._check_entries(entries, start + 16)
         types = (entries >> TYPE_SHIFT).astype(np.uint8)
-        with_data = int(np.count_nonzero(carries_data(types)))
+        data_mask = carries_data(types)
+        with_data = int(np.count_nonzero(data_mask))
         expected = 8 + 8 * count + PAGE_SIZE * with_data
         if length != expected:
             raise inp.error(f"PAGE_DATA of {count} entries ({with_data} with page contents) must be "
                             f"{expected} bytes, body_length is {length}", at=start + 4)
         self.data_offsets.append(inp.offset)
+        ends = inp.offset + PAGE_SIZE * np.cumsum(data_mask, dtype=np.int64)
         inp.skip(PAGE_SIZE * with_data, "PAGE_DATA page contents")
         self._note_entries(entries & np.uint64(PFN_MASK))
+        self._note_ends((entries & np.uint64(PFN_MASK)).astype(np.int64), np.where(data_mask, ends, -1))
         self.data_entries += with_data
         self.skeleton.page_data(raw)
 
@@ -467,6 +473,16 @@ class _Scanner:
             self.resent = bool((self.last_entry[pfns] >= 0).any()) or len(np.unique(pfns)) < len(pfns)
         np.maximum.at(self.last_entry, pfns, ids)
         self.entries += len(pfns)
+
+
+    def _note_ends(self, pfns: np.ndarray, ends: np.ndarray) -> None:
+        """Each pfn's last entry in this record decides where its winning copy ends."""
+        if len(self.last_end_offset) < len(self.last_entry):
+            grown = np.full(len(self.last_entry), -1, np.int64)
+            grown[:len(self.last_end_offset)] = self.last_end_offset
+            self.last_end_offset = grown
+        unique, first_from_back = np.unique(pfns[::-1], return_index=True)
+        self.last_end_offset[unique] = ends[len(pfns) - 1 - first_from_back]
 
 
 def _name(names: dict, rtype: int) -> str:

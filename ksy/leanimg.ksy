@@ -52,7 +52,9 @@ types:
         doc: A reader refuses any other major version.
       - id: minor_version
         type: u2
-        doc: A reader of major version 1 accepts any minor version.
+        doc: |
+          A reader of major version 1 accepts any minor version. 1 in an image
+          that sets INHERITED_DIGESTS (a feature of version 1.1), else 0.
       - id: header_length
         type: u4
         valid:
@@ -63,11 +65,13 @@ types:
       - id: incompatible_features
         type: u8
         valid:
-          max: 7
+          max: 15
         doc: |
           Bit 0 PARENT (the image needs its parent), bit 1 DISK (DISK pages
-          present), bit 2 DELTA (DELTA pages present). A reader refuses an
-          image with a bit it does not know.
+          present), bit 2 DELTA (DELTA pages present), bit 3 INHERITED_DIGESTS
+          (version 1.1, only with PARENT: PARENT pages have no stored digest,
+          theirs is the parent's digest of the same page). A reader refuses an
+          image with a bit it does not know, so a 1.0 reader refuses 1.1 children.
       - id: compatible_features
         type: u8
         doc: Bit 0 SOURCE_STATE (SOURCE_STATE records present). Unknown bits are ignored.
@@ -98,11 +102,12 @@ types:
         repeat: expr
         repeat-expr: header_length - 104
         valid:
-          expr: minor_version > 0 or _ == 0
+          expr: minor_version > 1 or _ == 0
         doc: |
-          Header bytes past the 104 bytes of version 1.0: zero when
-          minor_version is 0; fields a later minor version appended otherwise,
-          which a 1.0 reader ignores (a zero field means the same as an absent one).
+          Header bytes past the 104 bytes of versions 1.0 and 1.1: zero when
+          minor_version is 0 or 1; fields a later minor version appended
+          otherwise, which a 1.1 reader ignores (a zero field means the same as
+          an absent one).
     instances:
       has_parent:
         value: (incompatible_features & 1) != 0
@@ -112,6 +117,9 @@ types:
         value: (incompatible_features & 4) != 0
       has_source_state:
         value: (compatible_features & 1) != 0
+      inherits_digests:
+        value: (incompatible_features & 8) != 0
+        doc: PARENT pages are not digest-bearing (format 1.1).
 
   record:
     doc: |
@@ -247,9 +255,7 @@ types:
         type: u4
         enum: source_format
         valid:
-          any-of:
-            - source_format::qemu
-            - source_format::xen
+          expr: _ == source_format::qemu or _ == source_format::xen or _.to_i >= 0x80000000
       - id: tag
         type: u4
         doc: |
@@ -408,9 +414,12 @@ types:
     doc: |
       Covers pages [first_page, first_page + num_pages) of one region and
       holds the xxh3-128 digests (canonical, big-endian) of the restored
-      content of the STORED, DISK, PARENT and DELTA pages of that range, in
-      page order. ZERO pages have no stored digest (theirs is implied: the
-      digest of page_size zero bytes); FREE pages have none. Which digest
+      content of the digest-bearing pages of that range, in page order:
+      STORED, DISK and DELTA pages, and PARENT pages unless the header's
+      INHERITED_DIGESTS bit is set (then a PARENT page's digest is the
+      parent's digest of the same page). ZERO pages have no stored digest
+      (theirs is implied: the digest of page_size zero bytes); FREE pages
+      have none. Which digest
       belongs to which page follows from the page map: a page's digest is
       found by its rank among the region's digest-bearing pages. A region's
       DIGESTS records, in file order, cover it exactly once.
@@ -421,8 +430,9 @@ types:
       - id: num_digests
         type: u4
         doc: |
-          Number of STORED, DISK, PARENT and DELTA pages in the range (not
-          checkable here: it needs the page map); at most num_pages.
+          Number of digest-bearing pages in the range (STORED, DISK, DELTA;
+          PARENT unless INHERITED_DIGESTS) (not checkable here: it needs the
+          page map); at most num_pages.
       - id: first_page
         type: u8
       - id: num_pages

@@ -34,32 +34,39 @@ class Resolution:
     delta_pages: np.ndarray     # delta entries to apply, sorted by page then deepest link first
     delta_links: np.ndarray
     delta_slots: np.ndarray
+    digest_link: np.ndarray     # per page: the nearest link whose own digest is the page's (spec §10.2)
 
 
 @implements("LI-CHN-004")
 def resolve(image, region) -> Resolution:
-    """Fold the chain of ``image`` for ``region`` into a Resolution."""
+    """Fold the chain of ``image`` for ``region`` into a Resolution. Each link is read from
+    its extents, and only its non-PARENT pages are touched: the fold costs the base's pages
+    plus each link's changed pages, not depth x pages."""
     links = image.chain()
     regions = [region] + [_same_region(link, region) for link in links[1:]]
     n = region.num_pages
     base_link = np.full(n, -1, np.int32)
     base_class = np.zeros(n, np.uint8)
     base_slot = np.zeros(n, np.int64)
+    digest_link = np.full(n, -1, np.int32)
     deltas = []
     for depth in range(len(links) - 1, -1, -1):
         r = regions[depth]
         if r is None:
             continue
-        m = min(n, r.num_pages)
-        classes, slots = links[depth].classes(r, 0, m), links[depth].page_slots(r, 0, m)
+        pages, classes, slots = _own_pages(r, n)
         concrete = np.isin(classes, CONCRETE)
-        idx = np.flatnonzero(concrete)
+        idx = pages[concrete]
         base_link[idx] = depth
-        base_class[idx] = classes[idx]
-        base_slot[idx] = slots[idx]
-        delta_idx = np.flatnonzero(classes == PageClass.DELTA)
-        if len(delta_idx):
-            deltas.append((delta_idx, np.full(len(delta_idx), depth, np.int32), slots[delta_idx]))
+        base_class[idx] = classes[concrete]
+        base_slot[idx] = slots[concrete]
+        if links[depth].digests.inherits:
+            digest_link[pages] = depth
+        else:
+            digest_link[:min(n, r.num_pages)] = depth       # 1.0: a PARENT page has its own digest
+        is_delta = classes == PageClass.DELTA
+        if is_delta.any():
+            deltas.append((pages[is_delta], np.full(int(is_delta.sum()), depth, np.int32), slots[is_delta]))
     unresolved = np.flatnonzero(base_link < 0)
     if len(unresolved):
         page = int(unresolved[0])
@@ -75,7 +82,22 @@ def resolve(image, region) -> Resolution:
         pages, dlinks, dslots = pages[order], dlinks[order], dslots[order]
     else:
         pages = dlinks = dslots = np.zeros(0, np.int64)
-    return Resolution(links, regions, base_link, base_class, base_slot, pages, dlinks, dslots)
+    return Resolution(links, regions, base_link, base_class, base_slot, pages, dlinks, dslots, digest_link)
+
+
+def _own_pages(region, limit: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(page, class, slot) of every page of ``region`` below ``limit`` that is not PARENT, from
+    its extents: as many entries as the link holds pages of its own."""
+    e = region.extents
+    mine = np.flatnonzero((e["page_class"] != PageClass.PARENT) & (region.starts < limit))
+    starts = region.starts[mine]
+    counts = np.minimum(e["num_pages"][mine].astype(np.int64), limit - starts)
+    total = int(counts.sum())
+    within = np.arange(total) - np.repeat(np.cumsum(counts) - counts, counts)
+    pages = np.repeat(starts, counts) + within
+    classes = np.repeat(e["page_class"][mine].astype(np.uint8), counts)
+    slots = np.repeat(e["first_slot"][mine].astype(np.int64), counts) + within
+    return pages, classes, slots
 
 
 def _same_region(link, region):

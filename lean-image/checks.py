@@ -13,7 +13,7 @@ from typing import Iterable, Iterator
 
 import numpy as np
 
-from .errors import DiskError, FormatError, LimitError
+from .errors import ChainError, DiskError, FormatError, LimitError
 from .format import (
     HAS_DIGEST, IS_PAGE_CLASS, DISK_BODY, DISK_NAME_MAX, DISK_SECTOR_SIZE, DISKS_MAX, INDEX_BODY,
     INDEX_ENTRY, NO_KEY, RECORD, REGION_BODY, REGION_NAME_MAX, REGIONS_MAX, IncompatFeature, PageClass,
@@ -223,9 +223,10 @@ def digest_coverage_problems(region_id: int, name: str, num_pages: int,
                           f"{name!r}.digests", rule="LI-DIG-001")
 
 
-def digest_ranks(extents: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Per extent: whether its pages have stored digests, and how many digests precede it."""
-    bearing = HAS_DIGEST[extents["page_class"]]
+def digest_ranks(extents: np.ndarray, bearing_classes: np.ndarray = HAS_DIGEST) -> tuple[np.ndarray, np.ndarray]:
+    """Per extent: whether its pages have stored digests, and how many digests precede it.
+    ``bearing_classes``: the image's digest-bearing classes (format.digest_class_table)."""
+    bearing = bearing_classes[extents["page_class"]]
     counts = np.where(bearing, extents["num_pages"].astype(np.int64), 0)
     rank0 = np.concatenate(([0], np.cumsum(counts)[:-1])) if len(counts) else counts
     return bearing, rank0
@@ -241,11 +242,12 @@ def digests_before(extents: np.ndarray, bearing: np.ndarray, rank0: np.ndarray, 
 
 
 @implements("LI-DIG-003")
-def digest_count_problems(extents: np.ndarray, parts: list[tuple[int, int, int, Record | None, int]]
-                          ) -> Iterator[FormatError]:
-    """num_digests of each DIGESTS record equals the STORED, DISK, PARENT and DELTA pages of
-    its range. ``parts``: (first_page, num_pages, num_digests, record or None, record offset)."""
-    bearing, rank0 = digest_ranks(extents)
+def digest_count_problems(extents: np.ndarray, parts: list[tuple[int, int, int, Record | None, int]],
+                          bearing_classes: np.ndarray = HAS_DIGEST) -> Iterator[FormatError]:
+    """num_digests of each DIGESTS record equals the digest-bearing pages of its range (STORED,
+    DISK, DELTA, and PARENT unless the image inherits them: ``bearing_classes``).
+    ``parts``: (first_page, num_pages, num_digests, record or None, record offset)."""
+    bearing, rank0 = digest_ranks(extents, bearing_classes)
     for first, count, num_digests, record, offset in parts:
         lo, hi = digests_before(extents, bearing, rank0, [first, first + count])
         if num_digests != int(hi - lo):
@@ -266,6 +268,17 @@ def digest_problems(region_id: int, name: str, pages: np.ndarray, got: np.ndarra
         yield FormatError(f"region {name!r} page {page}{where}: content digest {bytes(got[k]).hex()} differs "
                           f"from recorded {bytes(expected[k]).hex()}", structure=f"region[{region_id}].page[{page}]",
                           rule="LI-DIG-002")
+
+
+@implements("LI-CHN-006")
+def inherited_digest_problems(region_id: int, name: str, free_pages: np.ndarray, link_path: str
+                              ) -> Iterator[FormatError]:
+    """A PARENT page that inherits its digest (format 1.1) finds a digest down the chain:
+    ``free_pages`` are such pages whose digest link (``link_path``) has them FREE."""
+    for page in free_pages[:1].tolist():
+        yield ChainError(f"region {name!r} page {page} is PARENT without a stored digest (INHERITED_DIGESTS), "
+                         f"and the page is FREE in {link_path}: it has no digest to inherit",
+                         structure=f"region[{region_id}].page[{page}]", rule="LI-CHN-006")
 
 
 # --- disk references (spec §6.4) ------------------------------------------------------

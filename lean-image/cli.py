@@ -37,6 +37,10 @@ class LeanGroup(click.Group):
             raise
         except BrokenPipeError:
             ctx.exit(EXIT_INVALID)
+        except MemoryError as exc:   # the environment too: an input larger than this process may hold
+            click.echo(f"leanimg: error: out of memory{': ' + str(exc) if str(exc) else ''} "
+                       "(the input needs more memory than this process may use)", err=True)
+            ctx.exit(EXIT_INVALID)
         except OSError as exc:    # the environment (a full disk, a permission), not a bug
             where = f"{exc.filename}: " if exc.filename else ""
             click.echo(f"leanimg: error: {where}{exc.strerror or exc}", err=True)
@@ -260,9 +264,11 @@ def _print_report(report) -> None:
 
 @main.command()
 @click.argument("image", type=click.Path(exists=True, dir_okay=False))
-@click.option("--to", "target", type=click.Choice(["raw", "qemu", "xen"]), default="raw", show_default=True,
+@click.option("--to", "target", default="raw", show_default=True, metavar="raw|qemu|xen|PLUGIN",
+              callback=lambda ctx, param, value: _installed_plugin("leanimg.targets", param, value),
               help="raw: flat guest memory; qemu: a migration stream for `qemu -incoming`; "
-              "xen: the Xen save file (xl, libxl or libxc stream) the image came from.")
+              "xen: the Xen save file (xl, libxl or libxc stream) the image came from; "
+              "or an installed target plugin's name (leanimg plugins).")
 @click.option("-o", "--output", required=True, metavar="FILE|-", help="Output file, or - for stdout.")
 @parent_option
 @disk_option
@@ -298,7 +304,9 @@ def restore(image, target, output, parents, disks, sort_blocks, any_disk_identit
 @main.command()
 @click.argument("save", metavar="SAVE|-")
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="The lean image to write.")
-@click.option("--from", "source_format", type=click.Choice(["qemu", "xen"]), help="Force the source format.")
+@click.option("--from", "source_format", metavar="qemu|xen|PLUGIN",
+              callback=lambda ctx, param, value: _installed_plugin("leanimg.sources", param, value),
+              help="Force the source format (an installed source plugin's name: leanimg plugins).")
 @click.option("--spool/--no-spool", default=None,
               help="Assemble RAM in scratch files first (needed for live saves read from a pipe).")
 @click.option("--level", default=3, show_default=True, type=click.IntRange(1, 22),
@@ -315,13 +323,22 @@ def restore(image, target, output, parents, disks, sort_blocks, any_disk_identit
               "references. NAME (the guest's device name, e.g. vda) defaults to the file name's stem.")
 @click.option("--all-phases", is_flag=True,
               help="Scan every 512-byte phase of each disk, not only the partitions' own.")
+@click.option("--hints", "hints_path", type=click.Path(exists=True, dir_okay=False), metavar="FILE",
+              help="Hints to apply (spec/hints.md): FREE by the stream-offset rule, DISK verified against "
+              "--disk, UNCHANGED against --parent.")
+@click.option("--trust-dirty-log", is_flag=True,
+              help="With --hints: pages hinted UNCHANGED that the stream never sends are taken from the parent.")
+@click.option("--disk-scan/--no-disk-scan", default=None,
+              help="Scan the --disk disks for pages (default: yes, unless the hints have DISK hints).")
 @force_option
-def convert(save, output, source_format, spool, level, frame_pages, parents, delta, disks, all_phases, force):
+def convert(save, output, source_format, spool, level, frame_pages, parents, delta, disks, all_phases, hints_path,
+            trust_dirty_log, disk_scan, force):
     """Convert a hypervisor save file (QEMU migration stream, Xen xl/libxl/libxc stream) into a lean image."""
     from .disks.partitions import scan_bytes
     # the parent's chain is opened to name its links only when OUTPUT exists: it could be one
     chain = _chain_paths(parents[0], parents) if parents and os.path.exists(output) else []
-    _guard_output(output, [save, *parents, *chain, *_parse_disks(disks).values()], force)
+    _guard_output(output, [save, *parents, *chain, *_parse_disks(disks).values(), *filter(None, [hints_path])], force)
+    hinting = _hint_options(hints_path, trust_dirty_log, disk_scan)
     with _disk_sources(_parse_disks(disks), name_from_file=True) as sources:
         if sources:        # the bar follows the disk scan, the part whose length depends on the disk
             total = sum(scan_bytes(d, 4096, all_phases) for d in sources.values())
@@ -333,9 +350,54 @@ def convert(save, output, source_format, spool, level, frame_pages, parents, del
             summary = source.convert(save, output, spool=spool,
                                      writer_options=dict(level=level, frame_pages=frame_pages),
                                      progress=None if sources else advance, parents=parents, allow_delta=delta,
-                                     disks=sources, all_phases=all_phases, disk_progress=advance)
+                                     disks=sources, all_phases=all_phases, disk_progress=advance, **hinting)
     if summary:
         _report_disk_pages(sources, summary)
+    _report_hints(hinting)
+
+
+# -- hints (spec/hints.md) ------------------------------------------------------------------
+def _hint_options(path, trust_dirty_log: bool, disk_scan) -> dict:
+    """The convert options of --hints: the hints read and checked before the save is."""
+    if path is None:
+        if trust_dirty_log:
+            raise click.UsageError("--trust-dirty-log needs --hints")
+        return {"disk_scan": disk_scan} if disk_scan is not None else {}
+    from .hints import read_hints
+    return dict(hints=read_hints(path), trust_dirty_log=trust_dirty_log, disk_scan=disk_scan, hint_report={})
+
+
+def _report_hints(hinting: dict) -> None:
+    for kind, counts in hinting.get("hint_report", {}).items():
+        click.echo(f"hints {kind}: " + ", ".join(f"{n} {what}" for what, n in counts.items()) + " (pages)", err=True)
+
+
+@main.command("validate-hints")
+@click.argument("hints_file", metavar="FILE", type=click.Path(exists=True, dir_okay=False))
+@click.option("--save", type=click.Path(exists=True, dir_okay=False), help="The save the hints are for.")
+@click.option("--image", type=click.Path(exists=True, dir_okay=False), help="An image converted from that save.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def validate_hints(hints_file, save, image, as_json):
+    """Check a hint file against spec/hints.md. Exit 0 valid, 1 invalid."""
+    from .rules import describe
+    from .validate_hints import validate_hints as run
+    if save and image:
+        raise click.UsageError("give --save or --image, not both")
+    report = run(hints_file, save=save, image=image)
+    if as_json:
+        click.echo(json.dumps(report.to_json(), indent=2))
+    else:
+        for finding in report.findings:
+            where = f"offset {finding.offset:#x}" if finding.offset is not None else "offset -"
+            click.echo(f"{finding.rule} {where} {finding.structure}: {finding.message}")
+            click.echo(f"    rule: {describe(finding.rule)}")
+        for rule, count in report.suppressed.items():
+            click.echo(f"{rule}: {count} more findings not shown")
+        for note in report.not_checked:
+            click.echo(f"not checked: {note}")
+        verdict = "valid" if report.valid else f"INVALID ({len(report.findings)} findings)"
+        click.echo(f"{hints_file}: {verdict}; {report.records} hint records")
+    sys.exit(0 if report.valid else EXIT_INVALID)
 
 
 def _save_source(save: str, source_format: str | None):
@@ -408,6 +470,61 @@ def _report_rebase(output, parents=()) -> None:
         counts = class_counts(written)
     parts = ", ".join(f"{n} {cls.name}" for cls, n in sorted(counts.items()) if n)
     click.echo(f"{output}: written, {parts}")
+
+
+# -- plugins (issue 13 §2) ------------------------------------------------------
+def _installed_plugin(group: str, param, value):
+    """A --to/--from value that names an installed plugin of ``group`` (a usage error otherwise)."""
+    from .plugins import is_installed, names
+    if value is not None and not is_installed(group, value):
+        raise click.BadParameter(f"{value!r} is not an installed plugin (installed: {', '.join(names(group))})",
+                                 param=param)
+    return value
+
+
+@main.command("plugins")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def plugins_command(as_json):
+    """List the installed source formats and restore targets, with the distribution that
+    provides each; a plugin that cannot be loaded is listed as BROKEN with the reason."""
+    from .plugin_list import render_text
+    from .plugins import installed
+    found = installed()
+    click.echo(json.dumps([p.to_json() for p in found], indent=2) if as_json else render_text(found))
+# -- end plugins --------------------------------------------------------------------
+
+
+# --- serve: lazy restore (restore/postcopy.py, spec/guides/lazy-restore.md) ----------------
+@main.command()
+@click.argument("image", type=click.Path(exists=True, dir_okay=False))
+@click.option("--postcopy", is_flag=True, required=True,
+              help="Speak the source side of QEMU 7.2's post-copy migration: the stream on stdout, "
+              "QEMU's return path on stdin (for -incoming \"exec:leanimg serve IMG --postcopy\").")
+@click.option("--prepage", type=click.Choice(["none", "sequential", "bubble", "disk-sorted"]),
+              default="sequential", show_default=True,
+              help="The order pages are pushed in while the guest runs (none: only on demand).")
+@click.option("--stats", "stats_path", type=click.Path(dir_okay=False), metavar="FILE",
+              help="Also write the counts (pages on demand, pushed, ...) to FILE as JSON.")
+@parent_option
+@disk_option
+@click.option("--any-disk-identity", is_flag=True, help="As for restore: every block is still checked.")
+@force_option
+def serve(image, postcopy, prepage, stats_path, parents, disks, any_disk_identity, force):
+    """Serve IMAGE to a QEMU destination that runs the guest before its memory has arrived.
+
+    qemu-system-x86_64 ... -global migration.x-postcopy-ram=on
+    -incoming "exec:leanimg serve IMG --postcopy"
+    """
+    from .plugins import target as restore_target
+    if not postcopy:
+        raise click.UsageError("serve needs --postcopy (the only protocol it speaks)")
+    if sys.stdout.isatty():
+        raise click.UsageError("serve writes a migration stream to stdout: run it as QEMU's -incoming exec:")
+    with _open_image(image, parents, disks, check_disk_identity=not any_disk_identity) as img:
+        if stats_path:
+            _guard_output(stats_path, _inputs_of(img, disks), force)
+        restore_target("qemu").serve(img, sys.stdout.buffer, sys.stdin.buffer, strategy=prepage,
+                                     stats_path=stats_path)
 
 
 @main.command()

@@ -1,5 +1,8 @@
 """The digest each page of an image must have (spec §6.5): stored in the DIGESTS records for
-STORED, DISK, PARENT and DELTA pages, implied for ZERO pages, none for FREE pages. A region's
+the digest-bearing pages (STORED, DISK, DELTA, and PARENT in a 1.0 image), implied for ZERO
+pages, none for FREE pages, and, for a PARENT page of an image with INHERITED_DIGESTS (1.1),
+inherited: the digest of the page in its *digest link*, the nearest link of the chain where the
+page is not such a PARENT page (chain.resolve finds it for a whole region at once). A region's
 DIGESTS records are read when its digests are first needed, and checked then (LI-DIG-003).
 """
 
@@ -9,14 +12,22 @@ import numpy as np
 
 from . import checks
 from .checks import first_problem
-from .format import DIGEST_SIZE, PageClass, page_digest, zero_page_digest
+from .errors import ChainError
+from .format import (
+    DIGEST_SIZE, PageClass, digest_class_table, inherits_digests, page_digest, zero_page_digest,
+)
 from .tables import ImageTables, Region
 
 
 class DigestStore:
-    def __init__(self, tables: ImageTables):
+    def __init__(self, tables: ImageTables, image=None):
+        """``image``: the LeanImage these are the digests of, whose chain inherited digests
+        come from (None: an image read without its chain)."""
         self.tables = tables
+        self.image = image
         self.page_size = tables.page_size
+        self.inherits = inherits_digests(tables.header.incompatible_features)
+        self._bearing_classes = digest_class_table(tables.header.incompatible_features)
         self._tables: dict[int, np.ndarray] = {}
 
     def table(self, region: Region) -> np.ndarray:
@@ -25,13 +36,22 @@ class DigestStore:
             records = self.tables.digest_records(region)
             first_problem(checks.digest_count_problems(region.extents, [
                 (r.parsed["first_page"], r.parsed["num_pages"], r.parsed["num_digests"], r, r.offset)
-                for r in records]))
+                for r in records], self._bearing_classes))
             parts = [r.parsed["digests"] for r in records]
             self._tables[region.region_id] = np.concatenate(parts) if parts else np.zeros((0, DIGEST_SIZE), np.uint8)
         return self._tables[region.region_id]
 
     def expected_range(self, region: Region, first_page: int, count: int) -> tuple[np.ndarray, np.ndarray]:
         """Classes of a range and the digest each page must have (zero rows for FREE)."""
+        classes, expected = self.own_range(region, first_page, count)
+        if self.inherits:
+            rows = np.flatnonzero(classes == PageClass.PARENT)
+            if len(rows):
+                expected[rows] = self._inherited(region, first_page + rows)
+        return classes, expected
+
+    def own_range(self, region: Region, first_page: int, count: int) -> tuple[np.ndarray, np.ndarray]:
+        """As expected_range, from this image alone: inherited digests are left zero."""
         lo, hi = region.extent_span(first_page, count)
         e = region.extents[lo:hi]
         sizes = e["num_pages"].astype(np.int64)
@@ -45,8 +65,38 @@ class DigestStore:
         expected[classes == PageClass.ZERO] = np.frombuffer(zero_page_digest(self.page_size), np.uint8)
         return classes, expected
 
+    def own_pages(self, region: Region, pages: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Classes and own digests (as own_range) of scattered pages, by binary search: the
+        cost grows with the pages asked for, not with the range they span."""
+        pages = np.asarray(pages, np.int64)
+        i = np.searchsorted(region.starts, pages, side="right") - 1
+        classes = region.extents["page_class"][i].astype(np.uint8)
+        bearing = region.digest_bearing[i]
+        ranks = region.digest_rank0[i] + pages - region.starts[i]
+        expected = np.zeros((len(pages), DIGEST_SIZE), np.uint8)
+        expected[bearing] = self.table(region)[ranks[bearing]]
+        expected[classes == PageClass.ZERO] = np.frombuffer(zero_page_digest(self.page_size), np.uint8)
+        return classes, expected
+
+    def _inherited(self, region: Region, pages: np.ndarray) -> np.ndarray:
+        """The inherited digests of PARENT pages ``pages`` (ascending): each from its digest link."""
+        if self.image is None or self.image.parent is None:
+            raise ChainError(f"region {region.name!r} page {int(pages[0])} is PARENT and inherits its digest "
+                             "(format 1.1): it can be checked only with the parent chain (--parent)",
+                             structure=f"region[{region.region_id}].page[{int(pages[0])}]")
+        resolution = self.image.resolution(region)
+        links = resolution.digest_link[pages]
+        expected = np.zeros((len(pages), DIGEST_SIZE), np.uint8)
+        for depth in np.unique(links).tolist():
+            rows = np.flatnonzero(links == depth)
+            link = resolution.links[depth]
+            classes, expected[rows] = link.digests.own_pages(resolution.regions[depth], pages[rows])
+            first_problem(checks.inherited_digest_problems(region.region_id, region.name,
+                                                           pages[rows][classes == PageClass.FREE], link.path))
+        return expected
+
     def expected(self, region: Region, page: int) -> bytes | None:
-        """The digest page ``page`` must have: stored, implied (ZERO) or None (FREE)."""
+        """The digest page ``page`` must have: stored, implied (ZERO), inherited or None (FREE)."""
         classes, expected = self.expected_range(region, page, 1)
         return None if classes[0] == PageClass.FREE else expected[0].tobytes()
 

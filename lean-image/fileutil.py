@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import atexit
 import fcntl
 import hashlib
 import io
 import os
 import stat
+import secrets
 import sys
 from typing import BinaryIO
 
@@ -147,6 +149,55 @@ def check_output(output, inputs, *, force: bool = False) -> None:
         raise OutputRefused(f"{output} exists; use -f/--force to replace it")
 
 
+# temporary outputs not yet renamed or removed: whatever ends the process (an exception, a
+# SIGINT/SIGTERM turned into SystemExit, even between creating the file and the code that would
+# clean it up), the atexit hook below removes them
+_TEMPORARIES: set[str] = set()
+
+
+def temporary_beside(path: str) -> str:
+    """A fresh name in ``path``'s directory for the temporary file of an output that becomes
+    ``path`` by rename once complete. Every command names them alike,
+    ``.leanimg-<output name>-<random>.partial``, so a file a SIGKILL left behind says what it
+    was; it is never the complete output."""
+    directory, name = os.path.split(os.path.abspath(path))
+    return os.path.join(directory, f".leanimg-{name[:100]}-{secrets.token_hex(4)}.partial")
+
+
+def create_temporary(path: str, buffering: int = -1) -> tuple[str, BinaryIO]:
+    """A new temporary file for the output ``path``: (its name, open for writing)."""
+    temp = temporary_beside(path)
+    _TEMPORARIES.add(temp)                # before it exists: no moment when it is not tracked
+    try:
+        return temp, open(temp, "xb", buffering=buffering)
+    except OSError:
+        _TEMPORARIES.discard(temp)
+        raise
+
+
+def commit_temporary(temp: str, path: str) -> None:
+    """Make the complete temporary file ``temp`` the output ``path`` (permissions as open()
+    would give, data and name durable)."""
+    os.chmod(temp, 0o666 & ~umask())
+    os.replace(temp, path)
+    _TEMPORARIES.discard(temp)
+    fsync_path(os.path.dirname(os.path.abspath(path)))
+
+
+def discard_temporary(temp: str) -> None:
+    _TEMPORARIES.discard(temp)
+    try:
+        os.unlink(temp)
+    except FileNotFoundError:
+        pass
+
+
+@atexit.register
+def _discard_leftover_temporaries() -> None:
+    for temp in list(_TEMPORARIES):
+        discard_temporary(temp)
+
+
 def write_atomically(path: str, produce) -> int:
     """Run ``produce(fileobj)`` into a temporary file that becomes ``path`` only when complete.
 
@@ -158,17 +209,15 @@ def write_atomically(path: str, produce) -> int:
     if is_special_file(path):
         with open(path, "wb") as out:
             return produce(out)
-    temp = f"{path}.partial-{os.getpid()}"
+    temp, out = create_temporary(path)
     try:
-        with open(temp, "wb") as out:
+        with out:
             written = produce(out)
             out.flush()
             os.fsync(out.fileno())
-        os.replace(temp, path)
-        fsync_path(os.path.dirname(os.path.abspath(path)))
+        commit_temporary(temp, path)
     except BaseException:
-        if os.path.exists(temp):
-            os.unlink(temp)
+        discard_temporary(temp)
         raise
     return written
 

@@ -1,4 +1,4 @@
-"""Every constant and on-disk structure of lean image format v1.0, declared once.
+"""Every constant and on-disk structure of lean image format v1.1, declared once.
 
 Each structure is declared here as the spec's byte table declares it (spec/format.md): field
 names, types and order. From that one declaration come the struct used to pack and unpack
@@ -114,7 +114,8 @@ class Structure:
 
 
 FORMAT_MAJOR = 1
-FORMAT_MINOR = 0
+FORMAT_MINOR = 1          # this toolkit reads and writes 1.1
+FORMAT_MINOR_PLAIN = 0    # the minor of an image that sets no bit defined in 1.1: a 1.0 image
 
 # --- header (spec §3) --------------------------------------------------------
 HEADER_MAGIC = b"\x89LEANIMG"
@@ -133,6 +134,7 @@ class IncompatFeature(enum.IntFlag):
     PARENT = 1 << 0       # PARENT or DELTA pages: the image needs its parent
     DISK = 1 << 1         # DISK pages: restore needs the disks of the disk table
     DELTA = 1 << 2        # DELTA pages present
+    INHERITED_DIGESTS = 1 << 3   # (1.1) PARENT pages carry no stored digest: the parent chain gives it
 
 
 class CompatFeature(enum.IntFlag):
@@ -144,7 +146,8 @@ class AutoclearFeature(enum.IntFlag):
     """A writer that modifies an image MUST clear autoclear bits it does not know."""
 
 
-KNOWN_INCOMPAT = int(IncompatFeature.PARENT | IncompatFeature.DISK | IncompatFeature.DELTA)
+KNOWN_INCOMPAT = int(IncompatFeature.PARENT | IncompatFeature.DISK | IncompatFeature.DELTA
+                     | IncompatFeature.INHERITED_DIGESTS)
 KNOWN_COMPAT = int(CompatFeature.SOURCE_STATE)
 
 # --- records (spec §4) -------------------------------------------------------
@@ -193,6 +196,9 @@ class SourceFormat(enum.IntEnum):
     XEN = 2
 
 
+PRIVATE_SOURCE_FORMATS = 0x8000_0000     # source_format values from here up: private use (spec §5.4)
+
+
 PAGE_FRAME_BODY = Structure("page_frame_body", [
     ("first_ordinal", "u8"), ("num_pages", "u4"), ("reserved", "u4"), ("frame", "b[]")])
 DELTA_FRAME_BODY = Structure("delta_frame_body", [
@@ -226,8 +232,10 @@ class PageClass(enum.IntEnum):
 
 
 SLOT_CLASSES = {PageClass.STORED, PageClass.DISK, PageClass.DELTA}
-# pages whose digest is stored in DIGESTS records; a ZERO page's digest is implied, FREE has none
+# pages whose digest is stored in DIGESTS records; a ZERO page's digest is implied, FREE has none,
+# and in an image with INHERITED_DIGESTS a PARENT page's digest is the parent's (spec §6.1)
 DIGEST_CLASSES = {PageClass.STORED, PageClass.DISK, PageClass.PARENT, PageClass.DELTA}
+OWN_DIGEST_CLASSES = DIGEST_CLASSES - {PageClass.PARENT}
 
 
 def _class_table(classes) -> np.ndarray:
@@ -240,6 +248,17 @@ def _class_table(classes) -> np.ndarray:
 IS_PAGE_CLASS = _class_table(PageClass)
 HAS_SLOT = _class_table(SLOT_CLASSES)
 HAS_DIGEST = _class_table(DIGEST_CLASSES)
+HAS_OWN_DIGEST = _class_table(OWN_DIGEST_CLASSES)
+
+
+def inherits_digests(incompatible_features: int) -> bool:
+    """Whether an image's PARENT pages take their digests from the parent chain (format 1.1)."""
+    return bool(incompatible_features & IncompatFeature.INHERITED_DIGESTS)
+
+
+def digest_class_table(incompatible_features: int) -> np.ndarray:
+    """HAS_DIGEST or HAS_OWN_DIGEST: the digest-bearing classes of an image with these bits."""
+    return HAS_OWN_DIGEST if inherits_digests(incompatible_features) else HAS_DIGEST
 
 # --- delta entries (spec §6) -------------------------------------------------
 DELTA_ENTRY = Structure("delta_entry", [

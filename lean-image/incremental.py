@@ -12,6 +12,7 @@ import numpy as np
 
 from .format import DIGEST_SIZE, PageClass, page_digest
 from .reader import LeanImage
+from .rules import implements
 from .writer import LeanImageWriter, ParentLink
 
 
@@ -27,6 +28,7 @@ class AgainstParent:
         self.counts: Counter = Counter()
         self._parent_regions = {r.name: r for r in parent.regions} if parent else {}
 
+    @implements("LI-HNT-025")   # a page becomes PARENT only when its digest equals the parent's
     def put_pages(self, region_id: int, region_name: str, first_page: int, data) -> None:
         data = memoryview(data).cast("B")
         ps = self.writer.page_size
@@ -84,13 +86,16 @@ def rebase(image: LeanImage, dest, onto: LeanImage | None, *, allow_delta: bool 
     """Write ``image``'s memory as a new image whose parent is ``onto`` (None: self-contained).
 
     flatten = rebase onto None; merge = rebase onto the grandparent. Source state is kept, and
-    so are ``image``'s own DISK references (with its disk table): those pages are not read.
+    so are DISK references: a page whose bytes come, through the links folded away, from a
+    DISK page of any of them stays a DISK reference (with that link's disk declared), so
+    neither the disk nor those pages are read.
     """
     link = parent_link(onto) if onto is not None else None
+    folded = image.chain()[:len(image.chain()) - (len(onto.chain()) if onto is not None else 0)]
     writer = LeanImageWriter(dest, page_size=image.page_size, parent=link,
                              allow_delta=allow_delta and onto is not None)
     with writer:
-        disk_ids = {d.disk_id: writer.add_disk(d.name, d.size_bytes, d.fingerprint) for d in image.disks}
+        disk_ids = _declare_disks(writer, folded)
         if image.source_states:
             writer.declare_source_state()
         feeder = AgainstParent(writer, onto)
@@ -98,20 +103,91 @@ def rebase(image: LeanImage, dest, onto: LeanImage | None, *, allow_delta: bool 
         for state in image.source_states:
             writer.add_source_state(state.source_format, state.tag, state.data)
         for region, region_id in regions:
+            on_disk = DiskBases(image, region, folded, disk_ids)
             for first in range(0, region.num_pages, chunk_pages):
                 count = min(chunk_pages, region.num_pages - first)
-                classes = image.classes(region, first, count)
+                classes = on_disk.classes(first, image.classes(region, first, count))
                 for a, b, cls in _class_runs(classes, (PageClass.FREE, PageClass.DISK)):
                     if cls == PageClass.FREE:
                         writer.put_free(region_id, first + a, b - a)
                     elif cls == PageClass.DISK:
-                        _copy_disk_refs(image, writer, disk_ids, region, region_id, first + a, b - a)
+                        on_disk.copy(writer, region_id, first + a, b - a)
                     else:
                         feeder.put_pages(region_id, region.name, first + a,
                                          image.region_bytes(region, first + a, b - a))
                         continue
                     feeder.counts[PageClass(cls)] += b - a
     return feeder.counts
+
+
+def _declare_disks(writer: LeanImageWriter, links: list) -> dict:
+    """Declare the disks of ``links`` in ``writer``, once per name: {(depth, disk id): new id}.
+    A disk whose name an earlier link gave to a disk of another size or fingerprint is left
+    out (a disk table names each disk once): its pages are read instead."""
+    known: dict = {}                      # name -> (size, fingerprint, new id)
+    ids: dict = {}
+    for depth, link in enumerate(links):
+        for d in link.disks:
+            identity = (d.size_bytes, bytes(d.fingerprint))
+            if d.name not in known:
+                known[d.name] = (*identity, writer.add_disk(d.name, d.size_bytes, d.fingerprint))
+            if known[d.name][:2] == identity:
+                ids[depth, d.disk_id] = known[d.name][2]
+    return ids
+
+
+class DiskBases:
+    """The pages of one region whose bytes, through the folded links, are a DISK page of one of
+    them with no delta above it: they are written as that DISK reference."""
+
+    def __init__(self, image: LeanImage, region, folded: list, disk_ids: dict):
+        n = region.num_pages
+        self.link = np.full(n, -1, np.int64)
+        self.slot = np.zeros(n, np.int64)
+        self.new_id = np.full(n, -1, np.int64)
+        if not disk_ids:
+            self.resolution = None
+            return
+        res = self.resolution = image.resolution(region)
+        candidate = (res.base_class == PageClass.DISK) & (res.base_link < len(folded))
+        candidate[res.delta_pages] = False
+        pages = np.flatnonzero(candidate)
+        depths, slots = res.base_link[pages], res.base_slot[pages]
+        new_ids = np.full(len(pages), -1, np.int64)
+        for depth in np.unique(depths).tolist():
+            at = depths == depth
+            old = res.links[depth].tables.disk_refs.disk_ids[slots[at]].astype(np.int64)
+            new_ids[at] = _map_ids(old, depth, disk_ids)
+        keep = pages[new_ids >= 0]
+        self.link[keep], self.slot[keep] = depths[new_ids >= 0], slots[new_ids >= 0]
+        self.new_id[keep] = new_ids[new_ids >= 0]
+
+    def classes(self, first: int, classes: np.ndarray) -> np.ndarray:
+        """``classes`` of pages [first, first+len) with DISK where the bytes are a disk's."""
+        on_disk = self.link[first:first + len(classes)] >= 0
+        return np.where(on_disk, PageClass.DISK, classes).astype(classes.dtype)
+
+    def copy(self, writer: LeanImageWriter, region_id: int, first: int, count: int) -> None:
+        pages = np.arange(first, first + count)
+        links, slots = self.link[pages], self.slot[pages]
+        sectors = np.zeros(count, np.int64)
+        digests = np.zeros((count, DIGEST_SIZE), np.uint8)
+        for depth in np.unique(links).tolist():
+            at = np.flatnonzero(links == depth)
+            link, region = self.resolution.links[depth], self.resolution.regions[depth]
+            sectors[at] = link.tables.disk_refs.sectors[slots[at]]
+            lo, hi = int(pages[at[0]]), int(pages[at[-1]]) + 1
+            _, expected = link.digests.expected_range(region, lo, hi - lo)
+            digests[at] = expected[pages[at] - lo]
+        writer.put_disks(region_id, pages, self.new_id[pages], sectors, digests)
+
+
+def _map_ids(old: np.ndarray, depth: int, disk_ids: dict) -> np.ndarray:
+    mapped = np.full(len(old), -1, np.int64)
+    for (d, old_id), new_id in disk_ids.items():
+        if d == depth:
+            mapped[old == old_id] = new_id
+    return mapped
 
 
 def _class_runs(classes: np.ndarray, kept: tuple):
@@ -122,16 +198,3 @@ def _class_runs(classes: np.ndarray, kept: tuple):
     bounds = [0, *edges.tolist(), len(key)]
     for a, b in zip(bounds, bounds[1:]):
         yield a, b, int(key[a])
-
-
-def _copy_disk_refs(image: LeanImage, writer, disk_ids: dict, region, region_id: int, first: int,
-                    count: int) -> None:
-    """The DISK references of pages [first, first+count) of ``image``, copied as they are."""
-    slots = image.page_slots(region, first, count)
-    refs = image.tables.disk_refs
-    _, digests = image.digests.expected_range(region, first, count)
-    old_ids = refs.disk_ids[slots]
-    new_ids = np.zeros(len(old_ids), np.int64)
-    for old, new in disk_ids.items():
-        new_ids[old_ids == old] = new
-    writer.put_disks(region_id, np.arange(first, first + count), new_ids, refs.sectors[slots], digests)

@@ -49,6 +49,8 @@ def summarize(image: LeanImage) -> dict:
     counts = class_counts(image)
     logical = sum(r.size_bytes for r in image.regions)
     stored = image.footer.file_length
+    links = image.chain()
+    chain_stored = sum(link.footer.file_length for link in links)
     return dict(
         path=image.path,
         format_version=f"{header.major_version}.{header.minor_version}",
@@ -66,7 +68,10 @@ def summarize(image: LeanImage) -> dict:
         chain=[dict(path=link.path, image_uuid=str(uuidlib.UUID(bytes=link.header.image_uuid)),
                     bytes=link.footer.file_length,
                     classes={cls.name: n for cls, n in class_counts(link).items() if n})
-               for link in image.chain()],
+               for link in links],
+        # what restoring this image needs: its memory against the bytes of every link
+        chain_totals=dict(links=len(links), logical_bytes=logical, stored_bytes=chain_stored,
+                          ratio=logical / chain_stored if chain_stored else 0.0),
         source_states=len(image.source_states),
         source=describe_source(image),
         classes=breakdown(image, counts),
@@ -129,7 +134,11 @@ def render_text(summary: dict) -> str:
     for row in summary["classes"]:
         lines.append(f"  {row['page_class']:<8} {row['pages']:>10} {row['mib']:>10.2f} {row['percent']:>6.2f}%")
     lines += ["", f"logical {summary['logical_bytes'] / MIB:.2f} MiB, stored {summary['stored_bytes'] / MIB:.2f} MiB, "
-              f"ratio {summary['ratio']:.2f}x"]
+              f"ratio {summary['ratio']:.2f}x" + (" (this link alone)" if len(summary["chain"]) > 1 else "")]
+    totals = summary["chain_totals"]
+    if totals["links"] > 1:
+        lines.append(f"chain of {totals['links']} links: logical {totals['logical_bytes'] / MIB:.2f} MiB, "
+                     f"stored {totals['stored_bytes'] / MIB:.2f} MiB in all links, ratio {totals['ratio']:.2f}x")
     for disk, files in summary.get("disk_files", {}).items():
         lines += ["", f"DISK pages of {disk} by file:", f"  {'MiB':>10} {'pages':>8}  file"]
         lines += [f"  {f['mib']:>10.2f} {f['pages']:>8}  {f['path']}" for f in files]

@@ -68,6 +68,7 @@ def _uuid(raw: bytes) -> str:
 
 def _find_candidate(wanted: bytes, candidates, index: dict):
     """The candidate (open image or path) whose image_uuid is ``wanted``; ``index`` caches reads."""
+    by_uuid = index.setdefault(("by-uuid",), {})        # UUID -> first path read with it: O(1) per link
     for candidate in candidates:
         if not isinstance(candidate, (str, os.PathLike)):
             if candidate.header.image_uuid == wanted:
@@ -75,11 +76,10 @@ def _find_candidate(wanted: bytes, candidates, index: dict):
             continue
         key = os.path.abspath(os.fspath(candidate))
         if key not in index:
-            index[key] = _image_uuid(key)
-    for key, found in index.items():
-        if found == wanted and isinstance(key, str):
-            return key
-    return None
+            index[key] = found = _image_uuid(key)
+            if found is not None:
+                by_uuid.setdefault(found, key)
+    return by_uuid.get(wanted)
 
 
 def _siblings(path: str, index: dict) -> list[str]:

@@ -45,7 +45,7 @@ class LeanImage:
         self.disks: list[DiskInfo] = tables.disks
         self.source_states: list[SourceState] = tables.source_states
         self.frames = FrameStore(tables)
-        self.digests = DigestStore(tables)
+        self.digests = DigestStore(tables, self)
         self.disk_sources: dict[int, object] = {}      # disk id -> attached disk source
         self.parent: LeanImage | None = None
         self.sort_blocks = True                        # DISK pages read in ascending physical order

@@ -1,4 +1,4 @@
-"""Every conformance rule of format v1.0, by id, as spec/format.md states it, and the one
+"""Every conformance rule of format v1.1, by id, as spec/format.md states it, and the one
 function that implements each.
 
 `leanimg validate` reports findings by these ids; spec/conformance.md lists them with how
@@ -21,11 +21,12 @@ RULES = {
     "LI-HDR-005": "no incompatible feature bit unknown to the reader is set",
     "LI-HDR-006": "page_size is a power of two between 4096 and 65536",
     "LI-HDR-007": "the reserved header field is zero, and so are header bytes past offset 104 "
-                  "when minor_version is 0 (later minors append fields a 1.0 reader ignores)",
+                  "when minor_version is 0 or 1 (later minors append fields a 1.1 reader ignores)",
     "LI-HDR-008": "parent_uuid and parent_digest are both zero or both non-zero, "
                   "and the PARENT incompatible bit is set exactly when they are non-zero",
     "LI-HDR-009": "the DISK (DELTA) incompatible bit is set when any DISK (DELTA) page exists; "
                   "a writer MAY set it without such pages (the header is written first)",
+    "LI-HDR-010": "the INHERITED_DIGESTS incompatible bit is set only with the PARENT bit",
     # records (spec §4)
     "LI-REC-001": "records follow each other from header_length to the footer without gap",
     "LI-REC-002": "a record lies wholly before the footer",
@@ -65,7 +66,8 @@ RULES = {
     "LI-DIG-001": "each region's digests are given exactly once, in page order",
     "LI-DIG-002": "a page's content has the xxh3-128 digest its table gives "
                   "(a ZERO page's digest is that of page_size zero bytes)",
-    "LI-DIG-003": "num_digests equals the number of STORED, DISK, PARENT and DELTA pages in the range",
+    "LI-DIG-003": "num_digests equals the number of digest-bearing pages in the range: STORED, DISK, "
+                  "DELTA, and PARENT unless INHERITED_DIGESTS is set",
     # index and footer (spec §8)
     "LI-IDX-001": "the INDEX is the last record and lists every other record, in file order, "
                   "with matching offset, type, key, first and count",
@@ -80,24 +82,61 @@ RULES = {
     "LI-CHN-003": "parent and child have the same page_size",
     "LI-CHN-004": "a PARENT or DELTA page lies within a parent region of the same name",
     "LI-CHN-005": "a chain has no cycle and is at most 4096 links deep",
+    "LI-CHN-006": "in an image with INHERITED_DIGESTS, a PARENT page's page in the parent, followed down "
+                  "the chain through inherited PARENT pages, is not FREE",
     # source state (spec §5)
     "LI-SRC-001": "SOURCE_STATE sequence numbers count up from 0 without gaps",
-    "LI-SRC-002": "source_format is 1 (QEMU) or 2 (Xen)",
+    "LI-SRC-002": "source_format is 1 (QEMU), 2 (Xen) or private use (0x80000000 and above)",
 }
 
 
+# The hint protocol (spec/hints.md): a separate registry, so the image vectors of
+# tests/vectors keep covering exactly RULES. ``implements`` registers either kind.
+HINT_RULES = {
+    "LI-HNT-001": "the hints start with the magic 89 4C 45 41 4E 48 4E 54",
+    "LI-HNT-002": "major_version is 1",
+    "LI-HNT-003": "header_checksum is the xxh3-64 of the header's first 24 bytes",
+    "LI-HNT-004": "page_size is a power of two 4096-65536, address_map 0-2 (2 only with 4096), "
+                  "flags and reserved zero",
+    "LI-HNT-005": "a record lies wholly within the input",
+    "LI-HNT-006": "payload_length is at most 1 MiB",
+    "LI-HNT-007": "record_checksum is the xxh3-64 of the record's header and payload",
+    "LI-HNT-008": "a record type without the OPTIONAL bit is known; record flags are zero",
+    "LI-HNT-009": "payload_length matches the record's structure",
+    "LI-HNT-010": "reserved fields are zero",
+    "LI-HNT-011": "the hints end with END, its record_count equals the records before it, nothing follows",
+    "LI-HNT-012": "name ids unique and below 256, names unique and 1-255 bytes of UTF-8, declared before use",
+    "LI-HNT-013": "ranges non-empty, without overflow, page-aligned (guest-physical, with an address map), "
+                  "sorted and disjoint within a record",
+    "LI-HNT-014": "at most 65536 records and 2^22 ranges in all",
+    "LI-HNT-015": "at most one PARENT record, before every UNCHANGED record, which need it",
+    "LI-HNT-016": "addressing is 1 or 2; a FREE source is 0-3",
+    "LI-HNT-017": "page_size equals the save's; address_map fits the save",
+    "LI-HNT-018": "every range lies within guest memory (one piece of the map, or its region)",
+    "LI-HNT-019": "stream_offset does not exceed the save stream's length",
+    "LI-HNT-020": "each disk a DISK hint names is supplied, and the hinted block lies within it",
+    "LI-HNT-021": "the PARENT image_uuid is the writer's parent; UNCHANGED hints need a parent",
+    "LI-HNT-022": "a page hinted UNCHANGED that the stream never sends is PARENT only with --trust-dirty-log",
+    "LI-HNT-023": "a FREE hint makes a page FREE only if every copy of it ended at or before stream_offset",
+    "LI-HNT-024": "a DISK hint makes a DISK reference only if the page equals the disk block byte for byte",
+    "LI-HNT-025": "a page hinted UNCHANGED and sent becomes PARENT only if its digest equals the parent's",
+}
+HINT_IMPLEMENTATIONS: dict = {}
+
+
 def describe(rule: str) -> str:
-    return RULES.get(rule, "")
+    return RULES.get(rule) or HINT_RULES.get(rule, "")
 
 
 def implements(*rules: str):
     """Register the decorated function as the one implementation of ``rules``."""
     def register(function):
         for rule in rules:
-            if rule not in RULES:
+            registry = IMPLEMENTATIONS if rule in RULES else HINT_IMPLEMENTATIONS if rule in HINT_RULES else None
+            if registry is None:
                 raise ValueError(f"{function.__qualname__}: unknown rule {rule}")
-            if rule in IMPLEMENTATIONS:
-                raise ValueError(f"{rule} is implemented by {IMPLEMENTATIONS[rule].__qualname__} already")
-            IMPLEMENTATIONS[rule] = function
+            if rule in registry:
+                raise ValueError(f"{rule} is implemented by {registry[rule].__qualname__} already")
+            registry[rule] = function
         return function
     return register

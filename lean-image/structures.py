@@ -17,10 +17,11 @@ from .errors import FormatError, LeanImageError, LimitError, TruncatedError
 from .format import (
     BODY_OF, DELTA_FRAME_BODY, DIGEST_SIZE, DIGESTS_BODY, DISK_REF, DISK_REFS_BODY,
     DISK_SECTOR_SIZE, EXTENT, FINGERPRINT_SAMPLED_XXH3, FOOTER, FOOTER_MAGIC, FORMAT_MAJOR,
-    FRAME_PAGES_MAX_BYTES, HEADER, HEADER_LENGTH_MAX, HEADER_MAGIC, INDEX_BODY, INDEX_ENTRY, KNOWN_INCOMPAT,
+    FORMAT_MINOR, FRAME_PAGES_MAX_BYTES, HEADER, HEADER_LENGTH_MAX, HEADER_MAGIC, INDEX_BODY, INDEX_ENTRY, KNOWN_INCOMPAT,
     PAGE_FRAME_BODY, PAGE_MAP_BODY, PAGE_SIZE_MAX, PAGE_SIZE_MIN, RECORD, RECORD_BODY_MAX,
     RECORD_OPTIONAL_BIT, RECORD_TRAILER, REGION_FLAG_HAS_GPA,
-    REGION_SIZE_MAX, HAS_SLOT, IS_PAGE_CLASS, SOURCE_STATE_BODY, IncompatFeature, RecordType, SourceFormat,
+    REGION_SIZE_MAX, HAS_SLOT, IS_PAGE_CLASS, PRIVATE_SOURCE_FORMATS, SOURCE_STATE_BODY, IncompatFeature,
+    RecordType, SourceFormat,
     align8, checksum64, record_size, valid_page_size,
 )
 from .rules import implements
@@ -97,7 +98,7 @@ def header_checksum(raw: bytes) -> int:
     return checksum64(bytes(raw[:at]) + bytes(8) + bytes(raw[at + 8:]))
 
 
-@implements("LI-HDR-004", "LI-HDR-005", "LI-HDR-006", "LI-HDR-007", "LI-HDR-008")
+@implements("LI-HDR-004", "LI-HDR-005", "LI-HDR-006", "LI-HDR-007", "LI-HDR-008", "LI-HDR-010")
 def header_problems(header: Header) -> Iterator[FormatError]:
     computed = header_checksum(header.raw)
     if computed != header.header_checksum:
@@ -110,7 +111,7 @@ def header_problems(header: Header) -> Iterator[FormatError]:
     if not valid_page_size(header.page_size):
         yield _header_error("page_size", f"expected page_size a power of two in {PAGE_SIZE_MIN}.."
                             f"{PAGE_SIZE_MAX}, got {header.page_size}", "LI-HDR-006")
-    if header.reserved or (header.minor_version == 0 and any(header.raw[HEADER.size:])):
+    if header.reserved or (header.minor_version <= FORMAT_MINOR and any(header.raw[HEADER.size:])):
         yield _header_error("reserved", "expected reserved header bytes zero", "LI-HDR-007")
     has_uuid, has_digest = header.parent_uuid != bytes(16), header.parent_digest != bytes(16)
     has_bit = bool(header.incompatible_features & IncompatFeature.PARENT)
@@ -118,6 +119,9 @@ def header_problems(header: Header) -> Iterator[FormatError]:
         yield _header_error("parent_uuid", f"parent_uuid {'set' if has_uuid else 'zero'}, parent_digest "
                             f"{'set' if has_digest else 'zero'}, PARENT bit {'set' if has_bit else 'clear'}: "
                             "expected all three to agree", "LI-HDR-008")
+    if header.incompatible_features & IncompatFeature.INHERITED_DIGESTS and not has_bit:
+        yield _header_error("incompatible_features", "INHERITED_DIGESTS bit set without the PARENT bit: an "
+                            "image without a parent has no digests to inherit", "LI-HDR-010")
 
 
 # --- footer --------------------------------------------------------------------
@@ -544,8 +548,9 @@ def _disk_values(p: dict, b: _Body, page_size: int) -> Iterator[FormatError]:
 
 @implements("LI-SRC-002")
 def _source_state_values(p: dict, b: _Body, page_size: int) -> Iterator[FormatError]:
-    if p["source_format"] not in {int(s) for s in SourceFormat}:
-        yield b.fail_at("LI-SRC-002", f"expected source_format 1 or 2, got {p['source_format']}",
+    if p["source_format"] not in {int(s) for s in SourceFormat} and p["source_format"] < PRIVATE_SOURCE_FORMATS:
+        yield b.fail_at("LI-SRC-002", f"expected source_format 1, 2 or at least {PRIVATE_SOURCE_FORMATS:#x} "
+                        f"(private use), got {p['source_format']:#x}",
                         "source_format")
 
 

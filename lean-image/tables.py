@@ -14,7 +14,7 @@ from . import checks
 from .checks import first_problem
 from .errors import FormatError
 from .format import (
-    FRAME_PAGES_MAX_BYTES, RECORD, RECORD_OPTIONAL_BIT, REGION_FLAG_HAS_GPA, SOURCE_STATE_BODY, RecordType,
+    FRAME_PAGES_MAX_BYTES, RECORD, digest_class_table, RECORD_OPTIONAL_BIT, REGION_FLAG_HAS_GPA, SOURCE_STATE_BODY, RecordType,
 )
 from .structures import (
     Footer, Header, ImageFile, Record, body_problems, frame_size_problems, index_location_problems, parse_body,
@@ -38,10 +38,11 @@ class Region:
     def num_pages(self) -> int:
         return self.size_bytes // self.page_size
 
-    def set_extents(self, extents: np.ndarray) -> None:
+    def set_extents(self, extents: np.ndarray, bearing_classes: np.ndarray) -> None:
+        """``bearing_classes``: the image's digest-bearing classes (format.digest_class_table)."""
         self.extents = extents
         self.starts = extents["first_page"].astype(np.int64)
-        self.digest_bearing, self.digest_rank0 = checks.digest_ranks(extents)
+        self.digest_bearing, self.digest_rank0 = checks.digest_ranks(extents, bearing_classes)
 
     def extent_span(self, first_page: int, count: int) -> tuple[int, int]:
         """Indexes [lo, hi) of the extents that pages [first_page, first_page+count) lie in."""
@@ -182,7 +183,7 @@ class ImageTables:
             extents = np.concatenate(parts) if len(parts) > 1 else parts[0] if parts else \
                 np.zeros(0, [("first_page", "<u8")])
             first_problem(checks.coverage_problems(region.region_id, region.name, region.num_pages, extents))
-            region.set_extents(extents)
+            region.set_extents(extents, digest_class_table(self.header.incompatible_features))
             positions = digests[self.entries["key"][digests] == region.region_id].tolist()
             self.digest_positions[region.region_id] = positions
             ranges = [(int(self.entries["first"][i]), int(self.entries["count"][i]), None,

@@ -17,7 +17,10 @@ import zstandard
 from . import checks
 from . import delta as deltacodec
 from .errors import LeanImageError, LimitError
-from .format import DIGEST_SIZE, PAGE_SIZE_MIN, PageClass, RecordType, page_digests, valid_page_size
+from .format import (
+    DIGEST_SIZE, PAGE_SIZE_MIN, PageClass, RecordType, digest_class_table, inherits_digests, page_digests,
+    valid_page_size,
+)
 from .reader import LeanImage, decompress_frame
 from .structures import (
     ImageFile, Record, body_problems, header_problems, image_digest_problems, index_location_problems, parse_body,
@@ -198,8 +201,9 @@ def _check_tables(header, scan: _Scan, page_size: int, report: Report) -> None:
     report.add_all(checks.region_table_problems(scan.regions))
     report.add_all(checks.disk_table_problems(scan.disks))
     report.add_all(checks.reference_order_problems(scan.references))
+    bearing_classes = digest_class_table(header.incompatible_features)
     for region in scan.regions:
-        _check_region_tables(region.parsed, scan, page_size, report)
+        _check_region_tables(region.parsed, scan, page_size, report, bearing_classes)
     report.checked["pages"] = sum(int(e["num_pages"].astype(np.int64).sum()) for e in scan.complete_maps.values())
     if len(scan.complete_maps) == len(scan.regions):   # slot use is only meaningful over complete page maps
         report.add_all(checks.slot_problems(
@@ -217,7 +221,8 @@ def _check_tables(header, scan: _Scan, page_size: int, report: Report) -> None:
     report.add_all(checks.source_sequence_problems(scan.sequences))
 
 
-def _check_region_tables(region: dict, scan: _Scan, page_size: int, report: Report) -> None:
+def _check_region_tables(region: dict, scan: _Scan, page_size: int, report: Report,
+                         bearing_classes: np.ndarray) -> None:
     region_id, name, num_pages = region["region_id"], region["name"], region["size_bytes"] // page_size
     parts = scan.maps.get(region_id, [])
     extents = np.concatenate(parts) if parts else np.zeros(0, dtype=[("first_page", "<u8")])
@@ -231,13 +236,14 @@ def _check_region_tables(region: dict, scan: _Scan, page_size: int, report: Repo
         scan.complete_maps[region_id] = extents
         if not order:
             report.add_all(checks.digest_count_problems(
-                extents, [(first, count, r.parsed["num_digests"], r, r.offset) for first, count, r, _ in ranges]))
+                extents, [(first, count, r.parsed["num_digests"], r, r.offset) for first, count, r, _ in ranges],
+                bearing_classes))
 
 
 # --- content: frames, deltas, disks, parent ------------------------------------------------
 def _check_content(image: ImageFile, header, scan: _Scan, page_size: int, report: Report,
                    disks: dict, parents: list) -> None:
-    tables = _digest_lookup(scan)
+    tables = _digest_lookup(scan, digest_class_table(header.incompatible_features))
     if tables is None:
         return
     _check_frames(image, scan, page_size, tables, report)
@@ -250,7 +256,7 @@ def _check_content(image: ImageFile, header, scan: _Scan, page_size: int, report
         _check_resolved(lean, report)
 
 
-def _digest_lookup(scan: _Scan):
+def _digest_lookup(scan: _Scan, bearing_classes: np.ndarray):
     """Per region: (region, extents, stored digests, rank of each extent); None when maps or
     digest tables are broken (no content can then be matched with its digest)."""
     tables = {}
@@ -259,7 +265,7 @@ def _digest_lookup(scan: _Scan):
         e = scan.complete_maps.get(region_id)
         if e is None:
             return None
-        bearing, rank0 = checks.digest_ranks(e)
+        bearing, rank0 = checks.digest_ranks(e, bearing_classes)
         digests = [r.parsed["digests"] for r in scan.digests.get(region_id, [])]
         table = np.concatenate(digests) if digests else np.zeros((0, DIGEST_SIZE), np.uint8)
         if len(table) != int(np.where(bearing, e["num_pages"].astype(np.int64), 0).sum()):
@@ -344,8 +350,10 @@ def _note_unchecked(header, scan: _Scan, disks: dict, parents: list, report: Rep
         report.not_checked.append(f"LI-DSK-004, LI-DSK-005 and DISK page digests (LI-DIG-002): "
                                   f"no --disk for {', '.join(missing)}")
     if header.has_parent and not parents:
-        report.not_checked.append("LI-CHN-001..005, PARENT and DELTA page digests (LI-DIG-002) and delta "
-                                  "application: no --parent")
+        inherited = ", LI-CHN-006 (PARENT pages inherit their digests from the parent)" \
+            if inherits_digests(header.incompatible_features) else ""
+        report.not_checked.append(f"LI-CHN-001..005{inherited}, PARENT and DELTA page digests (LI-DIG-002) and "
+                                  "delta application: no --parent")
 
 
 def _open_for_chain(path: str, header, disks: dict, parents: list, report: Report):

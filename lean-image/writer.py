@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import struct
-import tempfile
 import threading
 import uuid as uuidlib
 from collections import deque
@@ -24,15 +23,17 @@ import xxhash
 import zstandard
 
 from . import delta as deltacodec
-from .fileutil import fsync_path, is_special_file, umask
+from .errors import LimitError
+from .fileutil import commit_temporary, create_temporary, discard_temporary, is_special_file
 from .format import (
-    DEFAULT_FRAME_BYTES, DEFAULT_ZSTD_LEVEL, DELTA_FRAME_BODY, DIGEST_CHUNK_PAGES, DIGEST_SIZE, HAS_DIGEST, HAS_SLOT,
+    DEFAULT_FRAME_BYTES, DEFAULT_ZSTD_LEVEL, DELTA_FRAME_BODY, DIGEST_CHUNK_PAGES, DIGEST_SIZE, HAS_SLOT,
     DIGESTS_BODY, DISK_BODY, DISK_REF, DISK_REF_CHUNK, DISK_REFS_BODY, DISK_SECTOR_SIZE, EXTENT, EXTENT_CHUNK,
     FINGERPRINT_SAMPLE_SIZE, FINGERPRINT_SAMPLED_XXH3, FINGERPRINT_SAMPLES, FOOTER, FOOTER_MAGIC, FORMAT_MAJOR,
-    FORMAT_MINOR, FRAME_PAGES_MAX_BYTES, HEADER, HEADER_MAGIC, INDEX_BODY, INDEX_ENTRY, NO_KEY, PAGE_FRAME_BODY,
-    PAGE_MAP_BODY, RECORD, RECORD_TRAILER, REGION_BODY, REGION_FLAG_HAS_GPA, REGION_NAME_MAX,
+    FORMAT_MINOR, FORMAT_MINOR_PLAIN, FRAME_PAGES_MAX_BYTES, HEADER, HEADER_MAGIC, INDEX_BODY, INDEX_ENTRY, NO_KEY,
+    PAGE_FRAME_BODY, PAGE_MAP_BODY, RECORD, RECORD_TRAILER, REGION_BODY, REGION_FLAG_HAS_GPA, REGION_NAME_MAX,
+    REGION_SIZE_MAX,
     SOURCE_STATE_BODY, CompatFeature, IncompatFeature, PageClass, RecordType, align8, page_digest,
-    page_digests, valid_page_size,
+    digest_class_table, page_digests, valid_page_size,
 )
 from .structures import footer_checksum, header_checksum
 
@@ -139,7 +140,10 @@ class LeanImageWriter:
     def __init__(self, dest, *, page_size: int = 4096, parent: ParentLink | None = None,
                  frame_pages: int | None = None, level: int = DEFAULT_ZSTD_LEVEL,
                  threads: int | None = None, image_uuid: bytes | None = None,
-                 allow_delta: bool | None = None):
+                 allow_delta: bool | None = None, inherit_digests: bool | None = None):
+        """``inherit_digests`` (default: with a parent) writes format 1.1: PARENT pages get no
+        stored digest, readers take it from the parent (spec §3.4 INHERITED_DIGESTS); False
+        writes a child as format 1.0 does."""
         if not valid_page_size(page_size):
             raise WriterUsageError(f"page_size must be a power of two in 4096..65536, got {page_size}")
         frame_pages = frame_pages or DEFAULT_FRAME_BYTES // page_size
@@ -152,6 +156,9 @@ class LeanImageWriter:
         self.allow_delta = parent is not None if allow_delta is None else allow_delta
         if self.allow_delta and parent is None:
             raise WriterUsageError("DELTA pages need a parent")
+        self.inherit_digests = parent is not None if inherit_digests is None else inherit_digests
+        if self.inherit_digests and parent is None:
+            raise WriterUsageError("inherited digests need a parent")
         self._open_destination(dest)
         self._compressor = _ParallelCompressor(level, threads or min(4, os.cpu_count() or 1), page_size)
         self._regions: dict[int, _Region] = {}
@@ -183,9 +190,7 @@ class LeanImageWriter:
                 self._temp_path = None
                 self._fileobj = open(self.path, "wb", buffering=1 << 20)
             else:
-                directory = os.path.dirname(os.path.abspath(self.path))
-                fd, self._temp_path = tempfile.mkstemp(prefix=".leanimg-", suffix=".partial", dir=directory)
-                self._fileobj = os.fdopen(fd, "wb", buffering=1 << 20)
+                self._temp_path, self._fileobj = create_temporary(self.path, buffering=1 << 20)
             self._owns_file = True
         else:
             self.path, self._temp_path = None, None
@@ -208,8 +213,8 @@ class LeanImageWriter:
         self._compressor.close()
         if self._owns_file:
             self._fileobj.close()
-            if self._temp_path and os.path.exists(self._temp_path):
-                os.unlink(self._temp_path)
+            if self._temp_path:
+                discard_temporary(self._temp_path)
         self._finished = True
 
     # -- header and records --------------------------------------------------
@@ -221,16 +226,23 @@ class LeanImageWriter:
             incompat |= IncompatFeature.DISK
         if self.allow_delta:
             incompat |= IncompatFeature.DELTA
+        if self.inherit_digests:
+            incompat |= IncompatFeature.INHERITED_DIGESTS
         compat = CompatFeature.SOURCE_STATE if self._has_source_state else 0
         parent_uuid = self.parent.uuid if self.parent else bytes(16)
         parent_digest = self.parent.digest if self.parent else bytes(16)
-        fields = dict(magic=HEADER_MAGIC, major_version=FORMAT_MAJOR, minor_version=FORMAT_MINOR,
+        fields = dict(magic=HEADER_MAGIC, major_version=FORMAT_MAJOR, minor_version=self._minor_version(incompat),
                       header_length=HEADER.size, incompatible_features=int(incompat),
                       compatible_features=int(compat), image_uuid=self.image_uuid, parent_uuid=parent_uuid,
                       parent_digest=parent_digest, page_size=self.page_size)
         header = HEADER.pack(**fields)
         self._sink.write(HEADER.pack(**fields, header_checksum=header_checksum(header)))
         self._header_written = True
+
+    @staticmethod
+    def _minor_version(incompat: int) -> int:
+        """1 when the image uses a feature of format 1.1, else 0: it is then a 1.0 image."""
+        return FORMAT_MINOR if incompat & IncompatFeature.INHERITED_DIGESTS else FORMAT_MINOR_PLAIN
 
     def _write_record(self, record_type: int, body_parts, key=NO_KEY, first=0, count=0) -> None:
         if not self._header_written:
@@ -305,6 +317,10 @@ class LeanImageWriter:
         if size_bytes <= 0 or size_bytes % self.page_size:
             raise WriterUsageError(f"region {name!r}: size {size_bytes} is not a non-zero multiple "
                                    f"of page_size {self.page_size}")
+        if size_bytes > REGION_SIZE_MAX:
+            raise LimitError(f"{size_bytes} bytes, more than a lean image holds "
+                             f"({REGION_SIZE_MAX} bytes, LI-REG-002)", structure=f"region {name!r}")
+        tables = _region_tables(name, size_bytes // self.page_size)
         if not self._header_written:
             self._write_header()
             self._flush_disks()
@@ -314,9 +330,7 @@ class LeanImageWriter:
         body = REGION_BODY.pack(region_id=region_id, flags=flags, guest_phys_base=guest_phys_base or 0,
                                 size_bytes=size_bytes, name_length=len(encoded))
         self._write_record(RecordType.REGION, [body, encoded], region_id, 0, num_pages)
-        self._regions[region_id] = _Region(
-            region_id, name, num_pages, np.zeros(num_pages, np.uint8), np.zeros(num_pages, np.uint64),
-            np.zeros((num_pages, DIGEST_SIZE), np.uint8))
+        self._regions[region_id] = _Region(region_id, name, num_pages, *tables)
         return region_id
 
     # -- pages -------------------------------------------------------------------
@@ -510,6 +524,12 @@ class LeanImageWriter:
         self._finished = True
         return digest
 
+    def page_classes(self, region_id: int) -> np.ndarray:
+        """The class given so far to each page of a region (0: not yet given); read-only."""
+        view = self._regions[region_id].classes.view()
+        view.flags.writeable = False
+        return view
+
     def missing_runs(self, region_id: int) -> list[tuple[int, int]]:
         """(first_page, count) of every run of pages not given yet."""
         missing = self._regions[region_id].classes == 0
@@ -552,11 +572,19 @@ class LeanImageWriter:
             region.digests[stored] = table[region.slots[stored].astype(np.int64)]
 
     def _write_digests(self, region: _Region) -> None:
-        """Digests of STORED, DISK, PARENT and DELTA pages only, in page order, in chunks."""
-        bearing = HAS_DIGEST[region.classes]
-        for first in range(0, region.num_pages, DIGEST_CHUNK_PAGES):
-            count = min(DIGEST_CHUNK_PAGES, region.num_pages - first)
-            chunk = region.digests[first:first + count][bearing[first:first + count]]
+        """Digests of the digest-bearing pages only (STORED, DISK, DELTA; PARENT unless
+        inherited), in page order, in records of at most DIGEST_CHUNK_PAGES pages (1.0) or
+        digests (1.1: a child's records then grow with its changed pages, not with the guest)."""
+        incompat = IncompatFeature.INHERITED_DIGESTS if self.inherit_digests else 0
+        bearing = digest_class_table(incompat)[region.classes]
+        if self.inherit_digests:
+            cuts = np.flatnonzero(bearing)[DIGEST_CHUNK_PAGES::DIGEST_CHUNK_PAGES].tolist()
+        else:
+            cuts = list(range(DIGEST_CHUNK_PAGES, region.num_pages, DIGEST_CHUNK_PAGES))
+        bounds = [0, *cuts, region.num_pages]
+        for first, stop in zip(bounds, bounds[1:]):
+            count = stop - first
+            chunk = region.digests[first:stop][bearing[first:stop]]
             self._write_record(RecordType.DIGESTS,
                                [DIGESTS_BODY.pack(region_id=region.region_id, num_digests=len(chunk),
                                                   first_page=first, num_pages=count), chunk.tobytes()],
@@ -580,9 +608,18 @@ class LeanImageWriter:
         elif self._owns_file:
             os.fsync(self._fileobj.fileno())
             self._fileobj.close()
-            os.chmod(self._temp_path, 0o666 & ~umask())
-            os.replace(self._temp_path, self.path)
-            fsync_path(os.path.dirname(os.path.abspath(self.path)))
+            commit_temporary(self._temp_path, self.path)
+
+
+def _region_tables(name: str, num_pages: int) -> tuple:
+    """The writer's per-page tables of a region (class, slot, digest: 25 bytes a page), or a
+    LimitError when they do not fit in this process's memory (a 1 TiB guest needs 6.25 GiB)."""
+    try:
+        return (np.zeros(num_pages, np.uint8), np.zeros(num_pages, np.uint64),
+                np.zeros((num_pages, DIGEST_SIZE), np.uint8))
+    except MemoryError:
+        raise LimitError(f"{num_pages} pages: their page tables ({25 * num_pages} bytes) "
+                         "do not fit in this process's memory", structure=f"region {name!r}") from None
 
 
 def build_extents(classes: np.ndarray, slots: np.ndarray) -> np.ndarray:

@@ -17,12 +17,22 @@ class RestoreTarget:
     module: str                      # the restorer's module in this package
     restorer: str                    # its function (image, out, progress) -> bytes written
     describer: str | None = None     # its function (image) -> what the image rebuilds, or None
+    server: str | None = None        # "module:function" (image, out, inp, **options) serving it lazily
 
     def restore(self, image, out, progress=None) -> int:
         return getattr(self._module(), self.restorer)(image, out, progress)
 
     def describe(self, image) -> str | None:
         return getattr(self._module(), self.describer)(image) if self.describer else None
+
+    def serve(self, image, out, inp, **options):
+        """Serve ``image`` to a hypervisor that loads it lazily (QEMU post-copy): the stream on
+        ``out``, the hypervisor's requests on ``inp``."""
+        if self.server is None:
+            from leanimg.errors import UnsupportedError
+            raise UnsupportedError(f"restore target {self.name!r} cannot be served lazily")
+        module, function = self.server.split(":")
+        return getattr(importlib.import_module(f"{__package__}.{module}"), function)(image, out, inp, **options)
 
     def _module(self):
         return importlib.import_module(f"{__package__}.{self.module}")
@@ -36,6 +46,6 @@ def fitting_targets(image) -> str:
 
 RAW = RestoreTarget("raw", "flat guest memory: the regions in file order, concatenated", "raw", "restore_raw")
 QEMU = RestoreTarget("qemu", "the QEMU migration stream the image was converted from, for `qemu -incoming`",
-                     "qemu", "restore_qemu")
+                     "qemu", "restore_qemu", server="postcopy:serve_postcopy")
 XEN = RestoreTarget("xen", "the Xen save file (xl, libxl or libxc stream) the image was converted from",
                     "xen", "restore_xen", "describe_image")

@@ -132,13 +132,14 @@ def test_flat_pieces_with_scattered_ordinals(tmp_path, monkeypatch, direct_frame
 
 
 def _lying_child(tmp_path, parent_path, lie: str) -> Path:
-    """A child whose page 3 claims a digest its resolved bytes do not have."""
+    """A child whose page 3 claims a digest its resolved bytes do not have (a format 1.0 child:
+    in 1.1 a PARENT page has no digest of its own to lie with)."""
     child = tmp_path / f"lie-{lie}.lean"
     with LeanImage.open(parent_path) as parent:
         region = parent.regions[0]
         digests = np.array([parent.expected_digest(region, p) or bytes(16) for p in range(PAGES)], dtype="S16")
         link = parent_link(parent)
-    with LeanImageWriter(child, parent=link, frame_pages=32) as w:
+    with LeanImageWriter(child, parent=link, frame_pages=32, inherit_digests=False) as w:
         rid = w.add_region("pc.ram", PAGES * PS, 0)
         w.put_parent(rid, 0, digests[:3].tobytes())
         if lie == "parent":             # the parent's bytes, a wrong digest

@@ -72,6 +72,21 @@ def test_inspect_text_shows_classes_and_chain(images):
         assert word in result.output
 
 
+def test_inspect_of_a_link_gives_the_chains_totals_beside_its_own(images):
+    """A link's own ratio describes one file; what a restore needs is every link (issue 15 §4)."""
+    result = run("inspect", "--json", images["child"], "--parent", images["parent"])
+    summary = json.loads(result.output)
+    sizes = [images["child"].stat().st_size, images["parent"].stat().st_size]
+    assert summary["stored_bytes"] == sizes[0]
+    assert summary["chain_totals"] == dict(links=2, logical_bytes=summary["logical_bytes"], stored_bytes=sum(sizes),
+                                           ratio=summary["logical_bytes"] / sum(sizes))
+    text = run("inspect", images["child"], "--parent", images["parent"]).output
+    assert f"stored {sum(sizes) / 2**20:.2f} MiB in all links" in text and "(this link alone)" in text
+    flat = run("inspect", "--json", images["parent"])
+    assert json.loads(flat.output)["chain_totals"]["links"] == 1
+    assert "in all links" not in run("inspect", images["parent"]).output
+
+
 def test_validate_json_is_the_library_report(images):
     result = run("validate", "--json", images["child"], "--parent", images["parent"])
     assert result.exit_code == 0, result.output

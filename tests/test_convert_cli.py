@@ -4,7 +4,7 @@ Bad QEMU streams are made from the bundled sample (a real QEMU 7.2 save, decompr
 a temp dir) and from small synthetic streams.  Each must make the CLI exit 1 with one line
 ``leanimg: error: ...`` on stderr naming the byte offset and the section, no traceback,
 and leave nothing in the output directory: neither the image nor a temp file such as
-``.leanimg-*.partial``.
+``.leanimg-<name>-*.partial`` (fileutil.temporary_beside).
 """
 
 from __future__ import annotations

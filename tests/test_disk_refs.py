@@ -483,3 +483,25 @@ def test_flatten_and_merge_keep_disk_references_without_reading_the_disk(scene, 
         raw = tmp_path / f"{command}.raw"
         ok("restore", out, "--parent", image, "-o", raw, "--disk", f"vda={scene.disk}")
         assert raw.read_bytes() == scene.ram
+
+
+def test_flatten_keeps_the_parents_disk_references(scene, image, tmp_path):
+    """A child converted without --disk holds PARENT pages whose base is a DISK page of its
+    parent: flatten (and merge into a root parent) write them as DISK references again, copied
+    from the parent's disk table, never reading the disk nor storing the pages (issue 15 §4)."""
+    child = tmp_path / "child.lean"
+    ok("convert", scene.save, "-o", child, "--parent", image)
+    assert np.bincount(classes(child, [image]), minlength=7)[PageClass.DISK] == 0
+    for command, out in (("flatten", tmp_path / "flat.lean"), ("merge", tmp_path / "merged.lean")):
+        ok(command, child, "--parent", image, "-o", out)                 # no --disk given
+        counts = np.bincount(classes(out), minlength=7)
+        assert counts[PageClass.DISK] == scene.disk_pages, (command, counts)
+        assert counts[PageClass.STORED] == np.bincount(classes(image), minlength=7)[PageClass.STORED]
+        with LeanImage.open(out) as flat, LeanImage.open(image) as parent:
+            assert flat.header.has_parent is False
+            assert [(d.name, d.size_bytes, bytes(d.fingerprint)) for d in flat.disks] == \
+                [(d.name, d.size_bytes, bytes(d.fingerprint)) for d in parent.disks]
+        ok("validate", out, "--disk", f"vda={scene.disk}")
+        raw = tmp_path / f"{command}.raw"
+        ok("restore", out, "-o", raw, "--disk", f"vda={scene.disk}")
+        assert raw.read_bytes() == scene.ram

@@ -182,10 +182,12 @@ def write_mixed(path, page_size=4096, frame_pages=256):
 CHANGED_WORDS = [[3], list(range(0, 64, 5)), list(range(0, 512, 3)), list(range(100, 140))]
 
 
-def write_child(path, page_size=4096):
+def write_child(path, page_size=4096, inherit_digests=True):
+    """A child with PARENT, DELTA and STORED pages: format 1.1 (inherited digests) or 1.0."""
     parent_pages = [_pages(10 + i, 1, page_size) for i in range(64)]
     link = ParentLink(uuid=bytes(range(16)), digest=bytes(range(16, 32)))
-    with LeanImageWriter(path, page_size=page_size, parent=link, frame_pages=8) as w:
+    with LeanImageWriter(path, page_size=page_size, parent=link, frame_pages=8,
+                         inherit_digests=inherit_digests) as w:
         w.declare_source_state()
         ram = w.add_region("pc.ram", 64 * page_size)
         w.add_source_state(SourceFormat.XEN, 7, b"xen record")
@@ -205,6 +207,7 @@ WRITERS = {
     "mixed-small-frames": lambda p: write_mixed(p, frame_pages=1),
     "mixed-16k": lambda p: write_mixed(p, page_size=16384, frame_pages=7),
     "child-with-deltas": write_child,
+    "child-with-deltas-1.0": lambda p: write_child(p, inherit_digests=False),
 }
 
 
@@ -279,14 +282,14 @@ def test_rejects_wrong_footer_magic(Leanimg, image_bytes):
         Leanimg.from_bytes(bad)
 
 
-FIRST_RECORD = HEADER.size  # the writer writes a v1.0 header
+FIRST_RECORD = HEADER.size  # the writer writes a 104-byte header (1.0 and 1.1)
 
 
 @pytest.mark.parametrize("offset, fmt, value, error", [
     (8, "<H", 2, kaitaistruct.ValidationNotEqualError),               # major_version
     (12, "<I", 100, kaitaistruct.ValidationExprError),                # header_length too short
     (12, "<I", 108, kaitaistruct.ValidationExprError),                # not a multiple of 8
-    (16, "<Q", 1 << 3, kaitaistruct.ValidationGreaterThanError),      # unknown incompatible bit
+    (16, "<Q", 1 << 4, kaitaistruct.ValidationGreaterThanError),      # unknown incompatible bit (1.1 knows 0-3)
     (88, "<I", 4097, kaitaistruct.ValidationNotAnyOfError),           # page_size
     (92, "<I", 1, kaitaistruct.ValidationNotEqualError),              # reserved
     (FIRST_RECORD, "<I", 0x99, kaitaistruct.ValidationExprError),     # unknown mandatory type

@@ -14,7 +14,9 @@ import numpy as np
 import pytest
 
 from helpers import qemu_save
-from leanimg.cli import command_line
+from click.testing import CliRunner
+
+from leanimg.cli import command_line, main
 from leanimg.reader import LeanImage
 from leanimg.writer import LeanImageWriter, ParentLink
 
@@ -159,3 +161,37 @@ def test_an_output_the_system_refuses_is_a_clear_error(chain):
     err = proc.stderr.decode()
     assert proc.returncode == 1, err
     assert err.startswith("leanimg: error:") and "internal error" not in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("command", ["restore", "flatten"])
+def test_every_command_names_its_temporary_file_alike(chain, command, tmp_path, monkeypatch):
+    """One scheme for every output (issue 16 §2): .leanimg-<output name>-<random>.partial beside
+    the output, seen here while the command writes."""
+    from leanimg import fileutil
+    seen = []
+    original = fileutil.temporary_beside
+
+    def spy(path):
+        name = original(path)
+        seen.append((path, name))
+        return name
+    monkeypatch.setattr(fileutil, "temporary_beside", spy)
+    out = tmp_path / "out.file"
+    args = ["restore", chain["child"], "--to", "raw"] if command == "restore" else ["flatten", chain["child"]]
+    result = CliRunner().invoke(main, [*map(str, args), "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    ((path, name),) = seen
+    assert os.path.dirname(name) == str(tmp_path) and os.path.basename(name).startswith(".leanimg-out.file-")
+    assert name.endswith(".partial") and not os.path.exists(name) and out.exists()
+
+
+def test_serve_never_writes_its_stats_over_an_input_nor_an_existing_file(chain, tmp_path):
+    before = {str(p): _digest(p) for p in (chain["child"], chain["parent"])}
+    for victim in ("child", "parent"):
+        refused(run("serve", chain["child"], "--postcopy", "--stats", chain[victim], "-f"),
+                "is an input of this command")
+    stats = tmp_path / "stats.json"
+    stats.write_text("kept")
+    refused(run("serve", chain["child"], "--postcopy", "--stats", stats), "exists; use -f/--force")
+    assert stats.read_text() == "kept"
+    untouched([chain["child"], chain["parent"]], before)

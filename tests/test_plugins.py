@@ -115,3 +115,24 @@ def test_restore_to_the_wrong_target_names_the_one_that_fits(tmp_path):
     assert proc.returncode == 1 and "Traceback" not in err, err
     assert "not converted from a Xen save; use --to qemu or --to raw" in err
     assert not out.exists()
+
+
+def test_another_distribution_named_leanimg_something_is_not_taken_for_leanimg(tmp_path, monkeypatch):
+    """The fast lookup reads leanimg's own dist-info; one of a distribution whose name merely
+    starts with leanimg (legacy spelling leanimg-toyvm-1.0.dist-info), earlier on sys.path, is not it."""
+    other = tmp_path / "leanimg-toyvm-1.0.dist-info"
+    other.mkdir()
+    (other / "entry_points.txt").write_text("[leanimg.sources]\ntoyvm = leanimg_toyvm.plugin:SOURCE\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    plugins._own_entry_points.cache_clear()
+    try:
+        assert [e.name for e in plugins._own_entry_points(plugins.SOURCES)] == ["qemu", "xen"]
+    finally:
+        plugins._own_entry_points.cache_clear()
+
+
+def test_every_plugin_of_leanimg_keeps_its_protocol():
+    found = plugins.installed()
+    assert {(p.kind, p.name) for p in found} >= {("source", "qemu"), ("source", "xen"), ("target", "qemu"),
+                                                 ("target", "raw"), ("target", "xen")}
+    assert all(p.problem is None and p.distribution == "leanimg" for p in found if p.distribution == "leanimg")

@@ -116,7 +116,7 @@ def _assert_restores(guest: Guest, image: Path, truth: Path, disk: Path, name: s
         assert "leanimg:" not in vm.qemu_output(), vm.qemu_output()
         vm.cont()
         assert wait_heartbeat(vm, "pages", -1, timeout=120) >= 0
-        vm.run_workload("check", timeout=TIMEOUT)
+        vm.run_workload("fillall", timeout=TIMEOUT)
         assert vm.status() == "running"
 
 
@@ -197,7 +197,7 @@ def test_balloon_inflate_is_recorded_and_undone(guest):
         dest.qmp.execute("balloon", value=before)
         _wait_balloon(dest, before)
         assert wait_heartbeat(dest, "pages", -1, timeout=120) >= 0
-        dest.run_workload("check", timeout=TIMEOUT)
+        dest.run_workload("fillall", timeout=TIMEOUT)
 
 
 @qemu

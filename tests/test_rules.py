@@ -22,7 +22,7 @@ import pytest
 
 from helpers import VECTORS_DIR, restore_bytes
 from leanimg.errors import ChainError, LeanImageError
-from leanimg.rules import IMPLEMENTATIONS, RULES
+from leanimg.rules import HINT_IMPLEMENTATIONS, HINT_RULES, IMPLEMENTATIONS, RULES
 
 REPO = Path(__file__).resolve().parents[1]
 SOURCE_DIRS = [REPO / "lean-image", REPO / "converters", REPO / "restore"]
@@ -44,6 +44,12 @@ def _import_everything() -> None:
 def test_every_rule_has_exactly_one_implementation():
     _import_everything()
     assert sorted(IMPLEMENTATIONS) == sorted(RULES)
+
+
+def test_every_hint_rule_has_exactly_one_implementation():
+    _import_everything()
+    assert sorted(HINT_IMPLEMENTATIONS) == sorted(HINT_RULES)
+    assert not set(HINT_RULES) & set(RULES)
 
 
 def _units(path: Path):
@@ -85,7 +91,8 @@ def _sources():
 
 def test_rule_ids_appear_only_in_their_implementation():
     _import_everything()
-    owners = {rule: (fn.__module__, fn.__qualname__.split(".")[0]) for rule, fn in IMPLEMENTATIONS.items()}
+    owners = {rule: (fn.__module__, fn.__qualname__.split(".")[0])
+              for rule, fn in {**IMPLEMENTATIONS, **HINT_IMPLEMENTATIONS}.items()}
     stray = []
     for path in _sources():
         units = dict(_units(path))

@@ -93,7 +93,8 @@ def test_read_header_gives_every_declared_field(chain):
     assert (header.major_version, header.header_length, header.page_size) == (1, HEADER.size, 4096)
     assert header.image_uuid == chain.child_uuid and header.parent_uuid == chain.parent_uuid
     assert header.has_parent
-    assert header.incompatible_features == IncompatFeature.PARENT | IncompatFeature.DISK | IncompatFeature.DELTA
+    assert header.incompatible_features == IncompatFeature.PARENT | IncompatFeature.DISK | IncompatFeature.DELTA | \
+        IncompatFeature.INHERITED_DIGESTS
     assert list(header_problems(header)) == []
 
 

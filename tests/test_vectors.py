@@ -20,7 +20,7 @@ import sys
 import pytest
 
 from helpers import VECTORS_DIR, make_vectors, restore_bytes, validate_with_disks
-from leanimg.format import DIGESTS_BODY, RecordType, page_digest
+from leanimg.format import DIGESTS_BODY, PageClass, RecordType, page_digest
 from leanimg.rules import RULES
 from leanimg.validate import validate
 
@@ -125,12 +125,14 @@ def test_vectors_are_small():
 @pytest.mark.parametrize("rel", VALID)
 def test_valid_vector_digests_only_for_digest_bearing_pages(rel):
     """Independently of the validator: each DIGESTS record holds, in page order, the digests of
-    exactly the STORED, DISK, PARENT and DELTA pages of its range (spec §6.5), and they are the
-    digests of the restored content."""
+    exactly the STORED, DISK, PARENT and DELTA pages of its range (spec §6.5; no PARENT pages in
+    a 1.1 image with INHERITED_DIGESTS), and they are the digests of the restored content."""
     mv = make_vectors()
     data = (VECTORS_DIR / rel).read_bytes()
     lean = mv.Lean.parse(data)
     page_size = struct.unpack_from("<I", data, 88)[0]
+    inherited = struct.unpack_from("<Q", data, 16)[0] & mv.INHERITED_DIGESTS      # 1.1: PARENT digests inherited
+    digest_bearing = mv.DIGEST_BEARING - ({PageClass.PARENT} if inherited else set())
     raw = restore_bytes(VECTORS_DIR / rel, **_args(META[rel]))
     base = 0
     for region in [r for r in lean.records if r.type == RecordType.REGION]:
@@ -143,7 +145,7 @@ def test_valid_vector_digests_only_for_digest_bearing_pages(rel):
                 continue
             _, num_digests, first, num_pages = DIGESTS_BODY.struct.unpack_from(rec.body)
             assert first == covered and num_pages >= 1
-            bearing = [p for p in range(first, first + num_pages) if classes[p] in mv.DIGEST_BEARING]
+            bearing = [p for p in range(first, first + num_pages) if classes[p] in digest_bearing]
             assert num_digests == len(bearing)
             assert len(rec.body) == DIGESTS_BODY.struct.size + 16 * num_digests
             for k, p in enumerate(bearing):

@@ -98,18 +98,44 @@ def test_put_disks_records_references_and_digests(tmp_path):
         assert image.expected_digest(ram, 2) == digests[0].tobytes()
 
 
-def test_put_parent_records_the_digests_given(tmp_path):
+def test_put_parent_records_the_digests_given_in_a_1_0_child(tmp_path):
     digests = page_digest(b"a" * PS) + page_digest(b"b" * PS)
 
     def build(w):
         r = w.add_region("ram", 2 * PS)
         w.put_parent(r, 0, digests)
-    with written(tmp_path, build, parent=LINK) as image:
+    with written(tmp_path, build, parent=LINK, inherit_digests=False) as image:
         ram = image.region("ram")
         assert image.classes(ram).tolist() == [P, P]
         assert image.expected_digest(ram, 1) == page_digest(b"b" * PS)
         assert (image.header.parent_uuid, image.header.parent_digest) == (LINK.uuid, LINK.digest)
         assert image.header.incompatible_features == IncompatFeature.PARENT | IncompatFeature.DELTA
+        assert image.header.minor_version == 0
+
+
+def test_a_child_is_format_1_1_and_stores_no_parent_digests(tmp_path):
+    """By default a child inherits its PARENT pages' digests: header bit, minor 1, no digests stored."""
+    def build(w):
+        r = w.add_region("ram", 3 * PS)
+        w.put_parent(r, 0, page_digest(b"a" * PS) + page_digest(b"b" * PS))
+        w.put_pages(r, 2, b"c" * PS)
+    with written(tmp_path, build, parent=LINK) as image:
+        ram = image.region("ram")
+        assert image.classes(ram).tolist() == [P, P, S]
+        assert image.header.incompatible_features == \
+            IncompatFeature.PARENT | IncompatFeature.DELTA | IncompatFeature.INHERITED_DIGESTS
+        assert image.header.minor_version == 1
+        assert image.digests.table(ram).tolist() == [list(page_digest(b"c" * PS))]
+        assert image.expected_digest(ram, 2) == page_digest(b"c" * PS)
+
+
+def test_a_parentless_image_is_format_1_0(tmp_path):
+    def build(w):
+        w.put_pages(w.add_region("ram", PS), 0, b"c" * PS)
+    with written(tmp_path, build) as image:
+        assert image.header.minor_version == 0 and image.header.incompatible_features == 0
+    with pytest.raises(WriterUsageError):
+        LeanImageWriter(io.BytesIO(), inherit_digests=True)
 
 
 def test_put_changed_delta_when_smaller_else_stored(tmp_path):

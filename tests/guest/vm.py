@@ -153,9 +153,12 @@ class GuestVM:
     """One QEMU process.  ``incoming`` (e.g. ``"exec:cat FILE"``) makes it a destination."""
 
     def __init__(self, build: GuestBuild, disk: Path, mem_mib: int = 128,
-                 incoming: str | None = None, workdir: Path | None = None, extra_args=()):
+                 incoming: str | None = None, workdir: Path | None = None,
+                 extra_args: tuple[str, ...] = (), autostart: bool = False):
+        """``extra_args`` go to QEMU after the common ones; a destination starts paused (-S)
+        unless ``autostart``."""
         self.build, self.disk, self.mem_mib, self.incoming = build, disk, mem_mib, incoming
-        self.extra_args = list(extra_args)      # more devices, a second -qmp socket
+        self.extra_args, self.autostart = tuple(extra_args), autostart
         self._own_workdir = workdir is None
         self.workdir = Path(workdir or tempfile.mkdtemp(prefix="leanimg-vm-"))
         self.proc: subprocess.Popen | None = None
@@ -174,9 +177,9 @@ class GuestVM:
         self.close()
 
     def _start(self) -> None:
-        args = qemu_args(self.build, self.disk, self.workdir, self.mem_mib) + self.extra_args
+        args = qemu_args(self.build, self.disk, self.workdir, self.mem_mib) + list(self.extra_args)
         if self.incoming:
-            args += ["-S", "-incoming", self.incoming]
+            args += ([] if self.autostart else ["-S"]) + ["-incoming", self.incoming]
         self.stderr = open(self.workdir / "qemu.stderr", "wb")
         self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=self.stderr,
                                      stderr=subprocess.STDOUT)

@@ -7,13 +7,18 @@
  *   workload idle               nothing
  *   workload freed MIB          fill MIB MiB of anonymous memory with random data, then give
  *                               it back to the kernel (munmap): stale free pages
- *   workload check [MARGIN]     allocate all available memory but MARGIN MiB (default 24, from
+ *   workload fillall [MARGIN]   allocate all available memory but MARGIN MiB (default 24, from
  *                               MemAvailable), write a pattern to every page and check it
  *                               (prints WORKLOAD-ERROR on a mismatch), then free it
  *   workload words MIB [ROUNDS] [PAGES]
  *                               fill MIB MiB (page aligned) with random data, then each
  *                               round write 1..4 random 8-byte words in each of PAGES
  *                               (default 256) random pages spread over the whole buffer
+ *   workload check MIB          fill MIB MiB with random data and remember its checksum;
+ *                               before every heartbeat read the whole buffer again and
+ *                               compare ("WORKLOAD-ERROR check ..." and exit on a mismatch),
+ *                               so "HB check n" after a restore means every page read back
+ *                               as it was written
  *   workload pages MIB [ROUNDS] [PERMILLE]
  *                               fill MIB MiB (page aligned) with random data, then each
  *                               round rewrite PERMILLE/1000 (default 50, i.e. 5%) of its
@@ -151,7 +156,7 @@ static uint64_t check_memory(long margin)
     uint64_t *mem;
 
     if (mib <= 0) {
-        printf("WORKLOAD-ERROR check: %ld MiB available\n", mib + margin);
+        printf("WORKLOAD-ERROR fillall: %ld MiB available\n", mib + margin);
         exit(1);
     }
     bytes = (size_t)mib << 20;
@@ -165,7 +170,7 @@ static uint64_t check_memory(long margin)
         mem[i] = i * 0x9e3779b97f4a7c15ULL + 1;
     for (size_t i = 0; i < words; i++)
         if (mem[i] != i * 0x9e3779b97f4a7c15ULL + 1) {
-            printf("WORKLOAD-ERROR check: word %zu of %ld MiB reads %016llx\n", i, mib,
+            printf("WORKLOAD-ERROR fillall: word %zu of %ld MiB reads %016llx\n", i, mib,
                    (unsigned long long)mem[i]);
             exit(1);
         }
@@ -241,6 +246,40 @@ static void pages_round(uint64_t *mem, size_t pages, long permille)
         fill_random(mem + (next_random() % pages) * (PAGE / 8), PAGE / 8);
 }
 
+static uint64_t checksum(const uint64_t *mem, size_t words)
+{
+    uint64_t sum = 0;
+
+    for (size_t i = 0; i < words; i++)
+        sum = (sum ^ mem[i]) * 0x100000001b3ULL;
+    return sum;
+}
+
+/* Reads back its whole buffer before every heartbeat: a lazily restored page that arrived
+ * wrong (or as zeros) ends the heartbeat. */
+static void check_loop(long mib)
+{
+    struct timespec ts = { HB_MS / 1000, (HB_MS % 1000) * 1000000L };
+    size_t pages;
+    uint64_t *mem = alloc_filled(mib, &pages);
+    size_t words = pages * (PAGE / 8);
+    uint64_t want = checksum(mem, words);
+
+    printf("WORKLOAD-DONE check %016llx\n", (unsigned long long)want);
+    for (unsigned long n = 0;; n++) {
+        uint64_t got = checksum(mem, words);
+        if (got != want) {
+            printf("WORKLOAD-ERROR check round %lu: checksum %016llx, expected %016llx\n", n,
+                   (unsigned long long)got, (unsigned long long)want);
+            fflush(stdout);
+            exit(1);
+        }
+        printf("HB check %lu\n", n);
+        fflush(stdout);
+        nanosleep(&ts, NULL);
+    }
+}
+
 static void rounds(const char *mode, long mib, long limit, long amount)
 {
     struct timespec ts = { HB_MS / 1000, (HB_MS % 1000) * 1000000L };
@@ -273,18 +312,22 @@ int main(int argc, char **argv)
         sum = fill_anon(atol(argv[2]));
     else if (!strcmp(mode, "freed") && argc > 2)
         sum = fill_and_free(atol(argv[2]));
-    else if (!strcmp(mode, "check"))
+    else if (!strcmp(mode, "fillall"))
         sum = check_memory(argc > 2 ? atol(argv[2]) : 24);
     else if (!strcmp(mode, "dirty") && argc > 3)
         sum = write_dirty(argv[2], atol(argv[3]));
-    else if ((!strcmp(mode, "words") || !strcmp(mode, "pages")) && argc > 2) {
+    else if (!strcmp(mode, "check") && argc > 2) {
+        rng_state ^= 0x27d4eb2f165667c5ULL;
+        check_loop(atol(argv[2]));
+    } else if ((!strcmp(mode, "words") || !strcmp(mode, "pages")) && argc > 2) {
         /* Seeded apart from anon/dirty so their random data never coincide. */
         rng_state ^= mode[0] == 'w' ? 0x5bd1e9955bd1e995ULL : 0xc2b2ae3d27d4eb4fULL;
         rounds(mode, atol(argv[2]), argc > 3 ? atol(argv[3]) : 0,
                argc > 4 ? atol(argv[4]) : (mode[0] == 'w' ? 256 : 50));
     } else if (strcmp(mode, "idle")) {
         printf("WORKLOAD-ERROR usage: workload pagecache DIR | anon MIB | dirty DIR MIB | "
-               "words MIB [ROUNDS] [PAGES] | pages MIB [ROUNDS] [PERMILLE] | freed MIB | check [MARGIN] | idle\n");
+               "words MIB [ROUNDS] [PAGES] | check MIB | pages MIB [ROUNDS] [PERMILLE] | freed MIB | "
+               "fillall [MARGIN] | idle\n");
         return 2;
     }
     printf("WORKLOAD-DONE %s %016llx\n", mode, (unsigned long long)sum);

@@ -1,11 +1,15 @@
 #!/usr/bin/env python3
-"""Generate the conformance test vectors of lean image format v1.0.
+"""Generate the conformance test vectors of lean image format v1.1 (and of 1.0, which it includes).
 
     python3 tests/vectors/make_vectors.py [OUTDIR]     (default: this directory)
 
 Writes ``valid/*.lean`` (+ the small disk file they need), ``invalid/*.lean`` and
 ``vectors.json``. Deterministic: fixed UUIDs, seeded content, single-threaded
 compression at a fixed zstd level, so re-running gives byte-identical files.
+
+Children are written as format 1.0 (PARENT digests stored) unless a vector says 1.1
+(``inherit=True``: INHERITED_DIGESTS, PARENT digests come from the parent), so the 1.0
+vectors stay byte-identical to those of the 1.0 generator.
 
 Valid vectors come straight from ``LeanImageWriter`` (or from it plus a
 hand-spliced record). Each invalid vector is a valid image with exactly one rule
@@ -72,6 +76,7 @@ def compress(data: bytes, content_size: bool = True) -> bytes:
 def write_image(build, *, page_size=PS, parent=None, frame_pages=256, name="img", **kw) -> bytes:
     """Run ``build(writer)`` on a LeanImageWriter writing to memory; return the image bytes."""
     out = io.BytesIO()
+    kw.setdefault("inherit_digests", False if parent is not None else None)
     writer = LeanImageWriter(out, page_size=page_size, parent=parent, frame_pages=frame_pages,
                              level=ZSTD_LEVEL, threads=1, image_uuid=fixed_uuid(name), **kw)
     with writer:
@@ -299,6 +304,17 @@ def img_source_state() -> bytes:
     return write_image(build, name="source-state")
 
 
+def img_source_state_private() -> bytes:
+    def build(w):
+        w.add_source_state(0xB5A1_7E00, 1, b"toyvm device state")
+        w.add_source_state(0xFFFF_FFFF, 7, b"")
+        r = w.add_region("ram", 2 * PS)
+        w.put_pages(r, 0, random_pages(16, 1))
+        w.put_free(r, 1)
+    RAW["source-state-private"] = random_pages(16, 1) + bytes(PS)
+    return write_image(build, name="source-state-private")
+
+
 DISK_SIZE = 16384
 
 
@@ -356,8 +372,9 @@ EXPECTED_ENCODING = {4: DeltaEncoding.INDEX_LIST, 5: DeltaEncoding.BITMAP, 6: De
 
 
 def img_child(parent: bytes, *, name: str = "child", link: ParentLink | None = None,
-              extra_region: bool = False, page_size: int = PS) -> bytes:
-    """PARENT pages, DELTA pages in all three encodings, one fully rewritten STORED page, a ZERO page."""
+              extra_region: bool = False, page_size: int = PS, inherit: bool = False) -> bytes:
+    """PARENT pages, DELTA pages in all three encodings, one fully rewritten STORED page, a ZERO page
+    (``inherit``: format 1.1, the PARENT pages' digests inherited from the parent)."""
     old = parent_pages()
     pdigests = Lean.parse(parent).records
     link = link or ParentLink(fixed_uuid("parent"), footer_digest(parent))
@@ -380,7 +397,7 @@ def img_child(parent: bytes, *, name: str = "child", link: ParentLink | None = N
             x = w.add_region("extra", 1 * PS)
             w.put_parent(x, 0, page_digest(page(0)))
     del pdigests
-    data = write_image(build, parent=link, name=name)
+    data = write_image(build, parent=link, name=name, inherit_digests=inherit)
     RAW["child"] = (old[:4 * PS] + b"".join(changed(page(k), DELTA_CHANGES[k]) for k in (4, 5, 6))
                     + random_pages(10, 1) + old[8 * PS:10 * PS] + bytes(2 * PS))
     if not extra_region:
@@ -485,12 +502,44 @@ class Vectors:
         self.meta[rel] = dict(kind="support", description=description)
 
     def finish(self) -> None:
-        doc = dict(format="lean image v1.0",
+        doc = dict(format="lean image v1.1 (1.0 vectors included)",
                    note="paths are relative to this file; disks maps disk name -> path (--disk NAME=PATH), "
                         "parents lists --parent paths; an invalid vector must be reported with 'rule' "
                         "(validators may also report the rules in 'also_reported', nothing else)",
                    vectors=dict(sorted(self.meta.items())))
         (self.outdir / "vectors.json").write_text(json.dumps(doc, indent=2, sort_keys=False) + "\n")
+
+
+INHERITED_DIGESTS = 1 << 3         # incompatible feature bit of format 1.1
+
+
+def img_grandchild(child: bytes, child_raw: bytes, *, name: str) -> bytes:
+    """A format 1.1 child of ``child`` (the page contents ``child_raw``): PARENT pages whose digest
+    lies one or two links down, a DELTA over the child's DELTA page 4 (two deltas to apply), a
+    DELTA over a PARENT page, a new STORED page over the child's ZERO page, the FREE page kept FREE."""
+    old = [child_raw[k * PS:(k + 1) * PS] for k in range(12)]
+
+    def build(w):
+        r = w.add_region("ram", 12 * PS, guest_phys_base=0)
+        w.put_parent(r, 0, bytes(16 * 4))            # digests given, not stored: 1.1 inherits them
+        assert w.put_changed(r, 4, old[4], changed(old[4], [1, 2])) == PageClass.DELTA
+        w.put_parent(r, 5, bytes(16 * 3))
+        assert w.put_changed(r, 8, old[8], changed(old[8], [100])) == PageClass.DELTA
+        w.put_parent(r, 9, bytes(16))
+        w.put_pages(r, 10, random_pages(12, 1))
+        w.put_free(r, 11)
+    RAW[name] = (b"".join(old[:4]) + changed(old[4], [1, 2]) + b"".join(old[5:8]) + changed(old[8], [100])
+                 + old[9] + random_pages(12, 1) + bytes(PS))
+    return write_image(build, parent=ParentLink(fixed_uuid(name.replace("grand", "")), footer_digest(child)),
+                       name=name, inherit_digests=True)
+
+
+def img_parent_over_free(parent: bytes) -> bytes:
+    """A format 1.1 child whose every page is PARENT, page 11 over parent.lean's FREE page."""
+    def build(w):
+        w.put_parent(w.add_region("ram", 12 * PS, guest_phys_base=0), 0, bytes(16 * 12))
+    return write_image(build, parent=ParentLink(fixed_uuid("parent"), footer_digest(parent)),
+                       name="chn-006", inherit_digests=True, allow_delta=False)
 
 
 def generate(outdir: Path) -> None:
@@ -509,6 +558,9 @@ def generate(outdir: Path) -> None:
     parent = img_parent()
     child = img_child(parent)
     child_po = img_parent_only_child(parent)
+    child11 = img_child(parent, name="child11", inherit=True)
+    grandchild11 = img_grandchild(child11, RAW["child"], name="grandchild11")
+    grandchild_mixed = img_grandchild(child, RAW["child"], name="grandchild")
     uniform = img_uniform()
     two = img_two_regions()
     optional = with_optional_record(basic)
@@ -522,6 +574,9 @@ def generate(outdir: Path) -> None:
     v.valid("page-size-8192", p8k, "page_size 8192: STORED, ZERO, FREE", raw=RAW["page-size-8192"])
     v.valid("source-state", source, "three SOURCE_STATE records (QEMU, QEMU, Xen with empty data), "
                                     "SOURCE_STATE compat bit", raw=RAW["source-state"])
+    v.valid("source-state-private", img_source_state_private(), "two SOURCE_STATE records of private-use "
+            "source_formats 0xb5a17e00 and 0xffffffff (a writer plugin's own, spec §5.4)",
+            raw=RAW["source-state-private"])
     v.valid("disk", disk, "two DISK pages on disk0 (sectors 8 and 1)", disks={"disk0": "valid/disk0.raw"}, raw=RAW["disk"])
     v.valid("disk-unused-entry", disk_extra, "DISK pages on disk0 and a second, unreferenced disk table entry",
             disks={"disk0": "valid/disk0.raw"}, raw=RAW["disk"])
@@ -531,6 +586,15 @@ def generate(outdir: Path) -> None:
             parents=["valid/parent.lean"], raw=RAW["child"])
     v.valid("child-parent-only", child_po, "child of parent.lean with PARENT and STORED pages, no DELTA bit",
             parents=["valid/parent.lean"], raw=RAW["child-parent-only"])
+    v.valid("v11-child-delta", child11, "format 1.1 (INHERITED_DIGESTS, minor_version 1) child of parent.lean "
+            "with the pages of child-delta: PARENT pages have no stored digest, DIGESTS hold the STORED and "
+            "DELTA pages' only", parents=["valid/parent.lean"], raw=RAW["child"])
+    v.valid("v11-grandchild", grandchild11, "format 1.1 child of v11-child-delta: inherited digests found two "
+            "links down (pages 0-3, 9), a DELTA over a DELTA, a DELTA over an inherited PARENT page",
+            parents=["valid/v11-child-delta.lean", "valid/parent.lean"], raw=RAW["grandchild11"])
+    v.valid("v11-over-1.0", grandchild_mixed, "format 1.1 child of the 1.0 child-delta: a PARENT page's "
+            "digest is the 1.0 link's stored one", parents=["valid/child-delta.lean", "valid/parent.lean"],
+            raw=RAW["grandchild"])
     v.valid("optional-record", optional, "basic.lean plus an unknown OPTIONAL record type 0x80007777 "
                                          "(hand-spliced, index and footer recomputed): readers skip it", raw=RAW["basic"])
     lean = Lean.parse(basic)
@@ -581,6 +645,9 @@ def generate(outdir: Path) -> None:
               "PARENT incompatible bit set without parent_uuid/parent_digest (header checksum fixed)")
     v.invalid("hdr-009-disk-bit", "LI-HDR-009", L(disk).set_header("Q", 16, 0).build(),
               "DISK pages, DISK incompatible bit clear (header checksum fixed)")
+    v.invalid("hdr-010-inherited-no-parent", "LI-HDR-010",
+              L(basic).set_header("H", 10, 1).set_header("Q", 16, INHERITED_DIGESTS).build(),
+              "basic.lean (no parent) with the INHERITED_DIGESTS incompatible bit and minor_version 1")
     v.invalid("hdr-009-delta-bit", "LI-HDR-009", L(child).set_header("Q", 16, 1).build(),
               "DELTA pages, DELTA incompatible bit clear (header checksum fixed)")
 
@@ -915,6 +982,14 @@ def generate(outdir: Path) -> None:
               "(ZERO and FREE only) with num_digests 1: STORED page 7's digest is in the wrong record "
               "(the region's total of 7 digests, in order, is right)")
 
+    v.invalid("dig-003-v11-parent-digests", "LI-DIG-003",
+              L(child).set_header("H", 10, 1).set_header("Q", 16, 0x5 | INHERITED_DIGESTS).build(),
+              "child-delta (digests of its PARENT pages stored, as in 1.0) with INHERITED_DIGESTS set: "
+              "num_digests counts the PARENT pages, which a 1.1 image does not store")
+    v.invalid("dig-003-v10-no-parent-digests", "LI-DIG-003", L(child11).set_header("H", 10, 0)
+              .set_header("Q", 16, 0x5).build(), "v11-child-delta with INHERITED_DIGESTS cleared: its PARENT "
+              "pages lack the stored digests a 1.0 image has")
+
     # ---- invalid: index and footer ------------------------------------------------------------------
     lean = L(basic)
     lean.records[lean.find(RecordType.REGION)].count = 13
@@ -964,6 +1039,9 @@ def generate(outdir: Path) -> None:
               "image A whose parent is chn-005-cycle-b, whose parent is A", parents=["invalid/chn-005-cycle-b.lean"])
     v.invalid("chn-005-cycle-b", "LI-CHN-005", cycle("cycle-b", a_uuid),
               "image B whose parent is chn-005-cycle-a, whose parent is B", parents=["invalid/chn-005-cycle-a.lean"])
+    v.invalid("chn-006-parent-over-free", "LI-CHN-006", img_parent_over_free(parent),
+              "format 1.1 child of parent.lean, all pages PARENT: page 11 is FREE in parent.lean, so it has "
+              "no digest to inherit", parents=["valid/parent.lean"])
     v.invalid("chn-001-missing-parent", "LI-CHN-001", child,
               "child-delta validated with only an unrelated candidate parent", parents=["valid/basic.lean"])
 

@@ -1,0 +1,162 @@
+"""Lazy restore (`leanimg serve --postcopy`) against the full restore, with real QEMU (TCG).
+
+Issue 14 §4.  Two guests with the same working set and different memory sizes (default 256
+MiB and 2 GiB) each boot, read their disk's files into the page cache, run ``workload check
+16`` (16 MiB it reads back before every heartbeat) and are saved stopped; each save is
+converted to a lean image.  Then, per guest, one destination QEMU after another (no -S: the
+guest starts as soon as it can), in the same run:
+
+  full        -incoming "exec:leanimg restore IMG --to qemu -o -", then `cont` as soon as
+              the load completed (a pre-copy load of a stopped VM's save stays paused; a
+              post-copy destination starts the guest at POSTCOPY_RUN by itself)
+  postcopy S  -incoming "exec:leanimg serve IMG --postcopy --prepage S", S in --strategies
+
+and for each:
+
+  qmp          destination started -> its QMP socket answers (QEMU's own start-up)
+  started      destination started -> query-status "running" (the vCPU runs; for the full
+               restore, after our `cont`)
+  to running   destination started -> the guest's serial console printing again (the first
+               heartbeat of any workload; the page-cache one touches little memory)
+  working set  destination started -> the first heartbeat of the check workload, which it
+               prints after reading its 16 MiB back
+  resident     destination started -> query-migrate "completed" (every page that must travel
+               has arrived; for the full restore, the whole stream is loaded)
+  on demand    pages the serve sent because the destination faulted on them (its --stats)
+
+The save and images are cached under --workdir (``--reuse`` skips the boots).  Timings are
+single runs on a shared, noisy 2-core host: read them as orders of magnitude, compared
+within the run.
+
+    python benchmarks/bench_postcopy.py --workdir /var/tmp/leanimg-postcopy --reuse --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shlex
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tests"))
+
+from guest.build import build_guest  # noqa: E402
+from guest.scenarios import heartbeats, run_scenario  # noqa: E402
+from guest.vm import GuestVM, copy_disk  # noqa: E402
+
+from leanimg.cli import command_line  # noqa: E402
+
+STEPS = (("pagecache", ("pagecache", "/mnt")), ("check", ("check", "16")))
+POSTCOPY = ("-global", "migration.x-postcopy-ram=on")
+TIMEOUT = 600
+
+
+def prepare(workdir: Path, mem_mib: int, reuse: bool) -> tuple[Path, Path]:
+    """(image, disk at save time) of a guest of ``mem_mib`` MiB after STEPS."""
+    out = workdir / f"guest-{mem_mib}"
+    image, disk = out / "vm.lean", out / "check.disk.img"
+    if reuse and image.exists() and disk.exists():
+        return image, disk
+    points = run_scenario(out, STEPS, mem_mib=mem_mib, save_after={"check"},
+                          log=lambda msg: print(f"[{mem_mib} MiB guest] {msg}", flush=True))
+    _run([*command_line(), "convert", str(points["check"].save), "-o", str(image), "-f"])
+    return image, disk
+
+
+def _run(argv: list[str]) -> None:
+    import subprocess
+    subprocess.run(argv, check=True, capture_output=True, timeout=TIMEOUT)
+
+
+def measure(build, image: Path, disk: Path, mem_mib: int, incoming_argv: list[str], postcopy: bool,
+            completes: bool = True) -> dict:
+    """Seconds from starting the destination to the first heartbeat and to "completed"
+    (not waited for when the run never ``completes``: a demand-only serve)."""
+    with tempfile.TemporaryDirectory(prefix="bench-postcopy-") as tmp:
+        work = Path(tmp)
+        copy = copy_disk(disk, work / "disk.img")
+        (work / "vm").mkdir()
+        t0 = time.monotonic()
+        with GuestVM(build, copy, mem_mib=mem_mib, workdir=work / "vm", autostart=True,
+                     incoming=f"exec:{shlex.join(incoming_argv)}", extra_args=POSTCOPY if postcopy else ()) as vm:
+            qmp = time.monotonic() - t0          # GuestVM returns once QMP answered
+            running = working = resident = started = None
+            deadline = t0 + TIMEOUT
+            while (working is None or (completes and resident is None)) and time.monotonic() < deadline:
+                if started is None and vm.status() == "running":
+                    started = time.monotonic() - t0
+                if running is None and re.search(r"HB \w+ \d+", vm.serial.text):
+                    running = time.monotonic() - t0
+                if working is None and heartbeats(vm.serial.text, "check"):
+                    working = time.monotonic() - t0
+                if resident is None and vm.qmp.execute("query-migrate").get("status") == "completed":
+                    resident = time.monotonic() - t0
+                    if not postcopy and vm.status() == "paused":
+                        vm.cont()     # the save was of a stopped VM: a pre-copy load stays paused
+                if vm.proc.poll() is not None or "WORKLOAD-ERROR" in vm.serial.text:
+                    raise RuntimeError(f"destination failed:\n{vm.serial.text[-1000:]}\n{vm.qemu_output()[-2000:]}")
+                time.sleep(0.02)
+            vm.qmp.execute("quit")
+            vm.proc.wait(timeout=60)
+    return {"qmp_s": qmp, "started_s": started, "to_running_s": running, "working_set_s": working,
+            "resident_s": resident}
+
+
+def read_stats(path: Path) -> dict:
+    """The serve writes --stats when it exits (QEMU gone)."""
+    for _ in range(300):
+        if path.exists() and path.stat().st_size:
+            time.sleep(0.1)
+            stats = json.loads(path.read_text())
+            return {k: stats[k] for k in ("demand_pages", "pushed_pages", "pages_to_send")}
+        time.sleep(0.1)
+    raise RuntimeError(f"the serve wrote no {path}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workdir", type=Path, default=Path("/var/tmp/leanimg-postcopy"))
+    ap.add_argument("--reuse", action="store_true", help="Reuse the saves and images in --workdir.")
+    ap.add_argument("--sizes", default="256,2048", help="Guest memory sizes in MiB (comma-separated).")
+    ap.add_argument("--strategies", default="none,sequential,bubble", help="Prepaging strategies to run.")
+    ap.add_argument("--json", type=Path, help="Write the results here too.")
+    args = ap.parse_args()
+    build = build_guest()
+    leanimg = command_line()
+    results = []
+    for mem_mib in [int(s) for s in args.sizes.split(",")]:
+        image, disk = prepare(args.workdir, mem_mib, args.reuse)
+        runs = [("full", None)] + [(f"postcopy {s}", s) for s in args.strategies.split(",")]
+        for name, strategy in runs:
+            row = dict(mem_mib=mem_mib, run=name, image_bytes=image.stat().st_size, demand_pages=None)
+            if strategy is None:
+                row.update(measure(build, image, disk, mem_mib,
+                                   [*leanimg, "restore", str(image), "--to", "qemu", "-o", "-"], False))
+            else:
+                stats = args.workdir / f"stats-{mem_mib}-{strategy}.json"
+                stats.unlink(missing_ok=True)
+                argv = [*leanimg, "serve", str(image), "--postcopy", "--prepage", strategy, "--stats", str(stats)]
+                row.update(measure(build, image, disk, mem_mib, argv, True, completes=strategy != "none"))
+                row.update(read_stats(stats))
+            results.append(row)
+            print(_line(row), flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2))
+
+
+def _line(row: dict) -> str:
+    fmt = lambda v: "-" if v is None else f"{v:.2f} s"  # noqa: E731
+    demand = "" if row["demand_pages"] is None else (f"  on demand {row['demand_pages']} pages, pushed "
+                                                     f"{row['pushed_pages']} of {row['pages_to_send']}")
+    return (f"{row['mem_mib']:>5} MiB  {row['run']:<22} qmp {fmt(row['qmp_s']):>7}  started "
+            f"{fmt(row['started_s']):>7}  to running {fmt(row['to_running_s']):>8}  "
+            f"working set {fmt(row['working_set_s']):>8}  resident {fmt(row['resident_s']):>8}{demand}")
+
+
+if __name__ == "__main__":
+    main()

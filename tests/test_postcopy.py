@@ -1,0 +1,325 @@
+"""`leanimg serve --postcopy` without QEMU: the protocol as a destination sees it, the
+prepaging orders, a page that fails its check, the host check, the command line.
+
+A fake destination (``Destination``) reads the stream the server writes into a pipe,
+checks its framing against QEMU 7.2's (savevm.c, ram.c), asks for pages on the return path
+like QEMU's fault thread (REQ_PAGES_ID, then REQ_PAGES for the same block) and sends SHUT
+after EOF.  The real thing is tests/test_qemu_postcopy.py.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import struct
+import subprocess
+import threading
+
+import numpy as np
+import pytest
+
+from helpers import qemu_save
+from leanimg.cli import command_line
+from leanimg.converters import qemu as q
+from leanimg.converters.convert import convert_file
+from leanimg.format import RecordType
+from leanimg.reader import LeanImage
+from leanimg.restore import postcopy as pc
+from leanimg.restore.prepage import STRATEGIES, make_strategy
+from leanimg.restore.qemu import stream_state
+from leanimg.structures import dump_structure
+
+PS = 4096
+NPAGES = 300
+
+
+@pytest.fixture(scope="module")
+def ram() -> bytes:
+    rng = np.random.default_rng(7)
+    pages = rng.integers(0, 256, (NPAGES, PS), dtype=np.uint8)
+    pages[rng.random(NPAGES) < 0.4] = 0            # 40 % zero pages, scattered
+    pages[100:140] = 0                             # and a long zero run
+    return pages.tobytes()
+
+
+@pytest.fixture(scope="module")
+def image(ram, tmp_path_factory):
+    d = tmp_path_factory.mktemp("postcopy")
+    (d / "vm.save").write_bytes(qemu_save(ram))
+    convert_file(str(d / "vm.save"), str(d / "vm.lean"), writer_options=dict(frame_pages=16))
+    return d / "vm.lean"
+
+
+class Destination(threading.Thread):
+    """Reads the stream; ``requests`` (page numbers of pc.ram) are asked for once the package
+    (with RUN) has arrived; records every page entry.  With ``leave``, it closes both ends
+    once every asked-for page arrived (as QEMU does when it quits)."""
+
+    def __init__(self, stream, return_path, requests=(), leave=False):
+        super().__init__(daemon=True)
+        self.f, self.rp, self.requests, self.leave = stream, return_path, list(requests), leave
+        self.pages: dict[int, bytes | None] = {}      # page -> data, None for a ZERO entry
+        self.repeats, self.commands, self.sections = [], [], []
+        self.block = None
+        self.error = None
+        self.ended = False
+
+    def read(self, n: int) -> bytes:
+        data = self.f.read(n)
+        if len(data) != n:
+            raise EOFError(f"stream ended: wanted {n} bytes, got {len(data)}")
+        return data
+
+    def run(self):
+        try:
+            self._run()
+        except Exception as exc:        # reported by the test
+            self.error = exc
+        finally:
+            self.rp.close()
+
+    def _run(self):
+        assert self.read(8) == struct.pack(">II", q.QEVM_MAGIC, 3)
+        self.read(1 + 4 + len(b"pc-i440fx-7.2"))               # the configuration section
+        while True:
+            kind = self.read(1)[0]
+            if kind == q.COMMAND:
+                self._command()
+            elif kind in (q.START, q.PART, q.END):
+                self.sections.append(kind)
+                self.read(4)
+                if kind == q.START:
+                    self.read(self.read(1)[0] + 8)
+                self._entries()
+                assert self.read(1)[0] == q.FOOTER
+                self.read(4)
+            else:
+                assert kind == q.EOF, kind
+                self.ended = True
+                self.rp.write(struct.pack(">HHI", pc.RP_SHUT, 4, 0))
+                self.rp.flush()
+                return
+
+    def _command(self):
+        cmd, length = struct.unpack(">HH", self.read(4))
+        data = self.read(length)
+        self.commands.append(cmd)
+        if cmd == pc.CMD_PACKAGED:
+            blob = self.read(struct.unpack(">I", data)[0])
+            assert blob.startswith(pc._command(pc.CMD_POSTCOPY_LISTEN))
+            assert blob.endswith(pc._command(pc.CMD_POSTCOPY_RUN))
+            self._ask()
+
+    def _ask(self):
+        for i, page in enumerate(self.requests):
+            head = struct.pack(">QI", page * PS, PS)
+            if i == 0:
+                msg = struct.pack(">HH", pc.RP_REQ_PAGES_ID, 13 + 6) + head + b"\x06pc.ram"
+            else:
+                msg = struct.pack(">HH", pc.RP_REQ_PAGES, 12) + head
+            self.rp.write(msg)
+        self.rp.flush()
+
+    def _entries(self):
+        while True:
+            word = struct.unpack(">Q", self.read(8))[0]
+            flags, addr = word & (PS - 1), word & ~(PS - 1)
+            if flags == q.F_EOS:
+                return
+            if flags & q.F_MEM_SIZE:
+                total = addr
+                while total:
+                    self.read(self.read(1)[0])
+                    total -= struct.unpack(">Q", self.read(8))[0]
+                continue
+            if not flags & q.F_CONTINUE:
+                self.block = self.read(self.read(1)[0]).decode()
+            assert self.block == "pc.ram"
+            page = addr // PS
+            data = self.read(PS) if flags & q.F_PAGE else None
+            if data is None:
+                assert self.read(1) == b"\0"
+            if page in self.pages:
+                self.repeats.append(page)
+            self.pages[page] = data
+            if self.leave and set(self.requests) <= set(self.pages):
+                raise EOFError("leaving")
+
+
+def serve(image_path, requests=(), strategy="sequential"):
+    """Run the server against a Destination; return (destination, stats or the ServeError)."""
+    down_r, down_w = os.pipe()
+    up_r, up_w = os.pipe()
+    dest = Destination(open(down_r, "rb"), open(up_w, "wb"), requests, leave=strategy == "none")
+    dest.start()
+    with LeanImage.open(image_path) as img, open(up_r, "rb") as inp:
+        out = open(down_w, "wb")
+        try:
+            result = pc.PostcopyServer(img, out, inp, strategy, log=lambda msg: None).serve()
+        except pc.ServeError as exc:
+            result = exc
+        finally:
+            try:
+                out.close()
+            except BrokenPipeError:
+                pass
+        dest.join(timeout=30)
+    return dest, result
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_every_page_that_must_travel_arrives_once(strategy, image, ram):
+    pages = np.frombuffer(ram, np.uint8).reshape(NPAGES, PS)
+    blank = ~pages.any(axis=1)
+    asked = [int(np.flatnonzero(blank)[3]), int(np.flatnonzero(~blank)[-5]), 120, 7]
+    dest, stats = serve(image, asked, strategy)
+    assert dest.error is None or strategy == "none" and str(dest.error) == "leaving", dest.error
+    assert not dest.repeats, f"pages sent twice: {dest.repeats}"
+    assert dest.commands[:4] == [pc.CMD_OPEN_RETURN_PATH, pc.CMD_POSTCOPY_ADVISE,
+                                 pc.CMD_POSTCOPY_RAM_DISCARD, pc.CMD_PACKAGED]
+    assert dest.sections[0] == q.START
+    for page, data in dest.pages.items():
+        assert data == (None if blank[page] else pages[page].tobytes()), page
+    assert set(asked) <= set(dest.pages)
+    assert isinstance(stats, pc.ServeStats) and stats.pages_to_send == int((~blank).sum())
+    if strategy == "none":
+        assert stats.pushed_pages == 0 and stats.demand_pages == len(asked) and not stats.completed
+        return
+    assert dest.sections[-1] == q.END and dest.ended
+    assert set(np.flatnonzero(~blank).tolist()) <= set(dest.pages)
+    zero_entries = {p for p, data in dest.pages.items() if data is None}
+    assert zero_entries <= {p for p in asked if blank[p]}, "only asked-for blank pages travel, as ZERO"
+    assert stats.completed and stats.shut == 0
+    assert stats.pages_to_send == int((~blank).sum())
+    assert stats.pushed_pages + stats.demand_pages - stats.demand_blank == stats.pages_to_send
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES[1:])
+def test_prepaging_orders_cover_each_page_once(strategy, image):
+    with LeanImage.open(image) as img:
+        server = pc.PostcopyServer(img, io.BytesIO(), io.BytesIO(), strategy)
+        blocks = server.blocks
+        order = make_strategy(strategy, img, blocks)
+        seen, after_fault = [], []
+        for step in range(1000):
+            if step == 3:
+                order.fault(blocks[0], 200)
+            runs = order.next_runs(8)
+            if not runs:
+                break
+            for block, first, count in runs:
+                assert not block.sent[first:first + count].any() and not block.blank[first:first + count].any()
+                block.sent[first:first + count] = True
+                seen.extend(range(first, first + count))
+                if step == 3:
+                    after_fault.extend(range(first, first + count))
+        assert sorted(seen) == np.flatnonzero(~blocks[0].blank).tolist()
+        if strategy == "bubble":   # after the fault at 200, the pages around it come next
+            assert len(after_fault) == 8 and all(abs(p - 200) <= 30 for p in after_fault), after_fault
+            assert min(after_fault) < 200 < max(after_fault), after_fault
+
+
+def test_a_page_failing_its_check_stops_the_serve_and_is_never_sent(image, ram, tmp_path):
+    bad = tmp_path / "bad.lean"
+    blob = bytearray(image.read_bytes())
+    frames = [r for r in dump_structure(image)["records"] if r["record_type"] == RecordType.PAGE_FRAME]
+    frame = frames[len(frames) // 2]
+    blob[frame["offset"] + 32 + frame["body_length"] // 2] ^= 0x55
+    bad.write_bytes(bytes(blob))
+    dest, result = serve(bad)
+    assert isinstance(result, pc.ServeError), result
+    assert "stopped before sending block 'pc.ram' page " in str(result)
+    pages = np.frombuffer(ram, np.uint8).reshape(NPAGES, PS)
+    assert dest.pages, "pages before the bad frame were sent"
+    for page, data in dest.pages.items():
+        assert data == pages[page].tobytes(), f"page {page} arrived wrong"
+    failed = int(str(result).split("page ")[1].split()[0])
+    assert failed not in dest.pages and not dest.ended
+
+
+def test_opening_matches_qemu_framing(image):
+    with LeanImage.open(image) as img:
+        state = stream_state(img)
+        blob = pc.opening(state, PS)
+    advise = pc._command(pc.CMD_POSTCOPY_ADVISE, struct.pack(">QQ", PS, PS))
+    assert blob.startswith(state.prologue + b"\x08\x00\x01\x00\x00" + advise)
+    assert b"\x01\x00\x00\x00\x02\x03ram\x00\x00\x00\x00\x00\x00\x00\x04" in blob    # START 'ram' v4
+    assert blob.endswith(pc._command(pc.CMD_POSTCOPY_RAM_DISCARD, b"\x00\x06pc.ram\x00" +
+                                     struct.pack(">QQ", 0, PS)))
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="drops root to test the refusal")
+def test_userfaultfd_refused_is_named_with_the_remedy():
+    setting = open("/proc/sys/vm/unprivileged_userfaultfd").read().strip()
+    if setting != "0":
+        pytest.skip("unprivileged userfaultfd is allowed on this host")
+    pc.check_userfaultfd()                      # root may
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:                                # the child: as nobody
+        os.close(r)
+        try:
+            os.setgroups([])
+            os.setgid(65534)
+            os.setuid(65534)
+            pc.check_userfaultfd()
+            os.write(w, b"allowed")
+        except pc.ServeError as exc:
+            os.write(w, str(exc).encode())
+        finally:
+            os._exit(0)
+    os.close(w)
+    with os.fdopen(r, "rb") as f:
+        message = f.read().decode()
+    os.waitpid(pid, 0)
+    assert "userfaultfd" in message and "uid 65534" in message, message
+    assert "vm.unprivileged_userfaultfd=1" in message and "root" in message, message
+
+
+def test_cli_serve_needs_postcopy(image):
+    proc = subprocess.run([*command_line(), "serve", str(image)], capture_output=True, timeout=60,
+                          stdin=subprocess.DEVNULL)
+    assert proc.returncode == 2 and b"--postcopy" in proc.stderr, proc.stderr
+
+
+def test_cli_serve_answers_a_destination_that_leaves(image):
+    """The destination closes both ends after the package: the serve ends cleanly and says
+    what it sent."""
+    with LeanImage.open(image) as img:
+        state = stream_state(img)
+        expected = pc.opening(state, PS) + pc.package(state)
+    proc = subprocess.Popen([*command_line(), "serve", str(image), "--postcopy", "--prepage", "none"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout.read(len(expected)) == expected
+    proc.stdin.close()
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) == 0, err
+    assert "serve --postcopy (none): 0 pages on demand" in err and "stream not completed" in err, err
+
+
+def test_cli_serve_to_a_destination_that_closed_the_stream(image):
+    proc = subprocess.Popen([*command_line(), "serve", str(image), "--postcopy"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    proc.stdin.close()
+    assert proc.wait(timeout=60) == 1, err
+    assert "leanimg: error: the destination closed the migration stream after 0 bytes" in err, err
+    assert "migration.x-postcopy-ram=on" in err and "Traceback" not in err, err
+
+
+def test_a_broken_return_path_ends_the_serve_with_a_warning(image):
+    """A message cut short, then end of file: the serve warns and ends (never waits for ever)."""
+    down_r, down_w = os.pipe()
+    up_r, up_w = os.pipe()
+    drained = threading.Thread(target=lambda: open(down_r, "rb").read(), daemon=True)
+    drained.start()
+    os.write(up_w, struct.pack(">HH", pc.RP_REQ_PAGES_ID, 32) + b"abc")
+    os.close(up_w)
+    said = []
+    with LeanImage.open(image) as img, open(up_r, "rb") as inp, open(down_w, "wb") as out:
+        stats = pc.PostcopyServer(img, out, inp, "none", log=said.append).serve()
+    drained.join(timeout=30)
+    assert said == ["warning: return path ended inside a REQ_PAGES_ID message"], said
+    assert not stats.completed and stats.requests == 0
