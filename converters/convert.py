@@ -169,38 +169,65 @@ def convert_qemu_spooled(source: BinaryIO, writer: LeanImageWriter, workdir=None
     With ``disks``, pages found on one of the disks become DISK references (two passes
     over the spooled RAM, one over each disk). With ``hints``, as convert_qemu.
     """
+    state, ram = qemu.load_stream(source, workdir)
+    with ram:
+        write_spooled(writer, state, ram, parent=parent, disks=disks, hints=hints)
+    return state
+
+
+def write_spooled(writer: LeanImageWriter, state: qemu.StreamState, ram: qemu.RamImage, *, parent=None,
+                  disks: DiskOptions | None = None, hints: HintOptions | None = None,
+                  unsent_free: bool = False) -> None:
+    """The RAM a stream was spooled into (qemu.load_stream) and its state, into ``writer``.
+
+    ``unsent_free``: pages the stream never sent (free pages QEMU skipped under virtio-balloon
+    free-page hinting) become FREE; otherwise they are read from the spool as zeros.
+    """
     writer.declare_source_state()
     names: dict[int, str] = {}
     put_data = _page_sink(writer, parent, names)
-    state, ram = qemu.load_stream(source, workdir)
-    with ram:
-        regions = []
-        for block in state.ram_blocks:
-            region = writer.add_region(block.name, block.length)
-            names[region] = block.name
-            regions.append((region, block))
+    regions = []
+    for block in state.ram_blocks:
+        region = writer.add_region(block.name, block.length)
+        names[region] = block.name
+        regions.append((region, block))
+    ps = ram.page_size
 
-        def feed(sink):
-            for region, block in regions:
-                page = 0
-                for chunk in ram.page_source(block):
+    def feed(sink):
+        for region, block in regions:
+            page = 0
+            seen = ram.seen[block.name]
+            for chunk in ram.page_source(block):
+                count = len(chunk) // ps
+                if not unsent_free:
                     sink(region, page, chunk)
-                    page += len(chunk) // ram.page_size
+                else:
+                    view = memoryview(chunk)
+                    for a, b in _true_runs(seen[page:page + count]):
+                        sink(region, page + a, view[a * ps:b * ps])
+                page += count
 
-        plan = None
-        if hints:
-            plan = _plan(hints, writer, "qemu", {block.name: region for region, block in regions}, disks, parent,
-                         ram.stream_length)
-            for region, block in regions:
-                plan.free_pages(region, ram.last_end[block.name])
-            put_data = plan.disk_sink(put_data)
-            unhinted_feed = feed
-            feed = lambda sink: unhinted_feed(plan.skip_free(sink))    # noqa: E731
-        _write_pages(writer, feed, put_data, disks)
-        if plan:
-            plan.finish()
+    plan = None
+    if hints:
+        plan = _plan(hints, writer, "qemu", {block.name: region for region, block in regions}, disks, parent,
+                     ram.stream_length)
+        for region, block in regions:
+            plan.free_pages(region, ram.last_end[block.name])
+        put_data = plan.disk_sink(put_data)
+        unhinted_feed = feed
+        feed = lambda sink: unhinted_feed(plan.skip_free(sink))    # noqa: E731
+    _write_pages(writer, feed, put_data, disks)
+    if plan:
+        plan.finish()
+    if unsent_free:
+        _free_unsent(writer, {name: region for region, name in names.items()})
     writer.add_source_state(SourceFormat.QEMU, QEMU_TAG_STREAM_STATE, pack_stream_state(state))
-    return state
+
+
+def _true_runs(flags: np.ndarray):
+    """(start, stop) of every run of True in ``flags``."""
+    edges = np.flatnonzero(np.diff(np.concatenate(([0], flags.view(np.int8), [0]))))
+    return zip(edges[::2].tolist(), edges[1::2].tolist())
 
 
 def convert_xen(source: BinaryIO, writer: LeanImageWriter, progress=None, parent=None,

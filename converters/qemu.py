@@ -56,7 +56,6 @@ import json
 import os
 import struct
 import tempfile
-from pathlib import Path
 from typing import BinaryIO, Callable, Iterable, Iterator, Union
 
 import numpy as np
@@ -875,15 +874,18 @@ def _state_from_bytes(blob: bytes) -> StreamState:
 # ---------------------------------------------------------------------------- RAM image
 
 class RamImage:
-    """Guest RAM assembled from ``Page`` events in sparse scratch files (last copy wins)."""
+    """Guest RAM assembled from ``Page`` events in sparse scratch files (last copy wins).
+
+    The scratch files are deleted temporary files (RAM-sized at most, sparse: pages never
+    sent or sent as zeros take no space); they vanish when closed or when the process dies."""
 
     def __init__(self, blocks: RamBlocks, directory: str | os.PathLike | None = None):
         self.page_size = blocks.page_size
         self.blocks = {b.name: b for b in blocks.blocks}
-        self._tmp = tempfile.TemporaryDirectory(prefix="leanimg-ram-", dir=directory)
         self._files = {}
-        for i, b in enumerate(blocks.blocks):
-            f = open(Path(self._tmp.name) / f"block{i}", "w+b")
+        for b in blocks.blocks:
+            # deleted at once (O_TMPFILE where the system has it): nothing stays behind a crash
+            f = tempfile.TemporaryFile(prefix="leanimg-ram-", dir=directory)
             f.truncate(b.length)
             self._files[b.name] = f
         self.seen = {b.name: _page_table(b, self.page_size, bool, False) for b in blocks.blocks}
@@ -921,7 +923,6 @@ class RamImage:
     def close(self) -> None:
         for f in self._files.values():
             f.close()
-        self._tmp.cleanup()
 
     def __enter__(self) -> "RamImage":
         return self

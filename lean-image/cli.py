@@ -552,6 +552,59 @@ def demo(workdir):
     sys.exit(0 if run_demo(workdir) else EXIT_INVALID)
 
 
+# --- checkpoint (issue 13 §3): the implementation is converters/checkpoint.py, reached as a plugin
+@main.command()
+@click.option("--qmp", "qmp_socket", required=True, metavar="SOCKET",
+              help="QEMU's QMP unix socket (-qmp unix:SOCKET,server=on,wait=off); QEMU serves one "
+              "client per socket, so give leanimg its own.")
+@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="The lean image to write.")
+@click.option("--live", "mode", flag_value="live", help="Precopy while the guest runs; the migration's final "
+              "pause is the checkpoint instant.")
+@click.option("--background", "mode", flag_value="background", help="QEMU's background-snapshot: the guest "
+              "runs on, every page is sent once as of the instant the snapshot starts.")
+@click.option("--then", "then", type=click.Choice(["continue", "stop", "quit"]), default="continue",
+              show_default=True, help="Afterwards: the guest runs on (if it ran), stays paused, or QEMU quits.")
+@click.option("--disk", "disks", multiple=True, metavar="NAME=PATH",
+              help="A file of the guest's disk (repeatable): pages found on it become disk references. "
+              "With --then continue the disk is frozen at the checkpoint instant (the guest writes to a new "
+              "qcow2 overlay beside it from then on).")
+@click.option("--parent", "parents", multiple=True, type=click.Path(exists=True, dir_okay=False),
+              metavar="PREV.lean", help="Write an incremental image against PREV (more: PREV's ancestors).")
+@click.option("--delta/--no-delta", default=True, show_default=True, help="8-byte-word deltas (with --parent).")
+@click.option("--level", default=3, show_default=True, type=click.IntRange(1, 22), help="zstd level.")
+@click.option("--max-bandwidth", type=click.IntRange(1), metavar="MIB/S",
+              help="Limit the migration (default: as fast as leanimg reads).")
+@click.option("--balloon-inflate", type=click.IntRange(1), metavar="MIB",
+              help="Inflate the guest's virtio-balloon by MIB first (its pages save as zeros) and deflate it "
+              "afterwards; the image records the size before (restored guests: QMP balloon value=BEFORE).")
+@click.option("--keep-stream", type=click.Path(dir_okay=False), metavar="FILE",
+              help="Also write QEMU's raw migration stream to FILE (for debugging: a full-size file).")
+@force_option
+def checkpoint(qmp_socket, output, mode, then, disks, parents, delta, level, max_bandwidth, balloon_inflate,
+               keep_stream, force):
+    """Checkpoint a running QEMU 7.2 over QMP straight into a lean image (no save file)."""
+    from .errors import CheckpointInterrupted
+    from .plugins import checkpointer
+    paths = {name or os.path.splitext(os.path.basename(path))[0]: path
+             for name, path in _parse_disks(disks).items()}
+    for path in paths.values():
+        if not os.path.isfile(path):
+            raise click.BadParameter(f"{path} is not a file", param_hint="--disk")
+    _guard_output(output, [*parents, *paths.values()], force)
+    writer = checkpointer("qemu")
+    request = writer.Request(qmp=qmp_socket, output=output, mode=mode or "stop", then=then, disks=paths,
+                             parents=parents, allow_delta=delta, writer_options=dict(level=level),
+                             max_bandwidth=max_bandwidth and max_bandwidth << 20, keep_stream=keep_stream,
+                             balloon_inflate=(balloon_inflate or 0) << 20,
+                             progress=sys.stderr.isatty())
+    try:
+        result = writer.checkpoint(request)
+    except CheckpointInterrupted as exc:
+        click.echo(f"leanimg: error: {exc}", err=True)
+        sys.exit(128 + exc.signum)
+    click.echo(result.summary())
+
+
 class _progress:
     """A progress bar on a TTY, silent otherwise."""
 

@@ -69,3 +69,16 @@ class DiskNotGiven(DiskError, InputMissing):
 
 class SourceFormatError(LeanImageError):
     """A hypervisor save file (QEMU or Xen stream) is malformed."""
+
+
+class CheckpointError(LeanImageError):
+    """A running VM could not be checkpointed: its monitor is unreachable or refused a command,
+    the migration failed or was cancelled. The guest is left as it was."""
+
+
+class CheckpointInterrupted(CheckpointError):
+    """A signal (Ctrl-C, SIGTERM) cancelled a checkpoint; ``signum`` names it."""
+
+    def __init__(self, message: str, signum: int):
+        super().__init__(message)
+        self.signum = signum

@@ -28,6 +28,7 @@ from .errors import SourceFormatError, UnsupportedError
 
 SOURCES = "leanimg.sources"
 TARGETS = "leanimg.targets"
+CHECKPOINTS = "leanimg.checkpoints"      # writers on a running hypervisor: `leanimg checkpoint`
 HEAD_BYTES = 16                 # how much of a file Source.detect is shown
 
 
@@ -112,11 +113,12 @@ class Target(Protocol):
 
 
 REQUIRED = {SOURCES: ("name", "description", "signature", "detect", "convert"),
-            TARGETS: ("name", "description", "restore", "describe")}
-METHODS = {"detect", "convert", "restore", "describe"}
+            TARGETS: ("name", "description", "restore", "describe"),
+            CHECKPOINTS: ("name", "description", "Request", "checkpoint")}
+METHODS = {"detect", "convert", "restore", "describe", "checkpoint"}
 
 
-KINDS = {SOURCES: "source format", TARGETS: "restore target"}
+KINDS = {SOURCES: "source format", TARGETS: "restore target", CHECKPOINTS: "checkpoint writer"}
 
 
 def source(name: str) -> Source:
@@ -125,6 +127,13 @@ def source(name: str) -> Source:
 
 def target(name: str) -> Target:
     return _load(TARGETS, name)
+
+
+def checkpointer(name: str):
+    """The checkpoint writer for hypervisor ``name`` (``qemu``: converters/checkpoint.py): an
+    object with ``Request`` (the request dataclass) and ``checkpoint(request)`` (the result,
+    whose ``summary()`` is one line)."""
+    return _load(CHECKPOINTS, name)
 
 
 def sources() -> list[Source]:

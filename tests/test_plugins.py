@@ -21,8 +21,11 @@ def test_the_built_in_plugins_are_registered():
     assert [s.name for s in plugins.sources()] == ["qemu", "xen"]
     assert [t.name for t in plugins.targets()] == ["qemu", "raw", "xen"]
     assert plugins.target("raw").name == "raw"
+    assert plugins.checkpointer("qemu").name == "qemu"
     with pytest.raises(UnsupportedError, match="no restore target 'vmware'"):
         plugins.target("vmware")
+    with pytest.raises(UnsupportedError, match="no checkpoint writer 'xen'"):
+        plugins.checkpointer("xen")
 
 
 @pytest.mark.parametrize("head,name", [
@@ -74,7 +77,7 @@ def test_a_restore_imports_only_its_own_restorer(tmp_path):
     assert loaded == ["leanimg.restore", "leanimg.restore.raw", "leanimg.restore.targets"]
 
 
-@pytest.mark.parametrize("group", [plugins.SOURCES, plugins.TARGETS])
+@pytest.mark.parametrize("group", [plugins.SOURCES, plugins.TARGETS, plugins.CHECKPOINTS])
 def test_the_fast_lookup_of_leanimgs_own_plugins_agrees_with_importlib_metadata(group):
     from importlib.metadata import distribution
     declared = {(e.name, e.value) for e in distribution("leanimg").entry_points if e.group == group}

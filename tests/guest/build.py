@@ -23,10 +23,11 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 
 # insmod order for a virtio disk with ext4 on the Debian 6.1 kernel (see ENVIRONMENT.md);
-# crc32c-intel is left out: the TCG "qemu64" CPU has no SSE4.2, crc32c_generic serves ext4.
+# virtio_balloon lets a guest with a virtio-balloon (free-page-reporting=on) hand its free
+# blocks to the host (issue 13); crc32c-intel is left out: the TCG "qemu64" CPU has no SSE4.2, crc32c_generic serves ext4.
 MODULES = ["virtio_ring", "virtio", "virtio_pci_modern_dev", "virtio_pci_legacy_dev",
            "virtio_pci", "virtio_blk", "crc32c_generic", "jbd2", "mbcache",
-           "crc16", "ext4"]
+           "crc16", "ext4", "virtio_balloon"]
 SKIP_MODULES = {"crc32c-intel.ko"}  # pulled in by "crc32c" aliases; see above
 
 READY_MARKER = "LEANIMG-READY"

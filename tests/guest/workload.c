@@ -5,6 +5,11 @@
  *   workload anon MIB           fill MIB MiB of anonymous memory with random data
  *   workload dirty DIR MIB      write MIB MiB of random data to DIR/dirty.bin, no sync
  *   workload idle               nothing
+ *   workload freed MIB          fill MIB MiB of anonymous memory with random data, then give
+ *                               it back to the kernel (munmap): stale free pages
+ *   workload fillall [MARGIN]   allocate all available memory but MARGIN MiB (default 24, from
+ *                               MemAvailable), write a pattern to every page and check it
+ *                               (prints WORKLOAD-ERROR on a mismatch), then free it
  *   workload words MIB [ROUNDS] [PAGES]
  *                               fill MIB MiB (page aligned) with random data, then each
  *                               round write 1..4 random 8-byte words in each of PAGES
@@ -35,6 +40,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
@@ -110,6 +116,66 @@ static uint64_t fill_anon(long mib)
     }
     fill_random(mem, bytes / 8);
     return mem[bytes / 8 - 1];  /* the block stays allocated for the process lifetime */
+}
+
+static uint64_t fill_and_free(long mib)
+{
+    size_t bytes = (size_t)mib << 20;
+    uint64_t *mem = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    uint64_t last;
+
+    if (mem == MAP_FAILED) {
+        printf("WORKLOAD-ERROR mmap %ld MiB\n", mib);
+        exit(1);
+    }
+    fill_random(mem, bytes / 8);
+    last = mem[bytes / 8 - 1];
+    munmap(mem, bytes);
+    return last;
+}
+
+static long available_mib(void)
+{
+    char line[256];
+    long kib = -1;
+    FILE *f = fopen("/proc/meminfo", "r");
+
+    while (f && fgets(line, sizeof line, f))
+        if (sscanf(line, "MemAvailable: %ld kB", &kib) == 1)
+            break;
+    if (f)
+        fclose(f);
+    return kib / 1024;
+}
+
+/* Every page written with a value derived from its index, then read back. */
+static uint64_t check_memory(long margin)
+{
+    long mib = available_mib() - margin;
+    size_t bytes, words;
+    uint64_t *mem;
+
+    if (mib <= 0) {
+        printf("WORKLOAD-ERROR fillall: %ld MiB available\n", mib + margin);
+        exit(1);
+    }
+    bytes = (size_t)mib << 20;
+    words = bytes / 8;
+    mem = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (mem == MAP_FAILED) {
+        printf("WORKLOAD-ERROR mmap %ld MiB\n", mib);
+        exit(1);
+    }
+    for (size_t i = 0; i < words; i++)
+        mem[i] = i * 0x9e3779b97f4a7c15ULL + 1;
+    for (size_t i = 0; i < words; i++)
+        if (mem[i] != i * 0x9e3779b97f4a7c15ULL + 1) {
+            printf("WORKLOAD-ERROR fillall: word %zu of %ld MiB reads %016llx\n", i, mib,
+                   (unsigned long long)mem[i]);
+            exit(1);
+        }
+    munmap(mem, bytes);
+    return (uint64_t)mib;
 }
 
 static uint64_t write_dirty(const char *dir, long mib)
@@ -244,6 +310,10 @@ int main(int argc, char **argv)
         sum = read_tree(argv[2]);
     else if (!strcmp(mode, "anon") && argc > 2)
         sum = fill_anon(atol(argv[2]));
+    else if (!strcmp(mode, "freed") && argc > 2)
+        sum = fill_and_free(atol(argv[2]));
+    else if (!strcmp(mode, "fillall"))
+        sum = check_memory(argc > 2 ? atol(argv[2]) : 24);
     else if (!strcmp(mode, "dirty") && argc > 3)
         sum = write_dirty(argv[2], atol(argv[3]));
     else if (!strcmp(mode, "check") && argc > 2) {
@@ -256,7 +326,8 @@ int main(int argc, char **argv)
                argc > 4 ? atol(argv[4]) : (mode[0] == 'w' ? 256 : 50));
     } else if (strcmp(mode, "idle")) {
         printf("WORKLOAD-ERROR usage: workload pagecache DIR | anon MIB | dirty DIR MIB | "
-               "words MIB [ROUNDS] [PAGES] | check MIB | pages MIB [ROUNDS] [PERMILLE] | idle\n");
+               "words MIB [ROUNDS] [PAGES] | check MIB | pages MIB [ROUNDS] [PERMILLE] | freed MIB | "
+               "fillall [MARGIN] | idle\n");
         return 2;
     }
     printf("WORKLOAD-DONE %s %016llx\n", mode, (unsigned long long)sum);

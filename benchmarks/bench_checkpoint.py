@@ -1,0 +1,200 @@
+"""`leanimg checkpoint` of a running guest against QEMU's own saves (issue 13 §6).
+
+The test guest (tests/guest) boots with ``-m MEM`` and reads a quarter of its memory worth of
+files from its ext4 disk (page cache: half word-salad text, half random), then fills half of
+its memory with random data and frees it (stale free pages). Two guests, in one run:
+
+  plain     no balloon: `stop`, QEMU's ``migrate "exec:cat > FILE"``, then ``zstd -T0 -3 FILE``
+            — what a QEMU user gets by default
+  balloon   ``-device virtio-balloon-pci,free-page-reporting=on`` (the guest's virtio_balloon
+            hands its free blocks to QEMU, which discards them), then in the same guest:
+            1. QEMU's own stop-and-save (exec:cat) and its ``zstd -T0 -3``: the share the
+               balloon gives without leanimg
+            2. ``leanimg checkpoint --disk vda=DISK`` (default mode: stop, migrate, cont; the disk
+               frozen with an overlay): image size and wall time against 1.'s
+            3. QEMU's own ``background-snapshot`` migrate to exec:cat: wall time and downtime
+            4. ``leanimg checkpoint --background``: image size, wall time, downtime
+
+Targets (issue 13 §6): image 2. <= 0.2 x the plain save's zstd; 4.'s downtime <= 50 ms;
+each checkpoint's wall time <= 1.2 x QEMU's own migrate in the same mode. QEMU's exec:cat writes
+the stream into the page cache and does not fsync it; leanimg compresses and fsyncs its image,
+so its CPU seconds are reported too. One run each: TCG guests are slow and the machine is
+shared (the load average is reported), so read the times as indications.
+
+    python benchmarks/bench_checkpoint.py --mem-mib 1024 --workdir /var/tmp/leanimg-ckpt --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tests"))
+
+from guest.build import DiskSpec, build_guest  # noqa: E402
+from guest.scenarios import wait_heartbeat  # noqa: E402
+from guest.vm import GuestVM, copy_disk  # noqa: E402
+
+BALLOON = ["-device", "virtio-balloon-pci,free-page-reporting=on"]
+
+
+def leanimg_command() -> list[str]:
+    script = Path(sys.executable).parent / "leanimg"
+    if script.is_file() and os.access(script, os.X_OK):
+        return [str(script)]
+    return [sys.executable, "-m", "leanimg.cli"]
+
+
+def prepare(vm: GuestVM, mem_mib: int, say) -> None:
+    t0 = time.monotonic()
+    vm.wait_ready(timeout=600)
+    vm.run_workload("pagecache", "/mnt", timeout=1800)
+    vm.run_workload("freed", str(mem_mib // 2), timeout=1800)
+    wait_heartbeat(vm, "freed", 4, timeout=120)     # a few seconds for free-page reporting
+    say(f"guest ready in {time.monotonic() - t0:.0f} s")
+
+
+def qemu_save(vm: GuestVM, path: Path, background: bool = False) -> tuple[float, dict]:
+    """QEMU's own migrate to exec:cat; (wall seconds, final query-migrate)."""
+    if background:
+        vm.qmp.execute("migrate-set-capabilities",
+                       capabilities=[{"capability": "background-snapshot", "state": True}])
+    else:
+        vm.stop()
+    t0 = time.monotonic()
+    info = vm.save(path, timeout=1800)
+    seconds = time.monotonic() - t0
+    if background:
+        vm.qmp.execute("migrate-set-capabilities",
+                       capabilities=[{"capability": "background-snapshot", "state": False}])
+    else:
+        vm.cont()
+        seconds = time.monotonic() - t0      # stop to running again, as the checkpoint's wall time
+    return seconds, info
+
+
+def zstd_size(path: Path) -> int:
+    out = path.with_suffix(path.suffix + ".zst")
+    subprocess.run(["zstd", "-q", "-f", "-T0", "-3", str(path), "-o", str(out)], check=True)
+    size = out.stat().st_size
+    out.unlink()
+    return size
+
+
+def checkpoint(qmp: Path, image: Path, *args) -> tuple[float, float, str]:
+    """(wall seconds, leanimg's CPU seconds, summary line)."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    t0 = time.monotonic()
+    proc = subprocess.run([*leanimg_command(), "checkpoint", "--qmp", str(qmp), "-o", str(image), "-f",
+                           *map(str, args)], capture_output=True, text=True, timeout=3600)
+    seconds = time.monotonic() - t0
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if proc.returncode != 0:
+        raise SystemExit(f"leanimg checkpoint failed: {proc.stderr}")
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return seconds, cpu, proc.stdout.strip()
+
+
+def downtime_of(summary: str) -> int:
+    return int(summary.split("downtime ")[1].split(" ms")[0])
+
+
+def run(args) -> dict:
+    say = (lambda msg: print(msg, file=sys.stderr, flush=True))
+    work = Path(args.workdir)
+    work.mkdir(parents=True, exist_ok=True)
+    quarter = args.mem_mib // 4
+    spec = DiskSpec(size_mib=quarter + quarter // 2 + 64, text_mib=quarter // 2, binary_mib=quarter // 2, seed=13)
+    build = build_guest(spec)
+    results = {"mem_mib": args.mem_mib, "disk_spec": dataclasses.asdict(spec)}
+
+    (work / "plain").mkdir(exist_ok=True)
+    with GuestVM(build, copy_disk(build.disk, work / "plain-disk.img"), mem_mib=args.mem_mib,
+                 workdir=work / "plain") as vm:
+        prepare(vm, args.mem_mib, say)
+        seconds, info = qemu_save(vm, work / "plain.save")
+    results["plain_save_bytes"] = (work / "plain.save").stat().st_size
+    results["plain_save_zstd_bytes"] = zstd_size(work / "plain.save")
+    results["plain_stop_save_seconds"] = seconds
+    (work / "plain.save").unlink()
+    say(f"plain: {results}")
+
+    (work / "balloon").mkdir(exist_ok=True)
+    disk = copy_disk(build.disk, work / "balloon-disk.img")
+    qmp = work / "leanimg-qmp.sock"
+    with GuestVM(build, disk, mem_mib=args.mem_mib, workdir=work / "balloon",
+                 extra_args=BALLOON + ["-qmp", f"unix:{qmp},server=on,wait=off"]) as vm:
+        prepare(vm, args.mem_mib, say)
+        seconds, info = qemu_save(vm, work / "balloon.save")
+        results["balloon_save_bytes"] = (work / "balloon.save").stat().st_size
+        results["balloon_save_zstd_bytes"] = zstd_size(work / "balloon.save")
+        results["qemu_stop_save_seconds"] = seconds
+        (work / "balloon.save").unlink()
+
+        seconds, cpu, summary = checkpoint(qmp, work / "stop.lean", "--disk", f"vda={disk}")
+        results["checkpoint_stop_cpu_seconds"] = cpu
+        results["checkpoint_disk_bytes"] = (work / "stop.lean").stat().st_size
+        results["checkpoint_stop_seconds"] = seconds
+        results["checkpoint_stop_summary"] = summary
+
+        seconds, info = qemu_save(vm, work / "background.save", background=True)
+        results["qemu_background_seconds"] = seconds
+        results["qemu_background_downtime_ms"] = info.get("downtime")
+        (work / "background.save").unlink()
+
+        seconds, cpu, summary = checkpoint(qmp, work / "background.lean", "--background")
+        results["checkpoint_background_cpu_seconds"] = cpu
+        results["checkpoint_background_bytes"] = (work / "background.lean").stat().st_size
+        results["checkpoint_background_seconds"] = seconds
+        results["checkpoint_background_downtime_ms"] = downtime_of(summary)
+        results["checkpoint_background_summary"] = summary
+
+    results["load_average"] = os.getloadavg()
+    results["ratio_vs_plain_zstd"] = results["checkpoint_disk_bytes"] / results["plain_save_zstd_bytes"]
+    results["ratio_vs_balloon_zstd"] = results["checkpoint_disk_bytes"] / results["balloon_save_zstd_bytes"]
+    results["stop_time_ratio"] = results["checkpoint_stop_seconds"] / results["qemu_stop_save_seconds"]
+    results["background_time_ratio"] = results["checkpoint_background_seconds"] / results["qemu_background_seconds"]
+    return results
+
+
+def report(r: dict) -> str:
+    mb = lambda n: f"{n / 1e6:.0f} MB"  # noqa: E731
+    return "\n".join([
+        f"guest {r['mem_mib']} MiB: half freed, a quarter page cache; load average at the end "
+        f"{r['load_average'][0]:.1f} on {os.cpu_count()} cores",
+        f"plain stop-and-save (no balloon): {mb(r['plain_save_bytes'])}, zstd -T0 -3 {mb(r['plain_save_zstd_bytes'])}",
+        f"same with free-page-reporting:    {mb(r['balloon_save_bytes'])}, zstd -T0 -3 {mb(r['balloon_save_zstd_bytes'])}",
+        f"checkpoint --disk:                {mb(r['checkpoint_disk_bytes'])} = {r['ratio_vs_plain_zstd']:.3f} x the plain "
+        f"zstd (target <= 0.2), {r['ratio_vs_balloon_zstd']:.3f} x the balloon zstd",
+        f"stop mode wall time: checkpoint {r['checkpoint_stop_seconds']:.1f} s "
+        f"(leanimg CPU {r['checkpoint_stop_cpu_seconds']:.1f} s), QEMU exec:cat "
+        f"{r['qemu_stop_save_seconds']:.1f} s = {r['stop_time_ratio']:.2f} x (target <= 1.2)",
+        f"background: checkpoint {r['checkpoint_background_seconds']:.1f} s "
+        f"(leanimg CPU {r['checkpoint_background_cpu_seconds']:.1f} s), downtime "
+        f"{r['checkpoint_background_downtime_ms']} ms (target <= 50); QEMU exec:cat {r['qemu_background_seconds']:.1f} s, "
+        f"downtime {r['qemu_background_downtime_ms']} ms = {r['background_time_ratio']:.2f} x (target <= 1.2)",
+    ])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--mem-mib", type=int, default=1024, help="guest memory (default 1024)")
+    parser.add_argument("--workdir", default="/var/tmp/leanimg-bench-checkpoint")
+    parser.add_argument("--json", help="also write the results here")
+    args = parser.parse_args()
+    results = run(args)
+    print(report(results))
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()

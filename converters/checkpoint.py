@@ -1,0 +1,878 @@
+"""`leanimg checkpoint`: a running QEMU 7.2, over QMP, straight into a lean image.
+
+No save file is written. leanimg makes a socketpair, hands one end to QEMU over the QMP unix
+socket (SCM_RIGHTS, QMP ``getfd``) and starts ``migrate uri=fd:NAME``; a thread reads the other
+end into the RAM spool of ``qemu.load_stream`` (deleted, sparse scratch files holding at most
+the guest's RAM: live streams resend pages and the last copy wins; never a save file). When the
+migration has completed, the image is written from the spool with ``convert.write_spooled``.
+``--background`` without disks needs no spool (every page comes once): ``_Direct`` feeds the
+writer while the snapshot runs.
+
+Modes (the checkpoint instant in brackets):
+
+* ``stop`` (default): ``stop``, migrate, then ``--then`` [the stop];
+* ``live``: precopy while the guest runs [the migration's final pause];
+* ``background``: QEMU's ``background-snapshot`` capability: every page sent once as of the
+  instant QEMU write-protects guest RAM, the guest running meanwhile [that instant].
+
+Disks (``--disk NAME=PATH``, PATH one of the guest's own files): DISK references must point at
+bytes that never change. If the guest runs on after the checkpoint (``--then continue``), each
+disk is frozen at the checkpoint instant with ``blockdev-snapshot-sync`` to a new qcow2
+overlay beside it: the guest writes to the overlay from then on and PATH, now QEMU's read-only
+backing file, holds the referenced blocks. The instant: ``stop`` mode, after the migration
+while still stopped; ``live``, in the ``pre-switchover`` pause (capability
+``pause-before-switchover``, then ``migrate-continue``); ``background`` (which QEMU allows with no
+pause capability), stopped by leanimg just before ``migrate``, QEMU itself resuming the guest
+once RAM is write-protected. The disk's size and fingerprint are taken after the freeze.
+
+The image gets a second SOURCE_STATE record (QEMU, tag 2: ``checkpoint note``, UTF-8 JSON):
+mode, downtime, and for every disk the file that holds its referenced blocks and the overlay.
+
+Failures (the monitor unreachable or not QMP, a QMP error, a failed or cancelled migration, a
+writer error, SIGINT/SIGTERM) cancel the migration, shut the socket, restore the run state the
+guest had (``cont`` if it ran) and the migration capabilities and parameters leanimg changed,
+and leave no output file; a block snapshot already taken stays, and the error says where.
+A background snapshot is run to its end instead of cancelled (``_finish_background``: QEMU 7.2
+leaves a cancelled one's guest RAM write-protected and the guest hangs) — which also means a
+``migrate_cancel`` sent by someone else during ``--background`` hangs the guest.
+
+``--balloon-inflate`` (seed 001): the balloon is inflated before, deflated after (and after a
+failure); the note records its size before, which a restored guest's balloon is deflated to.
+
+Seam for guest FREE hints (spec/hints.md, route iii of issue 13): ``CheckpointRequest.hints``
+is to carry a ``converters.hinting.HintOptions`` (its source may be a callable, read only once
+the stream has ended, so a producer can write hints while it flows) and ``_write_into`` to pass
+it to ``write_spooled(hints=...)``, which applies it with the stream-offset safety rule (the
+spool records where each page's last copy ended). Not wired yet: ``run_checkpoint`` refuses a
+request that sets it, and no option takes one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import io
+import json
+import os
+import signal
+import socket
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+
+from leanimg.errors import CheckpointError, CheckpointInterrupted, LeanImageError
+from leanimg.fileutil import fsync_path, umask
+from leanimg.format import SourceFormat
+from leanimg.writer import LeanImageWriter
+
+from . import qemu
+from .convert import DiskOptions, RepeatedPages, convert_qemu, write_spooled
+from .diskrefs import declare_disks
+
+MODES = ("stop", "live", "background")
+THEN = ("continue", "stop", "quit")
+QEMU_TAG_CHECKPOINT_NOTE = 2
+CONNECT_TIMEOUT = 10.0          # to connect and read QMP's greeting
+COMMAND_TIMEOUT = 60.0          # for one QMP command's reply
+CANCEL_TIMEOUT = 60.0           # for a cancelled migration to end
+ACTIVE = {"setup", "active", "pre-switchover", "device", "cancelling", "wait-unplug",
+          "postcopy-active", "postcopy-paused", "postcopy-recover", "colo"}
+UNLIMITED_BANDWIDTH = 1 << 40   # bytes/s: "as fast as the writer reads"
+BALLOON_SETTLE = 5.0            # --balloon-inflate: seconds without progress that end the wait
+
+
+@dataclasses.dataclass
+class CheckpointRequest:
+    qmp: str                            # path of QEMU's QMP unix socket
+    output: str
+    mode: str = "stop"
+    then: str = "continue"
+    disks: dict = dataclasses.field(default_factory=dict)      # name -> path
+    parents: tuple = ()
+    allow_delta: bool = True
+    writer_options: dict = dataclasses.field(default_factory=dict)
+    max_bandwidth: int | None = None    # bytes/s; None: unlimited
+    keep_stream: str | None = None      # also copy QEMU's raw stream there (debugging, tests)
+    hints: object = None                # coming: a FREE/DISK hint source (spec/hints.md)
+    balloon_inflate: int = 0            # bytes to inflate the balloon by first (seed 001)
+    progress: bool = False              # a status line on stderr
+    workdir: str | None = None          # where the RAM spool lives (default: $TMPDIR)
+
+
+@dataclasses.dataclass
+class FrozenDisk:
+    name: str
+    path: str                           # the file holding the referenced blocks
+    device: dict                        # how QMP names it: {"device": ...} or {"node-name": ...}
+    writable: bool                      # the guest writes this file (its active layer)
+    overlay: str | None = None          # where the guest writes since the freeze
+    referenced: int = 0                 # bytes of DISK pages referring to it
+
+    def note(self) -> dict:
+        return {"name": self.name, "file": self.path, "frozen": self.overlay is not None or not self.writable,
+                "overlay": self.overlay}
+
+    def describe(self) -> str:
+        if self.overlay:
+            state = f"frozen; the guest now writes to {self.overlay}"
+        elif not self.writable:
+            state = "a read-only file of the guest's disk"
+        else:
+            state = "not frozen: the guest is not running on; resuming it changes this file"
+        return f"disk {self.name}: {self.referenced / 2**20:.1f} MiB referenced in {self.path} ({state})"
+
+
+@dataclasses.dataclass
+class Balloon:
+    """``--balloon-inflate``: the guest's balloon before, the target asked and the size reached."""
+    before: int                         # query-balloon "actual", bytes of guest RAM
+    target: int
+    reached: int = 0
+    deflated: bool = False
+
+    def note(self) -> dict:
+        return {"before_bytes": self.before, "target_bytes": self.target, "reached_bytes": self.reached}
+
+    def describe(self) -> str:
+        inflated = (self.before - self.reached) / 2**20
+        after = "deflated again" if self.deflated else "still inflated"
+        return (f"balloon inflated by {inflated:.0f} MiB for the checkpoint ({after}); a guest restored from "
+                f"the image has it inflated: deflate it with QMP balloon value={self.before}")
+
+
+@dataclasses.dataclass
+class CheckpointResult:
+    output: str
+    mode: str
+    then: str
+    file_bytes: int
+    page_size: int
+    classes: Counter
+    downtime_ms: int | None             # query-migrate's "downtime"
+    paused_ms: float | None             # from leanimg's own stop to the guest running again
+    seconds: float
+    disks: list
+    guest: str                          # the guest's run state at the end
+    balloon: Balloon | None = None
+
+    def summary(self) -> str:
+        mib = lambda pages: pages * self.page_size / 2**20  # noqa: E731
+        classes = ", ".join(f"{cls.name} {mib(n):.1f}" for cls, n in sorted(self.classes.items()) if n)
+        timing = f"downtime {self.downtime_ms} ms" if self.downtime_ms is not None else "downtime unknown"
+        if self.paused_ms is not None:
+            timing += f", guest paused {self.paused_ms:.0f} ms"
+        line = (f"{self.output}: {self.file_bytes / 2**20:.1f} MiB, {self.mode} checkpoint in "
+                f"{self.seconds:.1f} s, {timing}; MiB by class: {classes}; guest {self.guest}")
+        extra = [self.balloon.describe()] if self.balloon else []
+        return "; ".join([line] + [d.describe() for d in self.disks] + extra)
+
+
+# ------------------------------------------------------------------------------ QMP
+
+class Monitor:
+    """A synchronous QMP client (qemu.qmp's QMPClient on a private event loop), every wait
+    bounded; failures become CheckpointError."""
+
+    def __init__(self, path: str, timeout: float = CONNECT_TIMEOUT):
+        from qemu.qmp import QMPClient
+        self.path = path
+        self._loop = asyncio.new_event_loop()
+        self._client = QMPClient("leanimg-checkpoint")
+        if not os.path.exists(path):
+            self._loop.close()
+            raise CheckpointError(f"QMP socket {path} does not exist (start QEMU with "
+                                  f"-qmp unix:{path},server=on,wait=off)")
+        try:
+            self._run(self._client.connect(path), timeout)
+        except asyncio.TimeoutError:
+            self.close()
+            raise CheckpointError(f"{path}: no QMP greeting within {timeout:.0f} s (not a QMP socket, or "
+                                  "another client holds it: QEMU serves one client per -qmp socket)") from None
+        except Exception as exc:  # qemu.qmp's ConnectError wraps the OSError or the bad greeting
+            self.close()
+            raise CheckpointError(f"{path}: cannot speak QMP: {_cause(exc)}") from None
+
+    def _run(self, coroutine, timeout: float):
+        return self._loop.run_until_complete(asyncio.wait_for(coroutine, timeout))
+
+    def execute(self, command: str, timeout: float = COMMAND_TIMEOUT, **arguments):
+        from qemu.qmp import ExecuteError
+        try:
+            return self._run(self._client.execute(command, arguments or None), timeout)
+        except ExecuteError as exc:
+            raise CheckpointError(f"QMP {command}: {exc.error.error.desc}") from None
+        except asyncio.TimeoutError:
+            raise CheckpointError(f"QMP {command}: no reply within {timeout:.0f} s") from None
+        except Exception as exc:
+            raise CheckpointError(f"QMP {command}: {_cause(exc)}") from None
+
+    def send_fd(self, fd: int, name: str) -> None:
+        """Pass ``fd`` to QEMU as ``name`` (SCM_RIGHTS, then ``getfd``)."""
+        try:
+            self._client.send_fd_scm(fd)
+        except Exception as exc:
+            raise CheckpointError(f"cannot pass a file descriptor over {self.path}: {_cause(exc)}") from None
+        self.execute("getfd", fdname=name)
+
+    def close(self) -> None:
+        try:
+            self._run(self._client.disconnect(), 10)
+        except Exception:   # closing after a failure: nothing more to report
+            pass
+        self._loop.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _cause(exc: BaseException) -> str:
+    """The reason qemu.qmp gives, on one line."""
+    inner = getattr(exc, "exc", None) or exc.__cause__ or exc
+    text = str(inner) or type(inner).__name__
+    return " ".join(line.strip() for line in text.splitlines() if line.strip())
+
+
+# ------------------------------------------------------------------------------ signals
+
+class _Signals:
+    """SIGINT and SIGTERM set a flag the checkpoint looks at between steps, so it can cancel
+    the migration and resume the guest before it exits."""
+
+    def __init__(self):
+        self.received = None
+        self._saved = {}
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                self._saved[signum] = signal.signal(signum, self._note)
+        return self
+
+    def _note(self, signum, frame):
+        self.received = signum
+
+    def check(self) -> None:
+        if self.received is not None:
+            name = signal.Signals(self.received).name
+            raise CheckpointInterrupted(f"interrupted by {name}", self.received)
+
+    def __exit__(self, *exc):
+        for signum, handler in self._saved.items():
+            signal.signal(signum, handler)
+
+
+# ------------------------------------------------------------------------------ the stream
+
+class _SocketReader(io.RawIOBase):
+    """Our end of the socketpair; counts bytes and copies them to ``keep`` when asked."""
+
+    def __init__(self, sock: socket.socket, keep: str | None):
+        self.sock, self.received = sock, 0
+        self.keep = open(keep, "wb") if keep else None
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        n = self.sock.recv_into(buffer)
+        self.received += n
+        if self.keep is not None and n:
+            self.keep.write(memoryview(buffer)[:n])
+        return n
+
+    def close(self) -> None:
+        if self.keep is not None:
+            self.keep.close()
+        super().close()
+
+
+class _Spool(threading.Thread):
+    """Reads the migration stream into qemu.load_stream's RAM spool."""
+
+    def __init__(self, sock: socket.socket, keep: str | None, workdir: str | None):
+        super().__init__(name="leanimg-checkpoint-spool", daemon=True)
+        self.sock, self.workdir = sock, workdir
+        self.reader = _SocketReader(sock, keep)
+        self.state = self.ram = self.error = None
+        self.parsed = threading.Event()      # the whole stream has been read
+
+    def run(self) -> None:
+        try:
+            with io.BufferedReader(self.reader, 1 << 20) as stream:
+                self.state, self.ram = self._consume(stream)
+        except BaseException as exc:   # handed to the main thread
+            self.error = exc
+            self._drain()
+        finally:
+            self.sock.close()
+
+    def _consume(self, stream):
+        state, ram = qemu.load_stream(stream, self.workdir)
+        self.parsed.set()
+        return state, ram
+
+    def abandon(self) -> None:
+        """The checkpoint failed: whatever waits for the main thread stops waiting."""
+
+    def _drain(self) -> None:
+        """Read on until the stream ends or is shut: QEMU 7.2 must be able to finish a background
+        snapshot (see _Checkpoint._finish_background)."""
+        buffer = bytearray(1 << 20)
+        try:
+            while self.sock.recv_into(buffer):
+                pass
+        except OSError:
+            pass
+
+    def shut(self) -> None:
+        """Make a blocked read return: QEMU's writes then fail too."""
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+    def result(self) -> tuple[qemu.StreamState, qemu.RamImage]:
+        if isinstance(self.error, LeanImageError):
+            raise CheckpointError(f"the migration stream: {self.error}") from None
+        if self.error is not None:
+            raise self.error
+        return self.state, self.ram
+
+
+class _Direct(_Spool):
+    """``--background`` without disks: QEMU sends every page once, so pages go into the writer
+    as they arrive (convert.convert_qemu; pages never sent become FREE) and compression runs
+    while the snapshot does. No spool. The writer finishes when the main thread hands over the
+    checkpoint note (``finish``)."""
+
+    def __init__(self, sock: socket.socket, keep: str | None, out, open_writer):
+        super().__init__(sock, keep, None)
+        self.out, self.open_writer = out, open_writer
+        self.note = None
+        self._go = threading.Event()
+
+    def _consume(self, stream):
+        with self.open_writer(self.out) as (writer, parent):
+            try:
+                state = convert_qemu(stream, writer, parent=parent)
+            except RepeatedPages as exc:
+                raise CheckpointError(f"QEMU sent a page twice in a background snapshot ({exc})") from None
+            self.parsed.set()
+            self._go.wait()
+            if self.note is None:
+                raise CheckpointError("abandoned")
+            writer.add_source_state(SourceFormat.QEMU, QEMU_TAG_CHECKPOINT_NOTE, self.note)
+        return state, None
+
+    def finish(self, note: bytes) -> None:
+        self.note = note
+        self._go.set()
+
+    def abandon(self) -> None:
+        self._go.set()
+
+
+# ------------------------------------------------------------------------------ the checkpoint
+
+def run_checkpoint(request: CheckpointRequest) -> CheckpointResult:
+    """Checkpoint the guest behind ``request.qmp`` into ``request.output`` (see the module)."""
+    if request.mode not in MODES or request.then not in THEN:
+        raise ValueError(f"mode {request.mode!r}, then {request.then!r}")
+    if request.hints is not None:
+        raise CheckpointError("FREE/DISK hints (spec/hints.md) are not wired into checkpoint yet")
+    with _Signals() as signals, Monitor(request.qmp) as monitor:
+        return _Checkpoint(monitor, request, signals).run()
+
+
+class _Checkpoint:
+    def __init__(self, monitor: Monitor, request: CheckpointRequest, signals: _Signals):
+        self.qmp, self.req, self.signals = monitor, request, signals
+        self.fd_name = f"leanimg-checkpoint-{os.getpid()}"
+        self.spool: _Spool | None = None
+        self.staged = self.staged_out = None     # --background without disks: the image being written
+        self.disks: list[FrozenDisk] = []
+        self.migrating = self.fd_passed = self.fd_used = False
+        self.changed_caps: dict[str, bool] = {}
+        self.saved_bandwidth = None
+        self.stopped_at = self.resumed_at = None
+        self.downtime_ms = None
+        self.balloon: Balloon | None = None
+        self.started = time.monotonic()
+        self._status_shown = False
+
+    # -- the whole run -------------------------------------------------------------------
+    def run(self) -> CheckpointResult:
+        status = self.qmp.execute("query-status")["status"]
+        self.was_running = status == "running"
+        if self.qmp.execute("query-migrate").get("status") in ACTIVE:
+            raise CheckpointError("a migration is already in progress on this QEMU")
+        self.disks = self._match_disks()
+        try:
+            self._inflate_balloon()
+            self._open_stream()
+            info = self._migrate()
+            self.downtime_ms = info.get("downtime")
+            self._resume_if_continuing()
+            self._deflate_balloon()
+            state, ram = self._spooled()
+            self._restore_migration_settings()
+            if ram is None:
+                staged = self._finish_direct()
+            else:
+                with ram:
+                    staged = self._write_image(state, ram)
+            try:
+                if self.req.then == "quit":
+                    self._quit()
+                _commit(staged, self.req.output)
+            except BaseException:
+                os.unlink(staged)
+                raise
+        except BaseException as exc:
+            raise self._recover(exc) from None
+        finally:
+            self._end_status_line()
+        return self._result()
+
+    # -- the balloon (seed 001) -----------------------------------------------------------
+    def _inflate_balloon(self) -> None:
+        """Inflate the balloon by --balloon-inflate and wait until the guest has given the pages
+        (or stopped giving: no progress for BALLOON_SETTLE seconds)."""
+        if not self.req.balloon_inflate:
+            return
+        before = self.qmp.execute("query-balloon")["actual"]
+        self.balloon = Balloon(before, max(before - self.req.balloon_inflate, 0))
+        self.qmp.execute("balloon", value=self.balloon.target)
+        last, still = before, time.monotonic()
+        while True:
+            self.signals.check()
+            actual = self.qmp.execute("query-balloon")["actual"]
+            if actual != last:
+                last, still = actual, time.monotonic()
+            if actual <= self.balloon.target or time.monotonic() - still > BALLOON_SETTLE:
+                self.balloon.reached = actual
+                return
+            time.sleep(0.1)
+
+    def _deflate_balloon(self) -> None:
+        """Give the guest its memory back (if it runs on)."""
+        if self.balloon is None or self.balloon.deflated or self.req.then == "quit":
+            return
+        if self.req.then == "continue" or self.qmp.execute("query-status")["status"] == "running":
+            self.qmp.execute("balloon", value=self.balloon.before)
+            self.balloon.deflated = True
+
+    # -- disks ---------------------------------------------------------------------------
+    def _match_disks(self) -> list[FrozenDisk]:
+        """Each --disk PATH must be a file of one of the guest's block devices."""
+        if not self.req.disks:
+            return []
+        devices = [dev for dev in self.qmp.execute("query-block") if dev.get("inserted")]
+        found = []
+        for name, path in self.req.disks.items():
+            match = next((m for m in (_file_of(dev, path) for dev in devices) if m), None)
+            if match is None:
+                files = ", ".join(f for dev in devices for f in _files(dev["inserted"])) or "none"
+                raise CheckpointError(f"--disk {name}={path} is not a file of this guest's disks "
+                                      f"(its files: {files})")
+            device, writable = match
+            found.append(FrozenDisk(name, os.path.abspath(path), device, writable))
+        return found
+
+    def _freezing(self) -> bool:
+        return self.req.then == "continue" and any(d.writable for d in self.disks)
+
+    def _freeze_disks(self) -> None:
+        """blockdev-snapshot-sync: the guest writes to a new overlay, the file stays as it is."""
+        if not self._freezing():
+            return
+        for disk in self.disks:
+            if disk.writable:
+                overlay = _overlay_path(disk.path, self.req.output)
+                self.qmp.execute("blockdev-snapshot-sync", **disk.device, format="qcow2",
+                                 **{"snapshot-file": overlay})
+                disk.overlay = overlay
+
+    # -- the migration -------------------------------------------------------------------
+    def _open_stream(self) -> None:
+        ours, theirs = socket.socketpair()
+        try:
+            self.qmp.send_fd(theirs.fileno(), self.fd_name)
+            self.fd_passed = True
+        finally:
+            theirs.close()
+        if self.req.mode == "background" and not self.disks:
+            self.staged, self.staged_out = _temp_beside(self.req.output)
+            self.spool = _Direct(ours, self.req.keep_stream, self.staged_out, self._open_writer)
+        else:
+            self.spool = _Spool(ours, self.req.keep_stream, self.req.workdir)
+        self.spool.start()
+
+    def _migrate(self) -> dict:
+        params = self.qmp.execute("query-migrate-parameters")
+        self.saved_bandwidth = params.get("max-bandwidth")
+        self.qmp.execute("migrate-set-parameters",
+                         **{"max-bandwidth": self.req.max_bandwidth or UNLIMITED_BANDWIDTH})
+        mode = self.req.mode
+        self._set_capabilities({"pause-before-switchover": mode == "live" and self._freezing(),
+                                "background-snapshot": mode == "background"})
+        if mode == "stop" or (mode == "background" and self._freezing()):
+            self._stop()
+        if mode == "background":
+            self._freeze_disks()
+        self._start_migration()
+        info = self._wait_migration()
+        if mode == "stop":
+            self._freeze_disks()
+        return info
+
+    def _set_capabilities(self, wanted: dict[str, bool]) -> None:
+        current = {c["capability"]: c["state"] for c in self.qmp.execute("query-migrate-capabilities")}
+        change = {cap: on for cap, on in wanted.items() if current.get(cap, False) != on}
+        if change:
+            self.qmp.execute("migrate-set-capabilities",
+                             capabilities=[{"capability": c, "state": on} for c, on in change.items()])
+            self.changed_caps.update({c: not on for c, on in change.items()})
+
+    def _stop(self) -> None:
+        if self.qmp.execute("query-status")["status"] == "running":
+            self.qmp.execute("stop")
+            self.stopped_at = time.monotonic()
+
+    def _start_migration(self) -> None:
+        self.signals.check()
+        self.qmp.execute("migrate", uri=f"fd:{self.fd_name}")
+        self.migrating = self.fd_used = True
+
+    def _wait_migration(self) -> dict:
+        while True:
+            self.signals.check()
+            info = self.qmp.execute("query-migrate")
+            status = info.get("status")
+            self._show_status(status)
+            self._note_resumed()
+            if status == "completed":
+                self.migrating = False
+                return info
+            if status in ("failed", "cancelled"):
+                self.migrating = False
+                why = info.get("error-desc")
+                raise CheckpointError(f"the migration {status}" + (f": {why}" if why else ""))
+            if status == "pre-switchover":
+                self._freeze_disks()
+                self.qmp.execute("migrate-continue", state="pre-switchover")
+                continue
+            if self.spool.error is not None or not self.spool.is_alive():
+                if self.req.mode != "background" and self._stream_ended_first():
+                    continue        # the next query-migrate names how the migration ended
+                self.spool.result()
+                raise CheckpointError("the migration stream ended before the migration completed")
+            time.sleep(0.02 if status == "device" else 0.05)
+
+    def _stream_ended_first(self) -> bool:
+        """The stream ended while the migration was active: QEMU ending the migration (cancelled,
+        failed) cuts the stream first; give its status a moment to say so (True), so the error
+        names the migration's end rather than the truncated stream it left."""
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            if self.qmp.execute("query-migrate").get("status") not in ACTIVE:
+                return True
+            time.sleep(0.05)
+        return False
+
+    def _note_resumed(self) -> None:
+        """--background after leanimg's stop: QEMU resumes the guest itself; note when."""
+        if self.stopped_at is not None and self.resumed_at is None and self.req.mode == "background":
+            if self.qmp.execute("query-status")["status"] == "running":
+                self.resumed_at = time.monotonic()
+
+    def _spooled(self):
+        while self.spool.is_alive() and not self.spool.parsed.is_set():
+            self.signals.check()
+            self.spool.join(0.1)
+        if self.spool.error is not None:
+            self.spool.result()
+        return self.spool.state, self.spool.ram
+
+    def _finish_direct(self) -> str:
+        self.spool.finish(self._note())
+        while self.spool.is_alive():
+            self.signals.check()
+            self.spool.join(0.1)
+        self.spool.result()
+        self.staged_out.flush()
+        os.fsync(self.staged_out.fileno())
+        self.staged_out.close()
+        return self.staged
+
+    def _resume_if_continuing(self) -> None:
+        if self.req.then == "continue" and self.was_running:
+            self._cont()
+        elif self.req.then == "stop" and self.qmp.execute("query-status")["status"] == "running":
+            self.qmp.execute("stop")        # --background: the guest ran on during the snapshot
+
+    def _cont(self) -> None:
+        if self.qmp.execute("query-status")["status"] != "running":
+            self.qmp.execute("cont")
+        self.resumed_at = time.monotonic()
+
+    def _quit(self) -> None:
+        try:
+            self.qmp.execute("quit")
+        except CheckpointError:
+            pass                # QEMU may close the connection before it replies
+
+    def _restore_migration_settings(self) -> None:
+        if self.changed_caps:
+            self.qmp.execute("migrate-set-capabilities",
+                             capabilities=[{"capability": c, "state": on} for c, on in self.changed_caps.items()])
+            self.changed_caps = {}
+        if self.saved_bandwidth is not None:
+            self.qmp.execute("migrate-set-parameters", **{"max-bandwidth": self.saved_bandwidth})
+            self.saved_bandwidth = None
+
+    # -- the image -----------------------------------------------------------------------
+    def _write_image(self, state, ram) -> str:
+        """The image, in a temporary file beside the output; its path."""
+        temp, out = _temp_beside(self.req.output)
+        try:
+            with out:
+                self._write_into(out, state, ram)
+                out.flush()
+                os.fsync(out.fileno())
+        except BaseException:
+            os.unlink(temp)
+            raise
+        return temp
+
+    def _write_into(self, out, state, ram) -> None:
+        from leanimg.disks import open_disk
+        sources = {}
+        try:
+            for disk in self.disks:           # opened after the freeze: size and fingerprint of it
+                sources[disk.name] = open_disk(disk.path, disk.name)
+            scan = DiskOptions(sources) if sources else None
+            with self._open_writer(out, sources) as (writer, parent):
+                self.signals.check()
+                write_spooled(writer, state, ram, parent=parent, disks=scan, unsent_free=True)
+                writer.add_source_state(SourceFormat.QEMU, QEMU_TAG_CHECKPOINT_NOTE, self._note())
+                self.signals.check()
+            for disk in self.disks:
+                disk.referenced = scan.summary.pages.get(disk.name, 0) * scan.summary.page_size
+        finally:
+            for source in sources.values():
+                source.close()
+
+    @contextlib.contextmanager
+    def _open_writer(self, out, sources=None):
+        """A LeanImageWriter into ``out`` (against the --parent, with the disks declared) and the
+        open parent image (or None)."""
+        from leanimg.incremental import parent_link
+        from leanimg.reader import LeanImage
+        parent = LeanImage.open(self.req.parents[0], parents=list(self.req.parents[1:])) \
+            if self.req.parents else None
+        try:
+            options = dict(self.req.writer_options)
+            if parent is not None:
+                options.update(parent=parent_link(parent), allow_delta=self.req.allow_delta,
+                               page_size=parent.page_size)
+            with LeanImageWriter(out, **options) as writer:
+                if sources:
+                    declare_disks(writer, sources)
+                yield writer, parent
+        finally:
+            if parent is not None:
+                parent.close()
+
+    def _note(self) -> bytes:
+        note = {"written_by": "leanimg checkpoint", "mode": self.req.mode, "then": self.req.then,
+                "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                "downtime_ms": self.downtime_ms, "paused_ms": self._paused_ms(),
+                "disks": [d.note() for d in self.disks],
+                "balloon": self.balloon.note() if self.balloon else None}
+        return json.dumps(note, indent=1).encode()
+
+    def _paused_ms(self) -> float | None:
+        if self.stopped_at is None or self.resumed_at is None:
+            return None
+        return (self.resumed_at - self.stopped_at) * 1000
+
+    def _result(self) -> CheckpointResult:
+        from leanimg.inspect import class_counts
+        from leanimg.reader import LeanImage
+        with LeanImage.open(self.req.output, parents=list(self.req.parents)) as image:
+            counts, page_size = class_counts(image), image.page_size
+        guest = "quit" if self.req.then == "quit" else self.qmp.execute("query-status")["status"]
+        return CheckpointResult(self.req.output, self.req.mode, self.req.then, os.path.getsize(self.req.output),
+                                page_size, counts, self.downtime_ms, self._paused_ms(),
+                                time.monotonic() - self.started, self.disks, guest, self.balloon)
+
+    # -- progress ------------------------------------------------------------------------
+    def _show_status(self, status: str) -> None:
+        if not self.req.progress:
+            return
+        received = self.spool.reader.received / 2**20 if self.spool else 0
+        sys.stderr.write(f"\rcheckpoint ({self.req.mode}): {received:8.1f} MiB received, migration "
+                         f"{status:<14} {time.monotonic() - self.started:6.1f} s")
+        sys.stderr.flush()
+        self._status_shown = True
+
+    def _end_status_line(self) -> None:
+        if self._status_shown:
+            sys.stderr.write("\n")
+            sys.stderr.flush()
+
+    # -- failure -------------------------------------------------------------------------
+    def _recover(self, exc: BaseException) -> BaseException:
+        """Cancel, resume, restore settings; the error to raise (what remains named)."""
+        notes = []
+        try:
+            if self.req.mode == "background":
+                self._finish_background()
+            else:
+                self._cancel_migration()
+        except CheckpointError as error:
+            notes.append(f"ending the migration failed: {error}")
+        if self.spool is not None:
+            self.spool.abandon()
+            self.spool.shut()
+            self.spool.join(CANCEL_TIMEOUT)
+            if self.spool.ram is not None:
+                self.spool.ram.close()
+        if self.staged is not None:
+            self.staged_out.close()
+            if os.path.exists(self.staged):
+                os.unlink(self.staged)
+        for step in (self._close_fd, self._restore_run_state, self._restore_migration_settings,
+                     self._deflate_after_failure):
+            try:
+                step()
+            except CheckpointError as error:
+                notes.append(str(error))
+        notes += [f"disk {d.name}: the guest now writes to {d.overlay} over {d.path} (block snapshot taken; "
+                  "merge it back with QMP block-commit if wanted)" for d in self.disks if d.overlay]
+        if not isinstance(exc, LeanImageError):
+            if isinstance(exc, OSError):
+                return exc if not notes else CheckpointError(f"{exc}; " + "; ".join(notes))
+            return exc
+        message = exc.message if isinstance(exc, CheckpointError) else str(exc)
+        state = "; no image written"
+        cls = type(exc) if isinstance(exc, CheckpointError) else CheckpointError
+        text = message + state + "".join(f"; {n}" for n in notes)
+        if isinstance(exc, CheckpointInterrupted):
+            return CheckpointInterrupted(text, exc.signum)
+        return cls(text)
+
+    def _cancel_migration(self) -> None:
+        if not self.migrating:
+            return
+        self.qmp.execute("migrate_cancel")
+        deadline = time.monotonic() + CANCEL_TIMEOUT
+        while self.qmp.execute("query-migrate").get("status") in ACTIVE:
+            if time.monotonic() > deadline:
+                raise CheckpointError(f"the migration did not end within {CANCEL_TIMEOUT:.0f} s of migrate_cancel")
+            self.spool.shut()
+            time.sleep(0.05)
+        self.migrating = False
+
+    def _finish_background(self) -> None:
+        """A background snapshot is never cancelled: QEMU 7.2 does not lift the write protection
+        of guest RAM when one is cancelled or fails (ram_write_tracking_stop runs only on
+        completion), and the guest then hangs on its next write. So it is run to its end at full
+        speed, the stream read and dropped, and the image not written."""
+        if not self.migrating:
+            return
+        self.qmp.execute("migrate-set-parameters", **{"max-bandwidth": UNLIMITED_BANDWIDTH})
+        deadline = time.monotonic() + 10 * CANCEL_TIMEOUT
+        while self.qmp.execute("query-migrate").get("status") in ACTIVE:
+            if time.monotonic() > deadline:
+                raise CheckpointError("the background snapshot did not end")
+            time.sleep(0.05)
+        self.migrating = False
+
+    def _deflate_after_failure(self) -> None:
+        if self.balloon is not None and not self.balloon.deflated:
+            self.qmp.execute("balloon", value=self.balloon.before)
+            self.balloon.deflated = True
+
+    def _close_fd(self) -> None:
+        if self.fd_passed and not self.fd_used:
+            self.qmp.execute("closefd", fdname=self.fd_name)
+
+    def _restore_run_state(self) -> None:
+        status = self.qmp.execute("query-status")["status"]
+        if self.was_running and status != "running":
+            self.qmp.execute("cont")
+        elif not self.was_running and status == "running":
+            self.qmp.execute("stop")
+
+
+# ------------------------------------------------------------------------------ helpers
+
+def _files(inserted: dict) -> list[str]:
+    """The files of a block device: its active layer, then its backing chain."""
+    files = [inserted.get("file")]
+    image = inserted.get("image", {}).get("backing-image")
+    while image:
+        files.append(image.get("filename"))
+        image = image.get("backing-image")
+    return [f for f in files if f]
+
+
+def _file_of(device: dict, path: str):
+    """({"device"|"node-name": ...}, writable) if ``path`` is one of ``device``'s files."""
+    inserted = device["inserted"]
+    for k, name in enumerate(_files(inserted)):
+        try:
+            same = os.path.samefile(name, path)
+        except OSError:
+            continue
+        if same:
+            handle = {"device": device["device"]} if device.get("device") else {"node-name": inserted["node-name"]}
+            return handle, k == 0 and not inserted.get("ro", False)
+    return None
+
+
+def _overlay_path(disk: str, output: str) -> str:
+    """A new file beside ``disk``, named after it and the image."""
+    stem = os.path.splitext(os.path.basename(output))[0]
+    base = f"{disk}.after-{stem}"
+    candidate, n = f"{base}.qcow2", 1
+    while os.path.exists(candidate):
+        n += 1
+        candidate = f"{base}-{n}.qcow2"
+    return candidate
+
+
+def _temp_beside(output: str):
+    """A new temporary file in the output's directory: (path, binary file object)."""
+    directory = os.path.dirname(os.path.abspath(output))
+    fd, temp = tempfile.mkstemp(prefix=".leanimg-", suffix=".partial", dir=directory)
+    return temp, os.fdopen(fd, "wb", buffering=1 << 20)
+
+
+def _commit(temp: str, output: str) -> None:
+    os.chmod(temp, 0o666 & ~umask())
+    os.replace(temp, output)
+    fsync_path(os.path.dirname(os.path.abspath(output)))
+
+
+class QemuCheckpoint:
+    """The ``leanimg.checkpoints`` plugin for QEMU 7.2 (leanimg.plugins.checkpointer)."""
+
+    name = "qemu"
+    description = "a running QEMU 7.2, over its QMP socket"
+    Request = CheckpointRequest
+
+    @staticmethod
+    def checkpoint(request: CheckpointRequest) -> CheckpointResult:
+        return run_checkpoint(request)
+
+
+QEMU = QemuCheckpoint()

@@ -1,0 +1,77 @@
+"""The parts of `leanimg checkpoint` that need no QEMU: writing a spooled stream whose unsent
+pages become FREE (what free-page hinting leaves), the summary line. Real QEMU:
+tests/test_qemu_checkpoint.py."""
+
+from __future__ import annotations
+
+import io
+from collections import Counter
+
+import numpy as np
+
+from helpers import qemu_save
+from leanimg.converters import qemu
+from leanimg.converters.checkpoint import CheckpointResult, FrozenDisk
+from leanimg.converters.convert import write_spooled
+from leanimg.format import PageClass
+from leanimg.inspect import class_counts
+from leanimg.reader import LeanImage
+from leanimg.writer import LeanImageWriter
+
+PAGES = 64
+
+
+def _ram() -> bytes:
+    rng = np.random.default_rng(5)
+    ram = bytearray(rng.bytes(PAGES * 4096))
+    ram[8 * 4096:12 * 4096] = bytes(4 * 4096)          # zero pages, sent as ZERO entries
+    return bytes(ram)
+
+
+def test_pages_never_sent_become_free_and_the_rest_is_kept(tmp_path):
+    ram = _ram()
+    state, spool = qemu.load_stream(io.BytesIO(qemu_save(ram)), tmp_path)
+    with spool:
+        seen = spool.seen["pc.ram"]
+        seen[20:30] = False                             # as if QEMU had skipped them
+        seen[PAGES - 2:] = False
+        out = tmp_path / "img.lean"
+        with LeanImageWriter(out) as writer:
+            write_spooled(writer, state, spool, unsent_free=True)
+    with LeanImage.open(out) as image:
+        region = image.region("pc.ram")
+        classes = image.classes(region)
+        assert np.flatnonzero(classes == PageClass.FREE).tolist() == [*range(20, 30), PAGES - 2, PAGES - 1]
+        assert np.flatnonzero(classes == PageClass.ZERO).tolist() == list(range(8, 12))
+        kept = np.flatnonzero(classes == PageClass.STORED)
+        got = np.frombuffer(bytes(image.region_bytes(region, 0, PAGES)), np.uint8).reshape(PAGES, 4096)
+        want = np.frombuffer(ram, np.uint8).reshape(PAGES, 4096)
+        assert np.array_equal(got[kept], want[kept])
+        assert not got[20:30].any()                     # FREE restores as zeros
+
+
+def test_without_unsent_free_every_page_is_read_from_the_spool(tmp_path):
+    state, spool = qemu.load_stream(io.BytesIO(qemu_save(_ram())), tmp_path)
+    with spool:
+        spool.seen["pc.ram"][20:30] = False
+        with LeanImageWriter(tmp_path / "img.lean") as writer:
+            write_spooled(writer, state, spool)
+    with LeanImage.open(tmp_path / "img.lean") as image:
+        assert class_counts(image)[PageClass.FREE] == 0
+
+
+def test_the_scratch_files_are_deleted_from_the_start(tmp_path):
+    state, spool = qemu.load_stream(io.BytesIO(qemu_save(_ram())), tmp_path)
+    with spool:
+        assert list(tmp_path.iterdir()) == []
+
+
+def test_the_summary_names_sizes_classes_downtime_and_the_disk_file():
+    disk = FrozenDisk("vda", "/vm/disk.img", {"device": "virtio0"}, True, overlay="/vm/disk.img.after-x.qcow2",
+                      referenced=16 << 20)
+    result = CheckpointResult("x.lean", "live", "continue", 3 << 20, 4096,
+                              Counter({PageClass.STORED: 256, PageClass.DISK: 4096}), 12, None, 1.5, [disk], "running")
+    assert result.summary() == (
+        "x.lean: 3.0 MiB, live checkpoint in 1.5 s, downtime 12 ms; MiB by class: STORED 1.0, DISK 16.0; "
+        "guest running; disk vda: 16.0 MiB referenced in /vm/disk.img (frozen; the guest now writes to "
+        "/vm/disk.img.after-x.qcow2)")
