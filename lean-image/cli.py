@@ -590,7 +590,11 @@ def checkpoint(qmp_socket, output, mode, then, disks, parents, delta, level, max
     for path in paths.values():
         if not os.path.isfile(path):
             raise click.BadParameter(f"{path} is not a file", param_hint="--disk")
-    _guard_output(output, [*parents, *paths.values()], force)
+    chain = _chain_paths(parents[0], parents) if parents and os.path.exists(output) else []
+    inputs = [*parents, *chain, *paths.values()]
+    _guard_output(output, inputs, force)
+    if keep_stream:
+        _guard_output(keep_stream, [*inputs, output], force)
     writer = checkpointer("qemu")
     request = writer.Request(qmp=qmp_socket, output=output, mode=mode or "stop", then=then, disks=paths,
                              parents=parents, allow_delta=delta, writer_options=dict(level=level),

@@ -176,9 +176,9 @@ class Installed:
 
 
 def installed() -> list[Installed]:
-    """Every installed plugin of both groups, each loaded and checked against its protocol."""
+    """Every installed plugin of every group, each loaded and checked against its protocol."""
     found = []
-    for group, kind in ((SOURCES, "source"), (TARGETS, "target")):
+    for group, kind in ((SOURCES, "source"), (TARGETS, "target"), (CHECKPOINTS, "checkpoint")):
         own = {entry.name for entry in _entry_points(group) if _is_own(entry)}
         for entry in sorted(_entry_points(group), key=lambda entry: (entry.name, not _is_own(entry))):
             plugin, problem = _check(group, entry)

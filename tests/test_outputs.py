@@ -195,3 +195,17 @@ def test_serve_never_writes_its_stats_over_an_input_nor_an_existing_file(chain, 
     refused(run("serve", chain["child"], "--postcopy", "--stats", stats), "exists; use -f/--force")
     assert stats.read_text() == "kept"
     untouched([chain["child"], chain["parent"]], before)
+
+
+def test_checkpoint_never_writes_over_its_parent_chain_nor_a_disk(chain, tmp_path):
+    """Refused before QMP is even reached (the socket here does not exist)."""
+    before = {str(p): _digest(p) for p in (chain["child"], chain["parent"], chain["disk"])}
+    qmp = tmp_path / "no-qmp.sock"
+    # the parent's own parent is found beside it: it is an input too
+    refused(run("checkpoint", "--qmp", qmp, "-o", chain["parent"], "--parent", chain["child"], "-f"),
+            "is an input of this command")
+    refused(run("checkpoint", "--qmp", qmp, "-o", chain["disk"], "--disk", f"vda={chain['disk']}", "-f"),
+            "is an input of this command")
+    refused(run("checkpoint", "--qmp", qmp, "-o", tmp_path / "new.lean", "--keep-stream", chain["child"]),
+            "exists; use -f/--force")
+    untouched([chain["child"], chain["parent"], chain["disk"]], before)
