@@ -213,12 +213,7 @@ def write_spooled(writer: LeanImageWriter, state: qemu.StreamState, ram: qemu.Ra
                      ram.stream_length)
         for region, block in regions:
             plan.free_pages(region, ram.last_end[block.name])
-        put_data = plan.disk_sink(put_data)
-        unhinted_feed = feed
-        feed = lambda sink: unhinted_feed(plan.skip_free(sink))    # noqa: E731
-    _write_pages(writer, feed, put_data, disks)
-    if plan:
-        plan.finish()
+    _write_hinted_pages(writer, feed, put_data, disks, plan)
     if unsent_free:
         _free_unsent(writer, {name: region for region, name in names.items()})
     writer.add_source_state(SourceFormat.QEMU, QEMU_TAG_STREAM_STATE, pack_stream_state(state))
@@ -253,12 +248,7 @@ def convert_xen(source: BinaryIO, writer: LeanImageWriter, progress=None, parent
             last_end = np.full(writer.page_classes(region).shape[0], -1, np.int64)
             last_end[:len(result.last_end)] = result.last_end
             plan.free_pages(region, last_end)
-            put_data = plan.disk_sink(put_data)
-            unhinted_feed = feed
-            feed = lambda sink: unhinted_feed(plan.skip_free(sink))    # noqa: E731
-        _write_pages(writer, feed, put_data, disks)
-        if plan:
-            plan.finish()
+        _write_hinted_pages(writer, feed, put_data, disks, plan)
         _free_unsent(writer, {xen.REGION_NAME: region})
         writer.add_source_state(SourceFormat.XEN, XEN_TAG_SKELETON, pack_skeleton(result.skeleton))
     return result
@@ -282,6 +272,16 @@ def _put_run_hinted(writer: LeanImageWriter, put_data, region: int, first: int, 
             writer.put_zero(region, first + a, b - a)
         else:
             put_data(region, first + a, run.pages[a:b])
+
+
+def _write_hinted_pages(writer: LeanImageWriter, feed, put_data, disks: DiskOptions | None, plan) -> None:
+    """_write_pages with a HintPlan (or None): its FREE pages skipped, its DISK hints verified
+    before ``put_data`` sees a page, and what the hints did counted at the end."""
+    if plan is None:
+        _write_pages(writer, feed, put_data, disks)
+        return
+    _write_pages(writer, lambda sink: feed(plan.skip_free(sink)), plan.disk_sink(put_data), disks)
+    plan.finish()
 
 
 def _write_pages(writer: LeanImageWriter, feed, put_data, disks: DiskOptions | None) -> None:

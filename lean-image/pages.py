@@ -11,7 +11,7 @@ import numpy as np
 from . import checks
 from .checks import first_problem
 from .digests import verify_page, verify_rows
-from .errors import DiskError, DiskNotGiven, LeanImageError
+from .errors import DiskNotGiven, LeanImageError
 from .format import DIGEST_SIZE, DISK_SECTOR_SIZE, SLOT_CLASSES, PageClass, row_digests
 from .tables import Region
 

@@ -44,14 +44,13 @@ class Finding:
 
 
 @dataclass
-class Report:
+class Verdict:
+    """What a check of one file found (``validate``, ``validate-hints``): valid when nothing was
+    found, complete when no rule is listed as not checked (CLI exit 0, 1 or 4)."""
     path: str
-    findings: list[Finding] = field(default_factory=list)
+    findings: list = field(default_factory=list)
     suppressed: Counter = field(default_factory=Counter)
-    checked: Counter = field(default_factory=Counter)
     not_checked: list[str] = field(default_factory=list)
-    # checks an input missing at run time prevented: structure -> (count, first message)
-    unavailable: dict = field(default_factory=dict)
 
     @property
     def valid(self) -> bool:
@@ -59,8 +58,14 @@ class Report:
 
     @property
     def complete(self) -> bool:
-        """Every rule was checked: nothing is listed as not checked."""
         return not self.not_checked
+
+
+@dataclass
+class Report(Verdict):
+    checked: Counter = field(default_factory=Counter)
+    # checks an input missing at run time prevented: structure -> (count, first message)
+    unavailable: dict = field(default_factory=dict)
 
     def add_all(self, problems) -> None:
         for problem in problems:

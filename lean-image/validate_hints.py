@@ -9,30 +9,18 @@ against the image's disk table and the parent against its parent_uuid.
 
 from __future__ import annotations
 
-from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from .errors import UnsupportedError
 from .hints import Guest, HintError, check_against, check_hints
+from .validate import Verdict
 
 MAX_PER_RULE = 20
 
 
 @dataclass
-class HintReport:
-    path: str
-    findings: list[HintError] = field(default_factory=list)
-    suppressed: Counter = field(default_factory=Counter)
-    not_checked: list[str] = field(default_factory=list)
+class HintReport(Verdict):
     records: int = 0
-
-    @property
-    def valid(self) -> bool:
-        return not self.findings
-
-    @property
-    def complete(self) -> bool:
-        return not self.not_checked
 
     def add(self, finding: HintError) -> None:
         if sum(f.rule == finding.rule for f in self.findings) >= MAX_PER_RULE:
