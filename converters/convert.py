@@ -155,6 +155,7 @@ def convert_qemu_spooled(source: BinaryIO, writer: LeanImageWriter, workdir=None
     put_data = _page_sink(writer, parent, names)
     state, ram = qemu.load_stream(source, workdir)
     with ram:
+        _check_page_size(state.page_size, writer)
         regions = []
         for block in state.ram_blocks:
             region = writer.add_region(block.name, block.length)
