@@ -209,8 +209,8 @@ def xen_seeds() -> dict[str, bytes]:
     for domain, dname in ((xs.HVM, "hvm"), (xs.PV, "pv")):
         for version in (2, 3):
             for checkpoints in (0, 2):
-                guest = xs.make_guest(domain, num_pfns=24, seed=version * 10 + checkpoints, holes=((10, 13),),
-                                      checkpoints=checkpoints, batch=6, version=version)
+                guest = xs.make_guest(domain, num_pfns=16, seed=version * 10 + checkpoints, holes=((6, 8),),
+                                      checkpoints=checkpoints, batch=4, version=version)
                 for form in ("xl", "xl-libxc", "libxl", "libxc"):
                     name = f"{form}_{dname}_v{version}" + (f"_ckpt{checkpoints}" if checkpoints else "")
                     seeds[name] = xs.build_stream(guest, xs.StreamOptions(form=form))
