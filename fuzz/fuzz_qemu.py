@@ -10,10 +10,14 @@
    same offset, or both give the same pages (last copy wins) and the same stream state;
 2. ``load_stream`` (the spooled RAM) fails likewise, or holds those pages;
 3. ``convert_file`` into a lean image, from the file (streaming, falling back to the spooled
-   path for a live save) and from a pipe with ``spool=True``: both succeed exactly when the
-   reader did;
-4. when they do (and the guest RAM is at most DIFF_RAM_MAX), ``restore --to qemu`` of each
-   image gives the same stream, which reads back to the same pages and device state.
+   path for a live save) and from a pipe with ``spool=True``: both succeed or both fail
+   (LeanImageError, no output left), and neither succeeds where the reader failed;
+4. when they succeed (and the guest RAM is at most DIFF_RAM_MAX), ``restore --to qemu`` of
+   each image gives the same stream, which reads back to the same pages and device state.
+
+Steps 3-4 cost most; to keep executions fast they run on every input the reader accepts
+(the pipe conversion on a quarter of them) and on a quarter of those it refuses, the
+quarter chosen by a hash of the input (``harness.thorough``), so a replay does the same.
 
 Bad input must raise LeanImageError and nothing else; any other exception, a failed
 check (AssertionError), a hang (-timeout) or a MemoryError under the address-space cap is a bug.
@@ -153,11 +157,16 @@ def check(data: bytes) -> None:
         small = _ram_bytes(state) <= DIFF_RAM_MAX
         outcome = ("ok", state, expected_ram(pages, state) if small else None)
     check_load_stream(data, outcome)
+    thorough = harness.thorough(data)
+    if outcome[0] == "error" and not thorough:
+        return
     with open(INPUT, "wb") as f:
         f.write(data)
-    images = [convert(INPUT, "file.lean"), convert(io.BufferedReader(Pipe(data)), "pipe.lean", spool=True)]
+    images = [convert(INPUT, "file.lean")]
+    if thorough:
+        images.append(convert(io.BufferedReader(Pipe(data)), "pipe.lean", spool=True))
     converted = [path is not None for path in images]
-    assert converted[0] == converted[1], f"file and pipe conversions disagree: {images}"
+    assert len(set(converted)) == 1, f"file and pipe conversions disagree: {images}"
     assert outcome[0] != "error" or not converted[0], "conversion accepted what the reader refused"
     if converted[0] and outcome[2] is not None:
         check_restore(images, outcome[1], outcome[2])
@@ -165,7 +174,7 @@ def check(data: bytes) -> None:
 
 def check_restore(images: list[str], state: qemu.StreamState, expected: dict) -> None:
     streams = [restored(path) for path in images]
-    assert streams[0] == streams[1], "restores of the file and pipe conversions differ"
+    assert streams[-1] == streams[0], "restores of the file and pipe conversions differ"
     pages, back = read_pages(io.BytesIO(streams[0]), batch=True)
     assert pages != "error", f"restore --to qemu wrote a stream the reader refuses: {back}"
     assert expected_ram(pages, back) == expected, "restored stream's pages differ from the input's"

@@ -14,6 +14,10 @@ converted, restored.
    has the same layers, version, domain type, pfn space and pages, and when every page
    was sent once it is byte-identical to the input.
 
+Steps 2-3 cost most; to keep executions fast they run on every input ``scan`` accepts (the
+pipe conversion on a quarter of them) and on a quarter of those it refuses, the quarter
+chosen by a hash of the input (``harness.thorough``), so a replay does the same.
+
 Bad input must raise LeanImageError and nothing else; any other exception, a failed
 check (AssertionError), a hang (-timeout) or a MemoryError under the address-space cap is a bug.
 """
@@ -104,9 +108,14 @@ def check(data: bytes) -> None:
     with open(INPUT, "wb") as f:
         f.write(data)
     original = read_stream(INPUT)
-    images = [convert(INPUT, "file.lean"), convert(io.BufferedReader(Pipe(data)), "pipe.lean")]
+    thorough = harness.thorough(data)
+    if original is None and not thorough:
+        return
+    images = [convert(INPUT, "file.lean")]
+    if thorough:
+        images.append(convert(io.BufferedReader(Pipe(data)), "pipe.lean"))
     converted = [path is not None for path in images]
-    assert converted[0] == converted[1], f"file and pipe conversions disagree: {images}"
+    assert len(set(converted)) == 1, f"file and pipe conversions disagree: {images}"
     assert converted[0] == (original is not None), \
         f"conversion {'accepted' if converted[0] else 'refused'} what scan {'refused' if original is None else 'read'}"
     if original is not None:
@@ -115,7 +124,7 @@ def check(data: bytes) -> None:
 
 def check_restore(images: list[str], data: bytes, result: xen.ScanResult, pages: dict) -> None:
     streams = [restored(path) for path in images]
-    assert streams[0] == streams[1], "restores of the file and pipe conversions differ"
+    assert streams[-1] == streams[0], "restores of the file and pipe conversions differ"
     path = os.path.join(RUN, "restored.xen")
     with open(path, "wb") as f:
         f.write(streams[0])
