@@ -61,7 +61,7 @@ from typing import BinaryIO, Callable, Iterable, Iterator, Union
 
 import numpy as np
 
-from leanimg.errors import SourceFormatError
+from leanimg.errors import LimitError, SourceFormatError
 from leanimg.fileutil import GatherWriter
 from leanimg.format import REGION_SIZE_MAX
 
@@ -878,7 +878,7 @@ class RamImage:
             f = open(Path(self._tmp.name) / f"block{i}", "w+b")
             f.truncate(b.length)
             self._files[b.name] = f
-        self.seen = {b.name: np.zeros(b.length // self.page_size, bool) for b in blocks.blocks}
+        self.seen = {b.name: _seen_pages(b, self.page_size) for b in blocks.blocks}
 
     def apply(self, page: Page) -> None:
         f = self._files[page.block]
@@ -915,6 +915,17 @@ class RamImage:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _seen_pages(block: RamBlock, page_size: int) -> np.ndarray:
+    """Which pages of ``block`` a copy was sent for (a byte a page), or a LimitError when
+    that does not fit in this process's memory (MEM_SIZE may claim up to 256 TiB)."""
+    try:
+        return np.zeros(block.length // page_size, bool)
+    except MemoryError:
+        raise LimitError(f"RAM block {block.name!r} of {block.length:#x} bytes: its table of "
+                         f"{block.length // page_size} sent pages does not fit in this process's "
+                         "memory", structure="ram MEM_SIZE") from None
 
 
 def load_stream(f: BinaryIO, directory: str | os.PathLike | None = None
