@@ -183,6 +183,7 @@ def write_spooled(writer: LeanImageWriter, state: qemu.StreamState, ram: qemu.Ra
     ``unsent_free``: pages the stream never sent (free pages QEMU skipped under virtio-balloon
     free-page hinting) become FREE; otherwise they are read from the spool as zeros.
     """
+    _check_page_size(state.page_size, writer)
     writer.declare_source_state()
     names: dict[int, str] = {}
     put_data = _page_sink(writer, parent, names)

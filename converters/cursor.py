@@ -236,17 +236,21 @@ class Cursor:
 
     def _read_chunk(self, n: int) -> bytearray:
         """The unread bytes, then input read in place up to ``n`` bytes in all, in a buffer
-        of at least a chunk (large reads, no second copy of the pages in them)."""
+        of at least a chunk (large reads, no second copy of the pages in them).  The buffer
+        grows (doubling) only as input arrives: a length field claiming gigabytes of a short
+        stream costs what the stream holds, not what the field says."""
         unread = len(self.buf) - self.pos
-        buf = bytearray(max(self._chunk, n))
+        buf = bytearray(max(self._chunk, min(n, 2 * unread + self._chunk)))
         buf[:unread] = memoryview(self.buf)[self.pos:]
-        view, filled = memoryview(buf), unread
+        filled = unread
         while filled < n:
-            got = self._stream.readinto(view[filled:])
+            if filled == len(buf):
+                buf.extend(bytes(min(len(buf), n - filled)))
+            with memoryview(buf) as view:
+                got = self._stream.readinto(view[filled:])
             if not got:
                 break
             filled += got
-        view.release()
         del buf[filled:]
         return buf
 

@@ -45,7 +45,7 @@ from typing import BinaryIO, Callable, Iterator
 
 import numpy as np
 
-from leanimg.errors import SourceFormatError
+from leanimg.errors import LimitError, SourceFormatError
 
 from .cursor import Cursor
 
@@ -464,9 +464,7 @@ class _Scanner:
         pfns = pfns.astype(np.int64)
         top = int(pfns.max()) + 1
         if top > len(self.last_entry):
-            grown = np.full(max(top, 2 * len(self.last_entry)), -1, np.int64)
-            grown[:len(self.last_entry)] = self.last_entry
-            self.last_entry = grown
+            self.last_entry = self._grown(self.last_entry, max(top, min(2 * len(self.last_entry), PFN_LIMIT)))
         self.num_pfns = max(self.num_pfns, top)
         ids = self.entries + np.arange(len(pfns), dtype=np.int64)
         if not self.resent:
@@ -474,15 +472,23 @@ class _Scanner:
         np.maximum.at(self.last_entry, pfns, ids)
         self.entries += len(pfns)
 
-
     def _note_ends(self, pfns: np.ndarray, ends: np.ndarray) -> None:
         """Each pfn's last entry in this record decides where its winning copy ends."""
         if len(self.last_end_offset) < len(self.last_entry):
-            grown = np.full(len(self.last_entry), -1, np.int64)
-            grown[:len(self.last_end_offset)] = self.last_end_offset
-            self.last_end_offset = grown
+            self.last_end_offset = self._grown(self.last_end_offset, len(self.last_entry))
         unique, first_from_back = np.unique(pfns[::-1], return_index=True)
         self.last_end_offset[unique] = ends[len(pfns) - 1 - first_from_back]
+
+    def _grown(self, table: np.ndarray, size: int) -> np.ndarray:
+        """``table`` extended to ``size`` entries (-1: never sent), or a LimitError when that
+        does not fit in this process's memory (a pfn near PFN_LIMIT in a small stream)."""
+        try:
+            grown = np.full(size, -1, np.int64)
+        except MemoryError:
+            raise LimitError(f"a table of {size} pfns ({8 * size} bytes) does not fit in this process's "
+                             "memory", structure=self.inp.structure) from None
+        grown[:len(table)] = table
+        return grown
 
 
 def _name(names: dict, rtype: int) -> str:

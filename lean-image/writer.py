@@ -533,7 +533,8 @@ class LeanImageWriter:
     def missing_runs(self, region_id: int) -> list[tuple[int, int]]:
         """(first_page, count) of every run of pages not given yet."""
         missing = self._regions[region_id].classes == 0
-        edges = np.flatnonzero(np.diff(np.concatenate(([0], missing.view(np.int8), [0]))))
+        edge = np.zeros(1, np.int8)      # int8 throughout: a byte a page, not 8 (2^26-page regions)
+        edges = np.flatnonzero(np.diff(np.concatenate((edge, missing.view(np.int8), edge))))
         return [(int(a), int(b - a)) for a, b in zip(edges[::2], edges[1::2])]
 
     def _check_complete(self) -> None:
@@ -622,12 +623,18 @@ def _region_tables(name: str, num_pages: int) -> tuple:
                          "do not fit in this process's memory", structure=f"region {name!r}") from None
 
 
+_EXTENT_SCAN_PAGES = 1 << 20
+
+
 def build_extents(classes: np.ndarray, slots: np.ndarray) -> np.ndarray:
     """Run-length extents of a region: a new extent where the class changes or slots jump."""
     n = len(classes)
     has_slot = HAS_SLOT[classes]
     starts_mask = np.ones(n, dtype=bool)
-    starts_mask[1:] = (classes[1:] != classes[:-1]) | (has_slot[1:] & (slots[1:] != slots[:-1] + 1))
+    for lo in range(1, n, _EXTENT_SCAN_PAGES):     # in chunks: temporaries stay small
+        hi = min(lo + _EXTENT_SCAN_PAGES, n)
+        c, s = classes[lo - 1:hi], slots[lo - 1:hi]
+        starts_mask[lo:hi] = (c[1:] != c[:-1]) | (has_slot[lo:hi] & (s[1:] != s[:-1] + 1))
     starts_mask[::_MAX_EXTENT_PAGES] = True
     starts = np.flatnonzero(starts_mask)
     extents = np.zeros(len(starts), dtype=EXTENT.dtype)

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import importlib.util
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -34,3 +37,27 @@ def test_regression_input_gives_only_lean_image_errors(path, tmp_path):
             harness.exercise(str(target))
         except LeanImageError:
             pass
+
+
+# Stream inputs: fuzz/regressions/*.qemu replayed by fuzz/fuzz_qemu.py, *.xen by fuzz/fuzz_xen.py
+# (the whole harness check: readers, conversion, restore round trip), in a subprocess under
+# the 512 MiB address-space cap of issue 16 §5, so an unbounded allocation fails the test.
+STREAM_HARNESSES = {"qemu": "fuzz_qemu.py", "xen": "fuzz_xen.py"}
+REPLAY_MEM_MB = 512
+
+
+def _stream_regressions():
+    return [(kind, path) for kind in STREAM_HARNESSES
+            for path in sorted((ROOT / "fuzz" / "regressions").glob(f"*.{kind}"))]
+
+
+@pytest.mark.parametrize("kind,path", _stream_regressions(), ids=lambda v: getattr(v, "name", v))
+def test_stream_regression_input_gives_only_lean_image_errors(kind, path, tmp_path):
+    if importlib.util.find_spec("atheris") is None:
+        pytest.skip("atheris is not installed (the harness imports it)")
+    env = dict(os.environ, LEANIMG_FUZZ_MEM_MB=str(REPLAY_MEM_MB))
+    env.pop("LEANIMG_FUZZ_CRASH_DIR", None)
+    result = subprocess.run([sys.executable, str(ROOT / "fuzz" / STREAM_HARNESSES[kind]), "--replay", str(path)],
+                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "1 inputs, 0 raised" in result.stderr

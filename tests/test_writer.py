@@ -361,3 +361,30 @@ def test_add_disk_of_size_zero_is_a_usage_error():
             w.add_disk("vda", 0, bytes(16))
     finally:
         w.abort()
+
+
+def test_build_extents_in_chunks_equals_the_whole_region_at_once(monkeypatch):
+    """build_extents scans in chunks (small temporaries for 2^26-page regions); the boundaries
+    between chunks must not add or lose extent starts."""
+    import leanimg.writer as writer_module
+    from leanimg.format import HAS_SLOT
+    rng = np.random.default_rng(5)
+    classes = rng.choice(np.array([S, Z, F, D, P], np.uint8), 5000, p=[.5, .2, .1, .1, .1])
+    slots = np.cumsum(rng.integers(0, 3, 5000)).astype(np.uint64)
+    has_slot = HAS_SLOT[classes]
+    starts = np.ones(len(classes), bool)
+    starts[1:] = (classes[1:] != classes[:-1]) | (has_slot[1:] & (slots[1:] != slots[:-1] + 1))
+    monkeypatch.setattr(writer_module, "_EXTENT_SCAN_PAGES", 7)
+    table = build_extents(classes, slots)
+    assert table["first_page"].tolist() == np.flatnonzero(starts).tolist()
+    assert int(table["num_pages"].sum()) == len(classes)
+
+
+def test_missing_runs_of_a_region():
+    with LeanImageWriter(io.BytesIO(), threads=1) as w:
+        r = w.add_region("ram", 10 * PS)
+        w.put_zero(r, 2, 3)
+        w.put_pages(r, 9, pages(1, 1))
+        assert w.missing_runs(r) == [(0, 2), (5, 4)]
+        w.put_free(r, 0, 2)
+        w.put_free(r, 5, 4)
