@@ -41,10 +41,16 @@ def _stream_seeds(kind: str):
     return write
 
 
+def _hint_seeds(directory: str) -> None:
+    import fuzz_hints
+    fuzz_hints.make_seeds(directory)
+
+
 HARNESSES = {
     "reader": ("fuzz_reader.py", _reader_seeds),
     "qemu": ("fuzz_qemu.py", _stream_seeds("qemu")),
     "xen": ("fuzz_xen.py", _stream_seeds("xen")),
+    "hints": ("fuzz_hints.py", _hint_seeds),
 }
 
 STATUS = re.compile(r"^#(\d+)\s+\S+\s+cov: (\d+) ft: (\d+) corp: (\d+)/")

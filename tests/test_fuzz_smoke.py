@@ -37,10 +37,11 @@ def test_fuzz_reader_smoke(tmp_path):
 STREAM_SMOKE_RUNS = 300
 
 
-@pytest.mark.parametrize("harness", ["fuzz_qemu.py", "fuzz_xen.py"])
+@pytest.mark.parametrize("harness", ["fuzz_qemu.py", "fuzz_xen.py", "fuzz_hints.py"])
 def test_fuzz_stream_harness_smoke(harness, tmp_path):
-    """The QEMU and Xen stream harnesses (readers, conversion, restore round trip) on their
-    seeds (fuzz/make_stream_corpus.py) and a few hundred mutations: nothing found."""
+    """The QEMU and Xen stream harnesses (readers, conversion, restore round trip) and the hint
+    harness on their seeds (fuzz/make_stream_corpus.py, the hint vectors) and a few hundred
+    mutations: nothing found."""
     if importlib.util.find_spec("atheris") is None:
         if os.environ.get("CI", "").lower() == "true":
             pytest.fail("atheris is not installed; the fuzz smoke test must run in CI")
