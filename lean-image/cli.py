@@ -489,7 +489,7 @@ def _report_rebase(output, parents=()) -> None:
     click.echo(f"{output}: written, {parts}")
 
 
-# -- plugins (issue 13 §2) ------------------------------------------------------
+# -- plugins (lean-image/plugins.py) ------------------------------------------------------------
 def _installed_plugin(group: str, param, value):
     """A --to/--from value that names an installed plugin of ``group`` (a usage error otherwise)."""
     from .plugins import is_installed, names
@@ -502,16 +502,15 @@ def _installed_plugin(group: str, param, value):
 @main.command("plugins")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def plugins_command(as_json):
-    """List the installed source formats and restore targets, with the distribution that
+    """List the installed source formats, restore targets and checkpoint writers, with the distribution that
     provides each; a plugin that cannot be loaded is listed as BROKEN with the reason."""
     from .plugin_list import render_text
     from .plugins import installed
     found = installed()
     click.echo(json.dumps([p.to_json() for p in found], indent=2) if as_json else render_text(found))
-# -- end plugins --------------------------------------------------------------------
 
 
-# --- serve: lazy restore (restore/postcopy.py, spec/guides/lazy-restore.md) ----------------
+# -- serve: lazy restore (restore/postcopy.py, spec/guides/lazy-restore.md) -----------------
 @main.command()
 @click.argument("image", type=click.Path(exists=True, dir_okay=False))
 @click.option("--postcopy", is_flag=True, required=True,
@@ -552,7 +551,7 @@ def demo(workdir):
     sys.exit(0 if run_demo(workdir) else EXIT_INVALID)
 
 
-# --- checkpoint (issue 13 §3): the implementation is converters/checkpoint.py, reached as a plugin
+# -- checkpoint (converters/checkpoint.py, reached as a plugin) -----------------------------
 @main.command()
 @click.option("--qmp", "qmp_socket", required=True, metavar="SOCKET",
               help="QEMU's QMP unix socket (-qmp unix:SOCKET,server=on,wait=off); QEMU serves one "
