@@ -58,19 +58,6 @@ INPUT = os.path.join(SCRATCH, "input.qemu")
 harness.scratch_tempdir(SCRATCH)
 
 
-class Pipe(io.RawIOBase):
-    """The input as a pipe: readable, not seekable (the path stdin takes)."""
-
-    def __init__(self, data: bytes):
-        self.inner = io.BytesIO(data)
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, buffer) -> int:
-        return self.inner.readinto(buffer)
-
-
 def _digest(data) -> bytes:
     return xxhash.xxh3_128_digest(data)
 
@@ -167,7 +154,7 @@ def check(data: bytes) -> None:
         f.write(data)
     images = [convert(INPUT, "file.lean")]
     if thorough:
-        images.append(convert(io.BufferedReader(Pipe(data)), "pipe.lean", spool=True))
+        images.append(convert(io.BufferedReader(harness.Pipe(data)), "pipe.lean", spool=True))
     converted = [path is not None for path in images]
     assert len(set(converted)) == 1, f"file and pipe conversions disagree: {images}"
     assert outcome[0] != "error" or not converted[0], "conversion accepted what the reader refused"

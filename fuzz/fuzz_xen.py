@@ -54,19 +54,6 @@ INPUT = os.path.join(SCRATCH, "input.xen")
 harness.scratch_tempdir(SCRATCH)
 
 
-class Pipe(io.RawIOBase):
-    """The input as a pipe: readable, not seekable (the path stdin takes)."""
-
-    def __init__(self, data: bytes):
-        self.inner = io.BytesIO(data)
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, buffer) -> int:
-        return self.inner.readinto(buffer)
-
-
 SUMMARY = ("form", "libxc_version", "domain_type", "num_pfns", "checkpoints", "data_entries", "resent")
 
 
@@ -124,7 +111,7 @@ def check(data: bytes) -> None:
         return
     images = [convert(INPUT, "file.lean")]
     if thorough:
-        images.append(convert(io.BufferedReader(Pipe(data)), "pipe.lean"))
+        images.append(convert(io.BufferedReader(harness.Pipe(data)), "pipe.lean"))
     converted = [path is not None for path in images]
     assert len(set(converted)) == 1, f"file and pipe conversions disagree: {images}"
     if original is None:

@@ -18,6 +18,7 @@ DIR/NAME.input with its traceback in NAME.txt.
 
 from __future__ import annotations
 
+import io
 import os
 import resource
 import shutil
@@ -82,6 +83,19 @@ def thorough(data: bytes, one_in: int = 4) -> bool:
     """Whether this input gets the costly checks too: one in ``one_in``, by a hash of the
     input (not at random, so that a replay checks exactly what the fuzzer checked)."""
     return zlib.crc32(data) % one_in == 0
+
+
+class Pipe(io.RawIOBase):
+    """The input as a pipe: readable, not seekable (the path stdin takes)."""
+
+    def __init__(self, data: bytes):
+        self.inner = io.BytesIO(data)
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        return self.inner.readinto(buffer)
 
 
 def limit_memory() -> int:

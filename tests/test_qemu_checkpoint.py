@@ -336,6 +336,14 @@ def test_a_disk_that_is_not_the_guests_is_refused(guest, tmp_path):
     _assert_running_on(guest)
 
 
+def _assert_same_memory_as_the_stream(image, stream, full) -> None:
+    """``image`` restores to the memory of the kept ``stream`` converted on its own into ``full``."""
+    assert leanimg("convert", stream, "-o", full).returncode == 0
+    for name in (image, full):
+        assert leanimg("restore", name, "--to", "raw", "-o", name.with_suffix(".raw")).returncode == 0
+    assert sha256_file(image.with_suffix(".raw")) == sha256_file(full.with_suffix(".raw"))
+
+
 @qemu
 def test_an_incremental_checkpoint_against_a_parent(guest):
     parent = guest.work / "stop.lean"
@@ -345,11 +353,7 @@ def test_an_incremental_checkpoint_against_a_parent(guest):
     checkpoint(guest, image, "--live", "--parent", parent, "--keep-stream", stream)
     assert leanimg("validate", image, "--chain").returncode == 0
     assert _classes(image)["PARENT"] > 0
-    full = guest.work / "incremental-full.lean"      # the kept stream, converted on its own
-    assert leanimg("convert", stream, "-o", full).returncode == 0
-    for name in (image, full):
-        assert leanimg("restore", name, "--to", "raw", "-o", name.with_suffix(".raw")).returncode == 0
-    assert sha256_file(image.with_suffix(".raw")) == sha256_file(full.with_suffix(".raw"))
+    _assert_same_memory_as_the_stream(image, stream, guest.work / "incremental-full.lean")
 
 
 @qemu
@@ -361,11 +365,7 @@ def test_a_background_checkpoint_without_disks_streams_into_the_writer(guest):
     assert "background checkpoint" in proc.stdout
     _assert_running_on(guest)
     assert leanimg("validate", image).returncode == 0
-    full = guest.work / "streamed-full.lean"
-    assert leanimg("convert", stream, "-o", full).returncode == 0
-    for name in (image, full):
-        assert leanimg("restore", name, "--to", "raw", "-o", name.with_suffix(".raw")).returncode == 0
-    assert sha256_file(image.with_suffix(".raw")) == sha256_file(full.with_suffix(".raw"))
+    _assert_same_memory_as_the_stream(image, stream, guest.work / "streamed-full.lean")
 
 
 @qemu
