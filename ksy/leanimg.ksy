@@ -199,7 +199,10 @@ types:
       - id: size_bytes
         type: u8
         valid:
-          expr: _ != 0 and _ % _root.header.page_size == 0 and _ <= 1 << 48
+          expr: _ != 0 and _ % _root.header.page_size == 0 and _ <= 0x1_0000_0000_0000
+        doc: |
+          A multiple of page_size, at most 2^48 (a literal: `1 << 48` is 65536
+          in the JavaScript and Java parsers, which shift 32-bit integers).
       - id: name_length
         type: u4
         valid:
@@ -332,14 +335,19 @@ types:
       - id: padding
         type: u1
         repeat: expr
-        repeat-expr: (8 - _io.pos % 8) % 8
+        repeat-expr: (num_deltas + 1) % 2 * 4
         valid: 0
-        doc: Aligns the zstd frame to 8 bytes from the start of the body.
+        doc: |
+          Aligns the zstd frame to 8 bytes from the start of the body, which
+          the 16 bytes of fields and 4 bytes per offset leave at 0 or 4. (Not
+          computed from _io.pos: the Java and JavaScript parsers evaluate a
+          repeat-expr again after each element.)
       - id: frame
         size-eos: true
         type: zstd_frame
         valid:
-          expr: _.has_content_size and _.content_size == entry_offsets.last and entry_offsets.first == 0
+          # .as<u4>: the Java parser would compare two boxed Longs by identity
+          expr: _.has_content_size and _.content_size == entry_offsets.last.as<u4> and entry_offsets.first == 0
 
   disk_refs_body:
     doc: |
@@ -556,7 +564,8 @@ types:
         if: not single_segment
       - id: dictionary_id
         type:
-          switch-on: dictionary_id_flag
+          # .as<u1>: Java cannot switch on the long a bit field is read into
+          switch-on: dictionary_id_flag.as<u1>
           cases:
             1: u1
             2: u2
@@ -564,7 +573,7 @@ types:
         if: dictionary_id_flag != 0
       - id: fcs_field
         type:
-          switch-on: fcs_flag
+          switch-on: fcs_flag.as<u1>
           cases:
             0: u1
             1: u2
@@ -578,7 +587,8 @@ types:
       has_content_size:
         value: fcs_flag != 0 or single_segment
       content_size:
-        value: 'fcs_flag == 1 ? fcs_field + 256 : fcs_field'
+        # .as<u8>: the Java parser would narrow the sum to an int
+        value: '(fcs_flag == 1 ? fcs_field + 256 : fcs_field).as<u8>'
         if: has_content_size
 
   delta_entry:
