@@ -85,8 +85,14 @@ class Parses:
 
     def get(self, language: str, name: str):
         if language not in self.by_language:
-            self.by_language[language] = self._parse_all(language)
-        return self.by_language[language][self.images[name]]
+            try:
+                self.by_language[language] = self._parse_all(language)
+            except BaseException as exc:    # a skip or a build failure: once, not per image
+                self.by_language[language] = exc
+        parsed = self.by_language[language]
+        if isinstance(parsed, BaseException):
+            raise parsed
+        return parsed[self.images[name]]
 
     def _parse_all(self, language: str) -> dict:
         out_dir = self.tmp_path_factory.mktemp(f"kaitai-{language}")
