@@ -120,7 +120,7 @@ def _tool(name: str) -> str:
 
 def ensure_java_runtime() -> Path:
     """The runtime jar, copied by Maven from Maven Central into the compiler's prefix if missing."""
-    group, artifact, version = JAVA_RUNTIME.split(":")
+    _, artifact, version = JAVA_RUNTIME.split(":")
     directory = ksc_dir() / "java"
     jar = directory / f"{artifact}-{version}.jar"
     if not jar.is_file():
