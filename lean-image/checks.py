@@ -147,11 +147,13 @@ def slot_problems(extents: list[np.ndarray], stored: int, deltas: int, ref_first
     contiguously from 0."""
     yield from _contiguous("disk_refs", ref_firsts, ref_counts, ref_offsets, "LI-MAP-004")
     references = int(np.sum(ref_counts)) if len(ref_counts) else 0
-    extents = np.concatenate(extents) if extents else np.zeros(0, [("page_class", "<u2")])
+    extents = extents[0] if len(extents) == 1 else np.concatenate(extents) if extents else \
+        np.zeros(0, [("page_class", "<u2"), ("first_slot", "<u8"), ("num_pages", "<u8")])
+    columns = extents["page_class"], extents["first_slot"], extents["num_pages"]
     for cls, available, what in ((PageClass.STORED, stored, "stored ordinal"),
                                  (PageClass.DISK, references, "disk reference"),
                                  (PageClass.DELTA, deltas, "delta entry")):
-        used = _slots_used(extents, cls)
+        used = _slots_used(columns, cls)
         wrong = used != np.arange(len(used))
         if len(used) != available or wrong.any():
             k = int(np.flatnonzero(wrong)[0]) if wrong.any() else min(len(used), available)
@@ -160,13 +162,15 @@ def slot_problems(extents: list[np.ndarray], stored: int, deltas: int, ref_first
                               rule="LI-MAP-004")
 
 
-def _slots_used(extents: np.ndarray, cls: int) -> np.ndarray:
+def _slots_used(columns: tuple, cls: int) -> np.ndarray:
     """The slots the pages of class ``cls`` use, sorted; work per extent, not per page, when
-    the extents' slot ranges follow each other (the usual case, in file order or sorted)."""
-    sel = extents[extents["page_class"] == cls]
-    if not len(sel):
+    the extents' slot ranges follow each other (the usual case, in file order or sorted).
+    ``columns``: the extents' page_class, first_slot and num_pages."""
+    classes, first_slots, num_pages = columns
+    sel = classes == cls
+    if not sel.any():
         return np.zeros(0, np.int64)
-    starts, counts = sel["first_slot"].astype(np.int64), sel["num_pages"].astype(np.int64)
+    starts, counts = first_slots[sel].astype(np.int64), num_pages[sel].astype(np.int64)
     if not _follow_on(starts, counts):
         order = np.argsort(starts, kind="stable")
         starts, counts = starts[order], counts[order]

@@ -36,15 +36,20 @@ class ImageFile:
         fileobj.seek(0, 2)
         self.size = fileobj.tell()
 
-    def read_exact(self, offset: int, length: int, structure: str) -> bytes:
+    def read_exact(self, offset: int, length: int, structure) -> bytes:
+        """``structure``: the path errors name, or a function giving it (built only on an error)."""
         if offset < 0 or length < 0 or offset + length > self.size:
             raise TruncatedError(f"expected {length} bytes, file ends at {self.size:#x}",
-                                 offset=offset, structure=structure)
+                                 offset=offset, structure=_named(structure))
         data = os.pread(self.fileobj.fileno(), length, offset)
         if len(data) != length:
             raise TruncatedError(f"expected {length} bytes, got {len(data)}", offset=offset,
-                                 structure=structure)
+                                 structure=_named(structure))
         return data
+
+
+def _named(structure) -> str:
+    return structure() if callable(structure) else structure
 
 
 # --- header --------------------------------------------------------------------
@@ -260,17 +265,18 @@ def record_path(index: int | None, record: Record | None = None, field: str = ""
 
 @implements("LI-REC-002")
 def read_record_header(image: ImageFile, offset: int, limit: int, index: int | None) -> tuple[int, int, int]:
-    head = RECORD.unpack(image.read_exact(offset, RECORD.size, record_path(index)))
-    path = record_path(index, record_type=head.record_type)
+    head = RECORD.unpack(image.read_exact(offset, RECORD.size, lambda: record_path(index)))
     end = offset + record_size(head.body_length)
     if end > limit:
         raise TruncatedError(f"record of {end - offset} bytes runs past {limit:#x}",
-                             offset=offset + RECORD.offset("body_length"), structure=path + ".body_length",
+                             offset=offset + RECORD.offset("body_length"),
+                             structure=record_path(index, record_type=head.record_type) + ".body_length",
                              rule="LI-REC-002")
     if head.body_length > RECORD_BODY_MAX:
         raise LimitError(f"body_length {head.body_length} exceeds this reader's limit {RECORD_BODY_MAX} "
                          "(spec §9.2): the image may be valid but is not readable here",
-                         offset=offset + RECORD.offset("body_length"), structure=path + ".body_length")
+                         offset=offset + RECORD.offset("body_length"),
+                         structure=record_path(index, record_type=head.record_type) + ".body_length")
     return head.record_type, head.flags, head.body_length
 
 
@@ -278,7 +284,7 @@ def read_record_header(image: ImageFile, offset: int, limit: int, index: int | N
 def read_record(image: ImageFile, offset: int, limit: int, index: int | None = None) -> Record:
     """Read one record, checking framing, checksum, padding and flags."""
     record_type, flags, body_length = read_record_header(image, offset, limit, index)
-    raw = image.read_exact(offset, record_size(body_length), record_path(index))
+    raw = image.read_exact(offset, record_size(body_length), lambda: record_path(index))
     trailer_at = len(raw) - RECORD_TRAILER.size
     (stored,) = RECORD_TRAILER.unpack_from(raw, trailer_at)
     body = memoryview(raw)[RECORD.size:RECORD.size + body_length]      # a view: frame bodies are large
@@ -289,7 +295,7 @@ def read_record(image: ImageFile, offset: int, limit: int, index: int | None = N
                           offset=offset + trailer_at, structure=record.path("record_checksum"),
                           rule="LI-REC-003")
     for problem in padding_problems(raw[RECORD.size + body_length:trailer_at], offset + RECORD.size + body_length,
-                                    record.path("padding")):
+                                    lambda: record.path("padding")):
         raise problem
     if flags:
         raise FormatError(f"expected flags 0, got {flags:#x}", offset=offset + RECORD.offset("flags"),
@@ -298,9 +304,9 @@ def read_record(image: ImageFile, offset: int, limit: int, index: int | None = N
 
 
 @implements("LI-REC-004")
-def padding_problems(padding, offset: int, structure: str) -> Iterator[FormatError]:
+def padding_problems(padding, offset: int, structure) -> Iterator[FormatError]:
     if any(padding):
-        yield FormatError("expected zero padding", offset=offset, structure=structure, rule="LI-REC-004")
+        yield FormatError("expected zero padding", offset=offset, structure=_named(structure), rule="LI-REC-004")
 
 
 @implements("LI-REC-001")

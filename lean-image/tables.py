@@ -110,6 +110,7 @@ class DiskRefs:
 
 SMALL_RECORDS = [RecordType.REGION, RecordType.DISK, RecordType.SOURCE_STATE, RecordType.PAGE_MAP,
                  RecordType.DISK_REFS]
+SMALL_RECORD_TYPES = frozenset(int(t) for t in SMALL_RECORDS)
 
 
 class ImageTables:
@@ -151,10 +152,11 @@ class ImageTables:
     def _load(self) -> None:
         entries = self.entries
         first_problem(checks.index_problems(self.index, entries, [], header_length=self.header.header_length))
-        unknown = [int(t) for t in np.unique(entries["record_type"]) if not _known_or_optional(int(t))]
+        types = entries["record_type"].tolist()
+        unknown = [i for i, t in enumerate(types) if not _known_or_optional(t)]
         if unknown:                                  # refused without reading it (spec §4.2)
-            self.record(int(np.flatnonzero(entries["record_type"] == unknown[0])[0]))
-        small = [self.record(int(i)) for i in np.flatnonzero(np.isin(entries["record_type"], SMALL_RECORDS))]
+            self.record(unknown[0])
+        small = [self.record(i) for i, t in enumerate(types) if t in SMALL_RECORD_TYPES]
         by_type = {kind: [r for r in small if r.record_type == kind] for kind in SMALL_RECORDS}
         first_problem(checks.region_table_problems(by_type[RecordType.REGION]))
         first_problem(checks.disk_table_problems(by_type[RecordType.DISK]))
