@@ -68,6 +68,7 @@ from collections import Counter
 from leanimg.errors import CheckpointError, CheckpointInterrupted, LeanImageError
 from leanimg.fileutil import fsync_path, umask
 from leanimg.format import SourceFormat
+from leanimg.rules import implements
 from leanimg.writer import LeanImageWriter
 
 from . import qemu
@@ -77,9 +78,6 @@ from .guest_free import GuestFreeLink, Snapshot, free_hints
 from .hinting import HintOptions
 
 MODES = ("stop", "live", "background")
-GUEST_FREE_NEEDS_LIVE = ("--guest-free needs --live: in a stop-and-save or a background snapshot a page the "
-                         "guest writes after its answer is not sent again, so its free pages cannot be trusted "
-                         "(spec/hints.md §3.1)")
 THEN = ("continue", "stop", "quit")
 QEMU_TAG_CHECKPOINT_NOTE = 2
 CONNECT_TIMEOUT = 10.0          # to connect and read QMP's greeting
@@ -430,10 +428,21 @@ def run_checkpoint(request: CheckpointRequest) -> CheckpointResult:
         raise ValueError(f"mode {request.mode!r}, then {request.then!r}")
     if request.hints is not None:
         raise CheckpointError("hint files (spec/hints.md) are not taken by checkpoint; --guest-free asks the guest")
-    if request.guest_free and request.mode != "live":
-        raise CheckpointError(GUEST_FREE_NEEDS_LIVE)
+    if request.guest_free:
+        _guest_free_allowed(request.mode)
     with _Signals() as signals, Monitor(request.qmp) as monitor:
         return _Checkpoint(monitor, request, signals).run()
+
+
+@implements("LI-HNT-026")
+def _guest_free_allowed(mode: str) -> None:
+    """Guest free-list hints only from a precopy (spec/hints.md §3.1). The other half of the
+    rule, answers taken before the checkpoint instant, is _Checkpoint's order of steps: the
+    link is finished (an answer in flight dropped) before the guest is resumed."""
+    if mode != "live":
+        raise CheckpointError("--guest-free needs --live: in a stop-and-save or a background snapshot a page the "
+                              "guest writes after its answer is not sent again, so its free pages cannot be "
+                              "trusted (spec/hints.md §3.1)", rule="LI-HNT-026")
 
 
 class _Checkpoint:

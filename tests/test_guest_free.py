@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from converters.guest_free import MAX_LINE, Answer, GuestFreeError, GuestFreeLink, Snapshot, free_hints
+from leanimg.converters.guest_free import MAX_LINE, Answer, GuestFreeError, GuestFreeLink, Snapshot, free_hints
 from leanimg.errors import CheckpointError
 from leanimg.hints import AddressMap, FreeSource, RecordType, read_hints
 
@@ -145,3 +145,15 @@ def test_the_helper_answers_in_the_protocol_leanimg_reads(helper_binary):
 def test_the_helper_refuses_arguments(helper_binary):
     proc = subprocess.run([str(helper_binary), "--bogus"], capture_output=True, text=True)
     assert proc.returncode == 2 and "usage: leanimg-guest-free" in proc.stderr
+
+
+@pytest.mark.parametrize("mode", ["stop", "background"])
+def test_the_checkpoint_api_refuses_guest_free_hints_outside_a_precopy(tmp_path, mode):
+    """LI-HNT-026: refused before QEMU is reached (the QMP socket here does not exist)."""
+    from leanimg.converters.checkpoint import CheckpointRequest, run_checkpoint
+    request = CheckpointRequest(qmp=str(tmp_path / "qmp.sock"), output=str(tmp_path / "x.lean"), mode=mode,
+                                guest_free=str(tmp_path / "free.sock"))
+    with pytest.raises(CheckpointError) as info:
+        run_checkpoint(request)
+    assert info.value.rule == "LI-HNT-026" and "needs --live" in str(info.value)
+    assert list(tmp_path.iterdir()) == []
