@@ -227,7 +227,10 @@ static int serve(void)
         fprintf(stderr, "leanimg-guest-free: no virtio port named %s (virtio_console loaded?)\n", PORT_NAME);
         return 1;
     }
-    int port = open(path, O_RDWR);
+    int port;
+    /* one opener at a time: a helper that was just stopped may hold the port a moment longer */
+    for (int tries = 0; (port = open(path, O_RDWR)) < 0 && errno == EBUSY && tries < 100; tries++)
+        usleep(100000);
     if (port < 0) {
         fprintf(stderr, "leanimg-guest-free: cannot open %s: %s\n", path, strerror(errno));
         return 1;

@@ -62,6 +62,14 @@ class Guest:
         self.vm.serial.send(" ".join(command))
         return int(self.vm.serial.wait_for(r"LEANIMG-STARTED (\d+)", 60, start).group(1))
 
+    def start_liar(self, *args: str) -> int:
+        """The lying helper (workload liar), once it holds the port."""
+        start = len(self.vm.serial.text)
+        pid = self.start("run", "liar", *args)
+        done = self.vm.serial.wait_for(r"WORKLOAD-(DONE|ERROR)[^\n]*", 60, start)
+        assert done.group(1) == "DONE", self.vm.serial.text[start - 300:]
+        return pid
+
     def kill(self, pid: int) -> None:
         start = len(self.vm.serial.text)
         self.vm.serial.send(f"kill {pid}")
@@ -177,7 +185,7 @@ def test_a_lying_helper_gets_no_page_written_after_its_answer(guest):
     (each page starting with LIAR_MARK). Those pages are sent again after the answer, so none
     is FREE, and each holds what QEMU's own load of the stream holds."""
     guest.kill(guest.helper_pid)
-    liar = guest.start("run", "liar", "16")
+    liar = guest.start_liar("16")
     try:
         image, stream = guest.work / "lied.lean", guest.work / "lied.save"
         proc = guest.checkpoint(image, "--live", "--guest-free", guest.port, "--keep-stream", stream,
@@ -201,6 +209,41 @@ def test_a_lying_helper_gets_no_page_written_after_its_answer(guest):
     _assert_equal_but_free(mem, truth, free, "restore --to raw")
     if not np.array_equal(mem[written], truth[written]):
         raise AssertionError(first_difference(image.with_suffix(".raw"), full.with_suffix(".raw")))
+
+
+@qemu
+def test_no_answer_is_no_hints_not_an_error(guest):
+    """No helper listens: the request goes unanswered, the image has no FREE pages (a precopy
+    sends every page) and the summary says so. The next helper may find the stale request;
+    leanimg skips its answer by the nonce."""
+    guest.kill(guest.helper_pid)
+    try:
+        image = guest.work / "unanswered.lean"
+        proc = guest.checkpoint(image, "--live", "--guest-free", guest.port)
+    finally:
+        guest.helper_pid = guest.start("free")
+    assert "guest free hints: none (asked 1 times, no answer complete before the checkpoint instant)" in proc.stdout
+    assert not _free_pages(image).any()
+    assert leanimg("validate", image).returncode == 0
+
+
+@qemu
+def test_a_broken_answer_fails_the_checkpoint_and_leaves_the_guest_running(guest, tmp_path):
+    guest.kill(guest.helper_pid)
+    liar = guest.start_liar("1", "garbage")
+    try:
+        proc = leanimg("checkpoint", "--qmp", guest.qmp, "-o", tmp_path / "x.lean", "--live",
+                       "--guest-free", guest.port, "--keep-hints", tmp_path / "x.hints")
+    finally:
+        guest.kill(liar)
+        guest.helper_pid = guest.start("free")
+    assert proc.returncode == 1
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "the guest's free-list answer, line 2: expected a range line" in lines[0], proc.stderr
+    assert "no image written" in lines[0] and "Traceback" not in proc.stderr
+    assert list(tmp_path.iterdir()) == []
+    assert guest.vm.status() == "running"
+    wait_heartbeat(guest.vm, "pages", last_heartbeat(guest.vm, "pages"), timeout=60)
 
 
 @qemu

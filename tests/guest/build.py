@@ -52,7 +52,7 @@ while read -r cmd rest; do
     case "$cmd" in
         run) /bin/workload $rest & echo "LEANIMG-STARTED $!" ;;
         free) /bin/leanimg-guest-free & echo "LEANIMG-STARTED $!" ;;
-        kill) kill $rest; echo "LEANIMG-KILLED $rest" ;;
+        kill) kill $rest; wait $rest; echo "LEANIMG-KILLED $rest" ;;
         sync) sync; echo LEANIMG-SYNCED ;;
         "") ;;
         *) echo "LEANIMG-UNKNOWN $cmd" ;;

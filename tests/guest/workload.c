@@ -23,11 +23,12 @@
  *                               fill MIB MiB (page aligned) with random data, then each
  *                               round rewrite PERMILLE/1000 (default 50, i.e. 5%) of its
  *                               pages, picked at random, with fresh random data
- *   workload liar MIB           a guest free-list helper that lies (guest/leanimg-guest-free.c's
+ *   workload liar MIB [garbage] a guest free-list helper that lies (guest/leanimg-guest-free.c's
  *                               protocol on the port org.leanimg.free.0): every answer says all
  *                               of RAM is free; after each answer it rewrites every page of its
  *                               MIB MiB buffer, each page starting with LIAR_MARK: pages hinted
- *                               FREE and written after the hint (spec/hints.md LI-HNT-023)
+ *                               FREE and written after the hint (spec/hints.md LI-HNT-023);
+ *                               with "garbage" its answers break the protocol (a bad range line)
  *
  * After the work it prints "WORKLOAD-DONE <mode> <checksum>" and then a heartbeat
  * "HB <mode> <n>" every HB_MS milliseconds forever, so a test can see that a guest
@@ -324,7 +325,9 @@ static int open_free_port(void)
         name[n > 0 ? n : 0] = 0;
         if (!strncmp(name, "org.leanimg.free.0\n", 19)) {
             snprintf(path, sizeof path, "/dev/%s", de->d_name);
-            port = open(path, O_RDWR);
+            /* a helper killed a moment ago may hold the port still (one opener at a time) */
+            for (int tries = 0; (port = open(path, O_RDWR)) < 0 && errno == EBUSY && tries < 100; tries++)
+                usleep(100000);
         }
     }
     if (d)
@@ -336,7 +339,7 @@ static int open_free_port(void)
     return port;
 }
 
-static void liar(long mib)
+static void liar(long mib, int garbage)
 {
     size_t pages;
     uint64_t *mem = alloc_filled(mib, &pages);
@@ -366,8 +369,9 @@ static void liar(long mib)
         used = 0;
         if (strncmp(line, "free ", 5))
             continue;
-        int len = snprintf(reply, sizeof reply, "begin %s 4096\n%016llx %016llx\nend %s 1 %ld 0\n",
-                           line + 5, 0ULL, (unsigned long long)ram_pages, line + 5, ram_pages);
+        int len = garbage ? snprintf(reply, sizeof reply, "begin %s 4096\nnot a range\n", line + 5)
+                          : snprintf(reply, sizeof reply, "begin %s 4096\n%016llx %016llx\nend %s 1 %ld 0\n",
+                                     line + 5, 0ULL, (unsigned long long)ram_pages, line + 5, ram_pages);
         if (write(port, reply, (size_t)len) != len)
             continue;
         lies++;
@@ -406,11 +410,11 @@ int main(int argc, char **argv)
         rounds(mode, atol(argv[2]), argc > 3 ? atol(argv[3]) : 0,
                argc > 4 ? atol(argv[4]) : (mode[0] == 'w' ? 256 : 50));
     } else if (!strcmp(mode, "liar") && argc > 2) {
-        liar(atol(argv[2]));
+        liar(atol(argv[2]), argc > 3 && !strcmp(argv[3], "garbage"));
     } else if (strcmp(mode, "idle")) {
         printf("WORKLOAD-ERROR usage: workload pagecache DIR | anon MIB | dirty DIR MIB | "
                "words MIB [ROUNDS] [PAGES] | check MIB | pages MIB [ROUNDS] [PERMILLE] | freed MIB | "
-               "fillall [MARGIN] | liar MIB | idle\n");
+               "fillall [MARGIN] | liar MIB [garbage] | idle\n");
         return 2;
     }
     printf("WORKLOAD-DONE %s %016llx\n", mode, (unsigned long long)sum);
