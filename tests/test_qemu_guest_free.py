@@ -60,7 +60,7 @@ class Guest:
         """``free`` (the helper) or ``run workload ...`` in the guest; its pid."""
         start = len(self.vm.serial.text)
         self.vm.serial.send(" ".join(command))
-        return int(self.vm.serial.wait_for(r"LEANIMG-STARTED (\d+)", 60, start).group(1))
+        return int(self.vm.serial.wait_for(r"LEANIMG-STARTED (\d+)\r?\n", 60, start).group(1))   # the whole pid
 
     def start_liar(self, *args: str) -> int:
         """The lying helper (workload liar), once it holds the port."""
@@ -232,8 +232,8 @@ def test_a_broken_answer_fails_the_checkpoint_and_leaves_the_guest_running(guest
     guest.kill(guest.helper_pid)
     liar = guest.start_liar("1", "garbage")
     try:
-        proc = leanimg("checkpoint", "--qmp", guest.qmp, "-o", tmp_path / "x.lean", "--live",
-                       "--guest-free", guest.port, "--keep-hints", tmp_path / "x.hints")
+        proc = leanimg("checkpoint", "--qmp", guest.qmp, "-o", tmp_path / "x.lean", "--live", "--max-bandwidth",
+                       "64", "--guest-free", guest.port, "--keep-hints", tmp_path / "x.hints")
     finally:
         guest.kill(liar)
         guest.helper_pid = guest.start("free")
