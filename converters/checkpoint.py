@@ -78,6 +78,7 @@ from .guest_free import GuestFreeLink, Snapshot, free_hints
 from .hinting import HintOptions
 
 MODES = ("stop", "live", "background")
+Q35_ALL_LOW = 0xB0000000        # q35 keeps all RAM below 4 GiB when it is smaller (QEMU 7.2 pc_q35.c)
 THEN = ("continue", "stop", "quit")
 QEMU_TAG_CHECKPOINT_NOTE = 2
 CONNECT_TIMEOUT = 10.0          # to connect and read QMP's greeting
@@ -473,6 +474,7 @@ class _Checkpoint:
         self.disks = self._match_disks()
         try:
             if self.req.guest_free:
+                self._check_address_map()
                 self.guest_link = GuestFreeLink(self.req.guest_free, lambda: self.spool.reader.received)
             self._inflate_balloon()
             self._open_stream()
@@ -594,6 +596,21 @@ class _Checkpoint:
         if mode == "stop":
             self._freeze_disks()
         return info
+
+    def _check_address_map(self) -> None:
+        """The guest's page frame numbers are read through the hint protocol's QEMU pc map
+        (spec/hints.md §6: i440fx's split of RAM around the PCI hole). q35 splits it elsewhere
+        once RAM reaches 2.75 GiB, and hotplugged memory is not pc.ram: a pfn there would name
+        another page, so such guests are refused."""
+        machine = self.qmp.execute("qom-get", path="/machine", property="type")
+        memory = self.qmp.execute("query-memory-size-summary")
+        ram, plugged = memory.get("base-memory", 0), memory.get("plugged-memory", 0)
+        fits = machine.startswith("pc-i440fx-") or (machine.startswith("pc-q35-") and ram < Q35_ALL_LOW)
+        if not fits or plugged:
+            raise CheckpointError(f"--guest-free: machine {machine} with {ram / 2**20:.0f} MiB of RAM"
+                                  + (f" and {plugged / 2**20:.0f} MiB plugged in" if plugged else "")
+                                  + ": guest page frame numbers map to QEMU's pc.ram only on i440fx (-machine pc), "
+                                  "or q35 below 2.75 GiB, without hotplugged memory (spec/hints.md §6)")
 
     def _finish_guest_free(self) -> None:
         """The migration has completed and the guest is stopped: the answers are all in."""

@@ -19,6 +19,7 @@ from __future__ import annotations
 import re
 import shlex
 import subprocess
+import time
 from pathlib import Path
 
 import numpy as np
@@ -258,6 +259,34 @@ def test_guest_free_without_a_port_socket_is_one_clear_line(guest, tmp_path):
     assert {p.name for p in tmp_path.iterdir()} == before
     assert guest.vm.status() == "running"
     wait_heartbeat(guest.vm, "pages", last_heartbeat(guest.vm, "pages"), timeout=60)
+
+
+@qemu
+def test_a_q35_guest_with_split_ram_is_refused(tmp_path):
+    """q35 puts RAM above 2 GiB at 4 GiB once it has 2.75 GiB: its pfns would name other pages
+    of pc.ram under the pc map. A paused QEMU that never boots (its RAM is never touched)."""
+    if not qemu_available():
+        pytest.skip("qemu-system-x86_64 is not installed")
+    qmp = tmp_path / "qmp.sock"
+    qemu = subprocess.Popen(["qemu-system-x86_64", "-accel", "tcg", "-machine", "q35", "-m", "3G", "-nodefaults",
+                             "-display", "none", "-S", "-qmp", f"unix:{qmp},server=on,wait=off"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        out = tmp_path / "out"
+        out.mkdir()
+        for _ in range(300):
+            if qmp.exists():
+                break
+            time.sleep(0.1)
+        proc = leanimg("checkpoint", "--qmp", qmp, "-o", out / "x.lean", "--live", "--guest-free", out / "free.sock")
+    finally:
+        qemu.kill()
+        qemu.wait(timeout=60)
+    assert proc.returncode == 1
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and re.search(r"--guest-free: machine pc-q35-[\d.]+-machine with 3072 MiB of RAM",
+                                         lines[0]), proc.stderr
+    assert list(out.iterdir()) == []
 
 
 @pytest.mark.parametrize("mode", [[], ["--background"]])
