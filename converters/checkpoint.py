@@ -648,6 +648,8 @@ class _Checkpoint:
     def _wait_migration(self) -> dict:
         while True:
             self.signals.check()
+            if self.guest_link is not None and self.guest_link.error is not None:
+                raise self.guest_link.error      # a broken answer: cancel now, not after the precopy
             info = self.qmp.execute("query-migrate")
             status = info.get("status")
             self._show_status(status)
