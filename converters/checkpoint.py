@@ -492,6 +492,7 @@ class _Checkpoint:
             try:
                 if self.req.then == "quit":
                     self._quit()
+                self._keep_hints()
                 _commit(staged, self.req.output)
             except BaseException:
                 os.unlink(staged)
@@ -621,11 +622,15 @@ class _Checkpoint:
         self.guest_free = GuestFree(link.asked, link.answered, snapshot, self.spool.reader.received)
         if snapshot is None:
             return
-        hints = free_hints(snapshot)
-        if self.req.keep_hints:
-            with open(self.req.keep_hints, "wb") as f:
-                f.write(hints)
-        self.hint_options = HintOptions(source=hints)
+        self.hint_options = HintOptions(source=free_hints(snapshot))
+
+    def _keep_hints(self) -> None:
+        """--keep-hints, just before the image is renamed into place (a failed checkpoint leaves neither)."""
+        if self.req.keep_hints and self.hint_options is not None:
+            temp, out = _temp_beside(self.req.keep_hints)
+            with out:
+                out.write(self.hint_options.source)
+            _commit(temp, self.req.keep_hints)
 
     def _set_capabilities(self, wanted: dict[str, bool]) -> None:
         current = {c["capability"]: c["state"] for c in self.qmp.execute("query-migrate-capabilities")}
