@@ -5,7 +5,11 @@ files from its ext4 disk (page cache: half word-salad text, half random), then f
 its memory with random data and frees it (stale free pages). Two guests, in one run:
 
   plain     no balloon: `stop`, QEMU's ``migrate "exec:cat > FILE"``, then ``zstd -T0 -3 FILE``
-            — what a QEMU user gets by default
+            — what a QEMU user gets by default; then, in the same guest (it has the
+            virtio-serial port of guest/leanimg-guest-free.c and runs the helper):
+            ``leanimg checkpoint --live`` without and with ``--guest-free`` (route iii: the
+            guest's own free pages become FREE, no balloon), and with ``--guest-free --disk``,
+            all at ``--live-bandwidth`` so the first pass gives the helper time to answer
   balloon   ``-device virtio-balloon-pci,free-page-reporting=on`` (the guest's virtio_balloon
             hands its free blocks to QEMU, which discards them), then in the same guest:
             1. QEMU's own stop-and-save (exec:cat) and its ``zstd -T0 -3``: the share the
@@ -15,6 +19,8 @@ its memory with random data and frees it (stale free pages). Two guests, in one 
             3. QEMU's own ``background-snapshot`` migrate to exec:cat: wall time and downtime
             4. ``leanimg checkpoint --background``: image size, wall time, downtime
 
+``--skip-balloon`` runs the plain guest only (a brief run for the guest free-hint numbers).
+
 Targets (issue 13 §6): image 2. <= 0.2 x the plain save's zstd; 4.'s downtime <= 50 ms;
 each checkpoint's wall time <= 1.2 x QEMU's own migrate in the same mode. QEMU's exec:cat writes
 the stream into the page cache and does not fsync it; leanimg compresses and fsyncs its image,
@@ -22,6 +28,7 @@ so its CPU seconds are reported too. One run each: TCG guests are slow and the m
 shared (the load average is reported), so read the times as indications.
 
     python benchmarks/bench_checkpoint.py --mem-mib 1024 --workdir /var/tmp/leanimg-ckpt --json out.json
+    python benchmarks/bench_checkpoint.py --mem-mib 384 --skip-balloon
 """
 
 from __future__ import annotations
@@ -44,6 +51,11 @@ from guest.scenarios import wait_heartbeat  # noqa: E402
 from guest.vm import GuestVM, copy_disk  # noqa: E402
 
 BALLOON = ["-device", "virtio-balloon-pci,free-page-reporting=on"]
+
+
+def guest_free_port(sock: Path) -> list[str]:
+    return ["-device", "virtio-serial-pci", "-chardev", f"socket,id=lf,path={sock},server=on,wait=off",
+            "-device", "virtserialport,chardev=lf,name=org.leanimg.free.0"]
 
 
 def leanimg_command() -> list[str]:
@@ -103,6 +115,37 @@ def checkpoint(qmp: Path, image: Path, *args) -> tuple[float, float, str]:
     return seconds, cpu, proc.stdout.strip()
 
 
+def guest_free_runs(vm: GuestVM, qmp: Path, port: Path, disk: Path, work: Path, bandwidth: int, say) -> dict:
+    """--live without and with --guest-free (and with --disk), in the plain guest."""
+    import re
+    start = len(vm.serial.text)
+    vm.serial.send("free")                              # the helper (tests/guest/build.py's init)
+    vm.serial.wait_for("LEANIMG-STARTED", 60, start)
+    out = {}
+    runs = {"live": [], "live_guest_free": ["--guest-free", port],
+            "live_guest_free_disk": ["--guest-free", port, "--disk", f"vda={disk}"]}
+    for name, extra in runs.items():
+        image = work / f"{name}.lean"
+        seconds, cpu, summary = checkpoint(qmp, image, "--live", "--max-bandwidth", bandwidth, *extra)
+        out[f"{name}_bytes"] = image.stat().st_size
+        out[f"{name}_seconds"] = seconds
+        out[f"{name}_summary"] = summary
+        free = re.search(r"MiB by class:.*?FREE ([\d.]+)", summary)
+        out[f"{name}_free_mib"] = float(free.group(1)) if free else 0.0
+        say(f"{name}: {summary}")
+    note = _checkpoint_note(work / "live_guest_free.lean")
+    out["guest_free_helper_ms"] = (note["guest_free"]["helper_us"] or 0) / 1000
+    out["guest_free_answers"] = note["guest_free"]["answered"]
+    out["live_bandwidth_mib"] = bandwidth
+    return out
+
+
+def _checkpoint_note(image: Path) -> dict:
+    from leanimg.reader import LeanImage
+    with LeanImage.open(image) as img:
+        return json.loads(bytes(next(s for s in img.source_states if s.tag == 2).data))
+
+
 def downtime_of(summary: str) -> int:
     return int(summary.split("downtime ")[1].split(" ms")[0])
 
@@ -117,15 +160,20 @@ def run(args) -> dict:
     results = {"mem_mib": args.mem_mib, "disk_spec": dataclasses.asdict(spec)}
 
     (work / "plain").mkdir(exist_ok=True)
-    with GuestVM(build, copy_disk(build.disk, work / "plain-disk.img"), mem_mib=args.mem_mib,
-                 workdir=work / "plain") as vm:
+    qmp, port, disk = work / "plain-qmp.sock", work / "plain-free.sock", copy_disk(build.disk, work / "plain-disk.img")
+    with GuestVM(build, disk, mem_mib=args.mem_mib, workdir=work / "plain",
+                 extra_args=guest_free_port(port) + ["-qmp", f"unix:{qmp},server=on,wait=off"]) as vm:
         prepare(vm, args.mem_mib, say)
         seconds, info = qemu_save(vm, work / "plain.save")
-    results["plain_save_bytes"] = (work / "plain.save").stat().st_size
-    results["plain_save_zstd_bytes"] = zstd_size(work / "plain.save")
-    results["plain_stop_save_seconds"] = seconds
-    (work / "plain.save").unlink()
-    say(f"plain: {results}")
+        results["plain_save_bytes"] = (work / "plain.save").stat().st_size
+        results["plain_save_zstd_bytes"] = zstd_size(work / "plain.save")
+        results["plain_stop_save_seconds"] = seconds
+        (work / "plain.save").unlink()
+        say(f"plain: {results}")
+        results.update(guest_free_runs(vm, qmp, port, disk, work, args.live_bandwidth, say))
+    if args.skip_balloon:
+        results["load_average"] = os.getloadavg()
+        return results
 
     (work / "balloon").mkdir(exist_ok=True)
     disk = copy_disk(build.disk, work / "balloon-disk.img")
@@ -167,10 +215,23 @@ def run(args) -> dict:
 
 def report(r: dict) -> str:
     mb = lambda n: f"{n / 1e6:.0f} MB"  # noqa: E731
-    return "\n".join([
+    zstd = r["plain_save_zstd_bytes"]
+    lines = [
         f"guest {r['mem_mib']} MiB: half freed, a quarter page cache; load average at the end "
         f"{r['load_average'][0]:.1f} on {os.cpu_count()} cores",
-        f"plain stop-and-save (no balloon): {mb(r['plain_save_bytes'])}, zstd -T0 -3 {mb(r['plain_save_zstd_bytes'])}",
+        f"plain stop-and-save (no balloon): {mb(r['plain_save_bytes'])}, zstd -T0 -3 {mb(zstd)}",
+        f"checkpoint --live (no balloon, --max-bandwidth {r['live_bandwidth_mib']}), x the plain zstd:",
+        f"  without guest free hints:       {mb(r['live_bytes'])} = {r['live_bytes'] / zstd:.3f} x "
+        f"(FREE {r['live_free_mib']:.0f} MiB)",
+        f"  --guest-free:                   {mb(r['live_guest_free_bytes'])} = {r['live_guest_free_bytes'] / zstd:.3f} x "
+        f"(FREE {r['live_guest_free_free_mib']:.0f} MiB; {r['guest_free_answers']} answers, the last took "
+        f"{r['guest_free_helper_ms']:.0f} ms in the guest)",
+        f"  --guest-free --disk:            {mb(r['live_guest_free_disk_bytes'])} = "
+        f"{r['live_guest_free_disk_bytes'] / zstd:.3f} x (FREE {r['live_guest_free_disk_free_mib']:.0f} MiB)",
+    ]
+    if "balloon_save_bytes" not in r:
+        return "\n".join(lines)
+    return "\n".join(lines + [
         f"same with free-page-reporting:    {mb(r['balloon_save_bytes'])}, zstd -T0 -3 {mb(r['balloon_save_zstd_bytes'])}",
         f"checkpoint --disk:                {mb(r['checkpoint_disk_bytes'])} = {r['ratio_vs_plain_zstd']:.3f} x the plain "
         f"zstd (target <= 0.2), {r['ratio_vs_balloon_zstd']:.3f} x the balloon zstd",
@@ -189,6 +250,9 @@ def main() -> None:
     parser.add_argument("--mem-mib", type=int, default=1024, help="guest memory (default 1024)")
     parser.add_argument("--workdir", default="/var/tmp/leanimg-bench-checkpoint")
     parser.add_argument("--json", help="also write the results here")
+    parser.add_argument("--live-bandwidth", type=int, default=128, metavar="MIB/S",
+                        help="--max-bandwidth of the --live checkpoints (default 128)")
+    parser.add_argument("--skip-balloon", action="store_true", help="only the plain guest")
     args = parser.parse_args()
     results = run(args)
     print(report(results))

@@ -39,12 +39,14 @@ leaves a cancelled one's guest RAM write-protected and the guest hangs) — whic
 ``--balloon-inflate`` (seed 001): the balloon is inflated before, deflated after (and after a
 failure); the note records its size before, which a restored guest's balloon is deflated to.
 
-Seam for guest FREE hints (spec/hints.md, route iii of issue 13): ``CheckpointRequest.hints``
-is to carry a ``converters.hinting.HintOptions`` (its source may be a callable, read only once
-the stream has ended, so a producer can write hints while it flows) and ``_write_into`` to pass
-it to ``write_spooled(hints=...)``, which applies it with the stream-offset safety rule (the
-spool records where each page's last copy ended). Not wired yet: ``run_checkpoint`` refuses a
-request that sets it, and no option takes one.
+``--guest-free SOCKET`` (``--live`` only; spec/hints.md §3.1): while the precopy runs,
+``converters.guest_free.GuestFreeLink`` asks the guest's free-list helper for its free pages,
+each request at a stream offset P read just before it; the latest answer complete before the
+migration has completed (the guest is stopped from the checkpoint instant until leanimg
+resumes it, after the link is finished) becomes a FREE hint at P, which ``write_spooled``
+applies by the stream-offset rule (the spool records where each page's last copy ended).
+Stop mode and ``--background`` refuse it: in both a page the guest writes after its answer is
+never sent again, so no offset rule can protect it (spec/hints.md §3.1).
 """
 
 from __future__ import annotations
@@ -66,13 +68,17 @@ from collections import Counter
 from leanimg.errors import CheckpointError, CheckpointInterrupted, LeanImageError
 from leanimg.fileutil import fsync_path, umask
 from leanimg.format import SourceFormat
+from leanimg.rules import implements
 from leanimg.writer import LeanImageWriter
 
 from . import qemu
 from .convert import DiskOptions, RepeatedPages, convert_qemu, write_spooled
 from .diskrefs import declare_disks
+from .guest_free import GuestFreeLink, Snapshot, free_hints
+from .hinting import HintOptions
 
 MODES = ("stop", "live", "background")
+Q35_ALL_LOW = 0xB0000000        # q35 keeps all RAM below 4 GiB when it is smaller (QEMU 7.2 pc_q35.c)
 THEN = ("continue", "stop", "quit")
 QEMU_TAG_CHECKPOINT_NOTE = 2
 CONNECT_TIMEOUT = 10.0          # to connect and read QMP's greeting
@@ -96,7 +102,9 @@ class CheckpointRequest:
     writer_options: dict = dataclasses.field(default_factory=dict)
     max_bandwidth: int | None = None    # bytes/s; None: unlimited
     keep_stream: str | None = None      # also copy QEMU's raw stream there (debugging, tests)
-    hints: object = None                # coming: a FREE/DISK hint source (spec/hints.md)
+    hints: object = None                # a hint file's HintOptions: not taken yet (refused)
+    guest_free: str | None = None       # --guest-free: the socket of the guest's free-list port
+    keep_hints: str | None = None       # also write the guest FREE hints there (debugging, tests)
     balloon_inflate: int = 0            # bytes to inflate the balloon by first (seed 001)
     progress: bool = False              # a status line on stderr
     workdir: str | None = None          # where the RAM spool lives (default: $TMPDIR)
@@ -144,6 +152,39 @@ class Balloon:
 
 
 @dataclasses.dataclass
+class GuestFree:
+    """``--guest-free``: what the guest said and what the stream-offset rule made of it."""
+    asked: int
+    answered: int
+    snapshot: Snapshot | None
+    stream_length: int = 0
+    report: dict | None = None          # HintOptions.report["FREE"]
+
+    def note(self) -> dict:
+        s = self.snapshot
+        return {"asked": self.asked, "answered": self.answered,
+                "stream_offset": s.stream_offset if s else None, "stream_length": self.stream_length,
+                "pages_reported": s.pages if s else 0, "helper_us": s.helper_us if s else None,
+                "applied": self.applied}
+
+    @property
+    def applied(self) -> int:
+        return (self.report or {}).get("applied", 0)
+
+    def describe(self) -> str:
+        if self.snapshot is None:
+            return (f"guest free hints: none (asked {self.asked} times, no answer complete before the "
+                    "checkpoint instant)")
+        s, report = self.snapshot, self.report or {}
+        defeated = report.get("ignored: defeated by a later copy", 0)
+        where = s.stream_offset / self.stream_length if self.stream_length else 0
+        return (f"guest free hints: {s.pages * s.page_size / 2**20:.1f} MiB free in the guest's latest answer "
+                f"(answer {self.answered} of {self.asked}, asked at {where:.0%} of the stream), "
+                f"{self.applied * s.page_size / 2**20:.1f} MiB made FREE, "
+                f"{defeated * s.page_size / 2**20:.1f} MiB sent again after it")
+
+
+@dataclasses.dataclass
 class CheckpointResult:
     output: str
     mode: str
@@ -157,6 +198,7 @@ class CheckpointResult:
     disks: list
     guest: str                          # the guest's run state at the end
     balloon: Balloon | None = None
+    guest_free: GuestFree | None = None
 
     def summary(self) -> str:
         mib = lambda pages: pages * self.page_size / 2**20  # noqa: E731
@@ -167,6 +209,7 @@ class CheckpointResult:
         line = (f"{self.output}: {self.file_bytes / 2**20:.1f} MiB, {self.mode} checkpoint in "
                 f"{self.seconds:.1f} s, {timing}; MiB by class: {classes}; guest {self.guest}")
         extra = [self.balloon.describe()] if self.balloon else []
+        extra += [self.guest_free.describe()] if self.guest_free else []
         return "; ".join([line] + [d.describe() for d in self.disks] + extra)
 
 
@@ -385,9 +428,22 @@ def run_checkpoint(request: CheckpointRequest) -> CheckpointResult:
     if request.mode not in MODES or request.then not in THEN:
         raise ValueError(f"mode {request.mode!r}, then {request.then!r}")
     if request.hints is not None:
-        raise CheckpointError("FREE/DISK hints (spec/hints.md) are not wired into checkpoint yet")
+        raise CheckpointError("hint files (spec/hints.md) are not taken by checkpoint; --guest-free asks the guest")
+    if request.guest_free:
+        _guest_free_allowed(request.mode)
     with _Signals() as signals, Monitor(request.qmp) as monitor:
         return _Checkpoint(monitor, request, signals).run()
+
+
+@implements("LI-HNT-026")
+def _guest_free_allowed(mode: str) -> None:
+    """Guest free-list hints only from a precopy (spec/hints.md §3.1). The other half of the
+    rule, answers taken before the checkpoint instant, is _Checkpoint's order of steps: the
+    link is finished (an answer in flight dropped) before the guest is resumed."""
+    if mode != "live":
+        raise CheckpointError("--guest-free needs --live: in a stop-and-save or a background snapshot a page the "
+                              "guest writes after its answer is not sent again, so its free pages cannot be "
+                              "trusted (spec/hints.md §3.1)", rule="LI-HNT-026")
 
 
 class _Checkpoint:
@@ -403,6 +459,9 @@ class _Checkpoint:
         self.stopped_at = self.resumed_at = None
         self.downtime_ms = None
         self.balloon: Balloon | None = None
+        self.guest_link: GuestFreeLink | None = None
+        self.guest_free: GuestFree | None = None
+        self.hint_options: HintOptions | None = None
         self.started = time.monotonic()
         self._status_shown = False
 
@@ -414,6 +473,9 @@ class _Checkpoint:
             raise CheckpointError("a migration is already in progress on this QEMU")
         self.disks = self._match_disks()
         try:
+            if self.req.guest_free:
+                self._check_address_map()
+                self.guest_link = GuestFreeLink(self.req.guest_free, lambda: self.spool.reader.received)
             self._inflate_balloon()
             self._open_stream()
             info = self._migrate()
@@ -430,6 +492,7 @@ class _Checkpoint:
             try:
                 if self.req.then == "quit":
                     self._quit()
+                self._keep_hints()
                 _commit(staged, self.req.output)
             except BaseException:
                 os.unlink(staged)
@@ -527,10 +590,47 @@ class _Checkpoint:
         if mode == "background":
             self._freeze_disks()
         self._start_migration()
+        if self.guest_link is not None:
+            self.guest_link.start()
         info = self._wait_migration()
+        self._finish_guest_free()
         if mode == "stop":
             self._freeze_disks()
         return info
+
+    def _check_address_map(self) -> None:
+        """The guest's page frame numbers are read through the hint protocol's QEMU pc map
+        (spec/hints.md §6: i440fx's split of RAM around the PCI hole). q35 splits it elsewhere
+        once RAM reaches 2.75 GiB, and hotplugged memory is not pc.ram: a pfn there would name
+        another page, so such guests are refused."""
+        machine = self.qmp.execute("qom-get", path="/machine", property="type")
+        memory = self.qmp.execute("query-memory-size-summary")
+        ram, plugged = memory.get("base-memory", 0), memory.get("plugged-memory", 0)
+        fits = machine.startswith("pc-i440fx-") or (machine.startswith("pc-q35-") and ram < Q35_ALL_LOW)
+        if not fits or plugged:
+            raise CheckpointError(f"--guest-free: machine {machine} with {ram / 2**20:.0f} MiB of RAM"
+                                  + (f" and {plugged / 2**20:.0f} MiB plugged in" if plugged else "")
+                                  + ": guest page frame numbers map to QEMU's pc.ram only on i440fx (-machine pc), "
+                                  "or q35 below 2.75 GiB, without hotplugged memory (spec/hints.md §6)")
+
+    def _finish_guest_free(self) -> None:
+        """The migration has completed and the guest is stopped: the answers are all in."""
+        if self.guest_link is None:
+            return
+        link, self.guest_link = self.guest_link, None
+        snapshot = link.finish()
+        self.guest_free = GuestFree(link.asked, link.answered, snapshot, self.spool.reader.received)
+        if snapshot is None:
+            return
+        self.hint_options = HintOptions(source=free_hints(snapshot))
+
+    def _keep_hints(self) -> None:
+        """--keep-hints, just before the image is renamed into place (a failed checkpoint leaves neither)."""
+        if self.req.keep_hints and self.hint_options is not None:
+            temp, out = _temp_beside(self.req.keep_hints)
+            with out:
+                out.write(self.hint_options.source)
+            _commit(temp, self.req.keep_hints)
 
     def _set_capabilities(self, wanted: dict[str, bool]) -> None:
         current = {c["capability"]: c["state"] for c in self.qmp.execute("query-migrate-capabilities")}
@@ -553,6 +653,8 @@ class _Checkpoint:
     def _wait_migration(self) -> dict:
         while True:
             self.signals.check()
+            if self.guest_link is not None and self.guest_link.error is not None:
+                raise self.guest_link.error      # a broken answer: cancel now, not after the precopy
             info = self.qmp.execute("query-migrate")
             status = info.get("status")
             self._show_status(status)
@@ -660,7 +762,10 @@ class _Checkpoint:
             scan = DiskOptions(sources) if sources else None
             with self._open_writer(out, sources) as (writer, parent):
                 self.signals.check()
-                write_spooled(writer, state, ram, parent=parent, disks=scan, unsent_free=True)
+                write_spooled(writer, state, ram, parent=parent, disks=scan, unsent_free=True,
+                              hints=self.hint_options)
+                if self.hint_options is not None:
+                    self.guest_free.report = self.hint_options.report.get("FREE", {})
                 writer.add_source_state(SourceFormat.QEMU, QEMU_TAG_CHECKPOINT_NOTE, self._note())
                 self.signals.check()
             for disk in self.disks:
@@ -695,7 +800,8 @@ class _Checkpoint:
                 "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                 "downtime_ms": self.downtime_ms, "paused_ms": self._paused_ms(),
                 "disks": [d.note() for d in self.disks],
-                "balloon": self.balloon.note() if self.balloon else None}
+                "balloon": self.balloon.note() if self.balloon else None,
+                "guest_free": self.guest_free.note() if self.guest_free else None}
         return json.dumps(note, indent=1).encode()
 
     def _paused_ms(self) -> float | None:
@@ -711,7 +817,8 @@ class _Checkpoint:
         guest = "quit" if self.req.then == "quit" else self.qmp.execute("query-status")["status"]
         return CheckpointResult(self.req.output, self.req.mode, self.req.then, os.path.getsize(self.req.output),
                                 page_size, counts, self.downtime_ms, self._paused_ms(),
-                                time.monotonic() - self.started, self.disks, guest, self.balloon)
+                                time.monotonic() - self.started, self.disks, guest, self.balloon,
+                                self.guest_free)
 
     # -- progress ------------------------------------------------------------------------
     def _show_status(self, status: str) -> None:
@@ -732,6 +839,8 @@ class _Checkpoint:
     def _recover(self, exc: BaseException) -> BaseException:
         """Cancel, resume, restore settings; the error to raise (what remains named)."""
         notes = []
+        if self.guest_link is not None:
+            self.guest_link.close()
         try:
             if self.req.mode == "background":
                 self._finish_background()

@@ -578,9 +578,14 @@ def demo(workdir):
               "afterwards; the image records the size before (restored guests: QMP balloon value=BEFORE).")
 @click.option("--keep-stream", type=click.Path(dir_okay=False), metavar="FILE",
               help="Also write QEMU's raw migration stream to FILE (for debugging: a full-size file).")
+@click.option("--guest-free", metavar="SOCKET", help="With --live: ask the guest's free-list helper "
+              "(leanimg-guest-free, on the virtio-serial port org.leanimg.free.0 that QEMU connects to SOCKET) for "
+              "its free pages while the precopy runs; pages not sent again after its answer become FREE.")
+@click.option("--keep-hints", type=click.Path(dir_okay=False), metavar="FILE",
+              help="With --guest-free: also write the FREE hints taken from the guest to FILE (spec/hints.md).")
 @force_option
 def checkpoint(qmp_socket, output, mode, then, disks, parents, delta, level, max_bandwidth, balloon_inflate,
-               keep_stream, force):
+               keep_stream, guest_free, keep_hints, force):
     """Checkpoint a running QEMU 7.2 over QMP straight into a lean image (no save file)."""
     from .errors import CheckpointInterrupted
     from .plugins import checkpointer
@@ -594,12 +599,19 @@ def checkpoint(qmp_socket, output, mode, then, disks, parents, delta, level, max
     _guard_output(output, inputs, force)
     if keep_stream:
         _guard_output(keep_stream, [*inputs, output], force)
+    if guest_free and mode != "live":
+        raise click.UsageError("--guest-free needs --live: in a stop-and-save or a background snapshot a page the "
+                               "guest writes after its answer is not sent again (spec/hints.md §3.1)")
+    if keep_hints and not guest_free:
+        raise click.UsageError("--keep-hints needs --guest-free")
+    if keep_hints:
+        _guard_output(keep_hints, [*inputs, output], force)
     writer = checkpointer("qemu")
     request = writer.Request(qmp=qmp_socket, output=output, mode=mode or "stop", then=then, disks=paths,
                              parents=parents, allow_delta=delta, writer_options=dict(level=level),
                              max_bandwidth=max_bandwidth and max_bandwidth << 20, keep_stream=keep_stream,
                              balloon_inflate=(balloon_inflate or 0) << 20,
-                             progress=sys.stderr.isatty())
+                             guest_free=guest_free, keep_hints=keep_hints, progress=sys.stderr.isatty())
     try:
         result = writer.checkpoint(request)
     except CheckpointInterrupted as exc:

@@ -120,6 +120,8 @@ HINT_RULES = {
     "LI-HNT-023": "a FREE hint makes a page FREE only if every copy of it ended at or before stream_offset",
     "LI-HNT-024": "a DISK hint makes a DISK reference only if the page equals the disk block byte for byte",
     "LI-HNT-025": "a page hinted UNCHANGED and sent becomes PARENT only if its digest equals the parent's",
+    "LI-HNT-026": "FREE hints from a guest's snapshot come only from a precopy save, from a snapshot taken after "
+                  "their stream_offset and before the checkpoint instant",
 }
 HINT_IMPLEMENTATIONS: dict = {}
 

@@ -131,6 +131,13 @@ def test_vectors(rel):
     assert info.value.rule == meta["rule"] and info.value.offset is not None and info.value.structure
 
 
+def test_the_spec_rule_table_lists_every_hint_rule():
+    import re
+    from leanimg.rules import HINT_RULES
+    table = re.findall(r"^\| (LI-HNT-\d{3}) \|", (REPO / "spec" / "hints.md").read_text(), re.M)
+    assert table == sorted(HINT_RULES)
+
+
 def test_every_structural_rule_has_an_invalid_vector():
     rules = {m["rule"] for m in META.values() if m["kind"] == "invalid"}
     assert rules == {f"LI-HNT-{n:03d}" for n in range(1, 17)}

@@ -208,4 +208,8 @@ def test_checkpoint_never_writes_over_its_parent_chain_nor_a_disk(chain, tmp_pat
             "is an input of this command")
     refused(run("checkpoint", "--qmp", qmp, "-o", tmp_path / "new.lean", "--keep-stream", chain["child"]),
             "exists; use -f/--force")
+    refused(run("checkpoint", "--qmp", qmp, "-o", tmp_path / "new.lean", "--live", "--guest-free", qmp,
+                "--keep-hints", chain["child"]), "exists; use -f/--force")
+    refused(run("checkpoint", "--qmp", qmp, "-o", tmp_path / "new.lean", "--parent", chain["child"], "--live",
+                "--guest-free", qmp, "--keep-hints", chain["child"], "-f"), "is an input of this command")
     untouched([chain["child"], chain["parent"], chain["disk"]], before)

@@ -21,13 +21,15 @@ from pathlib import Path
 import numpy as np
 
 HERE = Path(__file__).resolve().parent
+GUEST_FREE_HELPER = HERE.parents[1] / "guest" / "leanimg-guest-free.c"
 
 # insmod order for a virtio disk with ext4 on the Debian 6.1 kernel (see ENVIRONMENT.md);
 # virtio_balloon lets a guest with a virtio-balloon (free-page-reporting=on) hand its free
-# blocks to the host (issue 13); crc32c-intel is left out: the TCG "qemu64" CPU has no SSE4.2, crc32c_generic serves ext4.
+# blocks to the host (issue 13); virtio_console gives the guest free-list helper its port
+# (guest/leanimg-guest-free.c, `checkpoint --guest-free`); crc32c-intel is left out: the TCG "qemu64" CPU has no SSE4.2, crc32c_generic serves ext4.
 MODULES = ["virtio_ring", "virtio", "virtio_pci_modern_dev", "virtio_pci_legacy_dev",
            "virtio_pci", "virtio_blk", "crc32c_generic", "jbd2", "mbcache",
-           "crc16", "ext4", "virtio_balloon"]
+           "crc16", "ext4", "virtio_balloon", "virtio_console"]
 SKIP_MODULES = {"crc32c-intel.ko"}  # pulled in by "crc32c" aliases; see above
 
 READY_MARKER = "LEANIMG-READY"
@@ -49,6 +51,8 @@ echo {ready}
 while read -r cmd rest; do
     case "$cmd" in
         run) /bin/workload $rest & echo "LEANIMG-STARTED $!" ;;
+        free) /bin/leanimg-guest-free & echo "LEANIMG-STARTED $!" ;;
+        kill) kill $rest; wait $rest; echo "LEANIMG-KILLED $rest" ;;
         sync) sync; echo LEANIMG-SYNCED ;;
         "") ;;
         *) echo "LEANIMG-UNKNOWN $cmd" ;;
@@ -115,8 +119,9 @@ def build_guest(disk_spec: DiskSpec = DiskSpec(), extra_cmdline: str = "") -> Gu
         return result
     tmp = Path(tempfile.mkdtemp(prefix="build-", dir=_ensure(cache_root())))
     try:
-        workload = _compile_workload(tmp)
-        _write_initramfs(tmp / "initrd.cpio", workload, module_paths(version))
+        programs = {"workload": _compile(HERE / "workload.c", tmp / "workload"),
+                    "leanimg-guest-free": _compile(GUEST_FREE_HELPER, tmp / "leanimg-guest-free")}
+        _write_initramfs(tmp / "initrd.cpio", programs, module_paths(version))
         _make_disk(tmp / "disk.img", tmp / "files", disk_spec)
         shutil.rmtree(tmp / "files")
         (tmp / "done").write_text(json.dumps(dataclasses.asdict(disk_spec)))
@@ -135,20 +140,18 @@ def _ensure(path: Path) -> Path:
 
 def _cache_key(kernel: Path, disk_spec: DiskSpec) -> str:
     h = hashlib.sha256()
-    for src in (Path(__file__), HERE / "workload.c"):
+    for src in (Path(__file__), HERE / "workload.c", GUEST_FREE_HELPER):
         h.update(src.read_bytes())
     h.update(f"{kernel}:{kernel.stat().st_size}:{disk_spec}".encode())
     return h.hexdigest()[:16]
 
 
-def _compile_workload(tmp: Path) -> Path:
-    binary = tmp / "workload"
-    subprocess.run(["gcc", "-static", "-O2", "-o", str(binary), str(HERE / "workload.c")],
-                   check=True, capture_output=True)
+def _compile(source: Path, binary: Path) -> Path:
+    subprocess.run(["gcc", "-static", "-O2", "-o", str(binary), str(source)], check=True, capture_output=True)
     return binary
 
 
-def _write_initramfs(path: Path, workload: Path, modules: list[Path]) -> None:
+def _write_initramfs(path: Path, programs: dict[str, Path], modules: list[Path]) -> None:
     busybox = shutil.which("busybox") or "/bin/busybox"
     names = [m.name[:-len(".ko")] for m in modules]
     init = INIT_SCRIPT.format(modules=" ".join(names), ready=READY_MARKER)
@@ -159,7 +162,8 @@ def _write_initramfs(path: Path, workload: Path, modules: list[Path]) -> None:
         cpio.add("c", "dev/console", mode=0o600, rdev=(5, 1))
         cpio.add("f", "init", init.encode(), mode=0o755)
         cpio.add("f", "bin/busybox", Path(busybox).read_bytes(), mode=0o755)
-        cpio.add("f", "bin/workload", workload.read_bytes(), mode=0o755)
+        for name, binary in programs.items():
+            cpio.add("f", f"bin/{name}", binary.read_bytes(), mode=0o755)
         for m in modules:
             cpio.add("f", f"lib/modules/{m.name}", m.read_bytes(), mode=0o644)
         cpio.close()

@@ -25,6 +25,12 @@
  *                               fill MIB MiB (page aligned) with random data, then each
  *                               round rewrite PERMILLE/1000 (default 50, i.e. 5%) of its
  *                               pages, picked at random, with fresh random data
+ *   workload liar MIB [garbage] a guest free-list helper that lies (guest/leanimg-guest-free.c's
+ *                               protocol on the port org.leanimg.free.0): every answer says all
+ *                               of RAM is free; after each answer it rewrites every page of its
+ *                               MIB MiB buffer, each page starting with LIAR_MARK: pages hinted
+ *                               FREE and written after the hint (spec/hints.md LI-HNT-023);
+ *                               with "garbage" its answers break the protocol (a bad range line)
  *
  * After the work it prints "WORKLOAD-DONE <mode> <checksum>" and then a heartbeat
  * "HB <mode> <n>" every HB_MS milliseconds forever, so a test can see that a guest
@@ -37,6 +43,7 @@
  * buffers; the heartbeat number says how many rounds happened).
  */
 #include <dirent.h>
+#include <errno.h>
 #include <fcntl.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -303,6 +310,84 @@ static void rounds(const char *mode, long mib, long limit, long amount)
     }
 }
 
+#define LIAR_MARK "LEANIMG-AFTERHNT"   /* 16 bytes at the start of each page the liar writes */
+
+static int open_free_port(void)
+{
+    DIR *d = opendir("/sys/class/virtio-ports");
+    struct dirent *de;
+    char path[512], name[128];
+    int port = -1;
+
+    while (d && port < 0 && (de = readdir(d)) != NULL) {
+        snprintf(path, sizeof path, "/sys/class/virtio-ports/%s/name", de->d_name);
+        int fd = open(path, O_RDONLY);
+        ssize_t n = fd >= 0 ? read(fd, name, sizeof name - 1) : -1;
+        if (fd >= 0)
+            close(fd);
+        name[n > 0 ? n : 0] = 0;
+        if (!strncmp(name, "org.leanimg.free.0\n", 19)) {
+            snprintf(path, sizeof path, "/dev/%s", de->d_name);
+            /* a helper killed a moment ago may hold the port still (one opener at a time) */
+            for (int tries = 0; (port = open(path, O_RDWR)) < 0 && errno == EBUSY && tries < 100; tries++)
+                usleep(100000);
+        }
+    }
+    if (d)
+        closedir(d);
+    if (port < 0) {
+        printf("WORKLOAD-ERROR liar: cannot open the port org.leanimg.free.0\n");
+        exit(1);
+    }
+    return port;
+}
+
+static void liar(long mib, int garbage)
+{
+    size_t pages;
+    uint64_t *mem = alloc_filled(mib, &pages);
+    int port = open_free_port();
+    char line[128], reply[256];
+    size_t used = 0;
+    unsigned long lies = 0;
+    long ram_pages = sysconf(_SC_PHYS_PAGES);
+
+    printf("WORKLOAD-DONE liar %016llx\n", (unsigned long long)mem[0]);
+    for (;;) {
+        char c;
+        ssize_t n = read(port, &c, 1);
+        if (n <= 0) {
+            if (n < 0 && errno == EINTR)
+                continue;
+            used = 0;
+            usleep(100000);
+            continue;
+        }
+        if (c != '\n') {
+            if (used < sizeof line - 1)
+                line[used++] = c;
+            continue;
+        }
+        line[used] = 0;
+        used = 0;
+        if (strncmp(line, "free ", 5))
+            continue;
+        int len = garbage ? snprintf(reply, sizeof reply, "begin %s 4096\nnot a range\n", line + 5)
+                          : snprintf(reply, sizeof reply, "begin %s 4096\n%016llx %016llx\nend %s 1 %ld 0\n",
+                                     line + 5, 0ULL, (unsigned long long)ram_pages, line + 5, ram_pages);
+        if (write(port, reply, (size_t)len) != len)
+            continue;
+        lies++;
+        for (size_t p = 0; p < pages; p++) {
+            uint64_t *page = mem + p * (PAGE / 8);
+            fill_random(page, PAGE / 8);
+            memcpy(page, LIAR_MARK, 16);
+        }
+        printf("HB liar %lu\n", lies);
+        fflush(stdout);
+    }
+}
+
 int main(int argc, char **argv)
 {
     const char *mode = argc > 1 ? argv[1] : "idle";
@@ -327,10 +412,12 @@ int main(int argc, char **argv)
         rng_state ^= mode[0] == 'w' ? 0x5bd1e9955bd1e995ULL : 0xc2b2ae3d27d4eb4fULL;
         rounds(mode, atol(argv[2]), argc > 3 ? atol(argv[3]) : 0,
                argc > 4 ? atol(argv[4]) : (mode[0] == 'w' ? 256 : 50));
+    } else if (!strcmp(mode, "liar") && argc > 2) {
+        liar(atol(argv[2]), argc > 3 && !strcmp(argv[3], "garbage"));
     } else if (strcmp(mode, "idle") && strcmp(mode, "beacon")) {
         printf("WORKLOAD-ERROR usage: workload pagecache DIR | anon MIB | dirty DIR MIB | "
                "words MIB [ROUNDS] [PAGES] | check MIB | pages MIB [ROUNDS] [PERMILLE] | freed MIB | "
-               "fillall [MARGIN] | idle | beacon\n");
+               "fillall [MARGIN] | liar MIB [garbage] | idle | beacon\n");
         return 2;
     }
     printf("WORKLOAD-DONE %s %016llx\n", mode, (unsigned long long)sum);
