@@ -5,8 +5,8 @@ socket (SCM_RIGHTS, QMP ``getfd``) and starts ``migrate uri=fd:NAME``; a thread 
 end into the RAM spool of ``qemu.load_stream`` (deleted, sparse scratch files holding at most
 the guest's RAM: live streams resend pages and the last copy wins; never a save file). When the
 migration has completed, the image is written from the spool with ``convert.write_spooled``.
-``--background`` without disks needs no spool (every page comes once): ``_Direct`` feeds the
-writer while the snapshot runs.
+``stop`` and ``--background`` without disks need no spool (every page comes once): ``_Direct``
+feeds the writer while the stream flows, so compression overlaps the migration.
 
 Modes (the checkpoint instant in brackets):
 
@@ -78,6 +78,7 @@ from .guest_free import GuestFreeLink, Snapshot, free_hints
 from .hinting import HintOptions
 
 MODES = ("stop", "live", "background")
+ONCE_MODES = ("stop", "background")     # QEMU sends every page once: no spool needed without disks
 Q35_ALL_LOW = 0xB0000000        # q35 keeps all RAM below 4 GiB when it is smaller (QEMU 7.2 pc_q35.c)
 THEN = ("continue", "stop", "quit")
 QEMU_TAG_CHECKPOINT_NOTE = 2
@@ -389,9 +390,9 @@ class _Spool(threading.Thread):
 
 
 class _Direct(_Spool):
-    """``--background`` without disks: QEMU sends every page once, so pages go into the writer
-    as they arrive (convert.convert_qemu; pages never sent become FREE) and compression runs
-    while the snapshot does. No spool. The writer finishes when the main thread hands over the
+    """``stop`` or ``--background`` without disks: QEMU sends every page once, so pages go into
+    the writer as they arrive (convert.convert_qemu; pages never sent become FREE) and
+    compression runs while the migration does. No spool. The writer finishes when the main thread hands over the
     checkpoint note (``finish``)."""
 
     def __init__(self, sock: socket.socket, keep: str | None, out, open_writer):
@@ -405,7 +406,8 @@ class _Direct(_Spool):
             try:
                 state = convert_qemu(stream, writer, parent=parent)
             except RepeatedPages as exc:
-                raise CheckpointError(f"QEMU sent a page twice in a background snapshot ({exc})") from None
+                raise CheckpointError(f"QEMU sent a page twice ({exc}): a stopped migration or a background "
+                                      "snapshot sends each page once") from None
             self.parsed.set()
             self._go.wait()
             if self.note is None:
@@ -451,7 +453,7 @@ class _Checkpoint:
         self.qmp, self.req, self.signals = monitor, request, signals
         self.fd_name = f"leanimg-checkpoint-{os.getpid()}"
         self.spool: _Spool | None = None
-        self.staged = self.staged_out = None     # --background without disks: the image being written
+        self.staged = self.staged_out = None     # stop/--background without disks: the image being written
         self.disks: list[FrozenDisk] = []
         self.migrating = self.fd_passed = self.fd_used = False
         self.changed_caps: dict[str, bool] = {}
@@ -570,7 +572,7 @@ class _Checkpoint:
             self.fd_passed = True
         finally:
             theirs.close()
-        if self.req.mode == "background" and not self.disks:
+        if self.req.mode in ONCE_MODES and not self.disks:
             self.staged, self.staged_out = _temp_beside(self.req.output)
             self.spool = _Direct(ours, self.req.keep_stream, self.staged_out, self._open_writer)
         else:
