@@ -22,7 +22,9 @@ Each last link is then restored with the real CLI, ``leanimg restore LAST --to r
 /dev/null`` (ancestors found beside it), ``--repeat`` times with every file of the chain
 evicted from the page cache first (posix_fadvise DONTNEED; /proc/sys/vm/drop_caches is
 not writable here); medians are reported with the ratios below, beside the cold read of the chain's files alone (the I/O floor: a
-chain holds the pages its links superseded).  The three restores are checked to give
+chain holds the pages its links superseded) and the MiB of frames the restore must decompress
+(the CPU floor: a zstd frame is decompressed whole, and the frames holding final pages also hold
+superseded ones).  The three restores are checked to give
 identical bytes (sha256 of a restore to a file).  The depth-1 / depth-10 / depth-100 runs
 are interleaved so drift hits all of them alike.
 
@@ -228,6 +230,25 @@ def chain_bytes(chain: ChainBuilder) -> int:
     return sum(p.stat().st_size for p in chain.links)
 
 
+def frames_to_decompress(chain: ChainBuilder) -> int:
+    """Bytes of PAGE_FRAMEs (decompressed) a restore of the last link must decompress: every
+    frame holding the base of some final page. A zstd frame is decompressed whole, so this,
+    not the final memory, is a chain's CPU floor."""
+    from leanimg.format import PageClass
+    from leanimg.reader import LeanImage
+    total = 0
+    with LeanImage.open(chain.links[-1]) as image:
+        for region in image.regions:
+            r = image.resolution(region)
+            stored = r.base_class == PageClass.STORED
+            for link_index in np.unique(r.base_link[stored]).tolist():
+                frames = r.links[link_index].frames.page_frames
+                mine = stored & (r.base_link == link_index)
+                used = np.unique(frames.frame_of(r.base_slot[mine]))
+                total += int(frames.counts[used].astype(np.int64).sum()) * image.page_size
+    return total
+
+
 TARGETS = {"depth100/depth10": 1.2, "depth1000/depth10": 1.5, "chain/(read+flat)": 1.3}
 
 
@@ -270,6 +291,7 @@ def bench_depths(work: Path, args, log) -> dict:
         size_bytes=args.size, word_frac=args.word_frac, page_frac=args.page_frac,
         build_seconds=build_s, final_sha256=digests[1],
         chains={str(d): dict(depth=d, links=len(c.links), bytes=chain_bytes(c),
+                             decompressed_bytes=frames_to_decompress(c),
                              last_link_bytes=c.links[-1].stat().st_size, classes_written=c.classes,
                              restore_seconds=times[d], restore_median=med[d],
                              cold_read_seconds=reads[d], cold_read_median=statistics.median(reads[d]))
@@ -334,9 +356,11 @@ def render(results: dict) -> str:
     d = results["depths"]
     lines = [f"restore --to raw of the last link, {d['size_bytes'] >> 20} MiB, median of "
              f"{results['repeat']} cold runs (same final memory, sha256 {d['final_sha256'][:16]}…)",
-             f"  {'depth':>6} {'chain MiB':>10} {'last link MiB':>14} {'cold read s':>12} {'restore s':>10}  runs"]
+             f"  {'depth':>6} {'chain MiB':>10} {'last link MiB':>14} {'decompress MiB':>15} {'cold read s':>12} "
+             f"{'restore s':>10}  runs"]
     for c in d["chains"].values():
         lines.append(f"  {c['depth']:>6} {c['bytes'] / 2**20:10.2f} {c['last_link_bytes'] / 2**20:14.2f} "
+                     f"{c['decompressed_bytes'] / 2**20:15.1f} "
                      f"{c['cold_read_median']:12.3f} {c['restore_median']:10.3f}  "
                      f"{' '.join(f'{t:.3f}' for t in c['restore_seconds'])}")
     for depth, ratio in d["chain_over_read_plus_flat"].items():
