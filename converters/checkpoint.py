@@ -456,6 +456,7 @@ class _Checkpoint:
         self.staged = self.staged_out = None     # stop/--background without disks: the image being written
         self.disks: list[FrozenDisk] = []
         self.migrating = self.fd_passed = self.fd_used = False
+        self.switched_over = False               # --live: migrate-continue sent after the pause
         self.changed_caps: dict[str, bool] = {}
         self.saved_bandwidth = None
         self.stopped_at = self.resumed_at = None
@@ -668,9 +669,13 @@ class _Checkpoint:
                 self.migrating = False
                 why = info.get("error-desc")
                 raise CheckpointError(f"the migration {status}" + (f": {why}" if why else ""))
-            if status == "pre-switchover":
+            if status == "pre-switchover" and not self.switched_over:
+                # once only: QEMU may still report pre-switchover for a moment after
+                # migrate-continue (its migration thread has not run yet); a second
+                # migrate-continue would then fail ("not in expected state: device")
                 self._freeze_disks()
                 self.qmp.execute("migrate-continue", state="pre-switchover")
+                self.switched_over = True
                 continue
             if self.spool.error is not None or not self.spool.is_alive():
                 if self.req.mode != "background" and self._stream_ended_first():
