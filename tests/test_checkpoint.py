@@ -75,3 +75,37 @@ def test_the_summary_names_sizes_classes_downtime_and_the_disk_file():
         "x.lean: 3.0 MiB, live checkpoint in 1.5 s, downtime 12 ms; MiB by class: STORED 1.0, DISK 16.0; "
         "guest running; disk vda: 16.0 MiB referenced in /vm/disk.img (frozen; the guest now writes to "
         "/vm/disk.img.after-x.qcow2)")
+
+
+class _ScriptedMonitor:
+    """Answers query-migrate from a script and records every other command."""
+
+    def __init__(self, statuses: list[str]):
+        self.statuses, self.sent = list(statuses), []
+
+    def execute(self, command: str, **arguments):
+        if command == "query-migrate":
+            return {"status": self.statuses.pop(0)}
+        self.sent.append((command, arguments))
+        return {}
+
+
+class _Flowing:
+    """A stream reader still reading, without error."""
+    error = None
+
+    def is_alive(self) -> bool:
+        return True
+
+
+def test_a_live_checkpoint_leaves_the_pre_switchover_pause_once():
+    """QEMU may report pre-switchover again right after migrate-continue (its migration thread
+    has not moved on yet): a second freeze and migrate-continue would fail the checkpoint."""
+    from leanimg.converters.checkpoint import CheckpointRequest, _Checkpoint, _Signals
+    monitor = _ScriptedMonitor(["active", "pre-switchover", "pre-switchover", "device", "completed"])
+    run = _Checkpoint(monitor, CheckpointRequest(qmp="unused", output="unused.lean", mode="live"), _Signals())
+    run.spool = _Flowing()
+    with run.signals:
+        assert run._wait_migration() == {"status": "completed"}
+    assert [c for c, _ in monitor.sent] == ["migrate-continue"]
+    assert monitor.sent[0][1] == {"state": "pre-switchover"}
