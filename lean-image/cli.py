@@ -551,6 +551,36 @@ def demo(workdir):
     sys.exit(0 if run_demo(workdir) else EXIT_INVALID)
 
 
+# -- map and dump: extents and structures as qemu-img map and crit decode give them -----------
+@main.command("map")
+@click.argument("image", type=click.Path(exists=True, dir_okay=False))
+@click.option("--output", "output_format", type=click.Choice(["human", "json"]), default="human",
+              show_default=True, help="human: one line per extent; json: as lean-image/schemas/map.schema.json.")
+@parent_option
+@disk_option
+def map_command(image, output_format, parents, disks):
+    """List IMAGE's contiguous extents: region, start (byte offset in the region; guest-physical
+    address where the region has one), pages, class and where the bytes are (a frame of this
+    file, the parent image, a disk sector, a delta frame)."""
+    from .extent_map import write_human, write_json
+    paths = _parse_disks(disks)
+    with _open_image(image, parents, ()) as img:
+        if None in paths and len(img.disks) == 1:
+            paths[img.disks[0].name] = paths.pop(None)
+        (write_json if output_format == "json" else write_human)(img, sys.stdout, paths)
+
+
+@main.command("dump")
+@click.argument("image", type=click.Path(exists=True, dir_okay=False))
+@click.option("--payloads", is_flag=True, help="Give every byte string in full (default: those over 64 "
+              "bytes, such as compressed frames, as their length and first 16 bytes).")
+def dump_command(image, payloads):
+    """Every structure of IMAGE as JSON: header, records in file order with their fields, footer
+    (lean-image/schemas/dump.schema.json)."""
+    from .structure_dump import write_dump
+    write_dump(image, sys.stdout, payloads)
+
+
 # -- checkpoint (converters/checkpoint.py, reached as a plugin) -----------------------------
 @main.command()
 @click.option("--qmp", "qmp_socket", required=True, metavar="SOCKET",
