@@ -193,8 +193,9 @@ def _raise_open_file_limit() -> None:
 @main.command()
 @click.argument("image", type=click.Path(exists=True, dir_okay=False))
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-@click.option("--map", "map_path", type=click.Path(dir_okay=False), metavar="FILE.png",
-              help="Draw guest memory coloured by page class.")
+@click.option("--map", "map_path", type=click.Path(dir_okay=False), metavar="FILE.png|FILE.svg",
+              help="Draw guest memory coloured by page class: PNG (needs Pillow: pip install 'leanimg[map]') "
+              "or, for a name ending in .svg, SVG.")
 @click.option("--files", "with_files", is_flag=True,
               help="Name the files (ext2/3/4, via debugfs) the DISK pages came from; needs --disk.")
 @parent_option
