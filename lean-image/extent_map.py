@@ -40,6 +40,8 @@ def region_extents(image: LeanImage, region: Region, breaks_by_class: dict | Non
 def _merge(extents: np.ndarray) -> np.ndarray:
     """Adjacent extents of one class joined where their slots continue (or they have none)."""
     out = np.zeros(len(extents), EXTENT_DTYPE)
+    if not len(extents):                      # a region of no pages
+        return out
     for name in EXTENT_DTYPE.names:
         out[name] = extents[name]
     if len(out) < 2:

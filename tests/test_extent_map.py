@@ -200,6 +200,13 @@ def test_merging_follows_the_page_map_and_frames_vectorised(tmp_path):
             assert int(got["num_pages"][got["page_class"] == cls].sum()) == counts[cls]
 
 
+def test_json_flag_is_output_json(chain):
+    child, parent, _ = chain
+    proc = run("map", child, "--parent", parent, "--json")
+    assert proc.returncode == 0 and json.loads(proc.stdout) == _map(child, "--parent", parent)
+    assert json.loads(run("dump", child, "--json").stdout) == json.loads(run("dump", child).stdout)
+
+
 def test_human_output_has_one_line_per_extent(chain):
     child, parent, _ = chain
     mapped = _map(child, "--parent", parent)
