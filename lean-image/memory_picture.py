@@ -220,7 +220,7 @@ def _texts(image, lay: Layout) -> dict:
         labels.append((label, shares))
     totals = class_totals(image)
     pages = int(totals.sum()) or 1
-    legend = [(cls, (cls.name, f"{int(totals[cls]):,} pages", f"{int(totals[cls]) * image.page_size / MIB:.1f} MiB",
+    legend = [(cls, (cls.name, f"{int(totals[cls]):,} pages", _size(int(totals[cls]) * image.page_size),
                      f"{100.0 * totals[cls] / pages:.1f}%")) for cls in PageClass]
     return dict(title=title, subtitle=subtitle, labels=labels, legend=legend, row_bytes=row_bytes)
 

@@ -142,7 +142,7 @@ def test_each_class_colour_covers_exactly_its_pages(chain, tmp_path):
 
 
 def test_legend_states_each_class_size(chain):
-    from leanimg.memory_picture import _texts
+    from leanimg.memory_picture import _size, _texts
     child, parent = chain
     with LeanImage.open(child, parents=[parent]) as image:
         texts = _texts(image, layout(image))
@@ -152,7 +152,8 @@ def test_legend_states_each_class_size(chain):
     for cls in PageClass:
         name, pages, mib, percent = rows[cls]
         assert name == cls.name and pages == f"{counts[cls]:,} pages"
-        assert mib == f"{counts[cls] * PS / 2**20:.1f} MiB" and percent == f"{100 * counts[cls] / total:.1f}%"
+        assert mib == _size(counts[cls] * PS) and percent == f"{100 * counts[cls] / total:.1f}%"
+    assert rows[PageClass.STORED][2] == f"{counts[PageClass.STORED] * 4} KiB" and _size(3 * 2**20 // 2) == "1.5 MiB" and _size(0) == "0 B"
     assert texts["labels"][0][0].startswith("ram   64 KiB at 0x0")
 
 
