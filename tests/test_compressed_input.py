@@ -140,3 +140,27 @@ def test_a_pipe_keeps_its_first_bytes(tmp_path):
         assert stream.read() == b"QEVM" + bytes(range(100))
     finally:
         proc.wait()
+
+
+def test_a_compressed_save_converts_through_the_spool(compressed, tmp_path):
+    """--spool (what a live save read from a pipe needs) reads the decompressed stream into the
+    RAM spool: the image restores to the original."""
+    image, rebuilt = tmp_path / "vm.lean", tmp_path / "rebuilt.save"
+    proc = run("convert", compressed["xz"], "-o", image, "--spool")
+    assert proc.returncode == 0, proc.stderr.decode()
+    assert run("restore", image, "--to", "qemu", "-o", rebuilt).returncode == 0
+    assert sha256_file(rebuilt) == sha256_file(compressed["xz"].parent / "vm.save")
+
+
+@pytest.mark.parametrize("kind", ["gzip", "zstd"])
+def test_a_compressed_xen_save_converts_and_restores(kind, tmp_path):
+    """A Xen stream is read twice: decompressed, it is copied to a scratch file first, as from a pipe."""
+    import xen_streams as xs
+    stream = xs.build_stream(xs.make_guest(xs.HVM, 96, seed=5), xs.StreamOptions(form="xl"))
+    save = tmp_path / f"dom.save.{kind}"
+    save.write_bytes(COMPRESSORS[kind](stream))
+    image, rebuilt = tmp_path / "dom.lean", tmp_path / "dom.save"
+    proc = run("convert", save, "-o", image)
+    assert proc.returncode == 0, proc.stderr.decode()
+    assert run("restore", image, "--to", "xen", "-o", rebuilt).returncode == 0
+    assert rebuilt.read_bytes() == stream
