@@ -325,9 +325,25 @@ def convert_file(src, dest: str, *, source_format: str | None = None, spool: boo
     if not parents:
         return _convert(src, dest, source_format, spool, dict(writer_options or {}), progress, None, disks, hints)
     with LeanImage.open(parents[0], parents=list(parents[1:])) as parent:
+        if disks:
+            _lend_disks(parent, disks.sources)
         options = dict(writer_options or {}, parent=parent_link(parent), allow_delta=allow_delta,
                        page_size=parent.page_size)
         return _convert(src, dest, source_format, spool, options, progress, parent, disks, hints)
+
+
+def _lend_disks(parent: LeanImage, sources: dict) -> None:
+    """Attach the --disk sources the parent chain's disk tables name (where size and fingerprint
+    match) to the parent, so that a page that changed since it was a DISK page of the parent
+    can be read to encode its delta. The parent closes them; closing twice is harmless."""
+    from leanimg.errors import DiskError
+    names = {info.name for link in parent.chain() for info in link.disks}
+    for name, disk in sources.items():
+        if name in names:
+            try:
+                parent.attach_disks({name: disk})
+            except DiskError:          # another disk of that name: the pages it held stay unread
+                pass
 
 
 def _convert(src, dest, source_format, spool, writer_options, progress, parent, disks=None, hints=None) -> str:

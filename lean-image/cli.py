@@ -193,8 +193,9 @@ def _raise_open_file_limit() -> None:
 @main.command()
 @click.argument("image", type=click.Path(exists=True, dir_okay=False))
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-@click.option("--map", "map_path", type=click.Path(dir_okay=False), metavar="FILE.png",
-              help="Draw guest memory coloured by page class.")
+@click.option("--map", "map_path", type=click.Path(dir_okay=False), metavar="FILE.png|FILE.svg",
+              help="Draw guest memory coloured by page class: PNG (needs Pillow: pip install 'leanimg[map]') "
+              "or, for a name ending in .svg, SVG.")
 @click.option("--files", "with_files", is_flag=True,
               help="Name the files (ext2/3/4, via debugfs) the DISK pages came from; needs --disk.")
 @parent_option
@@ -360,7 +361,7 @@ def convert(save, output, source_format, spool, level, frame_pages, parents, del
             total = sum(scan_bytes(d, 4096, all_phases) for d in sources.values())
             label = "scan disks"
         else:
-            total, label = (os.path.getsize(save) if save != "-" and os.path.isfile(save) else 0), "convert"
+            total, label = (os.path.getsize(save) if _plain_file(save) else 0), "convert"
         with _progress(total, label) as advance:
             source, save = _save_source(save, source_format)
             summary = source.convert(save, output, spool=spool,
@@ -370,6 +371,15 @@ def convert(save, output, source_format, spool, level, frame_pages, parents, del
     if summary:
         _report_disk_pages(sources, summary)
     _report_hints(hinting)
+
+
+def _plain_file(save: str) -> bool:
+    """A regular file that is not compressed: its size is what the progress bar counts."""
+    if save == "-" or not os.path.isfile(save):
+        return False
+    from .compressed_input import MAGIC_BYTES, compression_of
+    with open(save, "rb") as f:
+        return compression_of(f.read(MAGIC_BYTES)) is None
 
 
 # -- hints (spec/hints.md) ------------------------------------------------------------------
@@ -549,6 +559,38 @@ def demo(workdir):
     """Convert, inspect, validate, restore and verify the bundled real QEMU save."""
     from .demo import run_demo
     sys.exit(0 if run_demo(workdir) else EXIT_INVALID)
+
+
+# -- map and dump: extents and structures as qemu-img map and crit decode give them -----------
+@main.command("map")
+@click.argument("image", type=click.Path(exists=True, dir_okay=False))
+@click.option("--output", "output_format", type=click.Choice(["human", "json"]), default="human",
+              show_default=True, help="human: one line per extent; json: as lean-image/schemas/map.schema.json.")
+@click.option("--json", "as_json", is_flag=True, help="The same as --output json.")
+@parent_option
+@disk_option
+def map_command(image, output_format, as_json, parents, disks):
+    """List IMAGE's contiguous extents: region, start (byte offset in the region; guest-physical
+    address where the region has one), pages, class and where the bytes are (a frame of this
+    file, the parent image, a disk sector, a delta frame)."""
+    from .extent_map import write_human, write_json
+    paths = _parse_disks(disks)
+    with _open_image(image, parents, ()) as img:
+        if None in paths and len(img.disks) == 1:
+            paths[img.disks[0].name] = paths.pop(None)
+        (write_json if as_json or output_format == "json" else write_human)(img, sys.stdout, paths)
+
+
+@main.command("dump")
+@click.argument("image", type=click.Path(exists=True, dir_okay=False))
+@click.option("--payloads", is_flag=True, help="Give every byte string in full (default: those over 64 "
+              "bytes, such as compressed frames, as their length and first 16 bytes).")
+@click.option("--json", "as_json", is_flag=True, help="Accepted like every command's --json; the dump is JSON anyway.")
+def dump_command(image, payloads, as_json):
+    """Every structure of IMAGE as JSON: header, records in file order with their fields, footer
+    (lean-image/schemas/dump.schema.json)."""
+    from .structure_dump import write_dump
+    write_dump(image, sys.stdout, payloads)
 
 
 # -- checkpoint (converters/checkpoint.py, reached as a plugin) -----------------------------

@@ -231,15 +231,23 @@ def sha256_file(path) -> str:
 
 
 def open_input(src) -> BinaryIO:
-    """The save file ``src`` opened for reading: a path, - for stdin, or an open binary file."""
+    """The save file ``src`` opened for reading: a path, - for stdin, or an open binary file;
+    one compressed with zstd, gzip, xz or bzip2 is decompressed as it is read, and then cannot
+    seek (leanimg.compressed_input)."""
+    from .compressed_input import decompressing
     if src == "-":
-        return sys.stdin.buffer
+        return decompressing(sys.stdin.buffer, close_stream=False)
     if not isinstance(src, (str, os.PathLike)):
-        return src
+        return decompressing(src)
     try:
-        return open(src, "rb", buffering=1 << 20)
+        stream = open(src, "rb", buffering=1 << 20)
     except OSError as exc:
         raise SourceFormatError(f"cannot open {src}: {exc.strerror}", structure="input") from None
+    try:
+        return decompressing(stream)
+    except BaseException:
+        stream.close()
+        raise
 
 
 def peek_input(src, size: int) -> tuple[bytes, BinaryIO]:

@@ -1,40 +1,44 @@
-"""A PNG picture of guest memory coloured by page class (``leanimg inspect IMG --map FILE.png``).
+"""A picture of guest memory coloured by page class (``leanimg inspect IMG --map FILE.png|FILE.svg``).
 
-Every region is a band of cells in page order, left to right, top to bottom, under a
-label with its name and size; a legend gives each class's colour and share of all pages.
-A cell is one page when the map fits ``MAX_ROWS`` rows (small images get bigger cells),
-else a bucket of ``pages_per_cell`` pages coloured by the class most of them have.
-Cells are computed from the extents, never from a per-page array, so a map of a huge
-region costs memory in proportion to the picture, not to the guest.
+Every region is a band of cells in page order, left to right, top to bottom, under a label
+with its name, size and class shares; the left margin gives the byte offset in the region at
+which rows start (rows hold a power of two of pages, so the offsets are round). A legend gives
+each class's colour, pages, MiB and share. A cell is one page when the map fits in about
+``MAX_BANDS_HEIGHT`` pixels with cells of 2 px or more; larger guests get 1-pixel cells of
+``pages_per_cell`` pages (a power of two) coloured by the class most of them have. Cells are
+computed from the extents, never from a per-page array, so a map of a huge region costs
+memory in proportion to the picture, not to the guest.
 
-No dependency beyond numpy: the PNG is encoded here with zlib (8-bit RGB, filter 0),
-and text uses a built-in 5x7 bitmap font.
+PNG is drawn with Pillow (the ``map`` extra: ``pip install leanimg[map]``) and its built-in
+font; SVG is written as text and needs nothing beyond the standard library.
 """
 
 from __future__ import annotations
 
 import math
 import os
-import struct
-import zlib
 from dataclasses import dataclass
+from xml.sax.saxutils import escape
 
 import numpy as np
 
+from .errors import UnsupportedError
 from .fileutil import write_atomically
 from .format import PageClass
-from .reader import LeanImage, Region
 
-MAX_ROWS = 2048          # cell rows of all bands together, before pages are bucketed
-SMALL_MAP_ROWS = 768     # small maps get cells of up to CELL_MAX px while they stay below this
-CELL_MAX = 16
-MARGIN = 8
-TEXT_SCALE = 2
-GLYPH_W, GLYPH_H = 5, 7
-ADVANCE = (GLYPH_W + 1) * TEXT_SCALE
-LINE = GLYPH_H * TEXT_SCALE
+MAX_ROWS = 2048           # cell rows of all bands together, before pages are bucketed
+MAX_BANDS_HEIGHT = 760    # small maps take the biggest cell that keeps their bands below this
+CELL_SIZES = (16, 8, 4, 2)
+BAND_WIDTH = 1024         # pixels of cells in a row (columns x cell, a power of two)
+MARGIN = 24
+GUTTER = 96               # left of the bands: the offset scale
+TITLE_SIZE, TEXT_SIZE, SMALL_SIZE = 20, 14, 12
+LINE = TEXT_SIZE + 6
 LABELLED_REGIONS_MAX = 64  # more regions than this: bands without labels
-SWATCH = LINE
+SWATCH = 14
+LEGEND_COLUMNS = 2
+LEGEND_COLUMN_WIDTH = 420
+LEGEND_CELLS = ((SWATCH + 8, "l"), (SWATCH + 200, "r"), (SWATCH + 300, "r"), (SWATCH + 370, "r"))  # x, alignment
 
 # Okabe-Ito colours (distinguishable with the common colour-vision deficiencies),
 # and a light grey for ZERO pages, which hold nothing.
@@ -48,65 +52,21 @@ CLASS_COLOURS = {
 }
 BACKGROUND = (0xFF, 0xFF, 0xFF)
 INK = (0x22, 0x22, 0x22)
-SEPARATOR = (0x88, 0x88, 0x88)
+MUTED = (0x66, 0x66, 0x66)
+RULE = (0xBB, 0xBB, 0xBB)
 UNKNOWN = (0x00, 0x00, 0x00)             # a class id outside the spec (the reader rejects those)
-
-# 5x7 glyphs: 7 rows of 5 bits (MSB left), as 14 hex digits.
-_GLYPHS = {
-    "A": "0E11111F111111", "B": "1E11111E11111E", "C": "0E11101010110E", "D": "1C12111111121C",
-    "E": "1F10101E10101F", "F": "1F10101E101010", "G": "0E11101711110F", "H": "1111111F111111",
-    "I": "0E04040404040E", "J": "0702020202120C", "K": "11121418141211", "L": "1010101010101F",
-    "M": "111B1515111111", "N": "11111915131111", "O": "0E11111111110E", "P": "1E11111E101010",
-    "Q": "0E11111115120D", "R": "1E11111E141211", "S": "0F10100E01011E", "T": "1F040404040404",
-    "U": "1111111111110E", "V": "11111111110A04", "W": "1111111515150A", "X": "11110A040A1111",
-    "Y": "1111110A040404", "Z": "1F01020408101F", "0": "0E11131519110E", "1": "040C040404040E",
-    "2": "0E11010204081F", "3": "1F02040201110E", "4": "02060A121F0202", "5": "1F101E0101110E",
-    "6": "0608101E11110E", "7": "1F010204080808", "8": "0E11110E11110E", "9": "0E11110F01020C",
-    ".": "00000000000C0C", "%": "18190204081303", "-": "0000001F000000", "_": "0000000000001F",
-    "/": "00010204081000", " ": "00000000000000", ":": "000C0C000C0C00", ",": "00000000000C04",
-    "(": "02040808080402", ")": "08040202020408", "+": "0004041F040400", "=": "00001F001F0000",
-    "?": "0E110102040004", "#": "0A0A1F0A1F0A0A", "x": "0000110A040A11",
-}
-
-
-def _font() -> np.ndarray:
-    """(128, 7, 5) bool bitmaps; characters without a glyph draw as '?'."""
-    font = np.zeros((128, GLYPH_H, GLYPH_W), bool)
-    bits = 1 << np.arange(GLYPH_W - 1, -1, -1)
-    for ch, code in _GLYPHS.items():
-        rows = np.frombuffer(bytes.fromhex(code), np.uint8)
-        font[ord(ch)] = (rows[:, None] & bits) != 0
-    missing = [c for c in range(128) if chr(c) not in _GLYPHS]
-    font[missing] = font[ord("?")]
-    return font
-
-
-_FONT = _font()
-
-
-def text_mask(text: str, scale: int = TEXT_SCALE) -> np.ndarray:
-    """Boolean pixels of ``text`` (upper-cased but for the x of 0x; a blank column after each glyph)."""
-    text = text.upper().replace("0X", "0x")
-    codes = np.frombuffer(text.encode("ascii", "replace"), np.uint8) & 0x7F
-    glyphs = np.zeros((len(codes), GLYPH_H, GLYPH_W + 1), bool)
-    glyphs[:, :, :GLYPH_W] = _FONT[codes]
-    line = glyphs.transpose(1, 0, 2).reshape(GLYPH_H, -1)
-    return line.repeat(scale, 0).repeat(scale, 1)
-
-
-def _fit(text: str, width_px: int) -> str:
-    chars = max(0, width_px // ADVANCE)
-    return text if len(text) <= chars else text[:max(0, chars - 2)] + ".."
+MIB = 1 << 20
 
 
 # --- layout ------------------------------------------------------------------------------------
 @dataclass
 class Band:
-    region: Region
+    region: object
     label_y: int | None     # top of the label line, None when labels are off
     y: int                  # top pixel row of the band
     rows: int               # cell rows
     cells: int              # cells in use (the rest of the last row is background)
+    tick_rows: int          # the offset scale labels every tick_rows rows
 
 
 @dataclass
@@ -117,53 +77,59 @@ class Layout:
     columns: int            # cells per row
     pages_per_cell: int
     bands: list
-    header_y: int
+    title_y: int
+    subtitle_y: int
     legend_y: int
+    band_x: int = MARGIN + GUTTER
 
     def cell_origin(self, band: Band, page: int) -> tuple[int, int]:
         """(x, y) of the top-left pixel of the cell that holds ``page`` of the band's region."""
         k = page // self.pages_per_cell
-        return MARGIN + (k % self.columns) * self.cell, band.y + (k // self.columns) * self.cell
+        return self.band_x + (k % self.columns) * self.cell, band.y + (k // self.columns) * self.cell
 
 
 def _rows(pages: list[int], columns: int, per_cell: int) -> int:
     return sum(math.ceil(math.ceil(n / per_cell) / columns) for n in pages)
 
 
-def layout(image: LeanImage, width: int = 512) -> Layout:
+def _scale(pages: list[int]) -> tuple[int, int, int]:
+    """(cell px, columns, pages per cell): one page per cell of the biggest size that keeps the
+    bands under MAX_BANDS_HEIGHT, else 1-px cells of a power of two pages under MAX_ROWS rows."""
+    for cell in CELL_SIZES:
+        columns = BAND_WIDTH // cell
+        if _rows(pages, columns, 1) * cell <= MAX_BANDS_HEIGHT:
+            return cell, columns, 1
+    columns, per_cell = BAND_WIDTH, 1
+    while _rows(pages, columns, per_cell) > MAX_ROWS and per_cell < max(pages, default=1):
+        per_cell *= 2
+    return 1, columns, per_cell
+
+
+def layout(image) -> Layout:
     """Where everything goes: cell size, pages per cell, bands, legend."""
-    if width < 2 * MARGIN + 20 * ADVANCE:
-        raise ValueError(f"map width must be at least {2 * MARGIN + 20 * ADVANCE} pixels, got {width}")
-    inner = width - 2 * MARGIN
     pages = [r.num_pages for r in image.regions]
-    total = sum(pages)
-    per_cell, cell = 1, 1
-    if _rows(pages, inner, 1) > MAX_ROWS:
-        per_cell = max(1, math.ceil(total / (inner * max(1, MAX_ROWS - len(pages)))))
-        while _rows(pages, inner, per_cell) > MAX_ROWS and per_cell < total:
-            per_cell *= 2
-    else:
-        for size in (CELL_MAX, 8, 4, 2):
-            if _rows(pages, inner // size, 1) * size <= SMALL_MAP_ROWS:
-                cell = size
-                break
-    columns = inner // cell
+    cell, columns, per_cell = _scale(pages)
     labels = len(pages) <= LABELLED_REGIONS_MAX
-    y = MARGIN + 2 * LINE + 3 * MARGIN // 2          # two header lines
+    title_y = MARGIN
+    subtitle_y = title_y + TITLE_SIZE + 8
+    y = subtitle_y + LINE + 14
     bands = []
     for k, region in enumerate(image.regions):
         if k:
-            y += MARGIN // 2 + 1 + MARGIN // 2       # separator line with space around it
+            y += 14                                  # a rule between bands, space around it
         label_y = None
         if labels:
-            label_y, y = y, y + LINE + MARGIN // 2
+            label_y, y = y, y + LINE
         cells = math.ceil(region.num_pages / per_cell)
-        rows = math.ceil(cells / columns)
-        bands.append(Band(region, label_y, y, rows, cells))
+        rows = max(1, math.ceil(cells / columns))
+        tick_rows = 1 << max(0, math.ceil(math.log2(max(1, (SMALL_SIZE + 8) / cell))))
+        bands.append(Band(region, label_y, y, rows, cells, tick_rows))
         y += rows * cell
-    legend_y = y + MARGIN + MARGIN // 2
-    height = legend_y + 3 * (LINE + MARGIN // 2) + MARGIN
-    return Layout(width, height, cell, columns, per_cell, bands, MARGIN, legend_y)
+    legend_y = y + 24
+    legend_rows = math.ceil(len(PageClass) / LEGEND_COLUMNS)
+    height = legend_y + LINE + legend_rows * LINE + MARGIN
+    width = max(MARGIN + GUTTER + BAND_WIDTH, MARGIN + LEGEND_COLUMNS * LEGEND_COLUMN_WIDTH) + MARGIN
+    return Layout(width, height, cell, columns, per_cell, bands, title_y, subtitle_y, legend_y)
 
 
 # --- cells ---------------------------------------------------------------------------------------
@@ -197,6 +163,13 @@ def cell_classes(extents: np.ndarray, num_pages: int, per_cell: int) -> np.ndarr
     return winner
 
 
+def band_grid(lay: Layout, band: Band) -> np.ndarray:
+    """(rows, columns) class ids of a band's cells; 0 where the last row has no cell."""
+    grid = np.zeros(band.rows * lay.columns, np.uint8)
+    grid[:band.cells] = cell_classes(band.region.extents, band.region.num_pages, lay.pages_per_cell)
+    return grid.reshape(band.rows, lay.columns)
+
+
 def _palette() -> np.ndarray:
     palette = np.tile(np.array(UNKNOWN, np.uint8), (256, 1))
     palette[0] = BACKGROUND
@@ -205,70 +178,7 @@ def _palette() -> np.ndarray:
     return palette
 
 
-# --- drawing -------------------------------------------------------------------------------------
-def _draw_text(canvas: np.ndarray, x: int, y: int, text: str, colour=INK) -> None:
-    mask = text_mask(text)
-    h, w = mask.shape
-    w = min(w, canvas.shape[1] - x)
-    if w > 0:
-        canvas[y:y + h, x:x + w][mask[:, :w]] = colour
-
-
-def _draw_band(canvas: np.ndarray, lay: Layout, band: Band, palette: np.ndarray) -> None:
-    region = band.region
-    grid = np.zeros(band.rows * lay.columns, np.uint8)
-    grid[:band.cells] = cell_classes(region.extents, region.num_pages, lay.pages_per_cell)
-    rgb = palette[grid.reshape(band.rows, lay.columns)]
-    s = lay.cell
-    if s > 1:
-        rgb = np.broadcast_to(rgb[:, None, :, None, :], (band.rows, s, lay.columns, s, 3))
-        rgb = rgb.reshape(band.rows * s, lay.columns * s, 3).copy()
-        if s >= 4:   # a 1-pixel gap between cells
-            rgb[s - 1::s, :] = BACKGROUND
-            rgb[:, s - 1::s] = BACKGROUND
-    canvas[band.y:band.y + rgb.shape[0], MARGIN:MARGIN + rgb.shape[1]] = rgb
-
-
-def _size(n: int) -> str:
-    for unit, scale in (("GIB", 1 << 30), ("MIB", 1 << 20), ("KIB", 1 << 10)):
-        if n >= scale:
-            return f"{n / scale:.1f} {unit}"
-    return f"{n} B"
-
-
-def render_pixels(image: LeanImage, width: int = 512) -> tuple[np.ndarray, Layout]:
-    """The map as an (height, width, 3) uint8 array, and its layout."""
-    lay = layout(image, width)
-    canvas = np.empty((lay.height, lay.width, 3), np.uint8)
-    canvas[:] = BACKGROUND
-    palette = _palette()
-    inner = width - 2 * MARGIN
-    total_pages = sum(r.num_pages for r in image.regions)
-    total_bytes = sum(r.size_bytes for r in image.regions)
-    title = f"LEANIMG MAP  {_size(total_bytes)}  {len(image.regions)} REGION" + \
-        ("S" if len(image.regions) != 1 else "")
-    _draw_text(canvas, MARGIN, lay.header_y, _fit(title, inner))
-    if lay.pages_per_cell == 1:
-        scale = f"1 {'PX' if lay.cell == 1 else 'CELL'} = 1 PAGE OF {image.page_size} B"
-    else:
-        scale = f"1 PX = {lay.pages_per_cell} PAGES (MAJORITY CLASS)"
-    _draw_text(canvas, MARGIN, lay.header_y + LINE + MARGIN // 2, _fit(scale, inner), SEPARATOR)
-    for k, band in enumerate(lay.bands):
-        region = band.region
-        if k:
-            top = band.label_y if band.label_y is not None else band.y
-            canvas[top - MARGIN // 2 - 1, MARGIN:width - MARGIN] = SEPARATOR
-        if band.label_y is not None:
-            label = f"{region.name}  {_size(region.size_bytes)}"
-            if region.guest_phys_base is not None:
-                label += f"  AT {region.guest_phys_base:#x}"
-            _draw_text(canvas, MARGIN, band.label_y, _fit(label, inner))
-        _draw_band(canvas, lay, band, palette)
-    _draw_legend(canvas, lay, image, total_pages)
-    return canvas, lay
-
-
-def class_totals(image: LeanImage) -> np.ndarray:
+def class_totals(image) -> np.ndarray:
     """Pages of each class id (index 0..6) over all regions."""
     totals = np.zeros(7, np.int64)
     for region in image.regions:
@@ -279,37 +189,208 @@ def class_totals(image: LeanImage) -> np.ndarray:
     return totals
 
 
-def _draw_legend(canvas: np.ndarray, lay: Layout, image: LeanImage, total_pages: int) -> None:
+# --- text -----------------------------------------------------------------------------------------
+def _size(n: float) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", MIB), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n // scale} {unit}" if n % scale == 0 else f"{n / scale:.1f} {unit}"
+    return f"{int(n)} B"
+
+
+def _texts(image, lay: Layout) -> dict:
+    """Every string of the figure: title, subtitle, region labels, legend rows."""
+    regions = image.regions
+    total_bytes = sum(r.size_bytes for r in regions)
+    name = os.path.basename(getattr(image, "path", "") or "") or "image"
+    title = f"{name}: guest memory by page class"
+    if lay.pages_per_cell == 1:
+        unit = f"1 cell = 1 page of {_size(image.page_size)}"
+    else:
+        unit = f"1 pixel = {lay.pages_per_cell} pages of {_size(image.page_size)} (the class most of them have)"
+    row_bytes = lay.columns * lay.pages_per_cell * image.page_size
+    subtitle = (f"{_size(total_bytes)} in {len(regions)} region{'s' if len(regions) != 1 else ''}; {unit}; "
+                f"a row is {_size(row_bytes)}; left: byte offset in the region")
+    labels = []
+    for band in lay.bands:
+        region = band.region
+        label = f"{region.name}   {_size(region.size_bytes)}"
+        if region.guest_phys_base is not None:
+            label += f" at {region.guest_phys_base:#x}"
+        shares = _shares(region)
+        labels.append((label, shares))
     totals = class_totals(image)
-    column = (lay.width - 2 * MARGIN) // 2
-    for k, cls in enumerate(PageClass):
-        x = MARGIN + (k % 2) * column
-        y = lay.legend_y + (k // 2) * (LINE + MARGIN // 2)
-        canvas[y:y + SWATCH, x:x + SWATCH] = INK
-        canvas[y + 1:y + SWATCH - 1, x + 1:x + SWATCH - 1] = CLASS_COLOURS[cls]
-        percent = 100.0 * totals[int(cls)] / total_pages if total_pages else 0.0
-        _draw_text(canvas, x + SWATCH + MARGIN, y, _fit(f"{cls.name:<7}{percent:5.1f}%", column - SWATCH - MARGIN))
+    pages = int(totals.sum()) or 1
+    legend = [(cls, (cls.name, f"{int(totals[cls]):,} pages", _size(int(totals[cls]) * image.page_size),
+                     f"{100.0 * totals[cls] / pages:.1f}%")) for cls in PageClass]
+    return dict(title=title, subtitle=subtitle, labels=labels, legend=legend, row_bytes=row_bytes)
 
 
-# --- PNG ----------------------------------------------------------------------------------------------
+def _shares(region) -> str:
+    e = region.extents
+    counts = np.bincount(e["page_class"].astype(np.int64), weights=e["num_pages"].astype(np.float64), minlength=7)
+    total = counts.sum() or 1
+    parts = [f"{cls.name} {_percent(100 * counts[cls] / total)}" for cls in PageClass if counts[cls]]
+    return ", ".join(parts)
+
+
+def _percent(value: float) -> str:
+    return f"{value:.0f}%" if value >= 9.5 or value == 0 else f"{value:.1f}%"
+
+
+def _ticks(lay: Layout, band: Band, row_bytes: int) -> list[tuple[int, str]]:
+    """(y, label) of the offset scale of a band: every tick_rows rows, from its top."""
+    return [(band.y + row * lay.cell, f"{row * row_bytes:#x}") for row in range(0, band.rows, band.tick_rows)]
+
+
+# --- PNG (Pillow) ------------------------------------------------------------------------------------
+def _pillow():
+    try:
+        from PIL import Image, ImageDraw, ImageFont
+    except ImportError:
+        raise UnsupportedError("drawing a PNG map needs Pillow: pip install 'leanimg[map]' "
+                               "(or write an SVG: --map FILE.svg)", structure="--map") from None
+    return Image, ImageDraw, ImageFont
+
+
+def _font(ImageFont, size: int):
+    try:
+        return ImageFont.load_default(size=size)
+    except TypeError:          # Pillow < 10.1: one small bitmap font
+        return ImageFont.load_default()
+
+
+def render_pixels(image) -> tuple[np.ndarray, Layout]:
+    """The map as an (height, width, 3) uint8 array, and its layout."""
+    Image, ImageDraw, ImageFont = _pillow()
+    lay = layout(image)
+    texts = _texts(image, lay)
+    canvas = np.empty((lay.height, lay.width, 3), np.uint8)
+    canvas[:] = BACKGROUND
+    palette = _palette()
+    for band in lay.bands:
+        rgb = palette[band_grid(lay, band)]
+        s = lay.cell
+        if s > 1:
+            rgb = np.broadcast_to(rgb[:, None, :, None, :], (band.rows, s, lay.columns, s, 3))
+            rgb = rgb.reshape(band.rows * s, lay.columns * s, 3).copy()
+            if s >= 4:   # a 1-pixel gap between cells
+                rgb[s - 1::s, :] = BACKGROUND
+                rgb[:, s - 1::s] = BACKGROUND
+        canvas[band.y:band.y + rgb.shape[0], lay.band_x:lay.band_x + rgb.shape[1]] = rgb
+    picture = Image.fromarray(canvas, "RGB")
+    draw = ImageDraw.Draw(picture)
+    fonts = {size: _font(ImageFont, size) for size in (TITLE_SIZE, TEXT_SIZE, SMALL_SIZE)}
+    draw.text((MARGIN, lay.title_y), texts["title"], font=fonts[TITLE_SIZE], fill=INK)
+    draw.text((MARGIN, lay.subtitle_y), texts["subtitle"], font=fonts[TEXT_SIZE], fill=MUTED)
+    right = lay.band_x + lay.columns * lay.cell
+    for k, (band, (label, shares)) in enumerate(zip(lay.bands, texts["labels"])):
+        if k:
+            top = (band.label_y if band.label_y is not None else band.y) - 8
+            draw.line([(MARGIN, top), (right, top)], fill=RULE)
+        if band.label_y is not None:
+            draw.text((lay.band_x, band.label_y), label, font=fonts[TEXT_SIZE], fill=INK)
+            width = draw.textlength(label, font=fonts[TEXT_SIZE])
+            draw.text((lay.band_x + width + 16, band.label_y + 2), shares, font=fonts[SMALL_SIZE], fill=MUTED)
+        for y, text in _ticks(lay, band, texts["row_bytes"]):
+            draw.line([(lay.band_x - 6, y), (lay.band_x - 2, y)], fill=MUTED)
+            draw.text((lay.band_x - 9, y), text, font=fonts[SMALL_SIZE], fill=MUTED, anchor="rm")
+    draw.text((MARGIN, lay.legend_y), "page classes (all regions)", font=fonts[TEXT_SIZE], fill=INK)
+    for k, (cls, cells) in enumerate(texts["legend"]):
+        x, y = _legend_origin(lay, k)
+        draw.rectangle([x, y, x + SWATCH - 1, y + SWATCH - 1], fill=CLASS_COLOURS[cls], outline=INK)
+        for (dx, align), text in zip(LEGEND_CELLS, cells):
+            draw.text((x + dx, y + SWATCH // 2), text, font=fonts[TEXT_SIZE], fill=INK, anchor=align + "m")
+    return np.asarray(picture), lay
+
+
+def _legend_origin(lay: Layout, k: int) -> tuple[int, int]:
+    rows = math.ceil(len(PageClass) / LEGEND_COLUMNS)
+    return MARGIN + (k // rows) * LEGEND_COLUMN_WIDTH, lay.legend_y + LINE + (k % rows) * LINE
+
+
 def encode_png(rgb: np.ndarray) -> bytes:
-    """8-bit RGB PNG, every scanline with filter type 0 (None)."""
-    height, width, _ = rgb.shape
-    rows = np.zeros((height, 1 + 3 * width), np.uint8)
-    rows[:, 1:] = rgb.reshape(height, 3 * width)
-
-    def chunk(kind: bytes, body: bytes) -> bytes:
-        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
-
-    return (b"\x89PNG\r\n\x1a\n"
-            + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
-            + chunk(b"IDAT", zlib.compress(rows.tobytes(), 6))
-            + chunk(b"IEND", b""))
+    Image = _pillow()[0]
+    import io
+    out = io.BytesIO()
+    Image.fromarray(rgb, "RGB").save(out, format="PNG", optimize=True)
+    return out.getvalue()
 
 
-def render_map(image: LeanImage, path: str, width: int = 512) -> None:
-    """Draw ``image``'s guest memory by page class as a PNG at ``path`` (written atomically)."""
-    canvas, _ = render_pixels(image, width)
-    data = encode_png(canvas)
+# --- SVG (text) ---------------------------------------------------------------------------------------
+def render_svg(image) -> str:
+    """The same figure as SVG: one rect per run of cells of one class in a row."""
+    lay = layout(image)
+    texts = _texts(image, lay)
+    style = "".join(f".{cls.name}{{fill:#{'%02x%02x%02x' % CLASS_COLOURS[cls]}}}" for cls in PageClass)
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{lay.width}" height="{lay.height}" '
+           f'viewBox="0 0 {lay.width} {lay.height}" font-family="DejaVu Sans, Helvetica, Arial, sans-serif">',
+           f"<style>{style} text{{fill:#222}} .muted{{fill:#666}}</style>",
+           f'<rect width="{lay.width}" height="{lay.height}" fill="#fff"/>',
+           _svg_text(MARGIN, lay.title_y + TITLE_SIZE, texts["title"], TITLE_SIZE),
+           _svg_text(MARGIN, lay.subtitle_y + TEXT_SIZE, texts["subtitle"], TEXT_SIZE, "muted")]
+    right = lay.band_x + lay.columns * lay.cell
+    for k, (band, (label, shares)) in enumerate(zip(lay.bands, texts["labels"])):
+        out.append(f'<g class="region" data-name="{escape(str(band.region.name), {chr(34): "&quot;"})}">')
+        if k:
+            top = (band.label_y if band.label_y is not None else band.y) - 8
+            out.append(f'<line x1="{MARGIN}" y1="{top}" x2="{right}" y2="{top}" stroke="#bbb"/>')
+        if band.label_y is not None:
+            out.append(_svg_text(lay.band_x, band.label_y + TEXT_SIZE, label, TEXT_SIZE))
+            out.append(_svg_text(lay.band_x + 0.6 * TEXT_SIZE * len(label) + 16, band.label_y + TEXT_SIZE, shares,
+                                 SMALL_SIZE, "muted"))
+        out.extend(_svg_cells(lay, band))
+        for y, text in _ticks(lay, band, texts["row_bytes"]):
+            out.append(f'<line x1="{lay.band_x - 6}" y1="{y}" x2="{lay.band_x - 2}" y2="{y}" stroke="#666"/>')
+            out.append(_svg_text(lay.band_x - 9, y + SMALL_SIZE // 3, text, SMALL_SIZE, "muted", anchor="end"))
+        out.append("</g>")
+    out.append(f'<g class="legend">{_svg_text(MARGIN, lay.legend_y + TEXT_SIZE, "page classes (all regions)", TEXT_SIZE)}')
+    for k, (cls, cells) in enumerate(texts["legend"]):
+        x, y = _legend_origin(lay, k)
+        out.append(f'<rect class="{cls.name}" x="{x}" y="{y}" width="{SWATCH}" height="{SWATCH}" stroke="#222"/>')
+        for (dx, align), text in zip(LEGEND_CELLS, cells):
+            out.append(_svg_text(x + dx, y + SWATCH - 2, text, TEXT_SIZE, anchor="end" if align == "r" else None))
+    out.append("</g></svg>\n")
+    return "\n".join(out)
+
+
+def _svg_text(x, y, text: str, size: int, css: str | None = None, anchor: str | None = None) -> str:
+    attrs = f' class="{css}"' if css else ""
+    attrs += f' text-anchor="{anchor}"' if anchor else ""
+    return f'<text x="{x:g}" y="{y:g}" font-size="{size}"{attrs}>{escape(text)}</text>'
+
+
+def _svg_cells(lay: Layout, band: Band) -> list[str]:
+    """A rect per run of equal cells in a row (found with numpy); empty cells draw nothing."""
+    grid = band_grid(lay, band)
+    rows, columns = grid.shape
+    starts = np.ones(grid.shape, bool)
+    starts[:, 1:] = grid[:, 1:] != grid[:, :-1]
+    at = np.flatnonzero(starts)
+    row, column = at // columns, at % columns
+    end = np.minimum(np.append(at[1:], rows * columns), (row + 1) * columns)
+    length = end - at
+    cls = grid.reshape(-1)[at]
+    keep = cls != 0
+    s = lay.cell
+    return [f'<rect class="{_class_name(c)}" x="{lay.band_x + x * s}" y="{band.y + r * s}" width="{n * s}" '
+            f'height="{s}"/>'
+            for c, r, x, n in zip(cls[keep].tolist(), row[keep].tolist(), column[keep].tolist(), length[keep].tolist())]
+
+
+def _class_name(cls: int) -> str:
+    try:
+        return PageClass(cls).name
+    except ValueError:
+        return "UNKNOWN"
+
+
+# --- output -------------------------------------------------------------------------------------------
+def render_map(image, path) -> None:
+    """Draw ``image``'s guest memory by page class at ``path`` (written atomically): SVG when
+    the name ends in .svg, else PNG."""
     path = os.fspath(path)
+    if path.lower().endswith(".svg"):
+        data = render_svg(image).encode("utf-8")
+    else:
+        data = encode_png(render_pixels(image)[0])
     write_atomically(path, lambda out: out.write(data))

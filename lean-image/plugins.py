@@ -227,16 +227,14 @@ def detect_source(head: bytes) -> Source:
     return found
 
 
-# how compressed files start (RFC 8878, RFC 1952, the xz and bzip2 file formats)
-COMPRESSED = {b"\x28\xb5\x2f\xfd": ("zstd", "zstd -dc"), b"\x1f\x8b": ("gzip", "gzip -dc"),
-              b"\xfd7zXZ\x00": ("xz", "xz -dc"), b"BZh": ("bzip2", "bzip2 -dc")}
-
-
 def _compressed_hint(head: bytes) -> str:
+    """convert decompresses what it is given (leanimg.compressed_input); anyone handing
+    detect_source a file's raw head learns what the file is."""
+    from .compressed_input import COMPRESSED
     for magic, (name, command) in COMPRESSED.items():
         if head.startswith(magic):
-            return f": this is a {name}-compressed file; decompress it on the way in: {command} FILE | " \
-                   "leanimg convert - -o IMAGE"
+            return f": this is a {name}-compressed file (`leanimg convert` reads it as it is; " \
+                   f"elsewhere: {command} FILE)"
     return ""
 
 

@@ -663,12 +663,12 @@ def dump_structure(path) -> dict:
         for item in scan_records(image, header.header_length, footer.offset):
             if isinstance(item, LeanImageError):
                 raise item
-            records.append(_dump_record(item, parse_body(item)))
+            records.append(dump_record(item, parse_body(item)))
     header_dump = dict(header.fields(), extension=bytes(header.raw[HEADER.size:]))
     return dict(header=header_dump, records=records, footer=footer.fields())
 
 
-def _dump_record(record: Record, body: dict) -> dict:
+def dump_record(record: Record, body: dict) -> dict:
     structure = BODY_OF.get(record.record_type)
     return dict(offset=record.offset, record_type=record.record_type, flags=record.flags,
                 body_length=record.body_length,

@@ -399,10 +399,27 @@ def _check_resolved(lean: LeanImage, report: Report) -> None:
             cls = int(extent["page_class"])
             if cls not in wanted:
                 continue
-            first = int(extent["first_page"])
-            for page in range(first, first + int(extent["num_pages"])):
-                try:
-                    lean.read_page(region, page)
-                    report.checked[f"{PageClass(cls).name.lower()}_pages"] += 1
-                except LeanImageError as exc:
-                    report.add(exc)
+            first, count = int(extent["first_page"]), int(extent["num_pages"])
+            for start in range(first, first + count, RESOLVE_CHUNK_PAGES):
+                _check_range(lean, region, cls, start, min(RESOLVE_CHUNK_PAGES, first + count - start), report)
+
+
+RESOLVE_CHUNK_PAGES = 1024
+
+
+def _check_range(lean: LeanImage, region, cls: int, first: int, count: int, report: Report) -> None:
+    """Pages resolved and checked a range at a time (region_bytes verifies each one); when
+    the range holds a finding, page by page, so that every page's finding is reported."""
+    counter = f"{PageClass(cls).name.lower()}_pages"
+    try:
+        lean.region_bytes(region, first, count)
+        report.checked[counter] += count
+        return
+    except LeanImageError:
+        pass
+    for page in range(first, first + count):
+        try:
+            lean.read_page(region, page)
+            report.checked[counter] += 1
+        except LeanImageError as exc:
+            report.add(exc)

@@ -384,16 +384,47 @@ def test_restore_sample_image_is_the_sample(sample_image, sample_path, tmp_path)
 # ------------------------------------------------------------------ demo
 
 def test_demo_workdir(tmp_path, sample_path):
+    """The demo shows each lean feature on the real sample, with sizes measured in the run,
+    and restores both images bit-exact."""
+    from leanimg.demo import zstd_size
+    from leanimg.format import PageClass
+    from leanimg.inspect import class_counts
+    import numpy as np
     workdir = tmp_path / "demo"
     proc = run("demo", "--workdir", workdir)
-    assert proc.returncode == 0, proc.stdout.decode() + proc.stderr.decode()
+    out = proc.stdout.decode()
+    assert proc.returncode == 0, out + proc.stderr.decode()
     assert b"Traceback" not in proc.stderr
-    assert b"IDENTICAL" in proc.stdout and b"OK" in proc.stdout
+    assert out.count("IDENTICAL") == 2 and "OK: both images valid, both restored bit-exact" in out
     rebuilt = workdir / "rebuilt.save"
     assert sha256_file(rebuilt) == sha256_file(sample_path)
     info = json.loads((SAMPLE_DIR / "sample.json").read_text())
     assert sha256_file(rebuilt) == info["files"]["vm.save"]["sha256"]
-    assert run("validate", workdir / "vm.lean").returncode == 0
+    assert sha256_file(workdir / "rebuilt2.save") == sha256_file(workdir / "vm2.save")
+    # the second save is the first with page contents changed, nothing else
+    first, second = (np.fromfile(workdir / name, np.uint8) for name in ("vm.save", "vm2.save"))
+    assert len(first) == len(second)
+    assert 0 < np.count_nonzero(first != second) <= 240 * PS
+    assert (workdir / "vm2.save").read_bytes()[:4] == b"QEVM"
+    with LeanImage.open(workdir / "plain.lean") as plain, LeanImage.open(workdir / "vm.lean") as lean:
+        counts = class_counts(lean)
+        assert all(counts[cls] for cls in (PageClass.STORED, PageClass.ZERO, PageClass.FREE, PageClass.DISK))
+        ram, plain_ram = lean.region("pc.ram"), plain.region("pc.ram")
+        free = lean.classes(ram) == PageClass.FREE
+        assert (plain.classes(plain_ram)[free] == PageClass.ZERO).all(), "FREE hints name zero pages only"
+    with LeanImage.open(workdir / "vm2.lean", parents=[workdir / "vm.lean"]) as child:
+        counts = class_counts(child)
+        assert counts[PageClass.PARENT] > 10000 and counts[PageClass.DELTA] >= 200
+    disk = f"vda={workdir / 'disk.img'}"
+    assert run("validate", workdir / "vm.lean", "--disk", disk).returncode == 0
+    assert run("validate", workdir / "vm2.lean", "--disk", disk).returncode == 0
+    # the sizes printed are this run's: each file's bytes, and zstd -3 of each save
+    for name in ("vm.save", "vm2.save"):
+        assert f"{zstd_size(str(workdir / name)):,}" in out
+    for name in ("plain.lean", "vm.lean", "vm2.lean"):
+        assert f"{(workdir / name).stat().st_size:,}" in out
+    assert "inspect vm.lean --files" in out and "/text/doc000.txt" in out
+    assert (workdir / "memory.png").exists() or (workdir / "memory.svg").exists()
 
 
 # ------------------------------------------------------------------ interrupted runs

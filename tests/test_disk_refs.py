@@ -506,3 +506,31 @@ def test_flatten_keeps_the_parents_disk_references(scene, image, tmp_path):
         raw = tmp_path / f"{command}.raw"
         ok("restore", out, "-o", raw, "--disk", f"vda={scene.disk}")
         assert raw.read_bytes() == scene.ram
+
+
+def test_an_incremental_reads_a_changed_page_that_was_on_the_parents_disk(tmp_path):
+    """A page that was a DISK page of the parent and then changed is read from the --disk given
+    to the incremental convert (lent to the parent) to encode its delta; without the disk the
+    error names the option."""
+    rng = np.random.default_rng(3)
+    ram = rng.integers(1, 2**63, 8 * 512, dtype=np.uint64).tobytes()
+    disk = tmp_path / "vda.img"
+    disk.write_bytes(ram[:4 * PS] + bytes(4 * PS))
+    (tmp_path / "one.save").write_bytes(qemu_save(ram))
+    changed = bytearray(ram)
+    changed[PS + 16:PS + 24] = b"changed!"                  # page 1: on the disk in the parent
+    (tmp_path / "two.save").write_bytes(qemu_save(bytes(changed)))
+    ok = run("convert", tmp_path / "one.save", "-o", tmp_path / "one.lean", "--disk", f"vda={disk}")
+    assert ok.returncode == 0, ok.stderr.decode()
+    with LeanImage.open(tmp_path / "one.lean") as parent:
+        assert parent.classes(parent.regions[0], 0, 4).tolist() == [PageClass.DISK] * 4
+    without = run("convert", tmp_path / "two.save", "-o", tmp_path / "bad.lean", "--parent", tmp_path / "one.lean")
+    assert without.returncode == 1 and b"pass --disk vda=PATH" in without.stderr
+    proc = run("convert", tmp_path / "two.save", "-o", tmp_path / "two.lean", "--parent", tmp_path / "one.lean",
+               "--disk", f"vda={disk}")
+    assert proc.returncode == 0, proc.stderr.decode()
+    with LeanImage.open(tmp_path / "two.lean") as child:
+        assert child.classes(child.regions[0], 1, 1).tolist() == [PageClass.DELTA]
+    rebuilt = tmp_path / "rebuilt.save"
+    assert run("restore", tmp_path / "two.lean", "--to", "qemu", "--disk", f"vda={disk}", "-o", rebuilt).returncode == 0
+    assert rebuilt.read_bytes() == (tmp_path / "two.save").read_bytes()

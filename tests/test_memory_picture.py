@@ -1,21 +1,25 @@
-"""The page-class map (`leanimg inspect IMG --map FILE.png`): pixels, bucketing, PNG encoding, CLI."""
+"""The page-class map (`leanimg inspect IMG --map FILE.png|FILE.svg`): pixels, bucketing, legend, SVG, CLI."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
-import struct
-import zlib
+import sys
+import xml.etree.ElementTree as ET
+from collections import Counter
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from PIL import Image
 
 from leanimg.cli import main
 from leanimg.format import EXTENT, PageClass, page_digest
+from leanimg.inspect import class_counts
 from leanimg.memory_picture import (
-    BACKGROUND, CLASS_COLOURS, MAX_ROWS, cell_classes, encode_png, layout, render_map, render_pixels,
+    BACKGROUND, CLASS_COLOURS, MAX_ROWS, cell_classes, layout, render_map, render_pixels, render_svg,
 )
 from leanimg.reader import LeanImage
 from leanimg.writer import LeanImageWriter, ParentLink, disk_fingerprint
@@ -24,27 +28,10 @@ PS = 4096
 
 
 def decode_png(data: bytes) -> np.ndarray:
-    """A minimal decoder for what encode_png emits: 8-bit RGB, no interlace, filter type 0 rows."""
-    assert data[:8] == b"\x89PNG\r\n\x1a\n"
-    pos, idat, header = 8, b"", None
-    while pos < len(data):
-        (length,) = struct.unpack_from(">I", data, pos)
-        kind, body = data[pos + 4:pos + 8], data[pos + 8:pos + 8 + length]
-        (crc,) = struct.unpack_from(">I", data, pos + 8 + length)
-        assert crc == zlib.crc32(kind + body), kind
-        if kind == b"IHDR":
-            header = struct.unpack(">IIBBBBB", body)
-        elif kind == b"IDAT":
-            idat += body
-        pos += 12 + length
-        if kind == b"IEND":
-            break
-    assert pos == len(data)
-    width, height, depth, colour_type, compression, filtering, interlace = header
-    assert (depth, colour_type, compression, filtering, interlace) == (8, 2, 0, 0, 0)
-    rows = np.frombuffer(zlib.decompress(idat), np.uint8).reshape(height, 1 + 3 * width)
-    assert not rows[:, 0].any(), "only filter type 0 is emitted"
-    return rows[:, 1:].reshape(height, width, 3)
+    """The PNG's pixels, decoded by Pillow (an independent decoder of what we wrote)."""
+    with Image.open(io.BytesIO(data)) as picture:
+        assert picture.format == "PNG"
+        return np.asarray(picture.convert("RGB"))
 
 
 # the page classes of region "ram" of the child image, page by page
@@ -132,10 +119,91 @@ def test_legend_has_every_class_swatch_and_text(chain, tmp_path):
     assert (pixels[:lay.bands[0].label_y] != BACKGROUND).any()
 
 
-def test_png_round_trip():
-    rng = np.random.default_rng(5)
-    rgb = rng.integers(0, 256, (37, 53, 3), dtype=np.uint8)
-    assert np.array_equal(decode_png(encode_png(rgb)), rgb)
+def test_each_class_colour_covers_exactly_its_pages(chain, tmp_path):
+    """Cell by cell over every band: a cell has the colour of its page's class, so each class's
+    colour appears in as many cells as the image has pages of that class, and nowhere else."""
+    child, parent = chain
+    out = tmp_path / "map.png"
+    with LeanImage.open(child, parents=[parent]) as image:
+        render_map(image, out)
+        lay = layout(image)
+        counts = class_counts(image)
+    pixels = decode_png(out.read_bytes())
+    assert pixels.shape == (lay.height, lay.width, 3) and lay.cell >= 4
+    seen = Counter()
+    for band in lay.bands:
+        for row in range(band.rows):
+            for column in range(lay.columns):
+                x, y = lay.band_x + column * lay.cell, band.y + row * lay.cell
+                seen[_colour(pixels, x, y)] += 1
+    for cls in PageClass:
+        assert seen[CLASS_COLOURS[cls]] == counts[cls], cls.name
+    assert sum(seen[CLASS_COLOURS[cls]] for cls in PageClass) + seen[BACKGROUND] == sum(seen.values())
+
+
+def test_legend_states_each_class_size(chain):
+    from leanimg.memory_picture import _size, _texts
+    child, parent = chain
+    with LeanImage.open(child, parents=[parent]) as image:
+        texts = _texts(image, layout(image))
+        counts = class_counts(image)
+    rows = dict(texts["legend"])
+    total = sum(counts.values())
+    for cls in PageClass:
+        name, pages, mib, percent = rows[cls]
+        assert name == cls.name and pages == f"{counts[cls]:,} pages"
+        assert mib == _size(counts[cls] * PS) and percent == f"{100 * counts[cls] / total:.1f}%"
+    assert rows[PageClass.STORED][2] == f"{counts[PageClass.STORED] * 4} KiB" and _size(3 * 2**20 // 2) == "1.5 MiB" and _size(0) == "0 B"
+    assert texts["labels"][0][0].startswith("ram   64 KiB at 0x0")
+
+
+def _svg(image) -> ET.Element:
+    return ET.fromstring(render_svg(image))
+
+
+def test_svg_parses_and_its_cells_cover_each_class(chain):
+    child, parent = chain
+    ns = {"svg": "http://www.w3.org/2000/svg"}
+    with LeanImage.open(child, parents=[parent]) as image:
+        root = _svg(image)
+        lay = layout(image)
+        counts = class_counts(image)
+    assert root.tag == "{http://www.w3.org/2000/svg}svg"
+    assert (int(root.get("width")), int(root.get("height"))) == (lay.width, lay.height)
+    regions = root.findall("svg:g[@class='region']", ns)
+    assert [g.get("data-name") for g in regions] == ["ram", "rom"]
+    covered = Counter()
+    for g in regions:
+        for rect in g.findall("svg:rect", ns):
+            covered[rect.get("class")] += int(rect.get("width")) // lay.cell
+    for cls in PageClass:
+        assert covered[cls.name] == counts[cls], cls.name
+    legend = root.find("svg:g[@class='legend']", ns)
+    assert {r.get("class") for r in legend.findall("svg:rect", ns)} == {cls.name for cls in PageClass}
+    texts = [t.text for t in root.iter("{http://www.w3.org/2000/svg}text")]
+    assert any(t and t.startswith("ram") for t in texts) and any(t == "0x0" for t in texts)
+    style = root.find("svg:style", ns).text
+    for cls in PageClass:
+        assert f".{cls.name}{{fill:#{'%02x%02x%02x' % CLASS_COLOURS[cls]}}}" in style
+
+
+def test_cli_inspect_map_svg(chain, tmp_path):
+    child, parent = chain
+    out = tmp_path / "map.svg"
+    result = CliRunner().invoke(main, ["inspect", str(child), "--parent", str(parent), "--map", str(out)])
+    assert result.exit_code == 0, result.output
+    ET.parse(out)
+    with LeanImage.open(child, parents=[parent]) as image:
+        assert out.read_text() == render_svg(image)
+
+
+def test_png_without_pillow_names_the_extra(chain, tmp_path, monkeypatch):
+    child, parent = chain
+    monkeypatch.setitem(sys.modules, "PIL", None)          # import PIL raises ImportError
+    out = tmp_path / "map.png"
+    result = CliRunner().invoke(main, ["inspect", str(child), "--parent", str(parent), "--map", str(out)])
+    assert result.exit_code == 1
+    assert "pip install 'leanimg[map]'" in result.output and not out.exists()
 
 
 def _brute_force_cells(extents, num_pages, per_cell):

@@ -94,7 +94,7 @@ def test_a_compressed_save_is_named_with_the_way_to_convert_it(head, name):
     with pytest.raises(SourceFormatError) as info:
         plugins.detect_source(head)
     assert f"this is a {name}-compressed file" in str(info.value)
-    assert "| leanimg convert - -o IMAGE" in str(info.value)
+    assert "`leanimg convert` reads it as it is" in str(info.value)
 
 
 def test_an_unknown_save_gets_no_compression_hint():
