@@ -169,6 +169,15 @@ class CheckpointResult:
         extra = [self.balloon.describe()] if self.balloon else []
         return "; ".join([line] + [d.describe() for d in self.disks] + extra)
 
+    def to_json(self) -> dict:
+        """``checkpoint --json`` (schemas/checkpoint.schema.json)."""
+        classes = {cls.name: int(n) for cls, n in sorted(self.classes.items()) if n}
+        return dict(output=self.output, mode=self.mode, then=self.then, file_bytes=self.file_bytes,
+                    page_size=self.page_size, classes=classes,
+                    downtime_ms=self.downtime_ms, paused_ms=self.paused_ms, seconds=self.seconds, guest=self.guest,
+                    disks=[dict(d.note(), referenced_bytes=d.referenced) for d in self.disks],
+                    balloon=dict(self.balloon.note(), deflated=self.balloon.deflated) if self.balloon else None)
+
 
 # ------------------------------------------------------------------------------ QMP
 

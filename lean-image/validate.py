@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import numpy as np
 import zstandard
@@ -50,7 +50,8 @@ class Verdict:
     path: str
     findings: list = field(default_factory=list)
     suppressed: Counter = field(default_factory=Counter)
-    not_checked: list[str] = field(default_factory=list)
+    # the checks the inputs did not allow: (rule ids, a sentence saying why and what would allow them)
+    unchecked: list[tuple[tuple[str, ...], str]] = field(default_factory=list)
 
     @property
     def valid(self) -> bool:
@@ -58,7 +59,29 @@ class Verdict:
 
     @property
     def complete(self) -> bool:
-        return not self.not_checked
+        return not self.unchecked
+
+    def skip(self, rules, reason: str) -> None:
+        """Record that ``rules`` (ids) could not be checked, and why."""
+        self.unchecked.append((tuple(rules), reason))
+
+    @property
+    def not_checked(self) -> list[str]:
+        """The ids of the rules not checked, sorted, each once."""
+        return sorted({rule for rules, _ in self.unchecked for rule in rules})
+
+    @property
+    def not_checked_reasons(self) -> list[str]:
+        """One sentence per check not made, naming its rules and the input it needs."""
+        return [reason for _, reason in self.unchecked]
+
+    def verdict_json(self) -> dict:
+        """The fields every check report shares (spec/guides/json.md)."""
+        return dict(path=self.path, valid=self.valid, complete=self.complete,
+                    findings=[dict(rule=f.rule, offset=f.offset, structure=f.structure, message=f.message)
+                              for f in self.findings],
+                    suppressed=dict(self.suppressed), not_checked=self.not_checked,
+                    not_checked_reasons=self.not_checked_reasons)
 
 
 @dataclass
@@ -83,8 +106,7 @@ class Report(Verdict):
         self.findings.append(Finding(rule, error.offset, error.structure or "", error.message))
 
     def to_json(self) -> dict:
-        return dict(path=self.path, valid=self.valid, findings=[asdict(f) for f in self.findings],
-                    suppressed=dict(self.suppressed), checked=dict(self.checked), not_checked=self.not_checked)
+        return dict(self.verdict_json(), checked=dict(self.checked))
 
 
 @dataclass
@@ -117,8 +139,8 @@ def validate(path, *, disks: dict | None = None, parents=()) -> Report:
     with fileobj:
         _validate_file(ImageFile(fileobj, path), report, disks or {}, list(parents))
     for structure, (count, first) in report.unavailable.items():
-        report.not_checked.append(f"LI-DIG-002 of {count} page(s) whose bytes are on {structure} (through "
-                                  f"the chain), which was not given; the first: {first}")
+        report.skip(["LI-DIG-002"], f"LI-DIG-002 of {count} page(s) whose bytes are on {structure} (through "
+                    f"the chain), which was not given; the first: {first}")
     return report
 
 
@@ -366,13 +388,14 @@ def _note_unchecked(header, scan: _Scan, disks: dict, parents: list, report: Rep
     """Say which checks the inputs did not allow, so 'valid' is never read as more than it is."""
     missing = sorted(d.parsed["name"] for d in scan.disks if d.parsed["name"] not in disks)
     if missing and scan.refs:
-        report.not_checked.append(f"LI-DSK-004, LI-DSK-005 and DISK page digests (LI-DIG-002): "
-                                  f"no --disk for {', '.join(missing)}")
+        report.skip(["LI-DSK-004", "LI-DSK-005", "LI-DIG-002"],
+                    f"LI-DSK-004, LI-DSK-005 and DISK page digests (LI-DIG-002): no --disk for {', '.join(missing)}")
     if header.has_parent and not parents:
-        inherited = ", LI-CHN-006 (PARENT pages inherit their digests from the parent)" \
-            if inherits_digests(header.incompatible_features) else ""
-        report.not_checked.append(f"LI-CHN-001..005{inherited}, PARENT and DELTA page digests (LI-DIG-002) and "
-                                  "delta application: no --parent")
+        inherits = inherits_digests(header.incompatible_features)
+        inherited = ", LI-CHN-006 (PARENT pages inherit their digests from the parent)" if inherits else ""
+        rules = [f"LI-CHN-00{k}" for k in range(1, 6)] + ["LI-CHN-006"] * inherits + ["LI-DIG-002"]
+        report.skip(rules, f"LI-CHN-001..005{inherited}, PARENT and DELTA page digests (LI-DIG-002) and "
+                    "delta application: no --parent")
 
 
 def _open_for_chain(path: str, header, disks: dict, parents: list, report: Report):

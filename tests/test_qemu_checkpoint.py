@@ -28,6 +28,7 @@ import socket
 import subprocess
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -132,7 +133,7 @@ def _classes(image: Path, *args) -> dict:
     import json
     proc = leanimg("inspect", image, "--json", *args)
     assert proc.returncode == 0, proc.stderr
-    return {c["page_class"]: c["pages"] for c in json.loads(proc.stdout)["classes"]}
+    return Counter(json.loads(proc.stdout)["classes"])
 
 
 def _assert_running_on(guest: Guest) -> None:
