@@ -66,7 +66,7 @@ def test_with_parent_and_disk_every_page_is_resolved(chain):
 def test_not_checked_says_what_was_not_supplied(chain):
     report = validate(chain.child)
     assert report.valid                                   # rules not checked do not make an image invalid
-    assert report.not_checked == ["LI-CHN-001", "LI-CHN-002", "LI-CHN-003", "LI-CHN-004", "LI-CHN-005",
+    assert report.not_checked == ["LI-CHN-001", "LI-CHN-002", "LI-CHN-003", "LI-CHN-004", "LI-CHN-005", "LI-CHN-006",
                                   "LI-DIG-002", "LI-DSK-004", "LI-DSK-005"]
     disk_note, parent_note = report.not_checked_reasons
     assert disk_note.startswith("LI-DSK-004, LI-DSK-005") and disk_note.endswith("no --disk for disk0")
