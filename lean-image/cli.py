@@ -362,7 +362,8 @@ def restore(image, target, output, as_json, parents, disks, sort_blocks, any_dis
               callback=lambda ctx, param, value: _installed_plugin("leanimg.sources", param, value),
               help="Force the source format (an installed source plugin's name: leanimg plugins).")
 @click.option("--spool/--no-spool", default=None,
-              help="Assemble RAM in scratch files first (needed for live saves read from a pipe).")
+              help="Assemble RAM in scratch files first, as a live save read from a pipe needs (default: only "
+              "where needed, e.g. with --disk; a live save in a file is re-read instead).")
 @click.option("--level", default=3, show_default=True, type=click.IntRange(1, 22),
               help="zstd level of stored pages (1-22).")
 @click.option("--frame-pages", type=click.IntRange(1, 4096),
