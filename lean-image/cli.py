@@ -250,13 +250,16 @@ def validate(image, as_json, whole_chain, parents, disks):
     """Strict conformance check of IMAGE. Exit 0 valid, 1 invalid, 4 no violation found but some rules
     not checked (a parent or disk not given)."""
     from .validate import validate as run
+    from .validate import work_bytes
     links = _chain_paths(image, parents) if whole_chain else [image]
     paths = _parse_disks(disks)
     reports = []
     for link in links:
         ui.detail(f"validating {link}")
         with _disk_sources(paths) as sources:
-            reports.append(run(link, disks=sources, parents=list(parents) + links))
+            chain = list(parents) + links
+            with ui.progress(work_bytes(link, disks=sources, parents=chain), "validate") as advance:
+                reports.append(run(link, disks=sources, parents=chain, progress=advance))
     if as_json:
         body = [r.to_json() for r in reports]
         ui.emit_json(body if whole_chain else body[0])
@@ -506,7 +509,8 @@ def flatten(image, output, as_json, parents, disks, force):
     with _open_image(image, parents, disks) as img:
         _guard_output(output, _inputs_of(img, disks), force)
         ui.detail(f"flattening the {len(img.chain())} link(s) of {image} into {output}")
-        rebase(img, output, None)
+        with ui.progress(sum(r.size_bytes for r in img.regions), "flatten") as advance:
+            rebase(img, output, None, progress=advance)
     _report_rebase(output, as_json)
 
 
@@ -532,7 +536,8 @@ def merge(image, output, as_json, delta, parents, disks, force):
         _guard_output(output, _inputs_of(img, disks), force)
         ancestors = [link.path for link in img.parent.chain()[1:]]
         ui.detail(f"merging {image} into its parent {img.parent.path}: {output}")
-        rebase(img, output, img.parent.parent, allow_delta=delta)
+        with ui.progress(sum(r.size_bytes for r in img.regions), "merge") as advance:
+            rebase(img, output, img.parent.parent, allow_delta=delta, progress=advance)
         _report_rebase(output, as_json, ancestors)
 
 
@@ -605,8 +610,13 @@ def serve(image, postcopy, prepage, stats_path, as_json, parents, disks, any_dis
     with _open_image(image, parents, disks, check_disk_identity=not any_disk_identity) as img:
         if stats_path:
             _guard_output(stats_path, _inputs_of(img, disks), force)
-        stats = restore_target("qemu").serve(img, sys.stdout.buffer, sys.stdin.buffer, strategy=prepage,
-                                             stats_path=stats_path, log=_serve_log)
+        from .format import PageClass
+        from .inspect import class_counts
+        counts = class_counts(img)
+        travelling = sum(counts.values()) - counts[PageClass.ZERO] - counts[PageClass.FREE]
+        with ui.progress(travelling, "serve (pages)") as advance:
+            stats = restore_target("qemu").serve(img, sys.stdout.buffer, sys.stdin.buffer, strategy=prepage,
+                                                 stats_path=stats_path, log=_serve_log, progress=advance)
     if as_json:
         ui.emit_json(dict(asdict(stats), image=image))
 

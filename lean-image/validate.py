@@ -127,8 +127,10 @@ class _Scan:
     complete_maps: dict = field(default_factory=dict)    # region_id -> extents covering it exactly
 
 
-def validate(path, *, disks: dict | None = None, parents=()) -> Report:
-    """Check ``path`` against every rule of format v1.0 that its inputs allow."""
+def validate(path, *, disks: dict | None = None, parents=(), progress=None) -> Report:
+    """Check ``path`` against every rule of format v1.0 that its inputs allow. ``progress`` is
+    called with the bytes done: of the file as its records are scanned, then a page's size for
+    each page resolved through a disk or the parent (see ``work_bytes``)."""
     path = os.fspath(path)
     report = Report(path)
     try:
@@ -137,14 +139,14 @@ def validate(path, *, disks: dict | None = None, parents=()) -> Report:
         report.add(LeanImageError(f"cannot open: {exc.strerror}"))
         return report
     with fileobj:
-        _validate_file(ImageFile(fileobj, path), report, disks or {}, list(parents))
+        _validate_file(ImageFile(fileobj, path), report, disks or {}, list(parents), progress)
     for structure, (count, first) in report.unavailable.items():
         report.skip(["LI-DIG-002"], f"LI-DIG-002 of {count} page(s) whose bytes are on {structure} (through "
                     f"the chain), which was not given; the first: {first}")
     return report
 
 
-def _validate_file(image: ImageFile, report: Report, disks: dict, parents: list) -> None:
+def _validate_file(image: ImageFile, report: Report, disks: dict, parents: list, progress=None) -> None:
     try:
         header = read_header(image)
     except LeanImageError as exc:
@@ -158,11 +160,26 @@ def _validate_file(image: ImageFile, report: Report, disks: dict, parents: list)
         report.add(exc)
         footer = None
     limit = footer.offset if footer else image.size
-    scan = _scan(image, header.header_length, limit, page_size, report, _listed_offsets(image, footer))
+    scan = _scan(image, header.header_length, limit, page_size, report, _listed_offsets(image, footer), progress)
     if footer:
         _check_footer(image, footer, header, scan, report)
     _check_tables(header, scan, page_size, report)
-    _check_content(image, header, scan, page_size, report, disks, parents)
+    _check_content(image, header, scan, page_size, report, disks, parents, progress)
+
+
+def work_bytes(path, *, disks: dict | None = None, parents=()) -> int:
+    """What ``validate`` will report to ``progress`` in all, for a progress bar: the file's size,
+    and a page's size per page it will resolve through the disks or the parent."""
+    try:
+        with LeanImage.open_link(path) as link:
+            records = link.footer.offset - link.header.header_length
+            wanted = ({PageClass.DISK} if disks else set()) | \
+                ({PageClass.PARENT, PageClass.DELTA} if link.header.has_parent and parents else set())
+            pages = sum(int(e["num_pages"]) for r in link.regions for e in r.extents
+                        if int(e["page_class"]) in wanted)
+            return records + pages * link.page_size
+    except LeanImageError:           # validate will say what is wrong
+        return os.path.getsize(path)
 
 
 # --- sequential pass ---------------------------------------------------------------
@@ -178,9 +195,14 @@ def _listed_offsets(image: ImageFile, footer) -> list[int]:
     return sorted({int(o) for o in entries["record_offset"]} | {footer.index_offset}) if len(entries) else []
 
 
-def _scan(image: ImageFile, start: int, limit: int, page_size: int, report: Report, listed: list[int]) -> _Scan:
+def _scan(image: ImageFile, start: int, limit: int, page_size: int, report: Report, listed: list[int],
+          progress=None) -> _Scan:
     scan = _Scan()
+    done = start
     for item in scan_records(image, start, limit, listed):
+        if progress is not None and getattr(item, "end", None):
+            progress(max(0, item.end - done))
+            done = max(done, item.end)
         if isinstance(item, LeanImageError):
             report.add(item)
             if scan.index is None and item.rule != "LI-REC-001":
@@ -283,7 +305,7 @@ def _check_region_tables(region: dict, scan: _Scan, page_size: int, report: Repo
 
 # --- content: frames, deltas, disks, parent ------------------------------------------------
 def _check_content(image: ImageFile, header, scan: _Scan, page_size: int, report: Report,
-                   disks: dict, parents: list) -> None:
+                   disks: dict, parents: list, progress=None) -> None:
     tables = _digest_lookup(scan, digest_class_table(header.incompatible_features))
     if tables is None:
         return
@@ -294,7 +316,7 @@ def _check_content(image: ImageFile, header, scan: _Scan, page_size: int, report
         _check_delta_structure(image, scan, page_size, report)
         return
     with lean:
-        _check_resolved(lean, report)
+        _check_resolved(lean, report, progress)
 
 
 def _digest_lookup(scan: _Scan, bearing_classes: np.ndarray):
@@ -410,7 +432,7 @@ def _open_for_chain(path: str, header, disks: dict, parents: list, report: Repor
         return None
 
 
-def _check_resolved(lean: LeanImage, report: Report) -> None:
+def _check_resolved(lean: LeanImage, report: Report, progress=None) -> None:
     """DISK, PARENT and DELTA pages resolved through disks and parent, each checked by digest."""
     wanted = set()
     if lean.has_disk_sources:
@@ -429,3 +451,5 @@ def _check_resolved(lean: LeanImage, report: Report) -> None:
                     report.checked[f"{PageClass(cls).name.lower()}_pages"] += 1
                 except LeanImageError as exc:
                     report.add(exc)
+            if progress is not None:
+                progress(int(extent["num_pages"]) * lean.page_size)

@@ -248,3 +248,42 @@ def test_every_writing_command_ends_with_one_summary_line(sample, tmp_path):
         lines = result.stdout.splitlines()
         assert result.exit_code == 0 and len(lines) == 1 and lines[0].startswith(str(args[3]) + ": "), \
             (command, result.output)
+
+
+def _on_a_terminal(folder, *args) -> tuple[subprocess.CompletedProcess, str]:
+    """The command run with standard error on a pseudo-terminal: the process and what that terminal got."""
+    import pty
+    master, slave = pty.openpty()
+    try:
+        proc = subprocess.run([*command_line(), *map(str, args)], cwd=folder, stdout=subprocess.PIPE,
+                              stderr=slave, timeout=600)
+    finally:
+        os.close(slave)
+    seen = b""
+    while True:
+        try:
+            chunk = os.read(master, 65536)
+        except OSError:                  # EIO: the terminal has no writer left
+            break
+        if not chunk:
+            break
+        seen += chunk
+    os.close(master)
+    return proc, seen.decode(errors="replace")
+
+
+@pytest.mark.parametrize("command,args", [
+    ("validate", ["vm.lean", "--disk", "vda=disk.img"]),
+    ("flatten", ["vm-2.lean", "-o", "{tmp}/f.lean"]),
+    ("merge", ["vm-2.lean", "-o", "{tmp}/m.lean"]),
+    ("restore", ["vm.lean", "-o", "{tmp}/m.raw", "--disk", "vda=disk.img"]),
+])
+def test_progress_is_drawn_on_a_terminal_only(sample, tmp_path, command, args):
+    args = [a.format(tmp=tmp_path) for a in args]
+    proc, terminal = _on_a_terminal(sample, command, *args, "-f" if command != "validate" else "-v")
+    assert proc.returncode == 0 and f"{command}  [" in terminal and "100%" in terminal, terminal[-500:]
+    quiet, terminal = _on_a_terminal(sample, command, *args, "-q", *(["-f"] if command != "validate" else []))
+    assert quiet.returncode == 0 and "[" not in terminal and quiet.stdout == b"", terminal[-500:]
+    piped = subprocess.run([*command_line(), command, *args, *(["-f"] if command != "validate" else [])],
+                           cwd=sample, capture_output=True)
+    assert piped.returncode == 0 and b"[#" not in piped.stderr and b"%" not in piped.stderr
