@@ -41,8 +41,8 @@ def verbosity_options(function):
     function = click.option("-v", "--verbose", count=True, expose_value=False, callback=_remember(_VERBOSE),
                             help="Say more on standard error: what is read and written, and timings.")(function)
     return click.option("-q", "--quiet", is_flag=True, expose_value=False, callback=_remember(_QUIET),
-                        help="Print nothing but errors and --json output: no summary line, notes or "
-                        "progress bar.")(function)
+                        help="Print only errors and results (a report, --json output): no summary line, "
+                        "notes or progress bar.")(function)
 
 
 def json_option(function):
