@@ -39,7 +39,7 @@ def _remember(key: str):
 def verbosity_options(function):
     """-q/--quiet and -v/--verbose, taken by the group and by every command (either place works)."""
     function = click.option("-v", "--verbose", count=True, expose_value=False, callback=_remember(_VERBOSE),
-                            help="Say more on standard error: what is read and written, and timings.")(function)
+                            help="Say more on standard error: what is being read and written.")(function)
     return click.option("-q", "--quiet", is_flag=True, expose_value=False, callback=_remember(_QUIET),
                         help="Print only errors and results (a report, --json output): no summary line, "
                         "notes or progress bar.")(function)

@@ -8,6 +8,7 @@ structure path. Memory stays bounded by one record plus per-page bookkeeping.
 from __future__ import annotations
 
 import os
+import re
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -43,6 +44,15 @@ class Finding:
         return f"{self.rule} {where} {self.structure}: {self.message}"
 
 
+RULE_MENTION = re.compile(r"\b(LI-[A-Z]{3}-)(\d{3})(?:\.\.(\d{3}))?\b")
+
+
+def rule_ids_in(text: str) -> list[str]:
+    """The rule ids a sentence names, a range ``LI-CHN-001..005`` spelled out."""
+    return [f"{prefix}{k:03d}" for prefix, first, last in RULE_MENTION.findall(text)
+            for k in range(int(first), int(last or first) + 1)]
+
+
 @dataclass
 class Verdict:
     """What a check of one file found (``validate``, ``validate-hints``): valid when nothing was
@@ -50,8 +60,8 @@ class Verdict:
     path: str
     findings: list = field(default_factory=list)
     suppressed: Counter = field(default_factory=Counter)
-    # the checks the inputs did not allow: (rule ids, a sentence saying why and what would allow them)
-    unchecked: list[tuple[tuple[str, ...], str]] = field(default_factory=list)
+    # the checks the inputs did not allow: sentences naming their rule ids and what would allow them
+    unchecked: list[str] = field(default_factory=list)
 
     @property
     def valid(self) -> bool:
@@ -61,19 +71,20 @@ class Verdict:
     def complete(self) -> bool:
         return not self.unchecked
 
-    def skip(self, rules, reason: str) -> None:
-        """Record that ``rules`` (ids) could not be checked, and why."""
-        self.unchecked.append((tuple(rules), reason))
+    def skip(self, reason: str) -> None:
+        """Record a check the inputs did not allow: ``reason`` names its rule ids (``LI-CHN-001..005``
+        for a range) and the input it needs."""
+        self.unchecked.append(reason)
 
     @property
     def not_checked(self) -> list[str]:
         """The ids of the rules not checked, sorted, each once."""
-        return sorted({rule for rules, _ in self.unchecked for rule in rules})
+        return sorted({rule for reason in self.unchecked for rule in rule_ids_in(reason)})
 
     @property
     def not_checked_reasons(self) -> list[str]:
         """One sentence per check not made, naming its rules and the input it needs."""
-        return [reason for _, reason in self.unchecked]
+        return list(self.unchecked)
 
     def verdict_json(self) -> dict:
         """The fields every check report shares (spec/guides/json.md)."""
@@ -141,7 +152,7 @@ def validate(path, *, disks: dict | None = None, parents=(), progress=None) -> R
     with fileobj:
         _validate_file(ImageFile(fileobj, path), report, disks or {}, list(parents), progress)
     for structure, (count, first) in report.unavailable.items():
-        report.skip(["LI-DIG-002"], f"LI-DIG-002 of {count} page(s) whose bytes are on {structure} (through "
+        report.skip(f"LI-DIG-002 of {count} page(s) whose bytes are on {structure} (through "
                     f"the chain), which was not given; the first: {first}")
     return report
 
@@ -410,13 +421,11 @@ def _note_unchecked(header, scan: _Scan, disks: dict, parents: list, report: Rep
     """Say which checks the inputs did not allow, so 'valid' is never read as more than it is."""
     missing = sorted(d.parsed["name"] for d in scan.disks if d.parsed["name"] not in disks)
     if missing and scan.refs:
-        report.skip(["LI-DSK-004", "LI-DSK-005", "LI-DIG-002"],
-                    f"LI-DSK-004, LI-DSK-005 and DISK page digests (LI-DIG-002): no --disk for {', '.join(missing)}")
+        report.skip(f"LI-DSK-004, LI-DSK-005 and DISK page digests (LI-DIG-002): no --disk for {', '.join(missing)}")
     if header.has_parent and not parents:
-        inherits = inherits_digests(header.incompatible_features)
-        inherited = ", LI-CHN-006 (PARENT pages inherit their digests from the parent)" if inherits else ""
-        rules = [f"LI-CHN-00{k}" for k in range(1, 6)] + ["LI-CHN-006"] * inherits + ["LI-DIG-002"]
-        report.skip(rules, f"LI-CHN-001..005{inherited}, PARENT and DELTA page digests (LI-DIG-002) and "
+        inherited = ", LI-CHN-006 (PARENT pages inherit their digests from the parent)" \
+            if inherits_digests(header.incompatible_features) else ""
+        report.skip(f"LI-CHN-001..005{inherited}, PARENT and DELTA page digests (LI-DIG-002) and "
                     "delta application: no --parent")
 
 
