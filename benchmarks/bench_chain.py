@@ -32,6 +32,7 @@ with its chain resolved) and restores to the same bytes as its plain final memor
 
     python benchmarks/bench_chain.py                            # 256 MiB, 3 repeats
     python benchmarks/bench_chain.py --size 32MiB --repeat 3 --json /tmp/chain.json
+    python benchmarks/bench_chain.py --keep ...; python benchmarks/bench_chain.py --reuse DIR ...
 """
 
 from __future__ import annotations
@@ -233,7 +234,11 @@ TARGETS = {"depth100/depth10": 1.2, "depth1000/depth10": 1.5, "chain/(read+flat)
 def bench_depths(work: Path, args, log) -> dict:
     depths = sorted(set(args.depths) | {1})
     t0 = time.monotonic()
-    chains = build_chains(work, args.size, depths, args.seed, args.word_frac, args.page_frac, log)
+    if args.reuse:
+        chains = kept_chains(work, depths)
+        log(f"timing the chains kept in {work}")
+    else:
+        chains = build_chains(work, args.size, depths, args.seed, args.word_frac, args.page_frac, log)
     build_s = time.monotonic() - t0
     log(f"built chains of depth {depths} over {args.size >> 20} MiB in {build_s:.1f} s")
     # same final memory: restore each last link to a file once and compare
@@ -271,6 +276,18 @@ def bench_depths(work: Path, args, log) -> dict:
                 for d, c in chains.items()},
         meets_target=all(verdicts.values()),
     )
+
+
+def kept_chains(work: Path, depths: list[int]) -> dict[int, ChainBuilder]:
+    """The chains an earlier ``--keep`` run left in ``work`` (depth{d}/d{d}-NNNN.lean)."""
+    chains = {}
+    for d in depths:
+        chain = ChainBuilder(work / f"depth{d}", f"d{d}")
+        chain.links = sorted(chain.dir.glob(f"d{d}-*.lean"))
+        if len(chain.links) != d:
+            raise SystemExit(f"{chain.dir}: expected {d} links, found {len(chain.links)}")
+        chains[d] = chain
+    return chains
 
 
 def bench_depth1000(work: Path, args, log) -> dict:
@@ -354,10 +371,14 @@ def main(argv=None) -> int:
     parser.add_argument("--workdir", default=None, help="parent of the temporary directory (default /tmp)")
     parser.add_argument("--json", dest="json_path", metavar="FILE", help="also write the results as JSON")
     parser.add_argument("--keep", action="store_true", help="keep the chains")
+    parser.add_argument("--reuse", metavar="DIR",
+                        help="time the chains an earlier --keep run left in DIR (give it the same --size "
+                             "and --depths) instead of building them; DIR is kept")
     args = parser.parse_args(argv)
     require_null_device()
     log = lambda msg: print(msg, file=sys.stderr, flush=True)
-    work = Path(tempfile.mkdtemp(prefix="bench-chain-", dir=args.workdir))
+    args.keep = args.keep or bool(args.reuse)
+    work = Path(args.reuse) if args.reuse else Path(tempfile.mkdtemp(prefix="bench-chain-", dir=args.workdir))
     try:
         results = dict(repeat=args.repeat, command=[sys.executable, *sys.argv],
                        machine=dict(python=platform.python_version(), cpus=os.cpu_count()))

@@ -60,7 +60,7 @@ from typing import BinaryIO, Callable, Iterable, Iterator, Union
 
 import numpy as np
 
-from leanimg.errors import LimitError, SourceFormatError
+from leanimg.errors import SourceFormatError, fits_in_memory
 from leanimg.fileutil import GatherWriter
 from leanimg.format import REGION_SIZE_MAX
 
@@ -934,12 +934,9 @@ class RamImage:
 def _page_table(block: RamBlock, page_size: int, dtype, fill) -> np.ndarray:
     """One ``dtype`` value per page of ``block``, or a LimitError when that does not fit in this
     process's memory (MEM_SIZE may claim up to 256 TiB)."""
-    try:
+    with fits_in_memory(f"RAM block {block.name!r} of {block.length:#x} bytes: a table of its "
+                        f"{block.length // page_size} pages", "ram MEM_SIZE"):
         return np.full(block.length // page_size, fill, dtype)
-    except MemoryError:
-        raise LimitError(f"RAM block {block.name!r} of {block.length:#x} bytes: a table of its "
-                         f"{block.length // page_size} pages does not fit in this process's memory",
-                         structure="ram MEM_SIZE") from None
 
 
 def load_stream(f: BinaryIO, directory: str | os.PathLike | None = None

@@ -45,7 +45,7 @@ from typing import BinaryIO, Callable, Iterator
 
 import numpy as np
 
-from leanimg.errors import LimitError, SourceFormatError
+from leanimg.errors import SourceFormatError, fits_in_memory
 
 from .cursor import Cursor
 
@@ -482,11 +482,8 @@ class _Scanner:
     def _grown(self, table: np.ndarray, size: int) -> np.ndarray:
         """``table`` extended to ``size`` entries (-1: never sent), or a LimitError when that
         does not fit in this process's memory (a pfn near PFN_LIMIT in a small stream)."""
-        try:
+        with fits_in_memory(f"a table of {size} pfns ({8 * size} bytes)", self.inp.structure):
             grown = np.full(size, -1, np.int64)
-        except MemoryError:
-            raise LimitError(f"a table of {size} pfns ({8 * size} bytes) does not fit in this process's "
-                             "memory", structure=self.inp.structure) from None
         grown[:len(table)] = table
         return grown
 

@@ -28,7 +28,7 @@ seq:
   - id: records
     type: record
     repeat: until
-    repeat-until: _.record_type == record_type::index
+    repeat-until: _.record_type == record_type::index.to_i
     doc: All records up to and including the INDEX record, which is the last one.
   - id: footer
     type: footer
@@ -131,15 +131,16 @@ types:
     seq:
       - id: record_type
         type: u4
-        enum: record_type
         valid:
           expr: >-
-            (_.to_i & 0x8000_0000) != 0
-            or _ == record_type::region or _ == record_type::disk
-            or _ == record_type::page_frame or _ == record_type::delta_frame
-            or _ == record_type::disk_refs or _ == record_type::page_map
-            or _ == record_type::digests or _ == record_type::index
-        doc: Bit 31 set marks an optional record; a mandatory type must be known.
+            (_ & 0x8000_0000) != 0
+            or _ == record_type::region.to_i or _ == record_type::disk.to_i
+            or _ == record_type::page_frame.to_i or _ == record_type::delta_frame.to_i
+            or _ == record_type::disk_refs.to_i or _ == record_type::page_map.to_i
+            or _ == record_type::digests.to_i or _ == record_type::index.to_i
+        doc: |
+          Bit 31 set marks an optional record; a mandatory type must be known.
+          An integer, as the set is open: `known_type` is the enum value.
       - id: flags
         type: u4
         valid: 0
@@ -148,7 +149,7 @@ types:
       - id: body
         size: body_length
         type:
-          switch-on: record_type
+          switch-on: known_type
           cases:
             record_type::region: region_body
             record_type::disk: disk_body
@@ -168,8 +169,15 @@ types:
         type: u8
         doc: xxh3-64 of the record header, body and padding.
     instances:
+      known_type:
+        value: record_type
+        enum: record_type
+        doc: |
+          record_type as an enum value. A type this description does not name
+          stays a number in most target languages; in Java it is null, so
+          record_type itself is an integer field.
       is_optional:
-        value: (record_type.to_i & 0x8000_0000) != 0
+        value: (record_type & 0x8000_0000) != 0
 
   region_body:
     doc: A named RAM block of the guest (QEMU `pc.ram`, `vga.vram`, ...; Xen's pfn space).
@@ -191,7 +199,10 @@ types:
       - id: size_bytes
         type: u8
         valid:
-          expr: _ != 0 and _ % _root.header.page_size == 0 and _ <= 1 << 48
+          expr: _ != 0 and _ % _root.header.page_size == 0 and _ <= 0x1_0000_0000_0000
+        doc: |
+          A multiple of page_size, at most 2^48 (a literal: `1 << 48` is 65536
+          in the JavaScript and Java parsers, which shift 32-bit integers).
       - id: name_length
         type: u4
         valid:
@@ -253,9 +264,11 @@ types:
     seq:
       - id: source_format
         type: u4
-        enum: source_format
         valid:
-          expr: _ == source_format::qemu or _ == source_format::xen or _.to_i >= 0x80000000
+          expr: _ == source_format::qemu.to_i or _ == source_format::xen.to_i or _ >= 0x80000000
+        doc: |
+          1 QEMU, 2 Xen, 0x80000000 and above private to a converter (an
+          integer, as the set is open: `known_format` is the enum value).
       - id: tag
         type: u4
         doc: |
@@ -268,6 +281,11 @@ types:
         doc: 0, 1, 2, ... across all SOURCE_STATE records in file order.
       - id: data
         size-eos: true
+    instances:
+      known_format:
+        value: source_format
+        enum: source_format
+        doc: source_format as an enum value (null in Java for a private format).
 
   page_frame_body:
     doc: |
@@ -317,14 +335,19 @@ types:
       - id: padding
         type: u1
         repeat: expr
-        repeat-expr: (8 - _io.pos % 8) % 8
+        repeat-expr: (num_deltas + 1) % 2 * 4
         valid: 0
-        doc: Aligns the zstd frame to 8 bytes from the start of the body.
+        doc: |
+          Aligns the zstd frame to 8 bytes from the start of the body, which
+          the 16 bytes of fields and 4 bytes per offset leave at 0 or 4. (Not
+          computed from _io.pos: the Java and JavaScript parsers evaluate a
+          repeat-expr again after each element.)
       - id: frame
         size-eos: true
         type: zstd_frame
         valid:
-          expr: _.has_content_size and _.content_size == entry_offsets.last and entry_offsets.first == 0
+          # .as<u4>: the Java parser would compare two boxed Longs by identity
+          expr: _.has_content_size and _.content_size == entry_offsets.last.as<u4> and entry_offsets.first == 0
 
   disk_refs_body:
     doc: |
@@ -474,7 +497,7 @@ types:
         type: u8
       - id: record_type
         type: u4
-        enum: record_type
+        doc: The record's record_type (an integer, as the set is open).
       - id: key
         type: u4
       - id: first
@@ -541,7 +564,8 @@ types:
         if: not single_segment
       - id: dictionary_id
         type:
-          switch-on: dictionary_id_flag
+          # .as<u1>: Java cannot switch on the long a bit field is read into
+          switch-on: dictionary_id_flag.as<u1>
           cases:
             1: u1
             2: u2
@@ -549,7 +573,7 @@ types:
         if: dictionary_id_flag != 0
       - id: fcs_field
         type:
-          switch-on: fcs_flag
+          switch-on: fcs_flag.as<u1>
           cases:
             0: u1
             1: u2
@@ -563,7 +587,8 @@ types:
       has_content_size:
         value: fcs_flag != 0 or single_segment
       content_size:
-        value: 'fcs_flag == 1 ? fcs_field + 256 : fcs_field'
+        # .as<u8>: the Java parser would narrow the sum to an int
+        value: '(fcs_flag == 1 ? fcs_field + 256 : fcs_field).as<u8>'
         if: has_content_size
 
   delta_entry:

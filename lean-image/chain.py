@@ -17,11 +17,9 @@ import numpy as np
 
 from .digests import verify_rows
 from .errors import ChainError, LeanImageError
-from .format import DIGEST_SIZE, PageClass, row_digests, zero_page_digest
+from .format import DIGEST_SIZE, IS_CONCRETE, PageClass, page_items, row_digests, zero_page_digest
 from . import pages as page_module
 from .rules import implements
-
-CONCRETE = np.array([PageClass.STORED, PageClass.ZERO, PageClass.FREE, PageClass.DISK], np.uint8)
 
 
 @dataclass
@@ -55,7 +53,7 @@ def resolve(image, region) -> Resolution:
         if r is None:
             continue
         pages, classes, slots = _own_pages(r, n)
-        concrete = np.isin(classes, CONCRETE)
+        concrete = IS_CONCRETE[classes]
         idx = pages[concrete]
         base_link[idx] = depth
         base_class[idx] = classes[concrete]
@@ -119,7 +117,8 @@ def fill(resolution: Resolution, out: np.ndarray, first_page: int, count: int,
     slots = resolution.base_slot[first_page:stop]
     want = np.ones(count, bool) if want is None else want
     if window is None:
-        window = _FrameWindow(resolution.links[0].frames.pool, fill_frames(resolution, first_page, count, want))
+        window = _FrameWindow(resolution.links[0].frames.pool, fill_frames(resolution, first_page, count, want)
+                              + fill_delta_frames(resolution, first_page, count))
     for link_index in np.unique(links[want & ((classes == PageClass.STORED) | (classes == PageClass.DISK))]):
         link = resolution.links[int(link_index)]
         mine = want & (links == link_index)
@@ -140,14 +139,15 @@ def fill(resolution: Resolution, out: np.ndarray, first_page: int, count: int,
     for link_index in sorted(np.unique(links_of).tolist(), reverse=True):     # deepest first
         mine = links_of == link_index
         _apply_link_deltas(resolution.links[link_index], words, out, pages[mine] - first_page,
-                           slots_of[mine], ps, apply_delta)
+                           slots_of[mine], ps, apply_delta, window)
 
 
-def _apply_link_deltas(link, words, out, rows, slots, ps, apply_delta) -> None:
+def _apply_link_deltas(link, words, out, rows, slots, ps, apply_delta, window) -> None:
     """One link's deltas (at most one per page): INDEX_LIST entries parsed per frame with
     numpy and applied in one scatter; any other entry through the fully checked path."""
     frames = link.frames.delta_frames.frame_of(slots)     # every slot has one (checked at open)
     for frame in np.unique(frames).tolist():
+        window.step()
         sel = frames == frame
         first, content, offsets, (simple, word_start, num_words, positions, values) = \
             link.frames.delta_frame_parsed(frame)
@@ -187,8 +187,26 @@ class _FrameWindow:
         """One more frame (or ``count``) handed to the workers."""
         while count and self.pending:
             link, frame, with_digests = self.pending.pop()
-            link.frames.prefetch([frame], self.pool, with_digests)
+            if with_digests is DELTAS:
+                link.frames.prefetch_deltas([frame], self.pool)
+            else:
+                link.frames.prefetch([frame], self.pool, with_digests)
             count -= 1
+
+
+DELTAS = "deltas"       # a _FrameWindow item that is a DELTA_FRAME, parsed ahead
+
+
+def fill_delta_frames(resolution: Resolution, first_page: int, count: int) -> list:
+    """The DELTA_FRAMEs fill applies for a range, in its order (deepest link first)."""
+    lo, hi = (int(x) for x in np.searchsorted(resolution.delta_pages, [first_page, first_page + count]))
+    links_of, slots_of = resolution.delta_links[lo:hi], resolution.delta_slots[lo:hi]
+    order = []
+    for link_index in sorted(np.unique(links_of).tolist(), reverse=True):
+        link = resolution.links[link_index]
+        frames = np.unique(link.frames.delta_frames.frame_of(slots_of[links_of == link_index]))
+        order += [(link, f, DELTAS) for f in frames.tolist()]
+    return order
 
 
 def fill_frames(resolution: Resolution, first_page: int, count: int, want: np.ndarray) -> list:
@@ -209,11 +227,11 @@ def _copy_runs(link, out: np.ndarray, rows: np.ndarray, slots: np.ndarray, ps: i
     """Copy STORED pages of one link: one decompressed frame and one numpy copy per frame."""
     starts = link.frames.page_frames.starts
     frames = link.frames.page_frames.frame_of(slots)     # every slot has one (checked at open)
-    pages = out.reshape(-1, ps)
+    pages = out.view(page_items(ps))
     for frame in np.unique(frames).tolist():
         window.step()
         sel = frames == frame
-        content = np.frombuffer(link.frames.frame_pages(frame), np.uint8).reshape(-1, ps)
+        content = np.frombuffer(link.frames.frame_pages(frame), page_items(ps))
         pages[rows[sel]] = content[slots[sel] - starts[frame]]
 
 
@@ -238,7 +256,8 @@ def pieces(image, region, resolution: Resolution, first_page: int, count: int) -
     own, expected = image.digests.expected_range(region, first_page, count)
     checked = (own != PageClass.FREE) & (own != PageClass.ZERO)
     _check_blank(image, region, first_page, np.flatnonzero(blank & checked), expected)
-    order = fill_frames(resolution, first_page, count, built) if built.any() else []
+    order = fill_frames(resolution, first_page, count, built) + fill_delta_frames(resolution, first_page, count) \
+        if built.any() else []
     order += [(resolution.links[li], f, True) for li, f in _page_order_frames(links, frames)]
     window = _FrameWindow(resolution.links[0].frames.pool, order)
     out = None

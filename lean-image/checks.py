@@ -131,8 +131,9 @@ def numbering_problems(name: str, firsts, counts, offsets) -> Iterator[FormatErr
 
 
 def _contiguous(name: str, firsts, counts, offsets, rule: str) -> Iterator[FormatError]:
-    firsts, counts = np.asarray(firsts, np.int64), np.asarray(counts, np.int64)
-    expected = np.concatenate(([0], np.cumsum(counts)[:-1])) if len(counts) else counts
+    # u64 fields: as uint64, where a lying count wraps (and so mismatches) instead of overflowing
+    firsts, counts = np.asarray(firsts, np.uint64), np.asarray(counts, np.uint64)
+    expected = np.concatenate((np.zeros(1, np.uint64), np.cumsum(counts)[:-1])) if len(counts) else counts
     for k in np.flatnonzero(firsts != expected)[:20].tolist():
         yield FormatError(f"{name} {k}: expected first {int(expected[k])}, got {int(firsts[k])}",
                           offset=int(offsets[k]) + RECORD.size, structure=f"{name}[{k}]", rule=rule)

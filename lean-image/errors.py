@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 
 class LeanImageError(Exception):
     """Root of every error leanimg reports about its input.
@@ -44,6 +46,16 @@ class TruncatedError(FormatError):
 
 class LimitError(FormatError):
     """A declared size exceeds a resource limit the reader enforces."""
+
+
+@contextlib.contextmanager
+def fits_in_memory(what: str, structure: str):
+    """A MemoryError while allocating ``what`` (tables sized by what the input declares)
+    becomes a LimitError naming it: a clear error, never a traceback."""
+    try:
+        yield
+    except MemoryError:
+        raise LimitError(f"{what} does not fit in this process's memory", structure=structure) from None
 
 
 class UnsupportedError(LeanImageError):

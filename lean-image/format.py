@@ -236,6 +236,8 @@ SLOT_CLASSES = {PageClass.STORED, PageClass.DISK, PageClass.DELTA}
 # and in an image with INHERITED_DIGESTS a PARENT page's digest is the parent's (spec §6.1)
 DIGEST_CLASSES = {PageClass.STORED, PageClass.DISK, PageClass.PARENT, PageClass.DELTA}
 OWN_DIGEST_CLASSES = DIGEST_CLASSES - {PageClass.PARENT}
+# classes that hold a page's bytes themselves: the base a chain's PARENT and DELTA pages rest on
+CONCRETE_CLASSES = {PageClass.STORED, PageClass.ZERO, PageClass.FREE, PageClass.DISK}
 
 
 def _class_table(classes) -> np.ndarray:
@@ -249,6 +251,7 @@ IS_PAGE_CLASS = _class_table(PageClass)
 HAS_SLOT = _class_table(SLOT_CLASSES)
 HAS_DIGEST = _class_table(DIGEST_CLASSES)
 HAS_OWN_DIGEST = _class_table(OWN_DIGEST_CLASSES)
+IS_CONCRETE = _class_table(CONCRETE_CLASSES)
 
 
 def inherits_digests(incompatible_features: int) -> bool:
@@ -324,6 +327,12 @@ def page_digests(data, page_size: int) -> np.ndarray:
     joined = b"".join([xxhash.xxh3_128_digest(view[k:k + page_size])
                        for k in range(0, len(view), page_size)])
     return np.frombuffer(joined, np.uint8).reshape(-1, DIGEST_SIZE)
+
+
+def page_items(page_size: int) -> np.dtype:
+    """One page as one numpy item: fancy-indexed copies of whole pages move one block per
+    page (several times faster than rows of an (n, page_size) uint8 array)."""
+    return np.dtype((np.void, page_size))
 
 
 def row_digests(pages: np.ndarray, rows) -> np.ndarray:

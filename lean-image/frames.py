@@ -42,7 +42,7 @@ class FrameStore:
         self._depth = 0
         self._cache: OrderedDict = OrderedDict()
         self._ahead: dict[int, object] = {}
-        self._decompressor = zstandard.ZstdDecompressor()
+        self._ahead_deltas: dict[int, object] = {}         # DELTA_FRAME -> its parse on a worker
 
     def enable_read_ahead(self, threads: int = 2, depth: int = 4) -> None:
         """Decompress the next frames on worker threads while the caller reads sequentially."""
@@ -144,20 +144,33 @@ class FrameStore:
         """(first_delta, content, offsets, parse_index_lists(...)) of a DELTA_FRAME, cached."""
         key = ("delta-parsed", frame)
         if key not in self._cache:
-            content, offsets, first = self._delta_frame(frame)
-            self._keep(key, (first, content, offsets,
-                             parse_index_lists(content, np.array(offsets, np.int64), self.page_size)))
+            ahead = self._ahead_deltas.pop(frame, None)
+            self._keep(key, ahead.result() if ahead is not None else self._parse_delta_frame(frame))
         return self._cache[key]
+
+    def prefetch_deltas(self, frames, pool) -> None:
+        """Read, decompress and parse these DELTA_FRAMEs on ``pool``'s workers before they are asked for."""
+        for frame in frames:
+            if frame not in self._ahead_deltas and ("delta-parsed", frame) not in self._cache:
+                self._ahead_deltas[frame] = pool.submit(self._parse_delta_frame, frame)
+
+    def _parse_delta_frame(self, frame: int):
+        """Runs on a read-ahead worker too: reads the file, touches no cache."""
+        content, offsets, first = self._read_delta_frame(frame)
+        return first, content, offsets, parse_index_lists(content, np.array(offsets, np.int64), self.page_size)
 
     def _delta_frame(self, frame: int):
         key = ("delta", frame)
         if key not in self._cache:
-            record = self.tables.frame_record(self.delta_frames, frame)
-            p = record.parsed
-            content = decompress_frame(self._decompressor, p["frame"], int(p["entry_offsets"][-1]), record.offset,
-                                       record.path("frame"))
-            self._keep(key, (content, p["entry_offsets"].tolist(), p["first_delta"]))
+            self._keep(key, self._read_delta_frame(frame))
         return self._cache[key]
+
+    def _read_delta_frame(self, frame: int):
+        record = self.tables.frame_record(self.delta_frames, frame)
+        p = record.parsed
+        content = decompress_frame(zstandard.ZstdDecompressor(), p["frame"], int(p["entry_offsets"][-1]),
+                                   record.offset, record.path("frame"))
+        return content, p["entry_offsets"].tolist(), p["first_delta"]
 
     def _keep(self, key, value) -> None:
         self._cache[key] = value

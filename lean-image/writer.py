@@ -23,7 +23,7 @@ import xxhash
 import zstandard
 
 from . import delta as deltacodec
-from .errors import LimitError
+from .errors import LimitError, fits_in_memory
 from .fileutil import commit_temporary, create_temporary, discard_temporary, is_special_file
 from .format import (
     DEFAULT_FRAME_BYTES, DEFAULT_ZSTD_LEVEL, DELTA_FRAME_BODY, DIGEST_CHUNK_PAGES, DIGEST_SIZE, HAS_SLOT,
@@ -615,12 +615,9 @@ class LeanImageWriter:
 def _region_tables(name: str, num_pages: int) -> tuple:
     """The writer's per-page tables of a region (class, slot, digest: 25 bytes a page), or a
     LimitError when they do not fit in this process's memory (a 1 TiB guest needs 6.25 GiB)."""
-    try:
+    with fits_in_memory(f"the page tables of {num_pages} pages ({25 * num_pages} bytes)", f"region {name!r}"):
         return (np.zeros(num_pages, np.uint8), np.zeros(num_pages, np.uint64),
                 np.zeros((num_pages, DIGEST_SIZE), np.uint8))
-    except MemoryError:
-        raise LimitError(f"{num_pages} pages: their page tables ({25 * num_pages} bytes) "
-                         "do not fit in this process's memory", structure=f"region {name!r}") from None
 
 
 _EXTENT_SCAN_PAGES = 1 << 20

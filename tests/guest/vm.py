@@ -1,8 +1,9 @@
 """Drive the test guest in a real qemu-system-x86_64 (TCG) over QMP and its serial console.
 
 ``GuestVM`` is a context manager: it starts QEMU, connects the serial console (a unix
-socket: the test sends workload commands to the guest's shell and reads its output) and a
-minimal QMP client, and always kills QEMU on exit.  Every wait has a timeout.
+socket: the test sends workload commands to the guest's shell and reads its output) and
+QEMU's monitor (qemu.qmp, as leanimg's checkpoint does), and always kills QEMU on exit.
+Every wait has a timeout.
 
 Source and destination use the same command line (``qemu_args``) apart from ``-incoming``,
 which is what QEMU needs to accept a migration stream.
@@ -10,7 +11,7 @@ which is what QEMU needs to accept a migration stream.
 
 from __future__ import annotations
 
-import json
+import asyncio
 import os
 import re
 import shutil
@@ -20,6 +21,8 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+
+from qemu.qmp import ExecuteError, QMPClient
 
 from .build import READY_MARKER, GuestBuild
 
@@ -48,42 +51,49 @@ def qemu_args(build: GuestBuild, disk: Path, workdir: Path, mem_mib: int) -> lis
 
 
 class QMP:
-    """A minimal synchronous QMP client over a unix socket (events are skipped)."""
+    """QEMU's monitor through qemu.qmp's QMPClient on a private event loop, as
+    converters/checkpoint.py talks to it; every wait bounded, failures raised as GuestError."""
 
     def __init__(self, path: Path, timeout: float = 30.0):
-        self.sock = _connect_unix(path, timeout)
-        self.sock.settimeout(timeout)
-        self.file = self.sock.makefile("rwb")
-        greeting = self._read()
-        if "QMP" not in greeting:
-            raise GuestError(f"expected a QMP greeting, got {greeting!r}")
-        self.execute("qmp_capabilities")
+        self.timeout = timeout
+        self._loop = asyncio.new_event_loop()
+        self._client = QMPClient("leanimg-test")
+        try:
+            self._connect(path)
+        except BaseException:
+            self.close()
+            raise
+
+    def _connect(self, path: Path) -> None:
+        """Connect (greeting and capabilities negotiation), retrying while QEMU starts up."""
+        deadline = time.monotonic() + self.timeout
+        while True:
+            try:
+                return self._run(self._client.connect(str(path)))
+            except Exception as exc:  # qemu.qmp's ConnectError wraps the refused or missing socket
+                if time.monotonic() > deadline:
+                    raise GuestError(f"no QMP session on {path} within {self.timeout:.0f} s: {exc}") from None
+                time.sleep(0.05)
+
+    def _run(self, coroutine):
+        return self._loop.run_until_complete(asyncio.wait_for(coroutine, self.timeout))
 
     def execute(self, command: str, **arguments) -> object:
-        msg = {"execute": command}
-        if arguments:
-            msg["arguments"] = arguments
-        self.file.write(json.dumps(msg).encode() + b"\n")
-        self.file.flush()
-        while True:
-            reply = self._read()
-            if "return" in reply:
-                return reply["return"]
-            if "error" in reply:
-                raise GuestError(f"QMP {command} failed: {reply['error']}")
-
-    def _read(self) -> dict:
-        line = self.file.readline()
-        if not line:
-            raise GuestError("QMP connection closed by QEMU")
-        return json.loads(line)
+        try:
+            return self._run(self._client.execute(command, arguments or None))
+        except ExecuteError as exc:
+            raise GuestError(f"QMP {command} failed: {exc.error.error.desc}") from None
+        except asyncio.TimeoutError:
+            raise GuestError(f"QMP {command}: no reply within {self.timeout:.0f} s") from None
+        except Exception as exc:  # the connection closed (QEMU exited), or another qemu.qmp error
+            raise GuestError(f"QMP {command}: {type(exc).__name__}: {exc}") from None
 
     def close(self) -> None:
-        for closer in (self.file.close, self.sock.close):
-            try:
-                closer()
-            except OSError:
-                pass
+        try:
+            self._run(self._client.disconnect())
+        except Exception:  # QEMU already gone: nothing to report when closing
+            pass
+        self._loop.close()
 
 
 class Serial:
