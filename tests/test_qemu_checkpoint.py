@@ -370,6 +370,21 @@ def test_a_background_checkpoint_without_disks_streams_into_the_writer(guest):
 
 
 @qemu
+def test_checkpoint_json_follows_its_schema(guest):
+    import json
+
+    import jsonschema
+
+    from leanimg.output import schema
+    image = guest.work / "json.lean"
+    out = json.loads(checkpoint(guest, image, "--json").stdout)
+    jsonschema.validate(out, schema("checkpoint"))
+    assert out["output"] == str(image) and out["mode"] == "stop" and out["then"] == "continue"
+    assert out["file_bytes"] == image.stat().st_size and out["classes"] == _classes(image)
+    _assert_running_on(guest)
+
+
+@qemu
 def test_then_quit_ends_qemu_after_the_image(guest):
     """Last of the shared guest's tests: QEMU quits."""
     image = guest.work / "quit.lean"
