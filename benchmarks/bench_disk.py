@@ -29,6 +29,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 from bench_qemu import leanimg_command, timed
@@ -62,7 +63,7 @@ def make_save(workdir: Path, reuse: bool) -> None:
 def class_pages(leanimg: list[str], image: Path) -> dict[str, int]:
     info = json.loads(subprocess.run([*leanimg, "inspect", "--json", str(image)], check=True,
                                      capture_output=True).stdout)
-    return {c["page_class"]: c["pages"] for c in info["classes"]}
+    return Counter(info["classes"])
 
 
 def sparse_copy(src: Path, dst: Path, size: int) -> None:

@@ -213,6 +213,16 @@ class CheckpointResult:
         extra += [self.guest_free.describe()] if self.guest_free else []
         return "; ".join([line] + [d.describe() for d in self.disks] + extra)
 
+    def to_json(self) -> dict:
+        """``checkpoint --json`` (schemas/checkpoint.schema.json)."""
+        classes = {cls.name: int(n) for cls, n in sorted(self.classes.items()) if n}
+        return dict(output=self.output, mode=self.mode, then=self.then, file_bytes=self.file_bytes,
+                    page_size=self.page_size, classes=classes,
+                    downtime_ms=self.downtime_ms, paused_ms=self.paused_ms, seconds=self.seconds, guest=self.guest,
+                    disks=[dict(d.note(), referenced_bytes=d.referenced) for d in self.disks],
+                    balloon=dict(self.balloon.note(), deflated=self.balloon.deflated) if self.balloon else None,
+                    guest_free=self.guest_free.note() if self.guest_free else None)
+
 
 # ------------------------------------------------------------------------------ QMP
 

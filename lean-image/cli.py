@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import sys
@@ -15,7 +14,9 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import click  # noqa: E402
 
+from . import output as ui
 from .errors import LeanImageError
+from .output import json_option, verbosity_options
 
 EXIT_INVALID = 1
 EXIT_INTERNAL = 3
@@ -33,18 +34,27 @@ class LeanGroup(click.Group):
             hint = _hint(exc)
             if hint:
                 click.echo(f"leanimg: hint: {hint}", err=True)
+            ui.error(exc.message, EXIT_INVALID, kind="invalid", offset=exc.offset, structure=exc.structure,
+                         rule=exc.rule, path=exc.path, hint=hint)
             ctx.exit(EXIT_INVALID)
-        except (click.exceptions.Exit, click.ClickException, click.Abort):
+        except click.ClickException as exc:     # usage errors: click prints them
+            ui.error(exc.format_message(), exc.exit_code, kind="usage")
+            raise
+        except (click.exceptions.Exit, click.Abort):
             raise
         except BrokenPipeError:
             ctx.exit(EXIT_INVALID)
         except MemoryError as exc:   # the environment too: an input larger than this process may hold
-            click.echo(f"leanimg: error: out of memory{': ' + str(exc) if str(exc) else ''} "
-                       "(the input needs more memory than this process may use)", err=True)
+            message = (f"out of memory{': ' + str(exc) if str(exc) else ''} "
+                       "(the input needs more memory than this process may use)")
+            click.echo(f"leanimg: error: {message}", err=True)
+            ui.error(message, EXIT_INVALID, kind="environment")
             ctx.exit(EXIT_INVALID)
         except OSError as exc:    # the environment (a full disk, a permission), not a bug
             where = f"{exc.filename}: " if exc.filename else ""
             click.echo(f"leanimg: error: {where}{exc.strerror or exc}", err=True)
+            ui.error(str(exc.strerror or exc), EXIT_INVALID, kind="environment",
+                         path=os.fspath(exc.filename) if exc.filename else None)
             ctx.exit(EXIT_INVALID)
         except Exception as exc:  # a bug in leanimg, not bad input
             click.echo(f"leanimg: internal error: {type(exc).__name__}: {exc}", err=True)
@@ -52,6 +62,7 @@ class LeanGroup(click.Group):
                 traceback.print_exc()
             else:
                 click.echo("leanimg: set LEANIMG_DEBUG=1 for a traceback and please report it", err=True)
+            ui.error(f"{type(exc).__name__}: {exc}", EXIT_INTERNAL, kind="internal")
             ctx.exit(EXIT_INTERNAL)
 
 
@@ -173,10 +184,16 @@ def _exit_on_sigterm(signum, frame):
     sys.exit(128 + signum)
 
 
-@click.group(cls=LeanGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=LeanGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(package_name="leanimg")
+@verbosity_options
 def main():
-    """Lean VM memory images: convert, inspect, validate, restore."""
+    """Lean VM memory images: convert, inspect, validate, restore.
+
+    Exit status: 0 ok, 1 bad input, 2 usage error, 3 internal error, 4 (validate,
+    validate-hints) no violation found but not every rule checked. -q/-v may be given
+    before the command or after it.
+    """
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     _raise_open_file_limit()
 
@@ -192,7 +209,8 @@ def _raise_open_file_limit() -> None:
 
 @main.command()
 @click.argument("image", type=click.Path(exists=True, dir_okay=False))
-@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@json_option
+@verbosity_options
 @click.option("--map", "map_path", type=click.Path(dir_okay=False), metavar="FILE.png|FILE.svg",
               help="Draw guest memory coloured by page class: PNG (needs Pillow: pip install 'leanimg[map]') "
               "or, for a name ending in .svg, SVG.")
@@ -215,12 +233,16 @@ def inspect(image, as_json, map_path, with_files, parents, disks, force):
             from .memory_picture import render_map
             render_map(img, map_path)
             summary["map"] = map_path
-    click.echo(json.dumps(summary, indent=2) if as_json else render_text(summary))
+    if as_json:
+        ui.emit_json(summary)
+    else:
+        ui.report(render_text(summary))
 
 
 @main.command()
 @click.argument("image", type=click.Path(exists=True, dir_okay=False))
-@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@json_option
+@verbosity_options
 @click.option("--chain", "whole_chain", is_flag=True, help="Validate every link of IMAGE's chain, each "
               "against its own parent.")
 @parent_option
@@ -229,15 +251,19 @@ def validate(image, as_json, whole_chain, parents, disks):
     """Strict conformance check of IMAGE. Exit 0 valid, 1 invalid, 4 no violation found but some rules
     not checked (a parent or disk not given)."""
     from .validate import validate as run
+    from .validate import work_bytes
     links = _chain_paths(image, parents) if whole_chain else [image]
     paths = _parse_disks(disks)
     reports = []
     for link in links:
+        ui.detail(f"validating {link}")
         with _disk_sources(paths) as sources:
-            reports.append(run(link, disks=sources, parents=list(parents) + links))
+            chain = list(parents) + links
+            with ui.progress(work_bytes(link, disks=sources, parents=chain), "validate") as advance:
+                reports.append(run(link, disks=sources, parents=chain, progress=advance))
     if as_json:
         body = [r.to_json() for r in reports]
-        click.echo(json.dumps(body if whole_chain else body[0], indent=2))
+        ui.emit_json(body if whole_chain else body[0])
     else:
         for report in reports:
             _print_report(report)
@@ -272,11 +298,11 @@ def _print_report(report) -> None:
         click.echo(f"    rule: {describe(finding.rule)}")
     for rule, count in report.suppressed.items():
         click.echo(f"{rule}: {count} more findings not shown")
-    for note in report.not_checked:
+    for note in report.not_checked_reasons:
         click.echo(f"not checked: {note}")
     checked = ", ".join(f"{v} {k}" for k, v in sorted(report.checked.items()))
     verdict = _verdict(report)
-    click.echo(f"{report.path}: {verdict}; checked {checked}")
+    ui.summary(f"{report.path}: {verdict}; checked {checked}")
 
 
 @main.command()
@@ -287,6 +313,8 @@ def _print_report(report) -> None:
               "xen: the Xen save file (xl, libxl or libxc stream) the image came from; "
               "or an installed target plugin's name (leanimg plugins).")
 @click.option("-o", "--output", required=True, metavar="FILE|-", help="Output file, or - for stdout.")
+@json_option
+@verbosity_options
 @parent_option
 @disk_option
 @click.option("--sort-blocks/--no-sort-blocks", default=True, show_default=True,
@@ -295,7 +323,7 @@ def _print_report(report) -> None:
               help="Accept a disk whose size or fingerprint differs from the disk table (a copy made "
               "another way, a disk known to have changed elsewhere); every block is still checked.")
 @force_option
-def restore(image, target, output, parents, disks, sort_blocks, any_disk_identity, force):
+def restore(image, target, output, as_json, parents, disks, sort_blocks, any_disk_identity, force):
     """Rebuild guest memory from IMAGE, every page checked against its digest.
 
     --to raw writes the regions in file order, concatenated (spec §11).
@@ -303,29 +331,43 @@ def restore(image, target, output, parents, disks, sort_blocks, any_disk_identit
     qemu-system-x86_64 ... -incoming "exec:leanimg restore IMG --to qemu -o -"
     --to xen rebuilds the Xen save file (`xl restore FILE`) in the form it had.
     """
+    import time
+
     from .fileutil import write_atomically
     from .plugins import target as restore_target
+    from .results import restore_line, restore_result
+    if output == "-":
+        ui.stdout_is_data()
     produce = restore_target(target).restore
+    started = time.monotonic()
     with _open_image(image, parents, disks, check_disk_identity=not any_disk_identity) as img:
         _guard_output(output, _inputs_of(img, disks), force)
         for link in img.chain():
             link.sort_blocks = sort_blocks
         total = sum(r.size_bytes for r in img.regions)
-        with _progress(total, "restore") as advance:
+        ui.detail(f"restoring {total / 2**20:.1f} MiB of {image} ({len(img.chain())} link(s)) as {target}")
+        with ui.progress(total, "restore") as advance:
             if output == "-":
                 produce(img, sys.stdout.buffer, advance)
             else:
                 write_atomically(output, lambda out: produce(img, out, advance))
+        result = restore_result(img, output, target, time.monotonic() - started)
+    if as_json:
+        ui.emit_json(result)
+    ui.summary(restore_line(result))
 
 
 @main.command()
 @click.argument("save", metavar="SAVE|-")
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="The lean image to write.")
+@json_option
+@verbosity_options
 @click.option("--from", "source_format", metavar="qemu|xen|PLUGIN",
               callback=lambda ctx, param, value: _installed_plugin("leanimg.sources", param, value),
               help="Force the source format (an installed source plugin's name: leanimg plugins).")
 @click.option("--spool/--no-spool", default=None,
-              help="Assemble RAM in scratch files first (needed for live saves read from a pipe).")
+              help="Assemble RAM in scratch files first, as a live save read from a pipe needs (default: only "
+              "where needed, e.g. with --disk; a live save in a file is re-read instead).")
 @click.option("--level", default=3, show_default=True, type=click.IntRange(1, 22),
               help="zstd level of stored pages (1-22).")
 @click.option("--frame-pages", type=click.IntRange(1, 4096),
@@ -348,10 +390,14 @@ def restore(image, target, output, parents, disks, sort_blocks, any_disk_identit
 @click.option("--disk-scan/--no-disk-scan", default=None,
               help="Scan the --disk disks for pages (default: yes, unless the hints have DISK hints).")
 @force_option
-def convert(save, output, source_format, spool, level, frame_pages, parents, delta, disks, all_phases, hints_path,
+def convert(save, output, as_json, source_format, spool, level, frame_pages, parents, delta, disks, all_phases, hints_path,
             trust_dirty_log, disk_scan, force):
     """Convert a hypervisor save file (QEMU migration stream, Xen xl/libxl/libxc stream) into a lean image."""
+    import time
+
     from .disks.partitions import scan_bytes
+    from .results import convert_line, convert_result, written_image
+    started, save_name = time.monotonic(), save
     # the parent's chain is opened to name its links only when OUTPUT exists: it could be one
     chain = _chain_paths(parents[0], parents) if parents and os.path.exists(output) else []
     _guard_output(output, [save, *parents, *chain, *_parse_disks(disks).values(), *filter(None, [hints_path])], force)
@@ -362,8 +408,10 @@ def convert(save, output, source_format, spool, level, frame_pages, parents, del
             label = "scan disks"
         else:
             total, label = (os.path.getsize(save) if _plain_file(save) else 0), "convert"
-        with _progress(total, label) as advance:
+        with ui.progress(total, label) as advance:
             source, save = _save_source(save, source_format)
+            ui.detail(f"converting {'standard input' if save_name == '-' else save_name} as {source.name}"
+                      f"{' against ' + parents[0] if parents else ''} into {output}")
             summary = source.convert(save, output, spool=spool,
                                      writer_options=dict(level=level, frame_pages=frame_pages),
                                      progress=None if sources else advance, parents=parents, allow_delta=delta,
@@ -371,6 +419,11 @@ def convert(save, output, source_format, spool, level, frame_pages, parents, del
     if summary:
         _report_disk_pages(sources, summary)
     _report_hints(hinting)
+    result = convert_result(save_name, written_image(output, parents), source.name, summary,
+                            hinting.get("hint_report"), time.monotonic() - started)
+    if as_json:
+        ui.emit_json(result)
+    ui.summary(convert_line(result))
 
 
 def _plain_file(save: str) -> bool:
@@ -395,14 +448,15 @@ def _hint_options(path, trust_dirty_log: bool, disk_scan) -> dict:
 
 def _report_hints(hinting: dict) -> None:
     for kind, counts in hinting.get("hint_report", {}).items():
-        click.echo(f"hints {kind}: " + ", ".join(f"{n} {what}" for what, n in counts.items()) + " (pages)", err=True)
+        ui.note(f"hints {kind}: " + ", ".join(f"{n} {what}" for what, n in counts.items()) + " (pages)")
 
 
 @main.command("validate-hints")
 @click.argument("hints_file", metavar="FILE", type=click.Path(exists=True, dir_okay=False))
 @click.option("--save", type=click.Path(exists=True, dir_okay=False), help="The save the hints are for.")
 @click.option("--image", type=click.Path(exists=True, dir_okay=False), help="An image converted from that save.")
-@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@json_option
+@verbosity_options
 def validate_hints(hints_file, save, image, as_json):
     """Check a hint file against spec/hints.md. Exit 0 valid, 1 invalid, 4 no violation found but
     some rules not checked (no --save or --image)."""
@@ -412,7 +466,7 @@ def validate_hints(hints_file, save, image, as_json):
         raise click.UsageError("give --save or --image, not both")
     report = run(hints_file, save=save, image=image)
     if as_json:
-        click.echo(json.dumps(report.to_json(), indent=2))
+        ui.emit_json(report.to_json())
     else:
         for finding in report.findings:
             where = f"offset {finding.offset:#x}" if finding.offset is not None else "offset -"
@@ -420,10 +474,10 @@ def validate_hints(hints_file, save, image, as_json):
             click.echo(f"    rule: {describe(finding.rule)}")
         for rule, count in report.suppressed.items():
             click.echo(f"{rule}: {count} more findings not shown")
-        for note in report.not_checked:
+        for note in report.not_checked_reasons:
             click.echo(f"not checked: {note}")
         verdict = _verdict(report)
-        click.echo(f"{hints_file}: {verdict}; {report.records} hint records")
+        ui.summary(f"{hints_file}: {verdict}; {report.records} hint records")
     sys.exit(_validate_status([report]))
 
 
@@ -446,35 +500,40 @@ def _save_source(save: str, source_format: str | None):
 def _report_disk_pages(sources: dict, summary) -> None:
     for name in sources:
         pages = summary.pages.get(name, 0)
-        click.echo(f"disk {name}: {pages} pages ({pages * summary.page_size / 2**20:.1f} MiB) are disk "
-                   "references", err=True)
-    click.echo(f"disks scanned: {summary.scanned_bytes / 2**20:.1f} MiB of data; "
-               f"{summary.indexed_pages} non-zero guest pages looked up", err=True)
+        ui.note(f"disk {name}: {pages} pages ({pages * summary.page_size / 2**20:.1f} MiB) are disk references")
+    ui.note(f"disks scanned: {summary.scanned_bytes / 2**20:.1f} MiB of data; "
+            f"{summary.indexed_pages} non-zero guest pages looked up")
 
 
 @main.command()
 @click.argument("image", type=click.Path(exists=True, dir_okay=False))
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="The image to write.")
+@json_option
+@verbosity_options
 @parent_option
 @disk_option
 @force_option
-def flatten(image, output, parents, disks, force):
+def flatten(image, output, as_json, parents, disks, force):
     """Write IMAGE as a self-contained image: no parent, same memory, same source state."""
     from .incremental import rebase
     with _open_image(image, parents, disks) as img:
         _guard_output(output, _inputs_of(img, disks), force)
-        rebase(img, output, None)
-    _report_rebase(output)
+        ui.detail(f"flattening the {len(img.chain())} link(s) of {image} into {output}")
+        with ui.progress(sum(r.size_bytes for r in img.regions), "flatten") as advance:
+            rebase(img, output, None, progress=advance)
+    _report_rebase(output, as_json)
 
 
 @main.command()
 @click.argument("image", type=click.Path(exists=True, dir_okay=False))
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="The image to write.")
+@json_option
+@verbosity_options
 @click.option("--delta/--no-delta", default=True, show_default=True, help="Re-encode changed pages as deltas.")
 @parent_option
 @disk_option
 @force_option
-def merge(image, output, delta, parents, disks, force):
+def merge(image, output, as_json, delta, parents, disks, force):
     """Fold IMAGE into its parent: OUTPUT has IMAGE's memory and IMAGE's grandparent as parent.
 
     Use it to keep chains short: merging link k into link k-1 removes one level.
@@ -486,17 +545,18 @@ def merge(image, output, delta, parents, disks, force):
             raise ChainError("the image has no parent to merge into; use flatten")
         _guard_output(output, _inputs_of(img, disks), force)
         ancestors = [link.path for link in img.parent.chain()[1:]]
-        rebase(img, output, img.parent.parent, allow_delta=delta)
-        _report_rebase(output, ancestors)
+        ui.detail(f"merging {image} into its parent {img.parent.path}: {output}")
+        with ui.progress(sum(r.size_bytes for r in img.regions), "merge") as advance:
+            rebase(img, output, img.parent.parent, allow_delta=delta, progress=advance)
+        _report_rebase(output, as_json, ancestors)
 
 
-def _report_rebase(output, parents=()) -> None:
-    from .inspect import class_counts
-    from .reader import LeanImage
-    with LeanImage.open(output, parents=parents) as written:
-        counts = class_counts(written)
-    parts = ", ".join(f"{n} {cls.name}" for cls, n in sorted(counts.items()) if n)
-    click.echo(f"{output}: written, {parts}")
+def _report_rebase(output, as_json: bool, parents=()) -> None:
+    from .results import image_line, written_image
+    result = written_image(output, parents)
+    if as_json:
+        ui.emit_json(result)
+    ui.summary(image_line(result))
 
 
 # -- plugins (lean-image/plugins.py) ------------------------------------------------------------
@@ -510,14 +570,18 @@ def _installed_plugin(group: str, param, value):
 
 
 @main.command("plugins")
-@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@json_option
+@verbosity_options
 def plugins_command(as_json):
     """List the installed source formats, restore targets and checkpoint writers, with the distribution that
     provides each; a plugin that cannot be loaded is listed as BROKEN with the reason."""
     from .plugin_list import render_text
     from .plugins import installed
     found = installed()
-    click.echo(json.dumps([p.to_json() for p in found], indent=2) if as_json else render_text(found))
+    if as_json:
+        ui.emit_json([p.to_json() for p in found])
+    else:
+        ui.report(render_text(found))
 
 
 # -- serve: lazy restore (restore/postcopy.py, spec/guides/lazy-restore.md) -----------------
@@ -531,17 +595,24 @@ def plugins_command(as_json):
               help="The order pages are pushed in while the guest runs (none: only on demand).")
 @click.option("--stats", "stats_path", type=click.Path(dir_okay=False), metavar="FILE",
               help="Also write the counts (pages on demand, pushed, ...) to FILE as JSON.")
+@json_option
+@verbosity_options
 @parent_option
 @disk_option
 @click.option("--any-disk-identity", is_flag=True, help="As for restore: every block is still checked.")
 @force_option
-def serve(image, postcopy, prepage, stats_path, parents, disks, any_disk_identity, force):
+def serve(image, postcopy, prepage, stats_path, as_json, parents, disks, any_disk_identity, force):
     """Serve IMAGE to a QEMU destination that runs the guest before its memory has arrived.
 
     qemu-system-x86_64 ... -global migration.x-postcopy-ram=on
     -incoming "exec:leanimg serve IMG --postcopy"
+
+    The summary (with --json: the counts as JSON) goes to standard error: standard output is the stream.
     """
+    from dataclasses import asdict
+
     from .plugins import target as restore_target
+    ui.stdout_is_data()
     if not postcopy:
         raise click.UsageError("serve needs --postcopy (the only protocol it speaks)")
     if sys.stdout.isatty():
@@ -549,8 +620,21 @@ def serve(image, postcopy, prepage, stats_path, parents, disks, any_disk_identit
     with _open_image(image, parents, disks, check_disk_identity=not any_disk_identity) as img:
         if stats_path:
             _guard_output(stats_path, _inputs_of(img, disks), force)
-        restore_target("qemu").serve(img, sys.stdout.buffer, sys.stdin.buffer, strategy=prepage,
-                                     stats_path=stats_path)
+        from .format import PageClass
+        from .inspect import class_counts
+        counts = class_counts(img)
+        travelling = sum(counts.values()) - counts[PageClass.ZERO] - counts[PageClass.FREE]
+        with ui.progress(travelling, "serve (pages)") as advance:
+            stats = restore_target("qemu").serve(img, sys.stdout.buffer, sys.stdin.buffer, strategy=prepage,
+                                                 stats_path=stats_path, log=_serve_log, progress=advance)
+    if as_json:
+        ui.emit_json(dict(asdict(stats), image=image))
+
+
+def _serve_log(message: str) -> None:
+    """serve's warnings and summary line: on standard error, not with --quiet; --json replaces them."""
+    if not ui.wants_json():
+        ui.note(f"leanimg: {message}")
 
 
 @main.command()
@@ -566,7 +650,8 @@ def demo(workdir):
 @click.argument("image", type=click.Path(exists=True, dir_okay=False))
 @click.option("--output", "output_format", type=click.Choice(["human", "json"]), default="human",
               show_default=True, help="human: one line per extent; json: as lean-image/schemas/map.schema.json.")
-@click.option("--json", "as_json", is_flag=True, help="The same as --output json.")
+@json_option
+@verbosity_options
 @parent_option
 @disk_option
 def map_command(image, output_format, as_json, parents, disks):
@@ -585,7 +670,8 @@ def map_command(image, output_format, as_json, parents, disks):
 @click.argument("image", type=click.Path(exists=True, dir_okay=False))
 @click.option("--payloads", is_flag=True, help="Give every byte string in full (default: those over 64 "
               "bytes, such as compressed frames, as their length and first 16 bytes).")
-@click.option("--json", "as_json", is_flag=True, help="Accepted like every command's --json; the dump is JSON anyway.")
+@json_option
+@verbosity_options
 def dump_command(image, payloads, as_json):
     """Every structure of IMAGE as JSON: header, records in file order with their fields, footer
     (lean-image/schemas/dump.schema.json)."""
@@ -599,6 +685,8 @@ def dump_command(image, payloads, as_json):
               help="QEMU's QMP unix socket (-qmp unix:SOCKET,server=on,wait=off); QEMU serves one "
               "client per socket, so give leanimg its own.")
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="The lean image to write.")
+@json_option
+@verbosity_options
 @click.option("--live", "mode", flag_value="live", help="Precopy while the guest runs; the migration's final "
               "pause is the checkpoint instant.")
 @click.option("--background", "mode", flag_value="background", help="QEMU's background-snapshot: the guest "
@@ -626,7 +714,7 @@ def dump_command(image, payloads, as_json):
 @click.option("--keep-hints", type=click.Path(dir_okay=False), metavar="FILE",
               help="With --guest-free: also write the FREE hints taken from the guest to FILE (spec/hints.md).")
 @force_option
-def checkpoint(qmp_socket, output, mode, then, disks, parents, delta, level, max_bandwidth, balloon_inflate,
+def checkpoint(qmp_socket, output, as_json, mode, then, disks, parents, delta, level, max_bandwidth, balloon_inflate,
                keep_stream, guest_free, keep_hints, force):
     """Checkpoint a running QEMU 7.2 over QMP straight into a lean image (no save file)."""
     from .errors import CheckpointInterrupted
@@ -653,32 +741,16 @@ def checkpoint(qmp_socket, output, mode, then, disks, parents, delta, level, max
                              parents=parents, allow_delta=delta, writer_options=dict(level=level),
                              max_bandwidth=max_bandwidth and max_bandwidth << 20, keep_stream=keep_stream,
                              balloon_inflate=(balloon_inflate or 0) << 20,
-                             guest_free=guest_free, keep_hints=keep_hints, progress=sys.stderr.isatty())
+                             guest_free=guest_free, keep_hints=keep_hints, progress=ui.show_progress())
     try:
         result = writer.checkpoint(request)
     except CheckpointInterrupted as exc:
         click.echo(f"leanimg: error: {exc}", err=True)
+        ui.error(exc.message, 128 + exc.signum, kind="interrupted")
         sys.exit(128 + exc.signum)
-    click.echo(result.summary())
-
-
-class _progress:
-    """A progress bar on a TTY, silent otherwise."""
-
-    def __init__(self, total: int, label: str):
-        self.bar = click.progressbar(length=total, label=label, file=sys.stderr) \
-            if sys.stderr.isatty() and total else None
-
-    def __enter__(self):
-        if self.bar is None:
-            return None
-        self.bar.__enter__()
-        return self.bar.update
-
-    def __exit__(self, *exc):
-        if self.bar is not None:
-            self.bar.__exit__(*exc)
-        return False
+    if as_json:
+        ui.emit_json(result.to_json())
+    ui.summary(result.summary())
 
 
 if __name__ == "__main__":

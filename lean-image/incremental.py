@@ -82,13 +82,14 @@ def _runs(same: np.ndarray, nonzero: np.ndarray):
 
 
 def rebase(image: LeanImage, dest, onto: LeanImage | None, *, allow_delta: bool = True,
-           chunk_pages: int = 1024) -> Counter:
+           chunk_pages: int = 1024, progress=None) -> Counter:
     """Write ``image``'s memory as a new image whose parent is ``onto`` (None: self-contained).
 
     flatten = rebase onto None; merge = rebase onto the grandparent. Source state is kept, and
     so are DISK references: a page whose bytes come, through the links folded away, from a
     DISK page of any of them stays a DISK reference (with that link's disk declared), so
-    neither the disk nor those pages are read.
+    neither the disk nor those pages are read. ``progress`` is called with the bytes of guest
+    memory done, chunk by chunk.
     """
     link = parent_link(onto) if onto is not None else None
     folded = image.chain()[:len(image.chain()) - (len(onto.chain()) if onto is not None else 0)]
@@ -117,6 +118,8 @@ def rebase(image: LeanImage, dest, onto: LeanImage | None, *, allow_delta: bool 
                                          image.region_bytes(region, first + a, b - a))
                         continue
                     feeder.counts[PageClass(cls)] += b - a
+                if progress is not None:
+                    progress(count * image.page_size)
     return feeder.counts
 
 

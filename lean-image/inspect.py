@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import enum
 import uuid as uuidlib
 from collections import Counter
 
 import numpy as np
 
-from .format import PageClass, RecordType
+from .format import CompatFeature, IncompatFeature, PageClass, RecordType
 from .reader import LeanImage
 
 MIB = 1024 * 1024
@@ -24,10 +25,16 @@ def class_counts(image: LeanImage, region=None) -> Counter:
     return counts
 
 
-def breakdown(image: LeanImage, counts: Counter) -> list[dict]:
-    total = sum(counts.values()) or 1
-    return [dict(page_class=cls.name, pages=counts[cls], mib=counts[cls] * image.page_size / MIB,
-                 percent=100.0 * counts[cls] / total) for cls in PageClass]
+def class_dict(counts: Counter) -> dict[str, int]:
+    """Page counts by class name, the classes without a page left out: the one shape of
+    ``classes`` in every JSON output (spec/guides/json.md)."""
+    return {cls.name: int(counts[cls]) for cls in PageClass if counts[cls]}
+
+
+def feature_names(bits: int, names: type[enum.IntFlag]) -> list[str]:
+    """The set bits of a header feature field by name; a bit this version does not know as ``bit<N>``."""
+    return [names(1 << k).name if (1 << k) & sum(names) else f"bit{k}"
+            for k in range(64) if bits >> k & 1]
 
 
 def record_bytes(image: LeanImage) -> dict[str, int]:
@@ -57,29 +64,33 @@ def summarize(image: LeanImage) -> dict:
         image_uuid=str(uuidlib.UUID(bytes=header.image_uuid)),
         parent_uuid=str(uuidlib.UUID(bytes=header.parent_uuid)) if header.has_parent else None,
         page_size=image.page_size,
-        incompatible_features=header.incompatible_features,
-        compatible_features=header.compatible_features,
+        incompatible_features=feature_names(header.incompatible_features, IncompatFeature),
+        compatible_features=feature_names(header.compatible_features, CompatFeature),
         regions=[dict(region_id=r.region_id, name=r.name, guest_phys_base=r.guest_phys_base,
                       size_bytes=r.size_bytes, pages=r.num_pages,
-                      classes={cls.name: n for cls, n in class_counts(image, r).items() if n})
+                      classes=class_dict(class_counts(image, r)))
                  for r in image.regions],
         disks=[dict(disk_id=d.disk_id, name=d.name, size_bytes=d.size_bytes, fingerprint=d.fingerprint.hex())
                for d in image.disks],
         chain=[dict(path=link.path, image_uuid=str(uuidlib.UUID(bytes=link.header.image_uuid)),
                     bytes=link.footer.file_length,
-                    classes={cls.name: n for cls, n in class_counts(link).items() if n})
+                    classes=class_dict(class_counts(link)))
                for link in links],
         # what restoring this image needs: its memory against the bytes of every link
         chain_totals=dict(links=len(links), logical_bytes=logical, stored_bytes=chain_stored,
                           ratio=logical / chain_stored if chain_stored else 0.0),
         source_states=len(image.source_states),
         source=describe_source(image),
-        classes=breakdown(image, counts),
+        classes=class_dict(counts),
         logical_bytes=logical,
         stored_bytes=stored,
         ratio=logical / stored if stored else 0.0,
         record_bytes=record_bytes(image),
     )
+
+
+def _names(features: list[str]) -> str:
+    return ", ".join(features) if features else "(none)"
 
 
 def disk_files(image: LeanImage) -> dict[str, list[dict]]:
@@ -109,8 +120,8 @@ def render_text(summary: dict) -> str:
         f"{summary['path']}: lean image v{summary['format_version']}, page size {summary['page_size']}",
         f"  uuid    {summary['image_uuid']}",
         f"  parent  {summary['parent_uuid'] or '(none)'}",
-        f"  features incompatible {summary['incompatible_features']:#x}, compatible "
-        f"{summary['compatible_features']:#x}; {summary['source_states']} source-state records",
+        f"  features incompatible {_names(summary['incompatible_features'])}, compatible "
+        f"{_names(summary['compatible_features'])}; {summary['source_states']} source-state records",
         *([f"  source  {summary['source']}"] if summary.get("source") else []),
         "",
         "regions:",
@@ -131,8 +142,11 @@ def render_text(summary: dict) -> str:
             lines.append(f"  {depth}: {link['image_uuid']}  {link['bytes'] / MIB:8.2f} MiB  {link['path']}")
             lines.append(f"       {classes}")
     lines += ["", f"  {'class':<8} {'pages':>10} {'MiB':>10} {'%':>7}"]
-    for row in summary["classes"]:
-        lines.append(f"  {row['page_class']:<8} {row['pages']:>10} {row['mib']:>10.2f} {row['percent']:>6.2f}%")
+    total = sum(summary["classes"].values()) or 1
+    for cls in PageClass:
+        pages = summary["classes"].get(cls.name, 0)
+        lines.append(f"  {cls.name:<8} {pages:>10} {pages * summary['page_size'] / MIB:>10.2f} "
+                     f"{100.0 * pages / total:>6.2f}%")
     lines += ["", f"logical {summary['logical_bytes'] / MIB:.2f} MiB, stored {summary['stored_bytes'] / MIB:.2f} MiB, "
               f"ratio {summary['ratio']:.2f}x" + (" (this link alone)" if len(summary["chain"]) > 1 else "")]
     totals = summary["chain_totals"]

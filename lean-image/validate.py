@@ -8,8 +8,9 @@ structure path. Memory stays bounded by one record plus per-page bookkeeping.
 from __future__ import annotations
 
 import os
+import re
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import numpy as np
 import zstandard
@@ -43,6 +44,15 @@ class Finding:
         return f"{self.rule} {where} {self.structure}: {self.message}"
 
 
+RULE_MENTION = re.compile(r"\b(LI-[A-Z]{3}-)(\d{3})(?:\.\.(\d{3}))?\b")
+
+
+def rule_ids_in(text: str) -> list[str]:
+    """The rule ids a sentence names, a range ``LI-CHN-001..005`` spelled out."""
+    return [f"{prefix}{k:03d}" for prefix, first, last in RULE_MENTION.findall(text)
+            for k in range(int(first), int(last or first) + 1)]
+
+
 @dataclass
 class Verdict:
     """What a check of one file found (``validate``, ``validate-hints``): valid when nothing was
@@ -50,7 +60,8 @@ class Verdict:
     path: str
     findings: list = field(default_factory=list)
     suppressed: Counter = field(default_factory=Counter)
-    not_checked: list[str] = field(default_factory=list)
+    # the checks the inputs did not allow: sentences naming their rule ids and what would allow them
+    unchecked: list[str] = field(default_factory=list)
 
     @property
     def valid(self) -> bool:
@@ -58,7 +69,30 @@ class Verdict:
 
     @property
     def complete(self) -> bool:
-        return not self.not_checked
+        return not self.unchecked
+
+    def skip(self, reason: str) -> None:
+        """Record a check the inputs did not allow: ``reason`` names its rule ids (``LI-CHN-001..005``
+        for a range) and the input it needs."""
+        self.unchecked.append(reason)
+
+    @property
+    def not_checked(self) -> list[str]:
+        """The ids of the rules not checked, sorted, each once."""
+        return sorted({rule for reason in self.unchecked for rule in rule_ids_in(reason)})
+
+    @property
+    def not_checked_reasons(self) -> list[str]:
+        """One sentence per check not made, naming its rules and the input it needs."""
+        return list(self.unchecked)
+
+    def verdict_json(self) -> dict:
+        """The fields every check report shares (spec/guides/json.md)."""
+        return dict(path=self.path, valid=self.valid, complete=self.complete,
+                    findings=[dict(rule=f.rule, offset=f.offset, structure=f.structure, message=f.message)
+                              for f in self.findings],
+                    suppressed=dict(self.suppressed), not_checked=self.not_checked,
+                    not_checked_reasons=self.not_checked_reasons)
 
 
 @dataclass
@@ -83,8 +117,7 @@ class Report(Verdict):
         self.findings.append(Finding(rule, error.offset, error.structure or "", error.message))
 
     def to_json(self) -> dict:
-        return dict(path=self.path, valid=self.valid, findings=[asdict(f) for f in self.findings],
-                    suppressed=dict(self.suppressed), checked=dict(self.checked), not_checked=self.not_checked)
+        return dict(self.verdict_json(), checked=dict(self.checked))
 
 
 @dataclass
@@ -105,8 +138,10 @@ class _Scan:
     complete_maps: dict = field(default_factory=dict)    # region_id -> extents covering it exactly
 
 
-def validate(path, *, disks: dict | None = None, parents=()) -> Report:
-    """Check ``path`` against every rule of format v1.0 that its inputs allow."""
+def validate(path, *, disks: dict | None = None, parents=(), progress=None) -> Report:
+    """Check ``path`` against every rule of format v1.0 that its inputs allow. ``progress`` is
+    called with the bytes done: of the file as its records are scanned, then a page's size for
+    each page resolved through a disk or the parent (see ``work_bytes``)."""
     path = os.fspath(path)
     report = Report(path)
     try:
@@ -115,14 +150,14 @@ def validate(path, *, disks: dict | None = None, parents=()) -> Report:
         report.add(LeanImageError(f"cannot open: {exc.strerror}"))
         return report
     with fileobj:
-        _validate_file(ImageFile(fileobj, path), report, disks or {}, list(parents))
+        _validate_file(ImageFile(fileobj, path), report, disks or {}, list(parents), progress)
     for structure, (count, first) in report.unavailable.items():
-        report.not_checked.append(f"LI-DIG-002 of {count} page(s) whose bytes are on {structure} (through "
-                                  f"the chain), which was not given; the first: {first}")
+        report.skip(f"LI-DIG-002 of {count} page(s) whose bytes are on {structure} (through "
+                    f"the chain), which was not given; the first: {first}")
     return report
 
 
-def _validate_file(image: ImageFile, report: Report, disks: dict, parents: list) -> None:
+def _validate_file(image: ImageFile, report: Report, disks: dict, parents: list, progress=None) -> None:
     try:
         header = read_header(image)
     except LeanImageError as exc:
@@ -136,11 +171,26 @@ def _validate_file(image: ImageFile, report: Report, disks: dict, parents: list)
         report.add(exc)
         footer = None
     limit = footer.offset if footer else image.size
-    scan = _scan(image, header.header_length, limit, page_size, report, _listed_offsets(image, footer))
+    scan = _scan(image, header.header_length, limit, page_size, report, _listed_offsets(image, footer), progress)
     if footer:
         _check_footer(image, footer, header, scan, report)
     _check_tables(header, scan, page_size, report)
-    _check_content(image, header, scan, page_size, report, disks, parents)
+    _check_content(image, header, scan, page_size, report, disks, parents, progress)
+
+
+def work_bytes(path, *, disks: dict | None = None, parents=()) -> int:
+    """What ``validate`` will report to ``progress`` in all, for a progress bar: the file's size,
+    and a page's size per page it will resolve through the disks or the parent."""
+    try:
+        with LeanImage.open_link(path) as link:
+            records = link.footer.offset - link.header.header_length
+            wanted = ({PageClass.DISK} if disks else set()) | \
+                ({PageClass.PARENT, PageClass.DELTA} if link.header.has_parent and parents else set())
+            pages = sum(int(e["num_pages"]) for r in link.regions for e in r.extents
+                        if int(e["page_class"]) in wanted)
+            return records + pages * link.page_size
+    except LeanImageError:           # validate will say what is wrong
+        return os.path.getsize(path)
 
 
 # --- sequential pass ---------------------------------------------------------------
@@ -156,9 +206,14 @@ def _listed_offsets(image: ImageFile, footer) -> list[int]:
     return sorted({int(o) for o in entries["record_offset"]} | {footer.index_offset}) if len(entries) else []
 
 
-def _scan(image: ImageFile, start: int, limit: int, page_size: int, report: Report, listed: list[int]) -> _Scan:
+def _scan(image: ImageFile, start: int, limit: int, page_size: int, report: Report, listed: list[int],
+          progress=None) -> _Scan:
     scan = _Scan()
+    done = start
     for item in scan_records(image, start, limit, listed):
+        if progress is not None and getattr(item, "end", None):
+            progress(max(0, item.end - done))
+            done = max(done, item.end)
         if isinstance(item, LeanImageError):
             report.add(item)
             if scan.index is None and item.rule != "LI-REC-001":
@@ -261,7 +316,7 @@ def _check_region_tables(region: dict, scan: _Scan, page_size: int, report: Repo
 
 # --- content: frames, deltas, disks, parent ------------------------------------------------
 def _check_content(image: ImageFile, header, scan: _Scan, page_size: int, report: Report,
-                   disks: dict, parents: list) -> None:
+                   disks: dict, parents: list, progress=None) -> None:
     tables = _digest_lookup(scan, digest_class_table(header.incompatible_features))
     if tables is None:
         return
@@ -272,7 +327,7 @@ def _check_content(image: ImageFile, header, scan: _Scan, page_size: int, report
         _check_delta_structure(image, scan, page_size, report)
         return
     with lean:
-        _check_resolved(lean, report)
+        _check_resolved(lean, report, progress)
 
 
 def _digest_lookup(scan: _Scan, bearing_classes: np.ndarray):
@@ -366,13 +421,12 @@ def _note_unchecked(header, scan: _Scan, disks: dict, parents: list, report: Rep
     """Say which checks the inputs did not allow, so 'valid' is never read as more than it is."""
     missing = sorted(d.parsed["name"] for d in scan.disks if d.parsed["name"] not in disks)
     if missing and scan.refs:
-        report.not_checked.append(f"LI-DSK-004, LI-DSK-005 and DISK page digests (LI-DIG-002): "
-                                  f"no --disk for {', '.join(missing)}")
+        report.skip(f"LI-DSK-004, LI-DSK-005 and DISK page digests (LI-DIG-002): no --disk for {', '.join(missing)}")
     if header.has_parent and not parents:
         inherited = ", LI-CHN-006 (PARENT pages inherit their digests from the parent)" \
             if inherits_digests(header.incompatible_features) else ""
-        report.not_checked.append(f"LI-CHN-001..005{inherited}, PARENT and DELTA page digests (LI-DIG-002) and "
-                                  "delta application: no --parent")
+        report.skip(f"LI-CHN-001..005{inherited}, PARENT and DELTA page digests (LI-DIG-002) and "
+                    "delta application: no --parent")
 
 
 def _open_for_chain(path: str, header, disks: dict, parents: list, report: Report):
@@ -387,7 +441,7 @@ def _open_for_chain(path: str, header, disks: dict, parents: list, report: Repor
         return None
 
 
-def _check_resolved(lean: LeanImage, report: Report) -> None:
+def _check_resolved(lean: LeanImage, report: Report, progress=None) -> None:
     """DISK, PARENT and DELTA pages resolved through disks and parent, each checked by digest."""
     wanted = set()
     if lean.has_disk_sources:
@@ -402,6 +456,8 @@ def _check_resolved(lean: LeanImage, report: Report) -> None:
             first, count = int(extent["first_page"]), int(extent["num_pages"])
             for start in range(first, first + count, RESOLVE_CHUNK_PAGES):
                 _check_range(lean, region, cls, start, min(RESOLVE_CHUNK_PAGES, first + count - start), report)
+            if progress is not None:
+                progress(count * lean.page_size)
 
 
 RESOLVE_CHUNK_PAGES = 1024

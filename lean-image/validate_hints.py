@@ -29,10 +29,7 @@ class HintReport(Verdict):
             self.findings.append(finding)
 
     def to_json(self) -> dict:
-        return {"path": self.path, "valid": self.valid, "records": self.records,
-                "findings": [{"rule": f.rule, "offset": f.offset, "structure": f.structure, "message": f.message}
-                             for f in self.findings],
-                "suppressed": dict(self.suppressed), "not_checked": self.not_checked}
+        return dict(self.verdict_json(), records=self.records)
 
 
 def validate_hints(path: str, *, save: str | None = None, image: str | None = None) -> HintReport:
@@ -45,11 +42,11 @@ def validate_hints(path: str, *, save: str | None = None, image: str | None = No
     report.records = len(hints.records)
     guest = _guest(save, image) if save or image else None
     if guest is None:
-        report.not_checked.append("LI-HNT-017..021: give --save or --image to check the hints against the guest")
+        report.skip("LI-HNT-017..021: give --save or --image to check the hints against the guest")
     else:
         if guest.stream_length is None:
-            report.not_checked.append("LI-HNT-019: stream offsets need --save (an image does not record the "
-                                      "stream's length)")
+            report.skip("LI-HNT-019: stream offsets need --save (an image does not record the "
+                        "stream's length)")
         for finding in check_against(hints, guest):
             report.add(finding)
     return report

@@ -261,7 +261,7 @@ class Block:
 
 
 class PostcopyServer:
-    def __init__(self, image: LeanImage, out, inp, strategy: str = "sequential", log=None):
+    def __init__(self, image: LeanImage, out, inp, strategy: str = "sequential", log=None, progress=None):
         self.image, self.out, self.inp = image, out, inp
         self.state = stream_state(image)
         self.ps = image.page_size
@@ -277,6 +277,7 @@ class PostcopyServer:
         self.events: queue.Queue = queue.Queue()
         self.log = log or (lambda msg: print(f"leanimg: {msg}", file=sys.stderr, flush=True))
         self.left = self.stats.pages_to_send
+        self.progress = progress          # called with the number of pages that travel, as they are sent
         self.t0 = time.monotonic()
 
     def _block(self, index: int, block: qemu.RamBlock) -> Block:
@@ -316,6 +317,8 @@ class PostcopyServer:
                 parts.append(page_entries(block.name, self.ps, first + lo, pages, hi - lo))
         block.sent[first:first + count] = True
         self.left -= int((~blank).sum())
+        if self.progress is not None:
+            self.progress(int((~blank).sum()))
         return b"".join(parts)
 
     def _read(self, block: Block, first: int, count: int) -> np.ndarray:
@@ -436,13 +439,13 @@ def _runs_of(mask: np.ndarray) -> list[tuple[int, int]]:
 
 
 def serve_postcopy(image: LeanImage, out, inp, strategy: str = "sequential", stats_path: str | None = None,
-                   log=None) -> ServeStats:
+                   log=None, progress=None) -> ServeStats:
     """Serve ``image`` on the binary file ``out`` (the stream) with the return path on ``inp``;
     report the counts on stderr (and as JSON in ``stats_path``)."""
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown prepaging strategy {strategy!r}")
     check_userfaultfd()
-    server = PostcopyServer(image, out, inp, strategy, log)
+    server = PostcopyServer(image, out, inp, strategy, log, progress)
     try:
         return server.serve()
     finally:

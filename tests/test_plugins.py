@@ -69,7 +69,7 @@ def test_core_imports_neither_converters_nor_restore():
 
 def test_a_restore_imports_only_its_own_restorer(tmp_path):
     script = ("import sys\nfrom leanimg.cli import main\n"
-              f"try:\n    main([\"restore\", {str(VECTORS_DIR / 'valid' / 'basic.lean')!r}, \"--to\", \"raw\", "
+              f"try:\n    main([\"restore\", \"-q\", {str(VECTORS_DIR / 'valid' / 'basic.lean')!r}, \"--to\", \"raw\", "
               f"\"-o\", {str(tmp_path / 'out.raw')!r}])\nexcept SystemExit:\n    pass\n"
               "print(' '.join(sorted(m for m in sys.modules if m.startswith(('leanimg.converters', "
               "'leanimg.restore')))))\n")

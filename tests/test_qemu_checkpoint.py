@@ -28,6 +28,7 @@ import socket
 import subprocess
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -132,7 +133,7 @@ def _classes(image: Path, *args) -> dict:
     import json
     proc = leanimg("inspect", image, "--json", *args)
     assert proc.returncode == 0, proc.stderr
-    return {c["page_class"]: c["pages"] for c in json.loads(proc.stdout)["classes"]}
+    return Counter(json.loads(proc.stdout)["classes"])
 
 
 def _assert_running_on(guest: Guest) -> None:
@@ -366,6 +367,21 @@ def test_a_background_checkpoint_without_disks_streams_into_the_writer(guest):
     _assert_running_on(guest)
     assert leanimg("validate", image).returncode == 0
     _assert_same_memory_as_the_stream(image, stream, guest.work / "streamed-full.lean")
+
+
+@qemu
+def test_checkpoint_json_follows_its_schema(guest):
+    import json
+
+    import jsonschema
+
+    from leanimg.output import schema
+    image = guest.work / "json.lean"
+    out = json.loads(checkpoint(guest, image, "--json").stdout)
+    jsonschema.validate(out, schema("checkpoint"))
+    assert out["output"] == str(image) and out["mode"] == "stop" and out["then"] == "continue"
+    assert out["file_bytes"] == image.stat().st_size and out["classes"] == _classes(image)
+    _assert_running_on(guest)
 
 
 @qemu

@@ -66,22 +66,28 @@ def test_with_parent_and_disk_every_page_is_resolved(chain):
 def test_not_checked_says_what_was_not_supplied(chain):
     report = validate(chain.child)
     assert report.valid                                   # rules not checked do not make an image invalid
-    disk_note, parent_note = report.not_checked
+    assert report.not_checked == ["LI-CHN-001", "LI-CHN-002", "LI-CHN-003", "LI-CHN-004", "LI-CHN-005", "LI-CHN-006",
+                                  "LI-DIG-002", "LI-DSK-004", "LI-DSK-005"]
+    disk_note, parent_note = report.not_checked_reasons
     assert disk_note.startswith("LI-DSK-004, LI-DSK-005") and disk_note.endswith("no --disk for disk0")
     assert parent_note.startswith("LI-CHN-001..005") and parent_note.endswith("no --parent")
     assert "parent_pages" not in report.checked and "disk_pages" not in report.checked
-    assert validate(chain.child, parents=[chain.parent]).not_checked == [disk_note]
+    with_parent = validate(chain.child, parents=[chain.parent])
+    assert with_parent.not_checked == ["LI-DIG-002", "LI-DSK-004", "LI-DSK-005"]
+    assert with_parent.not_checked_reasons == [disk_note] and not with_parent.complete
 
 
 # --- the report ------------------------------------------------------------------------------------
 def test_to_json_shape(chain, tmp_path):
     report = validate(flipped(tmp_path, chain.parent, frame_checksum_offsets(chain.parent)[0]))
     out = json.loads(json.dumps(report.to_json()))
-    assert set(out) == {"path", "valid", "findings", "suppressed", "checked", "not_checked"}
+    assert set(out) == {"path", "valid", "complete", "findings", "suppressed", "checked", "not_checked",
+                        "not_checked_reasons"}
     assert out["valid"] is False and out["path"] == report.path
     assert all(set(f) == {"rule", "offset", "structure", "message"} for f in out["findings"])
     assert [f["rule"] for f in out["findings"]] == [f.rule for f in report.findings]
     assert out["checked"] == dict(report.checked) and out["not_checked"] == report.not_checked == []
+    assert out["not_checked_reasons"] == [] and out["complete"] is True
 
 
 def test_report_keeps_findings_per_rule_and_counts_the_rest():
