@@ -28,8 +28,9 @@
  *   workload liar MIB [garbage] a guest free-list helper that lies (guest/leanimg-guest-free.c's
  *                               protocol on the port org.leanimg.free.0): every answer says all
  *                               of RAM is free; after each answer it rewrites every page of its
- *                               MIB MiB buffer, each page starting with LIAR_MARK: pages hinted
- *                               FREE and written after the hint (spec/hints.md LI-HNT-023);
+ *                               MIB MiB buffer, each page starting with LIAR_MARK and the
+ *                               number of the answer (a u64 at byte 16): pages hinted FREE
+ *                               and written after the hint (spec/hints.md LI-HNT-023);
  *                               with "garbage" its answers break the protocol (a bad range line)
  *
  * After the work it prints "WORKLOAD-DONE <mode> <checksum>" and then a heartbeat
@@ -382,6 +383,7 @@ static void liar(long mib, int garbage)
             uint64_t *page = mem + p * (PAGE / 8);
             fill_random(page, PAGE / 8);
             memcpy(page, LIAR_MARK, 16);
+            page[2] = lies;                 /* which answer this rewrite followed */
         }
         printf("HB liar %lu\n", lies);
         fflush(stdout);
