@@ -2,6 +2,7 @@
 
     python fuzz/run_all.py --runs 1000000 --workdir /var/tmp/leanimg-fuzz          (issue 16 §4)
     python fuzz/run_all.py --runs 20000 --harness qemu --harness xen --parallel
+    python fuzz/run_all.py --runs 1000000 --segment 100000 --harness xen      (ten processes of 10^5)
 
 Each harness (fuzz/fuzz_NAME.py) runs niced (nice 19) in keep-going mode: the first input
 of every distinct crash (exception type + innermost leanimg line) is saved to
@@ -11,6 +12,11 @@ where the last one stopped. Per harness the table gives executions, executions p
 wall seconds (seed building included), libFuzzer's executions per second,
 coverage (libFuzzer's ``cov``: edges, ``ft``: features), corpus size and crashes (distinct
 signatures); the exit status is 1 if any harness crashed or did not finish.
+
+A harness runs in processes of at most --segment executions (default 200000) on the same
+corpus, one after another: a long atheris/libFuzzer process grows until allocations fail under
+the harness's address-space cap (a 10^6 Xen run stopped so at 172,762 executions, RSS 2.7 GB),
+so fresh processes keep every execution under the same limits. The table sums the segments.
 
 To add a harness, add a line to HARNESSES: its script and a function writing its seeds.
 """
@@ -58,14 +64,15 @@ STAT = re.compile(r"^stat::(\w+):\s+(\d+)")
 DONE = re.compile(r"^Done (\d+) (?:runs )?in (\d+) second")
 
 
-def start(name: str, runs: int, workdir: Path, seed: int, extra: list[str]) -> tuple[subprocess.Popen, Path]:
+def start(name: str, runs: int, workdir: Path, seed: int, extra: list[str],
+          segment: int = 0) -> tuple[subprocess.Popen, Path]:
     script, write_seeds = HARNESSES[name]
     base = workdir / name
     corpus, crashes = base / "corpus", base / "crashes"
     crashes.mkdir(parents=True, exist_ok=True)
     if not corpus.is_dir() or not any(corpus.iterdir()):
         write_seeds(str(corpus))
-    log = base / "fuzz.log"
+    log = base / (f"fuzz-{segment}.log" if segment else "fuzz.log")
     env = dict(os.environ, LEANIMG_FUZZ_CRASH_DIR=str(crashes))
     cmd = ["nice", "-n", "19", sys.executable, str(HERE / script), str(corpus), f"-atheris_runs={runs}",
            f"-seed={seed}", "-print_final_stats=1", f"-artifact_prefix={crashes}/", *extra]
@@ -104,6 +111,32 @@ def report(results: list[dict]) -> None:
             print(f"    crash: {crash}")
 
 
+def run_harness(name: str, options) -> dict:
+    """One harness for --runs executions, in processes of at most --segment executions each
+    (same corpus, seed + k): libFuzzer's and atheris's memory grows over a long run until the
+    address-space cap makes allocations fail; a fresh process per segment starts from zero."""
+    parts, done, k = [], 0, 0
+    while done < options.runs:
+        runs = min(options.segment or options.runs, options.runs - done)
+        proc, log = start(name, runs, options.workdir, options.seed + k, options.libfuzzer,
+                          segment=k + 1 if options.segment and options.segment < options.runs else 0)
+        part = _finish(name, proc, log, time.monotonic(), options.workdir)
+        parts.append(part)
+        if not part["finished"] or part["executions"] == 0:
+            break
+        done, k = done + part["executions"], k + 1
+    return _combined(parts)
+
+
+def _combined(parts: list[dict]) -> dict:
+    """The segments of one harness as one result (executions and seconds summed; coverage of the last)."""
+    last = parts[-1]
+    executions = sum(p["executions"] for p in parts)
+    seconds = sum(p["seconds"] for p in parts)
+    return dict(last, executions=executions, seconds=seconds, rate=executions / seconds if seconds else 0.0,
+                finished=all(p["finished"] for p in parts), segments=len(parts))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=1_000_000, help="executions per harness")
@@ -112,17 +145,17 @@ def main() -> int:
     parser.add_argument("--workdir", type=Path, default=Path("/var/tmp/leanimg-fuzz"))
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--parallel", action="store_true", help="run the harnesses at the same time")
+    parser.add_argument("--segment", type=int, default=200_000,
+                        help="executions per fuzzer process (default 200000; 0: one process for all --runs)")
     parser.add_argument("libfuzzer", nargs="*", help="extra libFuzzer flags, after --")
     options = parser.parse_args()
     names = options.harness or list(HARNESSES)
-    results = []
-    running = []
-    for name in names:
-        proc, log = start(name, options.runs, options.workdir, options.seed, options.libfuzzer)
-        running.append((name, proc, log, time.monotonic()))
-        if not options.parallel:
-            results.append(_finish(*running.pop(), options.workdir))
-    results += [_finish(*job, options.workdir) for job in running]
+    if options.parallel:
+        from concurrent.futures import ThreadPoolExecutor
+        with ThreadPoolExecutor(max_workers=len(names)) as pool:
+            results = list(pool.map(lambda name: run_harness(name, options), names))
+    else:
+        results = [run_harness(name, options) for name in names]
     report(results)
     return 0 if all(r["finished"] and not r["crashes"] for r in results) else 1
 
