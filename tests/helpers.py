@@ -9,6 +9,7 @@ from __future__ import annotations
 import io
 import os
 import re
+import subprocess
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
@@ -263,3 +264,17 @@ def write_two_link_chain(directory):
     return types.SimpleNamespace(
         parent=parent_path, child=child_path, disk=disk_path, parent_uuid=parent_uuid, child_uuid=child_uuid,
         parent_content={"ram": bytes(ram), "rom": rom}, child_content={"ram": b"".join(child_ram), "rom": rom})
+
+
+def run_leanimg(*args, timeout: float, **kw) -> subprocess.CompletedProcess:
+    """The leanimg command line with ``args`` (str() of each), output captured as text."""
+    from leanimg.cli import command_line
+    return subprocess.run([*command_line(), *map(str, args)], capture_output=True, text=True, timeout=timeout, **kw)
+
+
+def checkpoint_ok(qmp, image, *args, timeout: float) -> subprocess.CompletedProcess:
+    """``leanimg checkpoint --qmp QMP -o IMAGE ARGS``, which must succeed without a traceback."""
+    proc = run_leanimg("checkpoint", "--qmp", qmp, "-o", image, *args, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr
+    assert "Traceback" not in proc.stderr
+    return proc

@@ -37,7 +37,7 @@ import pytest
 from guest.build import build_guest
 from guest.scenarios import last_heartbeat, wait_heartbeat
 from guest.vm import GuestVM, copy_disk, qemu_available
-from helpers import first_difference
+from helpers import checkpoint_ok, first_difference, run_leanimg
 from leanimg.cli import command_line
 from leanimg.fileutil import sha256_file
 from leanimg.reader import LeanImage
@@ -59,14 +59,11 @@ class Guest:
 
 
 def leanimg(*args, **kw) -> subprocess.CompletedProcess:
-    return subprocess.run([*LEANIMG, *map(str, args)], capture_output=True, text=True, timeout=TIMEOUT, **kw)
+    return run_leanimg(*args, timeout=TIMEOUT, **kw)
 
 
 def checkpoint(guest: Guest, image: Path, *args) -> subprocess.CompletedProcess:
-    proc = leanimg("checkpoint", "--qmp", guest.qmp, "-o", image, *args)
-    assert proc.returncode == 0, proc.stderr
-    assert "Traceback" not in proc.stderr
-    return proc
+    return checkpoint_ok(guest.qmp, image, *args, timeout=TIMEOUT)
 
 
 @pytest.fixture(scope="module")

@@ -29,7 +29,7 @@ import pytest
 from guest.build import build_guest
 from guest.scenarios import last_heartbeat, wait_heartbeat
 from guest.vm import GuestVM, copy_disk, qemu_available
-from helpers import first_difference
+from helpers import checkpoint_ok, first_difference, run_leanimg
 from leanimg.cli import command_line
 from leanimg.converters.checkpoint import QEMU_TAG_CHECKPOINT_NOTE
 from leanimg.format import PageClass
@@ -51,7 +51,7 @@ def port_args(sock: Path) -> list[str]:
 
 
 def leanimg(*args, **kw) -> subprocess.CompletedProcess:
-    return subprocess.run([*LEANIMG, *map(str, args)], capture_output=True, text=True, timeout=TIMEOUT, **kw)
+    return run_leanimg(*args, timeout=TIMEOUT, **kw)
 
 
 class Guest:
@@ -79,10 +79,7 @@ class Guest:
         self.vm.serial.wait_for(rf"LEANIMG-KILLED {pid}", 60, start)
 
     def checkpoint(self, image: Path, *args) -> subprocess.CompletedProcess:
-        proc = leanimg("checkpoint", "--qmp", self.qmp, "-o", image, *args)
-        assert proc.returncode == 0, proc.stderr
-        assert "Traceback" not in proc.stderr
-        return proc
+        return checkpoint_ok(self.qmp, image, *args, timeout=TIMEOUT)
 
 
 @pytest.fixture(scope="module")
