@@ -103,27 +103,28 @@ def test_every_tutorial_command_runs_and_prints_what_the_page_shows(tutorial_run
 def test_the_tutorial_s_qemu_line_restores_the_guest(tutorial_run):
     if shutil.which(QEMU) is None:
         pytest.skip(f"{QEMU} is not installed")
-    from qemu.qmp.legacy import QEMUMonitorProtocol
+    from guest.vm import QMP
     folder = tutorial_run[0]
     line = next(text for language, text in tutorial_blocks() if language == "bash" and text.startswith(QEMU))
     qemu = subprocess.Popen(["bash", "-c", "exec " + line], cwd=folder, env=shell_environment(),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    monitor = QEMUMonitorProtocol(str(folder / "qmp.sock"))
+    monitor = None
     try:
         _wait_for_socket(folder / "qmp.sock", qemu)
-        monitor.connect()
+        monitor = QMP(folder / "qmp.sock")
         status, deadline = None, time.monotonic() + 300
         while time.monotonic() < deadline and status not in ("completed", "failed"):
-            status = (monitor.cmd("query-migrate") or {}).get("status")
+            status = (monitor.execute("query-migrate") or {}).get("status")
             time.sleep(0.5)
         assert status == "completed", status
-        assert monitor.cmd("query-status")["status"] == "paused"     # as it was saved: stopped
-        monitor.cmd("cont")
-        assert monitor.cmd("query-status")["status"] == "running"
-        monitor.cmd("quit")
-        qemu.wait(timeout=60)
+        assert monitor.execute("query-status")["status"] == "paused"     # as it was saved: stopped
+        monitor.execute("cont")
+        assert monitor.execute("query-status")["status"] == "running"
+        monitor.execute("quit")
+        assert qemu.wait(timeout=60) == 0
     finally:
-        monitor.close()
+        if monitor is not None:
+            monitor.close()     # QEMU has closed its end after quit: the helper expects that
         if qemu.poll() is None:
             qemu.kill()
             qemu.wait()
