@@ -60,13 +60,12 @@ import os
 import signal
 import socket
 import sys
-import tempfile
 import threading
 import time
 from collections import Counter
 
 from leanimg.errors import CheckpointError, CheckpointInterrupted, LeanImageError
-from leanimg.fileutil import fsync_path, umask
+from leanimg.fileutil import commit_temporary, create_temporary, discard_temporary
 from leanimg.format import SourceFormat
 from leanimg.rules import implements
 from leanimg.writer import LeanImageWriter
@@ -200,6 +199,7 @@ class CheckpointResult:
     guest: str                          # the guest's run state at the end
     balloon: Balloon | None = None
     guest_free: GuestFree | None = None
+    timeline: list = dataclasses.field(default_factory=list)    # (step, seconds since the start)
 
     def summary(self) -> str:
         mib = lambda pages: pages * self.page_size / 2**20  # noqa: E731
@@ -221,7 +221,16 @@ class CheckpointResult:
                     downtime_ms=self.downtime_ms, paused_ms=self.paused_ms, seconds=self.seconds, guest=self.guest,
                     disks=[dict(d.note(), referenced_bytes=d.referenced) for d in self.disks],
                     balloon=dict(self.balloon.note(), deflated=self.balloon.deflated) if self.balloon else None,
-                    guest_free=self.guest_free.note() if self.guest_free else None)
+                    guest_free=self.guest_free.note() if self.guest_free else None,
+                    timeline=[dict(step=step, seconds=round(at, 4)) for step, at in self.timeline])
+
+    def timeline_lines(self) -> list[str]:
+        """-v: when each step ended, and how long it took."""
+        lines, before = [], 0.0
+        for step, at in self.timeline:
+            lines.append(f"{at:8.3f} s  (+{at - before:.3f})  {step}")
+            before = at
+        return lines
 
 
 # ------------------------------------------------------------------------------ QMP
@@ -476,7 +485,11 @@ class _Checkpoint:
         self.guest_free: GuestFree | None = None
         self.hint_options: HintOptions | None = None
         self.started = time.monotonic()
+        self.timeline: list[tuple[str, float]] = []
         self._status_shown = False
+
+    def _mark(self, step: str) -> None:
+        self.timeline.append((step, time.monotonic() - self.started))
 
     # -- the whole run -------------------------------------------------------------------
     def run(self) -> CheckpointResult:
@@ -492,10 +505,12 @@ class _Checkpoint:
             self._inflate_balloon()
             self._open_stream()
             info = self._migrate()
+            self._mark("migration completed")
             self.downtime_ms = info.get("downtime")
             self._resume_if_continuing()
             self._deflate_balloon()
             state, ram = self._spooled()
+            self._mark("stream parsed")
             self._restore_migration_settings()
             if ram is None:
                 staged = self._finish_direct()
@@ -506,9 +521,10 @@ class _Checkpoint:
                 if self.req.then == "quit":
                     self._quit()
                 self._keep_hints()
-                _commit(staged, self.req.output)
+                commit_temporary(staged, self.req.output)
+                self._mark("image in place")
             except BaseException:
-                os.unlink(staged)
+                discard_temporary(staged)
                 raise
         except BaseException as exc:
             raise self._recover(exc) from None
@@ -602,6 +618,7 @@ class _Checkpoint:
             self._stop()
         if mode == "background":
             self._freeze_disks()
+        self._mark("ready to migrate")
         self._start_migration()
         if self.guest_link is not None:
             self.guest_link.start()
@@ -643,7 +660,7 @@ class _Checkpoint:
             temp, out = _temp_beside(self.req.keep_hints)
             with out:
                 out.write(self.hint_options.source)
-            _commit(temp, self.req.keep_hints)
+            commit_temporary(temp, self.req.keep_hints)
 
     def _set_capabilities(self, wanted: dict[str, bool]) -> None:
         current = {c["capability"]: c["state"] for c in self.qmp.execute("query-migrate-capabilities")}
@@ -725,9 +742,11 @@ class _Checkpoint:
             self.signals.check()
             self.spool.join(0.1)
         self.spool.result()
+        self._mark("image written")
         self.staged_out.flush()
         os.fsync(self.staged_out.fileno())
         self.staged_out.close()
+        self._mark("image synced")
         return self.staged
 
     def _resume_if_continuing(self) -> None:
@@ -740,6 +759,7 @@ class _Checkpoint:
         if self.qmp.execute("query-status")["status"] != "running":
             self.qmp.execute("cont")
         self.resumed_at = time.monotonic()
+        self._mark("guest resumed")
 
     def _quit(self) -> None:
         try:
@@ -763,10 +783,12 @@ class _Checkpoint:
         try:
             with out:
                 self._write_into(out, state, ram)
+                self._mark("image written")
                 out.flush()
                 os.fsync(out.fileno())
+                self._mark("image synced")
         except BaseException:
-            os.unlink(temp)
+            discard_temporary(temp)
             raise
         return temp
 
@@ -835,7 +857,7 @@ class _Checkpoint:
         return CheckpointResult(self.req.output, self.req.mode, self.req.then, os.path.getsize(self.req.output),
                                 page_size, counts, self.downtime_ms, self._paused_ms(),
                                 time.monotonic() - self.started, self.disks, guest, self.balloon,
-                                self.guest_free)
+                                self.guest_free, self.timeline)
 
     # -- progress ------------------------------------------------------------------------
     def _show_status(self, status: str) -> None:
@@ -873,8 +895,7 @@ class _Checkpoint:
                 self.spool.ram.close()
         if self.staged is not None:
             self.staged_out.close()
-            if os.path.exists(self.staged):
-                os.unlink(self.staged)
+            discard_temporary(self.staged)
         for step in (self._close_fd, self._restore_run_state, self._restore_migration_settings,
                      self._deflate_after_failure):
             try:
@@ -977,16 +998,8 @@ def _overlay_path(disk: str, output: str) -> str:
 
 
 def _temp_beside(output: str):
-    """A new temporary file in the output's directory: (path, binary file object)."""
-    directory = os.path.dirname(os.path.abspath(output))
-    fd, temp = tempfile.mkstemp(prefix=".leanimg-", suffix=".partial", dir=directory)
-    return temp, os.fdopen(fd, "wb", buffering=1 << 20)
-
-
-def _commit(temp: str, output: str) -> None:
-    os.chmod(temp, 0o666 & ~umask())
-    os.replace(temp, output)
-    fsync_path(os.path.dirname(os.path.abspath(output)))
+    """The output's temporary file (fileutil's one naming scheme): (path, binary file object)."""
+    return create_temporary(output, buffering=1 << 20)
 
 
 class QemuCheckpoint:

@@ -194,19 +194,20 @@ def write_spooled(writer: LeanImageWriter, state: qemu.StreamState, ram: qemu.Ra
         regions.append((region, block))
     ps = ram.page_size
 
+    spans = {block.name: ram.nonzero_spans(block) for _, block in regions}
+
     def feed(sink):
+        """The spooled pages, but for those outside ``spans`` (zeros: _zero_outside_spans)."""
         for region, block in regions:
-            page = 0
             seen = ram.seen[block.name]
-            for chunk in ram.page_source(block):
-                count = len(chunk) // ps
+            for first, stop in spans[block.name]:
+                chunk = ram.read_pages(block, first, stop)
                 if not unsent_free:
-                    sink(region, page, chunk)
+                    sink(region, first, chunk)
                 else:
                     view = memoryview(chunk)
-                    for a, b in _true_runs(seen[page:page + count]):
-                        sink(region, page + a, view[a * ps:b * ps])
-                page += count
+                    for a, b in _true_runs(seen[first:stop]):
+                        sink(region, first + a, view[a * ps:b * ps])
 
     plan = None
     if hints:
@@ -214,10 +215,31 @@ def write_spooled(writer: LeanImageWriter, state: qemu.StreamState, ram: qemu.Ra
                      ram.stream_length)
         for region, block in regions:
             plan.free_pages(region, ram.last_end[block.name])
+    for region, block in regions:
+        zeros = _outside(spans[block.name], len(ram.zero[block.name]))
+        if unsent_free:
+            zeros &= ram.seen[block.name]
+        _put_zeros(writer, plan, region, zeros & writer.missing_pages(region))
     _write_hinted_pages(writer, feed, put_data, disks, plan)
     if unsent_free:
         _free_unsent(writer, {name: region for region, name in names.items()})
     writer.add_source_state(SourceFormat.QEMU, QEMU_TAG_STREAM_STATE, pack_stream_state(state))
+
+
+def _outside(spans: list[tuple[int, int]], pages: int) -> np.ndarray:
+    flags = np.ones(pages, bool)
+    for first, stop in spans:
+        flags[first:stop] = False
+    return flags
+
+
+def _put_zeros(writer: LeanImageWriter, plan, region_id: int, zeros: np.ndarray) -> None:
+    """ZERO for pages the spool knows to be zeros, without reading them (a hint plan counts
+    the DISK hints it had for them: a zero page stays ZERO)."""
+    if plan is not None:
+        zeros = plan.zero_pages(region_id, zeros)
+    for a, b in _true_runs(zeros):
+        writer.put_zero(region_id, a, b - a)
 
 
 def _true_runs(flags: np.ndarray):

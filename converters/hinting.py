@@ -146,6 +146,20 @@ class HintPlan:
         return put
 
     # -- DISK ---------------------------------------------------------------------------
+    def zero_pages(self, region_id: int, zeros: np.ndarray) -> np.ndarray:
+        """Of the pages a converter knows to be zeros without reading them, those it may make ZERO
+        now (not the ones ``skip_free`` would skip); their DISK hints are counted as for a zero
+        page that passes through ``disk_sink``."""
+        region = self.regions.get(region_id)
+        if region is None:
+            return zeros
+        if region.skipped is not None:
+            zeros = zeros & ~region.skipped
+        if region.disk_index is not None:
+            self.counts["DISK"]["ignored: content differs from the disk block (or a zero page)"] += \
+                int((zeros & (region.disk_index >= 0)).sum())
+        return zeros
+
     def disk_sink(self, inner):
         """A page sink that makes verified DISK hints DISK references and hands the rest to
         ``inner``."""

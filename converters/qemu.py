@@ -889,6 +889,8 @@ class RamImage:
             f.truncate(b.length)
             self._files[b.name] = f
         self.seen = {b.name: _page_table(b, self.page_size, bool, False) for b in blocks.blocks}
+        # per page: its spooled content is known to be zeros (never sent, or last sent as a ZERO entry)
+        self.zero = {b.name: _page_table(b, self.page_size, bool, True) for b in blocks.blocks}
         # per page: the stream offset where its last copy ends, -1 if never sent (spec/hints.md §3)
         self.last_end = {b.name: _page_table(b, self.page_size, np.int64, -1) for b in blocks.blocks}
         self.stream_length = 0
@@ -897,6 +899,7 @@ class RamImage:
         f = self._files[page.block]
         os.pwrite(f.fileno(), page.content(self.page_size), page.offset)
         self.seen[page.block][page.offset // self.page_size] = True
+        self.zero[page.block][page.offset // self.page_size] = False
         self.last_end[page.block][page.offset // self.page_size] = page.end
 
     def apply_run(self, run: PageRun) -> None:
@@ -910,6 +913,7 @@ class RamImage:
         elif seen.any():
             os.pwrite(fd, bytes(run.count * self.page_size), run.offset)
         seen[:] = True
+        self.zero[run.block][first:first + run.count] = run.pages is None
         self.last_end[run.block][first:first + run.count] = run.ends()
 
     def read(self, name: str) -> bytes:
@@ -919,6 +923,21 @@ class RamImage:
         fd = self._files[block.name].fileno()
         for off in range(0, block.length, chunk):
             yield os.pread(fd, min(chunk, block.length - off), off)
+
+    def nonzero_spans(self, block: RamBlock, chunk: int = 4 << 20) -> list[tuple[int, int]]:
+        """(first, stop) pages: in each ``chunk`` of the block that holds a page not known to be
+        zero, from the first such page to the last. Every page outside the spans is zeros."""
+        known_zero, per_chunk = self.zero[block.name], max(1, chunk // self.page_size)
+        spans = []
+        for first in range(0, len(known_zero), per_chunk):
+            wanted = np.flatnonzero(~known_zero[first:first + per_chunk])
+            if len(wanted):
+                spans.append((first + int(wanted[0]), first + int(wanted[-1]) + 1))
+        return spans
+
+    def read_pages(self, block: RamBlock, first: int, stop: int) -> bytes:
+        ps = self.page_size
+        return os.pread(self._files[block.name].fileno(), (stop - first) * ps, first * ps)
 
     def close(self) -> None:
         for f in self._files.values():

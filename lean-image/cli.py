@@ -748,6 +748,8 @@ def checkpoint(qmp_socket, output, as_json, mode, then, disks, parents, delta, l
         click.echo(f"leanimg: error: {exc}", err=True)
         ui.error(exc.message, 128 + exc.signum, kind="interrupted")
         sys.exit(128 + exc.signum)
+    for line in result.timeline_lines():
+        ui.detail(f"checkpoint {line}")
     if as_json:
         ui.emit_json(result.to_json())
     ui.summary(result.summary())

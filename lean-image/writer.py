@@ -530,9 +530,13 @@ class LeanImageWriter:
         view.flags.writeable = False
         return view
 
+    def missing_pages(self, region_id: int) -> np.ndarray:
+        """True for every page of the region not given yet."""
+        return self._regions[region_id].classes == 0
+
     def missing_runs(self, region_id: int) -> list[tuple[int, int]]:
         """(first_page, count) of every run of pages not given yet."""
-        missing = self._regions[region_id].classes == 0
+        missing = self.missing_pages(region_id)
         edge = np.zeros(1, np.int8)      # int8 throughout: a byte a page, not 8 (2^26-page regions)
         edges = np.flatnonzero(np.diff(np.concatenate((edge, missing.view(np.int8), edge))))
         return [(int(a), int(b - a)) for a, b in zip(edges[::2], edges[1::2])]

@@ -5,6 +5,7 @@ tests/test_qemu_checkpoint.py."""
 from __future__ import annotations
 
 import io
+import os
 from collections import Counter
 
 import numpy as np
@@ -58,6 +59,56 @@ def test_without_unsent_free_every_page_is_read_from_the_spool(tmp_path):
             write_spooled(writer, state, spool)
     with LeanImage.open(tmp_path / "img.lean") as image:
         assert class_counts(image)[PageClass.FREE] == 0
+
+
+def test_pages_known_to_be_zero_are_never_read_back_from_the_spool(tmp_path, monkeypatch):
+    """A 4 MiB chunk sent as ZERO entries, and the zero pages at a chunk's ends, become ZERO
+    without a read of the spool; zero pages between data pages are read and classed as before."""
+    pages = 2048
+    ram = bytearray(pages * 4096)
+    for page in (1030, 1031, 1500, 1900):
+        ram[page * 4096:(page + 1) * 4096] = bytes([page % 251 + 1]) * 4096
+    state, spool = qemu.load_stream(io.BytesIO(qemu_save(bytes(ram))), tmp_path)
+    reads = []
+    read_pages = qemu.RamImage.read_pages
+    monkeypatch.setattr(qemu.RamImage, "read_pages",
+                        lambda self, block, first, stop: reads.append((first, stop)) or read_pages(self, block, first, stop))
+    with spool:
+        zero_entries = np.flatnonzero(spool.zero["pc.ram"])
+        spans = spool.nonzero_spans(state.ram_blocks[0])
+        with LeanImageWriter(tmp_path / "img.lean") as writer:
+            write_spooled(writer, state, spool)
+    assert len(zero_entries) >= pages - 5          # our stream writer sends zero pages as ZERO entries
+    assert reads == spans and spans[-1] == (1030, 1901)
+    read = np.zeros(pages, bool)
+    for first, stop in reads:
+        read[first:stop] = True
+    assert not read[1:1030].any() and not read[1901:].any()
+    with LeanImage.open(tmp_path / "img.lean") as image:
+        region = image.region("pc.ram")
+        assert np.flatnonzero(image.classes(region) == PageClass.STORED).tolist() == [1030, 1031, 1500, 1900]
+        assert bytes(image.region_bytes(region, 0, pages)) == bytes(ram)
+
+
+def test_a_page_s_last_copy_decides_whether_it_is_known_to_be_zero():
+    blocks = qemu.RamBlocks((qemu.RamBlock("pc.ram", 8 * 4096),), 4096)
+    with qemu.RamImage(blocks) as spool:
+        data = np.full((2, 4096), 7, np.uint8)
+        spool.apply_run(qemu.PageRun("pc.ram", 0, 2, data))             # pages 0-1: data
+        spool.apply_run(qemu.PageRun("pc.ram", 4096, 2, None))          # pages 1-2: zeros (1 sent again)
+        spool.apply_run(qemu.PageRun("pc.ram", 3 * 4096, 1, None))      # page 3: zeros, then data
+        spool.apply_run(qemu.PageRun("pc.ram", 3 * 4096, 1, data[:1]))
+        assert spool.zero["pc.ram"].tolist() == [False, True, True, False, True, True, True, True]
+        assert spool.read_pages(blocks.blocks[0], 0, 4) == bytes([7]) * 4096 + bytes(8192) + bytes([7]) * 4096
+
+
+def test_the_image_s_temporary_file_is_named_like_every_output_s(tmp_path):
+    from leanimg.converters.checkpoint import _temp_beside
+    temp, out = _temp_beside(str(tmp_path / "vm.lean"))
+    with out:
+        name = os.path.basename(temp)
+        assert name.startswith(".leanimg-vm.lean-") and name.endswith(".partial")
+        assert os.path.dirname(temp) == str(tmp_path)
 
 
 def test_the_scratch_files_are_deleted_from_the_start(tmp_path):

@@ -378,6 +378,11 @@ def test_checkpoint_json_follows_its_schema(guest):
     jsonschema.validate(out, schema("checkpoint"))
     assert out["output"] == str(image) and out["mode"] == "stop" and out["then"] == "continue"
     assert out["file_bytes"] == image.stat().st_size and out["classes"] == _classes(image)
+    steps = [entry["step"] for entry in out["timeline"]]
+    assert steps[0] == "ready to migrate" and steps[-1] == "image in place"
+    assert steps.index("migration completed") < steps.index("guest resumed") < steps.index("image synced")
+    seconds = [entry["seconds"] for entry in out["timeline"]]
+    assert seconds == sorted(seconds) and seconds[-1] <= out["seconds"]
     _assert_running_on(guest)
 
 
