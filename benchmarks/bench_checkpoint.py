@@ -19,16 +19,18 @@ its memory with random data and frees it (stale free pages). Two guests, in one 
                without ``--disk`` (no spool: the pages stream into the writer)
             3. QEMU's own ``background-snapshot`` migrate to exec:cat: wall time and downtime
             4. ``leanimg checkpoint --background``: image size, wall time, downtime
+            1.-4. run ``--repeat`` times in turn (default 3); medians are reported
 
 ``--skip-balloon`` runs the plain guest only (a brief run for the guest free-hint numbers).
 
 Targets (issue 13 §6): image 2. <= 0.2 x the plain save's zstd; 4.'s downtime <= 50 ms;
 each checkpoint's wall time <= 1.2 x QEMU's own migrate in the same mode. QEMU's exec:cat writes
 the stream into the page cache and does not fsync it; leanimg compresses and fsyncs its image,
-so its CPU seconds are reported too. One run each: TCG guests are slow and the machine is
-shared (the load average is reported), so read the times as indications.
+so its CPU seconds, QEMU's save followed by an fsync, and the checkpoint's own timeline
+(``checkpoint -v``: the migration, the work after it, the fsync, the rest) are reported too.
+The machine is shared (the load average is reported): read the times as indications.
 
-    python benchmarks/bench_checkpoint.py --mem-mib 1024 --workdir /var/tmp/leanimg-ckpt --json out.json
+    python benchmarks/bench_checkpoint.py --mem-mib 1024 --repeat 3 --workdir /var/tmp/leanimg-ckpt --json out.json
     python benchmarks/bench_checkpoint.py --mem-mib 384 --skip-balloon
 """
 
@@ -38,7 +40,9 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import resource
+import statistics
 import subprocess
 import sys
 import time
@@ -75,6 +79,17 @@ def prepare(vm: GuestVM, mem_mib: int, say) -> None:
     say(f"guest ready in {time.monotonic() - t0:.0f} s")
 
 
+def fsync_seconds(path: Path) -> float:
+    """How long making QEMU's save durable takes (leanimg fsyncs its image; exec:cat does not)."""
+    t0 = time.monotonic()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return time.monotonic() - t0
+
+
 def qemu_save(vm: GuestVM, path: Path, background: bool = False) -> tuple[float, dict]:
     """QEMU's own migrate to exec:cat; (wall seconds, final query-migrate)."""
     if background:
@@ -102,23 +117,26 @@ def zstd_size(path: Path) -> int:
     return size
 
 
-def checkpoint(qmp: Path, image: Path, *args) -> tuple[float, float, str]:
-    """(wall seconds, leanimg's CPU seconds, summary line)."""
+def checkpoint(qmp: Path, image: Path, *args, timeline: list | None = None) -> tuple[float, float, str]:
+    """(wall seconds, leanimg's CPU seconds, summary line); ``timeline`` receives the steps
+    (checkpoint -v: seconds since leanimg reached QEMU's monitor)."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.monotonic()
-    proc = subprocess.run([*leanimg_command(), "checkpoint", "--qmp", str(qmp), "-o", str(image), "-f",
+    proc = subprocess.run([*leanimg_command(), "-v", "checkpoint", "--qmp", str(qmp), "-o", str(image), "-f",
                            *map(str, args)], capture_output=True, text=True, timeout=3600)
     seconds = time.monotonic() - t0
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if proc.returncode != 0:
         raise SystemExit(f"leanimg checkpoint failed: {proc.stderr}")
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    if timeline is not None:
+        timeline.extend((m.group(2), float(m.group(1))) for m in
+                        re.finditer(r"checkpoint +([\d.]+) s +\(\+[\d.]+\) +(.+)", proc.stderr))
     return seconds, cpu, proc.stdout.strip()
 
 
 def guest_free_runs(vm: GuestVM, qmp: Path, port: Path, disk: Path, work: Path, bandwidth: int, say) -> dict:
     """--live without and with --guest-free (and with --disk), in the plain guest."""
-    import re
     start = len(vm.serial.text)
     vm.serial.send("free")                              # the helper (tests/guest/build.py's init)
     vm.serial.wait_for("LEANIMG-STARTED", 60, start)
@@ -151,6 +169,44 @@ def downtime_of(summary: str) -> int:
     return int(summary.split("downtime ")[1].split(" ms")[0])
 
 
+def stop_round(vm: GuestVM, qmp: Path, disk: Path, work: Path, first: bool) -> dict:
+    """One round in the balloon guest, each run right after the other: QEMU's stop-and-save,
+    checkpoint --disk, checkpoint without disks, QEMU's background snapshot, checkpoint --background."""
+    r = {}
+    seconds, _ = qemu_save(vm, work / "balloon.save")
+    r["qemu_stop_save_seconds"] = seconds
+    r["qemu_stop_save_fsync_seconds"] = fsync_seconds(work / "balloon.save")
+    if first:           # the sizes of the first round's save (the balloon may report more pages later)
+        r["balloon_save_bytes"] = (work / "balloon.save").stat().st_size
+        r["balloon_save_zstd_bytes"] = zstd_size(work / "balloon.save")
+    (work / "balloon.save").unlink()
+
+    for name, extra in (("checkpoint_stop", ["--disk", f"vda={disk}"]), ("checkpoint_stop_nodisk", [])):
+        timeline = []
+        seconds, cpu, summary = checkpoint(qmp, work / f"{name}.lean", *extra, timeline=timeline)
+        r[f"{name}_seconds"], r[f"{name}_cpu_seconds"] = seconds, cpu
+        r[f"{name}_bytes"] = (work / f"{name}.lean").stat().st_size
+        r[f"{name}_summary"], r[f"{name}_timeline"] = summary, timeline
+        steps = dict(timeline)
+        r[f"{name}_migration_seconds"] = steps["migration completed"] - steps["ready to migrate"]
+        r[f"{name}_after_migration_seconds"] = steps["image synced"] - steps["migration completed"]
+        r[f"{name}_sync_seconds"] = steps["image synced"] - steps["image written"]
+        r[f"{name}_outside_seconds"] = seconds - steps["image in place"]   # start-up, connecting, the result
+    r["checkpoint_disk_bytes"] = r["checkpoint_stop_bytes"]
+
+    seconds, info = qemu_save(vm, work / "background.save", background=True)
+    r["qemu_background_seconds"] = seconds
+    r["qemu_background_downtime_ms"] = info.get("downtime")
+    (work / "background.save").unlink()
+    seconds, cpu, summary = checkpoint(qmp, work / "background.lean", "--background")
+    r["checkpoint_background_cpu_seconds"] = cpu
+    r["checkpoint_background_bytes"] = (work / "background.lean").stat().st_size
+    r["checkpoint_background_seconds"] = seconds
+    r["checkpoint_background_downtime_ms"] = downtime_of(summary)
+    r["checkpoint_background_summary"] = summary
+    return r
+
+
 def run(args) -> dict:
     say = (lambda msg: print(msg, file=sys.stderr, flush=True))
     work = Path(args.workdir)
@@ -158,7 +214,7 @@ def run(args) -> dict:
     quarter = args.mem_mib // 4
     spec = DiskSpec(size_mib=quarter + quarter // 2 + 64, text_mib=quarter // 2, binary_mib=quarter // 2, seed=13)
     build = build_guest(spec)
-    results = {"mem_mib": args.mem_mib, "disk_spec": dataclasses.asdict(spec)}
+    results = {"mem_mib": args.mem_mib, "disk_spec": dataclasses.asdict(spec), "repeat": args.repeat}
 
     (work / "plain").mkdir(exist_ok=True)
     qmp, port, disk = work / "plain-qmp.sock", work / "plain-free.sock", copy_disk(build.disk, work / "plain-disk.img")
@@ -182,39 +238,21 @@ def run(args) -> dict:
     with GuestVM(build, disk, mem_mib=args.mem_mib, workdir=work / "balloon",
                  extra_args=BALLOON + ["-qmp", f"unix:{qmp},server=on,wait=off"]) as vm:
         prepare(vm, args.mem_mib, say)
-        seconds, info = qemu_save(vm, work / "balloon.save")
-        results["balloon_save_bytes"] = (work / "balloon.save").stat().st_size
-        results["balloon_save_zstd_bytes"] = zstd_size(work / "balloon.save")
-        results["qemu_stop_save_seconds"] = seconds
-        (work / "balloon.save").unlink()
-
-        seconds, cpu, summary = checkpoint(qmp, work / "stop.lean", "--disk", f"vda={disk}")
-        results["checkpoint_stop_cpu_seconds"] = cpu
-        results["checkpoint_disk_bytes"] = (work / "stop.lean").stat().st_size
-        results["checkpoint_stop_seconds"] = seconds
-        results["checkpoint_stop_summary"] = summary
-
-        seconds, cpu, summary = checkpoint(qmp, work / "stop-nodisk.lean")
-        results["checkpoint_stop_nodisk_cpu_seconds"] = cpu
-        results["checkpoint_stop_nodisk_bytes"] = (work / "stop-nodisk.lean").stat().st_size
-        results["checkpoint_stop_nodisk_seconds"] = seconds
-
-        seconds, info = qemu_save(vm, work / "background.save", background=True)
-        results["qemu_background_seconds"] = seconds
-        results["qemu_background_downtime_ms"] = info.get("downtime")
-        (work / "background.save").unlink()
-
-        seconds, cpu, summary = checkpoint(qmp, work / "background.lean", "--background")
-        results["checkpoint_background_cpu_seconds"] = cpu
-        results["checkpoint_background_bytes"] = (work / "background.lean").stat().st_size
-        results["checkpoint_background_seconds"] = seconds
-        results["checkpoint_background_downtime_ms"] = downtime_of(summary)
-        results["checkpoint_background_summary"] = summary
+        rounds = [stop_round(vm, qmp, disk, work, k == 0) for k in range(args.repeat)]
+        for key, value in rounds[0].items():
+            if isinstance(value, (int, float)) and all(key in r for r in rounds):
+                results[key] = statistics.median(r[key] for r in rounds)
+            else:
+                results[key] = value         # measured once (the zstd size), or text
+        results["rounds"] = rounds
+        say(f"balloon: {results}")
 
     results["load_average"] = os.getloadavg()
     results["ratio_vs_plain_zstd"] = results["checkpoint_disk_bytes"] / results["plain_save_zstd_bytes"]
     results["ratio_vs_balloon_zstd"] = results["checkpoint_disk_bytes"] / results["balloon_save_zstd_bytes"]
+    results["durable_qemu_stop_save_seconds"] = results["qemu_stop_save_seconds"] + results["qemu_stop_save_fsync_seconds"]
     results["stop_time_ratio"] = results["checkpoint_stop_seconds"] / results["qemu_stop_save_seconds"]
+    results["stop_time_ratio_durable"] = results["checkpoint_stop_seconds"] / results["durable_qemu_stop_save_seconds"]
     results["stop_nodisk_time_ratio"] = results["checkpoint_stop_nodisk_seconds"] / results["qemu_stop_save_seconds"]
     results["background_time_ratio"] = results["checkpoint_background_seconds"] / results["qemu_background_seconds"]
     return results
@@ -242,17 +280,26 @@ def report(r: dict) -> str:
         f"same with free-page-reporting:    {mb(r['balloon_save_bytes'])}, zstd -T0 -3 {mb(r['balloon_save_zstd_bytes'])}",
         f"checkpoint --disk:                {mb(r['checkpoint_disk_bytes'])} = {r['ratio_vs_plain_zstd']:.3f} x the plain "
         f"zstd (target <= 0.2), {r['ratio_vs_balloon_zstd']:.3f} x the balloon zstd",
-        f"stop mode wall time: checkpoint {r['checkpoint_stop_seconds']:.1f} s "
-        f"(leanimg CPU {r['checkpoint_stop_cpu_seconds']:.1f} s), QEMU exec:cat "
-        f"{r['qemu_stop_save_seconds']:.1f} s = {r['stop_time_ratio']:.2f} x (target <= 1.2)",
-        f"  without --disk (streamed into the writer, no spool): {r['checkpoint_stop_nodisk_seconds']:.1f} s "
-        f"(leanimg CPU {r['checkpoint_stop_nodisk_cpu_seconds']:.1f} s, {mb(r['checkpoint_stop_nodisk_bytes'])}) = "
+        f"stop mode wall time (medians of {r['repeat']}): checkpoint --disk {r['checkpoint_stop_seconds']:.2f} s "
+        f"(leanimg CPU {r['checkpoint_stop_cpu_seconds']:.2f} s), QEMU exec:cat "
+        f"{r['qemu_stop_save_seconds']:.2f} s = {r['stop_time_ratio']:.2f} x (target <= 1.2); "
+        f"exec:cat then fsync {r['durable_qemu_stop_save_seconds']:.2f} s = {r['stop_time_ratio_durable']:.2f} x",
+        _steps("  --disk", r, "checkpoint_stop"),
+        f"  without --disk (streamed into the writer, no spool): {r['checkpoint_stop_nodisk_seconds']:.2f} s "
+        f"(leanimg CPU {r['checkpoint_stop_nodisk_cpu_seconds']:.2f} s, {mb(r['checkpoint_stop_nodisk_bytes'])}) = "
         f"{r['stop_nodisk_time_ratio']:.2f} x",
+        _steps("  without --disk", r, "checkpoint_stop_nodisk"),
         f"background: checkpoint {r['checkpoint_background_seconds']:.1f} s "
         f"(leanimg CPU {r['checkpoint_background_cpu_seconds']:.1f} s), downtime "
         f"{r['checkpoint_background_downtime_ms']} ms (target <= 50); QEMU exec:cat {r['qemu_background_seconds']:.1f} s, "
         f"downtime {r['qemu_background_downtime_ms']} ms = {r['background_time_ratio']:.2f} x (target <= 1.2)",
     ])
+
+
+def _steps(label: str, r: dict, name: str) -> str:
+    return (f"{label}: migration {r[name + '_migration_seconds']:.2f} s, after it until synced "
+            f"{r[name + '_after_migration_seconds']:.2f} s (fsync {r[name + '_sync_seconds']:.2f} s), outside "
+            f"the steps (start-up, QMP, the summary) {r[name + '_outside_seconds']:.2f} s")
 
 
 def main() -> None:
@@ -263,6 +310,8 @@ def main() -> None:
     parser.add_argument("--live-bandwidth", type=int, default=128, metavar="MIB/S",
                         help="--max-bandwidth of the --live checkpoints (default 128)")
     parser.add_argument("--skip-balloon", action="store_true", help="only the plain guest")
+    parser.add_argument("--repeat", type=int, default=3, metavar="N",
+                        help="rounds of the balloon guest's runs, alternated; medians reported (default 3)")
     args = parser.parse_args()
     results = run(args)
     print(report(results))
