@@ -8,6 +8,8 @@ DIGESTS records are read when its digests are first needed, and checked then (LI
 
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 
 from . import checks
@@ -24,7 +26,9 @@ class DigestStore:
         """``image``: the LeanImage these are the digests of, whose chain inherited digests
         come from (None: an image read without its chain)."""
         self.tables = tables
-        self.image = image
+        # weak: the image holds this store, and a cycle would keep both (and their tables) until a
+        # garbage collection, which numpy's allocations do not prompt
+        self._image = weakref.ref(image) if image is not None else None
         self.page_size = tables.page_size
         self.inherits = inherits_digests(tables.header.incompatible_features)
         self._bearing_classes = digest_class_table(tables.header.incompatible_features)
@@ -80,11 +84,12 @@ class DigestStore:
 
     def _inherited(self, region: Region, pages: np.ndarray) -> np.ndarray:
         """The inherited digests of PARENT pages ``pages`` (ascending): each from its digest link."""
-        if self.image is None or self.image.parent is None:
+        image = self._image() if self._image is not None else None
+        if image is None or image.parent is None:
             raise ChainError(f"region {region.name!r} page {int(pages[0])} is PARENT and inherits its digest "
                              "(format 1.1): it can be checked only with the parent chain (--parent)",
                              structure=f"region[{region.region_id}].page[{int(pages[0])}]")
-        resolution = self.image.resolution(region)
+        resolution = image.resolution(region)
         links = resolution.digest_link[pages]
         expected = np.zeros((len(pages), DIGEST_SIZE), np.uint8)
         for depth in np.unique(links).tolist():

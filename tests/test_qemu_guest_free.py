@@ -39,6 +39,10 @@ from leanimg.reader import LeanImage
 qemu = pytest.mark.qemu
 LEANIMG = command_line()
 MEM_MIB = 384
+# --max-bandwidth of the precopies that need the guest's answer: at 16 MiB/s the 384 MiB take
+# >= 24 s, time for a TCG guest on a loaded host to answer (at 64 MiB/s a CI run under load saw
+# no answer complete within the 9 s precopy, twice)
+PRECOPY_MIBS = "16"
 PAGE = 4096
 VGA_WINDOW = (0xA0000, 0xC0000)       # pmemsave reads the VGA device there, not pc.ram
 LIAR_MARK = b"LEANIMG-AFTERHNT"       # tests/guest/workload.c: pages the liar wrote after an answer
@@ -154,7 +158,7 @@ def _assert_equal_but_free(mem: np.ndarray, truth: np.ndarray, free: np.ndarray,
 def test_live_checkpoint_with_guest_free_hints(guest):
     image, stream, hints = guest.work / "free.lean", guest.work / "free.save", guest.work / "free.hints"
     proc = guest.checkpoint(image, "--live", "--guest-free", guest.port, "--keep-stream", stream,
-                            "--keep-hints", hints, "--max-bandwidth", "64")
+                            "--keep-hints", hints, "--max-bandwidth", PRECOPY_MIBS)
     assert "guest free hints:" in proc.stdout and "made FREE" in proc.stdout, proc.stdout
     assert guest.vm.status() == "running"
     assert leanimg("validate", image).returncode == 0
@@ -199,7 +203,7 @@ def test_a_lying_helper_gets_no_page_written_after_its_answer(guest):
     try:
         image, stream = guest.work / "lied.lean", guest.work / "lied.save"
         proc = guest.checkpoint(image, "--live", "--guest-free", guest.port, "--keep-stream", stream,
-                                "--max-bandwidth", "64")
+                                "--max-bandwidth", PRECOPY_MIBS)
     finally:
         guest.kill(liar)
         guest.helper_pid = guest.start("free")
@@ -244,7 +248,7 @@ def test_a_broken_answer_fails_the_checkpoint_and_leaves_the_guest_running(guest
     liar = guest.start_liar("1", "garbage")
     try:
         proc = leanimg("checkpoint", "--qmp", guest.qmp, "-o", tmp_path / "x.lean", "--live", "--max-bandwidth",
-                       "64", "--guest-free", guest.port, "--keep-hints", tmp_path / "x.hints")
+                       PRECOPY_MIBS, "--guest-free", guest.port, "--keep-hints", tmp_path / "x.hints")
     finally:
         guest.kill(liar)
         guest.helper_pid = guest.start("free")
