@@ -85,7 +85,7 @@ def measure(build, image: Path, disk: Path, mem_mib: int, incoming_argv: list[st
         work = Path(tmp)
         copy = copy_disk(disk, work / "disk.img")
         (work / "vm").mkdir()
-        t0 = time.monotonic()
+        t0, launched = time.monotonic(), time.time()
         with GuestVM(build, copy, mem_mib=mem_mib, workdir=work / "vm", autostart=True,
                      incoming=f"exec:{shlex.join(incoming_argv)}", extra_args=POSTCOPY if postcopy else ()) as vm:
             qmp = time.monotonic() - t0          # GuestVM returns once QMP answered
@@ -108,7 +108,7 @@ def measure(build, image: Path, disk: Path, mem_mib: int, incoming_argv: list[st
             vm.qmp.execute("quit")
             vm.proc.wait(timeout=60)
     return {"qmp_s": qmp, "started_s": started, "to_running_s": running, "working_set_s": working,
-            "resident_s": resident}
+            "resident_s": resident, "launched": launched}
 
 
 def read_stats(path: Path) -> dict:
@@ -117,7 +117,8 @@ def read_stats(path: Path) -> dict:
         if path.exists() and path.stat().st_size:
             time.sleep(0.1)
             stats = json.loads(path.read_text())
-            return {k: stats[k] for k in ("demand_pages", "pushed_pages", "pages_to_send")}
+            return {k: stats[k] for k in ("demand_pages", "pushed_pages", "pages_to_send", "requests",
+                                          "demand_wait_max", "demand_wait_total", "timeline", "first_requests")}
         time.sleep(0.1)
     raise RuntimeError(f"the serve wrote no {path}")
 
@@ -162,6 +163,9 @@ def one_run(build, leanimg, workdir: Path, image: Path, disk: Path, mem_mib: int
     argv = [*leanimg, "serve", str(image), "--postcopy", "--prepage", strategy, "--stats", str(stats)]
     row = measure(build, image, disk, mem_mib, argv, True, completes=strategy != "none")
     row.update(read_stats(stats))
+    launched = row["launched"]
+    row["timeline"] = [(event, t - launched) for event, t in row["timeline"]]
+    row["first_requests"] = [(a - launched, b - launched) for a, b in row["first_requests"]]
     return row
 
 
@@ -215,9 +219,15 @@ def _line(row: dict) -> str:
     fmt = lambda v: "-" if v is None else f"{v:.2f} s"  # noqa: E731
     demand = "" if row["demand_pages"] is None else (f"  on demand {row['demand_pages']} pages, pushed "
                                                      f"{row['pushed_pages']} of {row['pages_to_send']}")
+    timeline = "".join(f"\n        {t:6.3f} s  {event}" for event, t in row.get("timeline", ()))
+    if row.get("requests"):
+        firsts = row["first_requests"]
+        before = sum(1 for a, _ in firsts if row["to_running_s"] and a < row["to_running_s"])
+        timeline += (f"\n        requests {row['requests']}, {before} before the console printed; wait max "
+                     f"{row['demand_wait_max'] * 1000:.1f} ms, mean {row['demand_wait_total'] / row['requests'] * 1000:.2f} ms")
     return (f"{row['mem_mib']:>5} MiB  {row['run']:<22} qmp {fmt(row['qmp_s']):>7}  started "
             f"{fmt(row['started_s']):>7}  to running {fmt(row['to_running_s']):>8}  "
-            f"working set {fmt(row['working_set_s']):>8}  resident {fmt(row['resident_s']):>8}{demand}")
+            f"working set {fmt(row['working_set_s']):>8}  resident {fmt(row['resident_s']):>8}{demand}{timeline}")
 
 
 if __name__ == "__main__":

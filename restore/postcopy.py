@@ -66,6 +66,8 @@ MAX_PACKAGED = 1 << 24          # MAX_VM_CMD_PACKAGED_SIZE
 RP_SHUT, RP_PONG, RP_REQ_PAGES_ID, RP_REQ_PAGES = 1, 2, 3, 4
 RP_NAMES = {1: "SHUT", 2: "PONG", 3: "REQ_PAGES_ID", 4: "REQ_PAGES", 5: "RECV_BITMAP", 6: "RESUME_ACK"}
 
+FIRST_REQUESTS = 256
+TIMELINE_EVERY = 4096          # pages that travel between two timeline marks
 PUSH_PAGES = 64                 # pages pushed between two looks at the request queue
 _BE16, _BE32, _BE64 = struct.Struct(">H"), struct.Struct(">I"), struct.Struct(">Q")
 
@@ -90,6 +92,16 @@ class ServeStats:
     completed: bool = False         # END and EOF sent
     shut: int | None = None         # the destination's SHUT value (0: it loaded everything)
     error: str | None = None
+    # (event, Unix time): where the time goes (process start, stream open, package sent, first
+    # request, every TIMELINE_EVERY pages, last page, the destination's SHUT)
+    timeline: list = field(default_factory=list)
+    demand_wait_max: float = 0.0     # longest time a request waited in our queue before its answer
+    demand_wait_total: float = 0.0
+    # the first FIRST_REQUESTS requests: (arrival, answer written) as Unix times
+    first_requests: list = field(default_factory=list)
+
+    def mark(self, event: str) -> None:
+        self.timeline.append((event, time.time()))
 
     def summary(self) -> str:
         done = (f"all {self.pages_to_send} pages that travel sent in {self.seconds_to_complete:.2f} s"
@@ -195,7 +207,7 @@ def page_entries(name: str, page_size: int, first: int, pages: np.ndarray | None
 
 class ReturnPath(threading.Thread):
     """Parses the destination's messages from ``fileobj`` into ``events``:
-    ("req", block, start, length), ("shut", value), ("eof",), ("bad", message).
+    ("req", block, start, length, monotonic time of arrival), ("shut", value), ("eof",), ("bad", message).
 
     Reads the file descriptor itself: a buffered reader blocked in this thread would hold
     its lock, and closing it (at exit, after an error) would wait for the destination."""
@@ -228,7 +240,7 @@ class ReturnPath(threading.Thread):
                 start, size = _BE64.unpack_from(data)[0], _BE32.unpack_from(data, 8)[0]
                 if kind == RP_REQ_PAGES_ID:
                     block = data[13:13 + data[12]].decode(errors="replace") if len(data) > 12 else None
-                self.events.put(("req", block, start, size))
+                self.events.put(("req", block, start, size, time.monotonic()))
             elif kind == RP_SHUT and length == 4:
                 self.events.put(("shut", _BE32.unpack(data)[0]))
             elif kind != RP_PONG:
@@ -279,6 +291,7 @@ class PostcopyServer:
         self.left = self.stats.pages_to_send
         self.progress = progress          # called with the number of pages that travel, as they are sent
         self.t0 = time.monotonic()
+        self.stats.mark("server ready")
 
     def _block(self, index: int, block: qemu.RamBlock) -> Block:
         region = self.image.region(block.name)
@@ -316,7 +329,10 @@ class PostcopyServer:
                 pages = None if blank[lo] else data[lo:hi]
                 parts.append(page_entries(block.name, self.ps, first + lo, pages, hi - lo))
         block.sent[first:first + count] = True
-        self.left -= int((~blank).sum())
+        travelled = int((~blank).sum())
+        if (self.left - 1) // TIMELINE_EVERY != (self.left - 1 - travelled) // TIMELINE_EVERY:
+            self.stats.mark(f"{self.stats.pages_to_send - self.left + travelled} pages sent")
+        self.left -= travelled
         if self.progress is not None:
             self.progress(int((~blank).sum()))
         return b"".join(parts)
@@ -346,6 +362,7 @@ class PostcopyServer:
             self._write(opening(self.state, self.ps))
             self._write(package(self.state))
             self._flush()
+            self.stats.mark("package sent")
             self.stats.seconds_to_run = time.monotonic() - self.t0
             self._loop()
         except BrokenPipeError:
@@ -368,6 +385,7 @@ class PostcopyServer:
                 self._write(closing(self.state))
                 self._flush()
                 self.stats.completed = True
+                self.stats.mark("last page sent")
                 self.stats.seconds_to_complete = time.monotonic() - self.t0
                 ended = True
                 continue
@@ -386,13 +404,17 @@ class PostcopyServer:
 
     def _answer(self, events: list) -> bool:
         """Serve the requests among ``events``; True when the destination has gone."""
-        parts = []
+        parts, arrivals = [], []
         gone = False
         for event in events:
             if event[0] == "req":
-                parts.append(self._requested(*event[1:]))
+                if not self.stats.requests:
+                    self.stats.mark("first request")
+                parts.append(self._requested(*event[1:4]))
+                arrivals.append(event[4])
             elif event[0] == "shut":
                 self.stats.shut = event[1]
+                self.stats.mark("shut received")
                 gone = True
             elif event[0] == "eof":
                 gone = True
@@ -401,7 +423,18 @@ class PostcopyServer:
         parts = [p for p in parts if p]
         if parts and not self.stats.completed:
             self._section(parts)
+        self._answered(arrivals)
         return gone
+
+    def _answered(self, arrivals: list[float]) -> None:
+        """Account for the time the requests that arrived at ``arrivals`` waited for their answer."""
+        now = time.monotonic()
+        for arrival in arrivals:
+            self.stats.demand_wait_total += now - arrival
+            self.stats.demand_wait_max = max(self.stats.demand_wait_max, now - arrival)
+            if len(self.stats.first_requests) < FIRST_REQUESTS:
+                unix = time.time() - now
+                self.stats.first_requests.append((unix + arrival, unix + now))
 
     def _requested(self, name: str, start: int, size: int) -> bytes:
         self.stats.requests += 1
@@ -438,6 +471,18 @@ def _runs_of(mask: np.ndarray) -> list[tuple[int, int]]:
     return list(zip(bounds, bounds[1:]))
 
 
+def _process_start() -> float | None:
+    """This process's start as Unix time (to 10 ms), from /proc; None where there is none."""
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return time.time() - uptime + ticks / os.sysconf("SC_CLK_TCK")
+
+
 def serve_postcopy(image: LeanImage, out, inp, strategy: str = "sequential", stats_path: str | None = None,
                    log=None, progress=None) -> ServeStats:
     """Serve ``image`` on the binary file ``out`` (the stream) with the return path on ``inp``;
@@ -445,7 +490,10 @@ def serve_postcopy(image: LeanImage, out, inp, strategy: str = "sequential", sta
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown prepaging strategy {strategy!r}")
     check_userfaultfd()
+    started = _process_start()
     server = PostcopyServer(image, out, inp, strategy, log, progress)
+    if started is not None:
+        server.stats.timeline.insert(0, ("process start", started))
     try:
         return server.serve()
     finally:
