@@ -37,14 +37,16 @@ writes the stream, answering requests first and pushing pages in the prepaging o
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import ctypes
 import errno
+import fcntl
 import json
 import os
-import queue
+import select
 import struct
 import sys
-import threading
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -68,7 +70,11 @@ RP_NAMES = {1: "SHUT", 2: "PONG", 3: "REQ_PAGES_ID", 4: "REQ_PAGES", 5: "RECV_BI
 
 FIRST_REQUESTS = 256
 TIMELINE_EVERY = 4096          # pages that travel between two timeline marks
-PUSH_PAGES = 64                 # pages pushed between two looks at the request queue
+PUSH_BATCH = 256               # pages of the prepaging order read and verified together
+CHUNK_PAGES = 16               # pages per pushed section: what a request may wait behind
+MERGE_GAP = 64                 # pages of a push this close are read in one go (the gap read along)
+LOW_WATER = PUSH_BATCH * 4096  # queue the next push when less than this is waiting to be written
+MAX_QUEUED = 4 * LOW_WATER     # a fault's own push is queued first only below this
 _BE16, _BE32, _BE64 = struct.Struct(">H"), struct.Struct(">I"), struct.Struct(">Q")
 
 
@@ -205,55 +211,67 @@ def page_entries(name: str, page_size: int, first: int, pages: np.ndarray | None
 
 # ---------------------------------------------------------------------------- the return path
 
-class ReturnPath(threading.Thread):
-    """Parses the destination's messages from ``fileobj`` into ``events``:
-    ("req", block, start, length, monotonic time of arrival), ("shut", value), ("eof",), ("bad", message).
+class ReturnPath:
+    """Parses the destination's messages from file descriptor ``fd`` as they arrive (the
+    server's one loop reads it when select says it is readable) into events:
+    ("req", block, start, length, monotonic time of arrival), ("shut", value), ("eof",),
+    ("bad", message)."""
 
-    Reads the file descriptor itself: a buffered reader blocked in this thread would hold
-    its lock, and closing it (at exit, after an error) would wait for the destination."""
+    def __init__(self, fd: int):
+        self.fd, self.buf, self.block, self.ended = fd, bytearray(), None, False
 
-    def __init__(self, fileobj, events: queue.Queue):
-        super().__init__(name="return-path", daemon=True)
-        self.fd, self.events = fileobj.fileno(), events
-
-    def run(self) -> None:
+    def read(self) -> list:
+        """The events the bytes readable now complete."""
         try:
-            self._parse()
+            data = os.read(self.fd, 1 << 16)
+        except BlockingIOError:
+            return []
         except OSError as exc:
-            self.events.put(("bad", f"return path: {exc.strerror or exc}"))
-        finally:
-            self.events.put(("eof",))
+            self.ended = True
+            return [("bad", f"return path: {exc.strerror or exc}"), ("eof",)]
+        if not data:
+            self.ended = True
+            cut = []
+            if len(self.buf) >= 4:
+                name = RP_NAMES.get(_BE16.unpack_from(self.buf)[0], _BE16.unpack_from(self.buf)[0])
+                cut = [("bad", f"return path ended inside a {name} message")]
+            return cut + [("eof",)]
+        self.buf += data
+        return self._messages(time.monotonic())
 
-    def _parse(self) -> None:
-        block = None
-        while True:
-            head = self._read(4)
-            if head is None:
-                return
-            kind, length = _BE16.unpack_from(head)[0], _BE16.unpack_from(head, 2)[0]
-            name = RP_NAMES.get(kind, kind)
-            data = self._read(length) if length else b""
-            if data is None:
-                self.events.put(("bad", f"return path ended inside a {name} message"))
-                return
-            if kind in (RP_REQ_PAGES_ID, RP_REQ_PAGES) and len(data) >= 12:
-                start, size = _BE64.unpack_from(data)[0], _BE32.unpack_from(data, 8)[0]
-                if kind == RP_REQ_PAGES_ID:
-                    block = data[13:13 + data[12]].decode(errors="replace") if len(data) > 12 else None
-                self.events.put(("req", block, start, size, time.monotonic()))
-            elif kind == RP_SHUT and length == 4:
-                self.events.put(("shut", _BE32.unpack(data)[0]))
-            elif kind != RP_PONG:
-                self.events.put(("bad", f"unexpected return-path message {name} of {length} bytes"))
+    def _messages(self, arrival: float) -> list:
+        events, at = [], 0
+        while len(self.buf) - at >= 4:
+            kind, length = _BE16.unpack_from(self.buf, at)[0], _BE16.unpack_from(self.buf, at + 2)[0]
+            if len(self.buf) - at - 4 < length:
+                break
+            data = bytes(self.buf[at + 4:at + 4 + length])
+            at += 4 + length
+            events += self._event(kind, data, arrival)
+        del self.buf[:at]
+        return events
 
-    def _read(self, n: int) -> bytes | None:
-        buf = b""
-        while len(buf) < n:
-            chunk = os.read(self.fd, n - len(buf))
-            if not chunk:
-                return None
-            buf += chunk
-        return buf
+    def _event(self, kind: int, data: bytes, arrival: float) -> list:
+        if kind in (RP_REQ_PAGES_ID, RP_REQ_PAGES) and len(data) >= 12:
+            start, size = _BE64.unpack_from(data)[0], _BE32.unpack_from(data, 8)[0]
+            if kind == RP_REQ_PAGES_ID:
+                self.block = data[13:13 + data[12]].decode(errors="replace") if len(data) > 12 else None
+            return [("req", self.block, start, size, arrival)]
+        if kind == RP_SHUT and len(data) == 4:
+            return [("shut", _BE32.unpack(data)[0])]
+        if kind == RP_PONG:
+            return []
+        return [("bad", f"unexpected return-path message {RP_NAMES.get(kind, kind)} of {len(data)} bytes")]
+
+
+@contextlib.contextmanager
+def _nonblocking(fd: int):
+    flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+    fcntl.fcntl(fd, fcntl.F_SETFL, flags | os.O_NONBLOCK)
+    try:
+        yield
+    finally:
+        fcntl.fcntl(fd, fcntl.F_SETFL, flags)
 
 
 # ---------------------------------------------------------------------------- the server
@@ -266,13 +284,27 @@ class Block:
     region: object
     classes: np.ndarray
     blank: np.ndarray               # ZERO or FREE: never pushed
-    sent: np.ndarray = field(init=False)
+    sent: np.ndarray = field(init=False)    # written or queued to be written
 
     def __post_init__(self):
         self.sent = np.zeros(len(self.classes), bool)
 
 
+@dataclass
+class Chunk:
+    """One whole section (or the closing) queued for the stream, with the pages it carries."""
+    data: bytes
+    block: int = -1
+    pages: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    last: bool = False              # the closing: END and EOF
+
+
 class PostcopyServer:
+    """One thread, one loop: select on the return path and on the stream; requests are
+    answered ahead of every queued push (only a section partly written goes first), and a
+    requested page queued in a push moves that push to the front.  Pushes are read and
+    verified PUSH_BATCH pages at a time and queued as sections of CHUNK_PAGES pages."""
+
     def __init__(self, image: LeanImage, out, inp, strategy: str = "sequential", log=None, progress=None):
         self.image, self.out, self.inp = image, out, inp
         self.state = stream_state(image)
@@ -286,10 +318,15 @@ class PostcopyServer:
         self.stats.pages_total = sum(len(b.classes) for b in self.blocks)
         self.stats.pages_to_send = sum(int((~b.blank).sum()) for b in self.blocks)
         self.strategy = make_strategy(strategy, image, self.blocks)
-        self.events: queue.Queue = queue.Queue()
         self.log = log or (lambda msg: print(f"leanimg: {msg}", file=sys.stderr, flush=True))
         self.left = self.stats.pages_to_send
-        self.progress = progress          # called with the number of pages that travel, as they are sent
+        self.progress = progress          # called with the number of pages that travel, as they are queued
+        self.head: Chunk | None = None    # the section being written
+        self.head_written = 0             # bytes of it written
+        self.urgent: collections.deque[Chunk] = collections.deque()     # answers, pushes asked for
+        self.queue: collections.deque[Chunk] = collections.deque()      # pushes
+        self.fault_push = False           # the next push follows a fault: it goes first
+        self.closing_queued = False
         self.t0 = time.monotonic()
         self.stats.mark("server ready")
 
@@ -301,19 +338,7 @@ class PostcopyServer:
         cls = self.image.classes(region)
         return Block(index, block.name, region, cls, (cls == PageClass.ZERO) | (cls == PageClass.FREE))
 
-    # --- writing ---------------------------------------------------------------------
-
-    def _write(self, blob: bytes) -> None:
-        self.out.write(blob)
-        self.stats.bytes_sent += len(blob)
-
-    def _flush(self) -> None:
-        self.out.flush()
-
-    def _section(self, parts: list[bytes]) -> None:
-        sid = self.state.ram.section_id
-        self._write(bytes([qemu.PART]) + _BE32.pack(sid) + b"".join(parts) + _section_end(self.state))
-        self._flush()
+    # --- reading pages ------------------------------------------------------------------
 
     def _entries(self, block: Block, first: int, count: int) -> bytes:
         """Pages [first, first+count) of ``block`` not sent yet (all of them, by the callers'
@@ -329,16 +354,19 @@ class PostcopyServer:
                 pages = None if blank[lo] else data[lo:hi]
                 parts.append(page_entries(block.name, self.ps, first + lo, pages, hi - lo))
         block.sent[first:first + count] = True
-        travelled = int((~blank).sum())
+        self._account(int((~blank).sum()))
+        return b"".join(parts)
+
+    def _account(self, travelled: int) -> None:
         if (self.left - 1) // TIMELINE_EVERY != (self.left - 1 - travelled) // TIMELINE_EVERY:
             self.stats.mark(f"{self.stats.pages_to_send - self.left + travelled} pages sent")
         self.left -= travelled
         if self.progress is not None:
-            self.progress(int((~blank).sum()))
-        return b"".join(parts)
+            self.progress(travelled)
 
     def _read(self, block: Block, first: int, count: int) -> np.ndarray:
-        """Pages verified by the reader; on a failure, the first page that fails is named."""
+        """Pages verified by the reader; on a failure, the first page that fails is named
+        (the error's ``page``)."""
         try:
             data = self.image.region_bytes(block.region, first, count)
         except LeanImageError as exc:
@@ -350,18 +378,19 @@ class PostcopyServer:
                     except LeanImageError as one:
                         exc = one
                         break
-            raise ServeError(f"stopped before sending block {block.name!r} page {page} "
-                             f"(offset {page * self.ps:#x}), nothing more sent: {exc}") from None
+            error = ServeError(f"stopped before sending block {block.name!r} page {page} "
+                               f"(offset {page * self.ps:#x}), nothing more sent: {exc}")
+            error.page = page
+            raise error from None
         return np.frombuffer(data, np.uint8).reshape(count, self.ps)
 
     # --- serving ------------------------------------------------------------------------
 
     def serve(self) -> ServeStats:
-        ReturnPath(self.inp, self.events).start()
         try:
             self._write(opening(self.state, self.ps))
             self._write(package(self.state))
-            self._flush()
+            self.out.flush()
             self.stats.mark("package sent")
             self.stats.seconds_to_run = time.monotonic() - self.t0
             self._loop()
@@ -372,45 +401,88 @@ class PostcopyServer:
             raise ServeError(self.stats.error) from None
         except ServeError as exc:
             self.stats.error = str(exc)
+            self._drain()
             raise
         return self.stats
 
-    def _loop(self) -> None:
-        ended = False
-        while True:
-            wait = ended or (self.strategy.exhausted and self.left > 0)
-            if self._answer(self._pending_events(block=wait)):
-                return
-            if not ended and self.left == 0:
-                self._write(closing(self.state))
-                self._flush()
-                self.stats.completed = True
-                self.stats.mark("last page sent")
-                self.stats.seconds_to_complete = time.monotonic() - self.t0
-                ended = True
-                continue
-            if not ended:
-                self._push()
+    def _write(self, blob: bytes) -> None:
+        self.out.write(blob)
+        self.stats.bytes_sent += len(blob)
 
-    def _pending_events(self, block: bool) -> list:
-        events = []
-        if block:
-            events.append(self.events.get())
-        while True:
-            try:
-                events.append(self.events.get_nowait())
-            except queue.Empty:
-                return events
+    def _drain(self) -> None:
+        """After a page failed: the sections queued before it still go (every page in them
+        was verified); then nothing more."""
+        try:
+            if self.head is not None:
+                self._write(self.head.data[self.head_written:])
+            for chunk in [*self.urgent, *self.queue]:
+                self._write(chunk.data)
+            self.out.flush()
+        except OSError:
+            pass
+
+    def _loop(self) -> None:
+        out, rp = self.out.fileno(), ReturnPath(self.inp.fileno())
+        with _nonblocking(out), _nonblocking(rp.fd):
+            while True:
+                pushing = self._queue_more()
+                waiting = self.head is not None or self.urgent or self.queue
+                readable, writable, _ = select.select([] if rp.ended else [rp.fd], [out] if waiting else [],
+                                                      [], 0 if pushing else None)
+                if readable and self._answer(rp.read()):
+                    return
+                if writable:
+                    self._write_head(out)
+
+    def _queue_more(self) -> bool:
+        """Queue the next push (or the closing) when the queue runs low; True when more
+        pushes are to come without waiting for anything."""
+        if self.closing_queued:
+            return False
+        if self.left == 0:
+            self.queue.append(Chunk(closing(self.state), last=True))
+            self.closing_queued = True
+            return False
+        if self.strategy.exhausted:
+            return False
+        if self.fault_push:
+            self.fault_push = False
+            if self._queued_bytes() < MAX_QUEUED:
+                self.queue.extendleft(reversed(self._push(queue=False)))
+        elif self._queued_bytes() < LOW_WATER:
+            self._push()
+        return self._queued_bytes() < LOW_WATER and not self.strategy.exhausted
+
+    def _queued_bytes(self) -> int:
+        return sum(len(c.data) for c in self.queue)
+
+    def _write_head(self, out: int) -> None:
+        """Write as much of the next section as the stream takes now: the one begun, else an
+        answer, else a push."""
+        if self.head is None:
+            self.head, self.head_written = (self.urgent or self.queue).popleft(), 0
+        try:
+            n = os.write(out, memoryview(self.head.data)[self.head_written:])
+        except BlockingIOError:
+            return
+        self.stats.bytes_sent += n
+        self.head_written += n
+        if self.head_written == len(self.head.data):
+            if self.head.last:
+                self.stats.completed = True
+                self.stats.seconds_to_complete = time.monotonic() - self.t0
+                self.stats.mark("last page sent")
+            self.head = None
 
     def _answer(self, events: list) -> bool:
         """Serve the requests among ``events``; True when the destination has gone."""
-        parts, arrivals = [], []
+        parts, arrivals, promoted = [], [], []
         gone = False
         for event in events:
             if event[0] == "req":
                 if not self.stats.requests:
                     self.stats.mark("first request")
-                parts.append(self._requested(*event[1:4]))
+                parts.append(self._requested(*event[1:4], promoted))
                 arrivals.append(event[4])
             elif event[0] == "shut":
                 self.stats.shut = event[1]
@@ -421,13 +493,18 @@ class PostcopyServer:
             else:
                 self.log(f"warning: {event[1]}")
         parts = [p for p in parts if p]
-        if parts and not self.stats.completed:
-            self._section(parts)
+        if gone or self.stats.completed:
+            return gone
+        if parts:
+            self.urgent.append(Chunk(self._section_bytes(parts)))
+            self.fault_push = True            # the pages around a fault (bubble) come next
+        self.urgent.extend(promoted)
         self._answered(arrivals)
-        return gone
+        return False
 
     def _answered(self, arrivals: list[float]) -> None:
-        """Account for the time the requests that arrived at ``arrivals`` waited for their answer."""
+        """Account for the time the requests that arrived at ``arrivals`` waited for their
+        answer to be queued first."""
         now = time.monotonic()
         for arrival in arrivals:
             self.stats.demand_wait_total += now - arrival
@@ -436,7 +513,9 @@ class PostcopyServer:
                 unix = time.time() - now
                 self.stats.first_requests.append((unix + arrival, unix + now))
 
-    def _requested(self, name: str, start: int, size: int) -> bytes:
+    def _requested(self, name: str, start: int, size: int, promoted: list[Chunk]) -> bytes:
+        """Entries for the requested pages not sent yet; queued sections holding the others
+        are moved to ``promoted``."""
         self.stats.requests += 1
         block = self.by_name.get(name)
         if block is None or start % self.ps or size % self.ps or start + size > len(block.sent) * self.ps:
@@ -450,19 +529,94 @@ class PostcopyServer:
         for page in range(first, first + count):
             if block.sent[page]:
                 self.stats.requests_already_sent += 1
+                self._promote(block, page, promoted)
                 continue
             self.stats.demand_pages += 1
             self.stats.demand_blank += int(block.blank[page])
             parts.append(self._entries(block, page, 1))
         return b"".join(parts)
 
-    def _push(self) -> None:
-        parts = []
-        for block, first, count in self.strategy.next_runs(PUSH_PAGES):
-            self.stats.pushed_pages += count
-            parts.append(self._entries(block, first, count))
-        if parts:
-            self._section(parts)
+    def _promote(self, block: Block, page: int, promoted: list[Chunk]) -> None:
+        for i, chunk in enumerate(self.queue):
+            if chunk.block == block.index and (chunk.pages == page).any():
+                del self.queue[i]
+                promoted.append(chunk)
+                return
+
+    # --- pushing ------------------------------------------------------------------------
+
+    def _push(self, queue: bool = True) -> list[Chunk]:
+        """The next PUSH_BATCH pages of the prepaging order as sections; queued last unless
+        not ``queue``."""
+        chunks = []
+        for block, pages in self._batch(self.strategy.next_runs(PUSH_BATCH)):
+            chunks += self._sections(block, pages, self._read_pages(block, pages))
+            block.sent[pages] = True
+            self.stats.pushed_pages += len(pages)
+            self._account(len(pages))
+        if queue:
+            self.queue.extend(chunks)
+        return chunks
+
+    def _batch(self, runs: list) -> list[tuple[Block, np.ndarray]]:
+        """The runs' pages, per block in their order."""
+        batch: list = []
+        for block, first, count in runs:
+            pages = np.arange(first, first + count, dtype=np.int64)
+            if batch and batch[-1][0] is block:
+                batch[-1][1].append(pages)
+            else:
+                batch.append((block, [pages]))
+        return [(block, np.concatenate(parts)) for block, parts in batch]
+
+    def _read_pages(self, block: Block, pages: np.ndarray) -> np.ndarray:
+        """``pages`` (len, page size), read and verified in as few reads as the gaps between
+        them allow (a gap of at most MERGE_GAP pages is read along and dropped)."""
+        order = np.argsort(pages, kind="stable")
+        ascending = pages[order]
+        out = np.empty((len(pages), self.ps), np.uint8)
+        breaks = np.flatnonzero(np.diff(ascending) > MERGE_GAP) + 1
+        bounds = [0, *breaks.tolist(), len(pages)]
+        for lo, hi in zip(bounds, bounds[1:]):
+            first, last = int(ascending[lo]), int(ascending[hi - 1])
+            try:
+                span = self._read(block, first, last - first + 1)
+            except ServeError as exc:
+                self._queue_before_failure(block, pages, exc.page)
+                raise
+            out[order[lo:hi]] = span[ascending[lo:hi] - first]
+        return out
+
+    def _queue_before_failure(self, block: Block, pages: np.ndarray, failed: int) -> None:
+        """Queue the pages of this push before the one that failed, in order (read again, each
+        verified), so that the destination has every good page up to the failure."""
+        good = pages[:int(np.argmax(pages == failed))] if (pages == failed).any() else pages[pages < failed]
+        for page in good.tolist():
+            if not block.sent[page]:
+                data = self._read(block, page, 1)
+                self.queue.extend(self._sections(block, np.array([page]), data))
+                block.sent[page] = True
+
+    def _sections(self, block: Block, pages: np.ndarray, data: np.ndarray) -> list[Chunk]:
+        """PART sections of CHUNK_PAGES entries each; every section names its block first
+        (another section may come between two of them)."""
+        count = len(pages)
+        rows = np.empty((count, 8 + self.ps), np.uint8)
+        words = (pages.astype(np.uint64) * np.uint64(self.ps)) | np.uint64(qemu.F_PAGE | qemu.F_CONTINUE)
+        rows[:, :8] = words.astype(">u8").view(np.uint8).reshape(count, 8)
+        rows[:, 8:] = data
+        name = qemu._name_bytes(block.name)
+        chunks = []
+        for lo in range(0, count, CHUNK_PAGES):
+            hi = min(count, lo + CHUNK_PAGES)
+            head = _BE64.pack(int(pages[lo]) * self.ps | qemu.F_PAGE) + name
+            body = [head, rows[lo, 8:].tobytes(), rows[lo + 1:hi].tobytes()]
+            chunks.append(Chunk(self._section_bytes(body), block.index, pages[lo:hi]))
+        return chunks
+
+    def _section_bytes(self, parts: list[bytes]) -> bytes:
+        sid = self.state.ram.section_id
+        return bytes([qemu.PART]) + _BE32.pack(sid) + b"".join(parts) + _section_end(self.state)
 
 
 def _runs_of(mask: np.ndarray) -> list[tuple[int, int]]:
