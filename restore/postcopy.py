@@ -73,7 +73,7 @@ TIMELINE_EVERY = 4096          # pages that travel between two timeline marks
 PUSH_BATCH = 256               # pages of the prepaging order read and verified together
 CHUNK_PAGES = 16               # pages per pushed section: what a request may wait behind
 MERGE_GAP = 64                 # pages of a push this close are read in one go (the gap read along)
-LOW_WATER = PUSH_BATCH * 4096  # queue the next push when less than this is waiting to be written
+LOW_WATER = PUSH_BATCH // CHUNK_PAGES    # queue the next push when fewer sections wait than this
 MAX_QUEUED = 4 * LOW_WATER     # a fault's own push is queued first only below this
 _BE16, _BE32, _BE64 = struct.Struct(">H"), struct.Struct(">I"), struct.Struct(">Q")
 
@@ -447,14 +447,11 @@ class PostcopyServer:
             return False
         if self.fault_push:
             self.fault_push = False
-            if self._queued_bytes() < MAX_QUEUED:
+            if len(self.queue) < MAX_QUEUED:
                 self.queue.extendleft(reversed(self._push(queue=False)))
-        elif self._queued_bytes() < LOW_WATER:
+        elif len(self.queue) < LOW_WATER:
             self._push()
-        return self._queued_bytes() < LOW_WATER and not self.strategy.exhausted
-
-    def _queued_bytes(self) -> int:
-        return sum(len(c.data) for c in self.queue)
+        return len(self.queue) < LOW_WATER and not self.strategy.exhausted
 
     def _write_head(self, out: int) -> None:
         """Write as much of the next section as the stream takes now: the one begun, else an
@@ -572,6 +569,16 @@ class PostcopyServer:
     def _read_pages(self, block: Block, pages: np.ndarray) -> np.ndarray:
         """``pages`` (len, page size), read and verified in as few reads as the gaps between
         them allow (a gap of at most MERGE_GAP pages is read along and dropped)."""
+        try:
+            first = int(pages[0])
+            if int(pages[-1]) - first + 1 == len(pages) and (np.diff(pages) == 1).all():
+                return self._read(block, first, len(pages))          # one run: no copy
+            return self._read_spans(block, pages)
+        except ServeError as exc:
+            self._queue_before_failure(block, pages, exc.page)
+            raise
+
+    def _read_spans(self, block: Block, pages: np.ndarray) -> np.ndarray:
         order = np.argsort(pages, kind="stable")
         ascending = pages[order]
         out = np.empty((len(pages), self.ps), np.uint8)
@@ -579,11 +586,7 @@ class PostcopyServer:
         bounds = [0, *breaks.tolist(), len(pages)]
         for lo, hi in zip(bounds, bounds[1:]):
             first, last = int(ascending[lo]), int(ascending[hi - 1])
-            try:
-                span = self._read(block, first, last - first + 1)
-            except ServeError as exc:
-                self._queue_before_failure(block, pages, exc.page)
-                raise
+            span = self._read(block, first, last - first + 1)
             out[order[lo:hi]] = span[ascending[lo:hi] - first]
         return out
 
