@@ -41,6 +41,7 @@ class FrameStore:
         self.pool = None                                  # read-ahead workers, see enable_read_ahead
         self._depth = 0
         self._cache: OrderedDict = OrderedDict()
+        self.cache_frames = FRAME_CACHE_SIZE              # frames kept decompressed (see keep_decompressed)
         self._ahead: dict[int, object] = {}
         self._ahead_deltas: dict[int, object] = {}         # DELTA_FRAME -> its parse on a worker
 
@@ -53,6 +54,12 @@ class FrameStore:
             os.posix_fadvise(self.tables.file.fileobj.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
         except (AttributeError, OSError, ValueError):
             pass
+
+    def keep_decompressed(self, limit_bytes: int) -> None:
+        """Keep up to ``limit_bytes`` of decompressed frames (at least FRAME_CACHE_SIZE frames):
+        for a reader that comes back to frames in no order, as a post-copy serve does."""
+        largest = max([int(self.page_frames.counts.max(initial=0)) * self.page_size, 1])
+        self.cache_frames = max(FRAME_CACHE_SIZE, limit_bytes // largest)
 
     def close(self) -> None:
         if self.pool is not None:
@@ -174,5 +181,5 @@ class FrameStore:
 
     def _keep(self, key, value) -> None:
         self._cache[key] = value
-        while len(self._cache) > FRAME_CACHE_SIZE:
+        while len(self._cache) > self.cache_frames:
             self._cache.popitem(last=False)
