@@ -182,7 +182,7 @@ def one_run(build, leanimg, workdir: Path, image: Path, disk: Path, mem_mib: int
     row.update(read_stats(stats))
     launched = row["launched"]
     row["timeline"] = [(event, t - launched) for event, t in row["timeline"]]
-    row["first_requests"] = [(a - launched, b - launched) for a, b in row["first_requests"]]
+    row["first_requests"] = [(a - launched, b - launched, *rest) for a, b, *rest in row["first_requests"]]
     return row
 
 
@@ -241,7 +241,7 @@ def _line(row: dict) -> str:
     timeline = "".join(f"\n        {t:6.3f} s  {event}" for event, t in row.get("timeline", ()))
     if row.get("requests") and row.get("demand_wait_max") is not None:
         firsts = row["first_requests"]
-        before = sum(1 for a, _ in firsts if row["to_running_s"] and a < row["to_running_s"])
+        before = sum(1 for a, *_ in firsts if row["to_running_s"] and a < row["to_running_s"])
         timeline += (f"\n        requests {row['requests']}, {before} before the console printed; wait max "
                      f"{row['demand_wait_max'] * 1000:.1f} ms, mean {row['demand_wait_total'] / row['requests'] * 1000:.2f} ms")
     return (f"{row['mem_mib']:>5} MiB  {row['run']:<22} qmp {fmt(row['qmp_s']):>7}  started "

@@ -106,7 +106,7 @@ class ServeStats:
     timeline: list = field(default_factory=list)
     demand_wait_max: float = 0.0     # longest time a request waited in our queue before its answer
     demand_wait_total: float = 0.0
-    # the first FIRST_REQUESTS requests: (arrival, answer written) as Unix times
+    # the first FIRST_REQUESTS requests: (arrival, answer queued) as Unix times, block, first page
     first_requests: list = field(default_factory=list)
 
     def mark(self, event: str) -> None:
@@ -485,7 +485,7 @@ class PostcopyServer:
                 if not self.stats.requests:
                     self.stats.mark("first request")
                 parts.append(self._requested(*event[1:4], promoted))
-                arrivals.append(event[4])
+                arrivals.append((event[4], event[1], event[2] // self.ps))
             elif event[0] == "shut":
                 self.stats.shut = event[1]
                 self.stats.mark("shut received")
@@ -504,16 +504,16 @@ class PostcopyServer:
         self._answered(arrivals)
         return False
 
-    def _answered(self, arrivals: list[float]) -> None:
-        """Account for the time the requests that arrived at ``arrivals`` waited for their
-        answer to be queued first."""
+    def _answered(self, arrivals: list[tuple[float, str, int]]) -> None:
+        """Account for the time the requests (arrival, block, page) waited for their answer
+        to be queued first."""
         now = time.monotonic()
-        for arrival in arrivals:
+        for arrival, block, page in arrivals:
             self.stats.demand_wait_total += now - arrival
             self.stats.demand_wait_max = max(self.stats.demand_wait_max, now - arrival)
             if len(self.stats.first_requests) < FIRST_REQUESTS:
                 unix = time.time() - now
-                self.stats.first_requests.append((unix + arrival, unix + now))
+                self.stats.first_requests.append((unix + arrival, unix + now, block, page))
 
     def _requested(self, name: str, start: int, size: int, promoted: list[Chunk]) -> bytes:
         """Entries for the requested pages not sent yet; queued sections holding the others
