@@ -32,6 +32,15 @@ def decompress_frame(decompressor, data, expected: int, offset: int, structure: 
         raise FormatError(exc.message, offset=offset, structure=structure, rule=rule) from None
 
 
+def _lower_priority(nice: int) -> None:
+    if nice:
+        try:
+            import threading
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), os.getpriority(os.PRIO_PROCESS, 0) + nice)
+        except (AttributeError, OSError):
+            pass
+
+
 class FrameStore:
     def __init__(self, tables: ImageTables):
         self.tables = tables
@@ -45,10 +54,11 @@ class FrameStore:
         self._ahead: dict[int, object] = {}
         self._ahead_deltas: dict[int, object] = {}         # DELTA_FRAME -> its parse on a worker
 
-    def enable_read_ahead(self, threads: int = 2, depth: int = 4) -> None:
-        """Decompress the next frames on worker threads while the caller reads sequentially."""
+    def enable_read_ahead(self, threads: int = 2, depth: int = 4, nice: int = 0) -> None:
+        """Decompress the next frames on worker threads while the caller reads sequentially;
+        the workers run ``nice`` steps below the caller (Linux schedules threads alone)."""
         from concurrent.futures import ThreadPoolExecutor      # a restore's only use of threads
-        self.pool = ThreadPoolExecutor(max_workers=threads)
+        self.pool = ThreadPoolExecutor(max_workers=threads, initializer=_lower_priority, initargs=(nice,))
         self._depth = depth
         try:            # frames are read in file order: let the kernel read further ahead
             os.posix_fadvise(self.tables.file.fileobj.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
@@ -73,7 +83,11 @@ class FrameStore:
             self._cache.move_to_end(key)
             content, digests = self._cache[key]
         elif frame in self._ahead:                   # asked for ahead of time (prefetch)
-            content, digests = self._ahead.pop(frame).result()
+            future = self._ahead.pop(frame)
+            if future.cancel():                      # not begun: here, rather than behind the others
+                content, digests = self._load(frame), None
+            else:
+                content, digests = future.result()
         elif self.pool is None:
             content, digests = self._load(frame), None
         else:

@@ -310,8 +310,7 @@ class PostcopyServer:
 
     def __init__(self, image: LeanImage, out, inp, strategy: str = "sequential", log=None, progress=None):
         self.image, self.out, self.inp = image, out, inp
-        image.frames.keep_decompressed(FRAME_CACHE_BYTES)
-        image.enable_read_ahead(threads=1, depth=2)     # the next frames decompress while we send
+        self._decompress_ahead(image)
         self.state = stream_state(image)
         self.ps = image.page_size
         if self.state.page_size != self.ps:
@@ -334,6 +333,18 @@ class PostcopyServer:
         self.closing_queued = False
         self.t0 = time.monotonic()
         self.stats.mark("server ready")
+
+    @staticmethod
+    def _decompress_ahead(image: LeanImage) -> None:
+        """Every frame decompresses once, on a worker below our priority, from the start when
+        they all fit FRAME_CACHE_BYTES (a fault's frame not begun yet is decompressed by the
+        fault itself); else the next ones as the pushes read them."""
+        frames = image.frames
+        frames.keep_decompressed(FRAME_CACHE_BYTES)
+        image.enable_read_ahead(threads=1, depth=2, nice=5)
+        stored_bytes = int(frames.page_frames.counts.sum()) * image.page_size
+        if image.parent is None and stored_bytes <= FRAME_CACHE_BYTES:
+            frames.prefetch(range(len(frames.page_frames)), frames.pool, with_digests=True)
 
     def _block(self, index: int, block: qemu.RamBlock) -> Block:
         region = self.image.region(block.name)
