@@ -7,6 +7,7 @@ next ones are decompressed (and their pages digested) ahead on worker threads.
 from __future__ import annotations
 
 import os
+import threading
 from collections import OrderedDict
 
 import numpy as np
@@ -35,7 +36,6 @@ def decompress_frame(decompressor, data, expected: int, offset: int, structure: 
 def _lower_priority(nice: int) -> None:
     if nice:
         try:
-            import threading
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), os.getpriority(os.PRIO_PROCESS, 0) + nice)
         except (AttributeError, OSError):
             pass
@@ -51,6 +51,7 @@ class FrameStore:
         self._depth = 0
         self._cache: OrderedDict = OrderedDict()
         self.cache_frames = FRAME_CACHE_SIZE              # frames kept decompressed (see keep_decompressed)
+        self.jump_queue = False     # a frame asked for whose prefetch has not begun is loaded at once
         self._ahead: dict[int, object] = {}
         self._ahead_deltas: dict[int, object] = {}         # DELTA_FRAME -> its parse on a worker
 
@@ -84,7 +85,7 @@ class FrameStore:
             content, digests = self._cache[key]
         elif frame in self._ahead:                   # asked for ahead of time (prefetch)
             future = self._ahead.pop(frame)
-            if future.cancel():                      # not begun: here, rather than behind the others
+            if self.jump_queue and future.cancel():  # not begun: here, rather than behind the others
                 content, digests = self._load(frame), None
             else:
                 content, digests = future.result()

@@ -344,6 +344,7 @@ class PostcopyServer:
         image.enable_read_ahead(threads=1, depth=2, nice=5)
         stored_bytes = int(frames.page_frames.counts.sum()) * image.page_size
         if image.parent is None and stored_bytes <= FRAME_CACHE_BYTES:
+            frames.jump_queue = True
             frames.prefetch(range(len(frames.page_frames)), frames.pool, with_digests=True)
 
     def _block(self, index: int, block: qemu.RamBlock) -> Block:

@@ -374,3 +374,35 @@ def test_pushed_sections_each_name_their_block(image, ram):
             assert word // PS == chunk.pages[0]
             first = chunk.data[head + 15:head + 15 + PS]
             assert first == pages[chunk.pages[0]].tobytes()
+
+
+def test_a_frame_whose_prefetch_has_not_begun_is_decompressed_at_once(image):
+    """The serve prefetches every frame; a fault must not wait behind the frames before its own."""
+    from concurrent.futures import ThreadPoolExecutor
+    with LeanImage.open(image) as img:
+        frames = img.frames
+        last = len(frames.page_frames) - 1
+        assert last >= 2
+        expected = frames._load(last)
+        frames.jump_queue = True
+        release = threading.Event()
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            pool.submit(release.wait)                 # the worker is busy: no prefetch begins
+            frames.prefetch(range(last + 1), pool, with_digests=True)
+            got = []
+            reader = threading.Thread(target=lambda: got.append(frames.frame(last, with_digests=True)))
+            reader.start()
+            reader.join(timeout=30)
+            release.set()
+            assert got, "the frame waited for the prefetches queued before it"
+        content, digests = got[0]
+        assert content == expected and len(digests) == len(expected) // PS
+
+
+def test_the_serve_prefetches_every_frame_once_when_they_fit(image):
+    with LeanImage.open(image) as img:
+        server = pc.PostcopyServer(img, io.BytesIO(), io.BytesIO(), "sequential", log=lambda msg: None)
+        frames = img.frames
+        assert frames.jump_queue and frames.cache_frames >= len(frames.page_frames)
+        assert set(frames._ahead) | {key[1] for key in frames._cache} == set(range(len(frames.page_frames)))
+        server._push()
