@@ -159,7 +159,7 @@ def main() -> None:
     for repeat in range(args.repeat):           # interleaved: drift on a shared host hits every run alike
         for mem_mib in sizes:
             image, disk = images[mem_mib]
-            for name, strategy, argv in runs:
+            for name, strategy, argv in runs[repeat % len(runs):] + runs[:repeat % len(runs)]:   # no run always first
                 row = dict(mem_mib=mem_mib, run=name, repeat=repeat, image_bytes=image.stat().st_size,
                            demand_pages=None)
                 row.update(one_run(build, argv, args.workdir, image, disk, mem_mib, strategy))
