@@ -30,9 +30,9 @@ then pauses the migration (postcopy-paused) with that page never placed.
 Return-path messages (be16 type, be16 length, data): REQ_PAGES_ID (be64 start, be32 len,
 u8 name length, block name), REQ_PAGES (be64 start, be32 len; the block of the last
 REQ_PAGES_ID), PONG, SHUT (the destination is done), RECV_BITMAP/RESUME_ACK (recovery, not
-used).  A reader thread parses them into a queue; the main thread alone reads the image and
-writes the stream, answering requests first and pushing pages in the prepaging order
-(prepage.py) in between.
+used).  One thread and one select loop parse them as they come and write the stream
+(non-blocking): answers go ahead of every queued push, pushes follow the prepaging order
+(prepage.py) in sections of CHUNK_PAGES pages, read and verified PUSH_BATCH pages at a time.
 """
 
 from __future__ import annotations
