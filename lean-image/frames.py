@@ -7,7 +7,6 @@ next ones are decompressed (and their pages digested) ahead on worker threads.
 from __future__ import annotations
 
 import os
-import threading
 from collections import OrderedDict
 
 import numpy as np
@@ -33,14 +32,6 @@ def decompress_frame(decompressor, data, expected: int, offset: int, structure: 
         raise FormatError(exc.message, offset=offset, structure=structure, rule=rule) from None
 
 
-def _lower_priority(nice: int) -> None:
-    if nice:
-        try:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), os.getpriority(os.PRIO_PROCESS, 0) + nice)
-        except (AttributeError, OSError):
-            pass
-
-
 class FrameStore:
     def __init__(self, tables: ImageTables):
         self.tables = tables
@@ -55,11 +46,10 @@ class FrameStore:
         self._ahead: dict[int, object] = {}
         self._ahead_deltas: dict[int, object] = {}         # DELTA_FRAME -> its parse on a worker
 
-    def enable_read_ahead(self, threads: int = 2, depth: int = 4, nice: int = 0) -> None:
-        """Decompress the next frames on worker threads while the caller reads sequentially;
-        the workers run ``nice`` steps below the caller (Linux schedules threads alone)."""
+    def enable_read_ahead(self, threads: int = 2, depth: int = 4) -> None:
+        """Decompress the next frames on worker threads while the caller reads sequentially."""
         from concurrent.futures import ThreadPoolExecutor      # a restore's only use of threads
-        self.pool = ThreadPoolExecutor(max_workers=threads, initializer=_lower_priority, initargs=(nice,))
+        self.pool = ThreadPoolExecutor(max_workers=threads)
         self._depth = depth
         try:            # frames are read in file order: let the kernel read further ahead
             os.posix_fadvise(self.tables.file.fileobj.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)

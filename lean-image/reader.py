@@ -184,8 +184,8 @@ class LeanImage:
                         slots: np.ndarray) -> None:
         pages.fill_disk_pages(self, region, first_page, out, rows, slots)
 
-    def enable_read_ahead(self, threads: int = 2, depth: int = 4, nice: int = 0) -> None:
-        self.frames.enable_read_ahead(threads, depth, nice)
+    def enable_read_ahead(self, threads: int = 2, depth: int = 4) -> None:
+        self.frames.enable_read_ahead(threads, depth)
 
     @property
     def restore_chunk_pages(self) -> int:

@@ -336,12 +336,13 @@ class PostcopyServer:
 
     @staticmethod
     def _decompress_ahead(image: LeanImage) -> None:
-        """Every frame decompresses once, on a worker below our priority, from the start when
-        they all fit FRAME_CACHE_BYTES (a fault's frame not begun yet is decompressed by the
-        fault itself); else the next ones as the pushes read them."""
+        """Every frame decompresses once, on a worker thread, from the start when they all fit
+        FRAME_CACHE_BYTES (a fault's frame not begun yet is decompressed by the fault itself);
+        else the next ones as the pushes read them.  The worker runs at our priority: the pushes
+        wait for the frame it is decompressing, so a lower one would hold them up under load."""
         frames = image.frames
         frames.keep_decompressed(FRAME_CACHE_BYTES)
-        image.enable_read_ahead(threads=1, depth=2, nice=5)
+        image.enable_read_ahead(threads=1, depth=2)
         stored_bytes = int(frames.page_frames.counts.sum()) * image.page_size
         if image.parent is None and stored_bytes <= FRAME_CACHE_BYTES:
             frames.jump_queue = True
