@@ -31,11 +31,18 @@ resident <= 1.2x the full restore.  "to running" is the first line of a 20 ms he
 (``workload beacon``) on the destination's console.
 
     python benchmarks/bench_postcopy.py --workdir /var/tmp/leanimg-postcopy --reuse --repeat 3 --json out.json
+
+``--baseline DIR`` adds the same runs served by another checkout of leanimg (DIR, with its
+own .venv), interleaved with these: "base full", "base postcopy S".  Each serve's timeline
+(its --stats) is printed against the destination's launch.  The sources of both are compiled
+to bytecode first: with PYTHONDONTWRITEBYTECODE set, every leanimg process would otherwise
+compile them again (~0.1 s of its start-up).
 """
 
 from __future__ import annotations
 
 import argparse
+import compileall
 import json
 import shlex
 import statistics
@@ -85,7 +92,7 @@ def measure(build, image: Path, disk: Path, mem_mib: int, incoming_argv: list[st
         work = Path(tmp)
         copy = copy_disk(disk, work / "disk.img")
         (work / "vm").mkdir()
-        t0 = time.monotonic()
+        t0, launched = time.monotonic(), time.time()
         with GuestVM(build, copy, mem_mib=mem_mib, workdir=work / "vm", autostart=True,
                      incoming=f"exec:{shlex.join(incoming_argv)}", extra_args=POSTCOPY if postcopy else ()) as vm:
             qmp = time.monotonic() - t0          # GuestVM returns once QMP answered
@@ -108,7 +115,7 @@ def measure(build, image: Path, disk: Path, mem_mib: int, incoming_argv: list[st
             vm.qmp.execute("quit")
             vm.proc.wait(timeout=60)
     return {"qmp_s": qmp, "started_s": started, "to_running_s": running, "working_set_s": working,
-            "resident_s": resident}
+            "resident_s": resident, "launched": launched}
 
 
 def read_stats(path: Path) -> dict:
@@ -117,7 +124,9 @@ def read_stats(path: Path) -> dict:
         if path.exists() and path.stat().st_size:
             time.sleep(0.1)
             stats = json.loads(path.read_text())
-            return {k: stats[k] for k in ("demand_pages", "pushed_pages", "pages_to_send")}
+            return {k: stats.get(k, [] if k in ("timeline", "first_requests") else None)
+                    for k in ("demand_pages", "pushed_pages", "pages_to_send", "requests",
+                              "demand_wait_max", "demand_wait_total", "timeline", "first_requests")}
         time.sleep(0.1)
     raise RuntimeError(f"the serve wrote no {path}")
 
@@ -131,20 +140,29 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3,
                     help="Runs of every (size, restore) pair, interleaved; medians reported (default 3).")
     ap.add_argument("--json", type=Path, help="Write the results here too.")
+    ap.add_argument("--baseline", type=Path, metavar="DIR",
+                    help="Also run every restore with the leanimg of this checkout (DIR/.venv/bin/leanimg).")
     args = ap.parse_args()
     build = build_guest()
     leanimg = command_line()
+    versions = [("", leanimg, REPO)]
+    if args.baseline:
+        versions.append(("base ", [str(args.baseline / ".venv" / "bin" / "leanimg")], args.baseline))
+    for _, _, checkout in versions:
+        for package in ("lean-image", "restore", "converters"):
+            compileall.compile_dir(checkout / package, quiet=1)
     sizes = [int(s) for s in args.sizes.split(",")]
     images = {mem_mib: prepare(args.workdir, mem_mib, args.reuse) for mem_mib in sizes}
-    runs = [("full", None)] + [(f"postcopy {s}", s) for s in args.strategies.split(",")]
+    runs = [(f"{tag}full", None, argv) for tag, argv, _ in versions]
+    runs += [(f"{tag}postcopy {s}", s, argv) for s in args.strategies.split(",") for tag, argv, _ in versions]
     results = []
     for repeat in range(args.repeat):           # interleaved: drift on a shared host hits every run alike
         for mem_mib in sizes:
             image, disk = images[mem_mib]
-            for name, strategy in runs:
+            for name, strategy, argv in runs[repeat % len(runs):] + runs[:repeat % len(runs)]:   # no run always first
                 row = dict(mem_mib=mem_mib, run=name, repeat=repeat, image_bytes=image.stat().st_size,
                            demand_pages=None)
-                row.update(one_run(build, leanimg, args.workdir, image, disk, mem_mib, strategy))
+                row.update(one_run(build, argv, args.workdir, image, disk, mem_mib, strategy))
                 results.append(row)
                 print(_line(row), flush=True)
     summary = summarize(results, sizes)
@@ -162,6 +180,9 @@ def one_run(build, leanimg, workdir: Path, image: Path, disk: Path, mem_mib: int
     argv = [*leanimg, "serve", str(image), "--postcopy", "--prepage", strategy, "--stats", str(stats)]
     row = measure(build, image, disk, mem_mib, argv, True, completes=strategy != "none")
     row.update(read_stats(stats))
+    launched = row["launched"]
+    row["timeline"] = [(event, t - launched) for event, t in row["timeline"]]
+    row["first_requests"] = [(a - launched, b - launched, *rest) for a, b, *rest in row["first_requests"]]
     return row
 
 
@@ -183,16 +204,18 @@ def summarize(results: list[dict], sizes: list[int]) -> dict:
                for key, cell in medians.items()}
     checks = []
     for key, m in medians.items():
-        if key.split(" ", 1)[1].startswith("postcopy") and m["to_running_s"] is not None:
+        mem, run = key.split(" ", 1)
+        tag = "base " if run.startswith("base ") else ""
+        if run[len(tag):].startswith("postcopy") and m["to_running_s"] is not None:
             checks.append(("to running (s)", key, m["to_running_s"]))
-            full = medians[f"{key.split()[0]} full"]["resident_s"]
+            full = medians[f"{mem} {tag}full"]["resident_s"]
             if m["resident_s"] is not None and full:
                 checks.append(("resident, postcopy / full restore", key, m["resident_s"] / full))
     small, large = min(sizes), max(sizes)
     for key, m in medians.items():
         mem, run = key.split(" ", 1)
         other = medians.get(f"{small} {run}")
-        if int(mem) == large and large != small and run != "full" and other and other["to_running_s"]:
+        if int(mem) == large and large != small and not run.endswith("full") and other and other["to_running_s"]:
             checks.append(("to running, largest / smallest guest", run, m["to_running_s"] / other["to_running_s"]))
     return {"medians": medians, "targets": TARGETS,
             "checks": [dict(target=t, run=r, value=v, met=v <= TARGETS[t]) for t, r, v in checks]}
@@ -215,9 +238,15 @@ def _line(row: dict) -> str:
     fmt = lambda v: "-" if v is None else f"{v:.2f} s"  # noqa: E731
     demand = "" if row["demand_pages"] is None else (f"  on demand {row['demand_pages']} pages, pushed "
                                                      f"{row['pushed_pages']} of {row['pages_to_send']}")
+    timeline = "".join(f"\n        {t:6.3f} s  {event}" for event, t in row.get("timeline", ()))
+    if row.get("requests") and row.get("demand_wait_max") is not None:
+        firsts = row["first_requests"]
+        before = sum(1 for a, *_ in firsts if row["to_running_s"] and a < row["to_running_s"])
+        timeline += (f"\n        requests {row['requests']}, {before} before the console printed; wait max "
+                     f"{row['demand_wait_max'] * 1000:.1f} ms, mean {row['demand_wait_total'] / row['requests'] * 1000:.2f} ms")
     return (f"{row['mem_mib']:>5} MiB  {row['run']:<22} qmp {fmt(row['qmp_s']):>7}  started "
             f"{fmt(row['started_s']):>7}  to running {fmt(row['to_running_s']):>8}  "
-            f"working set {fmt(row['working_set_s']):>8}  resident {fmt(row['resident_s']):>8}{demand}")
+            f"working set {fmt(row['working_set_s']):>8}  resident {fmt(row['resident_s']):>8}{demand}{timeline}")
 
 
 if __name__ == "__main__":

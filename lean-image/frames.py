@@ -41,6 +41,8 @@ class FrameStore:
         self.pool = None                                  # read-ahead workers, see enable_read_ahead
         self._depth = 0
         self._cache: OrderedDict = OrderedDict()
+        self.cache_frames = FRAME_CACHE_SIZE              # frames kept decompressed (see keep_decompressed)
+        self.jump_queue = False     # a frame asked for whose prefetch has not begun is loaded at once
         self._ahead: dict[int, object] = {}
         self._ahead_deltas: dict[int, object] = {}         # DELTA_FRAME -> its parse on a worker
 
@@ -54,6 +56,12 @@ class FrameStore:
         except (AttributeError, OSError, ValueError):
             pass
 
+    def keep_decompressed(self, limit_bytes: int) -> None:
+        """Keep up to ``limit_bytes`` of decompressed frames (at least FRAME_CACHE_SIZE frames):
+        for a reader that comes back to frames in no order, as a post-copy serve does."""
+        largest = max([int(self.page_frames.counts.max(initial=0)) * self.page_size, 1])
+        self.cache_frames = max(FRAME_CACHE_SIZE, limit_bytes // largest)
+
     def close(self) -> None:
         if self.pool is not None:
             self.pool.shutdown(wait=True, cancel_futures=True)
@@ -66,7 +74,11 @@ class FrameStore:
             self._cache.move_to_end(key)
             content, digests = self._cache[key]
         elif frame in self._ahead:                   # asked for ahead of time (prefetch)
-            content, digests = self._ahead.pop(frame).result()
+            future = self._ahead.pop(frame)
+            if self.jump_queue and future.cancel():  # not begun: here, rather than behind the others
+                content, digests = self._load(frame), None
+            else:
+                content, digests = future.result()
         elif self.pool is None:
             content, digests = self._load(frame), None
         else:
@@ -174,5 +186,5 @@ class FrameStore:
 
     def _keep(self, key, value) -> None:
         self._cache[key] = value
-        while len(self._cache) > FRAME_CACHE_SIZE:
+        while len(self._cache) > self.cache_frames:
             self._cache.popitem(last=False)

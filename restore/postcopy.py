@@ -30,21 +30,23 @@ then pauses the migration (postcopy-paused) with that page never placed.
 Return-path messages (be16 type, be16 length, data): REQ_PAGES_ID (be64 start, be32 len,
 u8 name length, block name), REQ_PAGES (be64 start, be32 len; the block of the last
 REQ_PAGES_ID), PONG, SHUT (the destination is done), RECV_BITMAP/RESUME_ACK (recovery, not
-used).  A reader thread parses them into a queue; the main thread alone reads the image and
-writes the stream, answering requests first and pushing pages in the prepaging order
-(prepage.py) in between.
+used).  One thread and one select loop parse them as they come and write the stream
+(non-blocking): answers go ahead of every queued push, pushes follow the prepaging order
+(prepage.py) in sections of CHUNK_PAGES pages, read and verified PUSH_BATCH pages at a time.
 """
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import ctypes
 import errno
+import fcntl
 import json
 import os
-import queue
+import select
 import struct
 import sys
-import threading
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -66,7 +68,16 @@ MAX_PACKAGED = 1 << 24          # MAX_VM_CMD_PACKAGED_SIZE
 RP_SHUT, RP_PONG, RP_REQ_PAGES_ID, RP_REQ_PAGES = 1, 2, 3, 4
 RP_NAMES = {1: "SHUT", 2: "PONG", 3: "REQ_PAGES_ID", 4: "REQ_PAGES", 5: "RECV_BITMAP", 6: "RESUME_ACK"}
 
-PUSH_PAGES = 64                 # pages pushed between two looks at the request queue
+FIRST_REQUESTS = 256
+TIMELINE_EVERY = 4096          # pages that travel between two timeline marks
+PUSH_BATCH = 256               # pages of the prepaging order read and verified together
+CHUNK_PAGES = 16               # pages per pushed section: what a request may wait behind
+MERGE_GAP = 64                 # pages of a push this close are read in one go (the gap read along)
+LOW_WATER = PUSH_BATCH // CHUNK_PAGES    # queue the next push when fewer sections wait than this
+MAX_QUEUED = 4 * LOW_WATER     # a fault's own push is queued first only below this
+# decompressed frames kept: a fault anywhere would otherwise decompress its whole frame again
+# (~4 ms for 2 MiB); every frame is read once by the pushes anyway
+FRAME_CACHE_BYTES = 256 << 20
 _BE16, _BE32, _BE64 = struct.Struct(">H"), struct.Struct(">I"), struct.Struct(">Q")
 
 
@@ -90,6 +101,16 @@ class ServeStats:
     completed: bool = False         # END and EOF sent
     shut: int | None = None         # the destination's SHUT value (0: it loaded everything)
     error: str | None = None
+    # (event, Unix time): where the time goes (process start, stream open, package sent, first
+    # request, every TIMELINE_EVERY pages, last page, the destination's SHUT)
+    timeline: list = field(default_factory=list)
+    demand_wait_max: float = 0.0     # longest time a request waited in our queue before its answer
+    demand_wait_total: float = 0.0
+    # the first FIRST_REQUESTS requests: (arrival, answer queued) as Unix times, block, first page
+    first_requests: list = field(default_factory=list)
+
+    def mark(self, event: str) -> None:
+        self.timeline.append((event, time.time()))
 
     def summary(self) -> str:
         done = (f"all {self.pages_to_send} pages that travel sent in {self.seconds_to_complete:.2f} s"
@@ -193,55 +214,67 @@ def page_entries(name: str, page_size: int, first: int, pages: np.ndarray | None
 
 # ---------------------------------------------------------------------------- the return path
 
-class ReturnPath(threading.Thread):
-    """Parses the destination's messages from ``fileobj`` into ``events``:
-    ("req", block, start, length), ("shut", value), ("eof",), ("bad", message).
+class ReturnPath:
+    """Parses the destination's messages from file descriptor ``fd`` as they arrive (the
+    server's one loop reads it when select says it is readable) into events:
+    ("req", block, start, length, monotonic time of arrival), ("shut", value), ("eof",),
+    ("bad", message)."""
 
-    Reads the file descriptor itself: a buffered reader blocked in this thread would hold
-    its lock, and closing it (at exit, after an error) would wait for the destination."""
+    def __init__(self, fd: int):
+        self.fd, self.buf, self.block, self.ended = fd, bytearray(), None, False
 
-    def __init__(self, fileobj, events: queue.Queue):
-        super().__init__(name="return-path", daemon=True)
-        self.fd, self.events = fileobj.fileno(), events
-
-    def run(self) -> None:
+    def read(self) -> list:
+        """The events the bytes readable now complete."""
         try:
-            self._parse()
+            data = os.read(self.fd, 1 << 16)
+        except BlockingIOError:
+            return []
         except OSError as exc:
-            self.events.put(("bad", f"return path: {exc.strerror or exc}"))
-        finally:
-            self.events.put(("eof",))
+            self.ended = True
+            return [("bad", f"return path: {exc.strerror or exc}"), ("eof",)]
+        if not data:
+            self.ended = True
+            cut = []
+            if len(self.buf) >= 4:
+                name = RP_NAMES.get(_BE16.unpack_from(self.buf)[0], _BE16.unpack_from(self.buf)[0])
+                cut = [("bad", f"return path ended inside a {name} message")]
+            return cut + [("eof",)]
+        self.buf += data
+        return self._messages(time.monotonic())
 
-    def _parse(self) -> None:
-        block = None
-        while True:
-            head = self._read(4)
-            if head is None:
-                return
-            kind, length = _BE16.unpack_from(head)[0], _BE16.unpack_from(head, 2)[0]
-            name = RP_NAMES.get(kind, kind)
-            data = self._read(length) if length else b""
-            if data is None:
-                self.events.put(("bad", f"return path ended inside a {name} message"))
-                return
-            if kind in (RP_REQ_PAGES_ID, RP_REQ_PAGES) and len(data) >= 12:
-                start, size = _BE64.unpack_from(data)[0], _BE32.unpack_from(data, 8)[0]
-                if kind == RP_REQ_PAGES_ID:
-                    block = data[13:13 + data[12]].decode(errors="replace") if len(data) > 12 else None
-                self.events.put(("req", block, start, size))
-            elif kind == RP_SHUT and length == 4:
-                self.events.put(("shut", _BE32.unpack(data)[0]))
-            elif kind != RP_PONG:
-                self.events.put(("bad", f"unexpected return-path message {name} of {length} bytes"))
+    def _messages(self, arrival: float) -> list:
+        events, at = [], 0
+        while len(self.buf) - at >= 4:
+            kind, length = _BE16.unpack_from(self.buf, at)[0], _BE16.unpack_from(self.buf, at + 2)[0]
+            if len(self.buf) - at - 4 < length:
+                break
+            data = bytes(self.buf[at + 4:at + 4 + length])
+            at += 4 + length
+            events += self._event(kind, data, arrival)
+        del self.buf[:at]
+        return events
 
-    def _read(self, n: int) -> bytes | None:
-        buf = b""
-        while len(buf) < n:
-            chunk = os.read(self.fd, n - len(buf))
-            if not chunk:
-                return None
-            buf += chunk
-        return buf
+    def _event(self, kind: int, data: bytes, arrival: float) -> list:
+        if kind in (RP_REQ_PAGES_ID, RP_REQ_PAGES) and len(data) >= 12:
+            start, size = _BE64.unpack_from(data)[0], _BE32.unpack_from(data, 8)[0]
+            if kind == RP_REQ_PAGES_ID:
+                self.block = data[13:13 + data[12]].decode(errors="replace") if len(data) > 12 else None
+            return [("req", self.block, start, size, arrival)]
+        if kind == RP_SHUT and len(data) == 4:
+            return [("shut", _BE32.unpack(data)[0])]
+        if kind == RP_PONG:
+            return []
+        return [("bad", f"unexpected return-path message {RP_NAMES.get(kind, kind)} of {len(data)} bytes")]
+
+
+@contextlib.contextmanager
+def _nonblocking(fd: int):
+    flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+    fcntl.fcntl(fd, fcntl.F_SETFL, flags | os.O_NONBLOCK)
+    try:
+        yield
+    finally:
+        fcntl.fcntl(fd, fcntl.F_SETFL, flags)
 
 
 # ---------------------------------------------------------------------------- the server
@@ -254,15 +287,30 @@ class Block:
     region: object
     classes: np.ndarray
     blank: np.ndarray               # ZERO or FREE: never pushed
-    sent: np.ndarray = field(init=False)
+    sent: np.ndarray = field(init=False)    # written or queued to be written
 
     def __post_init__(self):
         self.sent = np.zeros(len(self.classes), bool)
 
 
+@dataclass
+class Chunk:
+    """One whole section (or the closing) queued for the stream, with the pages it carries."""
+    data: bytes
+    block: int = -1
+    pages: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    last: bool = False              # the closing: END and EOF
+
+
 class PostcopyServer:
+    """One thread, one loop: select on the return path and on the stream; requests are
+    answered ahead of every queued push (only a section partly written goes first), and a
+    requested page queued in a push moves that push to the front.  Pushes are read and
+    verified PUSH_BATCH pages at a time and queued as sections of CHUNK_PAGES pages."""
+
     def __init__(self, image: LeanImage, out, inp, strategy: str = "sequential", log=None, progress=None):
         self.image, self.out, self.inp = image, out, inp
+        self._decompress_ahead(image)
         self.state = stream_state(image)
         self.ps = image.page_size
         if self.state.page_size != self.ps:
@@ -274,11 +322,31 @@ class PostcopyServer:
         self.stats.pages_total = sum(len(b.classes) for b in self.blocks)
         self.stats.pages_to_send = sum(int((~b.blank).sum()) for b in self.blocks)
         self.strategy = make_strategy(strategy, image, self.blocks)
-        self.events: queue.Queue = queue.Queue()
         self.log = log or (lambda msg: print(f"leanimg: {msg}", file=sys.stderr, flush=True))
         self.left = self.stats.pages_to_send
-        self.progress = progress          # called with the number of pages that travel, as they are sent
+        self.progress = progress          # called with the number of pages that travel, as they are queued
+        self.head: Chunk | None = None    # the section being written
+        self.head_written = 0             # bytes of it written
+        self.urgent: collections.deque[Chunk] = collections.deque()     # answers, pushes asked for
+        self.queue: collections.deque[Chunk] = collections.deque()      # pushes
+        self.fault_push = False           # the next push follows a fault: it goes first
+        self.closing_queued = False
         self.t0 = time.monotonic()
+        self.stats.mark("server ready")
+
+    @staticmethod
+    def _decompress_ahead(image: LeanImage) -> None:
+        """Every frame decompresses once, on a worker thread, from the start when they all fit
+        FRAME_CACHE_BYTES (a fault's frame not begun yet is decompressed by the fault itself);
+        else the next ones as the pushes read them.  The worker runs at our priority: the pushes
+        wait for the frame it is decompressing, so a lower one would hold them up under load."""
+        frames = image.frames
+        frames.keep_decompressed(FRAME_CACHE_BYTES)
+        image.enable_read_ahead(threads=1, depth=2)
+        stored_bytes = int(frames.page_frames.counts.sum()) * image.page_size
+        if image.parent is None and stored_bytes <= FRAME_CACHE_BYTES:
+            frames.jump_queue = True
+            frames.prefetch(range(len(frames.page_frames)), frames.pool, with_digests=True)
 
     def _block(self, index: int, block: qemu.RamBlock) -> Block:
         region = self.image.region(block.name)
@@ -288,19 +356,7 @@ class PostcopyServer:
         cls = self.image.classes(region)
         return Block(index, block.name, region, cls, (cls == PageClass.ZERO) | (cls == PageClass.FREE))
 
-    # --- writing ---------------------------------------------------------------------
-
-    def _write(self, blob: bytes) -> None:
-        self.out.write(blob)
-        self.stats.bytes_sent += len(blob)
-
-    def _flush(self) -> None:
-        self.out.flush()
-
-    def _section(self, parts: list[bytes]) -> None:
-        sid = self.state.ram.section_id
-        self._write(bytes([qemu.PART]) + _BE32.pack(sid) + b"".join(parts) + _section_end(self.state))
-        self._flush()
+    # --- reading pages ------------------------------------------------------------------
 
     def _entries(self, block: Block, first: int, count: int) -> bytes:
         """Pages [first, first+count) of ``block`` not sent yet (all of them, by the callers'
@@ -316,13 +372,19 @@ class PostcopyServer:
                 pages = None if blank[lo] else data[lo:hi]
                 parts.append(page_entries(block.name, self.ps, first + lo, pages, hi - lo))
         block.sent[first:first + count] = True
-        self.left -= int((~blank).sum())
-        if self.progress is not None:
-            self.progress(int((~blank).sum()))
+        self._account(int((~blank).sum()))
         return b"".join(parts)
 
+    def _account(self, travelled: int) -> None:
+        if (self.left - 1) // TIMELINE_EVERY != (self.left - 1 - travelled) // TIMELINE_EVERY:
+            self.stats.mark(f"{self.stats.pages_to_send - self.left + travelled} pages sent")
+        self.left -= travelled
+        if self.progress is not None:
+            self.progress(travelled)
+
     def _read(self, block: Block, first: int, count: int) -> np.ndarray:
-        """Pages verified by the reader; on a failure, the first page that fails is named."""
+        """Pages verified by the reader; on a failure, the first page that fails is named
+        (the error's ``page``)."""
         try:
             data = self.image.region_bytes(block.region, first, count)
         except LeanImageError as exc:
@@ -334,18 +396,20 @@ class PostcopyServer:
                     except LeanImageError as one:
                         exc = one
                         break
-            raise ServeError(f"stopped before sending block {block.name!r} page {page} "
-                             f"(offset {page * self.ps:#x}), nothing more sent: {exc}") from None
+            error = ServeError(f"stopped before sending block {block.name!r} page {page} "
+                               f"(offset {page * self.ps:#x}), nothing more sent: {exc}")
+            error.page = page
+            raise error from None
         return np.frombuffer(data, np.uint8).reshape(count, self.ps)
 
     # --- serving ------------------------------------------------------------------------
 
     def serve(self) -> ServeStats:
-        ReturnPath(self.inp, self.events).start()
         try:
             self._write(opening(self.state, self.ps))
             self._write(package(self.state))
-            self._flush()
+            self.out.flush()
+            self.stats.mark("package sent")
             self.stats.seconds_to_run = time.monotonic() - self.t0
             self._loop()
         except BrokenPipeError:
@@ -355,55 +419,118 @@ class PostcopyServer:
             raise ServeError(self.stats.error) from None
         except ServeError as exc:
             self.stats.error = str(exc)
+            self._drain()
             raise
         return self.stats
 
+    def _write(self, blob: bytes) -> None:
+        self.out.write(blob)
+        self.stats.bytes_sent += len(blob)
+
+    def _drain(self) -> None:
+        """After a page failed: the sections queued before it still go (every page in them
+        was verified); then nothing more."""
+        try:
+            if self.head is not None:
+                self._write(self.head.data[self.head_written:])
+            for chunk in [*self.urgent, *self.queue]:
+                self._write(chunk.data)
+            self.out.flush()
+        except OSError:
+            pass
+
     def _loop(self) -> None:
-        ended = False
-        while True:
-            wait = ended or (self.strategy.exhausted and self.left > 0)
-            if self._answer(self._pending_events(block=wait)):
-                return
-            if not ended and self.left == 0:
-                self._write(closing(self.state))
-                self._flush()
+        out, rp = self.out.fileno(), ReturnPath(self.inp.fileno())
+        with _nonblocking(out), _nonblocking(rp.fd):
+            while True:
+                pushing = self._queue_more()
+                waiting = self.head is not None or self.urgent or self.queue
+                readable, writable, _ = select.select([] if rp.ended else [rp.fd], [out] if waiting else [],
+                                                      [], 0 if pushing else None)
+                if readable and self._answer(rp.read()):
+                    return
+                if writable:
+                    self._write_head(out)
+
+    def _queue_more(self) -> bool:
+        """Queue the next push (or the closing) when the queue runs low; True when more
+        pushes are to come without waiting for anything."""
+        if self.closing_queued:
+            return False
+        if self.left == 0:
+            self.queue.append(Chunk(closing(self.state), last=True))
+            self.closing_queued = True
+            return False
+        if self.strategy.exhausted:
+            return False
+        if self.fault_push:
+            self.fault_push = False
+            if len(self.queue) < MAX_QUEUED:
+                self.queue.extendleft(reversed(self._push(queue=False)))
+        elif len(self.queue) < LOW_WATER:
+            self._push()
+        return len(self.queue) < LOW_WATER and not self.strategy.exhausted
+
+    def _write_head(self, out: int) -> None:
+        """Write as much of the next section as the stream takes now: the one begun, else an
+        answer, else a push."""
+        if self.head is None:
+            self.head, self.head_written = (self.urgent or self.queue).popleft(), 0
+        try:
+            n = os.write(out, memoryview(self.head.data)[self.head_written:])
+        except BlockingIOError:
+            return
+        self.stats.bytes_sent += n
+        self.head_written += n
+        if self.head_written == len(self.head.data):
+            if self.head.last:
                 self.stats.completed = True
                 self.stats.seconds_to_complete = time.monotonic() - self.t0
-                ended = True
-                continue
-            if not ended:
-                self._push()
-
-    def _pending_events(self, block: bool) -> list:
-        events = []
-        if block:
-            events.append(self.events.get())
-        while True:
-            try:
-                events.append(self.events.get_nowait())
-            except queue.Empty:
-                return events
+                self.stats.mark("last page sent")
+            self.head = None
 
     def _answer(self, events: list) -> bool:
         """Serve the requests among ``events``; True when the destination has gone."""
-        parts = []
+        parts, arrivals, promoted = [], [], []
         gone = False
         for event in events:
             if event[0] == "req":
-                parts.append(self._requested(*event[1:]))
+                if not self.stats.requests:
+                    self.stats.mark("first request")
+                parts.append(self._requested(*event[1:4], promoted))
+                arrivals.append((event[4], event[1], event[2] // self.ps))
             elif event[0] == "shut":
                 self.stats.shut = event[1]
+                self.stats.mark("shut received")
                 gone = True
             elif event[0] == "eof":
                 gone = True
             else:
                 self.log(f"warning: {event[1]}")
         parts = [p for p in parts if p]
-        if parts and not self.stats.completed:
-            self._section(parts)
-        return gone
+        if gone or self.stats.completed:
+            return gone
+        if parts:
+            self.urgent.append(Chunk(self._section_bytes(parts)))
+            self.fault_push = True            # the pages around a fault (bubble) come next
+        self.urgent.extend(promoted)
+        self._answered(arrivals)
+        return False
 
-    def _requested(self, name: str, start: int, size: int) -> bytes:
+    def _answered(self, arrivals: list[tuple[float, str, int]]) -> None:
+        """Account for the time the requests (arrival, block, page) waited for their answer
+        to be queued first."""
+        now = time.monotonic()
+        for arrival, block, page in arrivals:
+            self.stats.demand_wait_total += now - arrival
+            self.stats.demand_wait_max = max(self.stats.demand_wait_max, now - arrival)
+            if len(self.stats.first_requests) < FIRST_REQUESTS:
+                unix = time.time() - now
+                self.stats.first_requests.append((unix + arrival, unix + now, block, page))
+
+    def _requested(self, name: str, start: int, size: int, promoted: list[Chunk]) -> bytes:
+        """Entries for the requested pages not sent yet; queued sections holding the others
+        are moved to ``promoted``."""
         self.stats.requests += 1
         block = self.by_name.get(name)
         if block is None or start % self.ps or size % self.ps or start + size > len(block.sent) * self.ps:
@@ -417,25 +544,118 @@ class PostcopyServer:
         for page in range(first, first + count):
             if block.sent[page]:
                 self.stats.requests_already_sent += 1
+                self._promote(block, page, promoted)
                 continue
             self.stats.demand_pages += 1
             self.stats.demand_blank += int(block.blank[page])
             parts.append(self._entries(block, page, 1))
         return b"".join(parts)
 
-    def _push(self) -> None:
-        parts = []
-        for block, first, count in self.strategy.next_runs(PUSH_PAGES):
-            self.stats.pushed_pages += count
-            parts.append(self._entries(block, first, count))
-        if parts:
-            self._section(parts)
+    def _promote(self, block: Block, page: int, promoted: list[Chunk]) -> None:
+        for i, chunk in enumerate(self.queue):
+            if chunk.block == block.index and (chunk.pages == page).any():
+                del self.queue[i]
+                promoted.append(chunk)
+                return
+
+    # --- pushing ------------------------------------------------------------------------
+
+    def _push(self, queue: bool = True) -> list[Chunk]:
+        """The next PUSH_BATCH pages of the prepaging order as sections; queued last unless
+        not ``queue``."""
+        chunks = []
+        for block, pages in self._batch(self.strategy.next_runs(PUSH_BATCH)):
+            chunks += self._sections(block, pages, self._read_pages(block, pages))
+            block.sent[pages] = True
+            self.stats.pushed_pages += len(pages)
+            self._account(len(pages))
+        if queue:
+            self.queue.extend(chunks)
+        return chunks
+
+    def _batch(self, runs: list) -> list[tuple[Block, np.ndarray]]:
+        """The runs' pages, per block in their order."""
+        batch: list = []
+        for block, first, count in runs:
+            pages = np.arange(first, first + count, dtype=np.int64)
+            if batch and batch[-1][0] is block:
+                batch[-1][1].append(pages)
+            else:
+                batch.append((block, [pages]))
+        return [(block, np.concatenate(parts)) for block, parts in batch]
+
+    def _read_pages(self, block: Block, pages: np.ndarray) -> np.ndarray:
+        """``pages`` (len, page size), read and verified in as few reads as the gaps between
+        them allow (a gap of at most MERGE_GAP pages is read along and dropped)."""
+        try:
+            first = int(pages[0])
+            if int(pages[-1]) - first + 1 == len(pages) and (np.diff(pages) == 1).all():
+                return self._read(block, first, len(pages))          # one run: no copy
+            return self._read_spans(block, pages)
+        except ServeError as exc:
+            self._queue_before_failure(block, pages, exc.page)
+            raise
+
+    def _read_spans(self, block: Block, pages: np.ndarray) -> np.ndarray:
+        order = np.argsort(pages, kind="stable")
+        ascending = pages[order]
+        out = np.empty((len(pages), self.ps), np.uint8)
+        breaks = np.flatnonzero(np.diff(ascending) > MERGE_GAP) + 1
+        bounds = [0, *breaks.tolist(), len(pages)]
+        for lo, hi in zip(bounds, bounds[1:]):
+            first, last = int(ascending[lo]), int(ascending[hi - 1])
+            span = self._read(block, first, last - first + 1)
+            out[order[lo:hi]] = span[ascending[lo:hi] - first]
+        return out
+
+    def _queue_before_failure(self, block: Block, pages: np.ndarray, failed: int) -> None:
+        """Queue the pages of this push before the one that failed, in order (read again, each
+        verified), so that the destination has every good page up to the failure."""
+        good = pages[:int(np.argmax(pages == failed))] if (pages == failed).any() else pages[pages < failed]
+        for page in good.tolist():
+            if not block.sent[page]:
+                data = self._read(block, page, 1)
+                self.queue.extend(self._sections(block, np.array([page]), data))
+                block.sent[page] = True
+
+    def _sections(self, block: Block, pages: np.ndarray, data: np.ndarray) -> list[Chunk]:
+        """PART sections of CHUNK_PAGES entries each; every section names its block first
+        (another section may come between two of them)."""
+        count = len(pages)
+        rows = np.empty((count, 8 + self.ps), np.uint8)
+        words = (pages.astype(np.uint64) * np.uint64(self.ps)) | np.uint64(qemu.F_PAGE | qemu.F_CONTINUE)
+        rows[:, :8] = words.astype(">u8").view(np.uint8).reshape(count, 8)
+        rows[:, 8:] = data
+        name = qemu._name_bytes(block.name)
+        chunks = []
+        for lo in range(0, count, CHUNK_PAGES):
+            hi = min(count, lo + CHUNK_PAGES)
+            head = _BE64.pack(int(pages[lo]) * self.ps | qemu.F_PAGE) + name
+            body = [head, rows[lo, 8:].tobytes(), rows[lo + 1:hi].tobytes()]
+            chunks.append(Chunk(self._section_bytes(body), block.index, pages[lo:hi]))
+        return chunks
+
+    def _section_bytes(self, parts: list[bytes]) -> bytes:
+        sid = self.state.ram.section_id
+        return bytes([qemu.PART]) + _BE32.pack(sid) + b"".join(parts) + _section_end(self.state)
 
 
 def _runs_of(mask: np.ndarray) -> list[tuple[int, int]]:
     edges = np.flatnonzero(mask[1:] != mask[:-1]) + 1
     bounds = [0, *edges.tolist(), len(mask)]
     return list(zip(bounds, bounds[1:]))
+
+
+def _process_start() -> float | None:
+    """This process's start as Unix time (to 10 ms), from /proc; None where there is none."""
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return time.time() - uptime + ticks / os.sysconf("SC_CLK_TCK")
 
 
 def serve_postcopy(image: LeanImage, out, inp, strategy: str = "sequential", stats_path: str | None = None,
@@ -445,7 +665,10 @@ def serve_postcopy(image: LeanImage, out, inp, strategy: str = "sequential", sta
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown prepaging strategy {strategy!r}")
     check_userfaultfd()
+    started = _process_start()
     server = PostcopyServer(image, out, inp, strategy, log, progress)
+    if started is not None:
+        server.stats.timeline.insert(0, ("process start", started))
     try:
         return server.serve()
     finally:

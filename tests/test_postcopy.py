@@ -323,3 +323,86 @@ def test_a_broken_return_path_ends_the_serve_with_a_warning(image):
     drained.join(timeout=30)
     assert said == ["warning: return path ended inside a REQ_PAGES_ID message"], said
     assert not stats.completed and stats.requests == 0
+
+
+def test_return_path_messages_cut_anywhere_parse_alike():
+    """The loop reads whatever the pipe holds: a message split over reads waits for its rest."""
+    msgs = (struct.pack(">HH", pc.RP_REQ_PAGES_ID, 13 + 6) + struct.pack(">QI", 5 * PS, PS) + b"\x06pc.ram"
+            + struct.pack(">HH", pc.RP_PONG, 4) + b"\0\0\0\1"
+            + struct.pack(">HH", pc.RP_REQ_PAGES, 12) + struct.pack(">QI", 9 * PS, 2 * PS)
+            + struct.pack(">HHI", pc.RP_SHUT, 4, 0))
+    for cut in range(len(msgs) + 1):
+        r, w = os.pipe()
+        rp = pc.ReturnPath(r)
+        events = []
+        for piece in (msgs[:cut], msgs[cut:]):
+            if piece:
+                os.write(w, piece)
+                events += rp.read()
+        os.close(w)
+        events += rp.read()
+        os.close(r)
+        assert [e[:4] for e in events if e[0] == "req"] == [("req", "pc.ram", 5 * PS, PS),
+                                                            ("req", "pc.ram", 9 * PS, 2 * PS)], cut
+        assert [e for e in events if e[0] != "req"] == [("shut", 0), ("eof",)], cut
+
+
+def test_a_request_for_a_queued_page_moves_its_section_first(image, ram):
+    """A page queued in a push but not written yet is not sent again: its section goes next."""
+    with LeanImage.open(image) as img:
+        server = pc.PostcopyServer(img, io.BytesIO(), io.BytesIO(), "sequential", log=lambda msg: None)
+        server._push()
+        queued = list(server.queue)
+        assert len(queued) >= 3 and all(len(c.pages) <= pc.CHUNK_PAGES for c in queued)
+        wanted = int(queued[2].pages[1])
+        gone = server._answer([("req", "pc.ram", wanted * PS, PS, 0.0)])
+        assert not gone and list(server.urgent) == [queued[2]] and queued[2] not in server.queue
+        assert server.stats.requests_already_sent == 1 and server.stats.demand_pages == 0
+
+
+def test_pushed_sections_each_name_their_block(image, ram):
+    """Another section (an answer) may come between two pushed ones: each names pc.ram first."""
+    pages = np.frombuffer(ram, np.uint8).reshape(NPAGES, PS)
+    with LeanImage.open(image) as img:
+        server = pc.PostcopyServer(img, io.BytesIO(), io.BytesIO(), "sequential", log=lambda msg: None)
+        server._push()
+        for chunk in server.queue:
+            head = 1 + 4
+            word = struct.unpack_from(">Q", chunk.data, head)[0]
+            assert word & (PS - 1) == q.F_PAGE, "first entry without CONTINUE"
+            assert chunk.data[head + 8:head + 15] == b"\x06pc.ram"
+            assert word // PS == chunk.pages[0]
+            first = chunk.data[head + 15:head + 15 + PS]
+            assert first == pages[chunk.pages[0]].tobytes()
+
+
+def test_a_frame_whose_prefetch_has_not_begun_is_decompressed_at_once(image):
+    """The serve prefetches every frame; a fault must not wait behind the frames before its own."""
+    from concurrent.futures import ThreadPoolExecutor
+    with LeanImage.open(image) as img:
+        frames = img.frames
+        last = len(frames.page_frames) - 1
+        assert last >= 2
+        expected = frames._load(last)
+        frames.jump_queue = True
+        release = threading.Event()
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            pool.submit(release.wait)                 # the worker is busy: no prefetch begins
+            frames.prefetch(range(last + 1), pool, with_digests=True)
+            got = []
+            reader = threading.Thread(target=lambda: got.append(frames.frame(last, with_digests=True)))
+            reader.start()
+            reader.join(timeout=30)
+            release.set()
+            assert got, "the frame waited for the prefetches queued before it"
+        content, digests = got[0]
+        assert content == expected and len(digests) == len(expected) // PS
+
+
+def test_the_serve_prefetches_every_frame_once_when_they_fit(image):
+    with LeanImage.open(image) as img:
+        server = pc.PostcopyServer(img, io.BytesIO(), io.BytesIO(), "sequential", log=lambda msg: None)
+        frames = img.frames
+        assert frames.jump_queue and frames.cache_frames >= len(frames.page_frames)
+        assert set(frames._ahead) | {key[1] for key in frames._cache} == set(range(len(frames.page_frames)))
+        server._push()
