@@ -229,11 +229,15 @@ class _StoredPages:
         self.next_page = 0
 
     def _forward(self, first_page: int) -> bool:
-        """Whether a call at ``first_page`` continues the forward pass; if not, the pass ends."""
+        """Whether a call at ``first_page`` continues the forward pass (or, at page 0, starts
+        one); if not, the pass ends."""
         if first_page == self.next_page:
             return True
         self.carried = []
         self.opened[:] = False
+        if first_page == 0:
+            self.next_page = 0
+            return True
         return False
 
     def to_open(self, first_page: int, rows: np.ndarray) -> np.ndarray:
@@ -269,6 +273,12 @@ class _StoredPages:
         if forward:
             self.opened[groups] = True
         self.next_page = stop
+
+    def skip(self, first_page: int, count: int) -> None:
+        """A call for pages none of which is copied here (blank, or views of frames no other
+        range needs: none is carried) continues the pass all the same."""
+        self._forward(first_page)
+        self.next_page = first_page + count
 
     def _take_carried(self, items: np.ndarray, first_page: int, stop: int) -> None:
         kept = []
@@ -358,6 +368,8 @@ def pieces(image, region, resolution: Resolution, first_page: int, count: int) -
         out = np.zeros(count * ps, np.uint8)
         fill(resolution, out, first_page, count, want=built, window=window)
         check_built(image, region, first_page, out, np.flatnonzero(built & checked), expected)
+    else:
+        resolution.stored_pages().skip(first_page, count)
     held = _hold_direct_frames(image, region, resolution, window, first_page, links, frames, slots,
                                checked, expected)
     kind = np.where(blank, 0, np.where(direct, 1, 2))
