@@ -36,6 +36,13 @@ class Resolution:
     base_frame: np.ndarray      # per page: the PAGE_FRAME of its base link holding it (-1: base not STORED)
     delta_frames: np.ndarray    # per delta entry: the DELTA_FRAME of its link holding it
     _stored: "_StoredPages | None" = field(default=None, repr=False)
+    _patches: "_DeltaPatches | None" = field(default=None, repr=False)
+
+    def delta_patches(self) -> "_DeltaPatches":
+        """The deltas that apply, as word patches per DELTA_FRAME (built on first use)."""
+        if self._patches is None:
+            self._patches = _DeltaPatches(self)
+        return self._patches
 
     def stored_pages(self) -> "_StoredPages":
         """The STORED base pages served frame by frame (built on first use)."""
@@ -146,46 +153,80 @@ def _fill_disk(resolution: Resolution, out: np.ndarray, first_page: int, count: 
                                                      slots[mine].astype(np.int64))
 
 
-def _delta_groups(resolution: Resolution, first_page: int, stop: int):
-    """The delta entries of pages [first_page, stop) grouped by (link, DELTA_FRAME), deepest
-    link first (a page's deltas apply from the deepest link up; one link has at most one
-    per page, so its frames' order does not matter): [(link, frame, pages, slots)]."""
+def _delta_groups(resolution: Resolution, first_page: int, stop: int) -> list[tuple[int, int]]:
+    """The (link, DELTA_FRAME) pairs holding deltas of pages [first_page, stop), deepest link
+    first (a page's deltas apply from the deepest link up; one link has at most one per page,
+    so its frames' order does not matter)."""
     lo, hi = (int(x) for x in np.searchsorted(resolution.delta_pages, [first_page, stop]))
-    links, frames = resolution.delta_links[lo:hi].astype(np.int64), resolution.delta_frames[lo:hi]
-    order = np.lexsort((frames, -links))
-    keys = _frame_keys(links[order], frames[order])
-    bounds = [*np.flatnonzero(np.diff(keys) != 0) + 1, len(keys)] if len(keys) else []
-    pages, slots = resolution.delta_pages[lo:hi][order], resolution.delta_slots[lo:hi][order]
-    groups, start = [], 0
-    for end in bounds:
-        groups.append((int(links[order[start]]), int(frames[order[start]]), pages[start:end], slots[start:end]))
-        start = end
-    return groups
+    top = len(resolution.links) - 1
+    keys = np.unique(_frame_keys(top - resolution.delta_links[lo:hi].astype(np.int64), resolution.delta_frames[lo:hi]))
+    return [(top - (key >> 32), key & 0xFFFFFFFF) for key in keys.tolist()]
 
 
 def _apply_deltas(resolution: Resolution, out: np.ndarray, first_page: int, count: int, window) -> None:
-    ps = resolution.links[0].page_size
-    words = out.view("<u8")
-    for link_index, frame, pages, slots in _delta_groups(resolution, first_page, first_page + count):
-        window.step()
-        _apply_frame_deltas(resolution.links[link_index], frame, words, out, pages - first_page, slots, ps)
+    patches = resolution.delta_patches()
+    stop = first_page + count
+    for link_index, frame in _delta_groups(resolution, first_page, stop):
+        if not patches.built(link_index, frame):
+            window.step()
+        patches.apply(link_index, frame, out, first_page, stop)
 
 
-def _apply_frame_deltas(link, frame: int, words, out, rows, slots, ps) -> None:
-    """One DELTA_FRAME's entries for pages ``rows`` (one per page): INDEX_LIST entries parsed
-    with numpy and applied in one scatter; any other entry through the fully checked path."""
+class _DeltaPatches:
+    """The delta entries of a resolved region that apply (above their page's base), a
+    DELTA_FRAME at a time turned once into word patches: INDEX_LIST entries as (page, word,
+    value) arrays sorted by page, any other entry kept to go through the fully checked path.
+    A range applies its slice of each frame's patch (deepest link first), so a frame whose
+    entries spread over the whole region is parsed and indexed once, not once per range."""
+
+    def __init__(self, resolution: Resolution):
+        self.resolution = resolution
+        keys = _frame_keys(resolution.delta_links, resolution.delta_frames)
+        self.order = np.argsort(keys, kind="stable")      # pages ascend within a frame
+        self.keys, starts = np.unique(keys[self.order], return_index=True)
+        self.bounds = np.append(starts, len(keys))
+        self.patches: dict = {}
+
+    def built(self, link_index: int, frame: int) -> bool:
+        return (link_index, frame) in self.patches
+
+    def apply(self, link_index: int, frame: int, out: np.ndarray, first_page: int, stop: int) -> None:
+        key = (link_index, frame)
+        if key not in self.patches:
+            self.patches[key] = self._build(link_index, frame)
+        word_pages, word_at, values, slow_pages, slow_entries, last_page = self.patches[key]
+        ps = self.resolution.links[0].page_size
+        lo, hi = (int(x) for x in np.searchsorted(word_pages, [first_page, stop]))
+        out.view("<u8")[(word_pages[lo:hi] - first_page) * (ps // 8) + word_at[lo:hi]] = values[lo:hi]
+        lo, hi = (int(x) for x in np.searchsorted(slow_pages, [first_page, stop]))
+        if hi > lo:
+            _apply_checked(self.resolution.links[link_index], frame, out, slow_pages[lo:hi] - first_page,
+                           slow_entries[lo:hi], ps)
+        if last_page < stop:                 # no later range of a forward pass needs it
+            del self.patches[key]
+
+    def _build(self, link_index: int, frame: int):
+        group = int(np.searchsorted(self.keys, (link_index << 32) | frame))
+        entries = self.order[self.bounds[group]:self.bounds[group + 1]]
+        pages = self.resolution.delta_pages[entries]
+        first, _, _, (simple, word_start, num_words, positions, values) = \
+            self.resolution.links[link_index].frames.delta_frame_parsed(frame)
+        k = self.resolution.delta_slots[entries] - first
+        fast = simple[k]
+        counts = num_words[k[fast]]
+        at = np.repeat(word_start[k[fast]] - np.concatenate(([0], np.cumsum(counts)[:-1])), counts) + \
+            np.arange(int(counts.sum()))
+        return np.repeat(pages[fast], counts), positions[at], values[at], pages[~fast], k[~fast], int(pages[-1])
+
+
+def _apply_checked(link, frame: int, out: np.ndarray, rows: np.ndarray, entry_indexes: np.ndarray, ps: int) -> None:
+    """Entries other than plain INDEX_LISTs, one page at a time through delta.apply, which
+    decodes them and reports any broken rule."""
     from .delta import apply as apply_delta
-    first, content, offsets, (simple, word_start, num_words, positions, values) = \
-        link.frames.delta_frame_parsed(frame)
-    k = slots - first
-    fast = simple[k]
-    counts = num_words[k[fast]]
-    at = np.repeat(word_start[k[fast]] - np.concatenate(([0], np.cumsum(counts)[:-1])), counts) + \
-        np.arange(int(counts.sum()))
-    words[np.repeat(rows[fast] * (ps // 8), counts) + positions[at]] = values[at]
-    for row, entry_index in zip(rows[~fast].tolist(), k[~fast].tolist()):
+    _, content, offsets, _ = link.frames.delta_frame_parsed(frame)
+    offset, path = link.frames.delta_frame_location(frame)
+    for row, entry_index in zip(rows.tolist(), entry_indexes.tolist()):
         entry = content[offsets[entry_index]:offsets[entry_index + 1]]
-        offset, path = link.frames.delta_frame_location(frame)
         try:
             page = apply_delta(entry, out[row * ps:(row + 1) * ps].tobytes(), offset=offset,
                                structure=f"{path}.entries[{entry_index}]")
@@ -322,8 +363,10 @@ DELTAS = "deltas"       # a _FrameWindow item that is a DELTA_FRAME, parsed ahea
 
 def fill_delta_frames(resolution: Resolution, first_page: int, count: int) -> list:
     """The DELTA_FRAMEs fill applies for a range, in its order (deepest link first)."""
+    patches = resolution.delta_patches()
     return [(resolution.links[link_index], frame, DELTAS)
-            for link_index, frame, _, _ in _delta_groups(resolution, first_page, first_page + count)]
+            for link_index, frame in _delta_groups(resolution, first_page, first_page + count)
+            if not patches.built(link_index, frame)]
 
 
 def fill_frames(resolution: Resolution, first_page: int, count: int, want: np.ndarray) -> list:

@@ -12,7 +12,8 @@ import pytest
 
 from helpers import disk_sources
 from leanimg.errors import FormatError
-from leanimg.format import PageClass, page_digest
+from leanimg import delta
+from leanimg.format import DeltaEncoding, PageClass, page_digest
 from leanimg.frames import FrameStore
 from leanimg.incremental import parent_link
 from leanimg.inspect import class_counts
@@ -97,9 +98,9 @@ def _page(k: int) -> bytes:
     return np.random.default_rng(1000 + k).bytes(PS)
 
 
-def _changed(page: bytes, word: int) -> bytes:
+def _changed(page: bytes, word: int, words: int = 1) -> bytes:
     out = bytearray(page)
-    out[word * 8:word * 8 + 8] = b"changed!"
+    out[word * 8:(word + words) * 8] = b"changed!" * words
     return bytes(out)
 
 
@@ -120,7 +121,8 @@ def _lying_digests(monkeypatch):
 def _supersede_chain(tmp_path, monkeypatch, mark_page: int):
     """root (DISK pages 0-3, STORED 4-63 with MARK at ``mark_page``), child (one page of every
     root frame rewritten: 4, 8, ..., 60; the rest PARENT), grandchild (DELTA over PARENT over
-    DISK on pages 0-3, DELTA over the child's page 12 and the root's page 13).  Returns the
+    DISK on pages 0-3, DELTA over the child's page 12 and, a RUNS entry, which takes the
+    checked path, over the root's page 13).  Returns the
     grandchild's path, the disk and the grandchild's memory."""
     disk = b"".join(_page(k) for k in range(4))
     (tmp_path / "disk.img").write_bytes(disk)
@@ -156,10 +158,11 @@ def _supersede_chain(tmp_path, monkeypatch, mark_page: int):
         rid = w.add_region("pc.ram", ROOT_PAGES * PS, 0)
         for p in range(ROOT_PAGES):
             if p in (0, 1, 2, 3, 12, 13):
-                grand_mem[p] = _changed(child_mem[p], p + 1)
+                grand_mem[p] = _changed(child_mem[p], p + 1, words=40 if p == 13 else 1)
                 assert w.put_changed(rid, p, child_mem[p], grand_mem[p]) == PageClass.DELTA
             else:
                 w.put_parent(rid, p, page_digest(child_mem[p]))
+    assert delta.encode(child_mem[13], grand_mem[13])[0] == DeltaEncoding.RUNS
     return grandchild, tmp_path / "disk.img", b"".join(grand_mem)
 
 
