@@ -423,7 +423,7 @@ def main(argv=None) -> int:
     parser.add_argument("--json", dest="json_path", metavar="FILE", help="also write the results as JSON")
     parser.add_argument("--keep", action="store_true", help="keep the chains")
     parser.add_argument("--reuse", metavar="DIR",
-                        help="time the chains an earlier --keep run left in DIR (give it the same --size "
+                        help="time the chains an earlier --keep run left in DIR (give it the same --size, --workload "
                              "and --depths) instead of building them; DIR is kept")
     args = parser.parse_args(argv)
     require_null_device()
