@@ -128,9 +128,10 @@ def _same_region(link, region):
 
 
 def fill(resolution: Resolution, out: np.ndarray, first_page: int, count: int,
-         want: np.ndarray | None = None, window: "_FrameWindow | None" = None) -> None:
+         want: np.ndarray | None = None, window: "_FrameWindow | None" = None, held: dict | None = None) -> None:
     """Write pages [first_page, first_page+count) of the resolved region into ``out``; with
-    ``want`` (a mask over the range; it must include every page with deltas) only those."""
+    ``want`` (a mask over the range; it must include every page with deltas) only those;
+    ``held``: frames already decompressed, (link, frame) -> content."""
     stop = first_page + count
     classes = resolution.base_class[first_page:stop]
     want = np.ones(count, bool) if want is None else want
@@ -138,7 +139,7 @@ def fill(resolution: Resolution, out: np.ndarray, first_page: int, count: int,
         window = _FrameWindow(resolution.links[0].frames.pool, fill_frames(resolution, first_page, count, want)
                               + fill_delta_frames(resolution, first_page, count))
     resolution.stored_pages().copy(out, first_page, count, np.flatnonzero(want & (classes == PageClass.STORED)),
-                                   window)
+                                   window, held or {})
     _fill_disk(resolution, out, first_page, count, np.flatnonzero(want & (classes == PageClass.DISK)))
     _apply_deltas(resolution, out, first_page, count, window)
 
@@ -291,8 +292,9 @@ class _StoredPages:
         key = int(self.keys[group])
         return key >> 32, key & 0xFFFFFFFF
 
-    def copy(self, out: np.ndarray, first_page: int, count: int, rows: np.ndarray, window) -> None:
-        """Pages ``first_page + rows`` (STORED bases) into ``out`` (the range's buffer)."""
+    def copy(self, out: np.ndarray, first_page: int, count: int, rows: np.ndarray, window, held: dict) -> None:
+        """Pages ``first_page + rows`` (STORED bases) into ``out`` (the range's buffer); frames
+        in ``held`` ((link, frame) -> content) are not decompressed again."""
         forward = self._forward(first_page)
         groups = self.to_open(first_page, rows)
         stop = first_page + count
@@ -301,10 +303,13 @@ class _StoredPages:
         if forward:
             self._take_carried(items, first_page, stop)
         for group in groups.tolist():
-            window.step()
             link_index, frame = self.frame_of(group)
             link = self.resolution.links[link_index]
-            content = np.frombuffer(link.frames.frame(frame, keep=not forward)[0], page_items(ps))
+            if (link_index, frame) in held:
+                content = np.frombuffer(held[(link_index, frame)], page_items(ps))
+            else:
+                window.step()
+                content = np.frombuffer(link.frames.frame(frame, keep=not forward)[0], page_items(ps))
             pages = self.pages[self.bounds[group]:self.bounds[group + 1]]
             ordinals = self.resolution.base_slot[pages] - int(link.frames.page_frames.starts[frame])
             lo, hi = (int(x) for x in np.searchsorted(pages, [first_page, stop]))
@@ -369,14 +374,16 @@ def fill_delta_frames(resolution: Resolution, first_page: int, count: int) -> li
             if not patches.built(link_index, frame)]
 
 
-def fill_frames(resolution: Resolution, first_page: int, count: int, want: np.ndarray) -> list:
-    """The STORED frames fill decompresses for the wanted pages of a range, in its order."""
+def fill_frames(resolution: Resolution, first_page: int, count: int, want: np.ndarray, held=()) -> list:
+    """The STORED frames fill decompresses for the wanted pages of a range, in its order
+    (those in ``held`` are decompressed already)."""
     stored = resolution.stored_pages()
     rows = np.flatnonzero(want & (resolution.base_class[first_page:first_page + count] == PageClass.STORED))
     order = []
     for group in stored.to_open(first_page, rows).tolist():
         link_index, frame = stored.frame_of(group)
-        order.append((resolution.links[link_index], frame, False))
+        if (link_index, frame) not in held:
+            order.append((resolution.links[link_index], frame, False))
     return order
 
 
@@ -385,7 +392,7 @@ def pieces(image, region, resolution: Resolution, first_page: int, count: int) -
     LeanImage.region_pieces: a page whose bytes are a STORED page of some link, with no delta
     above it, in a frame no other range needs, is a view of that link's decompressed frame;
     pages with deltas or on a disk, and those of frames other ranges need too, are built in
-    one buffer (fill).  Every page is checked against link 0's digest, which covers the
+    one buffer (fill; from the same decompressed frames).  Every page is checked against link 0's digest, which covers the
     whole path."""
     ps = image.page_size
     stop = first_page + count
@@ -402,19 +409,22 @@ def pieces(image, region, resolution: Resolution, first_page: int, count: int) -
     own, expected = image.digests.expected_range(region, first_page, count)
     checked = (own != PageClass.FREE) & (own != PageClass.ZERO)
     _check_blank(image, region, first_page, np.flatnonzero(blank & checked), expected)
-    order = fill_frames(resolution, first_page, count, built) + fill_delta_frames(resolution, first_page, count) \
-        if built.any() else []
-    order += [(resolution.links[li], f, False) for li, f in _page_order_frames(links, frames)]
+    direct_frames = _page_order_frames(links, frames)
+    order = [(resolution.links[li], f, False) for li, f in direct_frames]
+    if built.any():
+        order += fill_frames(resolution, first_page, count, built, set(direct_frames)) + \
+            fill_delta_frames(resolution, first_page, count)
     window = _FrameWindow(resolution.links[0].frames.pool, order)
+    held = _hold_direct_frames(image, region, resolution, window, first_page, links, frames, slots,
+                               checked, expected)
     out = None
     if built.any():
         out = np.zeros(count * ps, np.uint8)
-        fill(resolution, out, first_page, count, want=built, window=window)
+        fill(resolution, out, first_page, count, want=built, window=window,
+             held={key: content for key, (content, _) in held.items()})
         check_built(image, region, first_page, out, np.flatnonzero(built & checked), expected)
     else:
         resolution.stored_pages().skip(first_page, count)
-    held = _hold_direct_frames(image, region, resolution, window, first_page, links, frames, slots,
-                               checked, expected)
     kind = np.where(blank, 0, np.where(direct, 1, 2))
     starts = np.ones(count, bool)
     starts[1:] = (kind[1:] != kind[:-1]) | (direct[1:] & (
@@ -456,14 +466,15 @@ def _hold_direct_frames(image, region, resolution, window, first_page, links, fr
 
 
 def _direct_frames(resolution: Resolution, first_page: int, count: int, candidate: np.ndarray) -> np.ndarray:
-    """Per page of the range, the frame of its base link holding it (or -1: not served as a
-    view): frames whose pages all lie in the range and are all candidates, at most
-    DIRECT_FRAMES_MAX of them, those with the most pages."""
+    """Per candidate page of the range, the frame of its base link holding it (or -1: not
+    served as a view): frames whose pages all lie in the range (no other range needs them),
+    at most DIRECT_FRAMES_MAX of them, those with the most pages. A direct frame's pages
+    with deltas are built from the same decompressed frame."""
     stored = resolution.stored_pages()
     groups = stored.group_of[first_page:first_page + count]
     sizes = np.diff(stored.bounds)
     tally = np.bincount(groups[candidate], minlength=len(sizes))
-    eligible = (tally == sizes) & (tally > 0) & stored.local(first_page, first_page + count)
+    eligible = (tally > 0) & stored.local(first_page, first_page + count)
     if eligible.sum() > page_module.DIRECT_FRAMES_MAX:
         best = np.flatnonzero(eligible)[np.argsort(-sizes[eligible], kind="stable")[:page_module.DIRECT_FRAMES_MAX]]
         eligible[:] = False
