@@ -2,7 +2,11 @@
 
 Synthetic guest memory (default one 256 MiB region: zero, text-like and random pages) is
 evolved through ``depth_max - 1`` steps; each step changes 1–4 8-byte words in some pages
-(default 1 %) and rewrites some whole pages (default 0.5 %).  Three chains are written with
+(default 1 %) and rewrites some whole pages (default 0.5 %) — the ``rewrite`` workload, whose
+chains pile up superseded pages (a restore must decompress several times the final memory).
+``--workload sparse`` models what CRIU users report instead (time growing with the number of
+small links): each step writes 1–4 words into ``--sparse-pages`` pages (default 300), as issue
+15 §2's guest does, and rewrites none.  Three chains are written with
 ``LeanImageWriter`` directly (PARENT for pages equal to the parent's, ``put_changed`` — DELTA
 or STORED — for changed ones), each in its own directory, all ending at the same memory:
 
@@ -100,6 +104,16 @@ def mutate(mem: np.ndarray, rng: np.random.Generator, word_frac: float, page_fra
     return np.union1d(word_pages, whole)
 
 
+def mutate_sparse(mem: np.ndarray, rng: np.random.Generator, pages: int) -> np.ndarray:
+    """One step of the sparse workload: 1-4 random 8-byte words in each of ``pages`` pages,
+    no page rewritten (issue 15 §2's guest). Returns the indices of the pages touched."""
+    touched = np.sort(rng.choice(len(mem), size=min(pages, len(mem)), replace=False))
+    counts = rng.integers(1, 5, size=len(touched))
+    rows = np.repeat(touched, counts)
+    mem[rows, rng.integers(0, WORDS, size=len(rows))] = rng.integers(0, 2**64, size=len(rows), dtype=np.uint64)
+    return touched
+
+
 def digests_of(mem: np.ndarray, pages) -> np.ndarray:
     out = np.empty((len(pages), 16), np.uint8)
     for i, p in enumerate(np.asarray(pages).tolist()):
@@ -155,8 +169,9 @@ class ChainBuilder:
 
 
 def build_chains(directory: Path, size: int, depths: list[int], seed: int, word_frac: float,
-                 page_frac: float, log) -> dict[int, ChainBuilder]:
-    """Chains of the given depths over the same evolution; all end at the same memory."""
+                 page_frac: float, log, sparse_pages: int = 0) -> dict[int, ChainBuilder]:
+    """Chains of the given depths over the same evolution; all end at the same memory. With
+    ``sparse_pages`` each step is mutate_sparse's (the sparse workload), else mutate's."""
     rng = np.random.default_rng(seed)
     num_pages = size // PAGE
     steps = max(depths) - 1
@@ -170,7 +185,8 @@ def build_chains(directory: Path, size: int, depths: list[int], seed: int, word_
     t0 = time.monotonic()
     for step in range(steps + 1):
         if step:
-            touched = mutate(mem, rng, word_frac, page_frac)
+            touched = mutate_sparse(mem, rng, sparse_pages) if sparse_pages else \
+                mutate(mem, rng, word_frac, page_frac)
             digests[touched] = digests_of(mem, touched)
             for c in chains.values():
                 c.touch(touched)
@@ -259,7 +275,8 @@ def bench_depths(work: Path, args, log) -> dict:
         chains = kept_chains(work, depths)
         log(f"timing the chains kept in {work}")
     else:
-        chains = build_chains(work, args.size, depths, args.seed, args.word_frac, args.page_frac, log)
+        chains = build_chains(work, args.size, depths, args.seed, args.word_frac, args.page_frac, log,
+                              sparse_pages=args.sparse_pages if args.workload == "sparse" else 0)
     build_s = time.monotonic() - t0
     log(f"built chains of depth {depths} over {args.size >> 20} MiB in {build_s:.1f} s")
     # same final memory: restore each last link to a file once and compare
@@ -288,7 +305,8 @@ def bench_depths(work: Path, args, log) -> dict:
     return dict(
         ratios=ratios, targets=TARGETS, meets_targets=verdicts,
         chain_over_read_plus_flat={str(d): med[d] / (read_med[d] + med[1]) for d in depths if d > 1},
-        size_bytes=args.size, word_frac=args.word_frac, page_frac=args.page_frac,
+        size_bytes=args.size, workload=args.workload, word_frac=args.word_frac, page_frac=args.page_frac,
+        sparse_pages=args.sparse_pages,
         build_seconds=build_s, final_sha256=digests[1],
         chains={str(d): dict(depth=d, links=len(c.links), bytes=chain_bytes(c),
                              decompressed_bytes=frames_to_decompress(c),
@@ -354,7 +372,10 @@ def sha256_restore(chain: ChainBuilder, out: Path) -> str:
 
 def render(results: dict) -> str:
     d = results["depths"]
-    lines = [f"restore --to raw of the last link, {d['size_bytes'] >> 20} MiB, median of "
+    workload = "sparse: {} pages of 1-4 words a step".format(d["sparse_pages"]) if d["workload"] == "sparse" \
+        else "rewrite: {:g} of pages 1-4 words, {:g} rewritten a step".format(d["word_frac"], d["page_frac"])
+    lines = [f"workload {workload}",
+             f"restore --to raw of the last link, {d['size_bytes'] >> 20} MiB, median of "
              f"{results['repeat']} cold runs (same final memory, sha256 {d['final_sha256'][:16]}…)",
              f"  {'depth':>6} {'chain MiB':>10} {'last link MiB':>14} {'decompress MiB':>15} {'cold read s':>12} "
              f"{'restore s':>10}  runs"]
@@ -386,6 +407,12 @@ def main(argv=None) -> int:
                         help="fraction of pages with 1-4 changed words per step (default 0.01)")
     parser.add_argument("--page-frac", type=float, default=0.005,
                         help="fraction of pages rewritten whole per step (default 0.005)")
+    parser.add_argument("--workload", choices=["rewrite", "sparse"], default="rewrite",
+                        help="rewrite (default): --word-frac and --page-frac a step, so superseded pages pile "
+                             "up in the chain; sparse: --sparse-pages pages get 1-4 new words a step, none "
+                             "rewritten (small links, as a guest between checkpoints)")
+    parser.add_argument("--sparse-pages", type=int, default=300,
+                        help="pages changed a step by the sparse workload (default 300)")
     parser.add_argument("--depths", type=lambda v: [int(x) for x in v.split(",")], default=[1, 10, 100, 1000],
                         help="chain depths compared in one run (default 1,10,100,1000)")
     parser.add_argument("--deep-depth", type=int, default=0,
@@ -396,7 +423,7 @@ def main(argv=None) -> int:
     parser.add_argument("--json", dest="json_path", metavar="FILE", help="also write the results as JSON")
     parser.add_argument("--keep", action="store_true", help="keep the chains")
     parser.add_argument("--reuse", metavar="DIR",
-                        help="time the chains an earlier --keep run left in DIR (give it the same --size "
+                        help="time the chains an earlier --keep run left in DIR (give it the same --size, --workload "
                              "and --depths) instead of building them; DIR is kept")
     args = parser.parse_args(argv)
     require_null_device()

@@ -11,7 +11,7 @@ digest, which covers the whole path.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -33,6 +33,22 @@ class Resolution:
     delta_links: np.ndarray
     delta_slots: np.ndarray
     digest_link: np.ndarray     # per page: the nearest link whose own digest is the page's (spec §10.2)
+    base_frame: np.ndarray      # per page: the PAGE_FRAME of its base link holding it (-1: base not STORED)
+    delta_frames: np.ndarray    # per delta entry: the DELTA_FRAME of its link holding it
+    _stored: "_StoredPages | None" = field(default=None, repr=False)
+    _patches: "_DeltaPatches | None" = field(default=None, repr=False)
+
+    def delta_patches(self) -> "_DeltaPatches":
+        """The deltas that apply, as word patches per DELTA_FRAME (built on first use)."""
+        if self._patches is None:
+            self._patches = _DeltaPatches(self)
+        return self._patches
+
+    def stored_pages(self) -> "_StoredPages":
+        """The STORED base pages served frame by frame (built on first use)."""
+        if self._stored is None:
+            self._stored = _StoredPages(self)
+        return self._stored
 
 
 @implements("LI-CHN-004")
@@ -47,6 +63,7 @@ def resolve(image, region) -> Resolution:
     base_class = np.zeros(n, np.uint8)
     base_slot = np.zeros(n, np.int64)
     digest_link = np.full(n, -1, np.int32)
+    base_frame = np.full(n, -1, np.int64)
     deltas = []
     for depth in range(len(links) - 1, -1, -1):
         r = regions[depth]
@@ -58,13 +75,17 @@ def resolve(image, region) -> Resolution:
         base_link[idx] = depth
         base_class[idx] = classes[concrete]
         base_slot[idx] = slots[concrete]
+        stored = classes[concrete] == PageClass.STORED
+        base_frame[idx] = -1
+        base_frame[idx[stored]] = links[depth].frames.page_frames.frame_of(slots[concrete][stored])
         if links[depth].digests.inherits:
             digest_link[pages] = depth
         else:
             digest_link[:min(n, r.num_pages)] = depth       # 1.0: a PARENT page has its own digest
         is_delta = classes == PageClass.DELTA
         if is_delta.any():
-            deltas.append((pages[is_delta], np.full(int(is_delta.sum()), depth, np.int32), slots[is_delta]))
+            deltas.append((pages[is_delta], np.full(int(is_delta.sum()), depth, np.int32), slots[is_delta],
+                           links[depth].frames.delta_frames.frame_of(slots[is_delta])))
     unresolved = np.flatnonzero(base_link < 0)
     if len(unresolved):
         page = int(unresolved[0])
@@ -74,13 +95,14 @@ def resolve(image, region) -> Resolution:
         pages = np.concatenate([d[0] for d in deltas])
         dlinks = np.concatenate([d[1] for d in deltas])
         dslots = np.concatenate([d[2] for d in deltas])
+        dframes = np.concatenate([d[3] for d in deltas])
         keep = dlinks < base_link[pages]               # only deltas above the base apply
-        pages, dlinks, dslots = pages[keep], dlinks[keep], dslots[keep]
-        order = np.lexsort((-dlinks, pages))           # by page, deepest link first
-        pages, dlinks, dslots = pages[order], dlinks[order], dslots[order]
+        order = np.flatnonzero(keep)[np.lexsort((-dlinks[keep], pages[keep]))]    # by page, deepest link first
+        pages, dlinks, dslots, dframes = pages[order], dlinks[order], dslots[order], dframes[order]
     else:
-        pages = dlinks = dslots = np.zeros(0, np.int64)
-    return Resolution(links, regions, base_link, base_class, base_slot, pages, dlinks, dslots, digest_link)
+        pages = dlinks = dslots = dframes = np.zeros(0, np.int64)
+    return Resolution(links, regions, base_link, base_class, base_slot, pages, dlinks, dslots, digest_link,
+                      base_frame, dframes)
 
 
 def _own_pages(region, limit: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -106,69 +128,216 @@ def _same_region(link, region):
 
 
 def fill(resolution: Resolution, out: np.ndarray, first_page: int, count: int,
-         want: np.ndarray | None = None, window: "_FrameWindow | None" = None) -> None:
+         want: np.ndarray | None = None, window: "_FrameWindow | None" = None, held: dict | None = None) -> None:
     """Write pages [first_page, first_page+count) of the resolved region into ``out``; with
-    ``want`` (a mask over the range; it must include every page with deltas) only those."""
-    from .delta import apply as apply_delta
-    ps = resolution.links[0].page_size
+    ``want`` (a mask over the range; it must include every page with deltas) only those;
+    ``held``: frames already decompressed, (link, frame) -> content."""
     stop = first_page + count
-    links = resolution.base_link[first_page:stop]
     classes = resolution.base_class[first_page:stop]
-    slots = resolution.base_slot[first_page:stop]
     want = np.ones(count, bool) if want is None else want
     if window is None:
         window = _FrameWindow(resolution.links[0].frames.pool, fill_frames(resolution, first_page, count, want)
                               + fill_delta_frames(resolution, first_page, count))
-    for link_index in np.unique(links[want & ((classes == PageClass.STORED) | (classes == PageClass.DISK))]):
-        link = resolution.links[int(link_index)]
-        mine = want & (links == link_index)
-        for cls in (PageClass.STORED, PageClass.DISK):
-            rows = np.flatnonzero(mine & (classes == cls))
-            if not len(rows):
-                continue
-            if cls == PageClass.STORED:
-                _copy_runs(link, out, rows, slots[rows], ps, window)
-            else:
-                link.fill_disk_pages(resolution.regions[int(link_index)], first_page, out, rows,
-                                     slots[rows].astype(np.int64))
+    resolution.stored_pages().copy(out, first_page, count, np.flatnonzero(want & (classes == PageClass.STORED)),
+                                   window, held or {})
+    _fill_disk(resolution, out, first_page, count, np.flatnonzero(want & (classes == PageClass.DISK)))
+    _apply_deltas(resolution, out, first_page, count, window)
+
+
+def _fill_disk(resolution: Resolution, out: np.ndarray, first_page: int, count: int, rows: np.ndarray) -> None:
+    """Rows ``rows`` of the range, whose bases are DISK pages, read from each base link's disks."""
+    links = resolution.base_link[first_page:first_page + count][rows]
+    slots = resolution.base_slot[first_page:first_page + count][rows]
+    for link_index in np.unique(links).tolist():
+        mine = links == link_index
+        resolution.links[link_index].fill_disk_pages(resolution.regions[link_index], first_page, out, rows[mine],
+                                                     slots[mine].astype(np.int64))
+
+
+def _delta_groups(resolution: Resolution, first_page: int, stop: int) -> list[tuple[int, int]]:
+    """The (link, DELTA_FRAME) pairs holding deltas of pages [first_page, stop), deepest link
+    first (a page's deltas apply from the deepest link up; one link has at most one per page,
+    so its frames' order does not matter)."""
     lo, hi = (int(x) for x in np.searchsorted(resolution.delta_pages, [first_page, stop]))
-    pages = resolution.delta_pages[lo:hi]
-    links_of = resolution.delta_links[lo:hi]
-    slots_of = resolution.delta_slots[lo:hi]
-    words = out.view("<u8")
-    for link_index in sorted(np.unique(links_of).tolist(), reverse=True):     # deepest first
-        mine = links_of == link_index
-        _apply_link_deltas(resolution.links[link_index], words, out, pages[mine] - first_page,
-                           slots_of[mine], ps, apply_delta, window)
+    top = len(resolution.links) - 1
+    keys = np.unique(_frame_keys(top - resolution.delta_links[lo:hi].astype(np.int64), resolution.delta_frames[lo:hi]))
+    return [(top - (key >> 32), key & 0xFFFFFFFF) for key in keys.tolist()]
 
 
-def _apply_link_deltas(link, words, out, rows, slots, ps, apply_delta, window) -> None:
-    """One link's deltas (at most one per page): INDEX_LIST entries parsed per frame with
-    numpy and applied in one scatter; any other entry through the fully checked path."""
-    frames = link.frames.delta_frames.frame_of(slots)     # every slot has one (checked at open)
-    for frame in np.unique(frames).tolist():
-        window.step()
-        sel = frames == frame
-        first, content, offsets, (simple, word_start, num_words, positions, values) = \
-            link.frames.delta_frame_parsed(frame)
-        k = slots[sel] - first
-        frame_rows = rows[sel]
+def _apply_deltas(resolution: Resolution, out: np.ndarray, first_page: int, count: int, window) -> None:
+    patches = resolution.delta_patches()
+    stop = first_page + count
+    for link_index, frame in _delta_groups(resolution, first_page, stop):
+        if not patches.built(link_index, frame):
+            window.step()
+        patches.apply(link_index, frame, out, first_page, stop)
+
+
+class _DeltaPatches:
+    """The delta entries of a resolved region that apply (above their page's base), a
+    DELTA_FRAME at a time turned once into word patches: INDEX_LIST entries as (page, word,
+    value) arrays sorted by page, any other entry kept to go through the fully checked path.
+    A range applies its slice of each frame's patch (deepest link first), so a frame whose
+    entries spread over the whole region is parsed and indexed once, not once per range."""
+
+    def __init__(self, resolution: Resolution):
+        self.resolution = resolution
+        keys = _frame_keys(resolution.delta_links, resolution.delta_frames)
+        self.order = np.argsort(keys, kind="stable")      # pages ascend within a frame
+        self.keys, starts = np.unique(keys[self.order], return_index=True)
+        self.bounds = np.append(starts, len(keys))
+        self.patches: dict = {}
+
+    def built(self, link_index: int, frame: int) -> bool:
+        return (link_index, frame) in self.patches
+
+    def apply(self, link_index: int, frame: int, out: np.ndarray, first_page: int, stop: int) -> None:
+        key = (link_index, frame)
+        if key not in self.patches:
+            self.patches[key] = self._build(link_index, frame)
+        word_pages, word_at, values, slow_pages, slow_entries, last_page = self.patches[key]
+        ps = self.resolution.links[0].page_size
+        lo, hi = (int(x) for x in np.searchsorted(word_pages, [first_page, stop]))
+        out.view("<u8")[(word_pages[lo:hi] - first_page) * (ps // 8) + word_at[lo:hi]] = values[lo:hi]
+        lo, hi = (int(x) for x in np.searchsorted(slow_pages, [first_page, stop]))
+        if hi > lo:
+            _apply_checked(self.resolution.links[link_index], frame, out, slow_pages[lo:hi] - first_page,
+                           slow_entries[lo:hi], ps)
+        if last_page < stop:                 # no later range of a forward pass needs it
+            del self.patches[key]
+
+    def _build(self, link_index: int, frame: int):
+        group = int(np.searchsorted(self.keys, (link_index << 32) | frame))
+        entries = self.order[self.bounds[group]:self.bounds[group + 1]]
+        pages = self.resolution.delta_pages[entries]
+        first, _, _, (simple, word_start, num_words, positions, values) = \
+            self.resolution.links[link_index].frames.delta_frame_parsed(frame)
+        k = self.resolution.delta_slots[entries] - first
         fast = simple[k]
         counts = num_words[k[fast]]
         at = np.repeat(word_start[k[fast]] - np.concatenate(([0], np.cumsum(counts)[:-1])), counts) + \
             np.arange(int(counts.sum()))
-        words[np.repeat(frame_rows[fast] * (ps // 8), counts) + positions[at]] = values[at]
-        for row, entry_index in zip(frame_rows[~fast].tolist(), k[~fast].tolist()):
-            entry = content[offsets[entry_index]:offsets[entry_index + 1]]
-            offset, path = link.frames.delta_frame_location(frame)
-            try:
-                page = apply_delta(entry, out[row * ps:(row + 1) * ps].tobytes(), offset=offset,
-                                   structure=f"{path}.entries[{entry_index}]")
-            except LeanImageError as exc:
-                exc.path = exc.path or link.path
-                exc.args = (str(exc),)
-                raise
-            out[row * ps:(row + 1) * ps] = np.frombuffer(page, np.uint8)
+        return np.repeat(pages[fast], counts), positions[at], values[at], pages[~fast], k[~fast], int(pages[-1])
+
+
+def _apply_checked(link, frame: int, out: np.ndarray, rows: np.ndarray, entry_indexes: np.ndarray, ps: int) -> None:
+    """Entries other than plain INDEX_LISTs, one page at a time through delta.apply, which
+    decodes them and reports any broken rule."""
+    from .delta import apply as apply_delta
+    _, content, offsets, _ = link.frames.delta_frame_parsed(frame)
+    offset, path = link.frames.delta_frame_location(frame)
+    for row, entry_index in zip(rows.tolist(), entry_indexes.tolist()):
+        entry = content[offsets[entry_index]:offsets[entry_index + 1]]
+        try:
+            page = apply_delta(entry, out[row * ps:(row + 1) * ps].tobytes(), offset=offset,
+                               structure=f"{path}.entries[{entry_index}]")
+        except LeanImageError as exc:
+            exc.path = exc.path or link.path
+            exc.args = (str(exc),)
+            raise
+        out[row * ps:(row + 1) * ps] = np.frombuffer(page, np.uint8)
+
+
+def _frame_keys(links: np.ndarray, frames: np.ndarray) -> np.ndarray:
+    """One int64 per (link index, frame), ordered by link then frame."""
+    return (links.astype(np.int64) << 32) | frames.astype(np.int64)
+
+
+class _StoredPages:
+    """The STORED base pages of a resolved region, served a frame at a time.
+
+    A chain's frames hold superseded pages beside live ones, and a link's frames spread over
+    the whole region (its changed pages are scattered), so a restore reading the region in
+    ranges would need most frames in every range.  In a forward pass (each call starting
+    where the last ended, as restores read) a frame is decompressed once: the live pages later
+    ranges need are copied out and carried (at most the live pages of the rest of the
+    region), the frame is dropped.  Other calls (random reads) go frame by frame through
+    each link's frame cache."""
+
+    def __init__(self, resolution: Resolution):
+        self.resolution = resolution
+        pages = np.flatnonzero(resolution.base_frame >= 0)
+        keys = _frame_keys(resolution.base_link[pages], resolution.base_frame[pages])
+        order = np.argsort(keys, kind="stable")           # pages ascend within a frame
+        self.pages = pages[order]
+        self.keys, starts = np.unique(keys[order], return_index=True)
+        self.bounds = np.append(starts, len(order))
+        self.first = self.pages[starts] if len(starts) else starts             # per frame: lowest page
+        self.last = self.pages[self.bounds[1:] - 1] if len(starts) else starts  # and highest
+        self.group_of = np.full(len(resolution.base_frame), -1, np.int64)
+        self.group_of[self.pages] = np.repeat(np.arange(len(self.keys)), np.diff(self.bounds))
+        self.opened = np.zeros(len(self.keys), bool)     # decompressed in this forward pass
+        self.carried: list = []                           # (pages ascending, their bytes as page items)
+        self.next_page = 0
+
+    def _forward(self, first_page: int) -> bool:
+        """Whether a call at ``first_page`` continues the forward pass (or, at page 0, starts
+        one); if not, the pass ends."""
+        if first_page == self.next_page:
+            return True
+        self.carried = []
+        self.opened[:] = False
+        if first_page == 0:
+            self.next_page = 0
+            return True
+        return False
+
+    def to_open(self, first_page: int, rows: np.ndarray) -> np.ndarray:
+        """Frames (indexes into self.keys, ascending) a call for pages ``first_page + rows``
+        decompresses: those not opened earlier in the pass."""
+        groups = np.unique(self.group_of[first_page + rows])
+        return groups[~self.opened[groups]] if self._forward(first_page) else groups
+
+    def frame_of(self, group: int) -> tuple[int, int]:
+        key = int(self.keys[group])
+        return key >> 32, key & 0xFFFFFFFF
+
+    def copy(self, out: np.ndarray, first_page: int, count: int, rows: np.ndarray, window, held: dict) -> None:
+        """Pages ``first_page + rows`` (STORED bases) into ``out`` (the range's buffer); frames
+        in ``held`` ((link, frame) -> content) are not decompressed again."""
+        forward = self._forward(first_page)
+        groups = self.to_open(first_page, rows)
+        stop = first_page + count
+        ps = self.resolution.links[0].page_size
+        items = out.view(page_items(ps))
+        if forward:
+            self._take_carried(items, first_page, stop)
+        for group in groups.tolist():
+            link_index, frame = self.frame_of(group)
+            link = self.resolution.links[link_index]
+            if (link_index, frame) in held:
+                content = np.frombuffer(held[(link_index, frame)], page_items(ps))
+            else:
+                window.step()
+                content = np.frombuffer(link.frames.frame(frame, keep=not forward)[0], page_items(ps))
+            pages = self.pages[self.bounds[group]:self.bounds[group + 1]]
+            ordinals = self.resolution.base_slot[pages] - int(link.frames.page_frames.starts[frame])
+            lo, hi = (int(x) for x in np.searchsorted(pages, [first_page, stop]))
+            items[pages[lo:hi] - first_page] = content[ordinals[lo:hi]]
+            if forward and hi < len(pages):
+                self.carried.append((pages[hi:], content[ordinals[hi:]]))
+        if forward:
+            self.opened[groups] = True
+        self.next_page = stop
+
+    def skip(self, first_page: int, count: int) -> None:
+        """A call for pages none of which is copied here (blank, or views of frames no other
+        range needs: none is carried) continues the pass all the same."""
+        self._forward(first_page)
+        self.next_page = first_page + count
+
+    def _take_carried(self, items: np.ndarray, first_page: int, stop: int) -> None:
+        kept = []
+        for pages, data in self.carried:
+            hi = int(np.searchsorted(pages, stop))
+            items[pages[:hi] - first_page] = data[:hi]
+            if hi < len(pages):
+                kept.append((pages[hi:], data[hi:]))
+        self.carried = kept
+
+    def local(self, first_page: int, stop: int) -> np.ndarray:
+        """Per frame: whether all its pages lie in [first_page, stop) (no other range needs it)."""
+        return (self.first >= first_page) & (self.last < stop)
 
 
 class _FrameWindow:
@@ -199,48 +368,32 @@ DELTAS = "deltas"       # a _FrameWindow item that is a DELTA_FRAME, parsed ahea
 
 def fill_delta_frames(resolution: Resolution, first_page: int, count: int) -> list:
     """The DELTA_FRAMEs fill applies for a range, in its order (deepest link first)."""
-    lo, hi = (int(x) for x in np.searchsorted(resolution.delta_pages, [first_page, first_page + count]))
-    links_of, slots_of = resolution.delta_links[lo:hi], resolution.delta_slots[lo:hi]
+    patches = resolution.delta_patches()
+    return [(resolution.links[link_index], frame, DELTAS)
+            for link_index, frame in _delta_groups(resolution, first_page, first_page + count)
+            if not patches.built(link_index, frame)]
+
+
+def fill_frames(resolution: Resolution, first_page: int, count: int, want: np.ndarray, held=()) -> list:
+    """The STORED frames fill decompresses for the wanted pages of a range, in its order
+    (those in ``held`` are decompressed already)."""
+    stored = resolution.stored_pages()
+    rows = np.flatnonzero(want & (resolution.base_class[first_page:first_page + count] == PageClass.STORED))
     order = []
-    for link_index in sorted(np.unique(links_of).tolist(), reverse=True):
-        link = resolution.links[link_index]
-        frames = np.unique(link.frames.delta_frames.frame_of(slots_of[links_of == link_index]))
-        order += [(link, f, DELTAS) for f in frames.tolist()]
+    for group in stored.to_open(first_page, rows).tolist():
+        link_index, frame = stored.frame_of(group)
+        if (link_index, frame) not in held:
+            order.append((resolution.links[link_index], frame, False))
     return order
-
-
-def fill_frames(resolution: Resolution, first_page: int, count: int, want: np.ndarray) -> list:
-    """The STORED frames fill reads for the wanted pages of a range, in its order."""
-    stop = first_page + count
-    links = resolution.base_link[first_page:stop]
-    stored = want & (resolution.base_class[first_page:stop] == PageClass.STORED)
-    slots = resolution.base_slot[first_page:stop]
-    order = []
-    for link_index in np.unique(links[stored]).tolist():
-        link = resolution.links[link_index]
-        frames = np.unique(link.frames.page_frames.frame_of(slots[stored & (links == link_index)]))
-        order += [(link, f, False) for f in frames.tolist()]
-    return order
-
-
-def _copy_runs(link, out: np.ndarray, rows: np.ndarray, slots: np.ndarray, ps: int, window: _FrameWindow) -> None:
-    """Copy STORED pages of one link: one decompressed frame and one numpy copy per frame."""
-    starts = link.frames.page_frames.starts
-    frames = link.frames.page_frames.frame_of(slots)     # every slot has one (checked at open)
-    pages = out.view(page_items(ps))
-    for frame in np.unique(frames).tolist():
-        window.step()
-        sel = frames == frame
-        content = np.frombuffer(link.frames.frame_pages(frame), page_items(ps))
-        pages[rows[sel]] = content[slots[sel] - starts[frame]]
 
 
 def pieces(image, region, resolution: Resolution, first_page: int, count: int) -> list:
     """Pages [first_page, first_page+count) of link 0 as verified ``(n, data)`` runs, like
     LeanImage.region_pieces: a page whose bytes are a STORED page of some link, with no delta
-    above it, is a view of that link's decompressed frame (digested on the workers); pages
-    with deltas or on a disk are built in one buffer (fill).  Every page is checked against
-    link 0's digest, which covers the whole path."""
+    above it, in a frame no other range needs, is a view of that link's decompressed frame;
+    pages with deltas or on a disk, and those of frames other ranges need too, are built in
+    one buffer (fill; from the same decompressed frames).  Every page is checked against link 0's digest, which covers the
+    whole path."""
     ps = image.page_size
     stop = first_page + count
     links = resolution.base_link[first_page:stop]
@@ -250,23 +403,28 @@ def pieces(image, region, resolution: Resolution, first_page: int, count: int) -
     has_delta = np.zeros(count, bool)
     has_delta[resolution.delta_pages[lo:hi] - first_page] = True
     blank = ~has_delta & ((classes == PageClass.ZERO) | (classes == PageClass.FREE))
-    frames = _direct_frames(resolution, links, slots, ~has_delta & (classes == PageClass.STORED))
+    frames = _direct_frames(resolution, first_page, count, ~has_delta & (classes == PageClass.STORED))
     direct = frames >= 0
     built = ~blank & ~direct
     own, expected = image.digests.expected_range(region, first_page, count)
     checked = (own != PageClass.FREE) & (own != PageClass.ZERO)
     _check_blank(image, region, first_page, np.flatnonzero(blank & checked), expected)
-    order = fill_frames(resolution, first_page, count, built) + fill_delta_frames(resolution, first_page, count) \
-        if built.any() else []
-    order += [(resolution.links[li], f, True) for li, f in _page_order_frames(links, frames)]
+    direct_frames = _page_order_frames(links, frames)
+    order = [(resolution.links[li], f, False) for li, f in direct_frames]
+    if built.any():
+        order += fill_frames(resolution, first_page, count, built, set(direct_frames)) + \
+            fill_delta_frames(resolution, first_page, count)
     window = _FrameWindow(resolution.links[0].frames.pool, order)
+    held = _hold_direct_frames(image, region, resolution, window, first_page, links, frames, slots,
+                               checked, expected)
     out = None
     if built.any():
         out = np.zeros(count * ps, np.uint8)
-        fill(resolution, out, first_page, count, want=built, window=window)
+        fill(resolution, out, first_page, count, want=built, window=window,
+             held={key: content for key, (content, _) in held.items()})
         check_built(image, region, first_page, out, np.flatnonzero(built & checked), expected)
-    held = _hold_direct_frames(image, region, resolution, window, first_page, links, frames, slots,
-                               checked, expected)
+    else:
+        resolution.stored_pages().skip(first_page, count)
     kind = np.where(blank, 0, np.where(direct, 1, 2))
     starts = np.ones(count, bool)
     starts[1:] = (kind[1:] != kind[:-1]) | (direct[1:] & (
@@ -287,39 +445,44 @@ def pieces(image, region, resolution: Resolution, first_page: int, count: int) -
 
 def _hold_direct_frames(image, region, resolution, window, first_page, links, frames, slots, checked,
                         expected) -> dict:
-    """Decompress the direct frames (in the order the pages need them), check every direct
-    page's digest against link 0's at once; (link, frame) -> (content view, first ordinal)."""
+    """Decompress the direct frames (in the order the pages need them) and check the direct
+    pages' digests (only theirs: a frame's superseded pages are not read) against link 0's;
+    (link, frame) -> (content view, first ordinal)."""
+    ps = image.page_size
     rows = np.flatnonzero(frames >= 0)
     got = np.zeros((len(links), DIGEST_SIZE), np.uint8)
     held = {}
     for link_index, frame in _page_order_frames(links, frames):
         link = resolution.links[link_index]
         window.step()
-        content, digests = link.frames.frame(frame, with_digests=True)
+        content = link.frames.frame(frame, keep=False)[0]
         first_ordinal = int(link.frames.page_frames.starts[frame])
         held[(link_index, frame)] = (memoryview(content), first_ordinal)
         mine = rows[(links[rows] == link_index) & (frames[rows] == frame)]
-        got[mine] = digests[slots[mine] - first_ordinal]
+        mine = mine[checked[mine]]
+        got[mine] = row_digests(np.frombuffer(content, np.uint8).reshape(-1, ps), slots[mine] - first_ordinal)
     verify_rows(region, first_page, rows[checked[rows]], got, expected)
     return held
 
 
-def _direct_frames(resolution: Resolution, links: np.ndarray, slots: np.ndarray,
-                   candidate: np.ndarray) -> np.ndarray:
-    """Per page, the frame of its base link holding it (or -1: not served as a view): at most
-    DIRECT_FRAMES_MAX distinct frames, those with the most pages."""
-    frames = np.full(len(links), -1, np.int64)
-    for link_index in np.unique(links[candidate]).tolist():
-        link = resolution.links[link_index]
-        sel = np.flatnonzero(candidate & (links == link_index))
-        frames[sel] = link.frames.page_frames.frame_of(slots[sel])
-    chosen = np.flatnonzero(frames >= 0)
-    keys = (links[chosen].astype(np.int64) << 32) | frames[chosen]
-    unique, inverse, counts = np.unique(keys, return_inverse=True, return_counts=True)
-    if len(unique) > page_module.DIRECT_FRAMES_MAX:
-        keep = np.zeros(len(unique), bool)
-        keep[np.argsort(-counts, kind="stable")[:page_module.DIRECT_FRAMES_MAX]] = True
-        frames[chosen[~keep[inverse]]] = -1
+def _direct_frames(resolution: Resolution, first_page: int, count: int, candidate: np.ndarray) -> np.ndarray:
+    """Per candidate page of the range, the frame of its base link holding it (or -1: not
+    served as a view): frames whose pages all lie in the range (no other range needs them),
+    at most DIRECT_FRAMES_MAX of them, those with the most pages. A direct frame's pages
+    with deltas are built from the same decompressed frame."""
+    stored = resolution.stored_pages()
+    groups = stored.group_of[first_page:first_page + count]
+    sizes = np.diff(stored.bounds)
+    tally = np.bincount(groups[candidate], minlength=len(sizes))
+    eligible = (tally > 0) & stored.local(first_page, first_page + count)
+    if eligible.sum() > page_module.DIRECT_FRAMES_MAX:
+        best = np.flatnonzero(eligible)[np.argsort(-sizes[eligible], kind="stable")[:page_module.DIRECT_FRAMES_MAX]]
+        eligible[:] = False
+        eligible[best] = True
+    frames = np.full(count, -1, np.int64)
+    chosen = np.flatnonzero(candidate)                  # STORED: every one has a frame
+    chosen = chosen[eligible[groups[chosen]]]
+    frames[chosen] = resolution.base_frame[first_page + chosen]
     return frames
 
 

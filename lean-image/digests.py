@@ -33,6 +33,7 @@ class DigestStore:
         self.inherits = inherits_digests(tables.header.incompatible_features)
         self._bearing_classes = digest_class_table(tables.header.incompatible_features)
         self._tables: dict[int, np.ndarray] = {}
+        self._inherited_tables: dict[int, tuple[np.ndarray, np.ndarray]] = {}
 
     def table(self, region: Region) -> np.ndarray:
         """The stored digests of a region, (pages with digests, 16) uint8, in page order."""
@@ -89,16 +90,33 @@ class DigestStore:
             raise ChainError(f"region {region.name!r} page {int(pages[0])} is PARENT and inherits its digest "
                              "(format 1.1): it can be checked only with the parent chain (--parent)",
                              structure=f"region[{region.region_id}].page[{int(pages[0])}]")
-        resolution = image.resolution(region)
-        links = resolution.digest_link[pages]
-        expected = np.zeros((len(pages), DIGEST_SIZE), np.uint8)
-        for depth in np.unique(links).tolist():
-            rows = np.flatnonzero(links == depth)
-            link = resolution.links[depth]
-            classes, expected[rows] = link.digests.own_pages(resolution.regions[depth], pages[rows])
-            first_problem(checks.inherited_digest_problems(region.region_id, region.name,
-                                                           pages[rows][classes == PageClass.FREE], link.path))
-        return expected
+        table, free_in = self._inherited_table(region, image)
+        depths = free_in[pages]
+        if (depths >= 0).any():
+            depth = int(depths[depths >= 0].min())          # the nearest link where one is FREE
+            first_problem(checks.inherited_digest_problems(region.region_id, region.name, pages[depths == depth],
+                                                           image.resolution(region).links[depth].path))
+        return table[pages]
+
+    def _inherited_table(self, region: Region, image) -> tuple[np.ndarray, np.ndarray]:
+        """Per page of the region, the digest its digest link holds for it, and that link's
+        index where the page is FREE there (-1: not FREE): one pass over the links for the
+        whole region, so reading it range by range costs no work per link and range."""
+        if region.region_id not in self._inherited_tables:
+            resolution = image.resolution(region)
+            links = resolution.digest_link
+            table = np.zeros((len(links), DIGEST_SIZE), np.uint8)
+            free_in = np.full(len(links), -1, np.int32)
+            order = np.argsort(links, kind="stable")
+            depths, starts = np.unique(links[order], return_index=True)
+            for depth, lo, hi in zip(depths.tolist(), starts.tolist(), [*starts[1:].tolist(), len(order)]):
+                if depth <= 0:
+                    continue
+                pages = order[lo:hi]
+                classes, table[pages] = resolution.links[depth].digests.own_pages(resolution.regions[depth], pages)
+                free_in[pages[classes == PageClass.FREE]] = depth
+            self._inherited_tables[region.region_id] = (table, free_in)
+        return self._inherited_tables[region.region_id]
 
     def expected(self, region: Region, page: int) -> bytes | None:
         """The digest page ``page`` must have: stored, implied (ZERO), inherited or None (FREE)."""

@@ -67,8 +67,10 @@ class FrameStore:
             self.pool.shutdown(wait=True, cancel_futures=True)
 
     # -- page frames ---------------------------------------------------------------
-    def frame(self, frame: int, with_digests: bool = False) -> tuple[bytes, np.ndarray | None]:
-        """(content, page digests or None) of PAGE_FRAME ``frame``; read-ahead workers compute both."""
+    def frame(self, frame: int, with_digests: bool = False, keep: bool = True) -> tuple[bytes, np.ndarray | None]:
+        """(content, page digests or None) of PAGE_FRAME ``frame``; read-ahead workers compute both.
+        ``keep=False``: not cached (a caller that reads each frame once, like a chain restore,
+        which would otherwise hold FRAME_CACHE_SIZE frames of every link)."""
         key = ("page", frame)
         if key in self._cache:
             self._cache.move_to_end(key)
@@ -88,7 +90,8 @@ class FrameStore:
             content, digests = self._ahead.pop(frame).result()
         if with_digests and digests is None:
             digests = page_digests(content, self.page_size)
-        self._keep(key, (content, digests))
+        if keep:
+            self._keep(key, (content, digests))
         return content, digests
 
     def frame_pages(self, frame: int) -> bytes:

@@ -1,0 +1,212 @@
+"""Chain restores read range by range (issue 15 §3): a forward pass decompresses each frame
+once and carries the live pages later ranges need; superseded pages are never verified, live
+ones always are, whatever the ranges."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from helpers import disk_sources
+from leanimg.errors import FormatError
+from leanimg import delta
+from leanimg.format import DeltaEncoding, PageClass, page_digest
+from leanimg.frames import FrameStore
+from leanimg.incremental import parent_link
+from leanimg.inspect import class_counts
+from leanimg.reader import LeanImage
+from leanimg.writer import LeanImageWriter, disk_fingerprint
+import leanimg.writer
+from test_chain import PAGES, PS, build_chain
+
+MARK = b"\xab" * PS                # the root's one stored page whose digest lies
+
+
+def _joined(image, region, ranges, read) -> bytes:
+    parts = []
+    for first, count in ranges:
+        if read == "pieces":
+            parts += [bytes(n * PS) if data is None else bytes(data)
+                      for n, data in image.region_pieces(region, first, count)]
+        else:
+            parts.append(bytes(image.region_bytes(region, first, count)))
+    return b"".join(parts)
+
+
+def _forward(num_pages: int, step: int) -> list[tuple[int, int]]:
+    return [(first, min(step, num_pages - first)) for first in range(0, num_pages, step)]
+
+
+@pytest.fixture(scope="module")
+def chain(tmp_path_factory):
+    return build_chain(tmp_path_factory.mktemp("chain"), depth=12)
+
+
+@pytest.fixture
+def counted_loads(monkeypatch):
+    """(link path, frame) -> how many times that PAGE_FRAME was decompressed."""
+    loads = Counter()
+    load = FrameStore._load
+
+    def counting(self, frame):
+        loads[(self.tables.file.name, frame)] += 1
+        return load(self, frame)
+
+    monkeypatch.setattr(FrameStore, "_load", counting)
+    return loads
+
+
+@pytest.mark.parametrize("read", ["pieces", "bytes"])
+@pytest.mark.parametrize("step", [1, 7, 50, PAGES])
+@pytest.mark.parametrize("read_ahead", [True, False])
+def test_a_forward_pass_decompresses_each_frame_once(chain, counted_loads, read, step, read_ahead):
+    paths, memories = chain
+    with LeanImage.open(paths[-1]) as image:
+        if read_ahead:
+            image.enable_read_ahead()
+        assert _joined(image, image.regions[0], _forward(PAGES, step), read) == memories[-1]
+        cached = [key for link in image.chain() for key in link.frames._cache if key[0] == "page"]
+    assert counted_loads and max(counted_loads.values()) == 1, counted_loads
+    assert len({path for path, _ in counted_loads}) > 1        # the pass drew on several links
+    assert cached == []                                         # and holds no frame afterwards
+
+
+def test_ranges_in_any_order_give_the_same_bytes(chain):
+    """Reads that do not continue a pass (random ranges, a range twice, a pass started in the
+    middle) end it and read frame by frame: same bytes."""
+    paths, memories = chain
+    ranges = _forward(PAGES, 11)
+    random.Random(3).shuffle(ranges)
+    ranges += [ranges[-1], (0, 30), (30, 30), (60, PAGES - 60), (100, 1), (101, 91)]
+    with LeanImage.open(paths[-1]) as image:
+        image.enable_read_ahead()
+        region = image.regions[0]
+        for first, count in ranges:
+            expected = memories[-1][first * PS:(first + count) * PS]
+            assert _joined(image, region, [(first, count)], "pieces") == expected
+            assert _joined(image, region, [(first, count)], "bytes") == expected
+
+
+# --- a later link superseding pages of every frame of an earlier one -----------------------------
+ROOT_PAGES, FRAME = 64, 4            # root: pages 0-3 on the disk, 4-63 STORED in frames of 4 pages
+
+
+def _page(k: int) -> bytes:
+    return np.random.default_rng(1000 + k).bytes(PS)
+
+
+def _changed(page: bytes, word: int, words: int = 1) -> bytes:
+    out = bytearray(page)
+    out[word * 8:(word + words) * 8] = b"changed!" * words
+    return bytes(out)
+
+
+def _lying_digests(monkeypatch):
+    """The writer gives the MARK page the digest of another page (its bytes are not what it says)."""
+    real = leanimg.writer.page_digests
+
+    def lying(data, page_size):
+        digests = real(data, page_size).copy()
+        pages = np.frombuffer(data, np.uint8).reshape(-1, page_size)
+        for row in np.flatnonzero((pages == MARK[0]).all(axis=1)).tolist():
+            digests[row] = np.frombuffer(page_digest(_page(999)), np.uint8)
+        return digests
+
+    monkeypatch.setattr(leanimg.writer, "page_digests", lying)
+
+
+def _supersede_chain(tmp_path, monkeypatch, mark_page: int):
+    """root (DISK pages 0-3, STORED 4-63 with MARK at ``mark_page``), child (one page of every
+    root frame rewritten: 4, 8, ..., 60; the rest PARENT), grandchild (DELTA over PARENT over
+    DISK on pages 0-3, DELTA over the child's page 12 and, a RUNS entry, which takes the
+    checked path, over the root's page 13).  Returns the
+    grandchild's path, the disk and the grandchild's memory."""
+    disk = b"".join(_page(k) for k in range(4))
+    (tmp_path / "disk.img").write_bytes(disk)
+    root_mem = [_page(k) for k in range(ROOT_PAGES)]
+    root_mem[mark_page] = MARK
+    root = tmp_path / "root.lean"
+    with monkeypatch.context() as patch:
+        _lying_digests(patch)
+        with LeanImageWriter(root, frame_pages=FRAME, threads=1) as w:
+            d = w.add_disk("vda", len(disk), disk_fingerprint(lambda o, k: disk[o:o + k], len(disk)))
+            rid = w.add_region("pc.ram", ROOT_PAGES * PS, 0)
+            for p in range(4):
+                w.put_disk(rid, p, d, p * PS // 512, page_digest(disk[p * PS:(p + 1) * PS]))
+            w.put_pages(rid, 4, b"".join(root_mem[4:]))
+    child_mem = list(root_mem)
+    with LeanImage.open(root) as parent:
+        link = parent_link(parent)
+        digests = [parent.expected_digest(parent.regions[0], p) for p in range(ROOT_PAGES)]
+    child = tmp_path / "child.lean"
+    with LeanImageWriter(child, parent=link, frame_pages=FRAME) as w:
+        rid = w.add_region("pc.ram", ROOT_PAGES * PS, 0)
+        for p in range(ROOT_PAGES):
+            if p >= 4 and p % FRAME == 0:
+                child_mem[p] = _page(500 + p)
+                w.put_pages(rid, p, child_mem[p])
+            else:
+                w.put_parent(rid, p, digests[p])
+    with LeanImage.open(child, parents=[root]) as parent:
+        link = parent_link(parent)
+    grand_mem = list(child_mem)
+    grandchild = tmp_path / "grandchild.lean"
+    with LeanImageWriter(grandchild, parent=link, frame_pages=FRAME) as w:
+        rid = w.add_region("pc.ram", ROOT_PAGES * PS, 0)
+        for p in range(ROOT_PAGES):
+            if p in (0, 1, 2, 3, 12, 13):
+                grand_mem[p] = _changed(child_mem[p], p + 1, words=40 if p == 13 else 1)
+                assert w.put_changed(rid, p, child_mem[p], grand_mem[p]) == PageClass.DELTA
+            else:
+                w.put_parent(rid, p, page_digest(child_mem[p]))
+    assert delta.encode(child_mem[13], grand_mem[13])[0] == DeltaEncoding.RUNS
+    return grandchild, tmp_path / "disk.img", b"".join(grand_mem)
+
+
+def _read_all_ways(image, memory_pages: int):
+    region = image.regions[0]
+    image.enable_read_ahead()
+    for step in (memory_pages, 5, 16):
+        for read in ("pieces", "bytes"):
+            yield lambda: _joined(image, region, _forward(memory_pages, step), read)
+
+
+def test_pages_superseded_in_every_frame_restore_bit_exact(tmp_path, monkeypatch, counted_loads):
+    """The child rewrites a page of every root frame, so every root frame holds a superseded
+    page (MARK, whose digest lies, among them) beside live ones; the grandchild's restore
+    decompresses each of them once, never checks the superseded pages, and is bit-exact."""
+    grandchild, disk, memory = _supersede_chain(tmp_path, monkeypatch, mark_page=8)
+    with disk_sources({"vda": disk}) as disks, LeanImage.open(grandchild, disks=disks) as image:
+        counts = class_counts(image)
+        assert counts[PageClass.DELTA] == 6 and counts[PageClass.PARENT] == ROOT_PAGES - 6
+        for read in _read_all_ways(image, ROOT_PAGES):
+            counted_loads.clear()
+            assert read() == memory
+            root_frames = [frame for path, frame in counted_loads if path.endswith("root.lean")]
+            assert sorted(root_frames) == list(range((ROOT_PAGES - 4) // FRAME))
+            assert max(counted_loads.values()) == 1
+
+
+def test_a_lying_live_page_is_reported_whatever_the_ranges(tmp_path, monkeypatch):
+    """The same chain with MARK on page 10, which no link supersedes: every read names it."""
+    grandchild, disk, _ = _supersede_chain(tmp_path, monkeypatch, mark_page=10)
+    with disk_sources({"vda": disk}) as disks, LeanImage.open(grandchild, disks=disks) as image:
+        for read in _read_all_ways(image, ROOT_PAGES):
+            with pytest.raises(FormatError) as info:
+                read()
+            assert info.value.rule == "LI-DIG-002" and "page 10" in str(info.value)
+
+
+def test_the_lying_page_is_the_only_difference(tmp_path, monkeypatch):
+    """Control for the two tests above: the root alone is refused at MARK's page exactly."""
+    for mark in (8, 10):
+        (tmp_path / str(mark)).mkdir()
+        grandchild, _, _ = _supersede_chain(tmp_path / str(mark), monkeypatch, mark_page=mark)
+        with LeanImage.open(grandchild.with_name("root.lean")) as root:
+            region = root.regions[0]
+            assert root.read_page(region, mark + 1) == _page(mark + 1)
+            with pytest.raises(FormatError, match=f"page {mark}"):
+                root.read_page(region, mark)
