@@ -36,6 +36,7 @@ RANGE_LINE = 34                 # "%016x %016x\n"
 REQUEST_INTERVAL = 0.2          # seconds from one answer to the next request
 PAGE_SIZES = {1 << k for k in range(12, 17)}
 POLL = 0.1                      # seconds a read waits before looking at the stop flag
+REASK_AFTER = 2.0               # seconds without a byte back before a request is made again
 
 
 class GuestFreeError(CheckpointError):
@@ -168,8 +169,8 @@ class GuestFreeLink:
 
     ``offset`` returns the bytes of the migration stream received so far (P)."""
 
-    def __init__(self, path: str, offset, interval: float = REQUEST_INTERVAL):
-        self.path, self.offset, self.interval = path, offset, interval
+    def __init__(self, path: str, offset, interval: float = REQUEST_INTERVAL, reask_after: float = REASK_AFTER):
+        self.path, self.offset, self.interval, self.reask_after = path, offset, interval, reask_after
         self.latest: Snapshot | None = None
         self.asked = self.answered = 0
         self.error: BaseException | None = None
@@ -198,11 +199,18 @@ class GuestFreeLink:
         self.sock.sendall(f"free {nonce}\n".encode())
         self.asked += 1
         answer, data = Answer(nonce), self._rest
+        heard = time.monotonic()
         while not self._stop.is_set():
             if data:
+                heard = time.monotonic()
                 self._rest = answer.feed(data)
                 if answer.complete:
                     return Snapshot(offset, answer.page_size, answer.ranges, answer.end[2], time.monotonic())
+            if not answer.begun and time.monotonic() - heard > self.reask_after:
+                # nothing back: the request or its answer was lost (QEMU drops what the guest
+                # writes while its socket chardev has no client): ask again, with a new nonce
+                self._rest = b""
+                return None
             try:
                 data = self.sock.recv(1 << 20)
             except socket.timeout:

@@ -11,6 +11,7 @@ import shutil
 import socket
 import subprocess
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -112,6 +113,39 @@ def test_the_link_keeps_the_latest_answer_and_the_offset_read_before_asking(tmp_
     snapshot = link.finish()
     assert (link.asked, link.answered) == (3, 2)
     assert snapshot.stream_offset == 200 and snapshot.ranges.tolist() == [[1, 1]]
+    server.close()
+
+
+def test_a_request_that_hears_nothing_back_is_made_again(tmp_path):
+    """The first request's answer is lost (the helper never sends it): after reask_after
+    seconds of silence leanimg asks again with a new nonce and takes that answer, with the
+    offset read before the second request."""
+    path = tmp_path / "port.sock"
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(str(path))
+    server.listen(1)
+    offsets = iter(range(100, 10**6, 100))
+    nonces, answered = [], threading.Event()
+
+    def helper():
+        conn, _ = server.accept()
+        with conn, conn.makefile("rb") as requests, contextlib.suppress(ConnectionResetError):
+            for line in requests:
+                nonces.append(line.split()[1].decode())
+                if len(nonces) == 2:
+                    conn.sendall(answer_bytes(nonces[1], [(7, 3)]))
+                    answered.set()
+
+    threading.Thread(target=helper, daemon=True).start()
+    link = GuestFreeLink(str(path), lambda: next(offsets), interval=30, reask_after=0.3)
+    link.start()
+    assert answered.wait(30)
+    deadline = time.monotonic() + 30
+    while link.answered < 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    snapshot = link.finish()
+    assert len(set(nonces)) == 2 and (link.asked, link.answered) == (2, 1)
+    assert snapshot.stream_offset == 200 and snapshot.ranges.tolist() == [[7, 3]]
     server.close()
 
 

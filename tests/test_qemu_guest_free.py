@@ -236,16 +236,18 @@ def test_a_lying_helper_gets_no_page_written_after_its_answer(guest):
 
 @qemu
 def test_no_answer_is_no_hints_not_an_error(guest):
-    """No helper listens: the request goes unanswered, the image has no FREE pages (a precopy
-    sends every page) and the summary says so. The next helper may find the stale request;
-    leanimg skips its answer by the nonce."""
+    """No helper listens: the requests go unanswered, the image has no FREE pages (a precopy
+    sends every page) and the summary says so. The next helper may find the stale requests;
+    leanimg skips their answers by the nonce."""
     guest.kill(guest.helper_pid)
     try:
         image = guest.work / "unanswered.lean"
         proc = guest.checkpoint(image, "--live", "--guest-free", guest.port)
     finally:
         guest.helper_pid = guest.start("free")
-    assert "guest free hints: none (asked 1 times, no answer complete before the checkpoint instant)" in proc.stdout
+    asked = re.search(r"guest free hints: none \(asked (\d+) times, no answer complete before the checkpoint "
+                      r"instant\)", proc.stdout)
+    assert asked and int(asked.group(1)) >= 1, proc.stdout         # asked again after each 2 s of silence
     assert not _free_pages(image).any()
     assert leanimg("validate", image).returncode == 0
 
