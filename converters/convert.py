@@ -197,7 +197,7 @@ def write_spooled(writer: LeanImageWriter, state: qemu.StreamState, ram: qemu.Ra
     spans = {block.name: ram.nonzero_spans(block) for _, block in regions}
 
     def feed(sink):
-        """The spooled pages, but for those outside ``spans`` (zeros: _zero_outside_spans)."""
+        """The spooled pages, but for those outside ``spans`` (zeros, which _put_zeros writes)."""
         for region, block in regions:
             seen = ram.seen[block.name]
             for first, stop in spans[block.name]:
