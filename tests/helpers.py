@@ -278,3 +278,51 @@ def checkpoint_ok(qmp, image, *args, timeout: float) -> subprocess.CompletedProc
     assert proc.returncode == 0, proc.stderr
     assert "Traceback" not in proc.stderr
     return proc
+
+
+def tagged_page(tag: int, page_size: int = 4096) -> bytes:
+    """A page of the 64-bit word ``tag`` repeated: distinct, recognisable content."""
+    return np.full(page_size // 8, tag, np.uint64).tobytes()
+
+
+def write_every_class_chain(folder: Path, plan: list[str], *, disk_blocks: int, frame_pages: int | None = None,
+                            ram_base: int = 0, rom_pages: int = 2, rom_base: int | None = None
+                            ) -> tuple[Path, Path, Path]:
+    """A parent image and a child whose region "ram" has the classes ``plan`` gives page by page
+    (STORED, ZERO, FREE, DISK<k> = block k of disk "vda", PARENT, DELTA), plus a region "rom"
+    of ``rom_pages`` STORED pages. Returns (child, parent, disk file) in ``folder``."""
+    from leanimg.format import DISK_SECTOR_SIZE, PageClass, page_digest
+    from leanimg.reader import LeanImage
+    from leanimg.writer import LeanImageWriter, ParentLink, disk_fingerprint
+    n, ps = len(plan), 4096
+    parent_pages = [tagged_page(100 + k) for k in range(n)]
+    parent_path = folder / "parent.lean"
+    with LeanImageWriter(parent_path) as w:
+        w.put_pages(w.add_region("ram", n * ps), 0, b"".join(parent_pages))
+    with LeanImage.open(parent_path) as parent:
+        link = ParentLink(parent.header.image_uuid, parent.footer.image_digest)
+    disk = b"".join(tagged_page(200 + k) for k in range(disk_blocks))
+    (folder / "disk.img").write_bytes(disk)
+    child_path = folder / "child.lean"
+    with LeanImageWriter(child_path, parent=link, frame_pages=frame_pages) as w:
+        d = w.add_disk("vda", len(disk), disk_fingerprint(lambda o, k: disk[o:o + k], len(disk)))
+        ram = w.add_region("ram", n * ps, guest_phys_base=ram_base)
+        rom = w.add_region("rom", rom_pages * ps, guest_phys_base=rom_base)
+        w.put_pages(rom, 0, b"".join(tagged_page(1 + k) for k in range(rom_pages)))
+        for page, name in enumerate(plan):
+            if name == "STORED":
+                w.put_pages(ram, page, tagged_page(300 + page))
+            elif name == "ZERO":
+                w.put_zero(ram, page)
+            elif name == "FREE":
+                w.put_free(ram, page)
+            elif name.startswith("DISK"):
+                block = int(name[4:])
+                w.put_disk(ram, page, d, block * ps // DISK_SECTOR_SIZE, page_digest(disk[block * ps:(block + 1) * ps]))
+            elif name == "PARENT":
+                w.put_parent(ram, page, page_digest(parent_pages[page]))
+            else:
+                new = bytearray(parent_pages[page])
+                new[8:16] = b"changed!"
+                assert w.put_changed(ram, page, parent_pages[page], bytes(new)) == PageClass.DELTA
+    return child_path, parent_path, folder / "disk.img"

@@ -17,14 +17,15 @@ import numpy as np
 import pytest
 import zstandard
 
+from helpers import tagged_page, write_every_class_chain
 from leanimg.cli import command_line
 from leanimg.disks import open_disk
 from leanimg.extent_map import region_extents
-from leanimg.format import DISK_SECTOR_SIZE, EXTENT, PAGE_FRAME_BODY, PageClass, page_digest
+from leanimg.format import DISK_SECTOR_SIZE, EXTENT, PAGE_FRAME_BODY, PageClass
 from leanimg.inspect import class_counts
 from leanimg.reader import LeanImage
 from leanimg.structures import ImageFile, dump_structure, parse_body, read_record
-from leanimg.writer import LeanImageWriter, ParentLink, disk_fingerprint
+from leanimg.writer import LeanImageWriter
 
 ROOT = Path(__file__).resolve().parents[1]
 SCHEMAS = ROOT / "lean-image" / "schemas"
@@ -43,10 +44,6 @@ def schema(name: str) -> jsonschema.Draft202012Validator:
     return jsonschema.Draft202012Validator(loaded)
 
 
-def _page(tag: int) -> bytes:
-    return np.full(PS // 8, tag, np.uint64).tobytes()
-
-
 # region "ram" of the child, page by page; DISK pages name the disk block in brackets
 CHILD_PLAN = ["STORED"] * 7 + ["ZERO", "ZERO", "FREE", "DISK0", "DISK1", "DISK2", "DISK5", "DISK6",
                                 "PARENT", "PARENT", "DELTA", "DELTA", "STORED", "ZERO", "FREE", "FREE"]
@@ -56,38 +53,7 @@ CHILD_PLAN = ["STORED"] * 7 + ["ZERO", "ZERO", "FREE", "DISK0", "DISK1", "DISK2"
 def chain(tmp_path):
     """A parent and a child with every class in region "ram", frames of 3 pages (so STORED runs
     are cut by frames) and disk references that stop being consecutive at page 13."""
-    n = len(CHILD_PLAN)
-    parent_pages = [_page(100 + k) for k in range(n)]
-    parent_path = tmp_path / "parent.lean"
-    with LeanImageWriter(parent_path) as w:
-        w.put_pages(w.add_region("ram", n * PS), 0, b"".join(parent_pages))
-    with LeanImage.open(parent_path) as parent:
-        link = ParentLink(parent.header.image_uuid, parent.footer.image_digest)
-    disk = b"".join(_page(200 + k) for k in range(8))
-    (tmp_path / "disk.img").write_bytes(disk)
-    child_path = tmp_path / "child.lean"
-    with LeanImageWriter(child_path, parent=link, frame_pages=3) as w:
-        d = w.add_disk("vda", len(disk), disk_fingerprint(lambda o, k: disk[o:o + k], len(disk)))
-        ram = w.add_region("ram", n * PS, guest_phys_base=0x100000)
-        rom = w.add_region("rom", 2 * PS)
-        w.put_pages(rom, 0, _page(1) + _page(2))
-        for page, name in enumerate(CHILD_PLAN):
-            if name == "STORED":
-                w.put_pages(ram, page, _page(300 + page))
-            elif name == "ZERO":
-                w.put_zero(ram, page)
-            elif name == "FREE":
-                w.put_free(ram, page)
-            elif name.startswith("DISK"):
-                block = int(name[4:])
-                w.put_disk(ram, page, d, block * PS // DISK_SECTOR_SIZE, page_digest(disk[block * PS:(block + 1) * PS]))
-            elif name == "PARENT":
-                w.put_parent(ram, page, page_digest(parent_pages[page]))
-            else:
-                new = bytearray(parent_pages[page])
-                new[8:16] = b"changed!"
-                assert w.put_changed(ram, page, parent_pages[page], bytes(new)) == PageClass.DELTA
-    return child_path, parent_path, tmp_path / "disk.img"
+    return write_every_class_chain(tmp_path, CHILD_PLAN, disk_blocks=8, frame_pages=3, ram_base=0x100000)
 
 
 def _map(image_path, *args) -> dict:
@@ -178,7 +144,7 @@ def test_merging_follows_the_page_map_and_frames_vectorised(tmp_path):
         region = w.add_region("ram", n * PS)
         for page, cls in enumerate(classes.tolist()):
             if cls == PageClass.STORED:
-                w.put_pages(region, page, _page(page + 1))
+                w.put_pages(region, page, tagged_page(page + 1))
             elif cls == PageClass.ZERO:
                 w.put_zero(region, page)
             else:

@@ -15,14 +15,14 @@ import pytest
 from click.testing import CliRunner
 from PIL import Image
 
+from helpers import write_every_class_chain
 from leanimg.cli import main
-from leanimg.format import EXTENT, PageClass, page_digest
+from leanimg.format import EXTENT, PageClass
 from leanimg.inspect import class_counts
 from leanimg.memory_picture import (
     BACKGROUND, CLASS_COLOURS, MAX_ROWS, cell_classes, layout, render_map, render_pixels, render_svg,
 )
 from leanimg.reader import LeanImage
-from leanimg.writer import LeanImageWriter, ParentLink, disk_fingerprint
 
 PS = 4096
 
@@ -34,50 +34,18 @@ def decode_png(data: bytes) -> np.ndarray:
         return np.asarray(picture.convert("RGB"))
 
 
-# the page classes of region "ram" of the child image, page by page
-CHILD_PLAN = ["STORED", "STORED", "ZERO", "ZERO", "FREE", "FREE", "DISK", "DISK",
+# the page classes of region "ram" of the child image, page by page (DISK<k>: block k of the disk)
+CHILD_PLAN = ["STORED", "STORED", "ZERO", "ZERO", "FREE", "FREE", "DISK2", "DISK3",
               "PARENT", "PARENT", "PARENT", "DELTA", "DELTA", "STORED", "ZERO", "FREE"]
-
-
-def _page(tag: int) -> bytes:
-    return np.full(PS // 8, tag, np.uint64).tobytes()
 
 
 @pytest.fixture
 def chain(tmp_path):
     """A parent and a child image whose region 'ram' has every class at known pages,
     plus a second region 'rom' of the child holding only STORED pages."""
-    n = len(CHILD_PLAN)
-    parent_pages = [_page(100 + k) for k in range(n)]
-    parent_path = tmp_path / "parent.lean"
-    with LeanImageWriter(parent_path) as w:
-        w.put_pages(w.add_region("ram", n * PS), 0, b"".join(parent_pages))
-    with LeanImage.open(parent_path) as parent:
-        link = ParentLink(parent.header.image_uuid, parent.footer.image_digest)
-    disk = b"".join(_page(200 + k) for k in range(4))
-    child_path = tmp_path / "child.lean"
-    with LeanImageWriter(child_path, parent=link) as w:
-        d = w.add_disk("vda", len(disk), disk_fingerprint(lambda o, k: disk[o:o + k], len(disk)))
-        ram = w.add_region("ram", n * PS, guest_phys_base=0)
-        rom = w.add_region("rom", 3 * PS, guest_phys_base=0xFFFC0000)
-        w.put_pages(rom, 0, _page(1) + _page(2) + _page(3))
-        for page, name in enumerate(CHILD_PLAN):
-            if name == "STORED":
-                w.put_pages(ram, page, _page(300 + page))
-            elif name == "ZERO":
-                w.put_zero(ram, page)
-            elif name == "FREE":
-                w.put_free(ram, page)
-            elif name == "DISK":
-                content = disk[page % 4 * PS:(page % 4 + 1) * PS]
-                w.put_disk(ram, page, d, page % 4 * PS // 512, page_digest(content))
-            elif name == "PARENT":
-                w.put_parent(ram, page, page_digest(parent_pages[page]))
-            else:
-                new = bytearray(parent_pages[page])
-                new[:8] = b"changed!"
-                assert w.put_changed(ram, page, parent_pages[page], bytes(new)) == PageClass.DELTA
-    return child_path, parent_path
+    child, parent, _ = write_every_class_chain(tmp_path, CHILD_PLAN, disk_blocks=4, rom_pages=3,
+                                               rom_base=0xFFFC0000)
+    return child, parent
 
 
 def _colour(pixels: np.ndarray, x: int, y: int) -> tuple:
@@ -97,7 +65,7 @@ def test_pixels_at_known_pages_have_the_class_colours(chain, tmp_path):
     assert (ram.region.name, rom.region.name) == ("ram", "rom")
     for page, name in enumerate(CHILD_PLAN):
         x, y = lay.cell_origin(ram, page)
-        assert _colour(pixels, x, y) == CLASS_COLOURS[PageClass[name]], f"page {page} ({name})"
+        assert _colour(pixels, x, y) == CLASS_COLOURS[PageClass[name.rstrip("0123456789")]], f"page {page} ({name})"
     for page in range(3):
         x, y = lay.cell_origin(rom, page)
         assert _colour(pixels, x, y) == CLASS_COLOURS[PageClass.STORED]
