@@ -35,6 +35,7 @@ import numpy as np
 import pytest
 
 from guest.build import build_guest
+from guest.fixtures import running_guest_with_qmp
 from guest.scenarios import last_heartbeat, wait_heartbeat
 from guest.vm import GuestVM, copy_disk, qemu_available
 from helpers import checkpoint_ok, first_difference, run_leanimg
@@ -68,20 +69,8 @@ def checkpoint(guest: Guest, image: Path, *args) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def guest(tmp_path_factory):
-    if not qemu_available():
-        pytest.skip("qemu-system-x86_64 or a /boot/vmlinuz-* kernel is not installed")
     work = tmp_path_factory.mktemp("checkpoint")
-    build = build_guest()
-    disk = copy_disk(build.disk, work / "disk.img")
-    (work / "source").mkdir()
-    qmp = work / "leanimg-qmp.sock"
-    extra = DEVICES + ["-qmp", f"unix:{qmp},server=on,wait=off"]
-    with GuestVM(build, disk, mem_mib=MEM_MIB, workdir=work / "source", extra_args=extra) as vm:
-        vm.wait_ready(timeout=300)
-        vm.run_workload("pagecache", "/mnt")
-        vm.run_workload("freed", "96")
-        vm.run_workload("pages", "16", "0", "50")
-        wait_heartbeat(vm, "pages", 1)
+    with running_guest_with_qmp(work, mem_mib=MEM_MIB, devices=DEVICES, freed_mib=96) as (vm, disk, qmp):
         yield Guest(vm, work, disk, qmp)
 
 

@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from guest.build import build_guest
+from guest.fixtures import running_guest_with_qmp
 from guest.scenarios import last_heartbeat, wait_heartbeat
 from guest.vm import GuestVM, copy_disk, qemu_available
 from helpers import checkpoint_ok, first_difference, run_leanimg
@@ -89,20 +89,9 @@ class Guest:
 
 @pytest.fixture(scope="module")
 def guest(tmp_path_factory):
-    if not qemu_available():
-        pytest.skip("qemu-system-x86_64 or a /boot/vmlinuz-* kernel is not installed")
     work = tmp_path_factory.mktemp("guestfree")
-    build = build_guest()
-    disk = copy_disk(build.disk, work / "disk.img")
-    (work / "source").mkdir()
-    qmp, port = work / "leanimg-qmp.sock", work / "free.sock"
-    extra = port_args(port) + ["-qmp", f"unix:{qmp},server=on,wait=off"]
-    with GuestVM(build, disk, mem_mib=MEM_MIB, workdir=work / "source", extra_args=extra) as vm:
-        vm.wait_ready(timeout=300)
-        vm.run_workload("pagecache", "/mnt")
-        vm.run_workload("freed", "200")
-        vm.run_workload("pages", "16", "0", "50")
-        wait_heartbeat(vm, "pages", 1)
+    port = work / "free.sock"
+    with running_guest_with_qmp(work, mem_mib=MEM_MIB, devices=port_args(port), freed_mib=200) as (vm, disk, qmp):
         g = Guest(vm, work, disk, qmp, port)
         g.helper_pid = g.start("free")
         yield g

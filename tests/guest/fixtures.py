@@ -6,11 +6,13 @@
 from __future__ import annotations
 
 import dataclasses
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 
 from .build import GuestBuild, build_guest
+from .scenarios import wait_heartbeat
 from .vm import GuestVM, copy_disk, qemu_available
 
 MEM_MIB = 128
@@ -51,3 +53,24 @@ def saved_guest(tmp_path_factory) -> SavedGuest:
     if not qemu_available():
         pytest.skip("qemu-system-x86_64 or a /boot/vmlinuz-* kernel is not installed")
     return save_guest(tmp_path_factory.mktemp("saved-guest"))
+
+
+@contextmanager
+def running_guest_with_qmp(work: Path, *, mem_mib: int, devices: list[str], freed_mib: int):
+    """A guest for checkpoint tests, booted from a copy of the test disk in ``work`` with
+    ``devices`` and a QMP socket of its own: page cache read from its disk, ``freed_mib`` MiB
+    written and freed, the ``pages`` workload running. Yields (vm, disk, qmp socket path)."""
+    if not qemu_available():
+        pytest.skip("qemu-system-x86_64 or a /boot/vmlinuz-* kernel is not installed")
+    build = build_guest()
+    disk = copy_disk(build.disk, work / "disk.img")
+    (work / "source").mkdir()
+    qmp = work / "leanimg-qmp.sock"
+    extra = devices + ["-qmp", f"unix:{qmp},server=on,wait=off"]
+    with GuestVM(build, disk, mem_mib=mem_mib, workdir=work / "source", extra_args=extra) as vm:
+        vm.wait_ready(timeout=300)
+        vm.run_workload("pagecache", "/mnt")
+        vm.run_workload("freed", str(freed_mib))
+        vm.run_workload("pages", "16", "0", "50")
+        wait_heartbeat(vm, "pages", 1)
+        yield vm, disk, qmp
