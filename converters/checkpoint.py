@@ -508,6 +508,7 @@ class _Checkpoint:
             self._mark("migration completed")
             self.downtime_ms = info.get("downtime")
             self._resume_if_continuing()
+            self._hang_up_guest_port()
             self._deflate_balloon()
             state, ram = self._spooled()
             self._mark("stream parsed")
@@ -647,12 +648,18 @@ class _Checkpoint:
         """The migration has completed and the guest is stopped: the answers are all in."""
         if self.guest_link is None:
             return
-        link, self.guest_link = self.guest_link, None
+        link = self.guest_link
         snapshot = link.finish()
         self.guest_free = GuestFree(link.asked, link.answered, snapshot, self.spool.reader.received)
         if snapshot is None:
             return
         self.hint_options = HintOptions(source=free_hints(snapshot))
+
+    def _hang_up_guest_port(self) -> None:
+        """After the resume: QEMU sees a hang-up only while the guest runs (converters/guest_free.py)."""
+        if self.guest_link is not None:
+            self.guest_link.close()
+            self.guest_link = None
 
     def _keep_hints(self) -> None:
         """--keep-hints, just before the image is renamed into place (a failed checkpoint leaves neither)."""
@@ -878,8 +885,6 @@ class _Checkpoint:
     def _recover(self, exc: BaseException) -> BaseException:
         """Cancel, resume, restore settings; the error to raise (what remains named)."""
         notes = []
-        if self.guest_link is not None:
-            self.guest_link.close()
         try:
             if self.req.mode == "background":
                 self._finish_background()
@@ -896,8 +901,8 @@ class _Checkpoint:
         if self.staged is not None:
             self.staged_out.close()
             discard_temporary(self.staged)
-        for step in (self._close_fd, self._restore_run_state, self._restore_migration_settings,
-                     self._deflate_after_failure):
+        for step in (self._close_fd, self._restore_run_state, self._hang_up_guest_port,
+                     self._restore_migration_settings, self._deflate_after_failure):
             try:
                 step()
             except CheckpointError as error:

@@ -10,6 +10,14 @@ stopped until leanimg resumes it, after ``finish``. So every answer kept was tak
 and before the checkpoint instant — what the stream-offset rule (LI-HNT-023) needs; the
 converter then makes FREE only the pages whose last copy ended at or before P.
 
+The socket is closed only once the guest runs again (``close`` after the resume). QEMU 7.2's
+virtserialport takes its chardev's handlers away while the VM is stopped, so a client that
+hangs up then goes unnoticed: the port still counts as connected, the next thing the guest
+writes fails on the empty chardev and throttles the port, and the port stays throttled —
+every later answer held in the guest's queue — until QEMU sees a client hang up while the VM
+runs. A request that hears nothing back therefore asks again over a *new* connection, which
+unsticks a port left that way by anyone.
+
 Only the latest answer is kept: a page free in an earlier one and not in the latest was taken
 into use in between, and would almost always have been written and re-sent anyway.
 """
@@ -207,9 +215,9 @@ class GuestFreeLink:
                 if answer.complete:
                     return Snapshot(offset, answer.page_size, answer.ranges, answer.end[2], time.monotonic())
             if not answer.begun and time.monotonic() - heard > self.reask_after:
-                # nothing back: the request or its answer was lost (QEMU drops what the guest
-                # writes while its socket chardev has no client): ask again, with a new nonce
-                self._rest = b""
+                # nothing back: the port may be stuck (module docstring); ask again, over a new
+                # connection, with a new nonce
+                self._reconnect()
                 return None
             try:
                 data = self.sock.recv(1 << 20)
@@ -222,21 +230,29 @@ class GuestFreeLink:
 
     def finish(self) -> Snapshot | None:
         """Stop asking (call it while the guest is still stopped after the checkpoint instant);
-        the latest complete answer, or None."""
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join()
-        self.close()
+        the latest complete answer, or None. ``close`` the link once the guest runs again."""
+        self._stop_asking()
         if self.error is not None:
             raise self.error
         return self.latest
 
     def close(self) -> None:
-        self._stop.set()
+        """Hang up; QEMU notices only while the VM runs (module docstring)."""
+        self._stop_asking()
         try:
             self.sock.close()
         except OSError:
             pass
+
+    def _stop_asking(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    def _reconnect(self) -> None:
+        self.sock.close()
+        self._rest = b""
+        self.sock = _connect(self.path)
 
 
 def _connect(path: str) -> socket.socket:

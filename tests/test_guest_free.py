@@ -113,28 +113,33 @@ def test_the_link_keeps_the_latest_answer_and_the_offset_read_before_asking(tmp_
     snapshot = link.finish()
     assert (link.asked, link.answered) == (3, 2)
     assert snapshot.stream_offset == 200 and snapshot.ranges.tolist() == [[1, 1]]
+    link.close()
     server.close()
 
 
-def test_a_request_that_hears_nothing_back_is_made_again(tmp_path):
-    """The first request's answer is lost (the helper never sends it): after reask_after
-    seconds of silence leanimg asks again with a new nonce and takes that answer, with the
-    offset read before the second request."""
+def test_a_request_that_hears_nothing_back_is_made_again_over_a_new_connection(tmp_path):
+    """The first request's answer is lost (the helper never sends it; a stuck QEMU port does
+    that): after reask_after seconds of silence leanimg hangs up, connects again and asks with a
+    new nonce, takes that answer with the offset read before the second request, and keeps the
+    connection open until closed."""
     path = tmp_path / "port.sock"
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     server.bind(str(path))
-    server.listen(1)
+    server.listen(2)
     offsets = iter(range(100, 10**6, 100))
-    nonces, answered = [], threading.Event()
+    nonces, answered, hung_up = [], threading.Event(), threading.Event()
 
     def helper():
-        conn, _ = server.accept()
-        with conn, conn.makefile("rb") as requests, contextlib.suppress(ConnectionResetError):
-            for line in requests:
-                nonces.append(line.split()[1].decode())
-                if len(nonces) == 2:
-                    conn.sendall(answer_bytes(nonces[1], [(7, 3)]))
-                    answered.set()
+        for connection in range(2):
+            conn, _ = server.accept()
+            with conn, conn.makefile("rb") as requests, contextlib.suppress(ConnectionResetError):
+                for line in requests:
+                    nonces.append((connection, line.split()[1].decode()))
+                    if connection == 1:
+                        conn.sendall(answer_bytes(nonces[-1][1], [(7, 3)]))
+                        answered.set()
+            if connection == 1:
+                hung_up.set()
 
     threading.Thread(target=helper, daemon=True).start()
     link = GuestFreeLink(str(path), lambda: next(offsets), interval=30, reask_after=0.3)
@@ -144,8 +149,12 @@ def test_a_request_that_hears_nothing_back_is_made_again(tmp_path):
     while link.answered < 1 and time.monotonic() < deadline:
         time.sleep(0.01)
     snapshot = link.finish()
-    assert len(set(nonces)) == 2 and (link.asked, link.answered) == (2, 1)
+    assert [c for c, _ in nonces] == [0, 1] and len({n for _, n in nonces}) == 2
+    assert (link.asked, link.answered) == (2, 1)
     assert snapshot.stream_offset == 200 and snapshot.ranges.tolist() == [[7, 3]]
+    assert not hung_up.wait(0.3)                # finish() stops asking, the connection stays
+    link.close()
+    assert hung_up.wait(30)
     server.close()
 
 

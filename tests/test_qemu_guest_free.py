@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import re
 import shlex
+import socket
 import subprocess
 import time
 from pathlib import Path
@@ -78,26 +79,23 @@ class Guest:
         assert done.group(1) == "DONE", self.vm.serial.text[start - 300:]
         return pid
 
-    def with_liar(self, liar_args: tuple[str, ...], checkpoint, image: Path) -> subprocess.CompletedProcess:
-        """``checkpoint()`` with the lying helper in place of the real one. QEMU sometimes drops
-        every answer the guest writes to a port it opened a moment before (seen in loaded and
-        idle CI runs: the liar logged 10 answers, leanimg received none); the test needs an
-        answer, so when none came the liar is started again on a fresh open of the port and the
-        checkpoint repeated (at most three times; ``image`` of a run without an answer is removed)."""
+    def with_liar(self, liar_args: tuple[str, ...], checkpoint) -> subprocess.CompletedProcess:
+        """``checkpoint()`` with the lying helper in place of the real one."""
         self.kill(self.helper_pid)
         try:
-            for _ in range(3):
-                liar = self.start_liar(*liar_args)
-                try:
-                    proc = checkpoint()
-                finally:
-                    self.kill(liar)
-                if "no answer complete before the checkpoint instant" not in proc.stdout:
-                    break
-                image.unlink(missing_ok=True)
+            liar = self.start_liar(*liar_args)
+            try:
+                return checkpoint()
+            finally:
+                self.kill(liar)
         finally:
             self.helper_pid = self.start("free")
-        return proc
+
+    def port_throttled(self) -> bool:
+        """QEMU's last word on the port's throttling (the source runs with its trace event)."""
+        states = re.findall(r"virtio_serial_throttle_port port \d+, throttle (\d)",
+                            (self.work / "source" / "qemu.stderr").read_text(errors="replace"))
+        return bool(states) and states[-1] == "1"
 
     def kill(self, pid: int) -> None:
         start = len(self.vm.serial.text)
@@ -112,7 +110,8 @@ class Guest:
 def guest(tmp_path_factory):
     work = tmp_path_factory.mktemp("guestfree")
     port = work / "free.sock"
-    with running_guest_with_qmp(work, mem_mib=MEM_MIB, devices=port_args(port), freed_mib=200) as (vm, disk, qmp):
+    devices = port_args(port) + ["-trace", "virtio_serial_throttle_port"]
+    with running_guest_with_qmp(work, mem_mib=MEM_MIB, devices=devices, freed_mib=200) as (vm, disk, qmp):
         g = Guest(vm, work, disk, qmp, port)
         g.helper_pid = g.start("free")
         yield g
@@ -202,6 +201,31 @@ def test_live_checkpoint_with_guest_free_hints(guest):
 
 
 @qemu
+def test_a_port_stuck_by_a_hang_up_while_the_guest_was_stopped_still_answers(guest):
+    """QEMU 7.2 misses a client's hang-up while the VM is stopped; the guest's next write then
+    fails on the empty chardev and throttles the port until a client hangs up while the VM runs
+    (CI runs saw the guest answer every request and leanimg hear none). Made here as a checkpoint
+    made it — a request in flight, the VM stopped, the socket closed, the VM resumed, the helper's
+    answer written to no client — and a checkpoint still gets an answer: it asks again over a
+    new connection after 2 s of silence."""
+    for _ in range(5):          # the helper may answer before the stop lands: then try again
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.connect(str(guest.port))
+            time.sleep(0.5)                         # QEMU has taken the connection
+            sock.sendall(b"free stuck\n")
+            guest.vm.stop()
+        time.sleep(0.5)
+        guest.vm.cont()
+        time.sleep(2)                               # the helper's answer meets no client
+        if guest.port_throttled():
+            break
+    assert guest.port_throttled()
+    image = guest.work / "unstuck.lean"
+    proc = guest.checkpoint(image, "--live", "--guest-free", guest.port, "--max-bandwidth", PRECOPY_MIBS)
+    assert "made FREE" in proc.stdout, proc.stdout
+
+
+@qemu
 def test_a_lying_helper_gets_no_page_written_after_its_answer(guest):
     """The liar answers "all of RAM is free" and then rewrites every page of its 16 MiB buffer
     (each page starting with LIAR_MARK and the number of the answer it followed). The pages
@@ -212,8 +236,7 @@ def test_a_lying_helper_gets_no_page_written_after_its_answer(guest):
     liar's rewrites must not outrun the precopy."""
     image, stream = guest.work / "lied.lean", guest.work / "lied.save"
     proc = guest.with_liar(("16",), lambda: guest.checkpoint(image, "--live", "--guest-free", guest.port,
-                                                             "--keep-stream", stream, "--max-bandwidth", "64", "-f"),
-                           image)
+                                                             "--keep-stream", stream, "--max-bandwidth", "64", "-f"))
     assert re.search(r"[1-9][\d.]* MiB sent again after it", proc.stdout), proc.stdout
     assert leanimg("validate", image).returncode == 0
     full = guest.work / "lied-full.lean"
@@ -256,7 +279,7 @@ def test_a_broken_answer_fails_the_checkpoint_and_leaves_the_guest_running(guest
     image = tmp_path / "x.lean"
     proc = guest.with_liar(("1", "garbage"), lambda: leanimg(
         "checkpoint", "--qmp", guest.qmp, "-o", image, "--live", "--max-bandwidth", PRECOPY_MIBS,
-        "--guest-free", guest.port, "--keep-hints", tmp_path / "x.hints"), image)
+        "--guest-free", guest.port, "--keep-hints", tmp_path / "x.hints"))
     assert proc.returncode == 1
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "the guest's free-list answer, line 2: expected a range line" in lines[0], proc.stderr
