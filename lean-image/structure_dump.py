@@ -45,23 +45,34 @@ def record_type_label(record_type: int) -> str:
 
 def write_dump(path, out, payloads: bool = False) -> int:
     """Write the dump of the image at ``path`` to the text stream ``out``; the record count.
-    Stops with the LeanImageError of the first record that cannot be read."""
+    Every record is read once before the first byte is written, so an image with a record that
+    cannot be read raises its LeanImageError and leaves ``out`` untouched (no truncated JSON)."""
     with open(path, "rb") as fileobj:
         image = ImageFile(fileobj, os.fspath(path))
-        header = read_header(image)
-        footer = read_footer(image, header.header_length)
+        try:
+            header = read_header(image)
+            footer = read_footer(image, header.header_length)
+        except LeanImageError as exc:
+            exc.path = exc.path or os.fspath(path)
+            raise
+        for _ in _records(image, header, footer, path):
+            pass
         head = dict(dump_format=DUMP_FORMAT, image=os.fspath(path),
                     header=plain(dict(header.fields(), extension=bytes(header.raw[HEADER.size:])), payloads))
         text = json.dumps(head, indent=2)
         out.write(text[:-2] + ',\n  "records": [')
         count = 0
-        for item in scan_records(image, header.header_length, footer.offset):
-            if isinstance(item, LeanImageError):
-                item.path = item.path or os.fspath(path)
-                raise item
-            dumped = dump_record(item, parse_body(item, count))
-            dumped = dict(dumped, type=record_type_label(item.record_type))
+        for dumped in _records(image, header, footer, path):
             out.write(("," if count else "") + "\n    " + json.dumps(plain(dumped, payloads)))
             count += 1
         out.write('\n  ],\n  "footer": ' + json.dumps(plain(footer.fields(), payloads)) + "\n}\n")
     return count
+
+
+def _records(image, header, footer, path):
+    """Each record's dump in file order; raises the error of the first that cannot be read."""
+    for count, item in enumerate(scan_records(image, header.header_length, footer.offset)):
+        if isinstance(item, LeanImageError):
+            item.path = item.path or os.fspath(path)
+            raise item
+        yield dict(dump_record(item, parse_body(item, count)), type=record_type_label(item.record_type))

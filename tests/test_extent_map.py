@@ -261,3 +261,20 @@ def test_dump_of_a_broken_image_is_one_error_line(chain, tmp_path):
     assert proc.returncode == 1
     lines = proc.stderr.decode().strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("leanimg: error: ") and "offset 0x" in lines[0], lines
+    assert proc.stdout == b""                  # no truncated JSON
+
+
+def test_dump_json_of_a_broken_image_is_only_the_error(chain, tmp_path):
+    """A record that cannot be read late in the file: stdout holds the JSON error alone."""
+    child, _, _ = chain
+    data = bytearray(child.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    bad = tmp_path / "bad.lean"
+    bad.write_bytes(bytes(data))
+    proc = run("dump", bad, "--json")
+    assert proc.returncode == 1
+    error = json.loads(proc.stdout)["error"]
+    assert error["path"] == str(bad) and error["offset"] is not None and error["rule"], error
+    bad.write_bytes(b"XXXX" + bytes(data[4:]))             # the header's magic
+    error = json.loads(run("dump", bad, "--json").stdout)["error"]
+    assert (error["path"], error["offset"], error["rule"]) == (str(bad), 0, "LI-HDR-001"), error
