@@ -30,7 +30,7 @@ import pytest
 from guest.fixtures import running_guest_with_qmp
 from guest.scenarios import last_heartbeat, wait_heartbeat
 from guest.vm import GuestVM, copy_disk, qemu_available
-from helpers import checkpoint_ok, first_difference, run_leanimg
+from helpers import checkpoint_ok, run_leanimg
 from leanimg.cli import command_line
 from leanimg.converters.checkpoint import QEMU_TAG_CHECKPOINT_NOTE
 from leanimg.format import PageClass
@@ -251,9 +251,10 @@ def test_a_lying_helper_gets_no_page_written_after_its_answer(guest):
     after_used = written & (truth[:, 16:24].copy().view("<u8").ravel() >= _answers_used(image))
     assert not (free & after_used).any(), "a page written after the answer used was made FREE"
     assert free.any()                                         # the lie was taken where the rule allows
+    # every page but the FREE ones restores as QEMU loads it, so the pages written after the used
+    # answer do; pages the liar wrote after earlier answers, sent before the used one was asked
+    # for, may be FREE and differ (a CI run saw some): its lie covers them
     _assert_equal_but_free(mem, truth, free, "restore --to raw")
-    if not np.array_equal(mem[written], truth[written]):
-        raise AssertionError(first_difference(image.with_suffix(".raw"), full.with_suffix(".raw")))
 
 
 @qemu
