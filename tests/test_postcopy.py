@@ -14,6 +14,7 @@ import os
 import struct
 import subprocess
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -27,6 +28,7 @@ from leanimg.reader import LeanImage
 from leanimg.restore import postcopy as pc
 from leanimg.restore.prepage import STRATEGIES, make_strategy
 from leanimg.restore.qemu import stream_state
+from leanimg.restore.working_set import WorkingSetError, read_working_set, write_working_set
 from leanimg.structures import dump_structure
 
 PS = 4096
@@ -60,6 +62,7 @@ class Destination(threading.Thread):
         self.f, self.rp, self.requests, self.leave = stream, return_path, list(requests), leave
         self.pages: dict[int, bytes | None] = {}      # page -> data, None for a ZERO entry
         self.repeats, self.commands, self.sections = [], [], []
+        self.before_run: list[int] | None = None      # pages that arrived before the package
         self.block = None
         self.error = None
         self.ended = False
@@ -105,6 +108,7 @@ class Destination(threading.Thread):
         data = self.read(length)
         self.commands.append(cmd)
         if cmd == pc.CMD_PACKAGED:
+            self.before_run = list(self.pages)
             blob = self.read(struct.unpack(">I", data)[0])
             assert blob.startswith(pc._command(pc.CMD_POSTCOPY_LISTEN))
             assert blob.endswith(pc._command(pc.CMD_POSTCOPY_RUN))
@@ -146,7 +150,7 @@ class Destination(threading.Thread):
                 raise EOFError("leaving")
 
 
-def serve(image_path, requests=(), strategy="sequential"):
+def serve(image_path, requests=(), strategy="sequential", working_set=None):
     """Run the server against a Destination; return (destination, stats or the ServeError)."""
     down_r, down_w = os.pipe()
     up_r, up_w = os.pipe()
@@ -155,7 +159,8 @@ def serve(image_path, requests=(), strategy="sequential"):
     with LeanImage.open(image_path) as img, open(up_r, "rb") as inp:
         out = open(down_w, "wb")
         try:
-            result = pc.PostcopyServer(img, out, inp, strategy, log=lambda msg: None).serve()
+            result = pc.PostcopyServer(img, out, inp, strategy, log=lambda msg: None,
+                                       working_set=working_set).serve()
         except pc.ServeError as exc:
             result = exc
         finally:
@@ -406,3 +411,139 @@ def test_the_serve_prefetches_every_frame_once_when_they_fit(image):
         assert frames.jump_queue and frames.cache_frames >= len(frames.page_frames)
         assert set(frames._ahead) | {key[1] for key in frames._cache} == set(range(len(frames.page_frames)))
         server._push()
+
+
+# ---------------------------------------------------------------------------- working sets
+
+def _working_set(path, entries, names=("pc.ram",), page_size=PS):
+    write_working_set(str(path), page_size, list(names), entries)
+    return str(path)
+
+
+def test_a_working_set_travels_before_the_guest_runs_in_its_order(image, ram, tmp_path):
+    pages = np.frombuffer(ram, np.uint8).reshape(NPAGES, PS)
+    blank = ~pages.any(axis=1)
+    stored = np.flatnonzero(~blank).tolist()
+    listed = [stored[-1], int(np.flatnonzero(blank)[0]), stored[5], stored[-1], stored[0], 299 if not blank[299] else
+              stored[-2]]
+    ws = _working_set(tmp_path / "vm.lws", [(0, p) for p in listed])
+    dest, stats = serve(image, working_set=ws)
+    assert dest.error is None and not dest.repeats, (dest.error, dest.repeats)
+    expected = list(dict.fromkeys(p for p in listed if not blank[p]))      # blank dropped, each once
+    assert dest.before_run == expected
+    assert stats.working_set_pages == len(expected) and stats.completed
+    assert stats.pushed_pages + stats.working_set_pages == stats.pages_to_send
+    for page, data in dest.pages.items():
+        assert data == pages[page].tobytes(), page
+    assert set(stored) == set(dest.pages)
+    before_package = dest.commands.index(pc.CMD_PACKAGED)
+    assert dest.commands[:before_package] == [pc.CMD_OPEN_RETURN_PATH, pc.CMD_POSTCOPY_ADVISE,
+                                              pc.CMD_POSTCOPY_RAM_DISCARD], "pre-copy pages follow the discard"
+
+
+def test_a_working_set_sends_at_most_its_budget_before_the_guest_runs(image, ram, tmp_path, monkeypatch):
+    pages = np.frombuffer(ram, np.uint8).reshape(NPAGES, PS)
+    stored = np.flatnonzero(pages.any(axis=1))[::-1].tolist()
+    monkeypatch.setattr(pc, "WORKING_SET_PAGES", 4)
+    dest, stats = serve(image, working_set=_working_set(tmp_path / "vm.lws", [(0, p) for p in stored]))
+    assert dest.before_run == stored[:4] and stats.working_set_pages == 4
+    assert stats.completed and set(stored) == set(dest.pages) and not dest.repeats
+
+
+def test_a_working_set_page_failing_its_check_stops_the_serve_before_the_guest_runs(image, ram, tmp_path):
+    bad = tmp_path / "bad.lean"
+    blob = bytearray(image.read_bytes())
+    frames = [r for r in dump_structure(image)["records"] if r["record_type"] == RecordType.PAGE_FRAME]
+    blob[frames[-1]["offset"] + 32 + frames[-1]["body_length"] // 2] ^= 0x55
+    bad.write_bytes(bytes(blob))
+    pages = np.frombuffer(ram, np.uint8).reshape(NPAGES, PS)
+    last = int(np.flatnonzero(pages.any(axis=1))[-1])           # in the last frame
+    dest, result = serve(bad, working_set=_working_set(tmp_path / "vm.lws", [(0, last)]))
+    assert isinstance(result, pc.ServeError) and f"page {last} " in str(result), result
+    assert dest.before_run is None and last not in dest.pages, "the guest never ran, the page never went"
+
+
+def test_recorded_faults_read_back_as_a_working_set(image, ram, tmp_path):
+    pages = np.frombuffer(ram, np.uint8).reshape(NPAGES, PS)
+    stored = np.flatnonzero(pages.any(axis=1)).tolist()
+    asked = [stored[9], stored[2], stored[9], 120, stored[30]]
+    down_r, down_w = os.pipe()
+    up_r, up_w = os.pipe()
+    dest = Destination(open(down_r, "rb"), open(up_w, "wb"), asked, leave=True)
+    dest.start()
+    with LeanImage.open(image) as img, open(up_r, "rb") as inp, open(down_w, "wb") as out:
+        server = pc.PostcopyServer(img, out, inp, "none", log=lambda msg: None)
+        server.serve()
+        server.record_faults(str(tmp_path / "rec.lws"))
+    dest.join(timeout=30)
+    read = read_working_set(str(tmp_path / "rec.lws"), PS, {b.name: len(b.classes) for b in server.blocks})
+    assert [(name, p.tolist()) for name, p in read] == [("pc.ram", list(dict.fromkeys(asked)))]
+    assert server.stats.recorded_faults == len(set(asked))
+
+
+def _good_file(tmp_path) -> bytes:
+    return Path(_working_set(tmp_path / "good.lws", [(0, 3), (0, 299)])).read_bytes()
+
+
+BAD_WORKING_SETS = {
+    "LI-WKS-001": (lambda b: b"\x89LEANWKX" + b[8:], 0, "header.magic"),
+    "LI-WKS-002": (lambda b: b[:8] + struct.pack("<H", 2) + b[10:], 8, "header.major_version"),
+    "LI-WKS-002 page size": (lambda b: b[:12] + struct.pack("<I", 8192) + b[16:], 12, "header.page_size"),
+    "LI-WKS-002 entries": (lambda b: b[:20] + struct.pack("<I", (1 << 22) + 1) + b[24:], 20, "header.entry_count"),
+    "LI-WKS-003": (lambda b: b[:25] + b"pc.rom" + b[31:], 24, "blocks[0]"),
+    "LI-WKS-003 utf8": (lambda b: b[:25] + b"pc.ra\xff" + b[31:], 24, "blocks[0]"),
+    "LI-WKS-004": (lambda b: b + b"\0", 31, "entries"),
+    "LI-WKS-004 short": (lambda b: b[:-1], 31, "entries"),
+    "LI-WKS-005": (lambda b: b[:-4] + struct.pack("<I", NPAGES), 39, "entries[1]"),
+    "LI-WKS-005 block": (lambda b: b[:31] + struct.pack("<I", 1) + b[35:], 31, "entries[0]"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_WORKING_SETS))
+def test_a_bad_working_set_is_refused_with_offset_structure_and_rule(case, tmp_path):
+    mutate, offset, structure = BAD_WORKING_SETS[case]
+    path = tmp_path / "bad.lws"
+    path.write_bytes(mutate(_good_file(tmp_path)))
+    with pytest.raises(WorkingSetError) as info:
+        read_working_set(str(path), PS, {"pc.ram": NPAGES})
+    err = info.value
+    assert (err.rule, err.offset, err.structure) == (case.split()[0], offset, structure), str(err)
+
+
+def test_cli_serve_refuses_a_bad_working_set_before_sending_anything(image, tmp_path):
+    path = tmp_path / "bad.lws"
+    path.write_bytes(_good_file(tmp_path)[:-4] + struct.pack("<I", NPAGES))
+    proc = subprocess.run([*command_line(), "serve", str(image), "--postcopy", "--working-set", str(path)],
+                          capture_output=True, timeout=60, stdin=subprocess.DEVNULL)
+    err = proc.stderr.decode()
+    assert proc.returncode == 1 and proc.stdout == b"", err
+    assert err.startswith("leanimg: error: ") and "[LI-WKS-005]" in err and "entries[1]" in err, err
+    assert "Traceback" not in err, err
+
+
+def test_cli_serve_records_the_pages_asked_for(image, ram, tmp_path):
+    """--record-faults writes the working set when the destination leaves."""
+    pages = np.frombuffer(ram, np.uint8).reshape(NPAGES, PS)
+    page = int(np.flatnonzero(pages.any(axis=1))[7])
+    with LeanImage.open(image) as img:
+        state = stream_state(img)
+        expected = pc.opening(state, PS) + pc.package(state)
+    rec = tmp_path / "rec.lws"
+    proc = subprocess.Popen([*command_line(), "serve", str(image), "--postcopy", "--prepage", "none",
+                             "--record-faults", str(rec)],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout.read(len(expected)) == expected
+    proc.stdin.write(struct.pack(">HH", pc.RP_REQ_PAGES_ID, 13 + 6) + struct.pack(">QI", page * PS, PS) + b"\x06pc.ram")
+    proc.stdin.flush()
+    assert proc.stdout.read(1) == bytes([q.PART])
+    proc.stdin.close()
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) == 0, err
+    read = read_working_set(str(rec), PS, {"pc.ram": NPAGES, **{n: 1 << 20 for n in _other_blocks(image)}})
+    assert [(name, p.tolist()) for name, p in read] == [("pc.ram", [page])]
+
+
+def _other_blocks(image) -> list[str]:
+    with LeanImage.open(image) as img:
+        return [b.name for b in stream_state(img).ram_blocks if b.name != "pc.ram"]
