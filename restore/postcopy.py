@@ -321,7 +321,6 @@ class PostcopyServer:
     def __init__(self, image: LeanImage, out, inp, strategy: str = "sequential", log=None, progress=None,
                  working_set: str | None = None):
         self.image, self.out, self.inp = image, out, inp
-        self._decompress_ahead(image)
         self.state = stream_state(image)
         self.ps = image.page_size
         if self.state.page_size != self.ps:
@@ -344,22 +343,25 @@ class PostcopyServer:
         self.closing_queued = False
         self.faults: list[tuple[int, int]] = []     # (block, page) of every page asked for, in order
         self.working_set = self._working_set(working_set) if working_set else []
+        self._decompress_ahead(image, self._working_set_frames())
         self.t0 = time.monotonic()
         self.stats.mark("server ready")
 
     @staticmethod
-    def _decompress_ahead(image: LeanImage) -> None:
+    def _decompress_ahead(image: LeanImage, first: list[int]) -> None:
         """Every frame decompresses once, on a worker thread, from the start when they all fit
-        FRAME_CACHE_BYTES (a fault's frame not begun yet is decompressed by the fault itself);
-        else the next ones as the pushes read them.  The worker runs at our priority: the pushes
-        wait for the frame it is decompressing, so a lower one would hold them up under load."""
+        FRAME_CACHE_BYTES (a fault's frame not begun yet is decompressed by the fault itself),
+        the frames ``first`` (the working set's) before the others; else the next ones as the
+        pushes read them.  The worker runs at our priority: the pushes wait for the frame it is
+        decompressing, so a lower one would hold them up under load."""
         frames = image.frames
         frames.keep_decompressed(FRAME_CACHE_BYTES)
         image.enable_read_ahead(threads=1, depth=2)
         stored_bytes = int(frames.page_frames.counts.sum()) * image.page_size
         if image.parent is None and stored_bytes <= FRAME_CACHE_BYTES:
             frames.jump_queue = True
-            frames.prefetch(range(len(frames.page_frames)), frames.pool, with_digests=True)
+            rest = np.setdiff1d(np.arange(len(frames.page_frames)), first)
+            frames.prefetch([*first, *rest.tolist()], frames.pool, with_digests=True)
 
     def _block(self, index: int, block: qemu.RamBlock) -> Block:
         region = self.image.region(block.name)
@@ -385,6 +387,17 @@ class PostcopyServer:
                 chosen.append((block, pages))
             budget -= len(pages)
         return chosen
+
+    def _working_set_frames(self) -> list[int]:
+        """The frames of the working set's STORED pages, in the order it first needs them."""
+        ordinals = [self.image.page_slots(block.region, 0, len(block.classes))[pages[block.classes[pages] ==
+                                                                                     PageClass.STORED]]
+                    for block, pages in self.working_set]
+        if not ordinals:
+            return []
+        frames = self.image.frames.page_frames.frame_of(np.concatenate(ordinals))
+        _, first = np.unique(frames, return_index=True)
+        return frames[np.sort(first)].tolist()
 
     def _precopy(self) -> None:
         """The working set as pre-copy sections, before LISTEN: QEMU writes them straight into
@@ -683,13 +696,13 @@ class PostcopyServer:
         for lo in range(0, count, CHUNK_PAGES):
             hi = min(count, lo + CHUNK_PAGES)
             head = _BE64.pack(int(pages[lo]) * self.ps | qemu.F_PAGE) + name
-            body = [head, rows[lo, 8:].tobytes(), rows[lo + 1:hi].tobytes()]
+            body = [head, memoryview(rows[lo, 8:]), memoryview(rows[lo + 1:hi].reshape(-1))]    # joined once
             chunks.append(Chunk(self._section_bytes(body), block.index, pages[lo:hi]))
         return chunks
 
     def _section_bytes(self, parts: list[bytes]) -> bytes:
         sid = self.state.ram.section_id
-        return bytes([qemu.PART]) + _BE32.pack(sid) + b"".join(parts) + _section_end(self.state)
+        return b"".join([bytes([qemu.PART]), _BE32.pack(sid), *parts, _section_end(self.state)])
 
 
 def _grow_pipe(fd: int) -> None:

@@ -195,7 +195,7 @@ def assert_check_workload_runs(vm: GuestVM, rounds: int = 2, timeout: float = 12
 
 def assert_counts_add_up(stats: dict) -> None:
     assert stats["completed"] and stats["error"] is None and stats["shut"] == 0, stats
-    travelled = stats["pushed_pages"] + stats["demand_pages"] - stats["demand_blank"]
+    travelled = stats["pushed_pages"] + stats["demand_pages"] - stats["demand_blank"] + stats["working_set_pages"]
     assert travelled == stats["pages_to_send"], stats
     assert stats["pages_to_send"] < stats["pages_total"], "ZERO/FREE pages never pushed"
 
@@ -251,6 +251,45 @@ def test_demand_only_serves_every_page_asked_for(images, tmp_path):
     pc_ram_pages = (sp.mem_mib << 20) // 4096
     assert stats["demand_pages"] >= pc_ram_pages - (VGA_WINDOW[1] - VGA_WINDOW[0]) // 4096, stats
     assert stats["demand_blank"] > 0, stats
+
+
+@pytest.mark.parametrize("kind", ["inline", "chain"])
+def test_a_recorded_working_set_arrives_before_the_guest_runs(kind, images, tmp_path):
+    """One restore records the pages the running guest asked for (--record-faults); the next
+    sends them as pre-copy pages before LISTEN (--working-set): after the last page the
+    destination's pmemsave is the checkpoint's memory, and the guest runs on."""
+    image, sp, options = images[kind]
+    recorded = tmp_path / "faults.lws"
+    (tmp_path / "record").mkdir()
+    with destination(sp, image, tmp_path / "record", *options, "--prepage", "none", "--record-faults", recorded,
+                     autostart=True) as (vm, stats_path):
+        assert_check_workload_runs(vm)
+        vm.qmp.execute("quit")
+        vm.proc.wait(timeout=60)
+    first = read_stats(stats_path)
+    assert first["recorded_faults"] > 100 and recorded.stat().st_size == 24 + first["recorded_faults"] * 8 + sum(
+        1 + len(name) for name in _ram_block_names(recorded)), first
+    (tmp_path / "replay").mkdir()
+    with destination(sp, image, tmp_path / "replay", *options, "--prepage", "sequential", "--working-set",
+                     recorded) as (vm, stats_path):
+        assert wait_migration(vm, {"completed"}) == "completed"
+        vm.pmemsave(tmp_path / "dest.mem")
+        assert_same_memory(tmp_path / "dest.mem", np.fromfile(sp.mem, np.uint8), "pmemsave vs checkpoint")
+        vm.cont()
+        assert_check_workload_runs(vm)
+        stats = read_stats(stats_path)
+    assert_counts_add_up(stats)
+    assert 100 < stats["working_set_pages"] <= first["recorded_faults"], stats
+    assert stats["demand_pages"] == 0, "under -S only pmemsave could fault, after the last page"
+
+
+def _ram_block_names(path: Path) -> list[str]:
+    blob = path.read_bytes()
+    names, at = [], 24
+    for _ in range(int.from_bytes(blob[16:20], "little")):
+        names.append(blob[at + 1:at + 1 + blob[at]].decode())
+        at += 1 + blob[at]
+    return names
 
 
 def test_a_disk_changed_under_a_disk_page_stops_the_serve(images, tmp_path):
