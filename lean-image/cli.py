@@ -600,14 +600,17 @@ def plugins_command(as_json):
               "runs, in its order (at most 8192; every page still checked).")
 @click.option("--record-faults", type=click.Path(dir_okay=False), metavar="FILE",
               help="Write the pages the destination asked for, in order, to FILE as a working set.")
+@click.option("--precopy-seconds", type=click.FloatRange(0, 60), default=0.25, show_default=True,
+              help="Send pages in the --prepage order for this long before the guest runs (after the "
+              "working set); 0: only after.")
 @json_option
 @verbosity_options
 @parent_option
 @disk_option
 @click.option("--any-disk-identity", is_flag=True, help="As for restore: every block is still checked.")
 @force_option
-def serve(image, postcopy, prepage, stats_path, working_set, record_faults, as_json, parents, disks,
-          any_disk_identity, force):
+def serve(image, postcopy, prepage, stats_path, working_set, record_faults, precopy_seconds, as_json, parents,
+          disks, any_disk_identity, force):
     """Serve IMAGE to a QEMU destination that runs the guest before its memory has arrived.
 
     qemu-system-x86_64 ... -global migration.x-postcopy-ram=on
@@ -634,7 +637,8 @@ def serve(image, postcopy, prepage, stats_path, working_set, record_faults, as_j
         with ui.progress(travelling, "serve (pages)") as advance:
             stats = restore_target("qemu").serve(img, sys.stdout.buffer, sys.stdin.buffer, strategy=prepage,
                                                  stats_path=stats_path, log=_serve_log, progress=advance,
-                                                 working_set=working_set, record_faults=record_faults)
+                                                 working_set=working_set, record_faults=record_faults,
+                                                 precopy_seconds=precopy_seconds)
     if as_json:
         ui.emit_json(dict(asdict(stats), image=image))
 

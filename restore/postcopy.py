@@ -113,6 +113,7 @@ class ServeStats:
     # request, every TIMELINE_EVERY pages, last page, the destination's SHUT)
     timeline: list = field(default_factory=list)
     working_set_pages: int = 0      # sent from --working-set before the guest ran (pre-copy)
+    pushed_before_run: int = 0      # of pushed_pages, those sent before the guest ran (--precopy-seconds)
     recorded_faults: int | None = None   # pages written to --record-faults
     demand_wait_max: float = 0.0     # longest time a request waited in our queue before its answer
     demand_wait_total: float = 0.0
@@ -319,7 +320,7 @@ class PostcopyServer:
     verified PUSH_BATCH pages at a time and queued as sections of CHUNK_PAGES pages."""
 
     def __init__(self, image: LeanImage, out, inp, strategy: str = "sequential", log=None, progress=None,
-                 working_set: str | None = None):
+                 working_set: str | None = None, precopy_seconds: float = 0.0):
         self.image, self.out, self.inp = image, out, inp
         self.state = stream_state(image)
         self.ps = image.page_size
@@ -343,6 +344,7 @@ class PostcopyServer:
         self.closing_queued = False
         self.faults: list[tuple[int, int]] = []     # (block, page) of every page asked for, in order
         self.working_set = self._working_set(working_set) if working_set else []
+        self.precopy_seconds = precopy_seconds
         self._decompress_ahead(image, self._working_set_frames())
         self.t0 = time.monotonic()
         self.stats.mark("server ready")
@@ -400,17 +402,29 @@ class PostcopyServer:
         return frames[np.sort(first)].tolist()
 
     def _precopy(self) -> None:
-        """The working set as pre-copy sections, before LISTEN: QEMU writes them straight into
+        """Pre-copy sections before LISTEN: the working set, then pages in the prepaging order
+        until ``precopy_seconds`` after the server was ready.  QEMU writes them straight into
         guest memory (after the discard: no transparent huge page holds them), so the guest
-        never faults on them."""
+        never faults on them, and places them more cheaply than post-copy pages."""
         for block, pages in self.working_set:
-            for chunk in self._sections(block, pages, self._read_pages(block, pages, queue_good=False)):
-                self._write(chunk.data)
-            block.sent[pages] = True
+            self._precopy_pages(block, pages)
             self.stats.working_set_pages += len(pages)
-            self._account(len(pages))
         if self.working_set:
             self.stats.mark("working set sent")
+        deadline = self.t0 + self.precopy_seconds
+        while time.monotonic() < deadline and not self.strategy.exhausted:
+            for block, pages in self._batch(self.strategy.next_runs(PUSH_BATCH)):
+                self._precopy_pages(block, pages)
+                self.stats.pushed_pages += len(pages)
+                self.stats.pushed_before_run += len(pages)
+        if self.stats.pushed_before_run:
+            self.stats.mark("pre-copy sent")
+
+    def _precopy_pages(self, block: Block, pages: np.ndarray) -> None:
+        for chunk in self._sections(block, pages, self._read_pages(block, pages, queue_good=False)):
+            self._write(chunk.data)
+        block.sent[pages] = True
+        self._account(len(pages))
 
     def record_faults(self, path: str) -> None:
         names = [b.name for b in self.blocks]
@@ -733,15 +747,16 @@ def _process_start() -> float | None:
 
 def serve_postcopy(image: LeanImage, out, inp, strategy: str = "sequential", stats_path: str | None = None,
                    log=None, progress=None, working_set: str | None = None,
-                   record_faults: str | None = None) -> ServeStats:
+                   record_faults: str | None = None, precopy_seconds: float = 0.0) -> ServeStats:
     """Serve ``image`` on the binary file ``out`` (the stream) with the return path on ``inp``;
     report the counts on stderr (and as JSON in ``stats_path``).  ``working_set``: a file of
-    pages sent before the guest runs; ``record_faults``: where to write the pages asked for."""
+    pages sent before the guest runs; ``record_faults``: where to write the pages asked for;
+    ``precopy_seconds``: how long to send pages in the prepaging order before the guest runs."""
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown prepaging strategy {strategy!r}")
     check_userfaultfd()
     started = _process_start()
-    server = PostcopyServer(image, out, inp, strategy, log, progress, working_set)
+    server = PostcopyServer(image, out, inp, strategy, log, progress, working_set, precopy_seconds)
     if started is not None:
         server.stats.timeline.insert(0, ("process start", started))
     try:

@@ -9,6 +9,7 @@ after EOF.  The real thing is tests/test_qemu_postcopy.py.
 
 from __future__ import annotations
 
+import fcntl
 import io
 import os
 import struct
@@ -50,6 +51,30 @@ def image(ram, tmp_path_factory):
     (d / "vm.save").write_bytes(qemu_save(ram))
     convert_file(str(d / "vm.save"), str(d / "vm.lean"), writer_options=dict(frame_pages=16))
     return d / "vm.lean"
+
+
+@pytest.fixture(autouse=True)
+def default_pipe(monkeypatch):
+    """Linux's default pipe (64 KiB) between the serve and the fake destination: with the
+    serve's 1 MiB one the whole 300-page image fits the pipe, the serve completes before the
+    destination has read the package, and requests would never meet a running serve.  The
+    pipe's growth has its own test."""
+    monkeypatch.setattr(pc, "PIPE_BYTES", 1 << 16)
+
+
+def test_the_stream_pipe_grows_to_hold_pipe_bytes(monkeypatch):
+    monkeypatch.setattr(pc, "PIPE_BYTES", 1 << 20)
+    r, w = os.pipe()
+    try:
+        pc._grow_pipe(w)
+        limit = int(open("/proc/sys/fs/pipe-max-size").read())
+        wanted = 1 << 20 if os.geteuid() == 0 or limit >= 1 << 20 else 1 << 16
+        assert fcntl.fcntl(w, fcntl.F_GETPIPE_SZ) == wanted
+    finally:
+        os.close(r)
+        os.close(w)
+    with open(os.devnull, "wb") as f:
+        pc._grow_pipe(f.fileno())            # not a pipe: left as it is, no error
 
 
 class Destination(threading.Thread):
@@ -150,7 +175,7 @@ class Destination(threading.Thread):
                 raise EOFError("leaving")
 
 
-def serve(image_path, requests=(), strategy="sequential", working_set=None):
+def serve(image_path, requests=(), strategy="sequential", working_set=None, precopy_seconds=0.0):
     """Run the server against a Destination; return (destination, stats or the ServeError)."""
     down_r, down_w = os.pipe()
     up_r, up_w = os.pipe()
@@ -160,7 +185,7 @@ def serve(image_path, requests=(), strategy="sequential", working_set=None):
         out = open(down_w, "wb")
         try:
             result = pc.PostcopyServer(img, out, inp, strategy, log=lambda msg: None,
-                                       working_set=working_set).serve()
+                                       working_set=working_set, precopy_seconds=precopy_seconds).serve()
         except pc.ServeError as exc:
             result = exc
         finally:
@@ -547,3 +572,43 @@ def test_cli_serve_records_the_pages_asked_for(image, ram, tmp_path):
 def _other_blocks(image) -> list[str]:
     with LeanImage.open(image) as img:
         return [b.name for b in stream_state(img).ram_blocks if b.name != "pc.ram"]
+
+
+# ---------------------------------------------------------------------------- pre-copy before RUN
+
+@pytest.mark.parametrize("strategy", ["sequential", "bubble"])
+def test_pages_go_before_the_guest_runs_for_precopy_seconds(strategy, image, ram, tmp_path):
+    """A budget long enough for the whole image: every page travels before the package, in
+    the prepaging order after the working set, each once and checked."""
+    pages = np.frombuffer(ram, np.uint8).reshape(NPAGES, PS)
+    stored = np.flatnonzero(pages.any(axis=1)).tolist()
+    ws = _working_set(tmp_path / "vm.lws", [(0, stored[-1]), (0, stored[3])])
+    dest, stats = serve(image, strategy=strategy, working_set=ws, precopy_seconds=60)
+    assert dest.error is None and not dest.repeats, (dest.error, dest.repeats)
+    assert dest.before_run[:2] == [stored[-1], stored[3]] and sorted(dest.before_run) == stored
+    assert stats.pushed_before_run == stats.pushed_pages == len(stored) - 2 and stats.working_set_pages == 2
+    assert stats.completed and stats.demand_pages == 0
+    for page, data in dest.pages.items():
+        assert data == pages[page].tobytes(), page
+
+
+def test_no_precopy_seconds_sends_nothing_before_the_guest_runs_but_the_working_set(image, tmp_path):
+    dest, stats = serve(image, strategy="sequential", precopy_seconds=0)
+    assert dest.before_run == [] and stats.pushed_before_run == 0 and stats.completed
+
+
+def test_a_page_failing_during_the_precopy_stops_the_serve_before_the_guest_runs(image, ram, tmp_path):
+    bad = tmp_path / "bad.lean"
+    blob = bytearray(image.read_bytes())
+    frames = [r for r in dump_structure(image)["records"] if r["record_type"] == RecordType.PAGE_FRAME]
+    frame = frames[len(frames) // 2]
+    blob[frame["offset"] + 32 + frame["body_length"] // 2] ^= 0x55
+    bad.write_bytes(bytes(blob))
+    dest, result = serve(bad, precopy_seconds=60)
+    assert isinstance(result, pc.ServeError), result
+    failed = int(str(result).split("page ")[1].split()[0])
+    assert dest.before_run is None, "the package (RUN) never went"
+    pages = np.frombuffer(ram, np.uint8).reshape(NPAGES, PS)
+    assert failed not in dest.pages
+    for page, data in dest.pages.items():
+        assert data == pages[page].tobytes(), f"page {page} arrived wrong"
