@@ -14,9 +14,11 @@ QEMU reads the stream from our stdout and writes its return path to our stdin
     COMMAND PACKAGED be32 len, then len bytes:         read whole by the destination, so it
         COMMAND POSTCOPY_LISTEN                        can ask for pages while devices load
         FULL device sections (with footers)
+        COMMAND PING                                   answered (PONG) once the devices loaded
         COMMAND POSTCOPY_RUN
     PART 'ram' ... EOS                                 pages: asked for, then pushed
-    END 'ram' EOS, EOF                                 every page that must travel has
+    END 'ram' EOS, EOF                                 every page that must travel has, and
+                                                       the PONG came
 
 At ADVISE the destination discards all its RAM and at LISTEN registers it with userfaultfd:
 a page never sent reads as zero once the migration ends, and until then a fault on it
@@ -64,6 +66,8 @@ from .working_set import read_working_set, write_working_set
 # QEMU_VM_COMMAND sub-commands (savevm.c enum qemu_vm_cmd)
 CMD_OPEN_RETURN_PATH, CMD_PING, CMD_POSTCOPY_ADVISE, CMD_POSTCOPY_LISTEN, CMD_POSTCOPY_RUN = 1, 2, 3, 4, 5
 CMD_POSTCOPY_RAM_DISCARD, CMD_PACKAGED = 6, 7
+# the PING in the package, before RUN: QEMU's main thread answers it when it has loaded the devices
+PING_DEVICES_LOADED = 0x4C4F4144
 MAX_PACKAGED = 1 << 24          # MAX_VM_CMD_PACKAGED_SIZE
 # return-path messages (migration.c enum mig_rp_message_type)
 RP_SHUT, RP_PONG, RP_REQ_PAGES_ID, RP_REQ_PAGES = 1, 2, 3, 4
@@ -194,9 +198,18 @@ def _discard_one_page(block: qemu.RamBlock, page_size: int) -> bytes:
 
 
 def package(state: qemu.StreamState) -> bytes:
-    """LISTEN, the device state, RUN, wrapped in one PACKAGED command."""
+    """LISTEN, the device state, a PING, RUN, wrapped in one PACKAGED command.
+
+    The PING: QEMU 7.2's listen thread, after END, waits for the main thread to finish the
+    package (savevm.c postcopy_ram_listen_thread, main_thread_load_event) before it
+    unregisters userfaultfd.  A device that touches a page while loading (a ZERO or FREE one,
+    never pushed) blocks the main thread until the page arrives; were END already sent, the
+    request would come too late and both threads would wait for ever.  So the closing waits
+    for the PONG, which the main thread sends after the last device (what follows RUN in a
+    package is never read)."""
     devices = b"".join(d.to_bytes(state.footers) for d in state.devices)
-    blob = _command(CMD_POSTCOPY_LISTEN) + devices + _command(CMD_POSTCOPY_RUN)
+    blob = (_command(CMD_POSTCOPY_LISTEN) + devices + _command(CMD_PING, _BE32.pack(PING_DEVICES_LOADED))
+            + _command(CMD_POSTCOPY_RUN))
     if len(blob) > MAX_PACKAGED:
         raise UnsupportedError(f"device state of {len(blob)} bytes exceeds QEMU's packaged limit "
                                f"of {MAX_PACKAGED}", structure="source_state[QEMU tag 1]")
@@ -228,8 +241,8 @@ def page_entries(name: str, page_size: int, first: int, pages: np.ndarray | None
 class ReturnPath:
     """Parses the destination's messages from file descriptor ``fd`` as they arrive (the
     server's one loop reads it when select says it is readable) into events:
-    ("req", block, start, length, monotonic time of arrival), ("shut", value), ("eof",),
-    ("bad", message)."""
+    ("req", block, start, length, monotonic time of arrival), ("shut", value), ("pong", value),
+    ("eof",), ("bad", message)."""
 
     def __init__(self, fd: int):
         self.fd, self.buf, self.block, self.ended = fd, bytearray(), None, False
@@ -273,8 +286,8 @@ class ReturnPath:
             return [("req", self.block, start, size, arrival)]
         if kind == RP_SHUT and len(data) == 4:
             return [("shut", _BE32.unpack(data)[0])]
-        if kind == RP_PONG:
-            return []
+        if kind == RP_PONG and len(data) == 4:
+            return [("pong", _BE32.unpack(data)[0])]
         return [("bad", f"unexpected return-path message {RP_NAMES.get(kind, kind)} of {len(data)} bytes")]
 
 
@@ -342,6 +355,7 @@ class PostcopyServer:
         self.queue: collections.deque[Chunk] = collections.deque()      # pushes
         self.fault_push = False           # the next push follows a fault: it goes first
         self.closing_queued = False
+        self.devices_loaded = False       # the PONG to the package's PING came: END may go
         self.faults: list[tuple[int, int]] = []     # (block, page) of every page asked for, in order
         self.working_set = self._working_set(working_set) if working_set else []
         self.precopy_seconds = precopy_seconds
@@ -534,9 +548,10 @@ class PostcopyServer:
         pushes are to come without waiting for anything."""
         if self.closing_queued:
             return False
-        if self.left == 0:
-            self.queue.append(Chunk(closing(self.state), last=True))
-            self.closing_queued = True
+        if self.left == 0:            # nothing more to push; the closing once the devices loaded
+            if self.devices_loaded:
+                self.queue.append(Chunk(closing(self.state), last=True))
+                self.closing_queued = True
             return False
         if self.strategy.exhausted:
             return False
@@ -576,6 +591,9 @@ class PostcopyServer:
                     self.stats.mark("first request")
                 parts.append(self._requested(*event[1:4], promoted))
                 arrivals.append((event[4], event[1], event[2] // self.ps))
+            elif event[0] == "pong":
+                self.devices_loaded |= event[1] == PING_DEVICES_LOADED
+                self.stats.mark("devices loaded")
             elif event[0] == "shut":
                 self.stats.shut = event[1]
                 self.stats.mark("shut received")

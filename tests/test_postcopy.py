@@ -15,6 +15,7 @@ import os
 import struct
 import subprocess
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -82,8 +83,10 @@ class Destination(threading.Thread):
     (with RUN) has arrived; records every page entry.  With ``leave``, it closes both ends
     once every asked-for page arrived (as QEMU does when it quits)."""
 
-    def __init__(self, stream, return_path, requests=(), leave=False):
+    def __init__(self, stream, return_path, requests=(), leave=False, pong_after=0.0):
         super().__init__(daemon=True)
+        self.pong_after = pong_after      # seconds the "devices" take to load before the PONG
+        self.pong_at = self.end_at = None
         self.f, self.rp, self.requests, self.leave = stream, return_path, list(requests), leave
         self.pages: dict[int, bytes | None] = {}      # page -> data, None for a ZERO entry
         self.repeats, self.commands, self.sections = [], [], []
@@ -115,6 +118,8 @@ class Destination(threading.Thread):
                 self._command()
             elif kind in (q.START, q.PART, q.END):
                 self.sections.append(kind)
+                if kind == q.END:
+                    self.end_at = time.monotonic()
                 self.read(4)
                 if kind == q.START:
                     self.read(self.read(1)[0] + 8)
@@ -136,8 +141,19 @@ class Destination(threading.Thread):
             self.before_run = list(self.pages)
             blob = self.read(struct.unpack(">I", data)[0])
             assert blob.startswith(pc._command(pc.CMD_POSTCOPY_LISTEN))
-            assert blob.endswith(pc._command(pc.CMD_POSTCOPY_RUN))
+            ping = pc._command(pc.CMD_PING, struct.pack(">I", pc.PING_DEVICES_LOADED))
+            assert blob.endswith(ping + pc._command(pc.CMD_POSTCOPY_RUN)), "a PING just before RUN"
+            threading.Timer(self.pong_after, self._pong).start()
             self._ask()
+
+    def _pong(self):
+        """As QEMU's main thread does when it reaches the PING, after the devices."""
+        self.pong_at = time.monotonic()
+        try:
+            self.rp.write(struct.pack(">HHI", pc.RP_PONG, 4, pc.PING_DEVICES_LOADED))
+            self.rp.flush()
+        except (ValueError, OSError):       # the destination has gone already
+            pass
 
     def _ask(self):
         for i, page in enumerate(self.requests):
@@ -175,11 +191,12 @@ class Destination(threading.Thread):
                 raise EOFError("leaving")
 
 
-def serve(image_path, requests=(), strategy="sequential", working_set=None, precopy_seconds=0.0):
+def serve(image_path, requests=(), strategy="sequential", working_set=None, precopy_seconds=0.0, pong_after=0.0):
     """Run the server against a Destination; return (destination, stats or the ServeError)."""
     down_r, down_w = os.pipe()
     up_r, up_w = os.pipe()
-    dest = Destination(open(down_r, "rb"), open(up_w, "wb"), requests, leave=strategy == "none")
+    dest = Destination(open(down_r, "rb"), open(up_w, "wb"), requests, leave=strategy == "none",
+                       pong_after=pong_after)
     dest.start()
     with LeanImage.open(image_path) as img, open(up_r, "rb") as inp:
         out = open(down_w, "wb")
@@ -374,7 +391,7 @@ def test_return_path_messages_cut_anywhere_parse_alike():
         os.close(r)
         assert [e[:4] for e in events if e[0] == "req"] == [("req", "pc.ram", 5 * PS, PS),
                                                             ("req", "pc.ram", 9 * PS, 2 * PS)], cut
-        assert [e for e in events if e[0] != "req"] == [("shut", 0), ("eof",)], cut
+        assert [e for e in events if e[0] != "req"] == [("pong", 1), ("shut", 0), ("eof",)], cut
 
 
 def test_a_request_for_a_queued_page_moves_its_section_first(image, ram):
@@ -612,3 +629,16 @@ def test_a_page_failing_during_the_precopy_stops_the_serve_before_the_guest_runs
     assert failed not in dest.pages
     for page, data in dest.pages.items():
         assert data == pages[page].tobytes(), f"page {page} arrived wrong"
+
+
+def test_the_stream_ends_only_after_the_devices_loaded(image, ram):
+    """Every page went before RUN; the destination's devices load for 0.5 s (and could fault
+    on a ZERO page meanwhile): END waits for the PONG to the package's PING."""
+    pages = np.frombuffer(ram, np.uint8).reshape(NPAGES, PS)
+    blank = int(np.flatnonzero(~pages.any(axis=1))[0])
+    dest, stats = serve(image, [blank], strategy="sequential", precopy_seconds=60, pong_after=0.5)
+    assert dest.error is None and stats.completed, dest.error
+    assert dest.pong_at is not None and dest.end_at > dest.pong_at, "END went before the devices had loaded"
+    assert dest.pages[blank] is None, "a ZERO page asked for while the devices load is answered"
+    assert [e for e, _ in stats.timeline].index("devices loaded") < [e for e, _ in stats.timeline].index(
+        "last page sent")
