@@ -11,6 +11,8 @@ QEMU reads the stream from our stdout and writes its return path to our stdin
     COMMAND POSTCOPY_ADVISE  be64 host page size summary, be64 target page size
     START 'ram'  MEM_SIZE + block list, EOS            the setup section; no page yet
     COMMAND POSTCOPY_RAM_DISCARD  one page             see _discard_one_page
+    PART 'ram' ... EOS                                 pre-copy: the working set, then pushes
+                                                       for precopy_seconds (see _precopy)
     COMMAND PACKAGED be32 len, then len bytes:         read whole by the destination, so it
         COMMAND POSTCOPY_LISTEN                        can ask for pages while devices load
         FULL device sections (with footers)
@@ -84,7 +86,8 @@ MAX_QUEUED = 4 * LOW_WATER     # a fault's own push is queued first only below t
 # (~4 ms for 2 MiB); every frame is read once by the pushes anyway
 FRAME_CACHE_BYTES = 256 << 20
 # pages of a working set sent before the guest runs: each delays RUN by its read, check and
-# copy (~10 us), each saves a fault's round trip (2-3 ms) if the guest touches it
+# copy (10-35 us, scattered pages the dearer), each saves a fault's round trip (2-3 ms) if the
+# guest touches it
 WORKING_SET_PAGES = 8192
 # the stream pipe's capacity (F_SETPIPE_SZ; Linux's default 64 KiB holds 16 pages): with more,
 # the serve and QEMU's listen thread hand the pipe to each other far less often; an answer
