@@ -9,7 +9,9 @@ guest starts as soon as it can), in the same run:
   full        -incoming "exec:leanimg restore IMG --to qemu -o -", then `cont` as soon as
               the load completed (a pre-copy load of a stopped VM's save stays paused; a
               post-copy destination starts the guest at POSTCOPY_RUN by itself)
-  postcopy S  -incoming "exec:leanimg serve IMG --postcopy --prepage S", S in --strategies
+  postcopy S  -incoming "exec:leanimg serve IMG --postcopy --prepage S", S in --strategies;
+              "S+ws" adds --working-set FILE: FILE recorded per guest before the timed runs by
+              one demand-only serve with --record-faults (not run for --baseline)
 
 and for each:
 
@@ -153,8 +155,13 @@ def main() -> None:
             compileall.compile_dir(checkout / package, quiet=1)
     sizes = [int(s) for s in args.sizes.split(",")]
     images = {mem_mib: prepare(args.workdir, mem_mib, args.reuse) for mem_mib in sizes}
+    strategies = args.strategies.split(",")
+    if any(s.endswith("+ws") for s in strategies):
+        for mem_mib in sizes:
+            record_working_set(build, leanimg, args.workdir, *images[mem_mib], mem_mib)
     runs = [(f"{tag}full", None, argv) for tag, argv, _ in versions]
-    runs += [(f"{tag}postcopy {s}", s, argv) for s in args.strategies.split(",") for tag, argv, _ in versions]
+    runs += [(f"{tag}postcopy {s}", s, argv) for s in strategies for tag, argv, _ in versions
+             if not (tag and s.endswith("+ws"))]
     results = []
     for repeat in range(args.repeat):           # interleaved: drift on a shared host hits every run alike
         for mem_mib in sizes:
@@ -171,14 +178,34 @@ def main() -> None:
         args.json.write_text(json.dumps({"runs": results, "summary": summary}, indent=2))
 
 
+def working_set_path(workdir: Path, mem_mib: int) -> Path:
+    return workdir / f"faults-{mem_mib}.lws"
+
+
+def record_working_set(build, leanimg, workdir: Path, image: Path, disk: Path, mem_mib: int) -> None:
+    """The pages a demand-only serve is asked for, up to the check workload's first heartbeat."""
+    path = working_set_path(workdir, mem_mib)
+    path.unlink(missing_ok=True)
+    argv = [*leanimg, "serve", str(image), "--postcopy", "--prepage", "none", "--record-faults", str(path)]
+    measure(build, image, disk, mem_mib, argv, True, completes=False)
+    for _ in range(300):
+        if path.exists():
+            return
+        time.sleep(0.1)
+    raise RuntimeError(f"the serve wrote no {path}")
+
+
 def one_run(build, leanimg, workdir: Path, image: Path, disk: Path, mem_mib: int, strategy) -> dict:
     if strategy is None:
         return measure(build, image, disk, mem_mib, [*leanimg, "restore", str(image), "--to", "qemu", "-o", "-"],
                        False)
     stats = workdir / f"stats-{mem_mib}-{strategy}.json"
     stats.unlink(missing_ok=True)
-    argv = [*leanimg, "serve", str(image), "--postcopy", "--prepage", strategy, "--stats", str(stats)]
-    row = measure(build, image, disk, mem_mib, argv, True, completes=strategy != "none")
+    prepage, _, ws = strategy.partition("+")
+    argv = [*leanimg, "serve", str(image), "--postcopy", "--prepage", prepage, "--stats", str(stats)]
+    if ws:
+        argv += ["--working-set", str(working_set_path(workdir, mem_mib))]
+    row = measure(build, image, disk, mem_mib, argv, True, completes=prepage != "none")
     row.update(read_stats(stats))
     launched = row["launched"]
     row["timeline"] = [(event, t - launched) for event, t in row["timeline"]]

@@ -125,16 +125,28 @@ HINT_RULES = {
 }
 HINT_IMPLEMENTATIONS: dict = {}
 
+# Working-set files of `serve --postcopy` (spec/guides/lazy-restore.md, "Working sets"): they
+# change only the order pages travel in; a file breaking a rule is refused whole.
+WORKING_SET_RULES = {
+    "LI-WKS-001": "the file starts with the magic 89 4C 45 41 4E 57 4B 53",
+    "LI-WKS-002": "major_version is 1, page_size is the image's, block_count 1-255, entry_count at most 2^22",
+    "LI-WKS-003": "each block name is 1-255 bytes of UTF-8, names a RAM block of the image, and appears once",
+    "LI-WKS-004": "the entries are exactly entry_count times 8 bytes, and nothing follows them",
+    "LI-WKS-005": "each entry's block is below block_count and its page within that block",
+}
+WORKING_SET_IMPLEMENTATIONS: dict = {}
+
 
 def describe(rule: str) -> str:
-    return RULES.get(rule) or HINT_RULES.get(rule, "")
+    return RULES.get(rule) or HINT_RULES.get(rule) or WORKING_SET_RULES.get(rule, "")
 
 
 def implements(*rules: str):
     """Register the decorated function as the one implementation of ``rules``."""
     def register(function):
         for rule in rules:
-            registry = IMPLEMENTATIONS if rule in RULES else HINT_IMPLEMENTATIONS if rule in HINT_RULES else None
+            registry = (IMPLEMENTATIONS if rule in RULES else HINT_IMPLEMENTATIONS if rule in HINT_RULES
+                        else WORKING_SET_IMPLEMENTATIONS if rule in WORKING_SET_RULES else None)
             if registry is None:
                 raise ValueError(f"{function.__qualname__}: unknown rule {rule}")
             if rule in registry:

@@ -11,12 +11,16 @@ QEMU reads the stream from our stdout and writes its return path to our stdin
     COMMAND POSTCOPY_ADVISE  be64 host page size summary, be64 target page size
     START 'ram'  MEM_SIZE + block list, EOS            the setup section; no page yet
     COMMAND POSTCOPY_RAM_DISCARD  one page             see _discard_one_page
+    PART 'ram' ... EOS                                 pre-copy: the working set, then pushes
+                                                       for precopy_seconds (see _precopy)
     COMMAND PACKAGED be32 len, then len bytes:         read whole by the destination, so it
         COMMAND POSTCOPY_LISTEN                        can ask for pages while devices load
         FULL device sections (with footers)
+        COMMAND PING                                   answered (PONG) once the devices loaded
         COMMAND POSTCOPY_RUN
     PART 'ram' ... EOS                                 pages: asked for, then pushed
-    END 'ram' EOS, EOF                                 every page that must travel has
+    END 'ram' EOS, EOF                                 every page that must travel has, and
+                                                       the PONG came
 
 At ADVISE the destination discards all its RAM and at LISTEN registers it with userfaultfd:
 a page never sent reads as zero once the migration ends, and until then a fault on it
@@ -59,10 +63,13 @@ from leanimg.reader import LeanImage
 
 from .prepage import STRATEGIES, make_strategy
 from .qemu import stream_state
+from .working_set import read_working_set, write_working_set
 
 # QEMU_VM_COMMAND sub-commands (savevm.c enum qemu_vm_cmd)
 CMD_OPEN_RETURN_PATH, CMD_PING, CMD_POSTCOPY_ADVISE, CMD_POSTCOPY_LISTEN, CMD_POSTCOPY_RUN = 1, 2, 3, 4, 5
 CMD_POSTCOPY_RAM_DISCARD, CMD_PACKAGED = 6, 7
+# the PING in the package, before RUN: QEMU's main thread answers it when it has loaded the devices
+PING_DEVICES_LOADED = 0x4C4F4144
 MAX_PACKAGED = 1 << 24          # MAX_VM_CMD_PACKAGED_SIZE
 # return-path messages (migration.c enum mig_rp_message_type)
 RP_SHUT, RP_PONG, RP_REQ_PAGES_ID, RP_REQ_PAGES = 1, 2, 3, 4
@@ -78,6 +85,14 @@ MAX_QUEUED = 4 * LOW_WATER     # a fault's own push is queued first only below t
 # decompressed frames kept: a fault anywhere would otherwise decompress its whole frame again
 # (~4 ms for 2 MiB); every frame is read once by the pushes anyway
 FRAME_CACHE_BYTES = 256 << 20
+# pages of a working set sent before the guest runs: each delays RUN by its read, check and
+# copy (10-35 us, scattered pages the dearer), each saves a fault's round trip (2-3 ms) if the
+# guest touches it
+WORKING_SET_PAGES = 8192
+# the stream pipe's capacity (F_SETPIPE_SZ; Linux's default 64 KiB holds 16 pages): with more,
+# the serve and QEMU's listen thread hand the pipe to each other far less often; an answer
+# waits behind at most this much of pushed pages (~2 ms at QEMU's rate of placing them)
+PIPE_BYTES = 1 << 20
 _BE16, _BE32, _BE64 = struct.Struct(">H"), struct.Struct(">I"), struct.Struct(">Q")
 
 
@@ -104,6 +119,9 @@ class ServeStats:
     # (event, Unix time): where the time goes (process start, stream open, package sent, first
     # request, every TIMELINE_EVERY pages, last page, the destination's SHUT)
     timeline: list = field(default_factory=list)
+    working_set_pages: int = 0      # sent from --working-set before the guest ran (pre-copy)
+    pushed_before_run: int = 0      # of pushed_pages, those sent before the guest ran (--precopy-seconds)
+    recorded_faults: int | None = None   # pages written to --record-faults
     demand_wait_max: float = 0.0     # longest time a request waited in our queue before its answer
     demand_wait_total: float = 0.0
     # the first FIRST_REQUESTS requests: (arrival, answer queued) as Unix times, block, first page
@@ -183,9 +201,18 @@ def _discard_one_page(block: qemu.RamBlock, page_size: int) -> bytes:
 
 
 def package(state: qemu.StreamState) -> bytes:
-    """LISTEN, the device state, RUN, wrapped in one PACKAGED command."""
+    """LISTEN, the device state, a PING, RUN, wrapped in one PACKAGED command.
+
+    The PING: QEMU 7.2's listen thread, after END, waits for the main thread to finish the
+    package (savevm.c postcopy_ram_listen_thread, main_thread_load_event) before it
+    unregisters userfaultfd.  A device that touches a page while loading (a ZERO or FREE one,
+    never pushed) blocks the main thread until the page arrives; were END already sent, the
+    request would come too late and both threads would wait for ever.  So the closing waits
+    for the PONG, which the main thread sends after the last device (what follows RUN in a
+    package is never read)."""
     devices = b"".join(d.to_bytes(state.footers) for d in state.devices)
-    blob = _command(CMD_POSTCOPY_LISTEN) + devices + _command(CMD_POSTCOPY_RUN)
+    blob = (_command(CMD_POSTCOPY_LISTEN) + devices + _command(CMD_PING, _BE32.pack(PING_DEVICES_LOADED))
+            + _command(CMD_POSTCOPY_RUN))
     if len(blob) > MAX_PACKAGED:
         raise UnsupportedError(f"device state of {len(blob)} bytes exceeds QEMU's packaged limit "
                                f"of {MAX_PACKAGED}", structure="source_state[QEMU tag 1]")
@@ -217,8 +244,8 @@ def page_entries(name: str, page_size: int, first: int, pages: np.ndarray | None
 class ReturnPath:
     """Parses the destination's messages from file descriptor ``fd`` as they arrive (the
     server's one loop reads it when select says it is readable) into events:
-    ("req", block, start, length, monotonic time of arrival), ("shut", value), ("eof",),
-    ("bad", message)."""
+    ("req", block, start, length, monotonic time of arrival), ("shut", value), ("pong", value),
+    ("eof",), ("bad", message)."""
 
     def __init__(self, fd: int):
         self.fd, self.buf, self.block, self.ended = fd, bytearray(), None, False
@@ -262,8 +289,8 @@ class ReturnPath:
             return [("req", self.block, start, size, arrival)]
         if kind == RP_SHUT and len(data) == 4:
             return [("shut", _BE32.unpack(data)[0])]
-        if kind == RP_PONG:
-            return []
+        if kind == RP_PONG and len(data) == 4:
+            return [("pong", _BE32.unpack(data)[0])]
         return [("bad", f"unexpected return-path message {RP_NAMES.get(kind, kind)} of {len(data)} bytes")]
 
 
@@ -308,9 +335,9 @@ class PostcopyServer:
     requested page queued in a push moves that push to the front.  Pushes are read and
     verified PUSH_BATCH pages at a time and queued as sections of CHUNK_PAGES pages."""
 
-    def __init__(self, image: LeanImage, out, inp, strategy: str = "sequential", log=None, progress=None):
+    def __init__(self, image: LeanImage, out, inp, strategy: str = "sequential", log=None, progress=None,
+                 working_set: str | None = None, precopy_seconds: float = 0.0):
         self.image, self.out, self.inp = image, out, inp
-        self._decompress_ahead(image)
         self.state = stream_state(image)
         self.ps = image.page_size
         if self.state.page_size != self.ps:
@@ -331,22 +358,29 @@ class PostcopyServer:
         self.queue: collections.deque[Chunk] = collections.deque()      # pushes
         self.fault_push = False           # the next push follows a fault: it goes first
         self.closing_queued = False
+        self.devices_loaded = False       # the PONG to the package's PING came: END may go
+        self.faults: list[tuple[int, int]] = []     # (block, page) of every page asked for, in order
+        self.working_set = self._working_set(working_set) if working_set else []
+        self.precopy_seconds = precopy_seconds
+        self._decompress_ahead(image, self._working_set_frames())
         self.t0 = time.monotonic()
         self.stats.mark("server ready")
 
     @staticmethod
-    def _decompress_ahead(image: LeanImage) -> None:
+    def _decompress_ahead(image: LeanImage, first: list[int]) -> None:
         """Every frame decompresses once, on a worker thread, from the start when they all fit
-        FRAME_CACHE_BYTES (a fault's frame not begun yet is decompressed by the fault itself);
-        else the next ones as the pushes read them.  The worker runs at our priority: the pushes
-        wait for the frame it is decompressing, so a lower one would hold them up under load."""
+        FRAME_CACHE_BYTES (a fault's frame not begun yet is decompressed by the fault itself),
+        the frames ``first`` (the working set's) before the others; else the next ones as the
+        pushes read them.  The worker runs at our priority: the pushes wait for the frame it is
+        decompressing, so a lower one would hold them up under load."""
         frames = image.frames
         frames.keep_decompressed(FRAME_CACHE_BYTES)
         image.enable_read_ahead(threads=1, depth=2)
         stored_bytes = int(frames.page_frames.counts.sum()) * image.page_size
         if image.parent is None and stored_bytes <= FRAME_CACHE_BYTES:
             frames.jump_queue = True
-            frames.prefetch(range(len(frames.page_frames)), frames.pool, with_digests=True)
+            rest = np.setdiff1d(np.arange(len(frames.page_frames)), first)
+            frames.prefetch([*first, *rest.tolist()], frames.pool, with_digests=True)
 
     def _block(self, index: int, block: qemu.RamBlock) -> Block:
         region = self.image.region(block.name)
@@ -355,6 +389,64 @@ class PostcopyServer:
                                  f"says {block.length}", structure=f"region[{region.region_id}]")
         cls = self.image.classes(region)
         return Block(index, block.name, region, cls, (cls == PageClass.ZERO) | (cls == PageClass.FREE))
+
+    def _working_set(self, path: str) -> list[tuple[Block, np.ndarray]]:
+        """The first WORKING_SET_PAGES pages of the file that travel (ZERO and FREE dropped), in
+        its order, each once."""
+        listed = read_working_set(path, self.ps, {b.name: len(b.classes) for b in self.blocks})
+        chosen, budget = [], WORKING_SET_PAGES
+        seen = {b.index: np.zeros(len(b.classes), bool) for b in self.blocks}
+        for name, pages in listed:
+            block = self.by_name[name]
+            _, first = np.unique(pages, return_index=True)
+            pages = pages[np.sort(first)]
+            pages = pages[~block.blank[pages] & ~seen[block.index][pages]][:budget]
+            seen[block.index][pages] = True
+            if len(pages):
+                chosen.append((block, pages))
+            budget -= len(pages)
+        return chosen
+
+    def _working_set_frames(self) -> list[int]:
+        """The frames of the working set's STORED pages, in the order it first needs them."""
+        ordinals = [self.image.page_slots(block.region, 0, len(block.classes))[pages[block.classes[pages] ==
+                                                                                     PageClass.STORED]]
+                    for block, pages in self.working_set]
+        if not ordinals:
+            return []
+        frames = self.image.frames.page_frames.frame_of(np.concatenate(ordinals))
+        _, first = np.unique(frames, return_index=True)
+        return frames[np.sort(first)].tolist()
+
+    def _precopy(self) -> None:
+        """Pre-copy sections before LISTEN: the working set, then pages in the prepaging order
+        until ``precopy_seconds`` after the server was ready.  QEMU writes them straight into
+        guest memory (after the discard: no transparent huge page holds them), so the guest
+        never faults on them, and places them more cheaply than post-copy pages."""
+        for block, pages in self.working_set:
+            self._precopy_pages(block, pages)
+            self.stats.working_set_pages += len(pages)
+        if self.working_set:
+            self.stats.mark("working set sent")
+        deadline = self.t0 + self.precopy_seconds
+        while time.monotonic() < deadline and not self.strategy.exhausted:
+            for block, pages in self._batch(self.strategy.next_runs(PUSH_BATCH)):
+                self._precopy_pages(block, pages)
+                self.stats.pushed_pages += len(pages)
+                self.stats.pushed_before_run += len(pages)
+        if self.stats.pushed_before_run:
+            self.stats.mark("pre-copy sent")
+
+    def _precopy_pages(self, block: Block, pages: np.ndarray) -> None:
+        for chunk in self._sections(block, pages, self._read_pages(block, pages, queue_good=False)):
+            self._write(chunk.data)
+        block.sent[pages] = True
+        self._account(len(pages))
+
+    def record_faults(self, path: str) -> None:
+        names = [b.name for b in self.blocks]
+        write_working_set(path, self.ps, names, self.faults)
+        self.stats.recorded_faults = len(set(self.faults))
 
     # --- reading pages ------------------------------------------------------------------
 
@@ -406,7 +498,9 @@ class PostcopyServer:
 
     def serve(self) -> ServeStats:
         try:
+            _grow_pipe(self.out.fileno())
             self._write(opening(self.state, self.ps))
+            self._precopy()
             self._write(package(self.state))
             self.out.flush()
             self.stats.mark("package sent")
@@ -457,9 +551,10 @@ class PostcopyServer:
         pushes are to come without waiting for anything."""
         if self.closing_queued:
             return False
-        if self.left == 0:
-            self.queue.append(Chunk(closing(self.state), last=True))
-            self.closing_queued = True
+        if self.left == 0:            # nothing more to push; the closing once the devices loaded
+            if self.devices_loaded:
+                self.queue.append(Chunk(closing(self.state), last=True))
+                self.closing_queued = True
             return False
         if self.strategy.exhausted:
             return False
@@ -499,6 +594,9 @@ class PostcopyServer:
                     self.stats.mark("first request")
                 parts.append(self._requested(*event[1:4], promoted))
                 arrivals.append((event[4], event[1], event[2] // self.ps))
+            elif event[0] == "pong":
+                self.devices_loaded |= event[1] == PING_DEVICES_LOADED
+                self.stats.mark("devices loaded")
             elif event[0] == "shut":
                 self.stats.shut = event[1]
                 self.stats.mark("shut received")
@@ -541,6 +639,7 @@ class PostcopyServer:
             return b""
         self.strategy.fault(block, first)
         parts = []
+        self.faults += [(block.index, page) for page in range(first, first + count)]
         for page in range(first, first + count):
             if block.sent[page]:
                 self.stats.requests_already_sent += 1
@@ -584,7 +683,7 @@ class PostcopyServer:
                 batch.append((block, [pages]))
         return [(block, np.concatenate(parts)) for block, parts in batch]
 
-    def _read_pages(self, block: Block, pages: np.ndarray) -> np.ndarray:
+    def _read_pages(self, block: Block, pages: np.ndarray, queue_good: bool = True) -> np.ndarray:
         """``pages`` (len, page size), read and verified in as few reads as the gaps between
         them allow (a gap of at most MERGE_GAP pages is read along and dropped)."""
         try:
@@ -593,7 +692,8 @@ class PostcopyServer:
                 return self._read(block, first, len(pages))          # one run: no copy
             return self._read_spans(block, pages)
         except ServeError as exc:
-            self._queue_before_failure(block, pages, exc.page)
+            if queue_good:
+                self._queue_before_failure(block, pages, exc.page)
             raise
 
     def _read_spans(self, block: Block, pages: np.ndarray) -> np.ndarray:
@@ -631,13 +731,21 @@ class PostcopyServer:
         for lo in range(0, count, CHUNK_PAGES):
             hi = min(count, lo + CHUNK_PAGES)
             head = _BE64.pack(int(pages[lo]) * self.ps | qemu.F_PAGE) + name
-            body = [head, rows[lo, 8:].tobytes(), rows[lo + 1:hi].tobytes()]
+            body = [head, memoryview(rows[lo, 8:]), memoryview(rows[lo + 1:hi].reshape(-1))]    # joined once
             chunks.append(Chunk(self._section_bytes(body), block.index, pages[lo:hi]))
         return chunks
 
     def _section_bytes(self, parts: list[bytes]) -> bytes:
         sid = self.state.ram.section_id
-        return bytes([qemu.PART]) + _BE32.pack(sid) + b"".join(parts) + _section_end(self.state)
+        return b"".join([bytes([qemu.PART]), _BE32.pack(sid), *parts, _section_end(self.state)])
+
+
+def _grow_pipe(fd: int) -> None:
+    """Make the stream's pipe hold PIPE_BYTES when the host allows (a larger value than
+    /proc/sys/fs/pipe-max-size needs CAP_SYS_RESOURCE); anything else stays as it is."""
+    with contextlib.suppress(OSError, AttributeError):
+        if fcntl.fcntl(fd, fcntl.F_GETPIPE_SZ) < PIPE_BYTES:
+            fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, PIPE_BYTES)
 
 
 def _runs_of(mask: np.ndarray) -> list[tuple[int, int]]:
@@ -659,19 +767,24 @@ def _process_start() -> float | None:
 
 
 def serve_postcopy(image: LeanImage, out, inp, strategy: str = "sequential", stats_path: str | None = None,
-                   log=None, progress=None) -> ServeStats:
+                   log=None, progress=None, working_set: str | None = None,
+                   record_faults: str | None = None, precopy_seconds: float = 0.0) -> ServeStats:
     """Serve ``image`` on the binary file ``out`` (the stream) with the return path on ``inp``;
-    report the counts on stderr (and as JSON in ``stats_path``)."""
+    report the counts on stderr (and as JSON in ``stats_path``).  ``working_set``: a file of
+    pages sent before the guest runs; ``record_faults``: where to write the pages asked for;
+    ``precopy_seconds``: how long to send pages in the prepaging order before the guest runs."""
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown prepaging strategy {strategy!r}")
     check_userfaultfd()
     started = _process_start()
-    server = PostcopyServer(image, out, inp, strategy, log, progress)
+    server = PostcopyServer(image, out, inp, strategy, log, progress, working_set, precopy_seconds)
     if started is not None:
         server.stats.timeline.insert(0, ("process start", started))
     try:
         return server.serve()
     finally:
+        if record_faults:
+            server.record_faults(record_faults)
         server.log(server.stats.summary())
         if stats_path:
             with open(stats_path, "w") as f:

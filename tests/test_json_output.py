@@ -19,12 +19,12 @@ from leanimg.demo import sample_path
 from leanimg.inspect import class_counts
 from leanimg.output import schema, schema_names
 from leanimg.reader import LeanImage
-from leanimg.rules import HINT_RULES, RULES
+from leanimg.rules import HINT_RULES, RULES, WORKING_SET_RULES
 from helpers import VECTORS_DIR
 
 COMMANDS_WITH_JSON = {"inspect", "validate", "validate-hints", "plugins", "convert", "restore", "flatten", "merge",
                       "serve", "checkpoint"}
-RULE_IDS = set(RULES) | set(HINT_RULES)
+RULE_IDS = set(RULES) | set(HINT_RULES) | set(WORKING_SET_RULES)
 
 
 @pytest.fixture(scope="module")

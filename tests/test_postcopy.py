@@ -9,11 +9,14 @@ after EOF.  The real thing is tests/test_qemu_postcopy.py.
 
 from __future__ import annotations
 
+import fcntl
 import io
 import os
 import struct
 import subprocess
 import threading
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -27,6 +30,7 @@ from leanimg.reader import LeanImage
 from leanimg.restore import postcopy as pc
 from leanimg.restore.prepage import STRATEGIES, make_strategy
 from leanimg.restore.qemu import stream_state
+from leanimg.restore.working_set import WorkingSetError, read_working_set, write_working_set
 from leanimg.structures import dump_structure
 
 PS = 4096
@@ -50,16 +54,43 @@ def image(ram, tmp_path_factory):
     return d / "vm.lean"
 
 
+@pytest.fixture(autouse=True)
+def default_pipe(monkeypatch):
+    """Linux's default pipe (64 KiB) between the serve and the fake destination: with the
+    serve's 1 MiB one the whole 300-page image fits the pipe, the serve completes before the
+    destination has read the package, and requests would never meet a running serve.  The
+    pipe's growth has its own test."""
+    monkeypatch.setattr(pc, "PIPE_BYTES", 1 << 16)
+
+
+def test_the_stream_pipe_grows_to_hold_pipe_bytes(monkeypatch):
+    monkeypatch.setattr(pc, "PIPE_BYTES", 1 << 20)
+    r, w = os.pipe()
+    try:
+        pc._grow_pipe(w)
+        limit = int(open("/proc/sys/fs/pipe-max-size").read())
+        wanted = 1 << 20 if os.geteuid() == 0 or limit >= 1 << 20 else 1 << 16
+        assert fcntl.fcntl(w, fcntl.F_GETPIPE_SZ) == wanted
+    finally:
+        os.close(r)
+        os.close(w)
+    with open(os.devnull, "wb") as f:
+        pc._grow_pipe(f.fileno())            # not a pipe: left as it is, no error
+
+
 class Destination(threading.Thread):
     """Reads the stream; ``requests`` (page numbers of pc.ram) are asked for once the package
     (with RUN) has arrived; records every page entry.  With ``leave``, it closes both ends
     once every asked-for page arrived (as QEMU does when it quits)."""
 
-    def __init__(self, stream, return_path, requests=(), leave=False):
+    def __init__(self, stream, return_path, requests=(), leave=False, pong_after=0.0):
         super().__init__(daemon=True)
+        self.pong_after = pong_after      # seconds the "devices" take to load before the PONG
+        self.pong_at = self.end_at = None
         self.f, self.rp, self.requests, self.leave = stream, return_path, list(requests), leave
         self.pages: dict[int, bytes | None] = {}      # page -> data, None for a ZERO entry
         self.repeats, self.commands, self.sections = [], [], []
+        self.before_run: list[int] | None = None      # pages that arrived before the package
         self.block = None
         self.error = None
         self.ended = False
@@ -87,6 +118,8 @@ class Destination(threading.Thread):
                 self._command()
             elif kind in (q.START, q.PART, q.END):
                 self.sections.append(kind)
+                if kind == q.END:
+                    self.end_at = time.monotonic()
                 self.read(4)
                 if kind == q.START:
                     self.read(self.read(1)[0] + 8)
@@ -105,10 +138,22 @@ class Destination(threading.Thread):
         data = self.read(length)
         self.commands.append(cmd)
         if cmd == pc.CMD_PACKAGED:
+            self.before_run = list(self.pages)
             blob = self.read(struct.unpack(">I", data)[0])
             assert blob.startswith(pc._command(pc.CMD_POSTCOPY_LISTEN))
-            assert blob.endswith(pc._command(pc.CMD_POSTCOPY_RUN))
+            ping = pc._command(pc.CMD_PING, struct.pack(">I", pc.PING_DEVICES_LOADED))
+            assert blob.endswith(ping + pc._command(pc.CMD_POSTCOPY_RUN)), "a PING just before RUN"
+            threading.Timer(self.pong_after, self._pong).start()
             self._ask()
+
+    def _pong(self):
+        """As QEMU's main thread does when it reaches the PING, after the devices."""
+        self.pong_at = time.monotonic()
+        try:
+            self.rp.write(struct.pack(">HHI", pc.RP_PONG, 4, pc.PING_DEVICES_LOADED))
+            self.rp.flush()
+        except (ValueError, OSError):       # the destination has gone already
+            pass
 
     def _ask(self):
         for i, page in enumerate(self.requests):
@@ -146,16 +191,18 @@ class Destination(threading.Thread):
                 raise EOFError("leaving")
 
 
-def serve(image_path, requests=(), strategy="sequential"):
+def serve(image_path, requests=(), strategy="sequential", working_set=None, precopy_seconds=0.0, pong_after=0.0):
     """Run the server against a Destination; return (destination, stats or the ServeError)."""
     down_r, down_w = os.pipe()
     up_r, up_w = os.pipe()
-    dest = Destination(open(down_r, "rb"), open(up_w, "wb"), requests, leave=strategy == "none")
+    dest = Destination(open(down_r, "rb"), open(up_w, "wb"), requests, leave=strategy == "none",
+                       pong_after=pong_after)
     dest.start()
     with LeanImage.open(image_path) as img, open(up_r, "rb") as inp:
         out = open(down_w, "wb")
         try:
-            result = pc.PostcopyServer(img, out, inp, strategy, log=lambda msg: None).serve()
+            result = pc.PostcopyServer(img, out, inp, strategy, log=lambda msg: None,
+                                       working_set=working_set, precopy_seconds=precopy_seconds).serve()
         except pc.ServeError as exc:
             result = exc
         finally:
@@ -344,7 +391,7 @@ def test_return_path_messages_cut_anywhere_parse_alike():
         os.close(r)
         assert [e[:4] for e in events if e[0] == "req"] == [("req", "pc.ram", 5 * PS, PS),
                                                             ("req", "pc.ram", 9 * PS, 2 * PS)], cut
-        assert [e for e in events if e[0] != "req"] == [("shut", 0), ("eof",)], cut
+        assert [e for e in events if e[0] != "req"] == [("pong", 1), ("shut", 0), ("eof",)], cut
 
 
 def test_a_request_for_a_queued_page_moves_its_section_first(image, ram):
@@ -406,3 +453,192 @@ def test_the_serve_prefetches_every_frame_once_when_they_fit(image):
         assert frames.jump_queue and frames.cache_frames >= len(frames.page_frames)
         assert set(frames._ahead) | {key[1] for key in frames._cache} == set(range(len(frames.page_frames)))
         server._push()
+
+
+# ---------------------------------------------------------------------------- working sets
+
+def _working_set(path, entries, names=("pc.ram",), page_size=PS):
+    write_working_set(str(path), page_size, list(names), entries)
+    return str(path)
+
+
+def test_a_working_set_travels_before_the_guest_runs_in_its_order(image, ram, tmp_path):
+    pages = np.frombuffer(ram, np.uint8).reshape(NPAGES, PS)
+    blank = ~pages.any(axis=1)
+    stored = np.flatnonzero(~blank).tolist()
+    listed = [stored[-1], int(np.flatnonzero(blank)[0]), stored[5], stored[-1], stored[0], 299 if not blank[299] else
+              stored[-2]]
+    ws = _working_set(tmp_path / "vm.lws", [(0, p) for p in listed])
+    dest, stats = serve(image, working_set=ws)
+    assert dest.error is None and not dest.repeats, (dest.error, dest.repeats)
+    expected = list(dict.fromkeys(p for p in listed if not blank[p]))      # blank dropped, each once
+    assert dest.before_run == expected
+    assert stats.working_set_pages == len(expected) and stats.completed
+    assert stats.pushed_pages + stats.working_set_pages == stats.pages_to_send
+    for page, data in dest.pages.items():
+        assert data == pages[page].tobytes(), page
+    assert set(stored) == set(dest.pages)
+    before_package = dest.commands.index(pc.CMD_PACKAGED)
+    assert dest.commands[:before_package] == [pc.CMD_OPEN_RETURN_PATH, pc.CMD_POSTCOPY_ADVISE,
+                                              pc.CMD_POSTCOPY_RAM_DISCARD], "pre-copy pages follow the discard"
+
+
+def test_a_working_set_sends_at_most_its_budget_before_the_guest_runs(image, ram, tmp_path, monkeypatch):
+    pages = np.frombuffer(ram, np.uint8).reshape(NPAGES, PS)
+    stored = np.flatnonzero(pages.any(axis=1))[::-1].tolist()
+    monkeypatch.setattr(pc, "WORKING_SET_PAGES", 4)
+    dest, stats = serve(image, working_set=_working_set(tmp_path / "vm.lws", [(0, p) for p in stored]))
+    assert dest.before_run == stored[:4] and stats.working_set_pages == 4
+    assert stats.completed and set(stored) == set(dest.pages) and not dest.repeats
+
+
+def test_a_working_set_page_failing_its_check_stops_the_serve_before_the_guest_runs(image, ram, tmp_path):
+    bad = tmp_path / "bad.lean"
+    blob = bytearray(image.read_bytes())
+    frames = [r for r in dump_structure(image)["records"] if r["record_type"] == RecordType.PAGE_FRAME]
+    blob[frames[-1]["offset"] + 32 + frames[-1]["body_length"] // 2] ^= 0x55
+    bad.write_bytes(bytes(blob))
+    pages = np.frombuffer(ram, np.uint8).reshape(NPAGES, PS)
+    last = int(np.flatnonzero(pages.any(axis=1))[-1])           # in the last frame
+    dest, result = serve(bad, working_set=_working_set(tmp_path / "vm.lws", [(0, last)]))
+    assert isinstance(result, pc.ServeError) and f"page {last} " in str(result), result
+    assert dest.before_run is None and last not in dest.pages, "the guest never ran, the page never went"
+
+
+def test_recorded_faults_read_back_as_a_working_set(image, ram, tmp_path):
+    pages = np.frombuffer(ram, np.uint8).reshape(NPAGES, PS)
+    stored = np.flatnonzero(pages.any(axis=1)).tolist()
+    asked = [stored[9], stored[2], stored[9], 120, stored[30]]
+    down_r, down_w = os.pipe()
+    up_r, up_w = os.pipe()
+    dest = Destination(open(down_r, "rb"), open(up_w, "wb"), asked, leave=True)
+    dest.start()
+    with LeanImage.open(image) as img, open(up_r, "rb") as inp, open(down_w, "wb") as out:
+        server = pc.PostcopyServer(img, out, inp, "none", log=lambda msg: None)
+        server.serve()
+        server.record_faults(str(tmp_path / "rec.lws"))
+    dest.join(timeout=30)
+    read = read_working_set(str(tmp_path / "rec.lws"), PS, {b.name: len(b.classes) for b in server.blocks})
+    assert [(name, p.tolist()) for name, p in read] == [("pc.ram", list(dict.fromkeys(asked)))]
+    assert server.stats.recorded_faults == len(set(asked))
+
+
+def _good_file(tmp_path) -> bytes:
+    return Path(_working_set(tmp_path / "good.lws", [(0, 3), (0, 299)])).read_bytes()
+
+
+BAD_WORKING_SETS = {
+    "LI-WKS-001": (lambda b: b"\x89LEANWKX" + b[8:], 0, "header.magic"),
+    "LI-WKS-002": (lambda b: b[:8] + struct.pack("<H", 2) + b[10:], 8, "header.major_version"),
+    "LI-WKS-002 page size": (lambda b: b[:12] + struct.pack("<I", 8192) + b[16:], 12, "header.page_size"),
+    "LI-WKS-002 entries": (lambda b: b[:20] + struct.pack("<I", (1 << 22) + 1) + b[24:], 20, "header.entry_count"),
+    "LI-WKS-003": (lambda b: b[:25] + b"pc.rom" + b[31:], 24, "blocks[0]"),
+    "LI-WKS-003 utf8": (lambda b: b[:25] + b"pc.ra\xff" + b[31:], 24, "blocks[0]"),
+    "LI-WKS-004": (lambda b: b + b"\0", 31, "entries"),
+    "LI-WKS-004 short": (lambda b: b[:-1], 31, "entries"),
+    "LI-WKS-005": (lambda b: b[:-4] + struct.pack("<I", NPAGES), 39, "entries[1]"),
+    "LI-WKS-005 block": (lambda b: b[:31] + struct.pack("<I", 1) + b[35:], 31, "entries[0]"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_WORKING_SETS))
+def test_a_bad_working_set_is_refused_with_offset_structure_and_rule(case, tmp_path):
+    mutate, offset, structure = BAD_WORKING_SETS[case]
+    path = tmp_path / "bad.lws"
+    path.write_bytes(mutate(_good_file(tmp_path)))
+    with pytest.raises(WorkingSetError) as info:
+        read_working_set(str(path), PS, {"pc.ram": NPAGES})
+    err = info.value
+    assert (err.rule, err.offset, err.structure) == (case.split()[0], offset, structure), str(err)
+
+
+def test_cli_serve_refuses_a_bad_working_set_before_sending_anything(image, tmp_path):
+    path = tmp_path / "bad.lws"
+    path.write_bytes(_good_file(tmp_path)[:-4] + struct.pack("<I", NPAGES))
+    proc = subprocess.run([*command_line(), "serve", str(image), "--postcopy", "--working-set", str(path)],
+                          capture_output=True, timeout=60, stdin=subprocess.DEVNULL)
+    err = proc.stderr.decode()
+    assert proc.returncode == 1 and proc.stdout == b"", err
+    assert err.startswith("leanimg: error: ") and "[LI-WKS-005]" in err and "entries[1]" in err, err
+    assert "Traceback" not in err, err
+
+
+def test_cli_serve_records_the_pages_asked_for(image, ram, tmp_path):
+    """--record-faults writes the working set when the destination leaves."""
+    pages = np.frombuffer(ram, np.uint8).reshape(NPAGES, PS)
+    page = int(np.flatnonzero(pages.any(axis=1))[7])
+    with LeanImage.open(image) as img:
+        state = stream_state(img)
+        expected = pc.opening(state, PS) + pc.package(state)
+    rec = tmp_path / "rec.lws"
+    proc = subprocess.Popen([*command_line(), "serve", str(image), "--postcopy", "--prepage", "none",
+                             "--record-faults", str(rec)],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout.read(len(expected)) == expected
+    proc.stdin.write(struct.pack(">HH", pc.RP_REQ_PAGES_ID, 13 + 6) + struct.pack(">QI", page * PS, PS) + b"\x06pc.ram")
+    proc.stdin.flush()
+    assert proc.stdout.read(1) == bytes([q.PART])
+    proc.stdin.close()
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) == 0, err
+    read = read_working_set(str(rec), PS, {"pc.ram": NPAGES, **{n: 1 << 20 for n in _other_blocks(image)}})
+    assert [(name, p.tolist()) for name, p in read] == [("pc.ram", [page])]
+
+
+def _other_blocks(image) -> list[str]:
+    with LeanImage.open(image) as img:
+        return [b.name for b in stream_state(img).ram_blocks if b.name != "pc.ram"]
+
+
+# ---------------------------------------------------------------------------- pre-copy before RUN
+
+@pytest.mark.parametrize("strategy", ["sequential", "bubble"])
+def test_pages_go_before_the_guest_runs_for_precopy_seconds(strategy, image, ram, tmp_path):
+    """A budget long enough for the whole image: every page travels before the package, in
+    the prepaging order after the working set, each once and checked."""
+    pages = np.frombuffer(ram, np.uint8).reshape(NPAGES, PS)
+    stored = np.flatnonzero(pages.any(axis=1)).tolist()
+    ws = _working_set(tmp_path / "vm.lws", [(0, stored[-1]), (0, stored[3])])
+    dest, stats = serve(image, strategy=strategy, working_set=ws, precopy_seconds=60)
+    assert dest.error is None and not dest.repeats, (dest.error, dest.repeats)
+    assert dest.before_run[:2] == [stored[-1], stored[3]] and sorted(dest.before_run) == stored
+    assert stats.pushed_before_run == stats.pushed_pages == len(stored) - 2 and stats.working_set_pages == 2
+    assert stats.completed and stats.demand_pages == 0
+    for page, data in dest.pages.items():
+        assert data == pages[page].tobytes(), page
+
+
+def test_no_precopy_seconds_sends_nothing_before_the_guest_runs_but_the_working_set(image, tmp_path):
+    dest, stats = serve(image, strategy="sequential", precopy_seconds=0)
+    assert dest.before_run == [] and stats.pushed_before_run == 0 and stats.completed
+
+
+def test_a_page_failing_during_the_precopy_stops_the_serve_before_the_guest_runs(image, ram, tmp_path):
+    bad = tmp_path / "bad.lean"
+    blob = bytearray(image.read_bytes())
+    frames = [r for r in dump_structure(image)["records"] if r["record_type"] == RecordType.PAGE_FRAME]
+    frame = frames[len(frames) // 2]
+    blob[frame["offset"] + 32 + frame["body_length"] // 2] ^= 0x55
+    bad.write_bytes(bytes(blob))
+    dest, result = serve(bad, precopy_seconds=60)
+    assert isinstance(result, pc.ServeError), result
+    failed = int(str(result).split("page ")[1].split()[0])
+    assert dest.before_run is None, "the package (RUN) never went"
+    pages = np.frombuffer(ram, np.uint8).reshape(NPAGES, PS)
+    assert failed not in dest.pages
+    for page, data in dest.pages.items():
+        assert data == pages[page].tobytes(), f"page {page} arrived wrong"
+
+
+def test_the_stream_ends_only_after_the_devices_loaded(image, ram):
+    """Every page went before RUN; the destination's devices load for 0.5 s (and could fault
+    on a ZERO page meanwhile): END waits for the PONG to the package's PING."""
+    pages = np.frombuffer(ram, np.uint8).reshape(NPAGES, PS)
+    blank = int(np.flatnonzero(~pages.any(axis=1))[0])
+    dest, stats = serve(image, [blank], strategy="sequential", precopy_seconds=60, pong_after=0.5)
+    assert dest.error is None and stats.completed, dest.error
+    assert dest.pong_at is not None and dest.end_at > dest.pong_at, "END went before the devices had loaded"
+    assert dest.pages[blank] is None, "a ZERO page asked for while the devices load is answered"
+    assert [e for e, _ in stats.timeline].index("devices loaded") < [e for e, _ in stats.timeline].index(
+        "last page sent")

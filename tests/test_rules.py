@@ -22,7 +22,8 @@ import pytest
 
 from helpers import VECTORS_DIR, restore_bytes
 from leanimg.errors import ChainError, LeanImageError
-from leanimg.rules import HINT_IMPLEMENTATIONS, HINT_RULES, IMPLEMENTATIONS, RULES
+from leanimg.rules import (HINT_IMPLEMENTATIONS, HINT_RULES, IMPLEMENTATIONS, RULES, WORKING_SET_IMPLEMENTATIONS,
+                           WORKING_SET_RULES)
 
 REPO = Path(__file__).resolve().parents[1]
 SOURCE_DIRS = [REPO / "lean-image", REPO / "converters", REPO / "restore"]
@@ -50,6 +51,14 @@ def test_every_hint_rule_has_exactly_one_implementation():
     _import_everything()
     assert sorted(HINT_IMPLEMENTATIONS) == sorted(HINT_RULES)
     assert not set(HINT_RULES) & set(RULES)
+
+
+def test_every_working_set_rule_has_exactly_one_implementation_and_is_in_the_guide():
+    _import_everything()
+    assert sorted(WORKING_SET_IMPLEMENTATIONS) == sorted(WORKING_SET_RULES)
+    assert not set(WORKING_SET_RULES) & (set(RULES) | set(HINT_RULES))
+    guide = (REPO / "spec" / "guides" / "lazy-restore.md").read_text()
+    assert sorted(re.findall(r"^\| (LI-WKS-\d{3}) \|", guide, re.M)) == sorted(WORKING_SET_RULES)
 
 
 def _units(path: Path):
@@ -92,7 +101,7 @@ def _sources():
 def test_rule_ids_appear_only_in_their_implementation():
     _import_everything()
     owners = {rule: (fn.__module__, fn.__qualname__.split(".")[0])
-              for rule, fn in {**IMPLEMENTATIONS, **HINT_IMPLEMENTATIONS}.items()}
+              for rule, fn in {**IMPLEMENTATIONS, **HINT_IMPLEMENTATIONS, **WORKING_SET_IMPLEMENTATIONS}.items()}
     stray = []
     for path in _sources():
         units = dict(_units(path))
