@@ -58,6 +58,7 @@ import numpy as np
 
 from leanimg.converters import qemu
 from leanimg.errors import LeanImageError, UnsupportedError
+from leanimg.fileutil import write_atomically
 from leanimg.format import PageClass
 from leanimg.reader import LeanImage
 
@@ -787,5 +788,5 @@ def serve_postcopy(image: LeanImage, out, inp, strategy: str = "sequential", sta
             server.record_faults(record_faults)
         server.log(server.stats.summary())
         if stats_path:
-            with open(stats_path, "w") as f:
-                json.dump(asdict(server.stats), f, indent=2)
+            text = json.dumps(asdict(server.stats), indent=2).encode()
+            write_atomically(stats_path, lambda f: f.write(text))

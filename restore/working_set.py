@@ -24,6 +24,7 @@ import struct
 import numpy as np
 
 from leanimg.errors import LeanImageError
+from leanimg.fileutil import write_atomically
 from leanimg.rules import implements
 
 MAGIC = b"\x89LEANWKS"
@@ -37,7 +38,8 @@ class WorkingSetError(LeanImageError):
 
 
 def write_working_set(path: str, page_size: int, names: list[str], entries: list[tuple[int, int]]) -> None:
-    """``entries`` ((block index, page) in the order asked, repeats dropped) to ``path``."""
+    """``entries`` ((block index, page) in the order asked, repeats dropped) to ``path`` (a
+    temporary file renamed into place once complete, like every leanimg output)."""
     seen, unique = set(), []
     for entry in entries:
         if entry not in seen:
@@ -46,8 +48,8 @@ def write_working_set(path: str, page_size: int, names: list[str], entries: list
     unique = unique[:MAX_ENTRIES]
     blocks = b"".join(bytes([len(n.encode())]) + n.encode() for n in names)
     table = np.array(unique, dtype=np.uint32).reshape(-1, 2)
-    with open(path, "wb") as f:
-        f.write(HEADER.pack(MAGIC, 1, 0, page_size, len(names), len(unique)) + blocks + table.astype("<u4").tobytes())
+    data = HEADER.pack(MAGIC, 1, 0, page_size, len(names), len(unique)) + blocks + table.astype("<u4").tobytes()
+    write_atomically(path, lambda out: out.write(data))
 
 
 def read_working_set(path: str, page_size: int, block_pages: dict[str, int]) -> list[tuple[str, np.ndarray]]:

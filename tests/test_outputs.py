@@ -185,15 +185,16 @@ def test_every_command_names_its_temporary_file_alike(chain, command, tmp_path, 
     assert name.endswith(".partial") and not os.path.exists(name) and out.exists()
 
 
-def test_serve_never_writes_its_stats_over_an_input_nor_an_existing_file(chain, tmp_path):
+@pytest.mark.parametrize("option", ["--stats", "--record-faults"])
+def test_serve_never_writes_its_side_files_over_an_input_nor_an_existing_file(chain, tmp_path, option):
     before = {str(p): _digest(p) for p in (chain["child"], chain["parent"])}
     for victim in ("child", "parent"):
-        refused(run("serve", chain["child"], "--postcopy", "--stats", chain[victim], "-f"),
+        refused(run("serve", chain["child"], "--postcopy", option, chain[victim], "-f"),
                 "is an input of this command")
-    stats = tmp_path / "stats.json"
-    stats.write_text("kept")
-    refused(run("serve", chain["child"], "--postcopy", "--stats", stats), "exists; use -f/--force")
-    assert stats.read_text() == "kept"
+    side = tmp_path / "side.file"
+    side.write_text("kept")
+    refused(run("serve", chain["child"], "--postcopy", option, side), "exists; use -f/--force")
+    assert side.read_text() == "kept"
     untouched([chain["child"], chain["parent"]], before)
 
 
