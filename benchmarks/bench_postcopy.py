@@ -11,7 +11,8 @@ guest starts as soon as it can), in the same run:
               post-copy destination starts the guest at POSTCOPY_RUN by itself)
   postcopy S  -incoming "exec:leanimg serve IMG --postcopy --prepage S", S in --strategies;
               "S+ws" adds --working-set FILE: FILE recorded per guest before the timed runs by
-              one demand-only serve with --record-faults (not run for --baseline)
+              one demand-only serve with --record-faults (not run for --baseline); "S@T" (also
+              "S+ws@T") serves with --precopy-seconds T instead of the default
 
 and for each:
 
@@ -156,12 +157,12 @@ def main() -> None:
     sizes = [int(s) for s in args.sizes.split(",")]
     images = {mem_mib: prepare(args.workdir, mem_mib, args.reuse) for mem_mib in sizes}
     strategies = args.strategies.split(",")
-    if any(s.endswith("+ws") for s in strategies):
+    if any("+ws" in s for s in strategies):
         for mem_mib in sizes:
             record_working_set(build, leanimg, args.workdir, *images[mem_mib], mem_mib)
     runs = [(f"{tag}full", None, argv) for tag, argv, _ in versions]
     runs += [(f"{tag}postcopy {s}", s, argv) for s in strategies for tag, argv, _ in versions
-             if not (tag and s.endswith("+ws"))]
+             if not (tag and ("+ws" in s or "@" in s))]      # options the baseline may not have
     results = []
     for repeat in range(args.repeat):           # interleaved: drift on a shared host hits every run alike
         for mem_mib in sizes:
@@ -201,10 +202,13 @@ def one_run(build, leanimg, workdir: Path, image: Path, disk: Path, mem_mib: int
                        False)
     stats = workdir / f"stats-{mem_mib}-{strategy}.json"
     stats.unlink(missing_ok=True)
-    prepage, _, ws = strategy.partition("+")
+    named, _, budget = strategy.partition("@")
+    prepage, _, ws = named.partition("+")
     argv = [*leanimg, "serve", str(image), "--postcopy", "--prepage", prepage, "--stats", str(stats)]
     if ws:
         argv += ["--working-set", str(working_set_path(workdir, mem_mib))]
+    if budget:
+        argv += ["--precopy-seconds", budget]
     row = measure(build, image, disk, mem_mib, argv, True, completes=prepage != "none")
     row.update(read_stats(stats))
     launched = row["launched"]
