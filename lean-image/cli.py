@@ -600,7 +600,7 @@ def plugins_command(as_json):
               "runs, in its order (at most 8192; every page still checked).")
 @click.option("--record-faults", type=click.Path(dir_okay=False), metavar="FILE",
               help="Write the pages the destination asked for, in order, to FILE as a working set.")
-@click.option("--precopy-seconds", type=click.FloatRange(0, 60), default=0.25, show_default=True,
+@click.option("--precopy-seconds", type=click.FloatRange(0, 60), default=0.15, show_default=True,
               help="Send pages in the --prepage order for this long before the guest runs (after the "
               "working set); 0: only after.")
 @json_option
