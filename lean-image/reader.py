@@ -35,6 +35,12 @@ WHOLE_READ_BELOW = 1 << 20
 __all__ = ["LeanImage", "Region", "DiskInfo", "SourceState", "decompress_frame"]
 
 
+def _name(exc: LeanImageError, path: str) -> None:
+    """Have ``exc`` name the file it is about (if it does not already)."""
+    exc.path = exc.path or path
+    exc.args = (str(exc),)
+
+
 class LeanImage:
     """An open lean image. Use ``LeanImage.open``; close it (or use ``with``)."""
 
@@ -65,7 +71,7 @@ class LeanImage:
         compared with the disk table (every block read is still checked against its page's digest)."""
         image = cls.open_link(path)
         try:
-            attach_chain(image, list(parents), cls.open_link)
+            attach_chain(image, list(parents), lambda link: cls.open_link(link, check=False), cls.check_links)
             image.attach_disks(disks or {}, check_identity=check_disk_identity)
         except BaseException:
             image.close()
@@ -73,8 +79,9 @@ class LeanImage:
         return image
 
     @classmethod
-    def open_link(cls, path) -> "LeanImage":
-        """One link, without its parent."""
+    def open_link(cls, path, *, check: bool = True) -> "LeanImage":
+        """One link, without its parent. ``check=False``: its header, footer and INDEX only;
+        ``check_links`` must follow (a chain's links are checked together)."""
         path = os.fspath(path)
         try:
             fileobj = open(path, "rb")
@@ -84,14 +91,25 @@ class LeanImage:
             file = ImageFile(fileobj, path, whole_below=WHOLE_READ_BELOW)
             header = read_header(file)
             first_problem(header_problems(header))
-            image = cls(path, fileobj, ImageTables.read(file, header, read_footer(file, header.header_length)))
-            file.drop_whole()
+            image = cls(path, fileobj, ImageTables.read(file, header, read_footer(file, header.header_length), check))
+            if check:
+                file.drop_whole()
             return image
         except LeanImageError as exc:
             fileobj.close()
-            exc.path = exc.path or path
-            exc.args = (str(exc),)
+            _name(exc, path)
             raise
+
+    @staticmethod
+    def check_links(links: list["LeanImage"]) -> None:
+        """Load and check the tables of links opened with check=False, together
+        (tables_batch.load_tables): the first link in order with a finding raises it."""
+        from .tables_batch import load_tables
+        try:
+            load_tables([link.tables for link in links], on_error=lambda exc, tables: _name(exc, tables.file.name))
+        finally:
+            for link in links:
+                link.tables.file.drop_whole()
 
     def attach_disks(self, disks: dict, check_identity: bool = True) -> None:
         """Attach disk sources (``leanimg.disks.DiskSource`` by disk name; under None: the disk of
