@@ -244,18 +244,22 @@ class _ChainPatches:
     those entries through the fully checked path (_apply_checked), as _DeltaPatches does."""
 
     def __init__(self, resolution: Resolution):
+        """Starts reading the DELTA_FRAMEs on the workers; the first ``apply`` folds them."""
         self.resolution = resolution
-        r = resolution
-        self.words_per_page = r.links[0].page_size // 8
-        keys = _frame_keys(r.delta_links, r.delta_frames)
-        frame_keys, of_frame = np.unique(keys, return_inverse=True)
-        firsts, entry_base, parsed = self._parse_frames(frame_keys)
+        self.words_per_page = resolution.links[0].page_size // 8
+        keys = _frame_keys(resolution.delta_links, resolution.delta_frames)
+        frame_keys, self.of_frame = np.unique(keys, return_inverse=True)
+        self.parsing = self._start_parsing(frame_keys)
+        self.flat = None
+
+    def _fold_all(self) -> None:
+        r = self.resolution
+        firsts, entry_base, parsed = self._parsed()
         simple, word_start, num_words, positions, values = parsed
-        self.entry_in_frame = r.delta_slots - firsts[of_frame]
-        entries = entry_base[of_frame] + self.entry_in_frame       # into the frames laid end to end
+        self.entry_in_frame = r.delta_slots - firsts[self.of_frame]
+        entries = entry_base[self.of_frame] + self.entry_in_frame     # into the frames laid end to end
         fast = simple[entries] if len(entries) else np.zeros(0, bool)
-        self.slow_pages = np.unique(r.delta_pages[~fast])
-        quick = fast & ~np.isin(r.delta_pages, self.slow_pages)
+        quick = fast & ~np.isin(r.delta_pages, np.unique(r.delta_pages[~fast]))
         self.flat, self.values = self._fold(r.delta_pages[quick], entries[quick], word_start, num_words,
                                             positions, values)
         # pages with a slow entry: all their entries, in resolution order (page, deepest link first)
@@ -269,21 +273,25 @@ class _ChainPatches:
 
     BATCH_ENTRIES = 1 << 14      # entries a worker reads and parses at once
 
-    def _parse_frames(self, frame_keys: np.ndarray):
-        """Read and parse every DELTA_FRAME of ``frame_keys``, in batches on the read-ahead
-        workers: per frame its first delta and where its entries begin among all of them laid
-        end to end; parse_index_lists' arrays over all of them."""
+    def _start_parsing(self, frame_keys: np.ndarray) -> list:
+        """The DELTA_FRAMEs of ``frame_keys`` in batches, each read and parsed on a read-ahead
+        worker (a future), or later on this thread (None) without workers."""
         r = self.resolution
         frames = [(r.links[key >> 32], key & 0xFFFFFFFF) for key in frame_keys.tolist()]
         sizes = np.array([int(link.frames.delta_frames.counts[frame]) for link, frame in frames], np.int64)
         cuts = np.flatnonzero(np.diff(np.cumsum(sizes) // self.BATCH_ENTRIES)) + 1
         batches = [frames[lo:hi] for lo, hi in zip([0, *cuts.tolist()], [*cuts.tolist(), len(frames)])]
-        pool = r.links[0].frames.pool
-        ps = r.links[0].page_size
-        if pool is not None:
-            parsed = [f.result() for f in [pool.submit(_parse_delta_batch, batch, ps) for batch in batches]]
-        else:
-            parsed = [_parse_delta_batch(batch, ps) for batch in batches]
+        pool, ps = r.links[0].frames.pool, r.links[0].page_size
+        return [(batch, pool.submit(_parse_delta_batch, batch, ps) if pool is not None else None)
+                for batch in batches]
+
+    def _parsed(self):
+        """Per frame its first delta and where its entries begin among all frames laid end to
+        end; parse_index_lists' arrays over all of them."""
+        ps = self.resolution.links[0].page_size
+        parsed = [future.result() if future is not None else _parse_delta_batch(batch, ps)
+                  for batch, future in self.parsing]
+        self.parsing = []
         firsts = np.concatenate([p[0] for p in parsed] or [np.zeros(0, np.int64)])
         counts = np.concatenate([p[1] for p in parsed] or [np.zeros(0, np.int64)])
         words = [len(p[2][3]) for p in parsed]
@@ -311,6 +319,8 @@ class _ChainPatches:
         return flat[last], vals[last]
 
     def apply(self, out: np.ndarray, first_page: int, stop: int) -> None:
+        if self.flat is None:
+            self._fold_all()
         wpp = self.words_per_page
         lo, hi = (int(x) for x in np.searchsorted(self.flat, [first_page * wpp, stop * wpp]))
         out.view("<u8")[self.flat[lo:hi] - first_page * wpp] = self.values[lo:hi]
@@ -523,6 +533,8 @@ def pieces(image, region, resolution: Resolution, first_page: int, count: int) -
     whole path."""
     ps = image.page_size
     stop = first_page + count
+    if len(resolution.delta_pages):
+        resolution.chain_patches()          # the workers read the DELTA_FRAMEs meanwhile
     links = resolution.base_link[first_page:stop]
     classes = resolution.base_class[first_page:stop]
     slots = resolution.base_slot[first_page:stop]
