@@ -42,7 +42,7 @@ class DigestStore:
                 records = self.tables.digest_records(region)
                 first_problem(checks.digest_count_problems(region.extents, [
                     (r.parsed["first_page"], r.parsed["num_pages"], r.parsed["num_digests"], r, r.offset)
-                    for r in records], self._bearing_classes))
+                    for r in records], self._bearing_classes, (region.digest_bearing, region.digest_rank0)))
             except LeanImageError as exc:      # in a chain, say which link's DIGESTS
                 exc.path = exc.path or self.tables.file.name
                 exc.args = (str(exc),)
