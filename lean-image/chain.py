@@ -329,8 +329,6 @@ class _ChainPatches:
         lo, hi = (int(x) for x in np.searchsorted(pages, [first_page, stop]))
         for k in range(lo, hi):
             self._apply_slow(out, first_page, k)
-        if stop >= len(r.base_link):            # the pass is over: hold nothing
-            r._chain_patches = None
 
     def _apply_slow(self, out: np.ndarray, first_page: int, k: int) -> None:
         r = self.resolution
@@ -563,6 +561,8 @@ def pieces(image, region, resolution: Resolution, first_page: int, count: int) -
         check_built(image, region, first_page, out, np.flatnonzero(built & checked), expected)
     else:
         resolution.stored_pages().skip(first_page, count)
+    if stop >= len(resolution.base_link):      # the forward pass is over: its folded deltas go
+        resolution._chain_patches = None
     kind = np.where(blank, 0, np.where(direct, 1, 2))
     starts = np.ones(count, bool)
     starts[1:] = (kind[1:] != kind[:-1]) | (direct[1:] & (

@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 import uuid
 
-from .errors import ChainError
+from .errors import ChainError, LeanImageError
 from .format import CHAIN_DEPTH_MAX, HEADER
 from .rules import implements
 
@@ -29,7 +29,7 @@ def attach_chain(image, parents: list, open_link, check_links=None) -> None:
     pending: list = []
     try:
         _walk(image, parents, open_link, pending, check_links)
-    except BaseException:
+    except LeanImageError:
         if pending:
             check_links(pending)
         raise
