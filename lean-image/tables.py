@@ -152,10 +152,6 @@ class ImageTables:
         return record
 
     # -- loading -----------------------------------------------------------------
-    def load(self) -> None:
-        """Read the small records and check every rule opening checks; raise the first finding."""
-        self._load()
-
     def adopt_region(self, region: Region, extents: np.ndarray, digest_bearing: np.ndarray,
                      digest_rank0: np.ndarray, digest_positions: list[int]) -> None:
         """The one region of an image whose tables tables_batch checked: the state ``load``
@@ -165,7 +161,8 @@ class ImageTables:
         self.regions.append(region)
         self.digest_positions[region.region_id] = digest_positions
 
-    def _load(self) -> None:
+    def load(self) -> None:
+        """Read the small records and check every rule opening checks; raise the first finding."""
         entries = self.entries
         first_problem(checks.index_problems(self.index, entries, [], header_length=self.header.header_length))
         types = entries["record_type"].tolist()
