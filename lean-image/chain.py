@@ -315,7 +315,8 @@ class _ChainPatches:
         flat = np.repeat(pages, counts) * self.words_per_page + positions[words]
         order = np.argsort(flat, kind="stable")          # equal words keep deepest-first order
         flat, vals = flat[order], values[words][order]
-        last = np.append(flat[1:] != flat[:-1], True)
+        last = np.ones(len(flat), bool)
+        last[:-1] = flat[1:] != flat[:-1]
         return flat[last], vals[last]
 
     def apply(self, out: np.ndarray, first_page: int, stop: int) -> None:

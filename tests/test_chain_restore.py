@@ -223,18 +223,21 @@ def _bad_index_list() -> bytes:
         np.array([9, 3], "<u2").tobytes() + np.array([1, 2], "<u8").tobytes()
 
 
-def _fold_chain(directory, links: int = 7, bad_link: int | None = None):
+def _fold_chain(directory, links: int = 7, bad_link: int | None = None, runs_only: bool = False):
     """A root of FOLD_PAGES random pages and ``links`` children: every child sets the same
     words of pages 0-3 (the nearest link's value must win), 40 consecutive words of page 4
     (a RUNS entry), 200 scattered words of page 5 (a BITMAP entry), a few words of page 6 and
-    a word of page 7 + k; with ``bad_link``, that child's page 8 is a bad INDEX_LIST entry.
+    a word of page 7 + k; with ``bad_link``, that child's page 8 is a bad INDEX_LIST entry;
+    with ``runs_only``, only page 4 changes (no plain INDEX_LIST at all).
     Returns (paths, the last link's memory)."""
     rng = np.random.default_rng(5)
     mem = np.frombuffer(bytearray(rng.bytes(FOLD_PAGES * PS)), np.uint64).reshape(FOLD_PAGES, PS // 8).copy()
     paths, parent = [], None
     for k in range(links + 1):
         before = mem.copy()
-        if k:
+        if k and runs_only:
+            mem[4, 100 + k:140 + k] = rng.integers(0, 2**63, 40, dtype=np.uint64)
+        elif k:
             mem[0:4, [1, 77, 300]] = rng.integers(0, 2**63, (4, 3), dtype=np.uint64)
             mem[4, 100:140] = rng.integers(0, 2**63, 40, dtype=np.uint64)
             mem[5, rng.choice(PS // 8, 200, replace=False)] = rng.integers(0, 2**63, 200, dtype=np.uint64)
@@ -286,3 +289,12 @@ def test_a_bad_delta_entry_in_a_middle_link_is_reported_alike(tmp_path, read):
         _joined(image, image.regions[0], _forward(FOLD_PAGES, 5), read)
     assert info.value.rule == "LI-DLT-003" and info.value.path == str(paths[4])
     assert info.value.structure.startswith("record[") and ".delta_frame.entries[" in info.value.structure
+
+
+def test_a_chain_whose_deltas_are_all_runs_restores(tmp_path):
+    """No plain INDEX_LIST entry to fold: every delta goes the checked path."""
+    paths, memory = _fold_chain(tmp_path, runs_only=True)
+    assert set(_encodings(paths[-1])) == {DeltaEncoding.RUNS}
+    with LeanImage.open(paths[-1]) as image:
+        image.enable_read_ahead()
+        assert _joined(image, image.regions[0], _forward(FOLD_PAGES, 5), "pieces") == memory
