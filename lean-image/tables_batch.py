@@ -20,11 +20,14 @@ import numpy as np
 from . import checks
 from .errors import LeanImageError
 from .format import (
-    FRAME_PAGES_MAX_BYTES, HAS_DIGEST, HAS_OWN_DIGEST, REGION_FLAG_HAS_GPA, IncompatFeature, PageClass, RecordType,
+    EXTENT, FRAME_PAGES_MAX_BYTES, HAS_DIGEST, HAS_OWN_DIGEST, REGION_FLAG_HAS_GPA, IncompatFeature, PageClass, RecordType,
     inherits_digests,
 )
 from .tables import ImageTables, Region
 
+# the batch's work per extent is ~3x that of ImageTables.load, its work per link ~1/3: it
+# pays for links of up to ~2000 extents (a deep chain's small links)
+BATCH_EXTENTS_MAX = 2048
 SHAPE_TYPES = frozenset(int(t) for t in (RecordType.REGION, RecordType.PAGE_MAP, RecordType.DIGESTS,
                                           RecordType.PAGE_FRAME, RecordType.DELTA_FRAME))
 
@@ -59,6 +62,10 @@ def _prepare(t: ImageTables):
     if not set(types) <= SHAPE_TYPES or types.count(RecordType.REGION) != 1 or types.count(RecordType.PAGE_MAP) != 1:
         return None
     region_at, map_at = types.index(RecordType.REGION), types.index(RecordType.PAGE_MAP)
+    offsets = t.entries["record_offset"]
+    map_end = int(offsets[map_at + 1]) if map_at + 1 < len(types) else t.index.offset
+    if map_end - int(offsets[map_at]) > BATCH_EXTENTS_MAX * EXTENT.size:
+        return None                    # a link with many extents costs less checked alone
     try:
         region_record, map_record = t.record(region_at), t.record(map_at)
         checks.first_problem(checks.region_table_problems([region_record]))
@@ -139,21 +146,20 @@ def _extents_hold(all_tables, prepared) -> np.ndarray:
     n = len(all_tables)
     extents = [p[1] for p in prepared]
     lid, first = _link_ids([len(e) for e in extents])
-    flat = _joined(extents)
-    if not len(flat):                  # no image has extents (LI-MAP-002): load reports it
+    if not len(lid):                   # no image has extents (LI-MAP-002): load reports it
         for k, p in enumerate(prepared):
             prepared[k] = (*p[:2], np.zeros(0, bool), np.zeros(0, np.int64), p[2], p[3])
         return np.zeros(n, bool)
-    firsts, num = flat["first_page"].astype(np.int64), flat["num_pages"].astype(np.int64)
-    classes, slots = flat["page_class"].astype(np.int64), flat["first_slot"].astype(np.int64)
+    firsts, num, classes, slots = (np.concatenate([e[name] for e in extents]).astype(np.int64)
+                                   for name in ("first_page", "num_pages", "page_class", "first_slot"))
     pages = np.array([p[0].num_pages for p in prepared], np.int64)
     ends = firsts + num
-    last = np.append(first[1:], len(flat)) - 1
+    last = np.append(first[1:], len(lid)) - 1
     ok = np.array([len(e) > 0 for e in extents])
-    gap = np.zeros(len(flat), bool)
+    gap = np.zeros(len(lid), bool)
     gap[1:] = (firsts[1:] != ends[:-1]) & (lid[1:] == lid[:-1])
     ok &= np.bincount(lid[gap], minlength=n) == 0
-    ok &= np.where(ok, (firsts[np.minimum(first, len(flat) - 1)] == 0) & (ends[np.maximum(last, 0)] == pages), False)
+    ok &= np.where(ok, (firsts[np.minimum(first, len(lid) - 1)] == 0) & (ends[np.maximum(last, 0)] == pages), False)
     available = {PageClass.STORED: np.array([t.page_frames.total for t in all_tables], np.int64),
                  PageClass.DISK: np.zeros(n, np.int64),
                  PageClass.DELTA: np.array([t.delta_frames.total for t in all_tables], np.int64)}
@@ -171,7 +177,7 @@ def _extents_hold(all_tables, prepared) -> np.ndarray:
     ok &= ~per_class[:, PageClass.DELTA] | (bits & IncompatFeature.DELTA != 0)
     ok &= ~(per_class[:, PageClass.PARENT] | per_class[:, PageClass.DELTA]) | has_parent
     own = np.array([inherits_digests(int(b)) for b in bits])
-    bearing = np.where(own[lid], HAS_OWN_DIGEST[classes], HAS_DIGEST[classes])
+    bearing = HAS_OWN_DIGEST[classes] if own.all() else np.where(own[lid], HAS_OWN_DIGEST[classes], HAS_DIGEST[classes])
     rank0 = _exclusive_sums(np.where(bearing, num, 0), lid, first)
     for k, p in enumerate(prepared):
         lo, hi = int(first[k]), int(first[k]) + len(extents[k])

@@ -312,3 +312,20 @@ def test_the_deep_chain_restores_its_final_memory(chain, tmp_path):
     with LeanImage.open(paths[-1]) as image, open(out, "wb") as f:
         restore_raw(image, f)
     assert out.read_bytes() == memory
+
+
+@pytest.mark.parametrize("most, alone", [(None, 0), (0, LINKS - 1)], ids=["small-links-batched", "large-links-alone"])
+def test_links_with_many_extents_are_checked_alone(chain, monkeypatch, most, alone):
+    """The batch pays for small links only: a link whose PAGE_MAP holds more than
+    BATCH_EXTENTS_MAX extents goes to ImageTables.load (here every link, with the limit 0)."""
+    from leanimg import tables_batch
+    from leanimg.tables import ImageTables
+    paths, _ = chain
+    if most is not None:
+        monkeypatch.setattr(tables_batch, "BATCH_EXTENTS_MAX", most)
+    loads = []
+    real = ImageTables.load
+    monkeypatch.setattr(ImageTables, "load", lambda self: loads.append(self.file.name) or real(self))
+    with LeanImage.open(paths[-1]) as image:
+        assert len(image.chain()) == LINKS
+    assert len(loads) == 1 + alone                     # the child itself is opened alone
