@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .delta import parse_index_lists
 from .digests import verify_rows
 from .errors import ChainError, LeanImageError
 from .format import DIGEST_SIZE, IS_CONCRETE, PageClass, page_items, row_digests, zero_page_digest
@@ -37,12 +38,19 @@ class Resolution:
     delta_frames: np.ndarray    # per delta entry: the DELTA_FRAME of its link holding it
     _stored: "_StoredPages | None" = field(default=None, repr=False)
     _patches: "_DeltaPatches | None" = field(default=None, repr=False)
+    _chain_patches: "_ChainPatches | None" = field(default=None, repr=False)
 
     def delta_patches(self) -> "_DeltaPatches":
         """The deltas that apply, as word patches per DELTA_FRAME (built on first use)."""
         if self._patches is None:
             self._patches = _DeltaPatches(self)
         return self._patches
+
+    def chain_patches(self) -> "_ChainPatches":
+        """Every delta that applies, folded once for a forward pass (built on first use)."""
+        if self._chain_patches is None:
+            self._chain_patches = _ChainPatches(self)
+        return self._chain_patches
 
     def stored_pages(self) -> "_StoredPages":
         """The STORED base pages served frame by frame (built on first use)."""
@@ -128,10 +136,12 @@ def _same_region(link, region):
 
 
 def fill(resolution: Resolution, out: np.ndarray, first_page: int, count: int,
-         want: np.ndarray | None = None, window: "_FrameWindow | None" = None, held: dict | None = None) -> None:
+         want: np.ndarray | None = None, window: "_FrameWindow | None" = None, held: dict | None = None,
+         forward: bool = False) -> None:
     """Write pages [first_page, first_page+count) of the resolved region into ``out``; with
     ``want`` (a mask over the range; it must include every page with deltas) only those;
-    ``held``: frames already decompressed, (link, frame) -> content."""
+    ``held``: frames already decompressed, (link, frame) -> content; ``forward``: the call is
+    part of a forward pass over the region (a restore), whose deltas are folded at once."""
     stop = first_page + count
     classes = resolution.base_class[first_page:stop]
     want = np.ones(count, bool) if want is None else want
@@ -141,7 +151,10 @@ def fill(resolution: Resolution, out: np.ndarray, first_page: int, count: int,
     resolution.stored_pages().copy(out, first_page, count, np.flatnonzero(want & (classes == PageClass.STORED)),
                                    window, held or {})
     _fill_disk(resolution, out, first_page, count, np.flatnonzero(want & (classes == PageClass.DISK)))
-    _apply_deltas(resolution, out, first_page, count, window)
+    if forward:
+        resolution.chain_patches().apply(out, first_page, stop)
+    else:
+        _apply_deltas(resolution, out, first_page, count, window)
 
 
 def _fill_disk(resolution: Resolution, out: np.ndarray, first_page: int, count: int, rows: np.ndarray) -> None:
@@ -218,6 +231,129 @@ class _DeltaPatches:
         at = np.repeat(word_start[k[fast]] - np.concatenate(([0], np.cumsum(counts)[:-1])), counts) + \
             np.arange(int(counts.sum()))
         return np.repeat(pages[fast], counts), positions[at], values[at], pages[~fast], k[~fast], int(pages[-1])
+
+
+class _ChainPatches:
+    """Every delta entry of a resolved region that applies, for a forward pass (a restore),
+    built once: the DELTA_FRAMEs holding them are read and decompressed on the read-ahead
+    workers, their entries parsed in one pass over all of them (parse_index_lists over the
+    frames laid end to end), and the words of each page folded to their final values (a word
+    several links set takes the nearest link's value), sorted by page. A range then applies
+    its slice in one assignment: the work per range and per link does not grow with depth.
+    Pages with any entry other than a plain INDEX_LIST go entry by entry, deepest link first,
+    those entries through the fully checked path (_apply_checked), as _DeltaPatches does."""
+
+    def __init__(self, resolution: Resolution):
+        """Starts reading the DELTA_FRAMEs on the workers; the first ``apply`` folds them."""
+        self.resolution = resolution
+        self.words_per_page = resolution.links[0].page_size // 8
+        keys = _frame_keys(resolution.delta_links, resolution.delta_frames)
+        frame_keys, self.of_frame = np.unique(keys, return_inverse=True)
+        self.parsing = self._start_parsing(frame_keys)
+        self.flat = None
+
+    def _fold_all(self) -> None:
+        r = self.resolution
+        firsts, entry_base, parsed = self._parsed()
+        simple, word_start, num_words, positions, values = parsed
+        self.entry_in_frame = r.delta_slots - firsts[self.of_frame]
+        entries = entry_base[self.of_frame] + self.entry_in_frame     # into the frames laid end to end
+        fast = simple[entries] if len(entries) else np.zeros(0, bool)
+        quick = fast & ~np.isin(r.delta_pages, np.unique(r.delta_pages[~fast]))
+        self.flat, self.values = self._fold(r.delta_pages[quick], entries[quick], word_start, num_words,
+                                            positions, values)
+        # pages with a slow entry: all their entries, in resolution order (page, deepest link first)
+        self.slow_rows = np.flatnonzero(~quick)
+        self.slow_fast = fast[self.slow_rows]
+        slow = entries[self.slow_rows]
+        self.slow_counts = np.where(self.slow_fast, num_words[slow], 0)
+        slow_words = self._words(word_start[slow], self.slow_counts)
+        self.slow_positions, self.slow_values = positions[slow_words], values[slow_words]
+        self.slow_word_start = np.cumsum(self.slow_counts) - self.slow_counts
+
+    BATCH_ENTRIES = 1 << 14      # entries a worker reads and parses at once
+
+    def _start_parsing(self, frame_keys: np.ndarray) -> list:
+        """The DELTA_FRAMEs of ``frame_keys`` in batches, each read and parsed on a read-ahead
+        worker (a future), or later on this thread (None) without workers."""
+        r = self.resolution
+        frames = [(r.links[key >> 32], key & 0xFFFFFFFF) for key in frame_keys.tolist()]
+        sizes = np.array([int(link.frames.delta_frames.counts[frame]) for link, frame in frames], np.int64)
+        cuts = np.flatnonzero(np.diff(np.cumsum(sizes) // self.BATCH_ENTRIES)) + 1
+        batches = [frames[lo:hi] for lo, hi in zip([0, *cuts.tolist()], [*cuts.tolist(), len(frames)])]
+        pool, ps = r.links[0].frames.pool, r.links[0].page_size
+        return [(batch, pool.submit(_parse_delta_batch, batch, ps) if pool is not None else None)
+                for batch in batches]
+
+    def _parsed(self):
+        """Per frame its first delta and where its entries begin among all frames laid end to
+        end; parse_index_lists' arrays over all of them."""
+        ps = self.resolution.links[0].page_size
+        parsed = [future.result() if future is not None else _parse_delta_batch(batch, ps)
+                  for batch, future in self.parsing]
+        self.parsing = []
+        firsts = np.concatenate([p[0] for p in parsed] or [np.zeros(0, np.int64)])
+        counts = np.concatenate([p[1] for p in parsed] or [np.zeros(0, np.int64)])
+        words = [len(p[2][3]) for p in parsed]
+        word_base = np.concatenate(([0], np.cumsum(words)[:-1])).astype(np.int64)
+        simple, word_start, num_words, positions, values = (
+            np.concatenate([p[2][i] + (word_base[k] if i == 1 else 0) for k, p in enumerate(parsed)] or
+                           [np.zeros(0, np.int64)]) for i in range(5))
+        entry_base = np.cumsum(counts) - counts
+        return firsts, entry_base, (simple.astype(bool), word_start, num_words, positions, values.astype(np.uint64))
+
+    @staticmethod
+    def _words(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+        """Indexes into parse_index_lists' word arrays: ``counts[i]`` words from ``starts[i]``."""
+        return np.repeat(starts, counts) + (np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts))
+
+    def _fold(self, pages, entries, word_start, num_words, positions, values):
+        """(page * words per page + word, value) of every word the entries set, the nearest
+        link's value where several set it (entries come deepest link first), sorted."""
+        counts = num_words[entries]
+        words = self._words(word_start[entries], counts)
+        flat = np.repeat(pages, counts) * self.words_per_page + positions[words]
+        order = np.argsort(flat, kind="stable")          # equal words keep deepest-first order
+        flat, vals = flat[order], values[words][order]
+        last = np.ones(len(flat), bool)
+        last[:-1] = flat[1:] != flat[:-1]
+        return flat[last], vals[last]
+
+    def apply(self, out: np.ndarray, first_page: int, stop: int) -> None:
+        if self.flat is None:
+            self._fold_all()
+        wpp = self.words_per_page
+        lo, hi = (int(x) for x in np.searchsorted(self.flat, [first_page * wpp, stop * wpp]))
+        out.view("<u8")[self.flat[lo:hi] - first_page * wpp] = self.values[lo:hi]
+        r = self.resolution
+        pages = r.delta_pages[self.slow_rows]
+        lo, hi = (int(x) for x in np.searchsorted(pages, [first_page, stop]))
+        for k in range(lo, hi):
+            self._apply_slow(out, first_page, k)
+
+    def _apply_slow(self, out: np.ndarray, first_page: int, k: int) -> None:
+        r = self.resolution
+        row = int(self.slow_rows[k])
+        page = int(r.delta_pages[row]) - first_page
+        if self.slow_fast[k]:
+            at = slice(int(self.slow_word_start[k]), int(self.slow_word_start[k] + self.slow_counts[k]))
+            out.view("<u8")[page * self.words_per_page + self.slow_positions[at]] = self.slow_values[at]
+        else:
+            _apply_checked(r.links[int(r.delta_links[row])], int(r.delta_frames[row]), out, np.array([page]),
+                           self.entry_in_frame[row:row + 1], r.links[0].page_size)
+
+
+def _parse_delta_batch(frames: list, page_size: int):
+    """Runs on a read-ahead worker: DELTA_FRAMEs ``frames`` ((link, frame)) read, checked,
+    decompressed and parsed as one: (first delta per frame, entries per frame,
+    parse_index_lists' arrays over the frames laid end to end)."""
+    read = [link.frames._read_delta_frame(frame) for link, frame in frames]
+    byte_base = np.cumsum([0] + [len(content) for content, _, _ in read])
+    offsets = np.concatenate([np.asarray(offsets[:-1], np.int64) + base for (_, offsets, _), base
+                              in zip(read, byte_base.tolist())] + [byte_base[-1:].astype(np.int64)])
+    return (np.array([first for _, _, first in read], np.int64),
+            np.array([len(offsets) - 1 for _, offsets, _ in read], np.int64),
+            parse_index_lists(b"".join(content for content, _, _ in read), offsets, page_size))
 
 
 def _apply_checked(link, frame: int, out: np.ndarray, rows: np.ndarray, entry_indexes: np.ndarray, ps: int) -> None:
@@ -396,6 +532,8 @@ def pieces(image, region, resolution: Resolution, first_page: int, count: int) -
     whole path."""
     ps = image.page_size
     stop = first_page + count
+    if len(resolution.delta_pages):
+        resolution.chain_patches()          # the workers read the DELTA_FRAMEs meanwhile
     links = resolution.base_link[first_page:stop]
     classes = resolution.base_class[first_page:stop]
     slots = resolution.base_slot[first_page:stop]
@@ -412,8 +550,7 @@ def pieces(image, region, resolution: Resolution, first_page: int, count: int) -
     direct_frames = _page_order_frames(links, frames)
     order = [(resolution.links[li], f, False) for li, f in direct_frames]
     if built.any():
-        order += fill_frames(resolution, first_page, count, built, set(direct_frames)) + \
-            fill_delta_frames(resolution, first_page, count)
+        order += fill_frames(resolution, first_page, count, built, set(direct_frames))
     window = _FrameWindow(resolution.links[0].frames.pool, order)
     held = _hold_direct_frames(image, region, resolution, window, first_page, links, frames, slots,
                                checked, expected)
@@ -421,10 +558,12 @@ def pieces(image, region, resolution: Resolution, first_page: int, count: int) -
     if built.any():
         out = np.zeros(count * ps, np.uint8)
         fill(resolution, out, first_page, count, want=built, window=window,
-             held={key: content for key, (content, _) in held.items()})
+             held={key: content for key, (content, _) in held.items()}, forward=True)
         check_built(image, region, first_page, out, np.flatnonzero(built & checked), expected)
     else:
         resolution.stored_pages().skip(first_page, count)
+    if stop >= len(resolution.base_link):      # the forward pass is over: its folded deltas go
+        resolution._chain_patches = None
     kind = np.where(blank, 0, np.where(direct, 1, 2))
     starts = np.ones(count, bool)
     starts[1:] = (kind[1:] != kind[:-1]) | (direct[1:] & (

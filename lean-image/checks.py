@@ -248,11 +248,12 @@ def digests_before(extents: np.ndarray, bearing: np.ndarray, rank0: np.ndarray, 
 
 @implements("LI-DIG-003")
 def digest_count_problems(extents: np.ndarray, parts: list[tuple[int, int, int, Record | None, int]],
-                          bearing_classes: np.ndarray = HAS_DIGEST) -> Iterator[FormatError]:
+                          bearing_classes: np.ndarray = HAS_DIGEST, ranks=None) -> Iterator[FormatError]:
     """num_digests of each DIGESTS record equals the digest-bearing pages of its range (STORED,
     DISK, DELTA, and PARENT unless the image inherits them: ``bearing_classes``).
-    ``parts``: (first_page, num_pages, num_digests, record or None, record offset)."""
-    bearing, rank0 = digest_ranks(extents, bearing_classes)
+    ``parts``: (first_page, num_pages, num_digests, record or None, record offset); ``ranks``:
+    digest_ranks(extents, bearing_classes) if the caller has them."""
+    bearing, rank0 = ranks if ranks is not None else digest_ranks(extents, bearing_classes)
     for first, count, num_digests, record, offset in parts:
         lo, hi = digests_before(extents, bearing, rank0, [first, first + count])
         if num_digests != int(hi - lo):

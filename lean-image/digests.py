@@ -14,7 +14,7 @@ import numpy as np
 
 from . import checks
 from .checks import first_problem
-from .errors import ChainError
+from .errors import ChainError, LeanImageError
 from .format import (
     DIGEST_SIZE, PageClass, digest_class_table, inherits_digests, page_digest, zero_page_digest,
 )
@@ -38,10 +38,15 @@ class DigestStore:
     def table(self, region: Region) -> np.ndarray:
         """The stored digests of a region, (pages with digests, 16) uint8, in page order."""
         if region.region_id not in self._tables:
-            records = self.tables.digest_records(region)
-            first_problem(checks.digest_count_problems(region.extents, [
-                (r.parsed["first_page"], r.parsed["num_pages"], r.parsed["num_digests"], r, r.offset)
-                for r in records], self._bearing_classes))
+            try:
+                records = self.tables.digest_records(region)
+                first_problem(checks.digest_count_problems(region.extents, [
+                    (r.parsed["first_page"], r.parsed["num_pages"], r.parsed["num_digests"], r, r.offset)
+                    for r in records], self._bearing_classes, (region.digest_bearing, region.digest_rank0)))
+            except LeanImageError as exc:      # in a chain, say which link's DIGESTS
+                exc.path = exc.path or self.tables.file.name
+                exc.args = (str(exc),)
+                raise
             parts = [r.parsed["digests"] for r in records]
             self._tables[region.region_id] = np.concatenate(parts) if parts else np.zeros((0, DIGEST_SIZE), np.uint8)
         return self._tables[region.region_id]

@@ -8,17 +8,42 @@ from __future__ import annotations
 import os
 import uuid
 
-from .errors import ChainError
+from .errors import ChainError, LeanImageError
 from .format import CHAIN_DEPTH_MAX, HEADER
 from .rules import implements
 
 SIBLINGS_MAX = 100_000
 
 
+CHECK_BATCH = 64          # links whose tables check_links checks together
+
+
 @implements("LI-CHN-001", "LI-CHN-005")
-def attach_chain(image, parents: list, open_link) -> None:
+def attach_chain(image, parents: list, open_link, check_links=None) -> None:
     """Set ``parent`` on ``image`` and every link below it; ``open_link(path)`` opens one link.
-    ``parents`` are candidate paths or open images (an open image brings its own chain)."""
+    ``parents`` are candidate paths or open images (an open image brings its own chain).
+    With ``check_links``, ``open_link`` reads a link's header, footer and INDEX only, and
+    ``check_links(links)`` checks the rest of CHECK_BATCH links at a time, in chain order:
+    before any finding of the walk is raised, the links opened before it are checked, so the
+    first link with a finding is reported, as when each link was checked when opened."""
+    pending: list = []
+    try:
+        _walk(image, parents, open_link, pending, check_links)
+    except LeanImageError:
+        if pending:
+            check_links(pending)
+        raise
+    if pending:
+        check_links(pending)
+    # links are joined by UUID first, so that a cycle is reported as one; then verified by digest
+    for link in image.chain():
+        if link.parent is not None:
+            first = next(parent_problems(link, link.parent), None)
+            if first is not None:
+                raise first
+
+
+def _walk(image, parents: list, open_link, pending: list, check_links) -> None:
     index: dict = {}
     seen = {image.header.image_uuid}
     link = image
@@ -40,12 +65,12 @@ def attach_chain(image, parents: list, open_link) -> None:
         link.parent = open_link(candidate)
         seen.add(link.parent.header.image_uuid)
         link = link.parent
-    # links are joined by UUID first, so that a cycle is reported as one; then verified by digest
-    for link in image.chain():
-        if link.parent is not None:
-            first = next(parent_problems(link, link.parent), None)
-            if first is not None:
-                raise first
+        if check_links is not None:
+            pending.append(link)
+            if len(pending) >= CHECK_BATCH:
+                batch = pending[:]
+                pending.clear()
+                check_links(batch)
 
 
 @implements("LI-CHN-002", "LI-CHN-003")

@@ -28,7 +28,17 @@ from .structures import ImageFile, header_problems, read_footer, read_header
 from .checks import first_problem
 from .tables import DiskInfo, ImageTables, Region, SourceState
 
+# a link file smaller than this is read whole when opened: the tables opening checks are then
+# one read, not one per record (a cold chain of 1000 small links paid ~1 ms per link for them)
+WHOLE_READ_BELOW = 1 << 20
+
 __all__ = ["LeanImage", "Region", "DiskInfo", "SourceState", "decompress_frame"]
+
+
+def _name(exc: LeanImageError, path: str) -> None:
+    """Have ``exc`` name the file it is about (if it does not already)."""
+    exc.path = exc.path or path
+    exc.args = (str(exc),)
 
 
 class LeanImage:
@@ -61,7 +71,7 @@ class LeanImage:
         compared with the disk table (every block read is still checked against its page's digest)."""
         image = cls.open_link(path)
         try:
-            attach_chain(image, list(parents), cls.open_link)
+            attach_chain(image, list(parents), lambda link: cls.open_link(link, check=False), cls.check_links)
             image.attach_disks(disks or {}, check_identity=check_disk_identity)
         except BaseException:
             image.close()
@@ -69,23 +79,37 @@ class LeanImage:
         return image
 
     @classmethod
-    def open_link(cls, path) -> "LeanImage":
-        """One link, without its parent."""
+    def open_link(cls, path, *, check: bool = True) -> "LeanImage":
+        """One link, without its parent. ``check=False``: its header, footer and INDEX only;
+        ``check_links`` must follow (a chain's links are checked together)."""
         path = os.fspath(path)
         try:
             fileobj = open(path, "rb")
         except OSError as exc:
             raise LeanImageError(f"cannot open: {exc.strerror}", path=path) from None
         try:
-            file = ImageFile(fileobj, path)
+            file = ImageFile(fileobj, path, whole_below=WHOLE_READ_BELOW)
             header = read_header(file)
             first_problem(header_problems(header))
-            return cls(path, fileobj, ImageTables.read(file, header, read_footer(file, header.header_length)))
+            image = cls(path, fileobj, ImageTables.read(file, header, read_footer(file, header.header_length), check))
+            if check:
+                file.drop_whole()
+            return image
         except LeanImageError as exc:
             fileobj.close()
-            exc.path = exc.path or path
-            exc.args = (str(exc),)
+            _name(exc, path)
             raise
+
+    @staticmethod
+    def check_links(links: list["LeanImage"]) -> None:
+        """Load and check the tables of links opened with check=False, together
+        (tables_batch.load_tables): the first link in order with a finding raises it."""
+        from .tables_batch import load_tables
+        try:
+            load_tables([link.tables for link in links], on_error=lambda exc, tables: _name(exc, tables.file.name))
+        finally:
+            for link in links:
+                link.tables.file.drop_whole()
 
     def attach_disks(self, disks: dict, check_identity: bool = True) -> None:
         """Attach disk sources (``leanimg.disks.DiskSource`` by disk name; under None: the disk of

@@ -28,20 +28,31 @@ from .rules import implements
 
 
 class ImageFile:
-    """Positional reads with exact-length checking."""
+    """Positional reads with exact-length checking. With ``whole_below``, a file smaller than
+    that many bytes is read in one read (a chain's small links: one I/O per file, not one per
+    record), served from memory until ``drop_whole`` (the file is not read again meanwhile)."""
 
-    def __init__(self, fileobj, name: str = ""):
+    def __init__(self, fileobj, name: str = "", whole_below: int = 0):
         self.fileobj = fileobj
         self.name = name
         fileobj.seek(0, 2)
         self.size = fileobj.tell()
+        self._whole = None
+        if self.size < whole_below:
+            data = os.pread(fileobj.fileno(), self.size, 0)
+            self._whole = data if len(data) == self.size else None
+
+    def drop_whole(self) -> None:
+        """Read from the file again from now on (memory held only while opening)."""
+        self._whole = None
 
     def read_exact(self, offset: int, length: int, structure) -> bytes:
         """``structure``: the path errors name, or a function giving it (built only on an error)."""
         if offset < 0 or length < 0 or offset + length > self.size:
             raise TruncatedError(f"expected {length} bytes, file ends at {self.size:#x}",
                                  offset=offset, structure=_named(structure))
-        data = os.pread(self.fileobj.fileno(), length, offset)
+        whole = self._whole
+        data = whole[offset:offset + length] if whole is not None else os.pread(self.fileobj.fileno(), length, offset)
         if len(data) != length:
             raise TruncatedError(f"expected {length} bytes, got {len(data)}", offset=offset,
                                  structure=_named(structure))

@@ -116,7 +116,9 @@ SMALL_RECORD_TYPES = frozenset(int(t) for t in SMALL_RECORDS)
 class ImageTables:
     """The tables of one image, read and checked when it is opened."""
 
-    def __init__(self, file: ImageFile, header: Header, footer: Footer, index: Record):
+    def __init__(self, file: ImageFile, header: Header, footer: Footer, index: Record, load: bool = True):
+        """``load=False``: the INDEX only; ``load`` (or tables_batch.load_tables, for many
+        images at once) must follow before anything else is used."""
         self.file, self.header, self.footer, self.index = file, header, footer, index
         self.page_size = header.page_size
         self.entries = index.parsed["entries"]
@@ -127,14 +129,15 @@ class ImageTables:
         self.delta_frames = FrameTable.of(self.entries, RecordType.DELTA_FRAME)
         self.disk_refs = DiskRefs(np.zeros(0, np.uint32), np.zeros(0, np.uint64))
         self.digest_positions: dict[int, list[int]] = {}
-        self._load()
+        if load:
+            self.load()
 
     @classmethod
-    def read(cls, file: ImageFile, header: Header, footer: Footer) -> "ImageTables":
+    def read(cls, file: ImageFile, header: Header, footer: Footer, load: bool = True) -> "ImageTables":
         index = read_record(file, footer.index_offset, footer.offset)
         first_problem(index_location_problems(footer, header.header_length, index=index))
         parse_body(index)
-        return cls(file, header, footer, index)
+        return cls(file, header, footer, index, load)
 
     def record(self, position: int) -> Record:
         """The record of index entry ``position``, checked against its entry and parsed."""
@@ -149,7 +152,17 @@ class ImageTables:
         return record
 
     # -- loading -----------------------------------------------------------------
-    def _load(self) -> None:
+    def adopt_region(self, region: Region, extents: np.ndarray, digest_bearing: np.ndarray,
+                     digest_rank0: np.ndarray, digest_positions: list[int]) -> None:
+        """The one region of an image whose tables tables_batch checked: the state ``load``
+        would have left."""
+        region.extents, region.starts = extents, extents["first_page"].astype(np.int64)
+        region.digest_bearing, region.digest_rank0 = digest_bearing, digest_rank0
+        self.regions.append(region)
+        self.digest_positions[region.region_id] = digest_positions
+
+    def load(self) -> None:
+        """Read the small records and check every rule opening checks; raise the first finding."""
         entries = self.entries
         first_problem(checks.index_problems(self.index, entries, [], header_length=self.header.header_length))
         types = entries["record_type"].tolist()

@@ -210,3 +210,91 @@ def test_the_lying_page_is_the_only_difference(tmp_path, monkeypatch):
             assert root.read_page(region, mark + 1) == _page(mark + 1)
             with pytest.raises(FormatError, match=f"page {mark}"):
                 root.read_page(region, mark)
+
+
+# --- a forward pass folds every delta at once (chain._ChainPatches) --------------------------------
+FOLD_PAGES = 16
+
+
+def _bad_index_list() -> bytes:
+    """An INDEX_LIST entry whose word positions descend (LI-DLT-003): not a plain entry."""
+    from leanimg.format import DELTA_ENTRY
+    return DELTA_ENTRY.pack(encoding=DeltaEncoding.INDEX_LIST, num_words=2) + \
+        np.array([9, 3], "<u2").tobytes() + np.array([1, 2], "<u8").tobytes()
+
+
+def _fold_chain(directory, links: int = 7, bad_link: int | None = None, runs_only: bool = False):
+    """A root of FOLD_PAGES random pages and ``links`` children: every child sets the same
+    words of pages 0-3 (the nearest link's value must win), 40 consecutive words of page 4
+    (a RUNS entry), 200 scattered words of page 5 (a BITMAP entry), a few words of page 6 and
+    a word of page 7 + k; with ``bad_link``, that child's page 8 is a bad INDEX_LIST entry;
+    with ``runs_only``, only page 4 changes (no plain INDEX_LIST at all).
+    Returns (paths, the last link's memory)."""
+    rng = np.random.default_rng(5)
+    mem = np.frombuffer(bytearray(rng.bytes(FOLD_PAGES * PS)), np.uint64).reshape(FOLD_PAGES, PS // 8).copy()
+    paths, parent = [], None
+    for k in range(links + 1):
+        before = mem.copy()
+        if k and runs_only:
+            mem[4, 100 + k:140 + k] = rng.integers(0, 2**63, 40, dtype=np.uint64)
+        elif k:
+            mem[0:4, [1, 77, 300]] = rng.integers(0, 2**63, (4, 3), dtype=np.uint64)
+            mem[4, 100:140] = rng.integers(0, 2**63, 40, dtype=np.uint64)
+            mem[5, rng.choice(PS // 8, 200, replace=False)] = rng.integers(0, 2**63, 200, dtype=np.uint64)
+            mem[6, [k, 2 * k + 50]] ^= np.uint64(k)
+            mem[7 + k % 8, 11] ^= np.uint64(0xFF)
+        path = directory / f"fold{k:02d}.lean"
+        w = LeanImageWriter(path, parent=parent, frame_pages=4)
+        region = w.add_region("pc.ram", FOLD_PAGES * PS, 0)
+        for page in range(FOLD_PAGES):
+            if not k:
+                w.put_pages(region, page, mem[page].tobytes())
+            elif k == bad_link and page == 8:
+                w.put_delta(region, page, _bad_index_list(), page_digest(mem[page].tobytes()))
+            elif (mem[page] != before[page]).any():
+                w.put_changed(region, page, before[page].tobytes(), mem[page].tobytes())
+            else:
+                w.put_parent(region, page, page_digest(mem[page].tobytes()))
+        digest = w.finish()
+        parent = leanimg.writer.ParentLink(w.image_uuid, digest)
+        paths.append(path)
+    return paths, mem.tobytes()
+
+
+def _encodings(path) -> Counter:
+    with LeanImage.open_link(path) as link:
+        frames = link.frames
+        return Counter(int(bytes(e)[0]) for e in frames.delta_entries(np.arange(frames.delta_frames.total)))
+
+
+@pytest.mark.parametrize("step", [3, 5, FOLD_PAGES])
+@pytest.mark.parametrize("read_ahead", [True, False])
+def test_a_forward_pass_folds_the_deltas_of_every_link(tmp_path, step, read_ahead):
+    paths, memory = _fold_chain(tmp_path)
+    assert {DeltaEncoding.INDEX_LIST, DeltaEncoding.RUNS, DeltaEncoding.BITMAP} <= set(_encodings(paths[-1]))
+    with LeanImage.open(paths[-1]) as image:
+        if read_ahead:
+            image.enable_read_ahead()
+        region = image.regions[0]
+        assert _joined(image, region, _forward(FOLD_PAGES, step), "pieces") == memory
+        assert region.region_id in image._resolutions and image.resolution(region)._chain_patches is None  # dropped
+        assert _joined(image, region, _forward(FOLD_PAGES, step), "bytes") == memory
+
+
+@pytest.mark.parametrize("read", ["pieces", "bytes"])
+def test_a_bad_delta_entry_in_a_middle_link_is_reported_alike(tmp_path, read):
+    paths, _ = _fold_chain(tmp_path, bad_link=4)
+    with LeanImage.open(paths[-1]) as image, pytest.raises(FormatError) as info:
+        image.enable_read_ahead()
+        _joined(image, image.regions[0], _forward(FOLD_PAGES, 5), read)
+    assert info.value.rule == "LI-DLT-003" and info.value.path == str(paths[4])
+    assert info.value.structure.startswith("record[") and ".delta_frame.entries[" in info.value.structure
+
+
+def test_a_chain_whose_deltas_are_all_runs_restores(tmp_path):
+    """No plain INDEX_LIST entry to fold: every delta goes the checked path."""
+    paths, memory = _fold_chain(tmp_path, runs_only=True)
+    assert set(_encodings(paths[-1])) == {DeltaEncoding.RUNS}
+    with LeanImage.open(paths[-1]) as image:
+        image.enable_read_ahead()
+        assert _joined(image, image.regions[0], _forward(FOLD_PAGES, 5), "pieces") == memory

@@ -1,0 +1,331 @@
+"""Opening a deep chain: the links' tables checked together (tables_batch), small link files
+read in one read, DELTA_FRAMEs of a restore folded at once (chain._ChainPatches).
+
+A chain with a bad link must be refused exactly as when each link was opened and checked on
+its own (same error class, rule, offset, structure, file); the reference here is that path,
+attach_chain without check_links (every link through ImageTables.load as it is found)."""
+
+from __future__ import annotations
+
+import os
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+import xxhash
+
+from leanimg import reader as reader_module
+from leanimg.errors import LeanImageError
+from leanimg.format import (
+    EXTENT, FOOTER, HEADER, INDEX_BODY, INDEX_ENTRY, PAGE_MAP_BODY, RECORD, IncompatFeature, PageClass, RecordType,
+    align8, checksum64, page_digest,
+)
+from leanimg.parents import CHECK_BATCH, attach_chain
+from leanimg.reader import LeanImage
+from leanimg.restore.raw import restore_raw
+from leanimg.writer import LeanImageWriter, ParentLink
+
+PS = 4096
+PAGES = 24
+LINKS = 2 * CHECK_BATCH + 20          # three batches: a bad link can sit in any of them
+
+
+def reseal(data: bytes) -> bytes:
+    """``data`` with its header, record and footer checksums and image digest made right again
+    (an edit then reaches the rules behind them)."""
+    b = bytearray(data)
+    (length,) = struct.unpack_from("<I", b, HEADER.offset("header_length"))
+    struct.pack_into("<Q", b, HEADER.offset("header_checksum"), 0)
+    struct.pack_into("<Q", b, HEADER.offset("header_checksum"), checksum64(bytes(b[:length])))
+    end = len(b) - FOOTER.size
+    offset = length
+    while offset < end:
+        (body_length,) = struct.unpack_from("<Q", b, offset + 8)
+        size = RECORD.size + align8(body_length) + 8
+        struct.pack_into("<Q", b, offset + size - 8, checksum64(bytes(b[offset:offset + size - 8])))
+        offset += size
+    struct.pack_into("<16s", b, end + FOOTER.offset("image_digest"), xxhash.xxh3_128_digest(bytes(b[:end])))
+    struct.pack_into("<Q", b, end + FOOTER.offset("footer_checksum"),
+                     checksum64(bytes(b[end:end + FOOTER.offset("footer_checksum")])))
+    return bytes(b)
+
+
+def image_digest(path: Path) -> bytes:
+    data = path.read_bytes()
+    at = len(data) - FOOTER.size + FOOTER.offset("image_digest")
+    return data[at:at + 16]
+
+
+def _write_chain(directory: Path) -> tuple[list[Path], bytes]:
+    """LINKS links over PAGES pages: each link after the root rewrites one page (STORED) and
+    changes one word of another (DELTA), PARENT elsewhere. Returns the paths and final memory."""
+    rng = np.random.default_rng(15)
+    mem = np.frombuffer(bytearray(rng.bytes(PAGES * PS)), np.uint64).reshape(PAGES, PS // 8).copy()
+    paths, parent, snap = [], None, None
+    for k in range(LINKS):
+        path = directory / f"link{k:04d}.lean"
+        w = LeanImageWriter(path, parent=parent, frame_pages=8)
+        region = w.add_region("pc.ram", PAGES * PS, 0)
+        if parent is None:
+            w.put_pages(region, 0, mem.tobytes())
+        else:
+            rewritten, worded = (2 * k) % PAGES, (2 * k + 1) % PAGES
+            mem[rewritten] = rng.integers(0, 2**63, PS // 8, dtype=np.uint64)
+            mem[worded, k % (PS // 8)] ^= np.uint64(k + 1)
+            for page in range(PAGES):
+                if page in (rewritten, worded):
+                    w.put_changed(region, page, snap[page].tobytes(), mem[page].tobytes())
+                else:
+                    w.put_parent(region, page, page_digest(mem[page].tobytes()))
+        digest = w.finish()
+        parent, snap = ParentLink(w.image_uuid, digest), mem.copy()
+        paths.append(path)
+    return paths, mem.tobytes()
+
+
+@pytest.fixture(scope="module")
+def chain(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("deep-chain")
+    paths, memory = _write_chain(directory)
+    return paths, memory
+
+
+@pytest.fixture
+def copy(chain, tmp_path):
+    """A fresh copy of the chain to spoil: (paths, final memory)."""
+    paths, memory = chain
+    copies = []
+    for path in paths:
+        target = tmp_path / path.name
+        target.write_bytes(path.read_bytes())
+        copies.append(target)
+    return copies, memory
+
+
+def open_alone(path) -> LeanImage:
+    """Each link loaded and checked as it is found: the path before tables_batch."""
+    image = LeanImage.open_link(path)
+    try:
+        attach_chain(image, [], LeanImage.open_link)
+    except BaseException:
+        image.close()
+        raise
+    return image
+
+
+def finding(open_image, path) -> tuple:
+    with pytest.raises(LeanImageError) as info:
+        open_image(path).close()
+    exc = info.value
+    return type(exc).__name__, exc.rule, exc.offset, exc.structure, exc.path, exc.message
+
+
+# --- edits of one link, checksums made right again ------------------------------------------
+def _entries(path: Path):
+    with LeanImage.open_link(path) as link:
+        return link.footer.index_offset, link.tables.entries.copy()
+
+
+def _entry_field(path: Path, position: int, field: str) -> tuple[int, str]:
+    index_offset, _ = _entries(path)
+    at = index_offset + RECORD.size + INDEX_BODY.size + position * INDEX_ENTRY.size + INDEX_ENTRY.offset(field)
+    return at, "<" + {"u8": "Q", "u4": "I"}[INDEX_ENTRY.field(field).type]
+
+
+def _first_of(path: Path, record_type: int) -> int:
+    return int(np.flatnonzero(_entries(path)[1]["record_type"] == record_type)[0])
+
+
+def add_to_entry(record_type: int, field: str, amount: int | None, nth: int = 0):
+    """An edit adding ``amount`` to a field of an INDEX entry (None: setting it to 0)."""
+    def edit(path: Path, data: bytearray) -> None:
+        positions = np.flatnonzero(_entries(path)[1]["record_type"] == record_type)
+        at, fmt = _entry_field(path, int(positions[nth]), field)
+        (value,) = struct.unpack_from(fmt, data, at)
+        struct.pack_into(fmt, data, at, 0 if amount is None else (value + amount) % (1 << 8 * struct.calcsize(fmt)))
+    return edit
+
+
+def swap_last_offsets(path: Path, data: bytearray) -> None:
+    n = len(_entries(path)[1])
+    a, _ = _entry_field(path, n - 2, "record_offset")
+    b, _ = _entry_field(path, n - 1, "record_offset")
+    data[a:a + 8], data[b:b + 8] = data[b:b + 8], data[a:a + 8]
+
+
+def edit_extent(field: str, amount: int, page_class: int | None = None):
+    def edit(path: Path, data: bytearray) -> None:
+        with LeanImage.open_link(path) as link:
+            extents = link.regions[0].extents
+            offset = int(link.tables.entries["record_offset"][_first_of(path, RecordType.PAGE_MAP)])
+        j = 0 if page_class is None else int(np.flatnonzero(extents["page_class"] == page_class)[0])
+        at = offset + RECORD.size + PAGE_MAP_BODY.size + j * EXTENT.size + EXTENT.offset(field)
+        fmt = "<" + {"u8": "Q", "u4": "I", "u2": "H"}[EXTENT.field(field).type]
+        (value,) = struct.unpack_from(fmt, data, at)
+        struct.pack_into(fmt, data, at, value + amount)
+    return edit
+
+
+def clear_feature(bit: int):
+    def edit(path: Path, data: bytearray) -> None:
+        at = HEADER.offset("incompatible_features")
+        (value,) = struct.unpack_from("<Q", data, at)
+        struct.pack_into("<Q", data, at, value & ~bit)
+    return edit
+
+
+def both(*edits):
+    def edit(path: Path, data: bytearray) -> None:
+        for one in edits:
+            one(path, data)
+    return edit
+
+
+def spoil(path: Path, edit) -> None:
+    data = bytearray(path.read_bytes())
+    edit(path, data)
+    path.write_bytes(reseal(bytes(data)))
+
+
+def relink(paths: list[Path], first: int) -> None:
+    """Links first.. name their parent's new image_digest (as if written against it)."""
+    for k in range(first, len(paths)):
+        data = bytearray(paths[k].read_bytes())
+        at = HEADER.offset("parent_digest")
+        data[at:at + 16] = image_digest(paths[k - 1])
+        paths[k].write_bytes(reseal(bytes(data)))
+
+
+EDITS = {        # name: (edit, the rule opening the link alone reports)
+    "digests first": (add_to_entry(RecordType.DIGESTS, "first", 1), "LI-DIG-001"),
+    "digests count": (add_to_entry(RecordType.DIGESTS, "count", -1), "LI-DIG-001"),
+    "digests key": (add_to_entry(RecordType.DIGESTS, "key", 1), "LI-REC-009"),
+    "page frame first": (add_to_entry(RecordType.PAGE_FRAME, "first", 1), "LI-FRM-001"),
+    "page frame count": (add_to_entry(RecordType.PAGE_FRAME, "count", 1), "LI-MAP-004"),
+    "page frame count zero": (add_to_entry(RecordType.PAGE_FRAME, "count", None), "LI-FRM-004"),
+    "delta frame count": (add_to_entry(RecordType.DELTA_FRAME, "count", 1), "LI-MAP-004"),
+    "page map entry count": (add_to_entry(RecordType.PAGE_MAP, "count", 1), "LI-IDX-001"),
+    "entries out of order": (swap_last_offsets, "LI-IDX-001"),
+    "extent pages": (edit_extent("num_pages", 1), "LI-IDX-001"),
+    "extent pages, entry too": (both(edit_extent("num_pages", 1), add_to_entry(RecordType.PAGE_MAP, "count", 1)),
+                                "LI-MAP-001"),
+    "stored slot": (edit_extent("first_slot", 1, PageClass.STORED), "LI-MAP-004"),
+    "delta slot": (edit_extent("first_slot", 1, PageClass.DELTA), "LI-MAP-004"),
+    "extent class": (edit_extent("page_class", 40), "LI-MAP-002"),
+    "no DELTA bit": (clear_feature(IncompatFeature.DELTA), "LI-HDR-009"),
+}
+
+
+def test_the_chain_opens_batched_and_alone_alike(chain):
+    paths, memory = chain
+    with LeanImage.open(paths[-1]) as image, open_alone(paths[-1]) as alone:
+        assert len(image.chain()) == len(alone.chain()) == LINKS
+        for a, b in zip(image.chain(), alone.chain()):
+            ra, rb = a.regions[0], b.regions[0]
+            assert (ra.name, ra.size_bytes, ra.guest_phys_base) == (rb.name, rb.size_bytes, rb.guest_phys_base)
+            for name in ("extents", "starts", "digest_bearing", "digest_rank0"):
+                got, want = getattr(ra, name), getattr(rb, name)
+                assert got.dtype == want.dtype and np.array_equal(got, want), name
+            assert a.tables.digest_positions == b.tables.digest_positions
+            assert (a.disks, a.source_states, len(a.tables.disk_refs)) == (b.disks, b.source_states, 0)
+
+
+@pytest.mark.parametrize("whole", [True, False], ids=["whole-read", "record-reads"])
+@pytest.mark.parametrize("edit, rule", EDITS.values(), ids=EDITS.keys())
+@pytest.mark.parametrize("bad", [1, CHECK_BATCH + 37, LINKS - 2], ids=["first-batch", "middle", "last-batch"])
+def test_a_bad_link_is_refused_as_when_opened_alone(copy, monkeypatch, edit, rule, bad, whole):
+    paths, _ = copy
+    if not whole:
+        monkeypatch.setattr(reader_module, "WHOLE_READ_BELOW", 0)
+    spoil(paths[bad], edit)
+    relink(paths, bad + 1)
+    expected = finding(open_alone, paths[-1])
+    assert expected[1] == rule and expected[4] == str(paths[bad])       # the edit reaches its rule in link bad
+    assert finding(LeanImage.open, paths[-1]) == expected
+
+
+def test_an_earlier_bad_link_is_reported_before_a_later_unreadable_one(copy):
+    """The walk reads a later link's header before the earlier links' tables are checked: the
+    earlier link's finding must still come first."""
+    paths, _ = copy
+    spoil(paths[LINKS - 10], add_to_entry(RecordType.DIGESTS, "first", 1))
+    data = bytearray(paths[LINKS - 12].read_bytes())
+    data[0] ^= 0xFF                                                   # bad magic: refused at the header
+    paths[LINKS - 12].write_bytes(bytes(data))
+    expected = finding(open_alone, paths[-1])
+    assert expected[1] == "LI-DIG-001" and expected[4] == str(paths[LINKS - 10])
+    assert finding(LeanImage.open, paths[-1]) == expected
+
+
+def test_an_earlier_bad_link_is_reported_before_a_missing_parent(copy):
+    paths, _ = copy
+    spoil(paths[LINKS - 5], edit_extent("num_pages", 1))
+    os.unlink(paths[LINKS - 30])
+    expected = finding(open_alone, paths[-1])
+    assert expected[1] == "LI-IDX-001" and expected[4] == str(paths[LINKS - 5])
+    assert finding(LeanImage.open, paths[-1]) == expected
+
+
+def test_a_missing_parent_deep_down_is_reported_as_before(copy):
+    paths, _ = copy
+    os.unlink(paths[3])
+    expected = finding(open_alone, paths[-1])
+    assert expected[1] == "LI-CHN-001" and expected[4] == str(paths[4])
+    assert finding(LeanImage.open, paths[-1]) == expected
+
+
+def test_a_small_link_is_opened_with_one_read(chain, monkeypatch):
+    paths, _ = chain
+    reads = []
+    real = os.pread
+    monkeypatch.setattr(os, "pread", lambda fd, n, at: reads.append((n, at)) or real(fd, n, at))
+    LeanImage.open_link(paths[LINKS // 2]).close()
+    assert reads == [(paths[LINKS // 2].stat().st_size, 0)]
+
+
+def test_a_truncated_digests_record_in_a_link_is_reported_by_the_restore(copy):
+    """DIGESTS are read when a restore first needs them (LI-DIG-003 names the link): those of
+    a link near the top, whose changed pages no later link changes again."""
+    paths, _ = copy
+    bad = LINKS - 3
+
+    def shorten(path: Path, data: bytearray) -> None:
+        position = _first_of(path, RecordType.DIGESTS)
+        offset = int(_entries(path)[1]["record_offset"][position])
+        at = offset + RECORD.size + 4                                     # digests_body.num_digests
+        (value,) = struct.unpack_from("<I", data, at)
+        struct.pack_into("<I", data, at, value - 1)
+    spoil(paths[bad], shorten)
+    relink(paths, bad + 1)
+    found = []
+    for open_image in (LeanImage.open, open_alone):
+        with open_image(paths[-1]) as image, pytest.raises(LeanImageError) as info:
+            restore_raw(image, open(os.devnull, "wb"))
+        found.append((info.value.rule, info.value.offset, info.value.structure, info.value.path))
+    assert found[0] == found[1] and found[0][0] == "LI-REC-007" and found[0][3] == str(paths[bad])
+
+
+def test_the_deep_chain_restores_its_final_memory(chain, tmp_path):
+    paths, memory = chain
+    out = tmp_path / "out.raw"
+    with LeanImage.open(paths[-1]) as image, open(out, "wb") as f:
+        restore_raw(image, f)
+    assert out.read_bytes() == memory
+
+
+@pytest.mark.parametrize("most, alone", [(None, 0), (0, LINKS - 1)], ids=["small-links-batched", "large-links-alone"])
+def test_links_with_many_extents_are_checked_alone(chain, monkeypatch, most, alone):
+    """The batch pays for small links only: a link whose PAGE_MAP holds more than
+    BATCH_EXTENTS_MAX extents goes to ImageTables.load (here every link, with the limit 0)."""
+    from leanimg import tables_batch
+    from leanimg.tables import ImageTables
+    paths, _ = chain
+    if most is not None:
+        monkeypatch.setattr(tables_batch, "BATCH_EXTENTS_MAX", most)
+    loads = []
+    real = ImageTables.load
+    monkeypatch.setattr(ImageTables, "load", lambda self: loads.append(self.file.name) or real(self))
+    with LeanImage.open(paths[-1]) as image:
+        assert len(image.chain()) == LINKS
+    assert len(loads) == 1 + alone                     # the child itself is opened alone
