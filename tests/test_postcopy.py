@@ -266,13 +266,18 @@ def test_prepaging_orders_cover_each_page_once(strategy, image):
             assert min(after_fault) < 200 < max(after_fault), after_fault
 
 
-def test_a_page_failing_its_check_stops_the_serve_and_is_never_sent(image, ram, tmp_path):
-    bad = tmp_path / "bad.lean"
+def with_a_spoiled_frame(image, bad):
+    """A copy of ``image`` at ``bad`` with a byte of its middle PAGE_FRAME's payload flipped."""
     blob = bytearray(image.read_bytes())
     frames = [r for r in dump_structure(image)["records"] if r["record_type"] == RecordType.PAGE_FRAME]
     frame = frames[len(frames) // 2]
     blob[frame["offset"] + 32 + frame["body_length"] // 2] ^= 0x55
     bad.write_bytes(bytes(blob))
+    return bad
+
+
+def test_a_page_failing_its_check_stops_the_serve_and_is_never_sent(image, ram, tmp_path):
+    bad = with_a_spoiled_frame(image, tmp_path / "bad.lean")
     dest, result = serve(bad)
     assert isinstance(result, pc.ServeError), result
     assert "stopped before sending block 'pc.ram' page " in str(result)
@@ -615,12 +620,7 @@ def test_no_precopy_seconds_sends_nothing_before_the_guest_runs_but_the_working_
 
 
 def test_a_page_failing_during_the_precopy_stops_the_serve_before_the_guest_runs(image, ram, tmp_path):
-    bad = tmp_path / "bad.lean"
-    blob = bytearray(image.read_bytes())
-    frames = [r for r in dump_structure(image)["records"] if r["record_type"] == RecordType.PAGE_FRAME]
-    frame = frames[len(frames) // 2]
-    blob[frame["offset"] + 32 + frame["body_length"] // 2] ^= 0x55
-    bad.write_bytes(bytes(blob))
+    bad = with_a_spoiled_frame(image, tmp_path / "bad.lean")
     dest, result = serve(bad, precopy_seconds=60)
     assert isinstance(result, pc.ServeError), result
     failed = int(str(result).split("page ")[1].split()[0])
