@@ -58,7 +58,7 @@ import numpy as np
 
 from leanimg.converters import qemu
 from leanimg.errors import LeanImageError, UnsupportedError
-from leanimg.fileutil import write_atomically
+from leanimg.fileutil import widen_pipe, write_atomically
 from leanimg.format import PageClass
 from leanimg.reader import LeanImage
 
@@ -90,10 +90,6 @@ FRAME_CACHE_BYTES = 256 << 20
 # copy (10-35 us, scattered pages the dearer), each saves a fault's round trip (2-3 ms) if the
 # guest touches it
 WORKING_SET_PAGES = 8192
-# the stream pipe's capacity (F_SETPIPE_SZ; Linux's default 64 KiB holds 16 pages): with more,
-# the serve and QEMU's listen thread hand the pipe to each other far less often; an answer
-# waits behind at most this much of pushed pages (~2 ms at QEMU's rate of placing them)
-PIPE_BYTES = 1 << 20
 _BE16, _BE32, _BE64 = struct.Struct(">H"), struct.Struct(">I"), struct.Struct(">Q")
 
 
@@ -499,7 +495,10 @@ class PostcopyServer:
 
     def serve(self) -> ServeStats:
         try:
-            _grow_pipe(self.out.fileno())
+            # a 1 MiB pipe (fileutil.widen_pipe; Linux's default 64 KiB holds 16 pages): the serve
+            # and QEMU's listen thread hand it to each other far less often; an answer waits
+            # behind at most that much of pushed pages (~2 ms at QEMU's rate of placing them)
+            widen_pipe(self.out.fileno())
             self._write(opening(self.state, self.ps))
             self._precopy()
             self._write(package(self.state))
@@ -739,14 +738,6 @@ class PostcopyServer:
     def _section_bytes(self, parts: list[bytes]) -> bytes:
         sid = self.state.ram.section_id
         return b"".join([bytes([qemu.PART]), _BE32.pack(sid), *parts, _section_end(self.state)])
-
-
-def _grow_pipe(fd: int) -> None:
-    """Make the stream's pipe hold PIPE_BYTES when the host allows (a larger value than
-    /proc/sys/fs/pipe-max-size needs CAP_SYS_RESOURCE); anything else stays as it is."""
-    with contextlib.suppress(OSError, AttributeError):
-        if fcntl.fcntl(fd, fcntl.F_GETPIPE_SZ) < PIPE_BYTES:
-            fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, PIPE_BYTES)
 
 
 def _runs_of(mask: np.ndarray) -> list[tuple[int, int]]:
