@@ -40,15 +40,11 @@ class WorkingSetError(LeanImageError):
 def write_working_set(path: str, page_size: int, names: list[str], entries: list[tuple[int, int]]) -> None:
     """``entries`` ((block index, page) in the order asked, repeats dropped) to ``path`` (a
     temporary file renamed into place once complete, like every leanimg output)."""
-    seen, unique = set(), []
-    for entry in entries:
-        if entry not in seen:
-            seen.add(entry)
-            unique.append(entry)
-    unique = unique[:MAX_ENTRIES]
+    table = np.array(entries, dtype=np.uint32).reshape(-1, 2)
+    _, first = np.unique(table, axis=0, return_index=True)
+    table = table[np.sort(first)][:MAX_ENTRIES]
     blocks = b"".join(bytes([len(n.encode())]) + n.encode() for n in names)
-    table = np.array(unique, dtype=np.uint32).reshape(-1, 2)
-    data = HEADER.pack(MAGIC, 1, 0, page_size, len(names), len(unique)) + blocks + table.astype("<u4").tobytes()
+    data = HEADER.pack(MAGIC, 1, 0, page_size, len(names), len(table)) + blocks + table.astype("<u4").tobytes()
     write_atomically(path, lambda out: out.write(data))
 
 
@@ -70,9 +66,12 @@ def read_working_set(path: str, page_size: int, block_pages: dict[str, int]) -> 
 
 @implements("LI-WKS-001", "LI-WKS-002")
 def _check_header(head: bytes, page_size: int, path: str) -> None:
-    if len(head) < HEADER.size or head[:8] != MAGIC:
+    if head[:8] != MAGIC:
         raise WorkingSetError("not a working-set file (the magic 89 4C 45 41 4E 57 4B 53 is missing)",
                               offset=0, structure="header.magic", rule="LI-WKS-001", path=path)
+    if len(head) < HEADER.size:
+        raise WorkingSetError(f"the header is cut short: {len(head)} of {HEADER.size} bytes", offset=len(head),
+                              structure="header", rule="LI-WKS-002", path=path)
     _, major, _, size, blocks, entries = HEADER.unpack(head)
     if major != 1:
         raise WorkingSetError(f"major_version {major} is not 1", offset=8, structure="header.major_version",

@@ -14,12 +14,15 @@ import os
 import stat
 import struct
 import subprocess
+import tempfile
 import threading
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from helpers import qemu_save
 from leanimg.cli import command_line
@@ -529,6 +532,8 @@ BAD_WORKING_SETS = {
     "LI-WKS-002": (lambda b: b[:8] + struct.pack("<H", 2) + b[10:], 8, "header.major_version"),
     "LI-WKS-002 page size": (lambda b: b[:12] + struct.pack("<I", 8192) + b[16:], 12, "header.page_size"),
     "LI-WKS-002 entries": (lambda b: b[:20] + struct.pack("<I", (1 << 22) + 1) + b[24:], 20, "header.entry_count"),
+    "LI-WKS-002 blocks": (lambda b: b[:16] + struct.pack("<I", 0) + b[20:], 16, "header.block_count"),
+    "LI-WKS-002 cut short": (lambda b: b[:15], 15, "header"),
     "LI-WKS-003": (lambda b: b[:25] + b"pc.rom" + b[31:], 24, "blocks[0]"),
     "LI-WKS-003 utf8": (lambda b: b[:25] + b"pc.ra\xff" + b[31:], 24, "blocks[0]"),
     "LI-WKS-004": (lambda b: b + b"\0", 31, "entries"),
@@ -547,6 +552,29 @@ def test_a_bad_working_set_is_refused_with_offset_structure_and_rule(case, tmp_p
         read_working_set(str(path), PS, {"pc.ram": NPAGES})
     err = info.value
     assert (err.rule, err.offset, err.structure) == (case.split()[0], offset, structure), str(err)
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data())
+def test_a_working_set_cut_anywhere_or_with_any_bit_flipped_is_read_or_refused_cleanly(data):
+    """Truncated or bit-flipped: a WorkingSetError naming a LI-WKS rule, or a working set whose
+    every page lies in the image (it can only change the order pages travel in)."""
+    with tempfile.TemporaryDirectory() as d:
+        good = _good_file(Path(d))
+        if data.draw(st.booleans(), label="cut"):
+            bad = good[:data.draw(st.integers(0, len(good) - 1), label="length")]
+        else:
+            bit = data.draw(st.integers(0, 8 * len(good) - 1), label="bit")
+            bad = bytearray(good)
+            bad[bit // 8] ^= 1 << (bit % 8)
+        path = Path(d) / "bad.lws"
+        path.write_bytes(bytes(bad))
+        try:
+            listed = read_working_set(str(path), PS, {"pc.ram": NPAGES})
+        except WorkingSetError as exc:
+            assert exc.rule.startswith("LI-WKS-") and exc.offset is not None and exc.structure, str(exc)
+            return
+    assert all(name == "pc.ram" and ((0 <= pages) & (pages < NPAGES)).all() for name, pages in listed)
 
 
 def test_cli_serve_refuses_a_bad_working_set_before_sending_anything(image, tmp_path):
