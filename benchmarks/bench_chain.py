@@ -209,17 +209,17 @@ def evict(paths) -> None:
         evict_from_page_cache(p)
 
 
-def run_cli(*args, stdout=subprocess.DEVNULL) -> None:
-    proc = subprocess.run([*LEANIMG, *map(str, args)], stdout=stdout, stderr=subprocess.PIPE)
+def run_cli(*args, stdout=subprocess.DEVNULL, cli=LEANIMG) -> None:
+    proc = subprocess.run([*cli, *map(str, args)], stdout=stdout, stderr=subprocess.PIPE)
     if proc.returncode:
         raise SystemExit(f"leanimg {' '.join(map(str, args))} exited {proc.returncode}:\n"
                          f"{proc.stderr.decode(errors='replace')}")
 
 
-def timed_restore(chain: ChainBuilder, out: str = "/dev/null") -> float:
+def timed_restore(chain: ChainBuilder, out: str = "/dev/null", cli=LEANIMG) -> float:
     evict(chain.links)
     t0 = time.perf_counter()
-    run_cli("restore", chain.links[-1], "--to", "raw", "-o", out, "-f")
+    run_cli("restore", chain.links[-1], "--to", "raw", "-o", out, "-f", cli=cli)
     return time.perf_counter() - t0
 
 
@@ -288,34 +288,47 @@ def bench_depths(work: Path, args, log) -> dict:
         out.unlink()
     if len(set(digests.values())) != 1:
         raise SystemExit(f"restores of the last links differ: {digests}")
-    times = {d: [] for d in depths}
+    versions = {"new": LEANIMG}
+    if args.baseline:
+        versions["baseline"] = [str(args.baseline / ".venv" / "bin" / "leanimg")]
+    times = {tag: {d: [] for d in depths} for tag in versions}
     reads = {d: [] for d in depths}
-    for _ in range(args.repeat):
+    for _ in range(args.repeat):           # interleaved: drift hits every depth and version alike
         for d in depths:
-            times[d].append(timed_restore(chains[d]))
+            for tag, cli in versions.items():
+                times[tag][d].append(timed_restore(chains[d], cli=cli))
             reads[d].append(timed_read(chains[d]))
-    med = {d: statistics.median(t) for d, t in times.items()}
     read_med = {d: statistics.median(t) for d, t in reads.items()}
-    ratios = {}
-    for d in (100, 1000):
-        if d in med and 10 in med:
-            ratios[f"depth{d}/depth10"] = med[d] / med[10]
-    ratios["chain/(read+flat)"] = max(med[d] / (read_med[d] + med[1]) for d in depths if d > 1)
-    verdicts = {name: value <= TARGETS[name] for name, value in ratios.items()}
-    return dict(
-        ratios=ratios, targets=TARGETS, meets_targets=verdicts,
-        chain_over_read_plus_flat={str(d): med[d] / (read_med[d] + med[1]) for d in depths if d > 1},
+    result = dict(
         size_bytes=args.size, workload=args.workload, word_frac=args.word_frac, page_frac=args.page_frac,
-        sparse_pages=args.sparse_pages,
+        sparse_pages=args.sparse_pages, targets=TARGETS,
         build_seconds=build_s, final_sha256=digests[1],
         chains={str(d): dict(depth=d, links=len(c.links), bytes=chain_bytes(c),
                              decompressed_bytes=frames_to_decompress(c),
                              last_link_bytes=c.links[-1].stat().st_size, classes_written=c.classes,
-                             restore_seconds=times[d], restore_median=med[d],
-                             cold_read_seconds=reads[d], cold_read_median=statistics.median(reads[d]))
+                             restore_seconds=times["new"][d], restore_median=statistics.median(times["new"][d]),
+                             cold_read_seconds=reads[d], cold_read_median=read_med[d])
                 for d, c in chains.items()},
-        meets_target=all(verdicts.values()),
-    )
+        **verdict(times["new"], read_med, depths))
+    if args.baseline:
+        result["baseline"] = dict(checkout=str(args.baseline), restore_seconds={str(d): t for d, t in
+                                                                               times["baseline"].items()},
+                                  **verdict(times["baseline"], read_med, depths))
+    return result
+
+
+def verdict(times: dict, read_med: dict, depths: list[int]) -> dict:
+    """Issue 15 §3's ratios from one version's restore times (per depth) and the cold reads."""
+    med = {d: statistics.median(t) for d, t in times.items()}
+    ratios = {}
+    for d in (100, 1000):
+        if d in med and 10 in med:
+            ratios[f"depth{d}/depth10"] = med[d] / med[10]
+    over_flat = {str(d): med[d] / (read_med[d] + med[1]) for d in depths if d > 1}
+    ratios["chain/(read+flat)"] = max(over_flat.values())
+    verdicts = {name: value <= TARGETS[name] for name, value in ratios.items()}
+    return dict(restore_medians={str(d): m for d, m in med.items()}, ratios=ratios, meets_targets=verdicts,
+                chain_over_read_plus_flat=over_flat, meets_target=all(verdicts.values()))
 
 
 def kept_chains(work: Path, depths: list[int]) -> dict[int, ChainBuilder]:
@@ -370,6 +383,14 @@ def sha256_restore(chain: ChainBuilder, out: Path) -> str:
     return digest
 
 
+def render_verdict(v: dict, targets: dict) -> list[str]:
+    lines = [f"  depth {depth}: restore / (cold read of its files + depth-1 restore) = {ratio:.3f}"
+             for depth, ratio in v["chain_over_read_plus_flat"].items()]
+    lines += [f"  {name:<20} {ratio:.3f}  (target <= {targets[name]}: "
+              f"{'met' if v['meets_targets'][name] else 'NOT met'})" for name, ratio in v["ratios"].items()]
+    return lines
+
+
 def render(results: dict) -> str:
     d = results["depths"]
     workload = "sparse: {} pages of 1-4 words a step".format(d["sparse_pages"]) if d["workload"] == "sparse" \
@@ -384,11 +405,12 @@ def render(results: dict) -> str:
                      f"{c['decompressed_bytes'] / 2**20:15.1f} "
                      f"{c['cold_read_median']:12.3f} {c['restore_median']:10.3f}  "
                      f"{' '.join(f'{t:.3f}' for t in c['restore_seconds'])}")
-    for depth, ratio in d["chain_over_read_plus_flat"].items():
-        lines.append(f"  depth {depth}: restore / (cold read of its files + depth-1 restore) = {ratio:.3f}")
-    for name, ratio in d["ratios"].items():
-        lines.append(f"  {name:<20} {ratio:.3f}  (target <= {d['targets'][name]}: "
-                     f"{'met' if d['meets_targets'][name] else 'NOT met'})")
+    lines += render_verdict(d, d["targets"])
+    if "baseline" in d:
+        b = d["baseline"]
+        lines.append(f"baseline {b['checkout']}, interleaved with the runs above: restore medians "
+                     + ", ".join(f"depth {depth} {m:.3f} s" for depth, m in b["restore_medians"].items()))
+        lines += render_verdict(b, d["targets"])
     if "deep" in results:
         k = results["deep"]
         lines.append(f"depth {k['depth']} over {k['size_bytes'] >> 20} MiB: built in {k['build_seconds']:.1f} s "
@@ -419,6 +441,9 @@ def main(argv=None) -> int:
                         help="also time inspect/validate/restore of a chain this deep over --deep-size (0: skip)")
     parser.add_argument("--deep-size", type=parse_size, default=8 << 20,
                         help="region size of the deep chain (default 8MiB)")
+    parser.add_argument("--baseline", type=Path, metavar="DIR",
+                        help="also time another checkout of leanimg (DIR, with its .venv), interleaved with "
+                             "this one: the A/B of a change in one run")
     parser.add_argument("--workdir", default=None, help="parent of the temporary directory (default /tmp)")
     parser.add_argument("--json", dest="json_path", metavar="FILE", help="also write the results as JSON")
     parser.add_argument("--keep", action="store_true", help="keep the chains")
