@@ -18,6 +18,7 @@ from .errors import ChainError, LeanImageError
 from .format import (
     DIGEST_SIZE, PageClass, digest_class_table, inherits_digests, page_digest, zero_page_digest,
 )
+from .format import RECORD, RECORD_TRAILER, RecordType, checksum64
 from .tables import ImageTables, Region
 
 
@@ -105,21 +106,27 @@ class DigestStore:
 
     def _inherited_table(self, region: Region, image) -> tuple[np.ndarray, np.ndarray]:
         """Per page of the region, the digest its digest link holds for it, and that link's
-        index where the page is FREE there (-1: not FREE): one pass over the links for the
-        whole region, so reading it range by range costs no work per link and range."""
+        index where the page is FREE there (-1: not FREE): one vectorised pass over the
+        digest links found by chain.resolve (class and digest rank per page) and their stored
+        digests laid end to end, so reading it range by range costs no work per link and range."""
         if region.region_id not in self._inherited_tables:
             resolution = image.resolution(region)
             links = resolution.digest_link
             table = np.zeros((len(links), DIGEST_SIZE), np.uint8)
             free_in = np.full(len(links), -1, np.int32)
-            order = np.argsort(links, kind="stable")
-            depths, starts = np.unique(links[order], return_index=True)
-            for depth, lo, hi in zip(depths.tolist(), starts.tolist(), [*starts[1:].tolist(), len(order)]):
-                if depth <= 0:
-                    continue
-                pages = order[lo:hi]
-                classes, table[pages] = resolution.links[depth].digests.own_pages(resolution.regions[depth], pages)
-                free_in[pages[classes == PageClass.FREE]] = depth
+            pages = np.flatnonzero(links > 0)
+            if len(pages):
+                depth_of = links[pages]
+                depths = np.unique(depth_of)
+                stored, bases = read_tables([resolution.links[d].digests for d in depths.tolist()],
+                                            [resolution.regions[d] for d in depths.tolist()])
+                ranks, classes = resolution.digest_rank[pages], resolution.digest_class[pages]
+                bearing = ranks >= 0
+                rows = bases[np.searchsorted(depths, depth_of[bearing])] + ranks[bearing]
+                table[pages[bearing]] = stored[rows]
+                table[pages[classes == PageClass.ZERO]] = np.frombuffer(zero_page_digest(self.page_size), np.uint8)
+                free = classes == PageClass.FREE
+                free_in[pages[free]] = depth_of[free]
             self._inherited_tables[region.region_id] = (table, free_in)
         return self._inherited_tables[region.region_id]
 
@@ -149,3 +156,103 @@ def verify_page(region: Region, page: int, data, expected: bytes | None) -> None
         return
     got = np.frombuffer(page_digest(data), np.uint8).reshape(1, DIGEST_SIZE)
     verify_rows(region, page, np.zeros(1, np.int64), got, np.frombuffer(expected, np.uint8).reshape(1, DIGEST_SIZE))
+
+
+_DIGESTS_HEAD = np.dtype([("record_type", "<u4"), ("flags", "<u4"), ("body_length", "<u8"), ("region_id", "<u4"),
+                          ("num_digests", "<u4"), ("first_page", "<u8"), ("num_pages", "<u8")])
+
+
+def read_tables(stores: list[DigestStore], regions: list[Region]) -> tuple[np.ndarray, np.ndarray]:
+    """The stored digests of region ``regions[k]`` of each store, as DigestStore.table gives
+    them one by one, laid end to end, and where each store's begin. The DIGESTS records of all
+    are read (one read each) and their rules tested together; a store whose records pass is
+    given its table, any other reads its own through DigestStore.table, in order, which raises
+    its finding (the same as when each was read alone)."""
+    for k, parts in enumerate(_records_pass(stores, regions)):
+        if parts is not None and regions[k].region_id not in stores[k]._tables:
+            stores[k]._tables[regions[k].region_id] = parts[0] if len(parts) == 1 else \
+                np.concatenate(parts) if parts else np.zeros((0, DIGEST_SIZE), np.uint8)
+    tables = [store.table(region) for store, region in zip(stores, regions)]
+    lengths = np.array([len(t) for t in tables], np.int64)
+    return np.concatenate(tables), np.cumsum(lengths) - lengths
+
+
+def _records_pass(stores: list[DigestStore], regions: list[Region]) -> list:
+    """Per store: its region's digest rows (one array per DIGESTS record) if every rule
+    DigestStore.table checks holds for them (in its plain case), else None. The rules: the
+    record's framing, checksum and flags (LI-REC-002/003/005), padding (LI-REC-004), body
+    length (LI-REC-007), the INDEX entry it fills (LI-IDX-001) and num_digests (LI-DIG-003)."""
+    raws, owner, entries = [], [], []
+    usable = np.ones(len(stores), bool)
+    for k, (store, region) in enumerate(zip(stores, regions)):
+        if region.region_id in store._tables:
+            continue                        # read before: table() has it
+        tables = store.tables
+        offsets = tables.entries["record_offset"]
+        for position in tables.digest_positions.get(region.region_id, []):
+            offset = int(offsets[position])
+            following = int(offsets[position + 1]) if position + 1 < len(offsets) else tables.index.offset
+            try:
+                raw = tables.file.read_exact(offset, following - offset, "digests")
+            except LeanImageError:
+                usable[k] = False
+                continue
+            if len(raw) < RECORD.size + DIGESTS_HEAD_SIZE + RECORD_TRAILER.size:
+                usable[k] = False
+                continue
+            raws.append(raw)
+            owner.append(k)
+            entries.append(tables.entries[position:position + 1])
+    if not raws:
+        return [[] if ok else None for ok in usable]
+    owner = np.array(owner, np.int64)
+    head = np.frombuffer(b"".join(raw[:_DIGESTS_HEAD.itemsize] for raw in raws), _DIGESTS_HEAD)
+    sizes = np.array([len(raw) for raw in raws], np.int64)
+    entry = _joined(entries)
+    body = head["body_length"].astype(np.int64)
+    num_pages = head["num_pages"].astype(np.int64)
+    first_page = head["first_page"].astype(np.int64)
+    limits = np.array([r.num_pages for r in regions], np.int64)[owner]
+    ok = (head["record_type"] == RecordType.DIGESTS) & (head["flags"] == 0) & \
+        (body == DIGESTS_HEAD_SIZE + DIGEST_SIZE * head["num_digests"].astype(np.int64)) & \
+        (sizes == RECORD.size + body + RECORD_TRAILER.size) & \
+        (num_pages >= 1) & (head["num_digests"] <= head["num_pages"]) & \
+        (entry["record_type"] == RecordType.DIGESTS) & (entry["key"] == head["region_id"]) & \
+        (entry["first"] == head["first_page"]) & (entry["count"] == head["num_pages"]) & \
+        (head["first_page"] < limits) & (head["num_pages"] <= limits) & (first_page + num_pages <= limits)
+    trailers = np.frombuffer(b"".join(raw[-RECORD_TRAILER.size:] for raw in raws), "<u8")
+    sums = np.array([checksum64(memoryview(raw)[:-RECORD_TRAILER.size]) for raw in raws], np.uint64)
+    ok &= trailers == sums
+    ok &= _bearing_between(regions, owner, first_page, first_page + num_pages, ok) == head["num_digests"]
+    usable &= np.bincount(owner[~ok], minlength=len(stores)) == 0
+    parts: list = [[] for _ in stores]
+    for k, raw, n in zip(owner.tolist(), raws, head["num_digests"].tolist()):
+        if usable[k]:
+            start = RECORD.size + DIGESTS_HEAD_SIZE
+            parts[k].append(np.frombuffer(raw, np.uint8, n * DIGEST_SIZE, start).reshape(-1, DIGEST_SIZE))
+    return [p if ok_k else None for p, ok_k in zip(parts, usable.tolist())]
+
+
+DIGESTS_HEAD_SIZE = _DIGESTS_HEAD.itemsize - 16       # the DIGESTS body's fixed part
+
+
+def _bearing_between(regions: list[Region], owner: np.ndarray, starts: np.ndarray, ends: np.ndarray,
+                     ok: np.ndarray) -> np.ndarray:
+    """Per DIGESTS record (of region regions[owner]): the pages with stored digests in
+    [start, end) (checks.digests_before), where ``ok`` (elsewhere: -1). A record covering its
+    whole region, the usual case, takes the region's total without a search."""
+    totals = np.array([int(r.digest_rank0[-1]) + (int(r.extents["num_pages"][-1]) if r.digest_bearing[-1] else 0)
+                       if len(r.extents) else 0 for r in regions], np.int64)
+    pages = np.array([r.num_pages for r in regions], np.int64)
+    counts = np.where(ok & (starts == 0) & (ends == pages[owner]), totals[owner], -1)
+    for k in np.flatnonzero(ok & (counts < 0)).tolist():
+        r = regions[owner[k]]
+        lo, hi = checks.digests_before(r.extents, r.digest_bearing, r.digest_rank0, [starts[k], ends[k]])
+        counts[k] = hi - lo
+    return counts
+
+
+def _joined(tables: list[np.ndarray]) -> np.ndarray:
+    """Structured arrays of one dtype laid end to end (by their bytes: np.concatenate
+    promotes the fields of each, ~50 us a table)."""
+    return np.frombuffer(b"".join(t.tobytes() for t in tables), tables[0].dtype)
