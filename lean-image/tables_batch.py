@@ -20,7 +20,7 @@ import numpy as np
 from . import checks
 from .errors import LeanImageError
 from .format import (
-    EXTENT, FRAME_PAGES_MAX_BYTES, HAS_DIGEST, HAS_OWN_DIGEST, REGION_FLAG_HAS_GPA, IncompatFeature, PageClass, RecordType,
+    EXTENT, HAS_SLOT, IS_PAGE_CLASS, PAGE_MAP_BODY, RECORD, RECORD_TRAILER, checksum64, FRAME_PAGES_MAX_BYTES, HAS_DIGEST, HAS_OWN_DIGEST, REGION_FLAG_HAS_GPA, IncompatFeature, PageClass, RecordType,
     inherits_digests,
 )
 from .tables import ImageTables, Region
@@ -36,7 +36,7 @@ def load_tables(all_tables: list[ImageTables], on_error=None) -> None:
     """``load`` each of ``all_tables`` (read with load=False), in order; those of the common
     shape whose rules hold are checked together. Raises the first finding, in order, after
     ``on_error(finding, tables)`` (a caller naming the file)."""
-    prepared = [_prepare(t) for t in all_tables]
+    prepared = _prepare_all(all_tables)
     batch = [t for t, p in zip(all_tables, prepared) if p is not None]
     states = [p for p in prepared if p is not None]
     passed = _rules_hold(batch, states)
@@ -55,28 +55,116 @@ def load_tables(all_tables: list[ImageTables], on_error=None) -> None:
             t.adopt_region(region, extents, bearing, rank0, positions)
 
 
-def _prepare(t: ImageTables):
-    """(region, extents, digest positions) of an image of the common shape, its REGION and
-    PAGE_MAP read and checked alone; None for any other image (or a finding: load reports it)."""
+def _prepare_all(all_tables: list[ImageTables]) -> list:
+    """_prepare for each image: its PAGE_MAP's record rules are tested for all together
+    (_page_maps_pass), and a REGION record whose bytes, place and INDEX entry are those of
+    one checked before in the batch (a chain's links repeat the same REGION) is not checked
+    again: the rules are functions of exactly these."""
+    shapes = [_shape(t) for t in all_tables]
+    maps = _page_maps_pass([t for t, shape in zip(all_tables, shapes) if shape is not None],
+                           [shape[1] for shape in shapes if shape is not None])
+    regions: dict = {}
+    prepared = []
+    for t, shape in zip(all_tables, shapes):
+        prepared.append(None if shape is None else _prepare(t, *shape, maps.pop(0), regions))
+    return prepared
+
+
+def _shape(t: ImageTables) -> tuple[int, int] | None:
+    """(REGION position, PAGE_MAP position) of an image of the common shape, else None."""
     types = t.entries["record_type"].tolist()
     if not set(types) <= SHAPE_TYPES or types.count(RecordType.REGION) != 1 or types.count(RecordType.PAGE_MAP) != 1:
         return None
-    region_at, map_at = types.index(RecordType.REGION), types.index(RecordType.PAGE_MAP)
-    offsets = t.entries["record_offset"]
-    map_end = int(offsets[map_at + 1]) if map_at + 1 < len(types) else t.index.offset
-    if map_end - int(offsets[map_at]) > BATCH_EXTENTS_MAX * EXTENT.size:
+    map_at = types.index(RecordType.PAGE_MAP)
+    if _following(t, map_at) - int(t.entries["record_offset"][map_at]) > BATCH_EXTENTS_MAX * EXTENT.size:
         return None                    # a link with many extents costs less checked alone
+    return types.index(RecordType.REGION), map_at
+
+
+def _following(t: ImageTables, position: int) -> int:
+    """Where the record after entry ``position`` starts (the INDEX, after the last)."""
+    offsets = t.entries["record_offset"]
+    return int(offsets[position + 1]) if position + 1 < len(offsets) else t.index.offset
+
+
+def _prepare(t: ImageTables, region_at: int, map_at: int, extents, regions: dict):
+    """(region, extents, REGION position, PAGE_MAP position) of an image of the common shape,
+    its REGION read and checked alone (or known from ``regions``: key -> its parsed fields),
+    its PAGE_MAP's ``extents`` (None: read and checked alone); None on a finding: load reports it."""
     try:
-        region_record, map_record = t.record(region_at), t.record(map_at)
-        checks.first_problem(checks.region_table_problems([region_record]))
+        key = _record_key(t, region_at)
+        p = regions.get(key)
+        if p is None:
+            region_record = t.record(region_at)
+            checks.first_problem(checks.region_table_problems([region_record]))
+            p = regions[key] = region_record.parsed
+        if extents is None:
+            extents = t.record(map_at).parsed["extents"]
     except LeanImageError:
         return None
-    p = region_record.parsed
-    if map_record.parsed["region_id"] != p["region_id"]:
+    if int(t.entries["key"][map_at]) != p["region_id"]:       # the PAGE_MAP's region_id (its entry holds it)
         return None
     gpa = p["guest_phys_base"] if p["flags"] & REGION_FLAG_HAS_GPA else None
     region = Region(p["region_id"], p["name"], p["size_bytes"], gpa, t.page_size)
-    return region, map_record.parsed["extents"], region_at, map_at
+    return region, extents, region_at, map_at
+
+
+def _record_key(t: ImageTables, position: int) -> tuple:
+    """Everything the rules of one small record depend on: its bytes up to the next record,
+    its place and INDEX entry, the page size."""
+    offset, following = int(t.entries["record_offset"][position]), _following(t, position)
+    raw = t.file.read_exact(offset, following - offset, lambda: f"record[{position}]")
+    return raw, position, following, t.page_size, t.entries[position].tobytes()
+
+
+_MAP_HEAD = np.dtype([("record_type", "<u4"), ("flags", "<u4"), ("body_length", "<u8"), ("region_id", "<u4"),
+                      ("num_extents", "<u4")])
+
+
+def _page_maps_pass(all_tables: list[ImageTables], positions: list[int]) -> list:
+    """Per image: the extents of its PAGE_MAP (entry ``positions[k]``) if every rule
+    tables.record checks holds for the record (framing, checksum, flags, padding: LI-REC-002..
+    005; body length LI-REC-007; reserved fields LI-REC-008; LI-MAP-002/003; its INDEX entry
+    LI-IDX-001), in its plain case; else None (the record is read and checked alone)."""
+    raws = []
+    for t, position in zip(all_tables, positions):
+        offset = int(t.entries["record_offset"][position])
+        try:
+            raw = t.file.read_exact(offset, _following(t, position) - offset, "page_map")
+        except LeanImageError:
+            raw = b""
+        raws.append(raw if len(raw) >= RECORD.size + PAGE_MAP_BODY.size + EXTENT.size + RECORD_TRAILER.size else None)
+    kept = [k for k, raw in enumerate(raws) if raw is not None]
+    if not kept:
+        return [None] * len(raws)
+    head = np.frombuffer(b"".join(raws[k][:_MAP_HEAD.itemsize] for k in kept), _MAP_HEAD)
+    sizes = np.array([len(raws[k]) for k in kept], np.int64)
+    body = head["body_length"].astype(np.int64)
+    num = head["num_extents"].astype(np.int64)
+    ok = (head["record_type"] == RecordType.PAGE_MAP) & (head["flags"] == 0) & (num >= 1) & \
+        (body == PAGE_MAP_BODY.size + EXTENT.size * num) & (sizes == RECORD.size + body + RECORD_TRAILER.size)
+    trailers = np.frombuffer(b"".join(raws[k][-RECORD_TRAILER.size:] for k in kept), "<u8")
+    ok &= trailers == np.array([checksum64(memoryview(raws[k])[:-RECORD_TRAILER.size]) for k in kept], np.uint64)
+    num = np.where(ok, num, 0)
+    start = RECORD.size + PAGE_MAP_BODY.size
+    extents = [np.frombuffer(raws[k], EXTENT.dtype, int(n), start) for k, n in zip(kept, num.tolist())]
+    lid, first = _link_ids(num)
+    e = _joined(extents) if len(lid) else np.zeros(0, EXTENT.dtype)
+    classes = e["page_class"]
+    bad = (e["reserved"] != 0) | ~IS_PAGE_CLASS[np.minimum(classes, len(IS_PAGE_CLASS) - 1)] | \
+        (classes >= len(IS_PAGE_CLASS)) | (e["num_pages"] == 0) | \
+        (~HAS_SLOT[np.minimum(classes, len(HAS_SLOT) - 1)] & (e["first_slot"] != 0))
+    ok &= np.bincount(lid[bad], minlength=len(kept)) == 0
+    entries = _joined([all_tables[k].entries[positions[k]:positions[k] + 1] for k in kept])
+    pages = np.bincount(lid, weights=e["num_pages"].astype(np.float64), minlength=len(kept))
+    firsts = np.where(num > 0, e["first_page"][np.minimum(first, max(len(e) - 1, 0))] if len(e) else 0, 0)
+    ok &= (entries["record_type"] == RecordType.PAGE_MAP) & (entries["key"] == head["region_id"]) & \
+        (entries["first"] == firsts) & (entries["count"].astype(np.float64) == pages)
+    result = [None] * len(raws)
+    for j, k in enumerate(kept):
+        if ok[j]:
+            result[k] = extents[j]
+    return result
 
 
 def _rules_hold(all_tables: list[ImageTables], prepared: list) -> np.ndarray:
