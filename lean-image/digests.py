@@ -76,19 +76,6 @@ class DigestStore:
         expected[classes == PageClass.ZERO] = np.frombuffer(zero_page_digest(self.page_size), np.uint8)
         return classes, expected
 
-    def own_pages(self, region: Region, pages: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Classes and own digests (as own_range) of scattered pages, by binary search: the
-        cost grows with the pages asked for, not with the range they span."""
-        pages = np.asarray(pages, np.int64)
-        i = np.searchsorted(region.starts, pages, side="right") - 1
-        classes = region.extents["page_class"][i].astype(np.uint8)
-        bearing = region.digest_bearing[i]
-        ranks = region.digest_rank0[i] + pages - region.starts[i]
-        expected = np.zeros((len(pages), DIGEST_SIZE), np.uint8)
-        expected[bearing] = self.table(region)[ranks[bearing]]
-        expected[classes == PageClass.ZERO] = np.frombuffer(zero_page_digest(self.page_size), np.uint8)
-        return classes, expected
-
     def _inherited(self, region: Region, pages: np.ndarray) -> np.ndarray:
         """The inherited digests of PARENT pages ``pages`` (ascending): each from its digest link."""
         image = self._image() if self._image is not None else None

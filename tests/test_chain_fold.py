@@ -1,0 +1,291 @@
+"""A chain folded in one pass: chain.resolve lays every link's own pages end to end, and the
+inherited digests (format 1.1) come from every digest link's DIGESTS records read together
+(digests.read_tables). Both must give exactly what folding link by link gives, and a bad
+DIGESTS record anywhere in the chain must be refused exactly as when its link is read alone
+(same class, rule, offset, structure, file, message).
+
+The references here are the link-by-link algorithms the one-pass ones replaced: a loop over
+the links from the root, each assigning its own pages; each digest link's digests looked up
+through its own DigestStore.table."""
+
+from __future__ import annotations
+
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+from leanimg.chain import resolve
+from leanimg.errors import LeanImageError
+from leanimg.format import DIGEST_SIZE, IS_CONCRETE, RECORD, PageClass, RecordType, page_digest, zero_page_digest
+from leanimg.reader import LeanImage
+from leanimg.restore.raw import restore_raw
+from leanimg.writer import LeanImageWriter, ParentLink
+from test_chain_open import relink, reseal
+
+PS = 4096
+PAGES = 12
+KINDS = ("parent", "rewrite", "word", "zero", "free")
+
+
+# --- the references: link by link -------------------------------------------------------------
+def reference_resolve(image, region) -> dict:
+    """The fold as it was, one link at a time from the root (nearest link assigned last)."""
+    links = image.chain()
+    n = region.num_pages
+    regions = [region] + [next((r for r in link.regions if r.name == region.name), None) for link in links[1:]]
+    base_link = np.full(n, -1, np.int32)
+    base_class, base_slot, digest_link = np.zeros(n, np.uint8), np.zeros(n, np.int64), np.full(n, -1, np.int32)
+    deltas = []
+    for depth in range(len(links) - 1, -1, -1):
+        r = regions[depth]
+        if r is None:
+            continue
+        pages, classes, slots = _own_pages(r, n)
+        concrete = IS_CONCRETE[classes]
+        base_link[pages[concrete]] = depth
+        base_class[pages[concrete]] = classes[concrete]
+        base_slot[pages[concrete]] = slots[concrete]
+        if links[depth].digests.inherits:
+            digest_link[pages] = depth
+        else:
+            digest_link[:min(n, r.num_pages)] = depth
+        delta = classes == PageClass.DELTA
+        deltas += [(int(p), depth, int(s)) for p, s in zip(pages[delta], slots[delta])]
+    applied = sorted(((p, d, s) for p, d, s in deltas if d < base_link[p]), key=lambda e: (e[0], -e[1]))
+    return dict(base_link=base_link, base_class=base_class, base_slot=base_slot, digest_link=digest_link,
+                delta_pages=np.array([e[0] for e in applied], np.int64),
+                delta_links=np.array([e[1] for e in applied], np.int64),
+                delta_slots=np.array([e[2] for e in applied], np.int64))
+
+
+def _own_pages(region, limit: int):
+    """(page, class, slot) of the region's pages below ``limit`` that are not PARENT."""
+    pages, classes, slots = [], [], []
+    for e in region.extents:
+        for k in range(int(e["num_pages"])):
+            page = int(e["first_page"]) + k
+            if e["page_class"] != PageClass.PARENT and page < limit:
+                pages.append(page)
+                classes.append(int(e["page_class"]))
+                slots.append(int(e["first_slot"]) + k)
+    return np.array(pages, np.int64), np.array(classes, np.uint8), np.array(slots, np.int64)
+
+
+def reference_inherited(image, region) -> tuple[np.ndarray, np.ndarray]:
+    """Each page's digest from its digest link's own table (DigestStore.table, link by link,
+    nearest first) and that link where the page is FREE."""
+    links, digest_link = image.chain(), image.resolution(region).digest_link
+    table = np.zeros((region.num_pages, DIGEST_SIZE), np.uint8)
+    free_in = np.full(region.num_pages, -1, np.int32)
+    for depth in np.unique(digest_link[digest_link > 0]).tolist():
+        link = links[depth]
+        r = next(r for r in link.regions if r.name == region.name)
+        stored = link.digests.table(r)
+        for page in np.flatnonzero(digest_link == depth).tolist():
+            i = int(np.searchsorted(r.starts, page, side="right")) - 1
+            cls = int(r.extents["page_class"][i])
+            if r.digest_bearing[i]:
+                table[page] = stored[int(r.digest_rank0[i]) + page - int(r.starts[i])]
+            elif cls == PageClass.ZERO:
+                table[page] = np.frombuffer(zero_page_digest(PS), np.uint8)
+            elif cls == PageClass.FREE:
+                free_in[page] = depth
+    return table, free_in
+
+
+# --- chains of any shape ------------------------------------------------------------------------
+def write_chain(directory: Path, plan: list, seed: int) -> list[Path]:
+    """A chain whose link k writes page p as ``plan[k][1][p]`` says (a kind of KINDS), in format
+    1.1 unless ``plan[k][0]`` (then 1.0, its PARENT pages with their digests)."""
+    rng = np.random.default_rng(seed)
+    mem = np.frombuffer(bytearray(rng.bytes(PAGES * PS)), np.uint64).reshape(PAGES, PS // 8).copy()
+    paths, parent, before = [], None, None
+    for k, (as_1_0, kinds) in enumerate(plan):
+        path = directory / f"link{k:02d}.lean"
+        w = LeanImageWriter(path, parent=parent, frame_pages=4, threads=1,
+                            inherit_digests=False if as_1_0 and parent is not None else None)
+        region = w.add_region("pc.ram", PAGES * PS, 0)
+        for page, kind in enumerate(kinds):
+            if kind == "zero" or kind == "free":
+                mem[page] = 0
+                (w.put_zero if kind == "zero" else w.put_free)(region, page)
+            elif parent is None or kind == "rewrite":
+                mem[page] = rng.integers(0, 2**63, PS // 8, dtype=np.uint64)
+                w.put_pages(region, page, mem[page].tobytes())
+            elif kind == "word":
+                mem[page, int(rng.integers(0, PS // 8))] ^= np.uint64(k + 1)
+                w.put_changed(region, page, before[page].tobytes(), mem[page].tobytes())
+            else:
+                w.put_parent(region, page, page_digest(mem[page].tobytes()))
+        parent, before = ParentLink(w.image_uuid, w.finish()), mem.copy()
+        paths.append(path)
+    return paths
+
+
+chain_plans = st.lists(st.tuples(st.booleans(), st.lists(st.sampled_from(KINDS), min_size=PAGES, max_size=PAGES)),
+                       min_size=2, max_size=7)
+
+
+def _outcome(compute):
+    try:
+        return None, compute()
+    except LeanImageError as exc:
+        return (type(exc).__name__, exc.rule, exc.offset, exc.structure, exc.path, exc.message), None
+
+
+def _inherited_outcome(path: Path, inherited) -> tuple:
+    with LeanImage.open(path) as image:
+        region = image.regions[0]
+        found, value = _outcome(lambda: inherited(image, region))
+        return found, None if value is None else (value[0].tobytes(), value[1].tobytes())
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(plan=chain_plans, seed=st.integers(0, 2**16))
+def test_the_one_pass_fold_is_the_link_by_link_fold(tmp_path_factory, plan, seed):
+    """Any chain of 2-7 links mixing 1.0 and 1.1 links, each page of each link PARENT,
+    rewritten, changed by a word (DELTA), ZERO or FREE: resolve gives the same arrays as the
+    link-by-link fold, and the inherited digests (or the finding, e.g. LI-CHN-006 for a page
+    whose digest link holds it FREE) are those each digest link's own table gives."""
+    paths = write_chain(tmp_path_factory.mktemp("fold"), plan, seed)
+    with LeanImage.open(paths[-1]) as image:
+        region = image.regions[0]
+        found, want = _outcome(lambda: reference_resolve(image, region))
+        got = _outcome(lambda: resolve(image, region))
+        assert (found is None) == (got[0] is None) and (found is None or found == got[0])
+        if found is None:
+            for name, value in want.items():
+                assert np.array_equal(getattr(got[1], name), value), name
+    if found is None:
+        batched = _inherited_outcome(paths[-1], lambda image, region: image.digests._inherited_table(region, image))
+        event(f"refused: {batched[0][1]}" if batched[0] else "inherited")
+        assert batched == _inherited_outcome(paths[-1], reference_inherited)
+
+
+# --- DIGESTS records read together: any edit judged as when read alone ----------------------------
+LINKS = 6
+
+
+@pytest.fixture(scope="module")
+def short_chain(tmp_path_factory):
+    plan = [(False, ["rewrite"] * PAGES)] + \
+        [(False, [("word", "rewrite", "parent", "zero")[(k + p) % 4] for p in range(PAGES)]) for k in range(1, LINKS)]
+    return write_chain(tmp_path_factory.mktemp("short"), plan, 3)
+
+
+def _digests_spans(path: Path) -> list[tuple[int, int]]:
+    with LeanImage.open_link(path) as link:
+        entries = link.tables.entries
+        offsets = entries["record_offset"][entries["record_type"] == RecordType.DIGESTS].tolist()
+    data = path.read_bytes()
+    return [(at, at + RECORD.size + struct.unpack_from("<Q", data, at + 8)[0]) for at in offsets]
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_any_digests_edit_is_judged_together_as_alone(short_chain, tmp_path_factory, data):
+    """A byte of one link's DIGESTS record (not its body_length, which reseal walks by) set to any
+    value, checksums made right again: the inherited digests read together are those each link's
+    own DigestStore.table gives, or the same finding."""
+    directory = tmp_path_factory.mktemp("edited")
+    paths = [directory / p.name for p in short_chain]
+    for source, target in zip(short_chain, paths):
+        target.write_bytes(source.read_bytes())
+    bad = data.draw(st.integers(1, LINKS - 2), label="link")
+    start, end = data.draw(st.sampled_from(_digests_spans(paths[bad])), label="record")
+    head = RECORD.size + 24                  # the record header and the DIGESTS head, then the digests
+    at = start + data.draw(st.one_of(st.integers(0, head - 1), st.integers(0, end - start - 1))
+                           .filter(lambda a: not 8 <= a < 16), label="offset")
+    spoiled = bytearray(paths[bad].read_bytes())
+    spoiled[at] = data.draw(st.integers(0, 255), label="value")
+    paths[bad].write_bytes(reseal(bytes(spoiled)))
+    relink(paths, bad + 1)
+    batched = _inherited_outcome(paths[-1], lambda image, region: image.digests._inherited_table(region, image))
+    event(f"refused: {batched[0][1]}" if batched[0] else "read")
+    assert batched == _inherited_outcome(paths[-1], reference_inherited)
+
+
+# --- a deep chain: a bad link in the middle is found and named ------------------------------------
+DEEP = 1000
+
+
+@pytest.fixture(scope="module")
+def deep_chain(tmp_path_factory):
+    """DEEP links over DEEP pages: the root stores them all, link k changes one word of page k
+    (DELTA), so link k is page k's digest link. (paths, final memory)."""
+    directory = tmp_path_factory.mktemp("deep")
+    rng = np.random.default_rng(9)
+    mem = np.frombuffer(bytearray(rng.bytes(DEEP * PS)), np.uint64).reshape(DEEP, PS // 8).copy()
+    digests = np.array([np.frombuffer(page_digest(page.tobytes()), np.uint8) for page in mem])
+    paths, parent = [], None
+    for k in range(DEEP):
+        w = LeanImageWriter(directory / f"deep{k:04d}.lean", parent=parent, threads=1)
+        region = w.add_region("pc.ram", DEEP * PS, 0)
+        if parent is None:
+            w.put_pages(region, 0, mem.tobytes())
+        else:
+            before = mem[k].tobytes()
+            mem[k, k % (PS // 8)] ^= np.uint64(k)
+            digests[k] = np.frombuffer(page_digest(mem[k].tobytes()), np.uint8)
+            w.put_parent(region, 0, digests[:k].tobytes())
+            w.put_changed(region, k, before, mem[k].tobytes())
+            if k + 1 < DEEP:
+                w.put_parent(region, k + 1, digests[k + 1:].tobytes())
+        parent = ParentLink(w.image_uuid, w.finish())
+        paths.append(directory / f"deep{k:04d}.lean")
+    return paths, mem.tobytes()
+
+
+def _deep_copy(deep_chain, tmp_path) -> list[Path]:
+    copies = []
+    for path in deep_chain[0]:
+        target = tmp_path / path.name
+        target.write_bytes(path.read_bytes())
+        copies.append(target)
+    return copies
+
+
+MIDDLE = 500
+
+
+def test_a_wrong_digest_in_a_middle_link_of_a_deep_chain_is_found(deep_chain, tmp_path):
+    """The digest link 500 stores for page 500 changed (checksums right again): the restore of
+    the last link refuses page 500 (LI-DIG-002, naming region and page)."""
+    paths = _deep_copy(deep_chain, tmp_path)
+    start, _ = _digests_spans(paths[MIDDLE])[0]
+    data = bytearray(paths[MIDDLE].read_bytes())
+    data[start + RECORD.size + 24] ^= 0xFF               # its one stored digest
+    paths[MIDDLE].write_bytes(reseal(bytes(data)))
+    relink(paths, MIDDLE + 1)
+    with LeanImage.open(paths[-1]) as image:
+        assert int(image.resolution(image.regions[0]).digest_link[MIDDLE]) == DEEP - 1 - MIDDLE
+        with pytest.raises(LeanImageError) as info, open("/dev/null", "wb") as out:
+            restore_raw(image, out)
+    assert info.value.rule == "LI-DIG-002"
+    assert info.value.structure == f"region[0].page[{MIDDLE}]"
+
+
+def test_a_bad_digests_record_in_a_middle_link_of_a_deep_chain_is_named(deep_chain, tmp_path):
+    """num_digests of link 500's DIGESTS made wrong (checksums right again): the finding, with
+    its file, is the one reading that link's digests alone gives."""
+    paths = _deep_copy(deep_chain, tmp_path)
+    start, _ = _digests_spans(paths[MIDDLE])[0]
+    data = bytearray(paths[MIDDLE].read_bytes())
+    struct.pack_into("<I", data, start + RECORD.size + 4, 2)        # num_digests 1 -> 2
+    paths[MIDDLE].write_bytes(reseal(bytes(data)))
+    relink(paths, MIDDLE + 1)
+    batched = _inherited_outcome(paths[-1], lambda image, region: image.digests._inherited_table(region, image))
+    with LeanImage.open_link(paths[MIDDLE]) as alone:
+        expected = _outcome(lambda: alone.digests.table(alone.regions[0]))[0]
+    assert batched[0] is not None and batched[0][4] == str(paths[MIDDLE])
+    assert batched[0] == expected[:4] + (str(paths[MIDDLE]), expected[5])
+
+
+def test_the_deep_chain_restores_its_final_memory(deep_chain, tmp_path):
+    with LeanImage.open(deep_chain[0][-1]) as image, open(tmp_path / "out", "wb") as out:
+        restore_raw(image, out)
+    assert (tmp_path / "out").read_bytes() == deep_chain[1]
