@@ -11,14 +11,20 @@ digest, which covers the whole path.
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from .compression import FrameError, decompress_exact
+
 from .delta import parse_index_lists
 from .digests import verify_rows
 from .errors import ChainError, LeanImageError
-from .format import CHAIN_DEPTH_MAX, DIGEST_SIZE, IS_CONCRETE, PageClass, page_items, row_digests, zero_page_digest
+from .format import (
+    CHAIN_DEPTH_MAX, DELTA_FRAME_BODY, DIGEST_SIZE, FRAME_PAGES_MAX_BYTES, IS_CONCRETE, NO_KEY, RECORD, RECORD_TRAILER,
+    PageClass, RecordType, align8, checksum64, page_items, record_size, row_digests, zero_page_digest,
+)
 from . import pages as page_module
 from .rules import implements
 
@@ -390,13 +396,59 @@ def _parse_delta_batch(frames: list, page_size: int):
     """Runs on a read-ahead worker: DELTA_FRAMEs ``frames`` ((link, frame)) read, checked,
     decompressed and parsed as one: (first delta per frame, entries per frame,
     parse_index_lists' arrays over the frames laid end to end)."""
-    read = [link.frames._read_delta_frame(frame) for link, frame in frames]
+    read = [_quick_delta_frame(link, frame) or link.frames._read_delta_frame(frame) for link, frame in frames]
     byte_base = np.cumsum([0] + [len(content) for content, _, _ in read])
     offsets = np.concatenate([np.asarray(offsets[:-1], np.int64) + base for (_, offsets, _), base
                               in zip(read, byte_base.tolist())] + [byte_base[-1:].astype(np.int64)])
     return (np.array([first for _, _, first in read], np.int64),
             np.array([len(offsets) - 1 for _, offsets, _ in read], np.int64),
             parse_index_lists(b"".join(content for content, _, _ in read), offsets, page_size))
+
+
+_DELTA_RECORD = struct.Struct("<IIQQII")       # record_type, flags, body_length; first_delta, num_deltas, reserved
+
+
+def _quick_delta_frame(link, frame: int):
+    """(content, entry offsets (an array), first delta) of a DELTA_FRAME as
+    FrameStore._read_delta_frame gives them, when every rule it checks holds in its plain case: the record's framing,
+    checksum, flags and padding (LI-REC-002..005), body length (LI-REC-007), reserved field
+    (LI-REC-008), entry offsets (LI-DLT-001), size (LI-FRM-004), its INDEX entry (LI-IDX-001),
+    a zstd frame of the declared size; else None, and that path reads it and raises its finding.
+    One read and a few scalar tests, not a Record and its checks' generators (a deep chain's
+    restore reads one DELTA_FRAME per link)."""
+    tables = link.tables
+    position = int(tables.delta_frames.positions[frame])
+    entry = tables.entries[position]
+    offset = int(entry["record_offset"])
+    following = int(tables.entries["record_offset"][position + 1]) if position + 1 < len(tables.entries) \
+        else tables.index.offset
+    try:
+        raw = tables.file.read_exact(offset, following - offset, "delta_frame")
+    except LeanImageError:
+        return None
+    if len(raw) < _DELTA_RECORD.size + 4 + RECORD_TRAILER.size:
+        return None
+    kind, flags, body_length, first, num, reserved = _DELTA_RECORD.unpack_from(raw)
+    body = RECORD.size
+    table_end = body + DELTA_FRAME_BODY.size + 4 * (num + 1)
+    frame_start = body + align8(DELTA_FRAME_BODY.size + 4 * (num + 1))
+    if kind != RecordType.DELTA_FRAME or flags or reserved or num < 1 or \
+            len(raw) != record_size(body_length) or frame_start > body + body_length or \
+            (int(entry["record_type"]), int(entry["key"]), int(entry["first"]), int(entry["count"])) != \
+            (RecordType.DELTA_FRAME, NO_KEY, first, num) or \
+            any(raw[body + body_length:-RECORD_TRAILER.size]) or any(raw[table_end:frame_start]) or \
+            checksum64(memoryview(raw)[:-RECORD_TRAILER.size]) != int.from_bytes(raw[-RECORD_TRAILER.size:], "little"):
+        return None
+    offsets = np.frombuffer(raw, "<u4", num + 1, body + DELTA_FRAME_BODY.size).astype(np.int64)
+    size = int(offsets[-1])
+    if offsets[0] != 0 or size > FRAME_PAGES_MAX_BYTES or (offsets[1:] < offsets[:-1]).any():
+        return None
+    try:
+        content = decompress_exact(memoryview(raw)[frame_start:body + body_length], expected=size,
+                                   limit=FRAME_PAGES_MAX_BYTES)
+    except FrameError:
+        return None
+    return content, offsets, first
 
 
 def _apply_checked(link, frame: int, out: np.ndarray, rows: np.ndarray, entry_indexes: np.ndarray, ps: int) -> None:

@@ -76,10 +76,11 @@ class FrameTable:
         self.starts, self.counts, self.positions = starts, counts, positions
 
     @classmethod
-    def of(cls, entries: np.ndarray, record_type: int) -> "FrameTable":
-        positions = np.flatnonzero(entries["record_type"] == record_type)
-        return cls(entries["first"][positions].astype(np.int64), entries["count"][positions].astype(np.int64),
-                   positions)
+    def of(cls, entries: np.ndarray, record_type: int, types: np.ndarray | None = None) -> "FrameTable":
+        """``types``: entries["record_type"], if the caller has it."""
+        positions = np.flatnonzero((entries["record_type"] if types is None else types) == record_type)
+        listed = entries[positions]
+        return cls(listed["first"].astype(np.int64), listed["count"].astype(np.int64), positions)
 
     def __len__(self) -> int:
         return len(self.starts)
@@ -108,6 +109,7 @@ class DiskRefs:
         return len(self.sectors)
 
 
+_PAGE_FRAME, _DELTA_FRAME = int(RecordType.PAGE_FRAME), int(RecordType.DELTA_FRAME)   # plain ints: faster
 SMALL_RECORDS = [RecordType.REGION, RecordType.DISK, RecordType.SOURCE_STATE, RecordType.PAGE_MAP,
                  RecordType.DISK_REFS]
 SMALL_RECORD_TYPES = frozenset(int(t) for t in SMALL_RECORDS)
@@ -125,8 +127,9 @@ class ImageTables:
         self.regions: list[Region] = []
         self.disks: list[DiskInfo] = []
         self.source_states: list[SourceState] = []
-        self.page_frames = FrameTable.of(self.entries, RecordType.PAGE_FRAME)
-        self.delta_frames = FrameTable.of(self.entries, RecordType.DELTA_FRAME)
+        types = self.entries["record_type"]
+        self.page_frames = FrameTable.of(self.entries, _PAGE_FRAME, types)
+        self.delta_frames = FrameTable.of(self.entries, _DELTA_FRAME, types)
         self.disk_refs = DiskRefs(np.zeros(0, np.uint32), np.zeros(0, np.uint64))
         self.digest_positions: dict[int, list[int]] = {}
         if load:

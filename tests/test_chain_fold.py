@@ -18,9 +18,9 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from leanimg.chain import resolve
+from leanimg.chain import _quick_delta_frame, resolve
 from leanimg.errors import LeanImageError
-from leanimg.format import DIGEST_SIZE, IS_CONCRETE, RECORD, PageClass, RecordType, page_digest, zero_page_digest
+from leanimg.format import DIGEST_SIZE, INDEX_BODY, INDEX_ENTRY, IS_CONCRETE, RECORD, PageClass, RecordType, page_digest, zero_page_digest
 from leanimg.reader import LeanImage
 from leanimg.restore.raw import restore_raw
 from leanimg.writer import LeanImageWriter, ParentLink
@@ -207,6 +207,62 @@ def test_any_digests_edit_is_judged_together_as_alone(short_chain, tmp_path_fact
     batched = _inherited_outcome(paths[-1], lambda image, region: image.digests._inherited_table(region, image))
     event(f"refused: {batched[0][1]}" if batched[0] else "read")
     assert batched == _inherited_outcome(paths[-1], reference_inherited)
+
+
+# --- DELTA_FRAMEs of a restore read quickly: any edit judged as by the frame store ------------------
+def _delta_spans(path: Path) -> list[tuple[int, int]]:
+    """The DELTA_FRAME records of a link (not their body_length, which reseal walks by), and
+    their INDEX entries."""
+    with LeanImage.open_link(path) as link:
+        entries, index_at = link.tables.entries, link.footer.index_offset
+        positions = np.flatnonzero(entries["record_type"] == RecordType.DELTA_FRAME).tolist()
+        offsets = entries["record_offset"].tolist()
+    data = path.read_bytes()
+    spans = [(offsets[k], offsets[k] + RECORD.size + struct.unpack_from("<Q", data, offsets[k] + 8)[0])
+             for k in positions]
+    entry_at = index_at + RECORD.size + INDEX_BODY.size
+    return spans + [(entry_at + k * INDEX_ENTRY.size, entry_at + (k + 1) * INDEX_ENTRY.size) for k in positions]
+
+
+def _delta_outcome(path: Path, depth: int, read) -> tuple:
+    """Per DELTA_FRAME of link ``depth`` of the chain ending at ``path``: what ``read(link,
+    frame)`` gives, (content, entry offsets, first delta), or its finding (or opening's)."""
+    try:
+        image = LeanImage.open(path)
+    except LeanImageError as exc:
+        return "open", type(exc).__name__, exc.rule, exc.offset, exc.structure, exc.path, exc.message
+    with image:
+        link = image.chain()[depth]
+        found = []
+        for frame in range(len(link.frames.delta_frames)):
+            outcome, value = _outcome(lambda: read(link, frame))
+            found.append(outcome or (bytes(value[0]), [int(x) for x in value[1]], int(value[2])))
+        return found
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_any_delta_frame_edit_is_judged_quickly_as_by_the_frame_store(short_chain, tmp_path_factory, data):
+    """A byte of a link's DELTA_FRAME record or of its INDEX entry set to any value, checksums
+    right again: the quick read of a restore (chain._quick_delta_frame, else the frame store)
+    gives what FrameStore._read_delta_frame gives, or the same finding."""
+    directory = tmp_path_factory.mktemp("edited")
+    paths = [directory / p.name for p in short_chain]
+    for source, target in zip(short_chain, paths):
+        target.write_bytes(source.read_bytes())
+    bad = data.draw(st.integers(1, LINKS - 1), label="link")
+    start, end = data.draw(st.sampled_from(_delta_spans(paths[bad])), label="record")
+    head = RECORD.size + 24                  # the record header, the body head and two entry offsets
+    at = start + data.draw(st.one_of(st.integers(0, min(head, end - start) - 1), st.integers(0, end - start - 1))
+                           .filter(lambda a: not 8 <= a < 16), label="offset")
+    spoiled = bytearray(paths[bad].read_bytes())
+    spoiled[at] = data.draw(st.integers(0, 255), label="value")
+    paths[bad].write_bytes(reseal(bytes(spoiled)))
+    relink(paths, bad + 1)
+    quick = _delta_outcome(paths[-1], LINKS - 1 - bad,
+                           lambda link, frame: _quick_delta_frame(link, frame) or link.frames._read_delta_frame(frame))
+    event("open refused" if quick[0] == "open" else "refused" if any(isinstance(q[0], str) for q in quick) else "read")
+    assert quick == _delta_outcome(paths[-1], LINKS - 1 - bad, lambda link, frame: link.frames._read_delta_frame(frame))
 
 
 # --- a deep chain: a bad link in the middle is found and named ------------------------------------
