@@ -17,6 +17,7 @@ import xxhash
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
+from leanimg import parents as parents_module
 from leanimg import reader as reader_module
 from leanimg.errors import LeanImageError
 from leanimg.format import (
@@ -284,6 +285,49 @@ def test_a_small_link_is_opened_with_one_read(chain, monkeypatch):
     monkeypatch.setattr(os, "pread", lambda fd, n, at: reads.append((n, at)) or real(fd, n, at))
     LeanImage.open_link(paths[LINKS // 2]).close()
     assert reads == [(paths[LINKS // 2].stat().st_size, 0)]
+
+
+def _advised(monkeypatch) -> list:
+    """(file size, offset, length) of every WILLNEED asked of the kernel from now on."""
+    calls = []
+    real = os.posix_fadvise
+    def record(fd, offset, length, advice):
+        if advice == os.POSIX_FADV_WILLNEED:
+            calls.append((os.fstat(fd).st_size, offset, length))
+        return real(fd, offset, length, advice)
+    monkeypatch.setattr(os, "posix_fadvise", record)
+    return calls
+
+
+@pytest.mark.parametrize("at_once", [parents_module.READ_AHEAD_FILES, 7])
+def test_the_links_beside_an_image_are_read_ahead_together(chain, monkeypatch, at_once):
+    """The parents' search reads every *.lean beside the image for its UUID; small files (those
+    read whole when opened) are first handed to the kernel's read-ahead, the whole file each,
+    ``at_once`` files at a time: a cold deep chain's reads are queued together."""
+    paths, _ = chain
+    monkeypatch.setattr(parents_module, "READ_AHEAD_FILES", at_once)
+    advised = _advised(monkeypatch)
+    LeanImage.open(paths[-1]).close()
+    assert sorted(advised) == sorted((p.stat().st_size, 0, p.stat().st_size) for p in paths)
+
+
+def test_read_ahead_stops_at_its_budget_and_skips_large_files(chain, tmp_path, monkeypatch):
+    """At most READ_AHEAD_BYTES are asked for; a file too large to be read whole when opened is
+    not asked for; a sibling that cannot be opened (a dangling link) simply does not match."""
+    paths, memory = chain
+    copies = []
+    for path in paths[:12]:
+        copies.append(tmp_path / path.name)
+        copies[-1].write_bytes(path.read_bytes())
+    (tmp_path / "aaa-dangling.lean").symlink_to(tmp_path / "missing")
+    (tmp_path / "zzz-large.lean").write_bytes(bytes(reader_module.WHOLE_READ_BELOW))
+    sizes = sorted(p.stat().st_size for p in copies)
+    monkeypatch.setattr(parents_module, "READ_AHEAD_BYTES", sum(sizes[:5]))
+    advised = _advised(monkeypatch)
+    with LeanImage.open(copies[-1]) as image:
+        assert len(image.chain()) == 12
+    assert sum(size for size, _, _ in advised) <= sum(sizes[:5]) and len(advised) >= 1
+    assert all(size < reader_module.WHOLE_READ_BELOW for size, _, _ in advised)
 
 
 def test_a_truncated_digests_record_in_a_link_is_reported_by_the_restore(copy):
