@@ -2,9 +2,10 @@
 
 A page of link 0 (the image restored) may be PARENT in several links before one holds
 its bytes (the *base*), and links above the base may add DELTA entries. Walking the
-chain page by page costs O(depth) per page. Instead the links are folded once, from
-the root to link 0, into per-page arrays: which link holds the base, its class and slot,
-and the list of (page, link, delta slot) to apply above it. Restoring then reads each
+chain page by page costs O(depth) per page. Instead the links are folded once, their own
+(non-PARENT) pages laid end to end, into per-page arrays: which link holds the base, its
+class and slot, the page's digest link, and the list of (page, link, delta slot) to apply
+above it. Restoring then reads each
 base once and applies each relevant delta once; the result is checked against link 0's
 digest, which covers the whole path.
 """

@@ -2,10 +2,11 @@
 ImageTables.load checks run as one vectorised pass over all of them, not once per link.
 
 Only images of the common shape take this path: one REGION, one PAGE_MAP, and DIGESTS,
-PAGE_FRAME and DELTA_FRAME records (a chain's links as the writer makes them). Their two
-small records are read and checked one by one (tables.record: framing, checksum, body
-rules, INDEX entry), then every rule that spans records is *tested* for all of them
-together: INDEX order, which record refers to which, page-map coverage, frame numbering and
+PAGE_FRAME and DELTA_FRAME records (a chain's links as the writer makes them). The rules of
+their PAGE_MAP records (framing, checksum, body rules, INDEX entry) are tested for all of
+them together; their REGION records are checked one by one (tables.record), once for each
+distinct REGION (a chain's links repeat the same bytes at the same place); then every rule
+that spans records is *tested* for all of them together: INDEX order, which record refers to which, page-map coverage, frame numbering and
 sizes, slot use, digest coverage, feature bits. An image of another shape, or one for which
 any test fails (or could fail: the batch accepts only the plain case of each rule, e.g. slots
 used in extent order), is loaded by ImageTables.load, which checks it alone and raises its
