@@ -23,7 +23,8 @@ from .delta import parse_index_lists
 from .digests import verify_rows
 from .errors import ChainError, LeanImageError
 from .format import (
-    CHAIN_DEPTH_MAX, DELTA_FRAME_BODY, DIGEST_SIZE, FRAME_PAGES_MAX_BYTES, IS_CONCRETE, NO_KEY, RECORD, RECORD_TRAILER,
+    CHAIN_DEPTH_MAX, DELTA_FRAME_BODY, DIGEST_SIZE, FRAME_PAGES_MAX_BYTES, IS_CONCRETE, NO_KEY, RECORD, RECORD_BODY_MAX,
+    RECORD_TRAILER,
     PageClass, RecordType, align8, checksum64, page_items, record_size, row_digests, zero_page_digest,
 )
 from . import pages as page_module
@@ -423,6 +424,8 @@ def _quick_delta_frame(link, frame: int):
     offset = int(entry["record_offset"])
     following = int(tables.entries["record_offset"][position + 1]) if position + 1 < len(tables.entries) \
         else tables.index.offset
+    if following - offset > record_size(RECORD_BODY_MAX):
+        return None                     # the frame store refuses it, reading no more than the limit
     try:
         raw = tables.file.read_exact(offset, following - offset, "delta_frame")
     except LeanImageError:

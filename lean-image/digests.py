@@ -18,7 +18,7 @@ from .errors import ChainError, LeanImageError
 from .format import (
     DIGEST_SIZE, PageClass, digest_class_table, inherits_digests, page_digest, zero_page_digest,
 )
-from .format import RECORD, RECORD_TRAILER, RecordType, checksum64
+from .format import RECORD, RECORD_BODY_MAX, RECORD_TRAILER, RecordType, checksum64, record_size
 from .tables import ImageTables, Region
 
 
@@ -179,6 +179,9 @@ def _records_pass(stores: list[DigestStore], regions: list[Region]) -> list:
         for position in tables.digest_positions.get(region.region_id, []):
             offset = int(offsets[position])
             following = int(offsets[position + 1]) if position + 1 < len(offsets) else tables.index.offset
+            if following - offset > record_size(RECORD_BODY_MAX):
+                usable[k] = False               # read alone: refused without reading it all
+                continue
             try:
                 raw = tables.file.read_exact(offset, following - offset, "digests")
             except LeanImageError:

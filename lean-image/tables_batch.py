@@ -21,8 +21,9 @@ import numpy as np
 from . import checks
 from .errors import LeanImageError
 from .format import (
-    EXTENT, HAS_SLOT, IS_PAGE_CLASS, PAGE_MAP_BODY, RECORD, RECORD_TRAILER, checksum64, FRAME_PAGES_MAX_BYTES, HAS_DIGEST, HAS_OWN_DIGEST, REGION_FLAG_HAS_GPA, IncompatFeature, PageClass, RecordType,
-    inherits_digests,
+    EXTENT, FRAME_PAGES_MAX_BYTES, HAS_DIGEST, HAS_OWN_DIGEST, HAS_SLOT, IS_PAGE_CLASS, PAGE_MAP_BODY, RECORD,
+    RECORD_TRAILER, REGION_BODY, REGION_FLAG_HAS_GPA, REGION_NAME_MAX, IncompatFeature, PageClass, RecordType,
+    checksum64, inherits_digests, record_size,
 )
 from .tables import ImageTables, Region
 
@@ -94,11 +95,13 @@ def _prepare(t: ImageTables, region_at: int, map_at: int, extents, regions: dict
     its PAGE_MAP's ``extents`` (None: read and checked alone); None on a finding: load reports it."""
     try:
         key = _record_key(t, region_at)
-        p = regions.get(key)
+        p = regions.get(key) if key is not None else None
         if p is None:
             region_record = t.record(region_at)
             checks.first_problem(checks.region_table_problems([region_record]))
-            p = regions[key] = region_record.parsed
+            p = region_record.parsed
+            if key is not None:
+                regions[key] = p
         if extents is None:
             extents = t.record(map_at).parsed["extents"]
     except LeanImageError:
@@ -110,14 +113,17 @@ def _prepare(t: ImageTables, region_at: int, map_at: int, extents, regions: dict
     return region, extents, region_at, map_at
 
 
-def _record_key(t: ImageTables, position: int) -> tuple:
+def _record_key(t: ImageTables, position: int) -> tuple | None:
     """Everything the rules of one small record depend on: its bytes up to the next record,
-    its place and INDEX entry, the page size."""
+    its place and INDEX entry, the page size (None: more than a REGION record can hold)."""
     offset, following = int(t.entries["record_offset"][position]), _following(t, position)
+    if following - offset > REGION_RECORD_MAX:
+        return None
     raw = t.file.read_exact(offset, following - offset, lambda: f"record[{position}]")
     return raw, position, following, t.page_size, t.entries[position].tobytes()
 
 
+REGION_RECORD_MAX = record_size(REGION_BODY.size + REGION_NAME_MAX)
 _MAP_HEAD = np.dtype([("record_type", "<u4"), ("flags", "<u4"), ("body_length", "<u8"), ("region_id", "<u4"),
                       ("num_extents", "<u4")])
 
