@@ -23,8 +23,8 @@ from .delta import parse_index_lists
 from .digests import verify_rows
 from .errors import ChainError, LeanImageError
 from .format import (
-    CHAIN_DEPTH_MAX, DELTA_FRAME_BODY, DIGEST_SIZE, FRAME_PAGES_MAX_BYTES, IS_CONCRETE, NO_KEY, RECORD, RECORD_BODY_MAX,
-    RECORD_TRAILER,
+    CHAIN_DEPTH_MAX, DELTA_FRAME_BODY, DIGEST_SIZE, FRAME_PAGES_MAX_BYTES, IS_CONCRETE, NO_KEY, RECORD,
+    RECORD_BODY_MAX, RECORD_TRAILER,
     PageClass, RecordType, align8, checksum64, page_items, record_size, row_digests, zero_page_digest,
 )
 from . import pages as page_module
@@ -434,12 +434,13 @@ def _quick_delta_frame(link, frame: int):
     body = RECORD.size
     table_end = body + DELTA_FRAME_BODY.size + 4 * (num + 1)
     frame_start = body + align8(DELTA_FRAME_BODY.size + 4 * (num + 1))
+    listed = (int(entry["record_type"]), int(entry["key"]), int(entry["first"]), int(entry["count"]))
+    trailer = int.from_bytes(raw[-RECORD_TRAILER.size:], "little")
     if kind != RecordType.DELTA_FRAME or flags or reserved or num < 1 or \
             len(raw) != record_size(body_length) or frame_start > body + body_length or \
-            (int(entry["record_type"]), int(entry["key"]), int(entry["first"]), int(entry["count"])) != \
-            (RecordType.DELTA_FRAME, NO_KEY, first, num) or \
+            listed != (RecordType.DELTA_FRAME, NO_KEY, first, num) or \
             any(raw[body + body_length:-RECORD_TRAILER.size]) or any(raw[table_end:frame_start]) or \
-            checksum64(memoryview(raw)[:-RECORD_TRAILER.size]) != int.from_bytes(raw[-RECORD_TRAILER.size:], "little"):
+            checksum64(memoryview(raw)[:-RECORD_TRAILER.size]) != trailer:
         return None
     offsets = np.frombuffer(raw, "<u4", num + 1, body + DELTA_FRAME_BODY.size).astype(np.int64)
     size = int(offsets[-1])

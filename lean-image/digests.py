@@ -16,9 +16,9 @@ from . import checks
 from .checks import first_problem
 from .errors import ChainError, LeanImageError
 from .format import (
-    DIGEST_SIZE, PageClass, digest_class_table, inherits_digests, page_digest, zero_page_digest,
+    DIGEST_SIZE, DIGESTS_BODY, RECORD, RECORD_BODY_MAX, RECORD_TRAILER, PageClass, RecordType, checksum64,
+    digest_class_table, inherits_digests, page_digest, record_size, zero_page_digest,
 )
-from .format import RECORD, RECORD_BODY_MAX, RECORD_TRAILER, RecordType, checksum64, record_size
 from .tables import ImageTables, Region
 
 
@@ -145,13 +145,14 @@ def verify_page(region: Region, page: int, data, expected: bytes | None) -> None
     verify_rows(region, page, np.zeros(1, np.int64), got, np.frombuffer(expected, np.uint8).reshape(1, DIGEST_SIZE))
 
 
+# a DIGESTS record's header and its body's fixed part
 _DIGESTS_HEAD = np.dtype([("record_type", "<u4"), ("flags", "<u4"), ("body_length", "<u8"), ("region_id", "<u4"),
                           ("num_digests", "<u4"), ("first_page", "<u8"), ("num_pages", "<u8")])
 
 
 def read_tables(stores: list[DigestStore], regions: list[Region]) -> tuple[np.ndarray, np.ndarray]:
     """The stored digests of region ``regions[k]`` of each store, as DigestStore.table gives
-    them one by one, laid end to end, and where each store's begin. The DIGESTS records of all
+    them one by one, laid end to end, and the row where each store's begin. The DIGESTS records of all
     are read (one read each) and their rules tested together; a store whose records pass is
     given its table, any other reads its own through DigestStore.table, in order, which raises
     its finding (the same as when each was read alone)."""
@@ -187,7 +188,7 @@ def _records_pass(stores: list[DigestStore], regions: list[Region]) -> list:
             except LeanImageError:
                 usable[k] = False
                 continue
-            if len(raw) < RECORD.size + DIGESTS_HEAD_SIZE + RECORD_TRAILER.size:
+            if len(raw) < RECORD.size + DIGESTS_BODY.size + RECORD_TRAILER.size:
                 usable[k] = False
                 continue
             raws.append(raw)
@@ -204,7 +205,7 @@ def _records_pass(stores: list[DigestStore], regions: list[Region]) -> list:
     first_page = head["first_page"].astype(np.int64)
     limits = np.array([r.num_pages for r in regions], np.int64)[owner]
     ok = (head["record_type"] == RecordType.DIGESTS) & (head["flags"] == 0) & \
-        (body == DIGESTS_HEAD_SIZE + DIGEST_SIZE * head["num_digests"].astype(np.int64)) & \
+        (body == DIGESTS_BODY.size + DIGEST_SIZE * head["num_digests"].astype(np.int64)) & \
         (sizes == RECORD.size + body + RECORD_TRAILER.size) & \
         (num_pages >= 1) & (head["num_digests"] <= head["num_pages"]) & \
         (entry["record_type"] == RecordType.DIGESTS) & (entry["key"] == head["region_id"]) & \
@@ -218,12 +219,10 @@ def _records_pass(stores: list[DigestStore], regions: list[Region]) -> list:
     parts: list = [[] for _ in stores]
     for k, raw, n in zip(owner.tolist(), raws, head["num_digests"].tolist()):
         if usable[k]:
-            start = RECORD.size + DIGESTS_HEAD_SIZE
+            start = RECORD.size + DIGESTS_BODY.size
             parts[k].append(np.frombuffer(raw, np.uint8, n * DIGEST_SIZE, start).reshape(-1, DIGEST_SIZE))
     return [p if ok_k else None for p, ok_k in zip(parts, usable.tolist())]
 
-
-DIGESTS_HEAD_SIZE = _DIGESTS_HEAD.itemsize - 16       # the DIGESTS body's fixed part
 
 
 def _bearing_between(regions: list[Region], owner: np.ndarray, starts: np.ndarray, ends: np.ndarray,

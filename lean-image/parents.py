@@ -97,7 +97,8 @@ def _find_candidate(wanted: bytes, candidates, index: dict):
     for candidate in candidates:
         if not isinstance(candidate, (str, os.PathLike)) and candidate.header.image_uuid == wanted:
             return candidate
-    paths = list(dict.fromkeys(os.path.abspath(os.fspath(c)) for c in candidates if isinstance(c, (str, os.PathLike))))
+    paths = [os.path.abspath(os.fspath(c)) for c in candidates if isinstance(c, (str, os.PathLike))]
+    paths = list(dict.fromkeys(paths))
     unread = [key for key in paths if key not in index]
     for key, found in zip(unread, _image_uuids(unread)):
         index[key] = found

@@ -6,12 +6,13 @@ PAGE_FRAME and DELTA_FRAME records (a chain's links as the writer makes them). T
 their PAGE_MAP records (framing, checksum, body rules, INDEX entry) are tested for all of
 them together; their REGION records are checked one by one (tables.record), once for each
 distinct REGION (a chain's links repeat the same bytes at the same place); then every rule
-that spans records is *tested* for all of them together: INDEX order, which record refers to which, page-map coverage, frame numbering and
-sizes, slot use, digest coverage, feature bits. An image of another shape, or one for which
-any test fails (or could fail: the batch accepts only the plain case of each rule, e.g. slots
-used in extent order), is loaded by ImageTables.load, which checks it alone and raises its
-first finding. Images are finished in order, so the first image with a finding raises it,
-with the rule id, offset and structure opening it alone gives.
+that spans records is *tested* for all of them together: INDEX order, which record refers to
+which, page-map coverage, frame numbering and sizes, slot use, digest coverage, feature bits.
+An image of another shape, or one for which any test fails (or could fail: the batch accepts
+only the plain case of each rule, e.g. slots used in extent order), is loaded by
+ImageTables.load, which checks it alone and raises its first finding. Images are finished in
+order, so the first image with a finding raises it, with the rule id, offset and structure
+opening it alone gives.
 """
 
 from __future__ import annotations
@@ -140,7 +141,8 @@ def _page_maps_pass(all_tables: list[ImageTables], positions: list[int]) -> list
             raw = t.file.read_exact(offset, _following(t, position) - offset, "page_map")
         except LeanImageError:
             raw = b""
-        raws.append(raw if len(raw) >= RECORD.size + PAGE_MAP_BODY.size + EXTENT.size + RECORD_TRAILER.size else None)
+        shortest = RECORD.size + PAGE_MAP_BODY.size + EXTENT.size + RECORD_TRAILER.size
+        raws.append(raw if len(raw) >= shortest else None)
     kept = [k for k, raw in enumerate(raws) if raw is not None]
     if not kept:
         return [None] * len(raws)

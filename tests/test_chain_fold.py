@@ -20,7 +20,9 @@ from hypothesis import strategies as st
 
 from leanimg.chain import _quick_delta_frame, resolve
 from leanimg.errors import LeanImageError
-from leanimg.format import DIGEST_SIZE, INDEX_BODY, INDEX_ENTRY, IS_CONCRETE, RECORD, PageClass, RecordType, page_digest, zero_page_digest
+from leanimg.format import (
+    DIGEST_SIZE, INDEX_BODY, INDEX_ENTRY, IS_CONCRETE, RECORD, PageClass, RecordType, page_digest, zero_page_digest,
+)
 from leanimg.reader import LeanImage
 from leanimg.restore.raw import restore_raw
 from leanimg.writer import LeanImageWriter, ParentLink
@@ -172,8 +174,9 @@ LINKS = 6
 
 @pytest.fixture(scope="module")
 def short_chain(tmp_path_factory):
-    plan = [(False, ["rewrite"] * PAGES)] + \
-        [(False, [("word", "rewrite", "parent", "zero")[(k + p) % 4] for p in range(PAGES)]) for k in range(1, LINKS)]
+    kinds = ("word", "rewrite", "parent", "zero")
+    plan = [(False, ["rewrite"] * PAGES)]
+    plan += [(False, [kinds[(k + p) % 4] for p in range(PAGES)]) for k in range(1, LINKS)]
     return write_chain(tmp_path_factory.mktemp("short"), plan, 3)
 
 
@@ -261,7 +264,8 @@ def test_any_delta_frame_edit_is_judged_quickly_as_by_the_frame_store(short_chai
     relink(paths, bad + 1)
     quick = _delta_outcome(paths[-1], LINKS - 1 - bad,
                            lambda link, frame: _quick_delta_frame(link, frame) or link.frames._read_delta_frame(frame))
-    event("open refused" if quick[0] == "open" else "refused" if any(isinstance(q[0], str) for q in quick) else "read")
+    refused = any(isinstance(q[0], str) for q in quick)
+    event("open refused" if quick[0] == "open" else "refused" if refused else "read")
     assert quick == _delta_outcome(paths[-1], LINKS - 1 - bad, lambda link, frame: link.frames._read_delta_frame(frame))
 
 
