@@ -69,36 +69,49 @@ class Resolution:
         return self._stored
 
 
+FOLD_ENTRIES = 1 << 22       # own pages laid end to end at once (~50 bytes each while folded)
+
+
 @implements("LI-CHN-004")
 def resolve(image, region) -> Resolution:
     """Fold the chain of ``image`` for ``region`` into a Resolution. Each link is read from
     its extents, and only its non-PARENT pages are touched: the fold costs the base's pages
     plus each link's changed pages, not depth x pages. The links' own pages are laid end to
-    end and folded in one pass (the nearest link wins: np.minimum.at over link indexes), so
-    the work per link is a few list items, not a few numpy calls."""
+    end and folded a few million at a time (the nearest link wins: np.minimum.at over link
+    indexes), so the work per link is a few list items, not a few numpy calls, and memory
+    stays bounded however many pages the links hold."""
     links = image.chain()
     regions = [region] + [_same_region(link, region) for link in links[1:]]
     present = [depth for depth, r in enumerate(regions) if r is not None]
     n = region.num_pages
-    pages, depths, classes, slots, ranks = _chain_own_pages([regions[d] for d in present], present, n)
-    concrete = IS_CONCRETE[classes]
-    base_link = _nearest(n, pages[concrete], depths[concrete])
+    inherits = np.zeros(len(links), bool)
+    inherits[present] = [links[d].digests.inherits for d in present]
+    extents = _own_extents([regions[d] for d in present], present, n)
+    fold, deltas = _Fold(n), []
+    for lo, hi in _parts(extents[2], FOLD_ENTRIES):
+        pages, depths, classes, slots, ranks = _expand(extents, lo, hi)
+        concrete = IS_CONCRETE[classes]
+        fold.take("base", pages[concrete], depths[concrete], classes[concrete], slots[concrete])
+        own = inherits[depths]
+        fold.take("digest", pages[own], depths[own], classes[own], ranks[own])
+        delta = classes == PageClass.DELTA
+        deltas.append((pages[delta], depths[delta], slots[delta]))
+    for d in present:
+        if not inherits[d]:                           # 1.0: every page has its own digest
+            fold.take_whole(d, regions[d])
+    base_link, base_class, base_slot = fold.result("base")
     unresolved = np.flatnonzero(base_link < 0)
     if len(unresolved):
         page = int(unresolved[0])
         raise ChainError(f"region {region.name!r} page {page} has no base in any link of the chain "
                          f"({len(links)} links)", rule="LI-CHN-004", structure=f"region[{region.region_id}]")
-    base = np.flatnonzero(concrete & (depths == base_link[pages]))          # one entry per page
-    base_class = np.zeros(n, np.uint8)
-    base_slot = np.zeros(n, np.int64)
     base_frame = np.full(n, -1, np.int64)
-    base_class[pages[base]] = classes[base]
-    base_slot[pages[base]] = slots[base]
-    stored = base[classes[base] == PageClass.STORED]
-    base_frame[pages[stored]] = _frames_of([links[d].frames.page_frames for d in present], present,
-                                           depths[stored], slots[stored])
-    digest_link, digest_class, digest_rank = _digest_links(links, regions, present, n, pages, depths, classes, ranks)
-    delta = np.flatnonzero((classes == PageClass.DELTA) & (depths < base_link[pages]))   # above the base
+    stored = np.flatnonzero(base_class == PageClass.STORED)
+    base_frame[stored] = _frames_of([links[d].frames.page_frames for d in present], present,
+                                    base_link[stored], base_slot[stored])
+    digest_link, digest_class, digest_rank = fold.result("digest")
+    pages, depths, slots = (np.concatenate([d[k] for d in deltas]) for k in range(3))
+    delta = np.flatnonzero(depths < base_link[pages])               # above the base
     # by page, deepest link first (one entry per page and link: the keys are distinct)
     delta = delta[np.argsort((pages[delta] << 12) | (CHAIN_DEPTH_MAX - 1 - depths[delta].astype(np.int64)))]
     dframes = _frames_of([links[d].frames.delta_frames for d in present], present, depths[delta], slots[delta])
@@ -106,62 +119,77 @@ def resolve(image, region) -> Resolution:
                       digest_link, base_frame, dframes, digest_class, digest_rank)
 
 
-def _chain_own_pages(regions: list, depths: list[int], limit: int):
-    """(page, link, class, slot, digest rank or -1) of every page below ``limit`` that is not
-    PARENT in ``regions`` (the region in links ``depths``), the links' extents laid end to end
-    (field by field: copying whole extent tables costs more than the rest of the fold)."""
+def _own_extents(regions: list, depths: list[int], limit: int) -> tuple:
+    """The extents of ``regions`` (the region in links ``depths``) that hold pages below
+    ``limit`` other than PARENT, laid end to end field by field (copying whole extent tables
+    costs more than the rest of the fold): (starts, classes, page counts, first slots, digest
+    bearing, digest rank, link)."""
     lengths = np.array([len(r.extents) for r in regions], np.int64)
     starts = np.concatenate([r.starts for r in regions])
     classes = np.concatenate([r.extents["page_class"] for r in regions])
     mine = np.flatnonzero((classes != PageClass.PARENT) & (starts < limit))
-    starts, classes = starts[mine], classes[mine].astype(np.uint8)
+    starts = starts[mine]
     counts = np.minimum(np.concatenate([r.extents["num_pages"] for r in regions])[mine].astype(np.int64),
                         limit - starts)
+    return (starts, classes[mine].astype(np.uint8), counts,
+            np.concatenate([r.extents["first_slot"] for r in regions])[mine].astype(np.int64),
+            np.concatenate([r.digest_bearing for r in regions])[mine],
+            np.concatenate([r.digest_rank0 for r in regions])[mine].astype(np.int64),
+            np.repeat(np.array(depths, np.int32), lengths)[mine])
+
+
+def _parts(counts: np.ndarray, most: int):
+    """[lo, hi) ranges of items whose ``counts`` sum to at most ``most`` (or one item)."""
+    ends = np.cumsum(counts)
+    lo = 0
+    while lo < len(counts):
+        done = int(ends[lo - 1]) if lo else 0
+        hi = max(lo + 1, int(np.searchsorted(ends, done + most, side="right")))
+        yield lo, hi
+        lo = hi
+
+
+def _expand(extents: tuple, lo: int, hi: int):
+    """(page, link, class, slot, digest rank or -1) of every page of extents [lo, hi)."""
+    starts, classes, counts, first_slots, bearing, rank0, links = (a[lo:hi] for a in extents)
     before = np.cumsum(counts) - counts                 # each extent's first entry
     at = np.arange(int(counts.sum()))                   # entry k is page (start - before) + k of its extent
     pages = np.repeat(starts - before, counts) + at
-    slots = np.repeat(np.concatenate([r.extents["first_slot"] for r in regions])[mine].astype(np.int64) - before,
-                      counts) + at
-    bearing = np.concatenate([r.digest_bearing for r in regions])[mine]
-    rank0 = np.concatenate([r.digest_rank0 for r in regions])[mine].astype(np.int64)
+    slots = np.repeat(first_slots - before, counts) + at
     ranks = np.where(np.repeat(bearing, counts), np.repeat(rank0 - before, counts) + at, -1)
-    links = np.repeat(np.repeat(np.array(depths, np.int32), lengths)[mine], counts)
-    return pages, links, np.repeat(classes, counts), slots, ranks
+    return pages, np.repeat(links, counts), np.repeat(classes, counts), slots, ranks
 
 
-def _nearest(n: int, pages: np.ndarray, depths: np.ndarray) -> np.ndarray:
-    """Per page of n, the least of ``depths`` given for it (-1: none)."""
-    nearest = np.full(n, CHAIN_DEPTH_MAX, np.int32)
-    np.minimum.at(nearest, pages, depths)
-    nearest[nearest == CHAIN_DEPTH_MAX] = -1
-    return nearest
+class _Fold:
+    """Per page, the nearest link offering it so far, for the base (concrete pages) and for the
+    digest (own pages of 1.1 links, every page of 1.0 links), with the page's class there and
+    its slot (base) or digest rank (digest). Entries may come in any order and in parts."""
 
+    def __init__(self, n: int):
+        self.n = n
+        self.arrays = {kind: (np.full(n, CHAIN_DEPTH_MAX, np.int32), np.zeros(n, np.uint8),
+                              np.full(n, -1 if kind == "digest" else 0, np.int64)) for kind in ("base", "digest")}
 
-def _digest_links(links, regions, present, n, pages, depths, classes, ranks):
-    """Per page: its digest link (spec §10.2: the nearest link where the page is not a PARENT
-    page of a 1.1 image; in a 1.0 image a PARENT page has its own digest), its class there
-    and the rank of its digest in that link's DIGESTS (-1: none stored)."""
-    inherits = np.zeros(len(links), bool)
-    inherits[present] = [links[d].digests.inherits for d in present]
-    own = inherits[depths]
-    digest_link = np.full(n, CHAIN_DEPTH_MAX, np.int32)
-    np.minimum.at(digest_link, pages[own], depths[own])
-    whole = [d for d in present if not inherits[d]]
-    for d in whole:                                   # 1.0: every page has its own digest
-        m = min(n, regions[d].num_pages)
-        np.minimum(digest_link[:m], d, out=digest_link[:m])
-    digest_link[digest_link == CHAIN_DEPTH_MAX] = -1
-    digest_class = np.zeros(n, np.uint8)
-    digest_rank = np.full(n, -1, np.int64)
-    chosen = np.flatnonzero(own & (depths == digest_link[pages]))
-    digest_class[pages[chosen]] = classes[chosen]
-    digest_rank[pages[chosen]] = ranks[chosen]
-    for d in whole:
-        r, mine = regions[d], np.flatnonzero(digest_link == d)
-        i = np.searchsorted(r.starts, mine, side="right") - 1
-        digest_class[mine] = r.extents["page_class"][i]
-        digest_rank[mine] = np.where(r.digest_bearing[i], r.digest_rank0[i] + mine - r.starts[i], -1)
-    return digest_link, digest_class, digest_rank
+    def take(self, kind: str, pages, depths, classes, values) -> None:
+        nearest, cls, value = self.arrays[kind]
+        here = np.full(self.n, CHAIN_DEPTH_MAX, np.int32)
+        np.minimum.at(here, pages, depths)
+        win = np.flatnonzero((depths == here[pages]) & (depths < nearest[pages]))    # one entry per page
+        nearest[pages[win]], cls[pages[win]], value[pages[win]] = depths[win], classes[win], values[win]
+
+    def take_whole(self, depth: int, r) -> None:
+        """Every page of region ``r`` of 1.0 link ``depth``, nearer than what was taken."""
+        nearest, cls, value = self.arrays["digest"]
+        pages = np.flatnonzero(nearest[:min(self.n, r.num_pages)] > depth)
+        i = np.searchsorted(r.starts, pages, side="right") - 1
+        nearest[pages], cls[pages] = depth, r.extents["page_class"][i]
+        value[pages] = np.where(r.digest_bearing[i], r.digest_rank0[i] + pages - r.starts[i], -1)
+
+    def result(self, kind: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(link, -1 where none; class; slot or rank) per page."""
+        nearest, cls, value = self.arrays[kind]
+        nearest[nearest == CHAIN_DEPTH_MAX] = -1
+        return nearest, cls, value
 
 
 def _frames_of(tables: list, depths: list[int], links: np.ndarray, slots: np.ndarray) -> np.ndarray:

@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import struct
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
+from leanimg import chain as chain_module
 from leanimg.chain import _quick_delta_frame, resolve
 from leanimg.errors import LeanImageError
 from leanimg.format import (
@@ -147,17 +149,19 @@ def _inherited_outcome(path: Path, inherited) -> tuple:
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(plan=chain_plans, seed=st.integers(0, 2**16))
-def test_the_one_pass_fold_is_the_link_by_link_fold(tmp_path_factory, plan, seed):
+@given(plan=chain_plans, seed=st.integers(0, 2**16), part=st.sampled_from([chain_module.FOLD_ENTRIES, 1, 5]))
+def test_the_one_pass_fold_is_the_link_by_link_fold(tmp_path_factory, plan, seed, part):
     """Any chain of 2-7 links mixing 1.0 and 1.1 links, each page of each link PARENT,
     rewritten, changed by a word (DELTA), ZERO or FREE: resolve gives the same arrays as the
-    link-by-link fold, and the inherited digests (or the finding, e.g. LI-CHN-006 for a page
-    whose digest link holds it FREE) are those each digest link's own table gives."""
+    link-by-link fold (folding the links' pages all at once, or ``part`` at a time), and the
+    inherited digests (or the finding, e.g. LI-CHN-006 for a page whose digest link holds it
+    FREE) are those each digest link's own table gives."""
     paths = write_chain(tmp_path_factory.mktemp("fold"), plan, seed)
     with LeanImage.open(paths[-1]) as image:
         region = image.regions[0]
         found, want = _outcome(lambda: reference_resolve(image, region))
-        got = _outcome(lambda: resolve(image, region))
+        with mock.patch.object(chain_module, "FOLD_ENTRIES", part):
+            got = _outcome(lambda: resolve(image, region))
         assert (found is None) == (got[0] is None) and (found is None or found == got[0])
         if found is None:
             for name, value in want.items():
