@@ -90,10 +90,8 @@ def resolve(image, region) -> Resolution:
     fold, deltas = _Fold(n), []
     for lo, hi in _parts(extents[2], FOLD_ENTRIES):
         pages, depths, classes, slots, ranks = _expand(extents, lo, hi)
-        concrete = IS_CONCRETE[classes]
-        fold.take("base", pages[concrete], depths[concrete], classes[concrete], slots[concrete])
-        own = inherits[depths]
-        fold.take("digest", pages[own], depths[own], classes[own], ranks[own])
+        fold.take("base", IS_CONCRETE[classes], pages, depths, classes, slots)
+        fold.take("digest", inherits[depths], pages, depths, classes, ranks)
         delta = classes == PageClass.DELTA
         deltas.append((pages[delta], depths[delta], slots[delta]))
     for d in present:
@@ -170,11 +168,12 @@ class _Fold:
         self.arrays = {kind: (np.full(n, CHAIN_DEPTH_MAX, np.int32), np.zeros(n, np.uint8),
                               np.full(n, -1 if kind == "digest" else 0, np.int64)) for kind in ("base", "digest")}
 
-    def take(self, kind: str, pages, depths, classes, values) -> None:
+    def take(self, kind: str, offered: np.ndarray, pages, depths, classes, values) -> None:
+        """The entries where ``offered`` (a mask over them), each (page, link, class, value)."""
         nearest, cls, value = self.arrays[kind]
         here = np.full(self.n, CHAIN_DEPTH_MAX, np.int32)
-        np.minimum.at(here, pages, depths)
-        win = np.flatnonzero((depths == here[pages]) & (depths < nearest[pages]))    # one entry per page
+        np.minimum.at(here, pages, np.where(offered, depths, CHAIN_DEPTH_MAX).astype(np.int32))
+        win = np.flatnonzero(offered & (depths == here[pages]) & (depths < nearest[pages]))   # one entry per page
         nearest[pages[win]], cls[pages[win]], value[pages[win]] = depths[win], classes[win], values[win]
 
     def take_whole(self, depth: int, r) -> None:
