@@ -18,6 +18,7 @@ import numpy as np
 from .delta import parse_index_lists
 from .digests import verify_rows
 from .errors import ChainError, LeanImageError
+from .frames import FrameBuffers
 from .format import DIGEST_SIZE, IS_CONCRETE, PageClass, page_items, row_digests, zero_page_digest
 from . import pages as page_module
 from .rules import implements
@@ -405,6 +406,19 @@ class _StoredPages:
         self.opened = np.zeros(len(self.keys), bool)     # decompressed in this forward pass
         self.carried: list = []                           # (pages ascending, their bytes as page items)
         self.next_page = 0
+        self.buffers = FrameBuffers()                     # frames of a forward pass decompress into these
+        self.handed_out: list = []                        # frames the last pieces call's views are of
+
+    def continues(self, first_page: int) -> bool:
+        """Whether a call at ``first_page`` is (or starts) a forward pass."""
+        return first_page in (0, self.next_page)
+
+    def take_back(self) -> None:
+        """The frames the last call's pieces were views of are free again (the caller has
+        written them: views are valid until the next call)."""
+        for content in self.handed_out:
+            self.buffers.give(content)
+        self.handed_out = []
 
     def _forward(self, first_page: int) -> bool:
         """Whether a call at ``first_page`` continues the forward pass (or, at page 0, starts
@@ -441,17 +455,22 @@ class _StoredPages:
         for group in groups.tolist():
             link_index, frame = self.frame_of(group)
             link = self.resolution.links[link_index]
+            loaded = None
             if (link_index, frame) in held:
                 content = np.frombuffer(held[(link_index, frame)], page_items(ps))
             else:
                 window.step()
-                content = np.frombuffer(link.frames.frame(frame, keep=not forward)[0], page_items(ps))
+                loaded = link.frames.frame(frame, keep=not forward)[0]
+                content = np.frombuffer(loaded, page_items(ps))
             pages = self.pages[self.bounds[group]:self.bounds[group + 1]]
             ordinals = self.resolution.base_slot[pages] - int(link.frames.page_frames.starts[frame])
             lo, hi = (int(x) for x in np.searchsorted(pages, [first_page, stop]))
             items[pages[lo:hi] - first_page] = content[ordinals[lo:hi]]
             if forward and hi < len(pages):
-                self.carried.append((pages[hi:], content[ordinals[hi:]]))
+                self.carried.append((pages[hi:], content[ordinals[hi:]]))       # copies
+            if forward and loaded is not None:
+                del content
+                self.buffers.give(loaded)
         if forward:
             self.opened[groups] = True
         self.next_page = stop
@@ -483,8 +502,11 @@ class _FrameWindow:
 
     AHEAD = 8
 
-    def __init__(self, pool, order: list):
+    def __init__(self, pool, order: list, buffers: FrameBuffers | None = None):
+        """``buffers``: PAGE_FRAMEs are decompressed into these (a forward pass's, which gives
+        each back when done with it)."""
         self.pool = pool
+        self.buffers = buffers
         self.pending = list(reversed(order)) if pool is not None else []
         self.step(self.AHEAD)
 
@@ -495,7 +517,7 @@ class _FrameWindow:
             if with_digests is DELTAS:
                 link.frames.prefetch_deltas([frame], self.pool)
             else:
-                link.frames.prefetch([frame], self.pool, with_digests)
+                link.frames.prefetch([frame], self.pool, with_digests, self.buffers)
             count -= 1
 
 
@@ -532,6 +554,8 @@ def pieces(image, region, resolution: Resolution, first_page: int, count: int) -
     whole path."""
     ps = image.page_size
     stop = first_page + count
+    stored = resolution.stored_pages()
+    stored.take_back()
     if len(resolution.delta_pages):
         resolution.chain_patches()          # the workers read the DELTA_FRAMEs meanwhile
     links = resolution.base_link[first_page:stop]
@@ -551,9 +575,11 @@ def pieces(image, region, resolution: Resolution, first_page: int, count: int) -
     order = [(resolution.links[li], f, False) for li, f in direct_frames]
     if built.any():
         order += fill_frames(resolution, first_page, count, built, set(direct_frames))
-    window = _FrameWindow(resolution.links[0].frames.pool, order)
+    window = _FrameWindow(resolution.links[0].frames.pool, order,
+                          stored.buffers if stored.continues(first_page) else None)
     held = _hold_direct_frames(image, region, resolution, window, first_page, links, frames, slots,
                                checked, expected)
+    stored.handed_out = [content for content, _ in held.values()]
     out = None
     if built.any():
         out = np.zeros(count * ps, np.uint8)

@@ -51,9 +51,9 @@ def counted_loads(monkeypatch):
     loads = Counter()
     load = FrameStore._load
 
-    def counting(self, frame):
+    def counting(self, frame, buffers=None):
         loads[(self.tables.file.name, frame)] += 1
-        return load(self, frame)
+        return load(self, frame, buffers)
 
     monkeypatch.setattr(FrameStore, "_load", counting)
     return loads
