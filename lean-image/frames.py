@@ -10,13 +10,14 @@ import os
 import threading
 import weakref
 from collections import OrderedDict
+from contextlib import contextmanager
 
 import numpy as np
 import zstandard
 
 from .compression import SIZE, FrameError, decompress_exact, decompress_into
 from .delta import parse_index_lists
-from .errors import FormatError
+from .errors import FormatError, LeanImageError
 from .format import FRAME_PAGES_MAX_BYTES, page_digests
 from .rules import implements
 from .tables import FrameTable, ImageTables
@@ -178,11 +179,22 @@ class FrameStore:
         return content, page_digests(content, self.page_size)
 
     def _load(self, frame: int, buffers: FrameBuffers | None = None) -> bytes:
-        record = self.tables.frame_record(self.page_frames, frame)
-        size = record.parsed["num_pages"] * self.page_size
-        into = buffers.take(size) if buffers is not None else None
-        return decompress_frame(zstandard.ZstdDecompressor(), record.parsed["frame"], size, record.offset,
-                                record.path("frame"), into)
+        with self._naming_the_file():
+            record = self.tables.frame_record(self.page_frames, frame)
+            size = record.parsed["num_pages"] * self.page_size
+            into = buffers.take(size) if buffers is not None else None
+            return decompress_frame(zstandard.ZstdDecompressor(), record.parsed["frame"], size, record.offset,
+                                    record.path("frame"), into)
+
+    @contextmanager
+    def _naming_the_file(self):
+        """A frame that cannot be read names its file (in a chain, which link's frame it is)."""
+        try:
+            yield
+        except LeanImageError as exc:
+            exc.path = exc.path or self.tables.file.name
+            exc.args = (str(exc),)
+            raise
 
     # -- delta frames ----------------------------------------------------------------
     def delta_entries(self, slots: np.ndarray) -> list:
@@ -229,10 +241,11 @@ class FrameStore:
         return self._cache[key]
 
     def _read_delta_frame(self, frame: int):
-        record = self.tables.frame_record(self.delta_frames, frame)
-        p = record.parsed
-        content = decompress_frame(zstandard.ZstdDecompressor(), p["frame"], int(p["entry_offsets"][-1]),
-                                   record.offset, record.path("frame"))
+        with self._naming_the_file():
+            record = self.tables.frame_record(self.delta_frames, frame)
+            p = record.parsed
+            content = decompress_frame(zstandard.ZstdDecompressor(), p["frame"], int(p["entry_offsets"][-1]),
+                                       record.offset, record.path("frame"))
         return content, p["entry_offsets"].tolist(), p["first_delta"]
 
     def _keep(self, key, value) -> None:
