@@ -408,10 +408,19 @@ class _StoredPages:
         self.next_page = 0
         self.buffers = FrameBuffers()                     # frames of a forward pass decompress into these
         self.handed_out: list = []                        # frames the last pieces call's views are of
+        self.out = None                                   # see buffer
 
     def continues(self, first_page: int) -> bool:
         """Whether a call at ``first_page`` is (or starts) a forward pass."""
         return first_page in (0, self.next_page)
+
+    def buffer(self, size: int) -> np.ndarray:
+        """The buffer pieces builds a range's pages in, the same from call to call (its views
+        are valid until the next call, as those of frames are): fresh memory would cost a
+        page fault and a cleared page every 4 KiB of every range."""
+        if self.out is None or len(self.out) < size:
+            self.out = np.empty(size, np.uint8)
+        return self.out[:size]
 
     def take_back(self) -> None:
         """The frames the last call's pieces were views of are free again (the caller has
@@ -551,7 +560,8 @@ def pieces(image, region, resolution: Resolution, first_page: int, count: int) -
     above it, in a frame no other range needs, is a view of that link's decompressed frame;
     pages with deltas or on a disk, and those of frames other ranges need too, are built in
     one buffer (fill; from the same decompressed frames).  Every page is checked against link 0's digest, which covers the
-    whole path."""
+    whole path.  The frames and the buffer are used again by the next call: its views are
+    valid until then."""
     ps = image.page_size
     stop = first_page + count
     stored = resolution.stored_pages()
@@ -582,7 +592,9 @@ def pieces(image, region, resolution: Resolution, first_page: int, count: int) -
     stored.handed_out = [content for content, _ in held.values()]
     out = None
     if built.any():
-        out = np.zeros(count * ps, np.uint8)
+        out = stored.buffer(count * ps)
+        blank_base = built & ((classes == PageClass.ZERO) | (classes == PageClass.FREE))
+        out.reshape(-1, ps)[np.flatnonzero(blank_base)] = 0        # deltas apply over zeros
         fill(resolution, out, first_page, count, want=built, window=window,
              held={key: content for key, (content, _) in held.items()}, forward=True)
         check_built(image, region, first_page, out, np.flatnonzero(built & checked), expected)
