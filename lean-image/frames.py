@@ -52,6 +52,7 @@ class FrameBuffers:
     refers to it any more (anything else given is ignored)."""
 
     KEEP = 32                     # free buffers kept
+    GRAIN = 1 << 20               # sizes rounded up to this: frames of a few pages more or less share buffers
 
     def __init__(self):
         self._free: list = []
@@ -60,20 +61,21 @@ class FrameBuffers:
 
     def take(self, size: int) -> bytearray:
         with self._lock:
-            while self._free:
-                buffer = self._free.pop()
-                if len(buffer) >= size:
-                    break
+            fitting = [k for k, buffer in enumerate(self._free) if len(buffer) >= size]
+            if fitting:
+                buffer = self._free.pop(min(fitting, key=lambda k: len(self._free[k])))
             else:
-                buffer = _Buffer(size)
+                buffer = _Buffer(-(-size // self.GRAIN) * self.GRAIN)
             self._lent[id(buffer)] = buffer
             return buffer
 
     def give(self, content) -> None:
         buffer = content.obj if isinstance(content, memoryview) else None
         with self._lock:
-            if buffer is not None and self._lent.pop(id(buffer), None) is buffer and len(self._free) < self.KEEP:
+            if buffer is not None and self._lent.pop(id(buffer), None) is buffer:
                 self._free.append(buffer)
+                if len(self._free) > self.KEEP:
+                    self._free.pop(min(range(len(self._free)), key=lambda k: len(self._free[k])))
 
 
 class FrameStore:

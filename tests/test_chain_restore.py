@@ -340,7 +340,11 @@ def test_a_buffer_goes_back_only_from_the_one_it_was_lent_to():
     buffers.give(view)                                     # twice: kept once
     assert buffers.take(100) is lent
     assert buffers.take(100) is not lent
-    assert len(buffers.take(8192)) == 8192                 # too small ones are not handed out
+    buffers.give(memoryview(lent))
+    big = buffers.take(len(lent) + 1)
+    assert big is not lent and len(big) > len(lent)        # one too small is not handed out
+    buffers.give(memoryview(big))
+    assert buffers.take(10) is lent and buffers.take(10) is big         # the smallest that fits first
 
 
 def test_a_frame_asked_for_to_keep_is_not_a_lent_buffer(chain):
