@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .compression import FrameError, decompress_exact
-
 from .delta import parse_index_lists
 from .digests import verify_rows
 from .errors import ChainError, LeanImageError
@@ -27,6 +26,7 @@ from .format import (
     RECORD_BODY_MAX, RECORD_TRAILER,
     PageClass, RecordType, align8, checksum64, page_items, record_size, row_digests, zero_page_digest,
 )
+from .frames import FrameBuffers
 from . import pages as page_module
 from .rules import implements
 
@@ -530,6 +530,28 @@ class _StoredPages:
         self.opened = np.zeros(len(self.keys), bool)     # decompressed in this forward pass
         self.carried: list = []                           # (pages ascending, their bytes as page items)
         self.next_page = 0
+        self.buffers = FrameBuffers()                     # frames of a forward pass decompress into these
+        self.handed_out: list = []                        # frames the last pieces call's views are of
+        self.out = None                                   # see buffer
+
+    def continues(self, first_page: int) -> bool:
+        """Whether a call at ``first_page`` is (or starts) a forward pass."""
+        return first_page in (0, self.next_page)
+
+    def buffer(self, size: int) -> np.ndarray:
+        """The buffer pieces builds a range's pages in, the same from call to call (its views
+        are valid until the next call, as those of frames are): fresh memory would cost a
+        page fault and a cleared page every 4 KiB of every range."""
+        if self.out is None or len(self.out) < size:
+            self.out = np.empty(size, np.uint8)
+        return self.out[:size]
+
+    def take_back(self) -> None:
+        """The frames the last call's pieces were views of are free again (the caller has
+        written them: views are valid until the next call)."""
+        for content in self.handed_out:
+            self.buffers.give(content)
+        self.handed_out = []
 
     def _forward(self, first_page: int) -> bool:
         """Whether a call at ``first_page`` continues the forward pass (or, at page 0, starts
@@ -566,17 +588,22 @@ class _StoredPages:
         for group in groups.tolist():
             link_index, frame = self.frame_of(group)
             link = self.resolution.links[link_index]
+            loaded = None
             if (link_index, frame) in held:
                 content = np.frombuffer(held[(link_index, frame)], page_items(ps))
             else:
                 window.step()
-                content = np.frombuffer(link.frames.frame(frame, keep=not forward)[0], page_items(ps))
+                loaded = link.frames.frame(frame, keep=not forward)[0]
+                content = np.frombuffer(loaded, page_items(ps))
             pages = self.pages[self.bounds[group]:self.bounds[group + 1]]
             ordinals = self.resolution.base_slot[pages] - int(link.frames.page_frames.starts[frame])
             lo, hi = (int(x) for x in np.searchsorted(pages, [first_page, stop]))
             items[pages[lo:hi] - first_page] = content[ordinals[lo:hi]]
             if forward and hi < len(pages):
-                self.carried.append((pages[hi:], content[ordinals[hi:]]))
+                self.carried.append((pages[hi:], content[ordinals[hi:]]))       # copies
+            if forward and loaded is not None:
+                del content
+                self.buffers.give(loaded)
         if forward:
             self.opened[groups] = True
         self.next_page = stop
@@ -608,8 +635,11 @@ class _FrameWindow:
 
     AHEAD = 8
 
-    def __init__(self, pool, order: list):
+    def __init__(self, pool, order: list, buffers: FrameBuffers | None = None):
+        """``buffers``: PAGE_FRAMEs are decompressed into these (a forward pass's, which gives
+        each back when done with it)."""
         self.pool = pool
+        self.buffers = buffers
         self.pending = list(reversed(order)) if pool is not None else []
         self.step(self.AHEAD)
 
@@ -620,7 +650,7 @@ class _FrameWindow:
             if with_digests is DELTAS:
                 link.frames.prefetch_deltas([frame], self.pool)
             else:
-                link.frames.prefetch([frame], self.pool, with_digests)
+                link.frames.prefetch([frame], self.pool, with_digests, self.buffers)
             count -= 1
 
 
@@ -654,9 +684,12 @@ def pieces(image, region, resolution: Resolution, first_page: int, count: int) -
     above it, in a frame no other range needs, is a view of that link's decompressed frame;
     pages with deltas or on a disk, and those of frames other ranges need too, are built in
     one buffer (fill; from the same decompressed frames).  Every page is checked against link 0's digest, which covers the
-    whole path."""
+    whole path.  The frames and the buffer are used again by the next call: its views are
+    valid until then."""
     ps = image.page_size
     stop = first_page + count
+    stored = resolution.stored_pages()
+    stored.take_back()
     if len(resolution.delta_pages):
         resolution.chain_patches()          # the workers read the DELTA_FRAMEs meanwhile
     links = resolution.base_link[first_page:stop]
@@ -676,12 +709,16 @@ def pieces(image, region, resolution: Resolution, first_page: int, count: int) -
     order = [(resolution.links[li], f, False) for li, f in direct_frames]
     if built.any():
         order += fill_frames(resolution, first_page, count, built, set(direct_frames))
-    window = _FrameWindow(resolution.links[0].frames.pool, order)
+    window = _FrameWindow(resolution.links[0].frames.pool, order,
+                          stored.buffers if stored.continues(first_page) else None)
     held = _hold_direct_frames(image, region, resolution, window, first_page, links, frames, slots,
                                checked, expected)
+    stored.handed_out = [content for content, _ in held.values()]
     out = None
     if built.any():
-        out = np.zeros(count * ps, np.uint8)
+        out = stored.buffer(count * ps)
+        blank_base = built & ((classes == PageClass.ZERO) | (classes == PageClass.FREE))
+        out.reshape(-1, ps)[np.flatnonzero(blank_base)] = 0        # deltas apply over zeros
         fill(resolution, out, first_page, count, want=built, window=window,
              held={key: content for key, (content, _) in held.items()}, forward=True)
         check_built(image, region, first_page, out, np.flatnonzero(built & checked), expected)

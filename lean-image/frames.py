@@ -7,14 +7,17 @@ next ones are decompressed (and their pages digested) ahead on worker threads.
 from __future__ import annotations
 
 import os
+import threading
+import weakref
 from collections import OrderedDict
+from contextlib import contextmanager
 
 import numpy as np
 import zstandard
 
-from .compression import SIZE, FrameError, decompress_exact
+from .compression import SIZE, FrameError, decompress_exact, decompress_into
 from .delta import parse_index_lists
-from .errors import FormatError
+from .errors import FormatError, LeanImageError
 from .format import FRAME_PAGES_MAX_BYTES, page_digests
 from .rules import implements
 from .tables import FrameTable, ImageTables
@@ -23,13 +26,56 @@ FRAME_CACHE_SIZE = 8
 
 
 @implements("LI-FRM-002", "LI-FRM-003")
-def decompress_frame(decompressor, data, expected: int, offset: int, structure: str) -> bytes:
-    """One zstd frame of exactly ``expected`` bytes (at most 16 MiB); never allocates beyond that."""
+def decompress_frame(decompressor, data, expected: int, offset: int, structure: str, into=None) -> bytes:
+    """One zstd frame of exactly ``expected`` bytes (at most 16 MiB); never allocates beyond
+    that. ``into``: a buffer of at least ``expected`` bytes to decompress into (a view of it
+    is returned)."""
     try:
+        if into is not None:
+            return decompress_into(data, into, expected=expected, limit=FRAME_PAGES_MAX_BYTES,
+                                   decompressor=decompressor)
         return decompress_exact(data, expected=expected, limit=FRAME_PAGES_MAX_BYTES, decompressor=decompressor)
     except FrameError as exc:
         rule = "LI-FRM-003" if exc.kind == SIZE else "LI-FRM-002"
         raise FormatError(exc.message, offset=offset, structure=structure, rule=rule) from None
+
+
+class _Buffer(bytearray):
+    __slots__ = ("__weakref__",)
+
+
+class FrameBuffers:
+    """Memory for decompressed frames, used again: a forward pass decompresses many times the
+    memory it restores (a chain's frames hold superseded pages too), and fresh memory costs a
+    page fault and a cleared page every 4 KiB, which used-again memory does not.  ``take``
+    lends a buffer; ``give`` takes back the content of a frame loaded into one once nothing
+    refers to it any more (anything else given is ignored)."""
+
+    KEEP = 32                     # free buffers kept
+    GRAIN = 1 << 20               # sizes rounded up to this: frames of a few pages more or less share buffers
+
+    def __init__(self):
+        self._free: list = []
+        self._lent = weakref.WeakValueDictionary()     # id -> buffer lent (one never given back just goes)
+        self._lock = threading.Lock()
+
+    def take(self, size: int) -> bytearray:
+        with self._lock:
+            fitting = [k for k, buffer in enumerate(self._free) if len(buffer) >= size]
+            if fitting:
+                buffer = self._free.pop(min(fitting, key=lambda k: len(self._free[k])))
+            else:
+                buffer = _Buffer(-(-size // self.GRAIN) * self.GRAIN)
+            self._lent[id(buffer)] = buffer
+            return buffer
+
+    def give(self, content) -> None:
+        buffer = content.obj if isinstance(content, memoryview) else None
+        with self._lock:
+            if buffer is not None and self._lent.pop(id(buffer), None) is buffer:
+                self._free.append(buffer)
+                if len(self._free) > self.KEEP:
+                    self._free.pop(min(range(len(self._free)), key=lambda k: len(self._free[k])))
 
 
 class FrameStore:
@@ -91,6 +137,8 @@ class FrameStore:
         if with_digests and digests is None:
             digests = page_digests(content, self.page_size)
         if keep:
+            if isinstance(content, memoryview):       # a lent buffer (prefetched for a forward pass)
+                content = bytes(content)
             self._keep(key, (content, digests))
         return content, digests
 
@@ -98,13 +146,14 @@ class FrameStore:
         """Decompressed content of PAGE_FRAME number ``frame`` (cached)."""
         return self.frame(frame)[0]
 
-    def prefetch(self, frames, pool, with_digests: bool = False) -> None:
+    def prefetch(self, frames, pool, with_digests: bool = False, buffers: FrameBuffers | None = None) -> None:
         """Decompress these PAGE_FRAMEs (and digest their pages) on ``pool``'s workers before
-        they are asked for."""
+        they are asked for; with ``buffers``, into buffers taken from it (the caller asks for
+        them with keep=False and gives each content back when done with it)."""
         load = self._load_with_digests if with_digests else self._load_only
         for frame in frames:
             if frame not in self._ahead and ("page", frame) not in self._cache:
-                self._ahead[frame] = pool.submit(load, frame)
+                self._ahead[frame] = pool.submit(load, frame, buffers)
 
     def stored_spans(self, ordinal: int, count: int, with_digests: bool = True):
         """(frame content, its page digests or None, first page in it, pages) covering
@@ -124,17 +173,30 @@ class FrameStore:
     def frames_touched(self, ordinals: np.ndarray) -> int:
         return len(np.unique(self.page_frames.frame_of(ordinals)))
 
-    def _load_only(self, frame: int) -> tuple[bytes, None]:
-        return self._load(frame), None
+    def _load_only(self, frame: int, buffers: FrameBuffers | None = None) -> tuple[bytes, None]:
+        return self._load(frame, buffers), None
 
-    def _load_with_digests(self, frame: int) -> tuple[bytes, np.ndarray]:
-        content = self._load(frame)
+    def _load_with_digests(self, frame: int, buffers: FrameBuffers | None = None) -> tuple[bytes, np.ndarray]:
+        content = self._load(frame, buffers)
         return content, page_digests(content, self.page_size)
 
-    def _load(self, frame: int) -> bytes:
-        record = self.tables.frame_record(self.page_frames, frame)
-        return decompress_frame(zstandard.ZstdDecompressor(), record.parsed["frame"],
-                                record.parsed["num_pages"] * self.page_size, record.offset, record.path("frame"))
+    def _load(self, frame: int, buffers: FrameBuffers | None = None) -> bytes:
+        with self._naming_the_file():
+            record = self.tables.frame_record(self.page_frames, frame)
+            size = record.parsed["num_pages"] * self.page_size
+            into = buffers.take(size) if buffers is not None else None
+            return decompress_frame(zstandard.ZstdDecompressor(), record.parsed["frame"], size, record.offset,
+                                    record.path("frame"), into)
+
+    @contextmanager
+    def _naming_the_file(self):
+        """A frame that cannot be read names its file (in a chain, which link's frame it is)."""
+        try:
+            yield
+        except LeanImageError as exc:
+            exc.path = exc.path or self.tables.file.name
+            exc.args = (str(exc),)
+            raise
 
     # -- delta frames ----------------------------------------------------------------
     def delta_entries(self, slots: np.ndarray) -> list:
@@ -181,10 +243,11 @@ class FrameStore:
         return self._cache[key]
 
     def _read_delta_frame(self, frame: int):
-        record = self.tables.frame_record(self.delta_frames, frame)
-        p = record.parsed
-        content = decompress_frame(zstandard.ZstdDecompressor(), p["frame"], int(p["entry_offsets"][-1]),
-                                   record.offset, record.path("frame"))
+        with self._naming_the_file():
+            record = self.tables.frame_record(self.delta_frames, frame)
+            p = record.parsed
+            content = decompress_frame(zstandard.ZstdDecompressor(), p["frame"], int(p["entry_offsets"][-1]),
+                                       record.offset, record.path("frame"))
         return content, p["entry_offsets"].tolist(), p["first_delta"]
 
     def _keep(self, key, value) -> None:

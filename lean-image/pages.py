@@ -128,7 +128,8 @@ def region_pieces(image, region: Region, first_page: int, count: int) -> list[tu
     """Pages [first_page, first_page+count) in order as verified runs ``(n, data)``: data
     None for ZERO and FREE pages, else n pages of bytes.  In a self-contained image the
     STORED runs are views of the decompressed frames (checked by the frames' digests), so a
-    restorer can hand them to the kernel without copying them."""
+    restorer can hand them to the kernel without copying them.  The views are valid until the
+    next call on the same image (a chain builds its ranges in memory used again)."""
     if image.parent is not None:
         from .chain import pieces
         return pieces(image, region, image.resolution(region), first_page, count)

@@ -5,16 +5,18 @@ ones always are, whatever the ranges."""
 from __future__ import annotations
 
 import random
+import struct
 from collections import Counter
 
 import numpy as np
 import pytest
+import zstandard
 
 from helpers import disk_sources
-from leanimg.errors import FormatError
+from leanimg.errors import FormatError, LeanImageError
 from leanimg import delta
-from leanimg.format import DeltaEncoding, PageClass, page_digest
-from leanimg.frames import FrameStore
+from leanimg.format import DeltaEncoding, PageClass, checksum64, page_digest
+from leanimg.frames import FrameBuffers, FrameStore
 from leanimg.incremental import parent_link
 from leanimg.inspect import class_counts
 from leanimg.reader import LeanImage
@@ -51,9 +53,9 @@ def counted_loads(monkeypatch):
     loads = Counter()
     load = FrameStore._load
 
-    def counting(self, frame):
+    def counting(self, frame, buffers=None):
         loads[(self.tables.file.name, frame)] += 1
-        return load(self, frame)
+        return load(self, frame, buffers)
 
     monkeypatch.setattr(FrameStore, "_load", counting)
     return loads
@@ -298,3 +300,123 @@ def test_a_chain_whose_deltas_are_all_runs_restores(tmp_path):
     with LeanImage.open(paths[-1]) as image:
         image.enable_read_ahead()
         assert _joined(image, image.regions[0], _forward(FOLD_PAGES, 5), "pieces") == memory
+
+
+# --- frames decompressed into buffers used again (frames.FrameBuffers) ---------------------------
+def _pieces_pass(path, step: int, read_ahead: bool) -> bytes:
+    with LeanImage.open(path) as image:
+        if read_ahead:
+            image.enable_read_ahead()
+        return _joined(image, image.regions[0], _forward(PAGES, step), "pieces")
+
+
+def test_a_forward_pass_decompresses_into_a_few_buffers(chain, counted_loads, monkeypatch):
+    """Far fewer buffers are made than frames decompressed (they are given back and taken
+    again), and the restore is bit-exact: no buffer is reused while a page in it is needed."""
+    made = []
+    take = FrameBuffers.take
+
+    def counting(self, size):
+        buffer = take(self, size)
+        if all(buffer is not old for old in made):
+            made.append(buffer)
+        return buffer
+
+    monkeypatch.setattr(FrameBuffers, "take", counting)
+    paths, memories = chain
+    assert _pieces_pass(paths[-1], 7, read_ahead=True) == memories[-1]
+    decompressed = sum(counted_loads.values())
+    assert decompressed > 2 * len(made) > 0, (decompressed, len(made))
+
+
+def test_a_buffer_goes_back_only_from_the_one_it_was_lent_to():
+    buffers = FrameBuffers()
+    lent = buffers.take(4096)
+    view = memoryview(lent)[:100]
+    buffers.give(memoryview(bytearray(4096)))             # never lent: ignored
+    buffers.give(b"x" * 4096)
+    assert buffers.take(4096) is not lent                  # still lent: not handed out twice
+    buffers.give(view)
+    buffers.give(view)                                     # twice: kept once
+    assert buffers.take(100) is lent
+    assert buffers.take(100) is not lent
+    buffers.give(memoryview(lent))
+    big = buffers.take(len(lent) + 1)
+    assert big is not lent and len(big) > len(lent)        # one too small is not handed out
+    buffers.give(memoryview(big))
+    assert buffers.take(10) is lent and buffers.take(10) is big         # the smallest that fits first
+
+
+def test_a_frame_asked_for_to_keep_is_not_a_lent_buffer(chain):
+    """A frame decompressed ahead into a lent buffer but then asked for with keep=True (a
+    random read meeting a forward pass) is cached as a copy: giving the buffer back cannot
+    change the cached frame."""
+    paths, memories = chain
+    with LeanImage.open(paths[-1]) as image:
+        image.enable_read_ahead()
+        root = image.chain()[-1]
+        buffers = FrameBuffers()
+        root.frames.prefetch([0], image.frames.pool, buffers=buffers)
+        content = root.frames.frame(0, keep=True)[0]
+        assert isinstance(content, bytes)
+        cached = root.frames.frame(0)[0]
+        assert cached is content
+        expected = bytes(content)
+        buffers.take(len(content))[:] = b"\x00" * len(content)        # the lent buffer, written over
+        assert root.frames.frame(0)[0] == expected
+
+
+def _frame_record(link, frame: int) -> tuple[int, int]:
+    """(offset, size) of PAGE_FRAME ``frame``'s record in ``link``'s file."""
+    record = link.tables.frame_record(link.tables.page_frames, frame)
+    return record.offset, record.size
+
+
+def _spoil(path, offset: int, size: int, how: str) -> None:
+    """``truncated``: the file cut inside the record; ``flipped``: a byte of its zstd frame
+    changed; ``resealed``: the frame's first block made of the reserved type, the record
+    checksum made right again (so the frame itself is refused)."""
+    data = bytearray(path.read_bytes())
+    if how == "truncated":
+        data = data[:offset + size // 2]
+    elif how == "flipped":
+        data[offset + size // 2] ^= 0xFF
+    else:
+        frame = data.index(b"\x28\xb5\x2f\xfd", offset)
+        data[frame + zstandard.frame_header_size(bytes(data[frame:frame + 18]))] |= 0b110
+        struct.pack_into("<Q", data, offset + size - 8, checksum64(bytes(data[offset:offset + size - 8])))
+    path.write_bytes(bytes(data))
+
+
+def _error_of(paths, original: bytes, read: str, step: int, read_ahead: bool, spoil) -> tuple:
+    """The error a pass gives when ``spoil`` changes the root's file after the chain is open."""
+    paths[0].write_bytes(original)
+    with LeanImage.open(paths[-1]) as image:
+        if read_ahead:
+            image.enable_read_ahead()
+        spoil(image)
+        with pytest.raises(LeanImageError) as info:
+            _joined(image, image.regions[0], _forward(PAGES, step), read)
+    e = info.value
+    return type(e).__name__, e.rule, e.offset, e.structure, str(e.path), str(e)
+
+
+@pytest.mark.parametrize("how", ["truncated", "flipped", "resealed"])
+def test_a_link_changed_while_read_ahead_gives_the_same_error(tmp_path, how):
+    """A link's file cut short or changed after the chain was opened, inside a frame the pass
+    needs: the pass decompressing ahead into lent buffers reports what reading without
+    read-ahead reports (rule, offset, structure, file, message)."""
+    paths, _ = build_chain(tmp_path, depth=4)
+    original = paths[0].read_bytes()
+
+    def spoil(image):
+        _spoil(paths[0], *_frame_record(image.chain()[-1], 3), how)
+
+    for read in ("pieces", "bytes"):
+        for step in (7, PAGES):
+            ahead, alone = (_error_of(paths, original, read, step, read_ahead, spoil) for read_ahead in (True, False))
+            assert ahead == alone
+            kind, rule, offset, structure, path, _ = ahead
+            assert path == str(paths[0]) and offset is not None and structure.startswith("record["), ahead
+            assert (kind, rule) == {"truncated": ("TruncatedError", None), "flipped": ("FormatError", "LI-REC-003"),
+                                    "resealed": ("FormatError", "LI-FRM-002")}[how], ahead

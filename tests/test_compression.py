@@ -1,5 +1,6 @@
 """Unit tests of leanimg.compression: declared_size and decompress_exact, each kind of
-FrameError, and that nothing is allocated for what a hostile frame header declares."""
+FrameError, and that nothing is allocated for what a hostile frame header declares;
+decompress_into takes exactly what decompress_exact takes, with the same errors."""
 
 from __future__ import annotations
 
@@ -8,8 +9,10 @@ import tracemalloc
 
 import pytest
 import zstandard
+from hypothesis import HealthCheck, given, settings, strategies as st
 
-from leanimg.compression import CORRUPT, NOT_A_FRAME, SIZE, FrameError, FrameReader, declared_size, decompress_exact
+from leanimg.compression import (CORRUPT, NOT_A_FRAME, SIZE, FrameError, FrameReader, declared_size, decompress_exact,
+                                 decompress_into)
 
 CONTENT = bytes(range(256)) * 40
 LIMIT = 1 << 20
@@ -150,3 +153,68 @@ def test_frame_reader_refuses_content_shorter_than_declared():
 def test_frame_reader_refuses_a_damaged_frame():
     assert stream_kind(frame()[:-4]) in (CORRUPT, SIZE)
     assert stream_kind(b"not a zstd frame") == NOT_A_FRAME
+
+
+# --- decompress_into: decompress_exact into a caller's buffer --------------------------------
+def into_or_error(data, out=None, **kw):
+    """(content, None) or (None, (kind, message)) of decompress_into."""
+    out = bytearray(len(CONTENT) + 8192) if out is None else out
+    try:
+        return bytes(decompress_into(data, out, **kw)), None
+    except FrameError as exc:
+        return None, (exc.kind, exc.message)
+
+
+def exact_or_error(data, **kw):
+    try:
+        return decompress_exact(data, **kw), None
+    except FrameError as exc:
+        return None, (exc.kind, exc.message)
+
+
+def test_decompress_into_fills_the_callers_buffer():
+    out = bytearray(LIMIT)
+    view = decompress_into(frame(), out, expected=len(CONTENT), limit=LIMIT)
+    assert view.obj is out and len(view) == len(CONTENT) and bytes(out[:len(CONTENT)]) == CONTENT
+    assert bytes(decompress_into(frame(b""), out, limit=LIMIT)) == b""
+
+
+def test_decompress_into_a_buffer_too_small_is_the_callers_error():
+    with pytest.raises(ValueError, match="cannot hold"):
+        decompress_into(frame(), bytearray(100), limit=LIMIT)
+
+
+CHECKSUMMED = zstandard.ZstdCompressor(level=3, write_checksum=True).compress(CONTENT)
+RAW_CONTENT = bytes(range(256)) + __import__("os").urandom(70000)       # stored in raw blocks
+ORIGINALS = [(frame(), len(CONTENT)), (CHECKSUMMED, len(CONTENT)),
+             (zstandard.ZstdCompressor(level=3).compress(RAW_CONTENT), len(RAW_CONTENT)), (frame(b"x" * 5000), 5000)]
+
+
+@pytest.mark.parametrize("data,kw", [
+    (frame(content_size=False), {}), (frame(), dict(expected=len(CONTENT) + 4096)), (frame(), dict(limit=100)),
+    (frame() + frame(b"more"), {}), (frame() + b"\x00", {}), (frame()[:-4], {}), (declaring(4096), {}),
+    (b"not a zstd frame", {}), (CHECKSUMMED[:-1] + bytes([CHECKSUMMED[-1] ^ 1]), {}),
+    (frame() + zstandard.ZstdCompressor().compress(b""), {}),
+    (frame() + b"\x50\x2a\x4d\x18" + bytes(4), {}),            # a skippable frame after it
+])
+def test_decompress_into_refuses_what_decompress_exact_refuses_alike(data, kw):
+    kw = dict(dict(limit=LIMIT), **kw)
+    refused = exact_or_error(data, **kw)
+    assert refused[0] is None
+    assert into_or_error(data, **kw) == refused
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(0, len(ORIGINALS) - 1), st.data())
+def test_decompress_into_agrees_with_decompress_exact_on_any_edit(which, data):
+    """Any bytes set, cut or appended: the same content, or the same FrameError (kind and
+    message), as a frame reader asks (expecting the size the frame was written with)."""
+    original, expected = ORIGINALS[which]
+    edited = bytearray(original)
+    for _ in range(data.draw(st.integers(1, 3))):
+        at = data.draw(st.integers(0, len(edited) - 1))
+        edited[at] = data.draw(st.integers(0, 255))
+    cut = data.draw(st.integers(0, 8))
+    edited = edited[:len(edited) - cut] + data.draw(st.binary(max_size=8))
+    kw = dict(expected=expected, limit=LIMIT)
+    assert into_or_error(bytes(edited), bytearray(expected), **kw) == exact_or_error(bytes(edited), **kw)
