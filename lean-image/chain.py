@@ -750,7 +750,10 @@ def _hold_direct_frames(image, region, resolution, window, first_page, links, fr
     pages' digests (only theirs: a frame's superseded pages are not read) against link 0's;
     (link, frame) -> (content view, first ordinal)."""
     ps = image.page_size
-    rows = np.flatnonzero(frames >= 0)
+    rows = np.flatnonzero((frames >= 0) & checked)
+    keys = _frame_keys(links[rows], frames[rows])
+    by_frame = np.argsort(keys, kind="stable")          # each frame's rows found by bisection
+    keys = keys[by_frame]
     got = np.zeros((len(links), DIGEST_SIZE), np.uint8)
     held = {}
     for link_index, frame in _page_order_frames(links, frames):
@@ -759,10 +762,11 @@ def _hold_direct_frames(image, region, resolution, window, first_page, links, fr
         content = link.frames.frame(frame, keep=False)[0]
         first_ordinal = int(link.frames.page_frames.starts[frame])
         held[(link_index, frame)] = (memoryview(content), first_ordinal)
-        mine = rows[(links[rows] == link_index) & (frames[rows] == frame)]
-        mine = mine[checked[mine]]
+        key = (link_index << 32) | frame
+        lo, hi = np.searchsorted(keys, [key, key + 1])
+        mine = rows[by_frame[lo:hi]]
         got[mine] = row_digests(np.frombuffer(content, np.uint8).reshape(-1, ps), slots[mine] - first_ordinal)
-    verify_rows(region, first_page, rows[checked[rows]], got, expected)
+    verify_rows(region, first_page, rows, got, expected)
     return held
 
 

@@ -224,7 +224,6 @@ def _records_pass(stores: list[DigestStore], regions: list[Region]) -> list:
     return [p if ok_k else None for p, ok_k in zip(parts, usable.tolist())]
 
 
-
 def _bearing_between(regions: list[Region], owner: np.ndarray, starts: np.ndarray, ends: np.ndarray,
                      ok: np.ndarray) -> np.ndarray:
     """Per DIGESTS record (of region regions[owner]): the pages with stored digests in
