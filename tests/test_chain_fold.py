@@ -192,25 +192,34 @@ def _digests_spans(path: Path) -> list[tuple[int, int]]:
     return [(at, at + RECORD.size + struct.unpack_from("<Q", data, at + 8)[0]) for at in offsets]
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(data=st.data())
-def test_any_digests_edit_is_judged_together_as_alone(short_chain, tmp_path_factory, data):
-    """A byte of one link's DIGESTS record (not its body_length, which reseal walks by) set to any
-    value, checksums made right again: the inherited digests read together are those each link's
-    own DigestStore.table gives, or the same finding."""
+def _one_byte_set(short_chain, tmp_path_factory, data, links, spans) -> tuple[list[Path], int]:
+    """A copy of the short chain with one byte of a link drawn from ``links`` set to any value:
+    in one of the spans ``spans(path)`` gives, mostly in its first RECORD.size + 24 bytes (a
+    record's header and fixed fields), never its body_length (reseal walks by it); checksums
+    made right again and the links above given the new parent digest. (paths, that link)."""
     directory = tmp_path_factory.mktemp("edited")
     paths = [directory / p.name for p in short_chain]
     for source, target in zip(short_chain, paths):
         target.write_bytes(source.read_bytes())
-    bad = data.draw(st.integers(1, LINKS - 2), label="link")
-    start, end = data.draw(st.sampled_from(_digests_spans(paths[bad])), label="record")
-    head = RECORD.size + 24                  # the record header and the DIGESTS head, then the digests
+    bad = data.draw(links, label="link")
+    start, end = data.draw(st.sampled_from(spans(paths[bad])), label="record")
+    head = min(RECORD.size + 24, end - start)
     at = start + data.draw(st.one_of(st.integers(0, head - 1), st.integers(0, end - start - 1))
                            .filter(lambda a: not 8 <= a < 16), label="offset")
     spoiled = bytearray(paths[bad].read_bytes())
     spoiled[at] = data.draw(st.integers(0, 255), label="value")
     paths[bad].write_bytes(reseal(bytes(spoiled)))
     relink(paths, bad + 1)
+    return paths, bad
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_any_digests_edit_is_judged_together_as_alone(short_chain, tmp_path_factory, data):
+    """A byte of one link's DIGESTS record (not its body_length, which reseal walks by) set to any
+    value, checksums made right again: the inherited digests read together are those each link's
+    own DigestStore.table gives, or the same finding."""
+    paths, bad = _one_byte_set(short_chain, tmp_path_factory, data, st.integers(1, LINKS - 2), _digests_spans)
     batched = _inherited_outcome(paths[-1], lambda image, region: image.digests._inherited_table(region, image))
     event(f"refused: {batched[0][1]}" if batched[0] else "read")
     assert batched == _inherited_outcome(paths[-1], reference_inherited)
@@ -253,19 +262,7 @@ def test_any_delta_frame_edit_is_judged_quickly_as_by_the_frame_store(short_chai
     """A byte of a link's DELTA_FRAME record or of its INDEX entry set to any value, checksums
     right again: the quick read of a restore (chain._quick_delta_frame, else the frame store)
     gives what FrameStore._read_delta_frame gives, or the same finding."""
-    directory = tmp_path_factory.mktemp("edited")
-    paths = [directory / p.name for p in short_chain]
-    for source, target in zip(short_chain, paths):
-        target.write_bytes(source.read_bytes())
-    bad = data.draw(st.integers(1, LINKS - 1), label="link")
-    start, end = data.draw(st.sampled_from(_delta_spans(paths[bad])), label="record")
-    head = RECORD.size + 24                  # the record header, the body head and two entry offsets
-    at = start + data.draw(st.one_of(st.integers(0, min(head, end - start) - 1), st.integers(0, end - start - 1))
-                           .filter(lambda a: not 8 <= a < 16), label="offset")
-    spoiled = bytearray(paths[bad].read_bytes())
-    spoiled[at] = data.draw(st.integers(0, 255), label="value")
-    paths[bad].write_bytes(reseal(bytes(spoiled)))
-    relink(paths, bad + 1)
+    paths, bad = _one_byte_set(short_chain, tmp_path_factory, data, st.integers(1, LINKS - 1), _delta_spans)
     quick = _delta_outcome(paths[-1], LINKS - 1 - bad,
                            lambda link, frame: _quick_delta_frame(link, frame) or link.frames._read_delta_frame(frame))
     refused = any(isinstance(q[0], str) for q in quick)
