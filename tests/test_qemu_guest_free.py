@@ -208,11 +208,15 @@ def test_a_port_stuck_by_a_hang_up_while_the_guest_was_stopped_still_answers(gue
     made it — a request in flight, the VM stopped, the socket closed, the VM resumed, the helper's
     answer written to no client — and a checkpoint still gets an answer: it asks again over a
     new connection after 2 s of silence."""
-    for _ in range(5):          # the helper may answer before the stop lands: then try again
+    # Two races decide whether one try makes it: QEMU must hand the request to the guest before
+    # it runs the QMP stop (both wait in its one main loop), and the helper must not answer
+    # before the stop. A short pause between them favours the first; tries vary it.
+    for pause in (0.0, 0.01, 0.02, 0.005, 0.04, 0.0, 0.01, 0.02):
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
             sock.connect(str(guest.port))
             time.sleep(0.5)                         # QEMU has taken the connection
             sock.sendall(b"free stuck\n")
+            time.sleep(pause)
             guest.vm.stop()
         time.sleep(0.5)
         guest.vm.cont()
