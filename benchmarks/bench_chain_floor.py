@@ -27,9 +27,10 @@ import numpy as np
 import xxhash
 
 from leanimg.compression import declared_size, decompress_into
-from leanimg.fileutil import evict_from_page_cache
 from leanimg.format import FRAME_PAGES_MAX_BYTES, RECORD, PageClass
 from leanimg.reader import LeanImage
+
+from bench_chain import evict
 
 WORKERS = 2                      # as LeanImage.enable_read_ahead's default
 
@@ -93,11 +94,6 @@ def cold_read(files: list[str]) -> tuple[float, float]:
                 pass
     c1 = os.times()
     return time.perf_counter() - t0, c1.user + c1.system - c0.user - c0.system
-
-
-def evict(files) -> None:
-    for path in files:
-        evict_from_page_cache(path)
 
 
 def measure(work: Path, depth: int, repeat: int) -> dict:

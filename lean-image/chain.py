@@ -446,16 +446,8 @@ def _quick_delta_frame(link, frame: int):
     tables = link.tables
     position = int(tables.delta_frames.positions[frame])
     entry = tables.entries[position]
-    offset = int(entry["record_offset"])
-    following = int(tables.entries["record_offset"][position + 1]) if position + 1 < len(tables.entries) \
-        else tables.index.offset
-    if following - offset > record_size(RECORD_BODY_MAX):
-        return None                     # the frame store refuses it, reading no more than the limit
-    try:
-        raw = tables.file.read_exact(offset, following - offset, "delta_frame")
-    except LeanImageError:
-        return None
-    if len(raw) < _DELTA_RECORD.size + 4 + RECORD_TRAILER.size:
+    raw = tables.listed_bytes(position, record_size(RECORD_BODY_MAX))
+    if raw is None or len(raw) < _DELTA_RECORD.size + 4 + RECORD_TRAILER.size:
         return None
     kind, flags, body_length, first, num, reserved = _DELTA_RECORD.unpack_from(raw)
     body = RECORD.size

@@ -176,20 +176,10 @@ def _records_pass(stores: list[DigestStore], regions: list[Region]) -> list:
         if region.region_id in store._tables:
             continue                        # read before: table() has it
         tables = store.tables
-        offsets = tables.entries["record_offset"]
         for position in tables.digest_positions.get(region.region_id, []):
-            offset = int(offsets[position])
-            following = int(offsets[position + 1]) if position + 1 < len(offsets) else tables.index.offset
-            if following - offset > record_size(RECORD_BODY_MAX):
-                usable[k] = False               # read alone: refused without reading it all
-                continue
-            try:
-                raw = tables.file.read_exact(offset, following - offset, "digests")
-            except LeanImageError:
-                usable[k] = False
-                continue
-            if len(raw) < RECORD.size + DIGESTS_BODY.size + RECORD_TRAILER.size:
-                usable[k] = False
+            raw = tables.listed_bytes(position, record_size(RECORD_BODY_MAX))
+            if raw is None or len(raw) < RECORD.size + DIGESTS_BODY.size + RECORD_TRAILER.size:
+                usable[k] = False               # read alone, which raises its finding
                 continue
             raws.append(raw)
             owner.append(k)

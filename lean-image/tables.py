@@ -12,7 +12,7 @@ import numpy as np
 
 from . import checks
 from .checks import first_problem
-from .errors import FormatError
+from .errors import FormatError, LeanImageError
 from .format import (
     FRAME_PAGES_MAX_BYTES, RECORD, digest_class_table, RECORD_OPTIONAL_BIT, REGION_FLAG_HAS_GPA, SOURCE_STATE_BODY, RecordType,
 )
@@ -142,14 +142,31 @@ class ImageTables:
         parse_body(index)
         return cls(file, header, footer, index, load)
 
+    def listed_end(self, position: int) -> int:
+        """Where the record after entry ``position`` starts (the INDEX, after the last)."""
+        offsets = self.entries["record_offset"]
+        return int(offsets[position + 1]) if position + 1 < len(offsets) else self.index.offset
+
+    def listed_bytes(self, position: int, most: int) -> bytes | None:
+        """The bytes of entry ``position``'s record up to the next record, for a quick path
+        that tests its rules in their plain case; None when they are more than ``most`` or
+        cannot be read (the checked path, ``record``, then reads no more than the limit and
+        raises its finding)."""
+        offset = int(self.entries["record_offset"][position])
+        length = self.listed_end(position) - offset
+        if length > most:
+            return None
+        try:
+            return self.file.read_exact(offset, length, lambda: f"record[{position}]")
+        except LeanImageError:
+            return None
+
     def record(self, position: int) -> Record:
         """The record of index entry ``position``, checked against its entry and parsed."""
-        entries = self.entries
-        offset = int(entries["record_offset"][position])
-        limit = int(entries["record_offset"][position + 1]) if position + 1 < len(entries) else self.index.offset
-        record = read_record(self.file, offset, limit, position)
+        offset = int(self.entries["record_offset"][position])
+        record = read_record(self.file, offset, self.listed_end(position), position)
         parse_body(record, position)
-        first_problem(checks.index_problems(self.index, entries, [(checks.index_entry_of(record, self.page_size),
+        first_problem(checks.index_problems(self.index, self.entries, [(checks.index_entry_of(record, self.page_size),
                                                                     record.end)], first_entry=position))
         first_problem(body_problems(record, position, self.page_size))
         return record

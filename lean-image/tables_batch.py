@@ -23,8 +23,8 @@ from . import checks
 from .errors import LeanImageError
 from .format import (
     EXTENT, FRAME_PAGES_MAX_BYTES, HAS_DIGEST, HAS_OWN_DIGEST, HAS_SLOT, IS_PAGE_CLASS, PAGE_MAP_BODY, RECORD,
-    RECORD_TRAILER, REGION_BODY, REGION_FLAG_HAS_GPA, REGION_NAME_MAX, IncompatFeature, PageClass, RecordType,
-    checksum64, inherits_digests, record_size,
+    RECORD_BODY_MAX, RECORD_TRAILER, REGION_BODY, REGION_FLAG_HAS_GPA, REGION_NAME_MAX, IncompatFeature, PageClass,
+    RecordType, checksum64, inherits_digests, record_size,
 )
 from .tables import ImageTables, Region
 
@@ -79,15 +79,9 @@ def _shape(t: ImageTables) -> tuple[int, int] | None:
     if not set(types) <= SHAPE_TYPES or types.count(RecordType.REGION) != 1 or types.count(RecordType.PAGE_MAP) != 1:
         return None
     map_at = types.index(RecordType.PAGE_MAP)
-    if _following(t, map_at) - int(t.entries["record_offset"][map_at]) > BATCH_EXTENTS_MAX * EXTENT.size:
+    if t.listed_end(map_at) - int(t.entries["record_offset"][map_at]) > BATCH_EXTENTS_MAX * EXTENT.size:
         return None                    # a link with many extents costs less checked alone
     return types.index(RecordType.REGION), map_at
-
-
-def _following(t: ImageTables, position: int) -> int:
-    """Where the record after entry ``position`` starts (the INDEX, after the last)."""
-    offsets = t.entries["record_offset"]
-    return int(offsets[position + 1]) if position + 1 < len(offsets) else t.index.offset
 
 
 def _prepare(t: ImageTables, region_at: int, map_at: int, extents, regions: dict):
@@ -117,11 +111,10 @@ def _prepare(t: ImageTables, region_at: int, map_at: int, extents, regions: dict
 def _record_key(t: ImageTables, position: int) -> tuple | None:
     """Everything the rules of one small record depend on: its bytes up to the next record,
     its place and INDEX entry, the page size (None: more than a REGION record can hold)."""
-    offset, following = int(t.entries["record_offset"][position]), _following(t, position)
-    if following - offset > REGION_RECORD_MAX:
+    raw = t.listed_bytes(position, REGION_RECORD_MAX)
+    if raw is None:
         return None
-    raw = t.file.read_exact(offset, following - offset, lambda: f"record[{position}]")
-    return raw, position, following, t.page_size, t.entries[position].tobytes()
+    return raw, position, t.listed_end(position), t.page_size, t.entries[position].tobytes()
 
 
 REGION_RECORD_MAX = record_size(REGION_BODY.size + REGION_NAME_MAX)
@@ -135,14 +128,10 @@ def _page_maps_pass(all_tables: list[ImageTables], positions: list[int]) -> list
     005; body length LI-REC-007; reserved fields LI-REC-008; LI-MAP-002/003; its INDEX entry
     LI-IDX-001), in its plain case; else None (the record is read and checked alone)."""
     raws = []
+    shortest = RECORD.size + PAGE_MAP_BODY.size + EXTENT.size + RECORD_TRAILER.size
     for t, position in zip(all_tables, positions):
-        offset = int(t.entries["record_offset"][position])
-        try:
-            raw = t.file.read_exact(offset, _following(t, position) - offset, "page_map")
-        except LeanImageError:
-            raw = b""
-        shortest = RECORD.size + PAGE_MAP_BODY.size + EXTENT.size + RECORD_TRAILER.size
-        raws.append(raw if len(raw) >= shortest else None)
+        raw = t.listed_bytes(position, record_size(RECORD_BODY_MAX))
+        raws.append(raw if raw is not None and len(raw) >= shortest else None)
     kept = [k for k, raw in enumerate(raws) if raw is not None]
     if not kept:
         return [None] * len(raws)
