@@ -270,6 +270,34 @@ def test_any_delta_frame_edit_is_judged_quickly_as_by_the_frame_store(short_chai
     assert quick == _delta_outcome(paths[-1], LINKS - 1 - bad, lambda link, frame: link.frames._read_delta_frame(frame))
 
 
+@pytest.mark.parametrize("lie", [1 << 40, 8, -8], ids=["huge", "8-more", "8-fewer"])
+@pytest.mark.parametrize("record", ["digests", "delta_frame"])
+def test_a_lying_body_length_is_judged_quickly_as_alone(short_chain, tmp_path, record, lie):
+    """The body_length of a middle link's first DIGESTS or DELTA_FRAME record made huge or 8
+    bytes off (left unsealed: reseal walks by it): the quick paths read no more than a record
+    can hold and refuse it, with the same finding as the checked path."""
+    paths = [tmp_path / p.name for p in short_chain]
+    for source, target in zip(short_chain, paths):
+        target.write_bytes(source.read_bytes())
+    bad = LINKS - 2                     # link 1: the digest link of the last link's PARENT pages
+    start = (_digests_spans if record == "digests" else _delta_spans)(paths[bad])[0][0]
+    spoiled = bytearray(paths[bad].read_bytes())
+    length = int.from_bytes(spoiled[start + 8:start + 16], "little")
+    spoiled[start + 8:start + 16] = (length + lie if lie < 1 << 40 else lie).to_bytes(8, "little")
+    paths[bad].write_bytes(bytes(spoiled))
+    relink(paths, bad + 1)
+    if record == "digests":
+        quick = _inherited_outcome(paths[-1], lambda image, region: image.digests._inherited_table(region, image))
+        assert quick[0] is not None, "a lying DIGESTS record was read"
+        assert quick == _inherited_outcome(paths[-1], reference_inherited)
+    else:
+        depth = LINKS - 1 - bad
+        quick = _delta_outcome(paths[-1], depth,
+                               lambda link, frame: _quick_delta_frame(link, frame) or link.frames._read_delta_frame(frame))
+        assert quick[0] != "open" and isinstance(quick[0][0], str), "a lying DELTA_FRAME record was read"
+        assert quick == _delta_outcome(paths[-1], depth, lambda link, frame: link.frames._read_delta_frame(frame))
+
+
 # --- a deep chain: a bad link in the middle is found and named ------------------------------------
 DEEP = 1000
 
