@@ -166,8 +166,8 @@ class ImageTables:
         offset = int(self.entries["record_offset"][position])
         record = read_record(self.file, offset, self.listed_end(position), position)
         parse_body(record, position)
-        first_problem(checks.index_problems(self.index, self.entries, [(checks.index_entry_of(record, self.page_size),
-                                                                    record.end)], first_entry=position))
+        listed = [(checks.index_entry_of(record, self.page_size), record.end)]
+        first_problem(checks.index_problems(self.index, self.entries, listed, first_entry=position))
         first_problem(body_problems(record, position, self.page_size))
         return record
 

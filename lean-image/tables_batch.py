@@ -110,7 +110,8 @@ def _prepare(t: ImageTables, region_at: int, map_at: int, extents, regions: dict
 
 def _record_key(t: ImageTables, position: int) -> tuple | None:
     """Everything the rules of one small record depend on: its bytes up to the next record,
-    its place and INDEX entry, the page size (None: more than a REGION record can hold)."""
+    its place and INDEX entry, the page size (None: more than a REGION record can hold, or
+    unreadable; the caller then reads it with ImageTables.record, which raises the finding)."""
     raw = t.listed_bytes(position, REGION_RECORD_MAX)
     if raw is None:
         return None
