@@ -49,6 +49,7 @@ PAGE = 4096
 VGA_WINDOW = (0xA0000, 0xC0000)       # pmemsave reads the VGA device there, not pc.ram
 LIAR_MARK = b"LEANIMG-AFTERHNT"       # tests/guest/workload.c: pages the liar wrote after an answer
 TIMEOUT = 900
+LIAR_SLOW_MS = 5000                   # the slow liar's answer: long after the test's QMP stop
 
 
 def port_args(sock: Path) -> list[str]:
@@ -91,11 +92,24 @@ class Guest:
         finally:
             self.helper_pid = self.start("free")
 
-    def port_throttled(self) -> bool:
-        """QEMU's last word on the port's throttling (the source runs with its trace event)."""
-        states = re.findall(r"virtio_serial_throttle_port port \d+, throttle (\d)",
-                            (self.work / "source" / "qemu.stderr").read_text(errors="replace"))
-        return bool(states) and states[-1] == "1"
+    def throttle_events(self) -> int:
+        """How often QEMU has throttled the port so far (the source runs with its trace event;
+        QEMU lifts a throttle without one when a client hangs up, so only new ones count)."""
+        return len(re.findall(r"virtio_serial_throttle_port port \d+, throttle 1",
+                              (self.work / "source" / "qemu.stderr").read_text(errors="replace")))
+
+    def answer_after_a_hang_up_while_stopped(self) -> None:
+        """With the slow liar on the port: a request it hears, the VM stopped and the socket
+        closed before it answers, its answer written once the VM runs again."""
+        start = len(self.vm.serial.text)
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.connect(str(self.port))
+            sock.sendall(b"free stuck\n")
+            self.vm.serial.wait_for(r"LIAR-HEARD stuck\r?\n", 60, start)
+            self.vm.stop()
+        time.sleep(0.5)
+        self.vm.cont()
+        self.vm.serial.wait_for(r"HB liar 1\r?\n", 60, start)
 
     def kill(self, pid: int) -> None:
         start = len(self.vm.serial.text)
@@ -205,25 +219,17 @@ def test_a_port_stuck_by_a_hang_up_while_the_guest_was_stopped_still_answers(gue
     """QEMU 7.2 misses a client's hang-up while the VM is stopped; the guest's next write then
     fails on the empty chardev and throttles the port until a client hangs up while the VM runs
     (CI runs saw the guest answer every request and leanimg hear none). Made here as a checkpoint
-    made it — a request in flight, the VM stopped, the socket closed, the VM resumed, the helper's
-    answer written to no client — and a checkpoint still gets an answer: it asks again over a
-    new connection after 2 s of silence."""
-    # Two races decide whether one try makes it: QEMU must hand the request to the guest before
-    # it runs the QMP stop (both wait in its one main loop), and the helper must not answer
-    # before the stop. A short pause between them favours the first; tries vary it.
-    for pause in (0.0, 0.01, 0.02, 0.005, 0.04, 0.0, 0.01, 0.02):
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-            sock.connect(str(guest.port))
-            time.sleep(0.5)                         # QEMU has taken the connection
-            sock.sendall(b"free stuck\n")
-            time.sleep(pause)
-            guest.vm.stop()
+    made it — a request in flight, the VM stopped, the socket closed, the VM resumed, the
+    answer written to no client — by a liar that answers LIAR_SLOW_MS of guest time after it
+    hears (no race with the stop). The guest's closing and opening the port does not lift the
+    throttle, and the real helper that opens it next still answers a checkpoint: it asks again
+    over a new connection after 2 s of silence."""
+    before = guest.throttle_events()
+    guest.with_liar(("1", "slow", str(LIAR_SLOW_MS)), guest.answer_after_a_hang_up_while_stopped)
+    deadline = time.monotonic() + 30
+    while guest.throttle_events() == before and time.monotonic() < deadline:
         time.sleep(0.5)
-        guest.vm.cont()
-        time.sleep(2)                               # the helper's answer meets no client
-        if guest.port_throttled():
-            break
-    assert guest.port_throttled()
+    assert guest.throttle_events() > before, "QEMU did not throttle the port"
     image = guest.work / "unstuck.lean"
     proc = guest.checkpoint(image, "--live", "--guest-free", guest.port, "--max-bandwidth", PRECOPY_MIBS)
     assert "made FREE" in proc.stdout, proc.stdout

@@ -25,13 +25,16 @@
  *                               fill MIB MiB (page aligned) with random data, then each
  *                               round rewrite PERMILLE/1000 (default 50, i.e. 5%) of its
  *                               pages, picked at random, with fresh random data
- *   workload liar MIB [garbage] a guest free-list helper that lies (guest/leanimg-guest-free.c's
+ *   workload liar MIB [garbage | slow MS]
+ *                               a guest free-list helper that lies (guest/leanimg-guest-free.c's
  *                               protocol on the port org.leanimg.free.0): every answer says all
  *                               of RAM is free; after each answer it rewrites every page of its
  *                               MIB MiB buffer, each page starting with LIAR_MARK and the
  *                               number of the answer (a u64 at byte 16): pages hinted FREE
  *                               and written after the hint (spec/hints.md LI-HNT-023);
- *                               with "garbage" its answers break the protocol (a bad range line)
+ *                               with "garbage" its answers break the protocol (a bad range line);
+ *                               with "slow MS" it prints "LIAR-HEARD <nonce>" when a request
+ *                               arrives and writes its answer MS milliseconds of guest time later
  *
  * After the work it prints "WORKLOAD-DONE <mode> <checksum>" and then a heartbeat
  * "HB <mode> <n>" every HB_MS milliseconds forever, so a test can see that a guest
@@ -343,7 +346,7 @@ static int open_free_port(void)
     return port;
 }
 
-static void liar(long mib, int garbage)
+static void liar(long mib, int garbage, long slow_ms)
 {
     size_t pages;
     uint64_t *mem = alloc_filled(mib, &pages);
@@ -373,6 +376,12 @@ static void liar(long mib, int garbage)
         used = 0;
         if (strncmp(line, "free ", 5))
             continue;
+        if (slow_ms > 0) {
+            printf("LIAR-HEARD %s\n", line + 5);
+            fflush(stdout);
+            struct timespec wait = {slow_ms / 1000, slow_ms % 1000 * 1000000L};
+            nanosleep(&wait, NULL);
+        }
         int len = garbage ? snprintf(reply, sizeof reply, "begin %s 4096\nnot a range\n", line + 5)
                           : snprintf(reply, sizeof reply, "begin %s 4096\n%016llx %016llx\nend %s 1 %ld 0\n",
                                      line + 5, 0ULL, (unsigned long long)ram_pages, line + 5, ram_pages);
@@ -415,11 +424,12 @@ int main(int argc, char **argv)
         rounds(mode, atol(argv[2]), argc > 3 ? atol(argv[3]) : 0,
                argc > 4 ? atol(argv[4]) : (mode[0] == 'w' ? 256 : 50));
     } else if (!strcmp(mode, "liar") && argc > 2) {
-        liar(atol(argv[2]), argc > 3 && !strcmp(argv[3], "garbage"));
+        liar(atol(argv[2]), argc > 3 && !strcmp(argv[3], "garbage"),
+             argc > 4 && !strcmp(argv[3], "slow") ? atol(argv[4]) : 0);
     } else if (strcmp(mode, "idle") && strcmp(mode, "beacon")) {
         printf("WORKLOAD-ERROR usage: workload pagecache DIR | anon MIB | dirty DIR MIB | "
                "words MIB [ROUNDS] [PAGES] | check MIB | pages MIB [ROUNDS] [PERMILLE] | freed MIB | "
-               "fillall [MARGIN] | liar MIB [garbage] | idle | beacon\n");
+               "fillall [MARGIN] | liar MIB [garbage | slow MS] | idle | beacon\n");
         return 2;
     }
     printf("WORKLOAD-DONE %s %016llx\n", mode, (unsigned long long)sum);
