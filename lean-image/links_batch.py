@@ -20,6 +20,7 @@ from .format import (
     PAGE_SIZE_MIN, RECORD, RECORD_BODY_MAX, RECORD_TRAILER, IncompatFeature, RecordType, checksum64,
 )
 from .structures import Footer, Header, ImageFile, Record, footer_checksum, header_checksum
+from .tables import FrameTable
 
 # the INDEX record's header and its body's fixed part
 _INDEX_HEAD = np.dtype([("record_type", "<u4"), ("flags", "<u4"), ("body_length", "<u8"), ("num_entries", "<u4"),
@@ -28,8 +29,8 @@ _SMALLEST = HEADER.size + RECORD.size + INDEX_BODY.size + RECORD_TRAILER.size + 
 
 
 def open_links(paths: list[str], whole_below: int) -> dict:
-    """path -> (fileobj, ImageFile, Header, Footer, INDEX Record), as open_link(check=False)
-    makes them, for each of ``paths`` (smaller than ``whole_below`` bytes: read whole) whose
+    """path -> (fileobj, ImageFile, Header, Footer, INDEX Record, (PAGE_FRAME, DELTA_FRAME
+    FrameTable)), as open_link(check=False) makes them, for each of ``paths`` (smaller than ``whole_below`` bytes: read whole) whose
     header, footer and INDEX pass every test; the others are not opened (nothing raises)."""
     read = [_read_whole(path, whole_below) for path in paths]
     kept = [(path, fd, data) for path, got in zip(paths, read) if got is not None for fd, data in (got,)]
@@ -42,7 +43,27 @@ def open_links(paths: list[str], whole_below: int) -> dict:
             opened[path] = _assembled(path, fd, data, at)
         else:
             os.close(fd)
-    return opened
+    frames = _frame_tables([entry[4].parsed["entries"] for entry in opened.values()])
+    return {path: (*entry, tables) for (path, entry), tables in zip(opened.items(), frames)}
+
+
+def _frame_tables(all_entries: list[np.ndarray]) -> list[tuple[FrameTable, FrameTable]]:
+    """FrameTable.of each INDEX's PAGE_FRAMEs and DELTA_FRAMEs, for all INDEXes laid end to end."""
+    if not all_entries:
+        return []
+    lengths = np.array([len(e) for e in all_entries], np.int64)
+    flat = np.frombuffer(b"".join([e.tobytes() for e in all_entries]), INDEX_ENTRY.dtype)
+    lid = np.repeat(np.arange(len(lengths)), lengths)
+    first = np.cumsum(lengths) - lengths
+    tables = []
+    for record_type in (RecordType.PAGE_FRAME, RecordType.DELTA_FRAME):
+        at = np.flatnonzero(flat["record_type"] == record_type)
+        starts, counts = flat["first"][at].astype(np.int64), flat["count"][at].astype(np.int64)
+        positions = at - first[lid[at]]
+        bounds = np.searchsorted(lid[at], np.arange(len(lengths) + 1)).tolist()
+        tables.append([FrameTable(starts[lo:hi], counts[lo:hi], positions[lo:hi])
+                       for lo, hi in zip(bounds[:-1], bounds[1:])])
+    return list(zip(*tables))
 
 
 def _read_whole(path: str, whole_below: int):

@@ -107,8 +107,8 @@ class LeanImage:
         header, footer and INDEX pass the tests links_batch makes of many files at once; the
         others are not opened (open_link then raises the finding)."""
         from .links_batch import open_links
-        return {path: cls(path, fileobj, ImageTables(file, header, footer, index, load=False))
-                for path, (fileobj, file, header, footer, index) in open_links(paths, WHOLE_READ_BELOW).items()}
+        return {path: cls(path, fileobj, ImageTables(file, header, footer, index, load=False, frames=frames))
+                for path, (fileobj, file, header, footer, index, frames) in open_links(paths, WHOLE_READ_BELOW).items()}
 
     @staticmethod
     def check_links(links: list["LeanImage"]) -> None:

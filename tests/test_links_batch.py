@@ -47,8 +47,8 @@ def _tables(link: LeanImage) -> tuple:
     return (link.path, t.file.name, t.file.size, t.file._whole, link.header.__dict__, link.footer.__dict__,
             (index.offset, index.record_type, index.flags, index.body_length, index.record_checksum,
              bytes(index.body), index.index), parsed, index.parsed["entries"].dtype,
-            t.page_frames.starts.tobytes(), t.page_frames.positions.tobytes(), t.delta_frames.counts.tobytes(),
-            type(link.fileobj))
+            [(a.dtype.str, a.tobytes()) for table in (t.page_frames, t.delta_frames)
+             for a in (table.starts, table.counts, table.positions)], type(link.fileobj))
 
 
 def _sealed(data: bytes, index_offset: int) -> bytes:
