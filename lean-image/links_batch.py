@@ -30,10 +30,11 @@ _SMALLEST = HEADER.size + RECORD.size + INDEX_BODY.size + RECORD_TRAILER.size + 
 
 def open_links(paths: list[str], whole_below: int) -> dict:
     """path -> (fileobj, ImageFile, Header, Footer, INDEX Record, (PAGE_FRAME, DELTA_FRAME
-    FrameTable)), as open_link(check=False) makes them, for each of ``paths`` (smaller than ``whole_below`` bytes: read whole) whose
-    header, footer and INDEX pass every test; the others are not opened (nothing raises)."""
+    FrameTable)), as open_link(check=False) makes them, for each of ``paths`` smaller than
+    ``whole_below`` bytes (read whole) whose header, footer and INDEX pass every test; the
+    others are not opened (nothing raises)."""
     read = [_read_whole(path, whole_below) for path in paths]
-    kept = [(path, fd, data) for path, got in zip(paths, read) if got is not None for fd, data in (got,)]
+    kept = [(path, *got) for path, got in zip(paths, read) if got is not None]
     if not kept:
         return {}
     ok, index_at = _tables_hold([data for _, _, data in kept])
