@@ -19,20 +19,26 @@ CHECK_BATCH = 64          # links whose tables check_links checks together
 
 
 @implements("LI-CHN-001", "LI-CHN-005")
-def attach_chain(image, parents: list, open_link, check_links=None) -> None:
+def attach_chain(image, parents: list, open_link, check_links=None, open_links=None) -> None:
     """Set ``parent`` on ``image`` and every link below it; ``open_link(path)`` opens one link.
     ``parents`` are candidate paths or open images (an open image brings its own chain).
     With ``check_links``, ``open_link`` reads a link's header, footer and INDEX only, and
     ``check_links(links)`` checks the rest of CHECK_BATCH links at a time, in chain order:
     before any finding of the walk is raised, the links opened before it are checked, so the
-    first link with a finding is reported, as when each link was checked when opened."""
+    first link with a finding is reported, as when each link was checked when opened.
+    ``open_links(paths)`` (path -> link, for those it opens as ``open_link`` would, nothing
+    raised) opens the links the walk expects next CHECK_BATCH at a time; the walk takes a
+    link from there only when it finds that very path, and opens any other with ``open_link``."""
     pending: list = []
+    ahead = _Ahead(open_links)
     try:
-        _walk(image, parents, open_link, pending, check_links)
+        _walk(image, parents, open_link, pending, check_links, ahead)
     except LeanImageError:
         if pending:
             check_links(pending)
         raise
+    finally:
+        ahead.close_unused()
     if pending:
         check_links(pending)
     # links are joined by UUID first, so that a cycle is reported as one; then verified by digest
@@ -43,7 +49,7 @@ def attach_chain(image, parents: list, open_link, check_links=None) -> None:
                 raise first
 
 
-def _walk(image, parents: list, open_link, pending: list, check_links) -> None:
+def _walk(image, parents: list, open_link, pending: list, check_links, ahead: "_Ahead") -> None:
     index: dict = {}
     seen = {image.header.image_uuid}
     link = image
@@ -62,7 +68,7 @@ def _walk(image, parents: list, open_link, pending: list, check_links) -> None:
         if not isinstance(candidate, str):
             link.parent = candidate                  # an open image brings its own chain
             break
-        link.parent = open_link(candidate)
+        link.parent = ahead.take(candidate, index) or open_link(candidate)
         seen.add(link.parent.header.image_uuid)
         link = link.parent
         if check_links is not None:
@@ -87,6 +93,43 @@ def parent_problems(child, parent):
                          path=child.path)
 
 
+class _Ahead:
+    """Links opened before the walk reaches them (``open_links``), by path; each path is
+    tried once. The run tried from a path follows the parent UUIDs read from the files beside
+    the image (_image_uuids): a guess, which the walk's own lookup confirms link by link."""
+
+    def __init__(self, open_links):
+        self.open_links, self.opened, self.tried = open_links, {}, set()
+
+    def take(self, path: str, index: dict):
+        """The link opened ahead for ``path`` (None: open it with open_link)."""
+        if self.open_links is not None and path not in self.tried:
+            run = [p for p in _expected_links(path, index, CHECK_BATCH) if p not in self.tried]
+            self.tried.update(run)
+            self.opened.update(self.open_links(run))
+        return self.opened.pop(path, None)
+
+    def close_unused(self) -> None:
+        for link in self.opened.values():
+            link.close()
+        self.opened.clear()
+
+
+def _expected_links(first: str, index: dict, most: int) -> list[str]:
+    """``first`` and up to ``most - 1`` paths the chain is expected to go on with: each file's
+    parent_uuid, as _image_uuids read it, looked up among the files read."""
+    by_uuid, parent_of = index.get(("by-uuid",), {}), index.get(("parent-of",), {})
+    run, seen = [first], {first}
+    while len(run) < most:
+        parent = parent_of.get(run[-1])
+        path = by_uuid.get(parent) if parent is not None else None
+        if path is None or path in seen:
+            break
+        run.append(path)
+        seen.add(path)
+    return run
+
+
 def _uuid(raw: bytes) -> str:
     return str(uuid.UUID(bytes=bytes(raw)))
 
@@ -94,6 +137,7 @@ def _uuid(raw: bytes) -> str:
 def _find_candidate(wanted: bytes, candidates, index: dict):
     """The candidate (open image or path) whose image_uuid is ``wanted``; ``index`` caches reads."""
     by_uuid = index.setdefault(("by-uuid",), {})        # UUID -> first path read with it: O(1) per link
+    parent_of = index.setdefault(("parent-of",), {})    # path -> its header's parent_uuid
     for candidate in candidates:
         if not isinstance(candidate, (str, os.PathLike)) and candidate.header.image_uuid == wanted:
             return candidate
@@ -101,9 +145,10 @@ def _find_candidate(wanted: bytes, candidates, index: dict):
     paths = list(dict.fromkeys(paths))
     unread = [key for key in paths if key not in index]
     for key, found in zip(unread, _image_uuids(unread)):
-        index[key] = found
+        index[key] = found and found[0]
         if found is not None:
-            by_uuid.setdefault(found, key)
+            by_uuid.setdefault(found[0], key)
+            parent_of[key] = found[1]
     return by_uuid.get(wanted)
 
 
@@ -125,14 +170,14 @@ READ_AHEAD_FILES = 256              # files open at once while their UUIDs are r
 READ_AHEAD_BYTES = 256 << 20        # small files handed to the kernel's read-ahead, at most
 
 
-def _image_uuids(paths: list[str]) -> list[bytes | None]:
-    """The image_uuid of each of ``paths`` (None: unreadable or too short; such candidates
-    simply do not match). Files small enough to be read whole when opened as links
+def _image_uuids(paths: list[str]) -> list[tuple[bytes, bytes] | None]:
+    """The image_uuid and parent_uuid of each of ``paths`` (None: unreadable or too short; such
+    candidates simply do not match). Files small enough to be read whole when opened as links
     (reader.WHOLE_READ_BELOW) are first handed to the kernel's read-ahead, READ_AHEAD_FILES at
     a time (posix_fadvise WILLNEED): the reads of a deep chain's links are then queued together,
     not one after another (cold, 1000 small links: 310 -> 130 ms)."""
     from .reader import WHOLE_READ_BELOW
-    at = HEADER.offset("image_uuid")
+    at, end = HEADER.offset("image_uuid"), HEADER.offset("parent_uuid") + 16
     budget = [READ_AHEAD_BYTES]
     found = []
     for lo in range(0, len(paths), READ_AHEAD_FILES):
@@ -142,8 +187,9 @@ def _image_uuids(paths: list[str]) -> list[bytes | None]:
                 found.append(None)
                 continue
             try:
-                raw = os.pread(fd, at + 16, 0)
-                found.append(raw[at:] if len(raw) == at + 16 else None)
+                raw = os.pread(fd, end, 0)
+                found.append(None if len(raw) < at + 16 else   # a short file's parent_uuid: None
+                             (raw[at:at + 16], raw[end - 16:] if len(raw) == end else None))
             except OSError:
                 found.append(None)
             finally:

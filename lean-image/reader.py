@@ -71,7 +71,8 @@ class LeanImage:
         compared with the disk table (every block read is still checked against its page's digest)."""
         image = cls.open_link(path)
         try:
-            attach_chain(image, list(parents), lambda link: cls.open_link(link, check=False), cls.check_links)
+            attach_chain(image, list(parents), lambda link: cls.open_link(link, check=False), cls.check_links,
+                         cls.open_links)
             image.attach_disks(disks or {}, check_identity=check_disk_identity)
         except BaseException:
             image.close()
@@ -99,6 +100,15 @@ class LeanImage:
             fileobj.close()
             _name(exc, path)
             raise
+
+    @classmethod
+    def open_links(cls, paths: list[str]) -> dict:
+        """path -> link, as open_link(path, check=False) opens it, for those of ``paths`` whose
+        header, footer and INDEX pass the tests links_batch makes of many files at once; the
+        others are not opened (open_link then raises the finding)."""
+        from .links_batch import open_links
+        return {path: cls(path, fileobj, ImageTables(file, header, footer, index, load=False, frames=frames))
+                for path, (fileobj, file, header, footer, index, frames) in open_links(paths, WHOLE_READ_BELOW).items()}
 
     @staticmethod
     def check_links(links: list["LeanImage"]) -> None:

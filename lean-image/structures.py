@@ -42,6 +42,13 @@ class ImageFile:
             data = os.pread(fileobj.fileno(), self.size, 0)
             self._whole = data if len(data) == self.size else None
 
+    @classmethod
+    def holding(cls, fileobj, name: str, data: bytes) -> "ImageFile":
+        """As ``ImageFile(fileobj, name, whole_below)`` for a file already read whole into ``data``."""
+        image = cls.__new__(cls)
+        image.fileobj, image.name, image.size, image._whole = fileobj, name, len(data), data
+        return image
+
     def drop_whole(self) -> None:
         """Read from the file again from now on (memory held only while opening)."""
         self._whole = None

@@ -118,18 +118,21 @@ SMALL_RECORD_TYPES = frozenset(int(t) for t in SMALL_RECORDS)
 class ImageTables:
     """The tables of one image, read and checked when it is opened."""
 
-    def __init__(self, file: ImageFile, header: Header, footer: Footer, index: Record, load: bool = True):
+    def __init__(self, file: ImageFile, header: Header, footer: Footer, index: Record, load: bool = True,
+                 frames: tuple[FrameTable, FrameTable] | None = None):
         """``load=False``: the INDEX only; ``load`` (or tables_batch.load_tables, for many
-        images at once) must follow before anything else is used."""
+        images at once) must follow before anything else is used. ``frames``: the PAGE_FRAME
+        and DELTA_FRAME tables FrameTable.of gives, if the caller has them (links_batch)."""
         self.file, self.header, self.footer, self.index = file, header, footer, index
         self.page_size = header.page_size
         self.entries = index.parsed["entries"]
         self.regions: list[Region] = []
         self.disks: list[DiskInfo] = []
         self.source_states: list[SourceState] = []
-        types = self.entries["record_type"]
-        self.page_frames = FrameTable.of(self.entries, _PAGE_FRAME, types)
-        self.delta_frames = FrameTable.of(self.entries, _DELTA_FRAME, types)
+        if frames is None:
+            types = self.entries["record_type"]
+            frames = FrameTable.of(self.entries, _PAGE_FRAME, types), FrameTable.of(self.entries, _DELTA_FRAME, types)
+        self.page_frames, self.delta_frames = frames
         self.disk_refs = DiskRefs(np.zeros(0, np.uint32), np.zeros(0, np.uint64))
         self.digest_positions: dict[int, list[int]] = {}
         if load:

@@ -1,0 +1,154 @@
+"""Opening many links of a chain at once: what ``LeanImage.open_link(check=False)`` reads and
+checks of each (its header, footer and INDEX record: LI-HDR-001..008/010, LI-FTR-001..003/005,
+LI-REC-002..008 of the INDEX) tested for all of them together, in their plain case.
+
+parents.attach_chain opens the links it expects next (found by the UUIDs read from the files
+beside the image) CHECK_BATCH at a time through here. A link that fails a test, or is not of the
+plain shape (a header with an extension, a file read in parts), is not opened here: the walk
+opens it with open_link when it reaches it, which raises its finding, so what is refused and
+how is the same as when every link is opened alone.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from .format import (
+    FOOTER, FOOTER_MAGIC, FORMAT_MAJOR, HEADER, HEADER_MAGIC, INDEX_BODY, INDEX_ENTRY, KNOWN_INCOMPAT, PAGE_SIZE_MAX,
+    PAGE_SIZE_MIN, RECORD, RECORD_BODY_MAX, RECORD_TRAILER, IncompatFeature, RecordType, checksum64,
+)
+from .structures import Footer, Header, ImageFile, Record, footer_checksum, header_checksum
+from .tables import FrameTable
+
+# the INDEX record's header and its body's fixed part
+_INDEX_HEAD = np.dtype([("record_type", "<u4"), ("flags", "<u4"), ("body_length", "<u8"), ("num_entries", "<u4"),
+                        ("reserved", "<u4")])
+_SMALLEST = HEADER.size + RECORD.size + INDEX_BODY.size + RECORD_TRAILER.size + FOOTER.size
+
+
+def open_links(paths: list[str], whole_below: int) -> dict:
+    """path -> (fileobj, ImageFile, Header, Footer, INDEX Record, (PAGE_FRAME, DELTA_FRAME
+    FrameTable)), as open_link(check=False) makes them, for each of ``paths`` smaller than
+    ``whole_below`` bytes (read whole) whose header, footer and INDEX pass every test; the
+    others are not opened (nothing raises)."""
+    read = [_read_whole(path, whole_below) for path in paths]
+    kept = [(path, *got) for path, got in zip(paths, read) if got is not None]
+    if not kept:
+        return {}
+    ok, index_at = _tables_hold([data for _, _, data in kept])
+    opened = {}
+    for (path, fd, data), good, at in zip(kept, ok.tolist(), index_at.tolist()):
+        if good and path not in opened:
+            opened[path] = _assembled(path, fd, data, at)
+        else:
+            os.close(fd)
+    frames = _frame_tables([entry[4].parsed["entries"] for entry in opened.values()])
+    return {path: (*entry, tables) for (path, entry), tables in zip(opened.items(), frames)}
+
+
+def _frame_tables(all_entries: list[np.ndarray]) -> list[tuple[FrameTable, FrameTable]]:
+    """FrameTable.of each INDEX's PAGE_FRAMEs and DELTA_FRAMEs, for all INDEXes laid end to end."""
+    if not all_entries:
+        return []
+    lengths = np.array([len(e) for e in all_entries], np.int64)
+    flat = np.frombuffer(b"".join([e.tobytes() for e in all_entries]), INDEX_ENTRY.dtype)
+    lid = np.repeat(np.arange(len(lengths)), lengths)
+    first = np.cumsum(lengths) - lengths
+    tables = []
+    for record_type in (RecordType.PAGE_FRAME, RecordType.DELTA_FRAME):
+        at = np.flatnonzero(flat["record_type"] == record_type)
+        starts, counts = flat["first"][at].astype(np.int64), flat["count"][at].astype(np.int64)
+        positions = at - first[lid[at]]
+        bounds = np.searchsorted(lid[at], np.arange(len(lengths) + 1)).tolist()
+        tables.append([FrameTable(starts[lo:hi], counts[lo:hi], positions[lo:hi])
+                       for lo, hi in zip(bounds[:-1], bounds[1:])])
+    return list(zip(*tables))
+
+
+def _read_whole(path: str, whole_below: int):
+    """(fd, the file's bytes) of a file ImageFile would read whole, else None (closed)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        size = os.fstat(fd).st_size
+        if _SMALLEST <= size < whole_below:
+            data = os.pread(fd, size, 0)
+            if len(data) == size:
+                return fd, data
+    except OSError:
+        pass
+    os.close(fd)
+    return None
+
+
+def _tables_hold(datas: list[bytes]) -> tuple[np.ndarray, np.ndarray]:
+    """Per file: whether its header, footer and INDEX record pass every test open_link
+    makes (in their plain case), and the INDEX's offset."""
+    sizes = np.array([len(d) for d in datas], np.int64)
+    h = np.frombuffer(b"".join([d[:HEADER.size] for d in datas]), HEADER.dtype)
+    f = np.frombuffer(b"".join([d[-FOOTER.size:] for d in datas]), FOOTER.dtype)
+    ok = _headers_hold(h, datas) & _footers_hold(f, sizes, datas)
+    footer_at = sizes - FOOTER.size
+    index_at = np.where(ok, f["index_offset"], 0).astype(np.int64)
+    heads = np.frombuffer(b"".join([d[at:at + _INDEX_HEAD.itemsize] for d, at in zip(datas, index_at.tolist())]),
+                          _INDEX_HEAD)
+    body = heads["body_length"].astype(np.uint64)
+    ok &= (heads["record_type"] == RecordType.INDEX) & (heads["flags"] == 0) & (heads["reserved"] == 0) & \
+        (body <= RECORD_BODY_MAX) & \
+        (body == INDEX_BODY.size + INDEX_ENTRY.size * heads["num_entries"].astype(np.uint64)) & \
+        (index_at + RECORD.size + body.astype(np.int64) + RECORD_TRAILER.size == footer_at)
+    for k in np.flatnonzero(ok).tolist():          # the INDEX's checksum (its padding is empty)
+        end = int(footer_at[k]) - RECORD_TRAILER.size
+        ok[k] = checksum64(memoryview(datas[k])[int(index_at[k]):end]) == \
+            int.from_bytes(datas[k][end:end + RECORD_TRAILER.size], "little")
+    return ok, index_at
+
+
+def _headers_hold(h: np.ndarray, datas: list[bytes]) -> np.ndarray:
+    """read_header and header_problems (LI-HDR-001..008, 010), for headers of HEADER.size bytes."""
+    bits = h["incompatible_features"]
+    page_size = h["page_size"].astype(np.int64)
+    has_uuid, has_digest = h["parent_uuid"].any(axis=1), h["parent_digest"].any(axis=1)
+    has_bit = (bits & np.uint64(IncompatFeature.PARENT)) != 0
+    ok = (h["magic"] == HEADER_MAGIC) & (h["major_version"] == FORMAT_MAJOR) & (h["header_length"] == HEADER.size) & \
+        ((bits & np.uint64(~KNOWN_INCOMPAT & (2**64 - 1))) == 0) & ((page_size & (page_size - 1)) == 0) & \
+        (page_size >= PAGE_SIZE_MIN) & (page_size <= PAGE_SIZE_MAX) & (h["reserved"] == 0) & \
+        (has_uuid == has_digest) & (has_digest == has_bit) & \
+        (((bits & np.uint64(IncompatFeature.INHERITED_DIGESTS)) == 0) | has_bit)
+    for k in np.flatnonzero(ok).tolist():
+        ok[k] = header_checksum(datas[k][:HEADER.size]) == int(h["header_checksum"][k])
+    return ok
+
+
+def _footers_hold(f: np.ndarray, sizes: np.ndarray, datas: list[bytes]) -> np.ndarray:
+    """read_footer (LI-FTR-001..003, 005) for a header of HEADER.size bytes."""
+    footer_at = sizes - FOOTER.size
+    index_at = f["index_offset"]
+    ok = (f["magic"] == FOOTER_MAGIC) & (f["file_length"] == sizes.astype(np.uint64)) & \
+        (index_at >= HEADER.size) & (index_at < footer_at.astype(np.uint64)) & (index_at % 8 == 0)
+    for k in np.flatnonzero(ok).tolist():
+        ok[k] = footer_checksum(datas[k][-FOOTER.size:]) == int(f["footer_checksum"][k])
+    return ok
+
+
+def _assembled(path: str, fd: int, data: bytes, index_at: int) -> tuple:
+    """The objects open_link(check=False) makes of a file whose tests passed."""
+    fileobj = open(fd, "rb")
+    file = ImageFile.holding(fileobj, path, data)
+    header = Header(data[:HEADER.size])
+    footer_at = len(data) - FOOTER.size
+    footer = Footer(data[footer_at:], footer_at)
+    raw = data[index_at:footer_at]
+    trailer_at = len(raw) - RECORD_TRAILER.size
+    body_length = trailer_at - RECORD.size
+    body = memoryview(raw)[RECORD.size:trailer_at]
+    (stored,) = RECORD_TRAILER.unpack_from(raw, trailer_at)
+    index = Record(index_at, int(RecordType.INDEX), 0, body_length, stored, body)
+    parsed = INDEX_BODY.unpack(body)._asdict()
+    parsed["entries"] = np.frombuffer(body, INDEX_ENTRY.dtype, parsed["num_entries"], INDEX_BODY.size)
+    index.parsed = parsed
+    return fileobj, file, header, footer, index
