@@ -19,12 +19,11 @@ from .format import (
     FOOTER, FOOTER_MAGIC, FORMAT_MAJOR, HEADER, HEADER_MAGIC, INDEX_BODY, INDEX_ENTRY, KNOWN_INCOMPAT, PAGE_SIZE_MAX,
     PAGE_SIZE_MIN, RECORD, RECORD_BODY_MAX, RECORD_TRAILER, IncompatFeature, RecordType, checksum64,
 )
-from .structures import Footer, Header, ImageFile, Record, footer_checksum, header_checksum
+from .structures import Footer, Header, ImageFile, Record, footer_checksum, header_checksum, parse_body
 from .tables import FrameTable
 
 # the INDEX record's header and its body's fixed part
-_INDEX_HEAD = np.dtype([("record_type", "<u4"), ("flags", "<u4"), ("body_length", "<u8"), ("num_entries", "<u4"),
-                        ("reserved", "<u4")])
+_INDEX_HEAD = np.dtype(RECORD.dtype.descr + INDEX_BODY.dtype.descr)
 _SMALLEST = HEADER.size + RECORD.size + INDEX_BODY.size + RECORD_TRAILER.size + FOOTER.size
 
 
@@ -148,7 +147,5 @@ def _assembled(path: str, fd: int, data: bytes, index_at: int) -> tuple:
     body = memoryview(raw)[RECORD.size:trailer_at]
     (stored,) = RECORD_TRAILER.unpack_from(raw, trailer_at)
     index = Record(index_at, int(RecordType.INDEX), 0, body_length, stored, body)
-    parsed = INDEX_BODY.unpack(body)._asdict()
-    parsed["entries"] = np.frombuffer(body, INDEX_ENTRY.dtype, parsed["num_entries"], INDEX_BODY.size)
-    index.parsed = parsed
+    parse_body(index)                  # its length and reserved rules passed above: it parses
     return fileobj, file, header, footer, index

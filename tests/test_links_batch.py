@@ -20,6 +20,7 @@ from leanimg.format import FOOTER, HEADER, INDEX_BODY, RECORD, checksum64
 from leanimg.parents import CHECK_BATCH
 from leanimg.reader import WHOLE_READ_BELOW, LeanImage
 
+from helpers import run_leanimg
 from test_chain_open import LINKS, _write_chain, finding, open_alone, relink, reseal
 
 
@@ -230,3 +231,47 @@ def test_every_head_byte_changed_is_accepted_ahead_only_as_open_link_accepts_it(
                     for link in opened.values():
                         link.close()
     assert "opened ahead" in outcomes and "refused" in outcomes
+
+
+def _cut_by_one(data: bytes, index_at: int) -> bytes:
+    return data[:-1]
+
+
+def _cut_to_header(data: bytes, index_at: int) -> bytes:
+    return data[:HEADER.size]
+
+
+def _index_body_huge(data: bytes, index_at: int) -> bytes:
+    b = bytearray(data)
+    struct.pack_into("<Q", b, index_at + RECORD.offset("body_length"), 1 << 62)
+    return _sealed(bytes(b), index_at)
+
+
+def _file_length_huge(data: bytes, index_at: int) -> bytes:
+    b = bytearray(data)
+    struct.pack_into("<Q", b, len(b) - FOOTER.size + FOOTER.offset("file_length"), 1 << 62)
+    return _sealed(bytes(b), index_at)
+
+
+@pytest.mark.parametrize("spoil", [_cut_by_one, _cut_to_header, _index_body_huge, _file_length_huge])
+def test_a_cut_or_lying_link_deep_down_is_refused_as_when_opened_alone(chain, tmp_path, spoil):
+    """A link cut short, or whose INDEX or footer declares a huge size, past the first batch
+    opened ahead: LeanImage.open reports it as opening each link alone does, and `leanimg
+    restore` says so in one error line (and perhaps a hint) and writes nothing."""
+    paths, _ = chain
+    copies = []
+    for path in paths:
+        copies.append(tmp_path / path.name)
+        copies[-1].write_bytes(path.read_bytes())
+    bad = CHECK_BATCH + 5
+    copies[bad].write_bytes(spoil(copies[bad].read_bytes(), _spans(paths[bad])[2][0]))
+    expected = finding(open_alone, copies[-1])
+    assert expected[4] == str(copies[bad]) and expected[1], expected
+    assert finding(LeanImage.open, copies[-1]) == expected
+    out = tmp_path / "out.raw"
+    proc = run_leanimg("restore", copies[-1], "--to", "raw", "-o", out, timeout=300)
+    errors = [line for line in proc.stderr.splitlines() if not line.startswith("leanimg: hint:")]
+    assert proc.returncode != 0 and len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert errors[0].startswith("leanimg: error:") and copies[bad].name in errors[0], errors
+    assert expected[1] in errors[0], (expected, errors)
+    assert not out.exists()
