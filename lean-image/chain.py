@@ -311,118 +311,98 @@ class _DeltaPatches:
 
 class _ChainPatches:
     """Every delta entry of a resolved region that applies, for a forward pass (a restore),
-    built once: the DELTA_FRAMEs holding them are read and decompressed on the read-ahead
-    workers, their entries parsed in one pass over all of them (parse_index_lists over the
-    frames laid end to end), and the words of each page folded to their final values (a word
-    several links set takes the nearest link's value), sorted by page. A range then applies
-    its slice in one assignment: the work per range and per link does not grow with depth.
+    built once on the read-ahead workers: the DELTA_FRAMEs holding them go in batches of
+    whole frames (nearest link first), each batch read, decompressed, parsed and folded on a
+    worker into the final value of every word it sets (a word several of its links set takes
+    the nearest link's value), sorted by page and word. A range applies its slice of each
+    batch, deepest batch first, so the nearest link's value is the one left: the work per
+    range grows with the number of batches (one per BATCH_ENTRIES entries), not with depth.
     Pages with any entry other than a plain INDEX_LIST go entry by entry, deepest link first,
-    those entries through the fully checked path (_apply_checked), as _DeltaPatches does."""
+    all their entries through the fully checked path (_apply_checked), as _DeltaPatches does."""
+
+    BATCH_ENTRIES = 1 << 14      # entries a worker reads and folds at once
 
     def __init__(self, resolution: Resolution):
-        """Starts reading the DELTA_FRAMEs on the workers; the first ``apply`` folds them."""
-        self.resolution = resolution
-        self.words_per_page = resolution.links[0].page_size // 8
-        keys = _frame_keys(resolution.delta_links, resolution.delta_frames)
-        frame_keys, self.of_frame = np.unique(keys, return_inverse=True)
-        self.parsing = self._start_parsing(frame_keys)
-        self.flat = None
-
-    def _fold_all(self) -> None:
-        r = self.resolution
-        firsts, entry_base, parsed = self._parsed()
-        simple, word_start, num_words, positions, values = parsed
-        self.entry_in_frame = r.delta_slots - firsts[self.of_frame]
-        entries = entry_base[self.of_frame] + self.entry_in_frame     # into the frames laid end to end
-        fast = simple[entries] if len(entries) else np.zeros(0, bool)
-        quick = fast & ~np.isin(r.delta_pages, np.unique(r.delta_pages[~fast]))
-        self.flat, self.values = self._fold(r.delta_pages[quick], entries[quick], word_start, num_words,
-                                            positions, values)
-        # pages with a slow entry: all their entries, in resolution order (page, deepest link first)
-        self.slow_rows = np.flatnonzero(~quick)
-        self.slow_fast = fast[self.slow_rows]
-        slow = entries[self.slow_rows]
-        self.slow_counts = np.where(self.slow_fast, num_words[slow], 0)
-        slow_words = self._words(word_start[slow], self.slow_counts)
-        self.slow_positions, self.slow_values = positions[slow_words], values[slow_words]
-        self.slow_word_start = np.cumsum(self.slow_counts) - self.slow_counts
-
-    BATCH_ENTRIES = 1 << 14      # entries a worker reads and parses at once
-
-    def _start_parsing(self, frame_keys: np.ndarray) -> list:
-        """The DELTA_FRAMEs of ``frame_keys`` in batches, each read and parsed on a read-ahead
-        worker (a future), or later on this thread (None) without workers."""
-        r = self.resolution
+        """Starts the batches on the workers; without workers the first ``apply`` runs them."""
+        r = self.resolution = resolution
+        self.words_per_page = r.links[0].page_size // 8
+        frame_keys, self.of_frame = np.unique(_frame_keys(r.delta_links, r.delta_frames), return_inverse=True)
         frames = [(r.links[key >> 32], key & 0xFFFFFFFF) for key in frame_keys.tolist()]
         sizes = np.array([int(link.frames.delta_frames.counts[frame]) for link, frame in frames], np.int64)
-        cuts = np.flatnonzero(np.diff(np.cumsum(sizes) // self.BATCH_ENTRIES)) + 1
-        batches = [frames[lo:hi] for lo, hi in zip([0, *cuts.tolist()], [*cuts.tolist(), len(frames)])]
+        cuts = [0, *(np.flatnonzero(np.diff(np.cumsum(sizes) // self.BATCH_ENTRIES)) + 1).tolist(), len(frames)] \
+            if frames else [0]
+        by_frame = np.argsort(self.of_frame, kind="stable")
+        row_cuts = np.searchsorted(self.of_frame[by_frame], cuts).tolist()
         pool, ps = r.links[0].frames.pool, r.links[0].page_size
-        return [(batch, pool.submit(_parse_delta_batch, batch, ps) if pool is not None else None)
-                for batch in batches]
+        self.batches = []
+        for lo, hi, row_lo, row_hi in zip(cuts, cuts[1:], row_cuts, row_cuts[1:]):
+            rows = by_frame[row_lo:row_hi]
+            job = (frames[lo:hi], self.of_frame[rows] - lo, r.delta_slots[rows], r.delta_pages[rows], ps)
+            self.batches.append((rows, pool.submit(_fold_delta_batch, *job) if pool is not None else job))
+        self.folds = None
 
-    def _parsed(self):
-        """Per frame its first delta and where its entries begin among all frames laid end to
-        end; parse_index_lists' arrays over all of them."""
-        ps = self.resolution.links[0].page_size
-        parsed = [future.result() if future is not None else _parse_delta_batch(batch, ps)
-                  for batch, future in self.parsing]
-        self.parsing = []
-        firsts = np.concatenate([p[0] for p in parsed] or [np.zeros(0, np.int64)])
-        counts = np.concatenate([p[1] for p in parsed] or [np.zeros(0, np.int64)])
-        words = [len(p[2][3]) for p in parsed]
-        word_base = np.concatenate(([0], np.cumsum(words)[:-1])).astype(np.int64)
-        simple, word_start, num_words, positions, values = (
-            np.concatenate([p[2][i] + (word_base[k] if i == 1 else 0) for k, p in enumerate(parsed)] or
-                           [np.zeros(0, np.int64)]) for i in range(5))
-        entry_base = np.cumsum(counts) - counts
-        return firsts, entry_base, (simple.astype(bool), word_start, num_words, positions, values.astype(np.uint64))
-
-    @staticmethod
-    def _words(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
-        """Indexes into parse_index_lists' word arrays: ``counts[i]`` words from ``starts[i]``."""
-        return np.repeat(starts, counts) + (np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts))
-
-    def _fold(self, pages, entries, word_start, num_words, positions, values):
-        """(page * words per page + word, value) of every word the entries set, the nearest
-        link's value where several set it (entries come deepest link first), sorted."""
-        counts = num_words[entries]
-        words = self._words(word_start[entries], counts)
-        flat = np.repeat(pages, counts) * self.words_per_page + positions[words]
-        order = np.argsort(flat, kind="stable")          # equal words keep deepest-first order
-        flat, vals = flat[order], values[words][order]
-        last = np.ones(len(flat), bool)
-        last[:-1] = flat[1:] != flat[:-1]
-        return flat[last], vals[last]
+    def _ready(self) -> None:
+        """The batches' folds (waiting for the workers), deepest first; the rows of pages
+        that go the checked path."""
+        r = self.resolution
+        results = [(rows, job.result() if hasattr(job, "result") else _fold_delta_batch(*job))
+                   for rows, job in self.batches]
+        self.batches = []
+        firsts = np.concatenate([result[0] for _, result in results] or [np.zeros(0, np.int64)])
+        self.entry_in_frame = r.delta_slots - firsts[self.of_frame]
+        plain = np.zeros(len(r.delta_pages), bool)
+        for rows, (_, _, _, rows_plain) in results:
+            plain[rows] = rows_plain
+        slow_pages = np.unique(r.delta_pages[~plain])
+        self.slow_rows = np.flatnonzero(np.isin(r.delta_pages, slow_pages))
+        folds = [(flat, values) for _, (_, flat, values, _) in reversed(results)]
+        if len(slow_pages):              # their words come from the checked path, in its order
+            folds = [(flat[keep], values[keep]) for flat, values in folds
+                     for keep in [~np.isin(flat // self.words_per_page, slow_pages)]]
+        self.folds = folds
 
     def apply(self, out: np.ndarray, first_page: int, stop: int) -> None:
-        if self.flat is None:
-            self._fold_all()
-        wpp = self.words_per_page
-        lo, hi = (int(x) for x in np.searchsorted(self.flat, [first_page * wpp, stop * wpp]))
-        out.view("<u8")[self.flat[lo:hi] - first_page * wpp] = self.values[lo:hi]
+        if self.folds is None:
+            self._ready()
+        wpp, words = self.words_per_page, out.view("<u8")
+        for flat, values in self.folds:
+            lo, hi = (int(x) for x in np.searchsorted(flat, [first_page * wpp, stop * wpp]))
+            words[flat[lo:hi] - first_page * wpp] = values[lo:hi]
         r = self.resolution
-        pages = r.delta_pages[self.slow_rows]
-        lo, hi = (int(x) for x in np.searchsorted(pages, [first_page, stop]))
-        for k in range(lo, hi):
-            self._apply_slow(out, first_page, k)
+        lo, hi = (int(x) for x in np.searchsorted(r.delta_pages[self.slow_rows], [first_page, stop]))
+        for row in self.slow_rows[lo:hi].tolist():
+            _apply_checked(r.links[int(r.delta_links[row])], int(r.delta_frames[row]), out,
+                           np.array([int(r.delta_pages[row]) - first_page]), self.entry_in_frame[row:row + 1],
+                           r.links[0].page_size)
 
-    def _apply_slow(self, out: np.ndarray, first_page: int, k: int) -> None:
-        r = self.resolution
-        row = int(self.slow_rows[k])
-        page = int(r.delta_pages[row]) - first_page
-        if self.slow_fast[k]:
-            at = slice(int(self.slow_word_start[k]), int(self.slow_word_start[k] + self.slow_counts[k]))
-            out.view("<u8")[page * self.words_per_page + self.slow_positions[at]] = self.slow_values[at]
-        else:
-            _apply_checked(r.links[int(r.delta_links[row])], int(r.delta_frames[row]), out, np.array([page]),
-                           self.entry_in_frame[row:row + 1], r.links[0].page_size)
+
+def _fold_delta_batch(frames: list, frame_of_row: np.ndarray, slots: np.ndarray, pages: np.ndarray,
+                      page_size: int):
+    """Runs on a read-ahead worker: DELTA_FRAMEs ``frames`` ((link, frame), nearest link first)
+    read, checked, decompressed and parsed as one, and the entries that apply (rows: their
+    frame's index in ``frames``, slot and page) folded: (first delta per frame, the words set
+    as page * words per page + word, ascending, their values, per row whether its entry is a
+    plain INDEX_LIST). Only plain entries' words are folded; of a word several set, the
+    nearest link's value is kept."""
+    firsts, counts, (simple, word_start, _, positions, values) = _parse_delta_batch(frames, page_size)
+    entries = (np.cumsum(counts) - counts)[frame_of_row] + slots - firsts[frame_of_row]
+    plain = simple[entries]
+    page_of_entry = np.full(len(simple), -1, np.int64)
+    page_of_entry[entries[plain]] = pages[plain]
+    word_page = np.repeat(page_of_entry, np.diff(word_start, append=len(positions)))
+    kept = np.flatnonzero(word_page >= 0)
+    flat = word_page[kept] * (page_size // 8) + positions[kept]
+    order = np.argsort(flat, kind="stable")          # equal words keep the nearest link first
+    flat, values = flat[order], values[kept][order]
+    first = np.ones(len(flat), bool)
+    first[1:] = flat[1:] != flat[:-1]
+    return firsts, flat[first], values[first], plain
 
 
 def _parse_delta_batch(frames: list, page_size: int):
-    """Runs on a read-ahead worker: DELTA_FRAMEs ``frames`` ((link, frame)) read, checked,
-    decompressed and parsed as one: (first delta per frame, entries per frame,
-    parse_index_lists' arrays over the frames laid end to end)."""
+    """DELTA_FRAMEs ``frames`` ((link, frame)) read, checked, decompressed and parsed as one:
+    (first delta per frame, entries per frame, parse_index_lists' arrays over the frames laid
+    end to end)."""
     read = [_quick_delta_frame(link, frame) or link.frames._read_delta_frame(frame) for link, frame in frames]
     byte_base = np.cumsum([0] + [len(content) for content, _, _ in read])
     offsets = np.concatenate([np.asarray(offsets[:-1], np.int64) + base for (_, offsets, _), base

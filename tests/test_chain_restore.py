@@ -21,6 +21,7 @@ from leanimg.incremental import parent_link
 from leanimg.inspect import class_counts
 from leanimg.reader import LeanImage
 from leanimg.writer import LeanImageWriter, disk_fingerprint
+import leanimg.chain
 import leanimg.writer
 from test_chain import PAGES, PS, build_chain
 
@@ -271,7 +272,11 @@ def _encodings(path) -> Counter:
 
 @pytest.mark.parametrize("step", [3, 5, FOLD_PAGES])
 @pytest.mark.parametrize("read_ahead", [True, False])
-def test_a_forward_pass_folds_the_deltas_of_every_link(tmp_path, step, read_ahead):
+@pytest.mark.parametrize("batch_entries", [1, 3, 1 << 14])
+def test_a_forward_pass_folds_the_deltas_of_every_link(tmp_path, monkeypatch, step, read_ahead, batch_entries):
+    """Folded in batches of whole DELTA_FRAMEs (one frame a batch, a few, all of them): a word
+    every link sets takes the nearest link's value across batches too."""
+    monkeypatch.setattr(leanimg.chain._ChainPatches, "BATCH_ENTRIES", batch_entries)
     paths, memory = _fold_chain(tmp_path)
     assert {DeltaEncoding.INDEX_LIST, DeltaEncoding.RUNS, DeltaEncoding.BITMAP} <= set(_encodings(paths[-1]))
     with LeanImage.open(paths[-1]) as image:
@@ -284,7 +289,9 @@ def test_a_forward_pass_folds_the_deltas_of_every_link(tmp_path, step, read_ahea
 
 
 @pytest.mark.parametrize("read", ["pieces", "bytes"])
-def test_a_bad_delta_entry_in_a_middle_link_is_reported_alike(tmp_path, read):
+@pytest.mark.parametrize("batch_entries", [1, 1 << 14])
+def test_a_bad_delta_entry_in_a_middle_link_is_reported_alike(tmp_path, monkeypatch, read, batch_entries):
+    monkeypatch.setattr(leanimg.chain._ChainPatches, "BATCH_ENTRIES", batch_entries)
     paths, _ = _fold_chain(tmp_path, bad_link=4)
     with LeanImage.open(paths[-1]) as image, pytest.raises(FormatError) as info:
         image.enable_read_ahead()
