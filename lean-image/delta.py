@@ -188,6 +188,13 @@ def _apply_small_index_list(entry, parent_page) -> bytes | None:
     return bytes(page)
 
 
+def _at_every_byte(c: np.ndarray, dtype: str) -> np.ndarray:
+    """A view of bytes ``c`` as one ``dtype`` item starting at each byte (unaligned): item k
+    is the value in bytes k .. k + size - 1, so a gather reads words at any byte offset."""
+    size = np.dtype(dtype).itemsize
+    return np.ndarray((max(len(c) - size + 1, 0),), dtype, buffer=c, strides=(1,))
+
+
 def parse_index_lists(content: bytes, offsets: np.ndarray, page_size: int):
     """All entries of one decompressed DELTA_FRAME at once, with numpy.
 
@@ -210,9 +217,9 @@ def parse_index_lists(content: bytes, offsets: np.ndarray, page_size: int):
     within = np.arange(total) - np.repeat(word_start, counts)
     first = np.repeat(starts + _HEAD, counts)
     pos_at = first + 2 * within
-    positions = c[pos_at].astype(np.int64) | (c[pos_at + 1].astype(np.int64) << 8)
+    positions = _at_every_byte(c, "<u2")[pos_at].astype(np.int64)
     val_at = first + 2 * np.repeat(num_words, counts) + 8 * within
-    values = c[val_at[:, None] + np.arange(8)].copy().view("<u8").reshape(-1)
+    values = _at_every_byte(c, "<u8")[val_at]
     bad_word = positions >= page_size // WORD_SIZE
     bad_word[1:] |= (within[1:] > 0) & (positions[1:] <= positions[:-1])
     entry_of_word = np.repeat(np.arange(len(counts)), counts)
