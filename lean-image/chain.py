@@ -338,15 +338,15 @@ class _ChainPatches:
         for lo, hi, row_lo, row_hi in zip(cuts, cuts[1:], row_cuts, row_cuts[1:]):
             rows = by_frame[row_lo:row_hi]
             job = (frames[lo:hi], self.of_frame[rows] - lo, r.delta_slots[rows], r.delta_pages[rows], ps)
-            self.batches.append((rows, pool.submit(_fold_delta_batch, *job) if pool is not None else job))
+            self.batches.append((rows, job, pool.submit(_fold_delta_batch, *job) if pool is not None else None))
         self.folds = None
 
     def _ready(self) -> None:
         """The batches' folds (waiting for the workers), deepest first; the rows of pages
         that go the checked path."""
         r = self.resolution
-        results = [(rows, job.result() if hasattr(job, "result") else _fold_delta_batch(*job))
-                   for rows, job in self.batches]
+        results = [(rows, future.result() if future is not None else _fold_delta_batch(*job))
+                   for rows, job, future in self.batches]
         self.batches = []
         firsts = np.concatenate([result[0] for _, result in results] or [np.zeros(0, np.int64)])
         self.entry_in_frame = r.delta_slots - firsts[self.of_frame]
