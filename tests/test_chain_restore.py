@@ -288,6 +288,69 @@ def test_a_forward_pass_folds_the_deltas_of_every_link(tmp_path, monkeypatch, st
         assert _joined(image, region, _forward(FOLD_PAGES, step), "bytes") == memory
 
 
+def _superseding_chain(directory, superseded: bool):
+    """root: FOLD_PAGES random pages; link 1: word deltas on pages 0-3; link 2: pages
+    0-3 stored anew (``superseded``) or PARENT; link 3: a word delta on page 9. Link 1's
+    DELTA_FRAME then has its record's checksum broken. Returns (paths, the last link's memory)."""
+    rng = np.random.default_rng(9)
+    mem = np.frombuffer(bytearray(rng.bytes(FOLD_PAGES * PS)), np.uint64).reshape(FOLD_PAGES, PS // 8).copy()
+    paths, parent = [], None
+    for k in range(4):
+        before = mem.copy()
+        if k == 1:
+            mem[0:4, 7] ^= np.uint64(0x5A5A)
+        elif k == 2 and superseded:
+            mem[0:4] = rng.integers(0, 2**63, (4, PS // 8), dtype=np.uint64)
+        elif k == 3:
+            mem[9, 100] ^= np.uint64(1)
+        path = directory / f"sup{k}.lean"
+        w = LeanImageWriter(path, parent=parent, frame_pages=4)
+        region = w.add_region("pc.ram", FOLD_PAGES * PS, 0)
+        for page in range(FOLD_PAGES):
+            if not k or (k == 2 and superseded and page < 4):
+                w.put_pages(region, page, mem[page].tobytes())
+            elif (mem[page] != before[page]).any():
+                assert w.put_changed(region, page, before[page].tobytes(), mem[page].tobytes()) == PageClass.DELTA
+            else:
+                w.put_parent(region, page, page_digest(mem[page].tobytes()))
+        parent = leanimg.writer.ParentLink(w.image_uuid, w.finish())
+        paths.append(path)
+    with LeanImage.open_link(paths[1]) as link:
+        position = int(link.frames.delta_frames.positions[0])
+        offset = int(link.tables.entries["record_offset"][position])
+    data = bytearray(paths[1].read_bytes())
+    (body_length,) = struct.unpack_from("<Q", data, offset + 8)
+    data[offset + 16 + (body_length + 7) // 8 * 8] ^= 0xFF                 # the record's checksum
+    paths[1].write_bytes(bytes(data))
+    return paths, mem.tobytes()
+
+
+@pytest.mark.parametrize("read_ahead", [True, False])
+def test_a_broken_delta_frame_no_page_needs_is_not_read(tmp_path, read_ahead):
+    """A forward pass reads only the DELTA_FRAMEs whose entries apply: one whose entries a
+    later link's stored pages all supersede does not fail the restore, and one that is needed
+    fails it with its own finding, with or without workers."""
+    found = []
+    for superseded in (True, False):
+        directory = tmp_path / f"superseded-{superseded}"
+        directory.mkdir()
+        paths, memory = _superseding_chain(directory, superseded)
+        with LeanImage.open(paths[-1]) as image:
+            if read_ahead:
+                image.enable_read_ahead()
+            region = image.regions[0]
+            if superseded:
+                assert _joined(image, region, _forward(FOLD_PAGES, 5), "pieces") == memory
+                continue
+            with pytest.raises(LeanImageError) as info:
+                _joined(image, region, _forward(FOLD_PAGES, 5), "pieces")
+            found.append((info.value.rule, info.value.offset, info.value.path))
+        with LeanImage.open_link(paths[1]) as link, pytest.raises(LeanImageError) as alone:
+            link.frames.delta_entry(0)
+    assert found == [(alone.value.rule, alone.value.offset, str(paths[1]))]
+    assert alone.value.rule.startswith("LI-REC-")
+
+
 @pytest.mark.parametrize("read", ["pieces", "bytes"])
 @pytest.mark.parametrize("batch_entries", [1, 1 << 14])
 def test_a_bad_delta_entry_in_a_middle_link_is_reported_alike(tmp_path, monkeypatch, read, batch_entries):
