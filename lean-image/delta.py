@@ -213,15 +213,15 @@ def parse_index_lists(content: bytes, offsets: np.ndarray, page_size: int):
         (num_words > 0) & (lengths == _HEAD + 10 * num_words) & (lengths < page_size)
     counts = np.where(simple, num_words, 0)
     word_start = np.concatenate(([0], np.cumsum(counts)[:-1])) if len(counts) else counts
-    total = int(counts.sum())
-    within = np.arange(total) - np.repeat(word_start, counts)
-    first = np.repeat(starts + _HEAD, counts)
-    pos_at = first + 2 * within
-    positions = _at_every_byte(c, "<u2")[pos_at].astype(np.int64)
-    val_at = first + 2 * np.repeat(num_words, counts) + 8 * within
-    values = _at_every_byte(c, "<u8")[val_at]
+    k = np.arange(int(counts.sum()))          # word k is word k - word_start[e] of its entry e
+    positions = _at_every_byte(c, "<u2")[np.repeat(starts + _HEAD - 2 * word_start, counts) + 2 * k]
+    values = _at_every_byte(c, "<u8")[np.repeat(starts + _HEAD + 2 * num_words - 8 * word_start, counts) + 8 * k]
+    positions = positions.astype(np.int64)
+    first_word = np.zeros(len(k), bool)
+    first_word[word_start[counts > 0]] = True
     bad_word = positions >= page_size // WORD_SIZE
-    bad_word[1:] |= (within[1:] > 0) & (positions[1:] <= positions[:-1])
-    entry_of_word = np.repeat(np.arange(len(counts)), counts)
-    simple &= np.bincount(entry_of_word[bad_word], minlength=len(counts)) == 0
+    bad_word[1:] |= ~first_word[1:] & (positions[1:] <= positions[:-1])
+    bad = np.flatnonzero(bad_word)
+    if len(bad):                  # their entries: the last whose words start at or before them
+        simple[np.searchsorted(word_start, bad, side="right") - 1] = False
     return simple, word_start, num_words, positions, values
