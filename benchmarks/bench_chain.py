@@ -25,8 +25,11 @@ Issue 15 §3's targets, all from medians of one run, side by side:
 Each last link is then restored with the real CLI, ``leanimg restore LAST --to raw -o
 /dev/null`` (ancestors found beside it), ``--repeat`` times with every file of the chain
 evicted from the page cache first (posix_fadvise DONTNEED; /proc/sys/vm/drop_caches is
-not writable here); medians are reported with the ratios below, beside the cold read of the chain's files alone (the I/O floor: a
-chain holds the pages its links superseded) and the MiB of frames the restore must decompress
+not writable here); medians are reported with the ratios below (and, beside each wall-time
+median, the median CPU time of the restore process, user + system: the work done, apart from
+waiting, so a change that only moves work onto idle cores shows as the same CPU time and less
+wall time), beside the cold read of the chain's files alone (the I/O floor: a chain holds the
+pages its links superseded) and the MiB of frames the restore must decompress
 (the CPU floor: a zstd frame is decompressed whole, and the frames holding final pages also hold
 superseded ones).  The three restores are checked to give
 identical bytes (sha256 of a restore to a file).  The depth-1 / depth-10 / depth-100 runs
@@ -53,6 +56,7 @@ import hashlib
 import json
 import os
 import platform
+import resource
 import shutil
 import statistics
 import subprocess
@@ -225,10 +229,18 @@ def run_cli(*args, stdout=subprocess.DEVNULL, cli=LEANIMG) -> None:
 
 
 def timed_restore(chain: ChainBuilder, out: str = "/dev/null", cli=LEANIMG) -> float:
+    return timed_restore_cpu(chain, out, cli)[0]
+
+
+def timed_restore_cpu(chain: ChainBuilder, out: str = "/dev/null", cli=LEANIMG) -> tuple[float, float]:
+    """(wall seconds, CPU seconds: user + system of the restore process and its threads)."""
     evict(chain.links)
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
     run_cli("restore", chain.links[-1], "--to", "raw", "-o", out, "-f", cli=cli)
-    return time.perf_counter() - t0
+    wall = time.perf_counter() - t0
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return wall, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
 
 
 def timed_read(chain: ChainBuilder) -> float:
@@ -301,11 +313,14 @@ def bench_depths(work: Path, args, log) -> dict:
     if args.baseline:
         versions["baseline"] = [str(args.baseline / ".venv" / "bin" / "leanimg")]
     times = {tag: {d: [] for d in depths} for tag in versions}
+    cpu = {tag: {d: [] for d in depths} for tag in versions}
     reads = {d: [] for d in depths}
     for _ in range(args.repeat):           # interleaved: drift hits every depth and version alike
         for d in depths:
             for tag, cli in versions.items():
-                times[tag][d].append(timed_restore(chains[d], cli=cli))
+                wall, used = timed_restore_cpu(chains[d], cli=cli)
+                times[tag][d].append(wall)
+                cpu[tag][d].append(used)
             reads[d].append(timed_read(chains[d]))
     read_med = {d: statistics.median(t) for d, t in reads.items()}
     result = dict(
@@ -316,12 +331,15 @@ def bench_depths(work: Path, args, log) -> dict:
                              decompressed_bytes=frames_to_decompress(c),
                              last_link_bytes=c.links[-1].stat().st_size, classes_written=c.classes,
                              restore_seconds=times["new"][d], restore_median=statistics.median(times["new"][d]),
+                             restore_cpu_seconds=cpu["new"][d], restore_cpu_median=statistics.median(cpu["new"][d]),
                              cold_read_seconds=reads[d], cold_read_median=read_med[d])
                 for d, c in chains.items()},
         **verdict(times["new"], read_med, depths))
     if args.baseline:
         result["baseline"] = dict(checkout=str(args.baseline), restore_seconds={str(d): t for d, t in
                                                                                times["baseline"].items()},
+                                  restore_cpu_medians={str(d): statistics.median(t) for d, t in
+                                                       cpu["baseline"].items()},
                                   **verdict(times["baseline"], read_med, depths))
     return result
 
@@ -408,17 +426,19 @@ def render(results: dict) -> str:
              f"restore --to raw of the last link, {d['size_bytes'] >> 20} MiB, median of "
              f"{results['repeat']} cold runs (same final memory, sha256 {d['final_sha256'][:16]}…)",
              f"  {'depth':>6} {'chain MiB':>10} {'last link MiB':>14} {'decompress MiB':>15} {'cold read s':>12} "
-             f"{'restore s':>10}  runs"]
+             f"{'restore s':>10} {'CPU s':>6}  runs"]
     for c in d["chains"].values():
         lines.append(f"  {c['depth']:>6} {c['bytes'] / 2**20:10.2f} {c['last_link_bytes'] / 2**20:14.2f} "
                      f"{c['decompressed_bytes'] / 2**20:15.1f} "
-                     f"{c['cold_read_median']:12.3f} {c['restore_median']:10.3f}  "
+                     f"{c['cold_read_median']:12.3f} {c['restore_median']:10.3f} {c['restore_cpu_median']:6.3f}  "
                      f"{' '.join(f'{t:.3f}' for t in c['restore_seconds'])}")
     lines += render_verdict(d, d["targets"])
     if "baseline" in d:
         b = d["baseline"]
         lines.append(f"baseline {b['checkout']}, interleaved with the runs above: restore medians "
-                     + ", ".join(f"depth {depth} {m:.3f} s" for depth, m in b["restore_medians"].items()))
+                     + ", ".join(f"depth {depth} {m:.3f} s" for depth, m in b["restore_medians"].items())
+                     + "; CPU medians " + ", ".join(f"depth {depth} {m:.3f} s"
+                                                   for depth, m in b["restore_cpu_medians"].items()))
         lines += render_verdict(b, d["targets"])
     if "deep" in results:
         k = results["deep"]
