@@ -1,8 +1,22 @@
-"""Shared test configuration: hypothesis profiles, markers."""
+"""Shared test configuration: hypothesis profiles, markers, shared fixtures."""
 
 import os
+
+import pytest
 
 from helpers import register_hypothesis_profiles
 
 register_hypothesis_profiles()
 os.environ.setdefault("LEANIMG_KSC_DIR", os.path.expanduser("~/.cache/leanimg/ksc"))
+
+
+@pytest.fixture
+def copy(chain, tmp_path):
+    """A fresh copy of the module's ``chain`` ((paths, final memory)) to spoil: (paths, final memory)."""
+    paths, memory = chain
+    copies = []
+    for path in paths:
+        target = tmp_path / path.name
+        target.write_bytes(path.read_bytes())
+        copies.append(target)
+    return copies, memory

@@ -94,18 +94,6 @@ def chain(tmp_path_factory):
     return paths, memory
 
 
-@pytest.fixture
-def copy(chain, tmp_path):
-    """A fresh copy of the chain to spoil: (paths, final memory)."""
-    paths, memory = chain
-    copies = []
-    for path in paths:
-        target = tmp_path / path.name
-        target.write_bytes(path.read_bytes())
-        copies.append(target)
-    return copies, memory
-
-
 def open_alone(path) -> LeanImage:
     """Each link loaded and checked as it is found: the path before tables_batch."""
     image = LeanImage.open_link(path)

@@ -141,14 +141,11 @@ def _open_fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 
 
-def test_links_opened_ahead_and_not_used_are_closed(chain, tmp_path):
+def test_links_opened_ahead_and_not_used_are_closed(chain, copy, tmp_path):
     """Links opened ahead that the walk does not take (it stops at an error, or at an open
     parent, which brings its own chain) leave no file open."""
     paths, _ = chain
-    copies = []
-    for path in paths:
-        copies.append(tmp_path / path.name)
-        copies[-1].write_bytes(path.read_bytes())
+    copies, _ = copy
     before = _open_fds()
     data = bytearray(copies[LINKS - 20].read_bytes())
     data[HEADER.offset("page_size")] ^= 1                  # refused at the header, checksum made right
@@ -168,12 +165,9 @@ def test_links_opened_ahead_and_not_used_are_closed(chain, tmp_path):
     ("reserved", struct.pack("<I", 1), "LI-HDR-007"), ("page_size", struct.pack("<I", 2048), "LI-HDR-006"),
     ("header_length", struct.pack("<I", HEADER.size + 8), "LI-HDR-004")])
 @pytest.mark.parametrize("bad", [1, CHECK_BATCH - 1, CHECK_BATCH, LINKS - 2])
-def test_a_link_with_a_bad_header_is_refused_as_when_opened_alone(chain, tmp_path, field, value, rule, bad):
+def test_a_link_with_a_bad_header_is_refused_as_when_opened_alone(chain, copy, tmp_path, field, value, rule, bad):
     paths, _ = chain
-    copies = []
-    for path in paths:
-        copies.append(tmp_path / path.name)
-        copies[-1].write_bytes(path.read_bytes())
+    copies, _ = copy
     data = bytearray(copies[bad].read_bytes())
     at = HEADER.offset(field)
     data[at:at + len(value)] = value
@@ -184,12 +178,9 @@ def test_a_link_with_a_bad_header_is_refused_as_when_opened_alone(chain, tmp_pat
     assert finding(LeanImage.open, copies[-1]) == expected
 
 
-def test_a_bad_index_record_deep_down_is_refused_as_when_opened_alone(chain, tmp_path):
+def test_a_bad_index_record_deep_down_is_refused_as_when_opened_alone(chain, copy, tmp_path):
     paths, _ = chain
-    copies = []
-    for path in paths:
-        copies.append(tmp_path / path.name)
-        copies[-1].write_bytes(path.read_bytes())
+    copies, _ = copy
     bad = CHECK_BATCH + 3
     with LeanImage.open_link(copies[bad]) as link:
         at = link.footer.index_offset + RECORD.size + INDEX_BODY.offset("reserved")
@@ -254,15 +245,12 @@ def _file_length_huge(data: bytes, index_at: int) -> bytes:
 
 
 @pytest.mark.parametrize("spoil", [_cut_by_one, _cut_to_header, _index_body_huge, _file_length_huge])
-def test_a_cut_or_lying_link_deep_down_is_refused_as_when_opened_alone(chain, tmp_path, spoil):
+def test_a_cut_or_lying_link_deep_down_is_refused_as_when_opened_alone(chain, copy, tmp_path, spoil):
     """A link cut short, or whose INDEX or footer declares a huge size, past the first batch
     opened ahead: LeanImage.open reports it as opening each link alone does, and `leanimg
     restore` says so in one error line (and perhaps a hint) and writes nothing."""
     paths, _ = chain
-    copies = []
-    for path in paths:
-        copies.append(tmp_path / path.name)
-        copies[-1].write_bytes(path.read_bytes())
+    copies, _ = copy
     bad = CHECK_BATCH + 5
     copies[bad].write_bytes(spoil(copies[bad].read_bytes(), _spans(paths[bad])[2][0]))
     expected = finding(open_alone, copies[-1])
