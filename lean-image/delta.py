@@ -15,6 +15,11 @@ from .format import DELTA_ENTRY, DELTA_RUN, WORD_SIZE, DeltaEncoding
 from .rules import implements
 from .structures import reserved_problems
 
+try:        # optional (setup.py): parse_index_lists in one pass, without the GIL
+    from . import _native
+except ImportError:
+    _native = None
+
 _HEAD = DELTA_ENTRY.size
 _NUM_RUNS = DELTA_ENTRY.field("num_runs").struct
 _RUNS_HEAD = _NUM_RUNS.size
@@ -196,19 +201,34 @@ def _at_every_byte(c: np.ndarray, dtype: str) -> np.ndarray:
 
 
 def parse_index_lists(content: bytes, offsets: np.ndarray, page_size: int):
-    """All entries of one decompressed DELTA_FRAME at once, with numpy.
+    """All entries of one decompressed DELTA_FRAME at once.
 
     Returns (simple, word_start, num_words, positions, values): for each entry whether it
     is an INDEX_LIST entry that passes every rule of §7 (the others go through
     ``apply``, which decodes and reports them), where its words start in the flat
-    ``positions``/``values`` arrays, and how many it has.
+    ``positions``/``values`` arrays, and how many it has (0 for an entry shorter than its
+    head). leanimg._native parses them in one pass without the GIL; else numpy does.
     """
+    offsets = np.ascontiguousarray(offsets, np.int64)
+    if _native is None:
+        return _parse_index_lists_numpy(content, offsets, page_size)
+    n = len(offsets) - 1
+    simple, word_start, num_words = np.empty(n, bool), np.empty(n, np.int64), np.empty(n, np.int64)
+    words = _native.index_list_heads(content, offsets, page_size, simple, word_start, num_words)
+    positions, values = np.empty(words, np.int64), np.empty(words, "<u8")
+    _native.index_list_words(content, offsets, page_size, simple, word_start, positions, values)
+    return simple, word_start, num_words, positions, values
+
+
+def _parse_index_lists_numpy(content: bytes, offsets: np.ndarray, page_size: int):
+    """parse_index_lists with numpy (where leanimg._native was not built)."""
     c = np.frombuffer(content, np.uint8)
-    offsets = np.asarray(offsets, np.int64)
+    if len(c) < _HEAD:                 # no entry has a head: read one of zeros
+        c = np.zeros(_HEAD, np.uint8)
     starts, lengths = offsets[:-1], np.diff(offsets)
     safe = np.where(lengths >= _HEAD, starts, 0)
-    encoding, reserved = c[safe] if len(c) else safe, c[safe + 1] if len(c) else safe
-    num_words = (c[safe + 2].astype(np.int64) | (c[safe + 3].astype(np.int64) << 8)) if len(c) else safe
+    encoding, reserved = c[safe], c[safe + 1]
+    num_words = np.where(lengths >= _HEAD, c[safe + 2].astype(np.int64) | (c[safe + 3].astype(np.int64) << 8), 0)
     simple = (lengths >= _HEAD) & (encoding == DeltaEncoding.INDEX_LIST) & (reserved == 0) & \
         (num_words > 0) & (lengths == _HEAD + 10 * num_words) & (lengths < page_size)
     counts = np.where(simple, num_words, 0)

@@ -294,9 +294,13 @@ def test_cli_inspect_shows_each_link(sample_save, tmp_path):
     assert [set(link["classes"]) for link in summary["chain"]] == [{"PARENT", "ZERO"}, {"STORED", "ZERO"}]
 
 
-def test_vectorised_delta_parsing_agrees_with_the_checked_decoder():
+@pytest.mark.parametrize("parser", ["native", "numpy"])
+def test_vectorised_delta_parsing_agrees_with_the_checked_decoder(parser, monkeypatch):
     """parse_index_lists may only take entries decode_positions accepts, with the same words."""
+    from leanimg import delta
     from leanimg.delta import decode_positions, encode, parse_index_lists
+    if parser == "numpy":
+        monkeypatch.setattr(delta, "_native", None)
     from leanimg.errors import FormatError
     rng = np.random.default_rng(11)
     entries = []

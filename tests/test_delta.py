@@ -185,7 +185,10 @@ def test_small_index_list_leaves_malformed_entries_to_the_checking_decoder(name)
     assert delta.small_index_list(MALFORMED[name][0], PS) is None
 
 
-def test_parse_index_lists_takes_exactly_the_sound_index_lists():
+@pytest.mark.parametrize("parser", ["native", "numpy"])
+def test_parse_index_lists_takes_exactly_the_sound_index_lists(parser, monkeypatch):
+    if parser == "numpy":
+        monkeypatch.setattr(delta, "_native", None)
     sound = [entry(IL, [3], [30]), entry(IL, list(range(0, 400, 10)), range(40)), entry(BM, [1, 2], [5, 6]),
              entry(RU, [7, 8, 9], [1, 2, 3]), entry(IL, [WORDS - 1], [2**64 - 1])]
     malformed = [MALFORMED[name][0] for name in sorted(MALFORMED)]
