@@ -12,19 +12,19 @@ digest, which covers the whole path.
 
 from __future__ import annotations
 
-import struct
 from dataclasses import dataclass, field
 
 import numpy as np
+import zstandard
 
 from .compression import FrameError, decompress_exact
-from .delta import parse_index_lists
+from .delta import _at_every_byte, parse_index_lists
 from .digests import verify_rows
 from .errors import ChainError, LeanImageError
 from .format import (
-    CHAIN_DEPTH_MAX, DELTA_FRAME_BODY, DIGEST_SIZE, FRAME_PAGES_MAX_BYTES, IS_CONCRETE, NO_KEY, RECORD,
+    CHAIN_DEPTH_MAX, DELTA_FRAME_BODY, DIGEST_SIZE, FRAME_PAGES_MAX_BYTES, INDEX_ENTRY, IS_CONCRETE, NO_KEY, RECORD,
     RECORD_BODY_MAX, RECORD_TRAILER,
-    PageClass, RecordType, align8, checksum64, page_items, record_size, row_digests, zero_page_digest,
+    PageClass, RecordType, checksum64, page_items, record_size, row_digests, zero_page_digest,
 )
 from .frames import FrameBuffers
 from . import pages as page_module
@@ -326,12 +326,12 @@ class _ChainPatches:
         """Starts the batches on the workers; without workers the first ``apply`` runs them."""
         r = self.resolution = resolution
         self.words_per_page = r.links[0].page_size // 8
-        frame_keys, self.of_frame = np.unique(_frame_keys(r.delta_links, r.delta_frames), return_inverse=True)
-        frames = [(r.links[key >> 32], key & 0xFFFFFFFF) for key in frame_keys.tolist()]
-        sizes = np.array([int(link.frames.delta_frames.counts[frame]) for link, frame in frames], np.int64)
+        self.of_frame, frames, sizes = _frames_in_use(r)
         cuts = [0, *(np.flatnonzero(np.diff(np.cumsum(sizes) // self.BATCH_ENTRIES)) + 1).tolist(), len(frames)] \
             if frames else [0]
-        by_frame = np.argsort(self.of_frame, kind="stable")
+        # each frame's rows in their order: a radix sort where the frames fit 16 bits
+        by_frame = np.argsort(self.of_frame.astype(np.uint16) if len(frames) <= 1 << 16 else self.of_frame,
+                              kind="stable")
         row_cuts = np.searchsorted(self.of_frame[by_frame], cuts).tolist()
         pool, ps = r.links[0].frames.pool, r.links[0].page_size
         self.batches = []
@@ -376,6 +376,23 @@ class _ChainPatches:
                            r.links[0].page_size)
 
 
+def _frames_in_use(r: Resolution) -> tuple[np.ndarray, list, np.ndarray]:
+    """The DELTA_FRAMEs the delta entries of ``r`` are in, by link then frame: per entry, the
+    index of its frame among them; the frames, as (link, frame); their sizes in entries.
+    Every link's frames are numbered end to end, so no sort is needed."""
+    tables = [link.frames.delta_frames for link in r.links]
+    counts = np.array([len(t) for t in tables], np.int64)
+    first = np.cumsum(counts) - counts
+    numbered = first[r.delta_links] + r.delta_frames
+    used = np.zeros(int(counts.sum()), bool)
+    used[numbered] = True
+    ids = np.flatnonzero(used)
+    link_of = np.repeat(np.arange(len(tables)), counts)[ids]
+    frames = [(r.links[link], frame) for link, frame in zip(link_of.tolist(), (ids - first[link_of]).tolist())]
+    sizes = np.concatenate([t.counts for t in tables] or [np.zeros(0, np.int64)]).astype(np.int64)[ids]
+    return (np.cumsum(used) - 1)[numbered], frames, sizes
+
+
 def _fold_delta_batch(frames: list, frame_of_row: np.ndarray, slots: np.ndarray, pages: np.ndarray,
                       page_size: int):
     """Runs on a read-ahead worker: DELTA_FRAMEs ``frames`` ((link, frame), nearest link first)
@@ -403,7 +420,8 @@ def _parse_delta_batch(frames: list, page_size: int):
     """DELTA_FRAMEs ``frames`` ((link, frame)) read, checked, decompressed and parsed as one:
     (first delta per frame, entries per frame, parse_index_lists' arrays over the frames laid
     end to end)."""
-    read = [_quick_delta_frame(link, frame) or link.frames._read_delta_frame(frame) for link, frame in frames]
+    read = [quick or link.frames._read_delta_frame(frame)
+            for (link, frame), quick in zip(frames, _quick_delta_frames(frames))]
     byte_base = np.cumsum([0] + [len(content) for content, _, _ in read])
     offsets = np.concatenate([np.asarray(offsets[:-1], np.int64) + base for (_, offsets, _), base
                               in zip(read, byte_base.tolist())] + [byte_base[-1:].astype(np.int64)])
@@ -412,45 +430,83 @@ def _parse_delta_batch(frames: list, page_size: int):
             parse_index_lists(b"".join(content for content, _, _ in read), offsets, page_size))
 
 
-_DELTA_RECORD = struct.Struct("<IIQQII")       # record_type, flags, body_length; first_delta, num_deltas, reserved
+# a DELTA_FRAME record's header and its body's fixed part
+_DELTA_HEAD = np.dtype([("record_type", "<u4"), ("flags", "<u4"), ("body_length", "<u8"), ("first_delta", "<u8"),
+                        ("num_deltas", "<u4"), ("reserved", "<u4")])
 
 
 def _quick_delta_frame(link, frame: int):
-    """(content, entry offsets (an array), first delta) of a DELTA_FRAME as
-    FrameStore._read_delta_frame gives them, when every rule it checks holds in its plain case: the record's framing,
-    checksum, flags and padding (LI-REC-002..005), body length (LI-REC-007), reserved field
-    (LI-REC-008), entry offsets (LI-DLT-001), size (LI-FRM-004), its INDEX entry (LI-IDX-001),
-    a zstd frame of the declared size; else None, and that path reads it and raises its finding.
-    One read and a few scalar tests, not a Record and its checks' generators (a deep chain's
-    restore reads one DELTA_FRAME per link)."""
-    tables = link.tables
-    position = int(tables.delta_frames.positions[frame])
-    entry = tables.entries[position]
-    raw = tables.listed_bytes(position, record_size(RECORD_BODY_MAX))
-    if raw is None or len(raw) < _DELTA_RECORD.size + 4 + RECORD_TRAILER.size:
-        return None
-    kind, flags, body_length, first, num, reserved = _DELTA_RECORD.unpack_from(raw)
-    body = RECORD.size
-    table_end = body + DELTA_FRAME_BODY.size + 4 * (num + 1)
-    frame_start = body + align8(DELTA_FRAME_BODY.size + 4 * (num + 1))
-    listed = (int(entry["record_type"]), int(entry["key"]), int(entry["first"]), int(entry["count"]))
-    trailer = int.from_bytes(raw[-RECORD_TRAILER.size:], "little")
-    if kind != RecordType.DELTA_FRAME or flags or reserved or num < 1 or \
-            len(raw) != record_size(body_length) or frame_start > body + body_length or \
-            listed != (RecordType.DELTA_FRAME, NO_KEY, first, num) or \
-            any(raw[body + body_length:-RECORD_TRAILER.size]) or any(raw[table_end:frame_start]) or \
-            checksum64(memoryview(raw)[:-RECORD_TRAILER.size]) != trailer:
-        return None
-    offsets = np.frombuffer(raw, "<u4", num + 1, body + DELTA_FRAME_BODY.size).astype(np.int64)
-    size = int(offsets[-1])
-    if offsets[0] != 0 or size > FRAME_PAGES_MAX_BYTES or (offsets[1:] < offsets[:-1]).any():
-        return None
-    try:
-        content = decompress_exact(memoryview(raw)[frame_start:body + body_length], expected=size,
-                                   limit=FRAME_PAGES_MAX_BYTES)
-    except FrameError:
-        return None
-    return content, offsets, first
+    """_quick_delta_frames of one frame."""
+    return _quick_delta_frames([(link, frame)])[0]
+
+
+def _quick_delta_frames(frames: list) -> list:
+    """Per DELTA_FRAME of ``frames`` ((link, frame)): (content, entry offsets (an array), first
+    delta) as FrameStore._read_delta_frame gives them, when every rule it checks holds in its
+    plain case: the record's framing, checksum, flags and padding (LI-REC-002..005), body
+    length (LI-REC-007), reserved field (LI-REC-008), entry offsets (LI-DLT-001), size
+    (LI-FRM-004), its INDEX entry (LI-IDX-001), a zstd frame of the declared size; else None,
+    and that path reads it and raises its finding. The rules are tested for all the records
+    laid end to end; each costs one read, one checksum and one decompression (a deep chain's
+    restore reads one DELTA_FRAME per link, on workers that share the GIL with the caller)."""
+    found: list = [None] * len(frames)
+    positions = [int(link.tables.delta_frames.positions[frame]) for link, frame in frames]
+    most = record_size(RECORD_BODY_MAX)
+    raws = [link.tables.listed_bytes(position, most) for (link, _), position in zip(frames, positions)]
+    kept = [k for k, raw in enumerate(raws) if raw is not None and len(raw) >= _DELTA_HEAD.itemsize + 4 + 8]
+    if not kept:
+        return found
+    raws = [raws[k] for k in kept]
+    sizes = np.array([len(raw) for raw in raws], np.int64)
+    begins = np.cumsum(sizes) - sizes
+    c = np.frombuffer(b"".join(raws), np.uint8)
+    head = np.frombuffer(b"".join([raw[:_DELTA_HEAD.itemsize] for raw in raws]), _DELTA_HEAD)
+    entry = np.array([frames[k][0].tables.entries[positions[k]].item() for k in kept], INDEX_ENTRY.dtype)
+    num = head["num_deltas"].astype(np.int64)
+    small = head["body_length"] <= RECORD_BODY_MAX                  # lengths that fit int64 alike
+    body_end = RECORD.size + np.where(small, head["body_length"], 0).astype(np.int64)
+    table_end = RECORD.size + DELTA_FRAME_BODY.size + 4 * (num + 1)
+    frame_start = RECORD.size + ((DELTA_FRAME_BODY.size + 4 * (num + 1) + 7) & ~7)
+    ok = small & (head["record_type"] == RecordType.DELTA_FRAME) & (head["flags"] == 0) & \
+        (head["reserved"] == 0) & (num >= 1) & (sizes == ((body_end + 7) & ~7) + RECORD_TRAILER.size) & \
+        (frame_start <= body_end) & (entry["record_type"] == RecordType.DELTA_FRAME) & (entry["key"] == NO_KEY) & \
+        (entry["first"] == head["first_delta"]) & (entry["count"] == head["num_deltas"])
+    ok &= ~_any_set(c, begins + body_end, sizes - RECORD_TRAILER.size - body_end, ok) & \
+        ~_any_set(c, begins + table_end, frame_start - table_end, ok)
+    trailers = np.frombuffer(b"".join([raw[-RECORD_TRAILER.size:] for raw in raws]), "<u8")
+    for k in np.flatnonzero(ok).tolist():
+        ok[k] = checksum64(memoryview(raws[k])[:-RECORD_TRAILER.size]) == int(trailers[k])
+    rows = np.flatnonzero(ok)
+    counts = num[rows] + 1                         # each frame's entry offsets laid end to end
+    first_of = np.cumsum(counts) - counts
+    at = np.repeat(begins[rows] + RECORD.size + DELTA_FRAME_BODY.size - 4 * first_of, counts) + \
+        4 * np.arange(int(counts.sum()))
+    offsets = _at_every_byte(c, "<u4")[at].astype(np.int64)
+    falls = np.zeros(len(offsets), bool)
+    falls[1:] = offsets[1:] < offsets[:-1]
+    falls[first_of] = offsets[first_of] != 0       # a frame's first offset is 0, not below the last's
+    last = offsets[first_of + counts - 1]
+    good = (np.add.reduceat(falls, first_of) == 0) & (last <= FRAME_PAGES_MAX_BYTES) if len(rows) else ok[rows]
+    decompressor = zstandard.ZstdDecompressor()            # one per batch: a batch runs on one thread
+    for row, lo, n, good_row in zip(rows.tolist(), first_of.tolist(), counts.tolist(), good.tolist()):
+        if not good_row:
+            continue
+        raw, size = raws[row], int(offsets[lo + n - 1])
+        try:
+            content = decompress_exact(memoryview(raw)[int(frame_start[row]):int(body_end[row])], expected=size,
+                                       limit=FRAME_PAGES_MAX_BYTES, decompressor=decompressor)
+        except FrameError:
+            continue
+        found[kept[row]] = (content, offsets[lo:lo + n], int(head["first_delta"][row]))
+    return found
+
+
+def _any_set(c: np.ndarray, starts: np.ndarray, lengths: np.ndarray, where: np.ndarray) -> np.ndarray:
+    """Per row where ``where``: whether any of bytes [start, start + length) of ``c`` (fewer
+    than 8: a record's padding) is not zero; elsewhere False."""
+    within = np.arange(8) < np.where(where, lengths, 0)[:, None]
+    at = np.clip(starts[:, None] + np.arange(8), 0, max(len(c) - 1, 0))
+    return (c[at] * within).any(axis=1) if len(c) else np.zeros(len(starts), bool)
 
 
 def _apply_checked(link, frame: int, out: np.ndarray, rows: np.ndarray, entry_indexes: np.ndarray, ps: int) -> None:
