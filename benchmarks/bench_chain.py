@@ -350,6 +350,9 @@ def bench_depths(work: Path, args, log) -> dict:
                                                                                times["baseline"].items()},
                                   restore_cpu_medians={str(d): statistics.median(t) for d, t in
                                                        cpu["baseline"].items()},
+                                  paired_ratio_medians={str(d): statistics.median(
+                                      [n / b for n, b in zip(times["new"][d], t)]) for d, t in
+                                      times["baseline"].items()},
                                   **verdict(times["baseline"], read_med, depths))
     return result
 
@@ -449,6 +452,8 @@ def render(results: dict) -> str:
                      + ", ".join(f"depth {depth} {m:.3f} s" for depth, m in b["restore_medians"].items())
                      + "; CPU medians " + ", ".join(f"depth {depth} {m:.3f} s"
                                                    for depth, m in b["restore_cpu_medians"].items()))
+        lines.append("  new / baseline, median of the runs' ratios (each pair ran back to back, so drift "
+                     "cancels): " + ", ".join(f"depth {depth} {m:.3f}" for depth, m in b["paired_ratio_medians"].items()))
         lines += render_verdict(b, d["targets"])
     if "deep" in results:
         k = results["deep"]
