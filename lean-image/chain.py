@@ -453,15 +453,36 @@ def _quick_delta_frames(frames: list) -> list:
     positions = [int(link.tables.delta_frames.positions[frame]) for link, frame in frames]
     most = record_size(RECORD_BODY_MAX)
     raws = [link.tables.listed_bytes(position, most) for (link, _), position in zip(frames, positions)]
-    kept = [k for k, raw in enumerate(raws) if raw is not None and len(raw) >= _DELTA_HEAD.itemsize + 4 + 8]
+    kept = [k for k, raw in enumerate(raws) if raw is not None and
+            len(raw) >= _DELTA_HEAD.itemsize + 4 + RECORD_TRAILER.size]
     if not kept:
         return found
     raws = [raws[k] for k in kept]
+    entries = np.array([frames[k][0].tables.entries[positions[k]].item() for k in kept], INDEX_ENTRY.dtype)
+    head, frame_start, body_end, ok = _delta_records_hold(raws, entries)
+    rows = np.flatnonzero(ok)
+    counts = head["num_deltas"].astype(np.int64)[rows] + 1
+    offsets, first_of, good = _entry_offsets(raws, rows, counts)
+    decompressor = zstandard.ZstdDecompressor()            # one per batch: a batch runs on one thread
+    for row, lo, hi in zip(rows[good].tolist(), first_of[good].tolist(), (first_of + counts)[good].tolist()):
+        try:
+            content = decompress_exact(memoryview(raws[row])[int(frame_start[row]):int(body_end[row])],
+                                       expected=int(offsets[hi - 1]), limit=FRAME_PAGES_MAX_BYTES,
+                                       decompressor=decompressor)
+        except FrameError:
+            continue
+        found[kept[row]] = (content, offsets[lo:hi], int(head["first_delta"][row]))
+    return found
+
+
+def _delta_records_hold(raws: list[bytes], entries: np.ndarray) -> tuple:
+    """The DELTA_FRAME records ``raws`` (each up to the next record) and their INDEX entries:
+    (their headers, where each one's zstd frame starts and its body ends, whether its framing,
+    flags, reserved field, INDEX entry, padding and checksum pass)."""
     sizes = np.array([len(raw) for raw in raws], np.int64)
     begins = np.cumsum(sizes) - sizes
     c = np.frombuffer(b"".join(raws), np.uint8)
     head = np.frombuffer(b"".join([raw[:_DELTA_HEAD.itemsize] for raw in raws]), _DELTA_HEAD)
-    entry = np.array([frames[k][0].tables.entries[positions[k]].item() for k in kept], INDEX_ENTRY.dtype)
     num = head["num_deltas"].astype(np.int64)
     small = head["body_length"] <= RECORD_BODY_MAX                  # lengths that fit int64 alike
     body_end = RECORD.size + np.where(small, head["body_length"], 0).astype(np.int64)
@@ -469,36 +490,33 @@ def _quick_delta_frames(frames: list) -> list:
     frame_start = RECORD.size + ((DELTA_FRAME_BODY.size + 4 * (num + 1) + 7) & ~7)
     ok = small & (head["record_type"] == RecordType.DELTA_FRAME) & (head["flags"] == 0) & \
         (head["reserved"] == 0) & (num >= 1) & (sizes == ((body_end + 7) & ~7) + RECORD_TRAILER.size) & \
-        (frame_start <= body_end) & (entry["record_type"] == RecordType.DELTA_FRAME) & (entry["key"] == NO_KEY) & \
-        (entry["first"] == head["first_delta"]) & (entry["count"] == head["num_deltas"])
+        (frame_start <= body_end) & (entries["record_type"] == RecordType.DELTA_FRAME) & \
+        (entries["key"] == NO_KEY) & (entries["first"] == head["first_delta"]) & (entries["count"] == num)
     ok &= ~_any_set(c, begins + body_end, sizes - RECORD_TRAILER.size - body_end, ok) & \
         ~_any_set(c, begins + table_end, frame_start - table_end, ok)
     trailers = np.frombuffer(b"".join([raw[-RECORD_TRAILER.size:] for raw in raws]), "<u8")
     for k in np.flatnonzero(ok).tolist():
         ok[k] = checksum64(memoryview(raws[k])[:-RECORD_TRAILER.size]) == int(trailers[k])
-    rows = np.flatnonzero(ok)
-    counts = num[rows] + 1                         # each frame's entry offsets laid end to end
+    return head, frame_start, body_end, ok
+
+
+def _entry_offsets(raws: list[bytes], rows: np.ndarray, counts: np.ndarray) -> tuple:
+    """The entry offset tables (``counts`` each) of records ``rows`` of ``raws``, laid end to
+    end as int64: (the offsets, where each record's begin, whether each starts at 0, never
+    falls and ends within FRAME_PAGES_MAX_BYTES)."""
+    sizes = np.array([len(raw) for raw in raws], np.int64)
+    begins = (np.cumsum(sizes) - sizes)[rows]
     first_of = np.cumsum(counts) - counts
-    at = np.repeat(begins[rows] + RECORD.size + DELTA_FRAME_BODY.size - 4 * first_of, counts) + \
+    at = np.repeat(begins + RECORD.size + DELTA_FRAME_BODY.size - 4 * first_of, counts) + \
         4 * np.arange(int(counts.sum()))
-    offsets = _at_every_byte(c, "<u4")[at].astype(np.int64)
+    offsets = _at_every_byte(np.frombuffer(b"".join(raws), np.uint8), "<u4")[at].astype(np.int64)
+    if not len(rows):
+        return offsets, first_of, np.zeros(0, bool)
     falls = np.zeros(len(offsets), bool)
     falls[1:] = offsets[1:] < offsets[:-1]
     falls[first_of] = offsets[first_of] != 0       # a frame's first offset is 0, not below the last's
-    last = offsets[first_of + counts - 1]
-    good = (np.add.reduceat(falls, first_of) == 0) & (last <= FRAME_PAGES_MAX_BYTES) if len(rows) else ok[rows]
-    decompressor = zstandard.ZstdDecompressor()            # one per batch: a batch runs on one thread
-    for row, lo, n, good_row in zip(rows.tolist(), first_of.tolist(), counts.tolist(), good.tolist()):
-        if not good_row:
-            continue
-        raw, size = raws[row], int(offsets[lo + n - 1])
-        try:
-            content = decompress_exact(memoryview(raw)[int(frame_start[row]):int(body_end[row])], expected=size,
-                                       limit=FRAME_PAGES_MAX_BYTES, decompressor=decompressor)
-        except FrameError:
-            continue
-        found[kept[row]] = (content, offsets[lo:lo + n], int(head["first_delta"][row]))
-    return found
+    good = (np.add.reduceat(falls, first_of) == 0) & (offsets[first_of + counts - 1] <= FRAME_PAGES_MAX_BYTES)
+    return offsets, first_of, good
 
 
 def _any_set(c: np.ndarray, starts: np.ndarray, lengths: np.ndarray, where: np.ndarray) -> np.ndarray:

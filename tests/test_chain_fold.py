@@ -278,6 +278,28 @@ def test_any_delta_frame_edit_is_judged_quickly_as_by_the_frame_store(short_chai
             assert a is None or (bytes(a[0]), a[1].tolist(), a[2]) == (bytes(t[0]), t[1].tolist(), t[2])
 
 
+@pytest.mark.parametrize("padding", ["after the entry offsets", "after the body"])
+def test_a_delta_frame_with_its_padding_set_is_judged_quickly_as_alone(tmp_path, padding):
+    """A byte of a DELTA_FRAME record's padding that is not zero, checksums right again (the
+    short chain's frames have no padding after their entry offsets, so any edit misses it):
+    the quick read refuses the record, and the frame store gives LI-REC-004."""
+    plan = [(False, ["rewrite"] * PAGES), (False, ["word", "word"] + ["parent"] * (PAGES - 2))]
+    paths = write_chain(tmp_path, plan, 3)
+    data = bytearray(paths[1].read_bytes())
+    with LeanImage.open_link(paths[1]) as link:
+        entries = link.tables.entries
+        at = int(entries["record_offset"][entries["record_type"] == RecordType.DELTA_FRAME][0])
+    body_length, num = struct.unpack_from("<Q", data, at + 8)[0], struct.unpack_from("<I", data, at + 24)[0]
+    pad = at + RECORD.size + (16 + 4 * (num + 1) if padding == "after the entry offsets" else body_length)
+    assert pad % 8, "the record has no padding there"
+    data[pad] = 1
+    paths[1].write_bytes(reseal(bytes(data)))
+    quick = _delta_outcome(paths[1], 0, lambda link, frame: _quick_delta_frame(link, frame) or
+                           link.frames._read_delta_frame(frame))
+    assert quick == _delta_outcome(paths[1], 0, lambda link, frame: link.frames._read_delta_frame(frame))
+    assert quick[0][1] == "LI-REC-004"
+
+
 @pytest.mark.parametrize("lie", [1 << 40, 8, -8], ids=["huge", "8-more", "8-fewer"])
 @pytest.mark.parametrize("record", ["digests", "delta_frame"])
 def test_a_lying_body_length_is_judged_quickly_as_alone(short_chain, tmp_path, record, lie):
