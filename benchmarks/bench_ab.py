@@ -10,7 +10,8 @@ executable (e.g. the console script of another checkout's virtualenv).
 
 An image's ancestors (found beside it) and --disk files are evicted too. Prints the median
 of each and B/A per image; with --convert SAVE, the same for converting SAVE. (B is given -f
-to replace its scratch output: a build from before -f existed overwrote without it.)
+to replace its scratch output: a build from before -f existed overwrote without it.) The
+checkouts behind A and B are compiled first (common.compile_checkout).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import require_null_device  # noqa: E402
+from common import compile_checkout, require_null_device  # noqa: E402
 
 
 def evict(paths) -> None:
@@ -66,6 +67,8 @@ def main(argv=None) -> int:
     parser.add_argument("images", nargs="*")
     args = parser.parse_args(argv)
     require_null_device()
+    compile_checkout(args.a)
+    compile_checkout(args.b)
     extra = [f"--disk={d}" for d in args.disk]
     disks = [d.partition("=")[2] for d in args.disk]
     for image in args.images:

@@ -67,7 +67,7 @@ from pathlib import Path
 
 import numpy as np
 
-from common import require_null_device, size_parser
+from common import compile_checkout, require_null_device, size_parser
 from leanimg.cli import command_line
 from leanimg.fileutil import evict_from_page_cache
 from leanimg.format import page_digest
@@ -228,14 +228,6 @@ def run_cli(*args, stdout=subprocess.DEVNULL, cli=LEANIMG) -> None:
                          f"{proc.stderr.decode(errors='replace')}")
 
 
-def compile_checkout(python: str, root: Path) -> None:
-    """Compile a checkout's modules once: where PYTHONDONTWRITEBYTECODE is set (as on these
-    machines) an uncompiled checkout compiles them again at every run, ~0.05-0.1 s that an
-    A/B would count against it."""
-    subprocess.run([python, "-m", "compileall", "-q", "lean-image", "converters", "restore"], cwd=root,
-                   stdout=subprocess.DEVNULL, check=True)
-
-
 def timed_restore(chain: ChainBuilder, out: str = "/dev/null", cli=LEANIMG) -> float:
     return timed_restore_cpu(chain, out, cli)[0]
 
@@ -318,10 +310,10 @@ def bench_depths(work: Path, args, log) -> dict:
     if len(set(digests.values())) != 1:
         raise SystemExit(f"restores of the last links differ: {digests}")
     versions = {"new": LEANIMG}
-    compile_checkout(sys.executable, Path(__file__).resolve().parents[1])
     if args.baseline:
         versions["baseline"] = [str(args.baseline / ".venv" / "bin" / "leanimg")]
-        compile_checkout(str(args.baseline / ".venv" / "bin" / "python"), args.baseline)
+    for cli in versions.values():
+        compile_checkout(cli[-1])
     times = {tag: {d: [] for d in depths} for tag in versions}
     cpu = {tag: {d: [] for d in depths} for tag in versions}
     reads = {d: [] for d in depths}

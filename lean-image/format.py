@@ -344,7 +344,7 @@ def page_items(page_size: int) -> np.dtype:
 
 def row_digests(pages: np.ndarray, rows) -> np.ndarray:
     """The digests of rows ``rows`` of an (n, page_size) uint8 array, as (len(rows), 16) uint8."""
-    if _native_digests is not None and pages.flags.c_contiguous:
+    if _native_digests is not None and pages.ndim == 2 and pages.flags.c_contiguous:
         return _digest_rows_native(pages, pages.shape[1], np.asarray(rows, np.int64))
     joined = b"".join([xxhash.xxh3_128_digest(pages[r]) for r in np.asarray(rows).tolist()])
     return np.frombuffer(joined, np.uint8).reshape(-1, DIGEST_SIZE)
