@@ -12,19 +12,20 @@ digest, which covers the whole path.
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass, field
 
 import numpy as np
 import zstandard
 
 from .compression import FrameError, decompress_exact
-from .delta import _at_every_byte, parse_index_lists
+from .delta import parse_index_lists
 from .digests import verify_rows
 from .errors import ChainError, LeanImageError
 from .format import (
-    CHAIN_DEPTH_MAX, DELTA_FRAME_BODY, DIGEST_SIZE, FRAME_PAGES_MAX_BYTES, INDEX_ENTRY, IS_CONCRETE, NO_KEY, RECORD,
+    CHAIN_DEPTH_MAX, DELTA_FRAME_BODY, DIGEST_SIZE, FRAME_PAGES_MAX_BYTES, IS_CONCRETE, NO_KEY, RECORD,
     RECORD_BODY_MAX, RECORD_TRAILER,
-    PageClass, RecordType, checksum64, page_items, record_size, row_digests, zero_page_digest,
+    PageClass, RecordType, align8, checksum64, page_items, record_size, row_digests, zero_page_digest,
 )
 from .frames import FrameBuffers
 from . import pages as page_module
@@ -420,8 +421,9 @@ def _parse_delta_batch(frames: list, page_size: int):
     """DELTA_FRAMEs ``frames`` ((link, frame)) read, checked, decompressed and parsed as one:
     (first delta per frame, entries per frame, parse_index_lists' arrays over the frames laid
     end to end)."""
-    read = [quick or link.frames._read_delta_frame(frame)
-            for (link, frame), quick in zip(frames, _quick_delta_frames(frames))]
+    decompressor = zstandard.ZstdDecompressor()            # one per batch: a batch runs on one thread
+    read = [_quick_delta_frame(link, frame, decompressor) or link.frames._read_delta_frame(frame)
+            for link, frame in frames]
     byte_base = np.cumsum([0] + [len(content) for content, _, _ in read])
     offsets = np.concatenate([np.asarray(offsets[:-1], np.int64) + base for (_, offsets, _), base
                               in zip(read, byte_base.tolist())] + [byte_base[-1:].astype(np.int64)])
@@ -430,101 +432,44 @@ def _parse_delta_batch(frames: list, page_size: int):
             parse_index_lists(b"".join(content for content, _, _ in read), offsets, page_size))
 
 
-# a DELTA_FRAME record's header and its body's fixed part
-_DELTA_HEAD = np.dtype([("record_type", "<u4"), ("flags", "<u4"), ("body_length", "<u8"), ("first_delta", "<u8"),
-                        ("num_deltas", "<u4"), ("reserved", "<u4")])
+_DELTA_RECORD = struct.Struct("<IIQQII")       # record_type, flags, body_length; first_delta, num_deltas, reserved
 
 
-def _quick_delta_frame(link, frame: int):
-    """_quick_delta_frames of one frame."""
-    return _quick_delta_frames([(link, frame)])[0]
-
-
-def _quick_delta_frames(frames: list) -> list:
-    """Per DELTA_FRAME of ``frames`` ((link, frame)): (content, entry offsets (an array), first
-    delta) as FrameStore._read_delta_frame gives them, when every rule it checks holds in its
-    plain case: the record's framing, checksum, flags and padding (LI-REC-002..005), body
-    length (LI-REC-007), reserved field (LI-REC-008), entry offsets (LI-DLT-001), size
-    (LI-FRM-004), its INDEX entry (LI-IDX-001), a zstd frame of the declared size; else None,
-    and that path reads it and raises its finding. The rules are tested for all the records
-    laid end to end; each costs one read, one checksum and one decompression (a deep chain's
-    restore reads one DELTA_FRAME per link, on workers that share the GIL with the caller)."""
-    found: list = [None] * len(frames)
-    positions = [int(link.tables.delta_frames.positions[frame]) for link, frame in frames]
-    most = record_size(RECORD_BODY_MAX)
-    raws = [link.tables.listed_bytes(position, most) for (link, _), position in zip(frames, positions)]
-    kept = [k for k, raw in enumerate(raws) if raw is not None and
-            len(raw) >= _DELTA_HEAD.itemsize + 4 + RECORD_TRAILER.size]
-    if not kept:
-        return found
-    raws = [raws[k] for k in kept]
-    entries = np.array([frames[k][0].tables.entries[positions[k]].item() for k in kept], INDEX_ENTRY.dtype)
-    head, frame_start, body_end, ok = _delta_records_hold(raws, entries)
-    rows = np.flatnonzero(ok)
-    counts = head["num_deltas"].astype(np.int64)[rows] + 1
-    offsets, first_of, good = _entry_offsets(raws, rows, counts)
-    decompressor = zstandard.ZstdDecompressor()            # one per batch: a batch runs on one thread
-    for row, lo, hi in zip(rows[good].tolist(), first_of[good].tolist(), (first_of + counts)[good].tolist()):
-        try:
-            content = decompress_exact(memoryview(raws[row])[int(frame_start[row]):int(body_end[row])],
-                                       expected=int(offsets[hi - 1]), limit=FRAME_PAGES_MAX_BYTES,
-                                       decompressor=decompressor)
-        except FrameError:
-            continue
-        found[kept[row]] = (content, offsets[lo:hi], int(head["first_delta"][row]))
-    return found
-
-
-def _delta_records_hold(raws: list[bytes], entries: np.ndarray) -> tuple:
-    """The DELTA_FRAME records ``raws`` (each up to the next record) and their INDEX entries:
-    (their headers, where each one's zstd frame starts and its body ends, whether its framing,
-    flags, reserved field, INDEX entry, padding and checksum pass)."""
-    sizes = np.array([len(raw) for raw in raws], np.int64)
-    begins = np.cumsum(sizes) - sizes
-    c = np.frombuffer(b"".join(raws), np.uint8)
-    head = np.frombuffer(b"".join([raw[:_DELTA_HEAD.itemsize] for raw in raws]), _DELTA_HEAD)
-    num = head["num_deltas"].astype(np.int64)
-    small = head["body_length"] <= RECORD_BODY_MAX                  # lengths that fit int64 alike
-    body_end = RECORD.size + np.where(small, head["body_length"], 0).astype(np.int64)
-    table_end = RECORD.size + DELTA_FRAME_BODY.size + 4 * (num + 1)
-    frame_start = RECORD.size + ((DELTA_FRAME_BODY.size + 4 * (num + 1) + 7) & ~7)
-    ok = small & (head["record_type"] == RecordType.DELTA_FRAME) & (head["flags"] == 0) & \
-        (head["reserved"] == 0) & (num >= 1) & (sizes == ((body_end + 7) & ~7) + RECORD_TRAILER.size) & \
-        (frame_start <= body_end) & (entries["record_type"] == RecordType.DELTA_FRAME) & \
-        (entries["key"] == NO_KEY) & (entries["first"] == head["first_delta"]) & (entries["count"] == num)
-    ok &= ~_any_set(c, begins + body_end, sizes - RECORD_TRAILER.size - body_end, ok) & \
-        ~_any_set(c, begins + table_end, frame_start - table_end, ok)
-    trailers = np.frombuffer(b"".join([raw[-RECORD_TRAILER.size:] for raw in raws]), "<u8")
-    for k in np.flatnonzero(ok).tolist():
-        ok[k] = checksum64(memoryview(raws[k])[:-RECORD_TRAILER.size]) == int(trailers[k])
-    return head, frame_start, body_end, ok
-
-
-def _entry_offsets(raws: list[bytes], rows: np.ndarray, counts: np.ndarray) -> tuple:
-    """The entry offset tables (``counts`` each) of records ``rows`` of ``raws``, laid end to
-    end as int64: (the offsets, where each record's begin, whether each starts at 0, never
-    falls and ends within FRAME_PAGES_MAX_BYTES)."""
-    sizes = np.array([len(raw) for raw in raws], np.int64)
-    begins = (np.cumsum(sizes) - sizes)[rows]
-    first_of = np.cumsum(counts) - counts
-    at = np.repeat(begins + RECORD.size + DELTA_FRAME_BODY.size - 4 * first_of, counts) + \
-        4 * np.arange(int(counts.sum()))
-    offsets = _at_every_byte(np.frombuffer(b"".join(raws), np.uint8), "<u4")[at].astype(np.int64)
-    if not len(rows):
-        return offsets, first_of, np.zeros(0, bool)
-    falls = np.zeros(len(offsets), bool)
-    falls[1:] = offsets[1:] < offsets[:-1]
-    falls[first_of] = offsets[first_of] != 0       # a frame's first offset is 0, not below the last's
-    good = (np.add.reduceat(falls, first_of) == 0) & (offsets[first_of + counts - 1] <= FRAME_PAGES_MAX_BYTES)
-    return offsets, first_of, good
-
-
-def _any_set(c: np.ndarray, starts: np.ndarray, lengths: np.ndarray, where: np.ndarray) -> np.ndarray:
-    """Per row where ``where``: whether any of bytes [start, start + length) of ``c`` (fewer
-    than 8: a record's padding) is not zero; elsewhere False."""
-    within = np.arange(8) < np.where(where, lengths, 0)[:, None]
-    at = np.clip(starts[:, None] + np.arange(8), 0, max(len(c) - 1, 0))
-    return (c[at] * within).any(axis=1) if len(c) else np.zeros(len(starts), bool)
+def _quick_delta_frame(link, frame: int, decompressor=None):
+    """(content, entry offsets (an array), first delta) of a DELTA_FRAME as
+    FrameStore._read_delta_frame gives them, when every rule it checks holds in its plain case: the record's framing,
+    checksum, flags and padding (LI-REC-002..005), body length (LI-REC-007), reserved field
+    (LI-REC-008), entry offsets (LI-DLT-001), size (LI-FRM-004), its INDEX entry (LI-IDX-001),
+    a zstd frame of the declared size; else None, and that path reads it and raises its finding.
+    One read and a few scalar tests, not a Record and its checks' generators (a deep chain's
+    restore reads one DELTA_FRAME per link); ``decompressor``: one to use again (a batch's)."""
+    tables = link.tables
+    position = int(tables.delta_frames.positions[frame])
+    _, *listed = tables.entries[position].item()        # record_type, key, first, count
+    raw = tables.listed_bytes(position, record_size(RECORD_BODY_MAX))
+    if raw is None or len(raw) < _DELTA_RECORD.size + 4 + RECORD_TRAILER.size:
+        return None
+    kind, flags, body_length, first, num, reserved = _DELTA_RECORD.unpack_from(raw)
+    body = RECORD.size
+    table_end = body + DELTA_FRAME_BODY.size + 4 * (num + 1)
+    frame_start = body + align8(DELTA_FRAME_BODY.size + 4 * (num + 1))
+    trailer = int.from_bytes(raw[-RECORD_TRAILER.size:], "little")
+    if kind != RecordType.DELTA_FRAME or flags or reserved or num < 1 or \
+            len(raw) != record_size(body_length) or frame_start > body + body_length or \
+            listed != [RecordType.DELTA_FRAME, NO_KEY, first, num] or \
+            any(raw[body + body_length:-RECORD_TRAILER.size]) or any(raw[table_end:frame_start]) or \
+            checksum64(memoryview(raw)[:-RECORD_TRAILER.size]) != trailer:
+        return None
+    offsets = np.frombuffer(raw, "<u4", num + 1, body + DELTA_FRAME_BODY.size).astype(np.int64)
+    size = int(offsets[-1])
+    if offsets[0] != 0 or size > FRAME_PAGES_MAX_BYTES or (offsets[1:] < offsets[:-1]).any():
+        return None
+    try:
+        content = decompress_exact(memoryview(raw)[frame_start:body + body_length], expected=size,
+                                   limit=FRAME_PAGES_MAX_BYTES, decompressor=decompressor)
+    except FrameError:
+        return None
+    return content, offsets, first
 
 
 def _apply_checked(link, frame: int, out: np.ndarray, rows: np.ndarray, entry_indexes: np.ndarray, ps: int) -> None:
