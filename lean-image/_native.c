@@ -3,9 +3,12 @@
  *  - digest_rows: the page digests of spec §6.5 (xxh3-128 of each page, canonical byte order)
  *    of many pages in one call; the xxhash module takes one call per page under the GIL;
  *  - index_list_heads / index_list_words: the plain INDEX_LIST entries of a decompressed
- *    DELTA_FRAME (spec §7.3) parsed in one pass; numpy needs a dozen passes and gathers.
+ *    DELTA_FRAME (spec §7.3) parsed in one pass; numpy needs a dozen passes and gathers;
+ *  - fold_own_pages: chain.resolve's fold of a chain's own pages (the nearest link holding
+ *    each page's base and digest, the deltas above the base, by page, deepest link first) in
+ *    one pass over the extents; numpy expands them page by page and sorts the deltas.
  * Optional: leanimg works the same without it (setup.py builds it where gcc, Python's headers
- * and xxhash.h are found; format.py and delta.py fall back to the xxhash module and numpy,
+ * and xxhash.h are found; format.py, delta.py and chain.py fall back to the xxhash module and numpy,
  * and tests/test_native.py checks both give the same). xxhash.h is Debian's libxxhash-dev,
  * used header-only. */
 #define PY_SSIZE_T_CLEAN
@@ -169,6 +172,115 @@ done:
     return result;
 }
 
+
+/* fold_own_pages(starts, counts, classes, slots, bearing, rank0, depths, inherits, concrete,
+ *                delta_class, base_link, base_class, base_slot, digest_link, digest_class, digest_rank,
+ *                delta_pages, delta_links, delta_slots) -> deltas
+ * The own (non-PARENT) extents of a chain's links, laid end to end nearest link first (per
+ * extent: first page, pages, class (u1), first slot, whether its pages bear a stored digest (u1),
+ * the rank of its first digest, its link (i4)), folded into the per-page arrays chain._Fold
+ * holds, each page taking the nearest link offering it: base_* from links whose class is
+ * ``concrete`` (u1 per class), digest_* (rank -1 where not bearing) from links that
+ * ``inherits`` (u1 per link) -- a page's link is replaced only by a nearer one (i4 arrays,
+ * CHAIN_DEPTH_MAX where none). The pages of class ``delta_class`` above their final base go
+ * to delta_* (i8, i4, i8), by page, the deepest link first; their number is returned.
+ * ValueError (nothing written) when an extent lies outside the pages or a class or link
+ * outside its table, or an output is too small (delta_* need room for every DELTA page).
+ * The GIL is released. */
+static PyObject *fold_own_pages(PyObject *self, PyObject *args)
+{
+    Py_buffer in[9], out[9];
+    int delta_class;
+    if (!PyArg_ParseTuple(args, "y*y*y*y*y*y*y*y*y*iw*w*w*w*w*w*w*w*w*", &in[0], &in[1], &in[2], &in[3], &in[4],
+                          &in[5], &in[6], &in[7], &in[8], &delta_class, &out[0], &out[1], &out[2], &out[3], &out[4], &out[5],
+                          &out[6], &out[7], &out[8]))
+        return NULL;
+    PyObject *result = NULL;
+    const int64_t *start = in[0].buf, *count = in[1].buf, *slot = in[3].buf, *rank0 = in[5].buf;
+    const unsigned char *cls = in[2].buf, *bearing = in[4].buf, *inherits = in[7].buf, *concrete = in[8].buf;
+    const int32_t *depth = in[6].buf;
+    int32_t *base_link = out[0].buf, *digest_link = out[3].buf, *delta_link = out[7].buf;
+    unsigned char *base_class = out[1].buf, *digest_class = out[4].buf;
+    int64_t *base_slot = out[2].buf, *digest_rank = out[5].buf, *delta_page = out[6].buf, *delta_slot = out[8].buf;
+    Py_ssize_t m = in[0].len / 8, n = out[0].len / 4, links = in[7].len, room = out[6].len / 8, deltas = 0;
+    int bad = in[1].len < m * 8 || in[2].len < m || in[3].len < m * 8 || in[4].len < m || in[5].len < m * 8 ||
+              in[6].len < m * 4 || delta_class < 0 || in[8].len <= delta_class || out[1].len < n || out[2].len < n * 8 ||
+              out[3].len < n * 4 || out[4].len < n || out[5].len < n * 8 || out[7].len < room * 4 ||
+              out[8].len < room * 8;
+    for (Py_ssize_t e = 0; !bad && e < m; e++) {
+        bad = start[e] < 0 || count[e] < 0 || start[e] > n - count[e] || cls[e] >= in[8].len ||
+              depth[e] < 0 || depth[e] >= links;
+        deltas += cls[e] == delta_class ? count[e] : 0;
+    }
+    int64_t *first_of = NULL, *order = NULL;
+    if (!bad && deltas > room)
+        bad = 1;
+    if (!bad && deltas) {
+        first_of = calloc((size_t)n + 1, sizeof(int64_t));
+        order = malloc((size_t)deltas * 3 * sizeof(int64_t));
+        if (!first_of || !order) {
+            PyErr_NoMemory();
+            goto done;
+        }
+    }
+    if (bad) {
+        PyErr_SetString(PyExc_ValueError, "fold_own_pages: an extent outside the pages, a class or link outside "
+                                          "its table, or an output too small");
+        goto done;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    Py_ssize_t seen = 0;
+    for (Py_ssize_t e = 0; e < m; e++) {
+        int32_t d = depth[e];
+        unsigned char c = cls[e];
+        for (int64_t k = 0, p = start[e]; k < count[e]; k++, p++) {
+            if (concrete[c] && d < base_link[p]) {
+                base_link[p] = d;
+                base_class[p] = c;
+                base_slot[p] = slot[e] + k;
+            }
+            if (inherits[d] && d < digest_link[p]) {
+                digest_link[p] = d;
+                digest_class[p] = c;
+                digest_rank[p] = bearing[e] ? rank0[e] + k : -1;
+            }
+            if (c == delta_class) {             /* kept in link order, nearest first */
+                order[3 * seen] = p;
+                order[3 * seen + 1] = d;
+                order[3 * seen + 2] = slot[e] + k;
+                seen++;
+            }
+        }
+    }
+    /* the deltas above their page's base, counted by page, then placed by page; taken back to
+     * front, so each page's deepest link comes first */
+    for (Py_ssize_t i = 0; i < seen; i++)
+        if (order[3 * i + 1] < base_link[order[3 * i]])
+            first_of[order[3 * i] + 1]++;
+    for (Py_ssize_t p = 0; seen && p < n; p++)
+        first_of[p + 1] += first_of[p];
+    deltas = seen ? first_of[n] : 0;
+    for (Py_ssize_t i = seen - 1; i >= 0; i--) {
+        int64_t p = order[3 * i];
+        if (order[3 * i + 1] < base_link[p]) {
+            int64_t at = first_of[p]++;
+            delta_page[at] = p;
+            delta_link[at] = (int32_t)order[3 * i + 1];
+            delta_slot[at] = order[3 * i + 2];
+        }
+    }
+    Py_END_ALLOW_THREADS
+    result = PyLong_FromSsize_t(deltas);
+done:
+    free(first_of);
+    free(order);
+    for (int k = 0; k < 9; k++) {
+        PyBuffer_Release(&in[k]);
+        PyBuffer_Release(&out[k]);
+    }
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"digest_rows", digest_rows, METH_VARARGS,
      "digest_rows(data, page_size, rows, out): xxh3-128 of pages ``rows`` of ``data`` into ``out``."},
@@ -176,6 +288,10 @@ static PyMethodDef methods[] = {
      "index_list_heads(content, offsets, page_size, simple, word_start, num_words) -> words"},
     {"index_list_words", index_list_words, METH_VARARGS,
      "index_list_words(content, offsets, page_size, simple, word_start, positions, values)"},
+    {"fold_own_pages", fold_own_pages, METH_VARARGS,
+     "fold_own_pages(starts, counts, classes, slots, bearing, rank0, depths, inherits, concrete, delta_class, base_link, "
+     "base_class, base_slot, digest_link, digest_class, digest_rank, delta_pages, delta_links, delta_slots) "
+     "-> deltas"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -31,6 +31,11 @@ from .frames import FrameBuffers
 from . import pages as page_module
 from .rules import implements
 
+try:        # optional (setup.py): the fold in one pass over the extents
+    from . import _native
+except ImportError:
+    _native = None
+
 
 @dataclass
 class Resolution:
@@ -88,13 +93,9 @@ def resolve(image, region) -> Resolution:
     inherits = np.zeros(len(links), bool)
     inherits[present] = [links[d].digests.inherits for d in present]
     extents = _own_extents([regions[d] for d in present], present, n)
-    fold, deltas = _Fold(n), []
-    for lo, hi in _parts(extents[2], FOLD_ENTRIES):
-        pages, depths, classes, slots, ranks = _expand(extents, lo, hi)
-        fold.take("base", IS_CONCRETE[classes], pages, depths, classes, slots)
-        fold.take("digest", inherits[depths], pages, depths, classes, ranks)
-        delta = classes == PageClass.DELTA
-        deltas.append((pages[delta], depths[delta], slots[delta]))
+    fold = _Fold(n)
+    fold_own = _fold_own_pages_numpy if _native is None else _fold_own_pages_native
+    delta_pages, delta_links, delta_slots = fold_own(fold, extents, inherits)
     for d in present:
         if not inherits[d]:                           # 1.0: every page has its own digest
             fold.take_whole(d, regions[d])
@@ -109,13 +110,43 @@ def resolve(image, region) -> Resolution:
     base_frame[stored] = _frames_of([links[d].frames.page_frames for d in present], present,
                                     base_link[stored], base_slot[stored])
     digest_link, digest_class, digest_rank = fold.result("digest")
-    pages, depths, slots = (np.concatenate([d[k] for d in deltas]) for k in range(3))
+    dframes = _frames_of([links[d].frames.delta_frames for d in present], present, delta_links, delta_slots)
+    return Resolution(links, regions, base_link, base_class, base_slot, delta_pages, delta_links, delta_slots,
+                      digest_link, base_frame, dframes, digest_class, digest_rank)
+
+
+def _fold_own_pages_numpy(fold: "_Fold", extents: tuple, inherits: np.ndarray) -> tuple:
+    """Every own page of ``extents`` (_own_extents) taken into ``fold`` for its base and
+    digest, a few million at a time; the DELTA pages above their page's base, as (pages,
+    links, slots) by page, deepest link first."""
+    deltas = []
+    for lo, hi in _parts(extents[2], FOLD_ENTRIES):
+        pages, depths, classes, slots, ranks = _expand(extents, lo, hi)
+        fold.take("base", IS_CONCRETE[classes], pages, depths, classes, slots)
+        fold.take("digest", inherits[depths], pages, depths, classes, ranks)
+        delta = classes == PageClass.DELTA
+        deltas.append((pages[delta], depths[delta], slots[delta]))
+    pages, depths, slots = (np.concatenate([d[k] for d in deltas] or [np.zeros(0, dtype)])
+                            for k, dtype in enumerate((np.int64, np.int32, np.int64)))
+    base_link = fold.arrays["base"][0]
     delta = np.flatnonzero(depths < base_link[pages])               # above the base
     # by page, deepest link first (one entry per page and link: the keys are distinct)
     delta = delta[np.argsort((pages[delta] << 12) | (CHAIN_DEPTH_MAX - 1 - depths[delta].astype(np.int64)))]
-    dframes = _frames_of([links[d].frames.delta_frames for d in present], present, depths[delta], slots[delta])
-    return Resolution(links, regions, base_link, base_class, base_slot, pages[delta], depths[delta], slots[delta],
-                      digest_link, base_frame, dframes, digest_class, digest_rank)
+    return pages[delta], depths[delta], slots[delta]
+
+
+def _fold_own_pages_native(fold: "_Fold", extents: tuple, inherits: np.ndarray) -> tuple:
+    """_fold_own_pages_numpy in one pass over the extents (leanimg._native), without
+    expanding them page by page or sorting."""
+    starts, classes, counts, slots, bearing, rank0, depths = extents
+    room = int(counts[classes == PageClass.DELTA].sum())
+    out = np.zeros(room, np.int64), np.zeros(room, np.int32), np.zeros(room, np.int64)
+    (base_link, base_class, base_slot), (digest_link, digest_class, digest_rank) = \
+        fold.arrays["base"], fold.arrays["digest"]
+    found = _native.fold_own_pages(starts, counts, classes, slots, bearing.view(np.uint8), rank0, depths,
+                                   inherits.view(np.uint8), IS_CONCRETE.view(np.uint8), int(PageClass.DELTA),
+                                   base_link, base_class, base_slot, digest_link, digest_class, digest_rank, *out)
+    return tuple(a[:found] for a in out)
 
 
 def _own_extents(regions: list, depths: list[int], limit: int) -> tuple:
@@ -194,15 +225,23 @@ class _Fold:
 
 def _frames_of(tables: list, depths: list[int], links: np.ndarray, slots: np.ndarray) -> np.ndarray:
     """Per (link, slot): the frame of that link's FrameTable (``tables``, of links ``depths``)
-    holding the slot, by one binary search over the tables' starts keyed by link."""
+    holding the slot, by one binary search over the tables' starts keyed by link; a slot of a
+    link with one frame is in frame 0 (a deep chain's small links: no search)."""
     if not len(slots):
         return np.zeros(0, np.int64)
     lengths = np.array([len(t.starts) for t in tables], np.int64)
+    frames = np.zeros(len(slots), np.int64)
+    several = np.zeros(max(depths) + 1, bool)
+    several[depths] = lengths > 1
+    search = np.flatnonzero(several[links])
+    if not len(search):
+        return frames
     keys = (np.repeat(np.array(depths, np.int64), lengths) << 48) + np.concatenate([t.starts for t in tables])
     first = np.zeros(max(depths) + 1, np.int64)
     first[depths] = np.cumsum(lengths) - lengths
-    at = np.searchsorted(keys, (links.astype(np.int64) << 48) + slots, side="right") - 1
-    return at - first[links]
+    links, slots = links[search], slots[search]
+    frames[search] = np.searchsorted(keys, (links.astype(np.int64) << 48) + slots, side="right") - 1 - first[links]
+    return frames
 
 
 def _same_region(link, region):

@@ -1,7 +1,8 @@
 """leanimg._native (lean-image/_native.c) gives what leanimg computes without it: the page
 digests of the xxhash module page by page (spec §6.5), through format.page_digests and
-row_digests, and the INDEX_LIST parse of delta._parse_index_lists_numpy (spec §7.3), on sound
-and damaged entries; it refuses rows and offsets outside its buffers. .ci/install builds it
+row_digests, the INDEX_LIST parse of delta._parse_index_lists_numpy (spec §7.3), on sound
+and damaged entries, and chain._fold_own_pages_numpy's fold of a chain's pages; it refuses
+rows, offsets and extents outside its buffers. .ci/install builds it
 (and fails when it cannot), so these tests require it."""
 
 import numpy as np
@@ -10,7 +11,8 @@ import xxhash
 from hypothesis import given, settings, strategies as st
 
 from leanimg import _native
-from leanimg import delta, format as fmt
+from leanimg import chain, delta, format as fmt
+from leanimg.format import IS_CONCRETE, PageClass
 
 
 def _reference(pages: np.ndarray, rows) -> bytes:
@@ -117,3 +119,71 @@ def test_native_index_list_parse_refuses_offsets_outside_the_content():
     with pytest.raises(ValueError, match="outputs too small"):
         _native.index_list_words(entry, np.array([0, 24], np.int64), 4096, simple, np.zeros(1, np.int64),
                                  np.zeros(1, np.int64), np.zeros(1, np.uint64))
+
+
+@st.composite
+def _chain_extents(draw):
+    """The own extents of a chain of 1-6 links over 1-120 pages as chain._own_extents lays
+    them out (nearest link first, PARENT extents left out, counts cut at the last page), each
+    link's page map a random run of extents of any class, with slots, digest ranks and
+    bearing; which links inherit digests."""
+    n = draw(st.integers(1, 120))
+    links = draw(st.integers(1, 6))
+    fields = [[] for _ in range(7)]
+    for depth in range(links):
+        page, slots, rank = 0, {}, 0
+        while page < n + 3:                          # a region may reach past the pages folded
+            count = draw(st.integers(1, 9))
+            cls = draw(st.sampled_from(list(PageClass)))
+            bearing = draw(st.booleans())
+            if cls != PageClass.PARENT and page < n:
+                for values, value in zip(fields, (page, cls, min(count, n - page), slots.get(cls, 0), bearing,
+                                                  rank, depth)):
+                    values.append(value)
+            slots[cls] = slots.get(cls, 0) + count
+            rank += count if bearing else 0
+            page += count
+    extents = tuple(np.array(values, dtype) for values, dtype in
+                    zip(fields, (np.int64, np.uint8, np.int64, np.int64, bool, np.int64, np.int32)))
+    return n, extents, np.array(draw(st.lists(st.booleans(), min_size=links, max_size=links)))
+
+
+@settings(max_examples=300, deadline=None)
+@given(_chain_extents())
+def test_native_fold_is_the_numpy_fold(drawn):
+    n, extents, inherits = drawn
+    folds = chain._Fold(n), chain._Fold(n)
+    deltas = (chain._fold_own_pages_native(folds[0], extents, inherits),
+              chain._fold_own_pages_numpy(folds[1], extents, inherits))
+    for got, want in zip(*deltas):
+        assert got.dtype == want.dtype and got.tolist() == want.tolist()
+    for kind in ("base", "digest"):
+        for got, want in zip(folds[0].result(kind), folds[1].result(kind)):
+            assert got.dtype == want.dtype and got.tolist() == want.tolist()
+    pages, links, _ = deltas[0]
+    base = folds[0].result("base")[0]
+    assert (np.diff(pages) >= 0).all() and (links < np.where(base < 0, 4096, base)[pages]).all()
+
+
+def _fold_arguments(n=8, starts=(0,), counts=(8,), classes=(PageClass.DELTA,), depths=(0,), room=8):
+    extents = [np.array(starts, np.int64), np.array(counts, np.int64), np.array(classes, np.uint8),
+               np.zeros(len(starts), np.int64), np.zeros(len(starts), np.uint8), np.zeros(len(starts), np.int64),
+               np.array(depths, np.int32), np.ones(2, np.uint8), IS_CONCRETE.view(np.uint8)]
+    outputs = [np.full(n, 4096, np.int32), np.zeros(n, np.uint8), np.zeros(n, np.int64),
+               np.full(n, 4096, np.int32), np.zeros(n, np.uint8), np.full(n, -1, np.int64),
+               np.zeros(room, np.int64), np.zeros(room, np.int32), np.zeros(room, np.int64)]
+    return extents, outputs
+
+
+@pytest.mark.parametrize("change", [dict(starts=(1,)), dict(starts=(-1,), counts=(1,)), dict(counts=(9,)),
+                                    dict(depths=(2,)), dict(depths=(-1,)), dict(room=7), dict(classes=(255,)),
+                                    dict(n=0)])
+def test_native_fold_refuses_extents_outside_its_tables(change):
+    extents, outputs = _fold_arguments(**change)
+    if change.get("classes"):
+        extents[8] = extents[8][:200]               # a class table too short for the class
+    with pytest.raises(ValueError, match="outside"):
+        _native.fold_own_pages(*extents, int(PageClass.DELTA), *outputs)
+    assert (outputs[0] == 4096).all() and (outputs[6] == 0).all()       # nothing written
+    extents, outputs = _fold_arguments()
+    assert _native.fold_own_pages(*extents, int(PageClass.DELTA), *outputs) == 8     # the same, sound
