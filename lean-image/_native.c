@@ -4,11 +4,12 @@
  *    of many pages in one call; the xxhash module takes one call per page under the GIL;
  *  - index_list_heads / index_list_words: the plain INDEX_LIST entries of a decompressed
  *    DELTA_FRAME (spec §7.3) parsed in one pass; numpy needs a dozen passes and gathers;
+ *  - extents_hold: tables_batch's page-map rules of many links' extents in one pass;
  *  - fold_own_pages: chain.resolve's fold of a chain's own pages (the nearest link holding
  *    each page's base and digest, the deltas above the base, by page, deepest link first) in
  *    one pass over the extents; numpy expands them page by page and sorts the deltas.
  * Optional: leanimg works the same without it (setup.py builds it where gcc, Python's headers
- * and xxhash.h are found; format.py, delta.py and chain.py fall back to the xxhash module and numpy,
+ * and xxhash.h are found; format.py, delta.py, tables_batch.py and chain.py fall back to the xxhash module and numpy,
  * and tests/test_native.py checks both give the same). xxhash.h is Debian's libxxhash-dev,
  * used header-only. */
 #define PY_SSIZE_T_CLEAN
@@ -173,6 +174,102 @@ done:
 }
 
 
+/* One extent of a PAGE_MAP (spec §6.2), as laid out in the file. */
+struct extent {
+    uint64_t first_page;
+    uint32_t num_pages;
+    uint16_t page_class, reserved;
+    uint64_t first_slot;
+};
+
+/* extents_hold(extents, lengths, pages, available, own, has_own_digest, has_digest, slot_classes,
+ *              ok, present, bearing, rank0)
+ * The page maps of many links laid end to end (``extents``: EXTENT records, ``lengths[k]``
+ * of link k): per link whether its extents cover pages 0.. pages[k] contiguously
+ * (LI-MAP-001) and, for each class c of ``slot_classes`` (i8), the slots its pages use
+ * follow each other from 0 in extent order and number available[k, c] (LI-MAP-004, i8
+ * per link and slot class); into ok (u1 per link). present (u8 per link): bit c for each
+ * class c < 64 of its extents (a class past 63 fails the link). bearing (u1 per extent): whether its pages bear a stored
+ * digest (has_own_digest[class] for a link that ``own``s (u1 per link), else
+ * has_digest[class], tables of 65536 u1); rank0 (i8 per extent): the digests before it in
+ * its link. Sums wrap as uint64, as numpy's int64 sums do. ValueError (nothing written) when
+ * the lengths do not add up to the extents or a table or an output is too small. */
+static PyObject *extents_hold(PyObject *self, PyObject *args)
+{
+    Py_buffer in[8], out[4];
+    if (!PyArg_ParseTuple(args, "y*y*y*y*y*y*y*y*w*w*w*w*", &in[0], &in[1], &in[2], &in[3], &in[4], &in[5],
+                          &in[6], &in[7], &out[0], &out[1], &out[2], &out[3]))
+        return NULL;
+    PyObject *result = NULL;
+    const struct extent *extent = in[0].buf;
+    const int64_t *length = in[1].buf, *pages = in[2].buf, *available = in[3].buf, *slot_class = in[7].buf;
+    const unsigned char *own = in[4].buf, *has_own_digest = in[5].buf, *has_digest = in[6].buf;
+    unsigned char *ok = out[0].buf, *bearing = out[2].buf;
+    uint64_t *present = out[1].buf;
+    int64_t *rank0 = out[3].buf;
+    Py_ssize_t m = in[0].len / (Py_ssize_t)sizeof(struct extent), links = in[1].len / 8, classes = in[7].len / 8;
+    Py_ssize_t total = 0;
+    int bad = in[0].len % (Py_ssize_t)sizeof(struct extent) || in[2].len < links * 8 ||
+              in[3].len < links * classes * 8 || in[4].len < links || in[5].len < 65536 || in[6].len < 65536 ||
+              out[0].len < links || out[1].len < links * 8 || out[2].len < m || out[3].len < m * 8;
+    for (Py_ssize_t k = 0; !bad && k < links; k++) {
+        bad = length[k] < 0 || length[k] > m - total;
+        total += bad ? 0 : length[k];
+    }
+    int slot_index[64];                 /* class -> its place in slot_classes, or -1 */
+    for (int c = 0; c < 64; c++)
+        slot_index[c] = -1;
+    bad |= classes > 64;
+    for (Py_ssize_t c = 0; !bad && c < classes; c++) {
+        bad = slot_class[c] < 0 || slot_class[c] >= 64;
+        if (!bad)
+            slot_index[slot_class[c]] = (int)c;
+    }
+    if (bad || total != m) {
+        PyErr_SetString(PyExc_ValueError, "extents_hold: lengths that do not add up to the extents, or a table "
+                                          "or an output too small");
+        goto done;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    const struct extent *e = extent;
+    for (Py_ssize_t k = 0; k < links; e += length[k], k++) {
+        uint64_t end = 0, digests = 0, used[64] = {0}, mask = 0;
+        int good = length[k] > 0;
+        const unsigned char *bears = own[k] ? has_own_digest : has_digest;
+        for (int64_t i = 0; i < length[k]; i++) {
+            uint16_t c = e[i].page_class;
+            good &= e[i].first_page == end;
+            end = e[i].first_page + e[i].num_pages;
+            if (c >= 64)
+                good = 0;                       /* no such class: the page-map pass refuses it */
+            else {
+                mask |= (uint64_t)1 << c;
+                if (slot_index[c] >= 0) {
+                    good &= e[i].first_slot == used[slot_index[c]];
+                    used[slot_index[c]] += e[i].num_pages;
+                }
+            }
+            bearing[e - extent + i] = bears[c];
+            rank0[e - extent + i] = (int64_t)digests;
+            digests += bears[c] ? e[i].num_pages : 0;
+        }
+        good &= end == (uint64_t)pages[k];
+        for (Py_ssize_t c = 0; c < classes; c++)
+            good &= used[c] == (uint64_t)available[k * classes + c];
+        ok[k] = good;
+        present[k] = mask;
+    }
+    Py_END_ALLOW_THREADS
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    for (int k = 0; k < 8; k++)
+        PyBuffer_Release(&in[k]);
+    for (int k = 0; k < 4; k++)
+        PyBuffer_Release(&out[k]);
+    return result;
+}
+
 /* fold_own_pages(starts, counts, classes, slots, bearing, rank0, depths, inherits, concrete,
  *                delta_class, base_link, base_class, base_slot, digest_link, digest_class, digest_rank,
  *                delta_pages, delta_links, delta_slots) -> deltas
@@ -288,6 +385,9 @@ static PyMethodDef methods[] = {
      "index_list_heads(content, offsets, page_size, simple, word_start, num_words) -> words"},
     {"index_list_words", index_list_words, METH_VARARGS,
      "index_list_words(content, offsets, page_size, simple, word_start, positions, values)"},
+    {"extents_hold", extents_hold, METH_VARARGS,
+     "extents_hold(extents, lengths, pages, available, own, has_own_digest, has_digest, slot_classes, ok, present, "
+     "bearing, rank0)"},
     {"fold_own_pages", fold_own_pages, METH_VARARGS,
      "fold_own_pages(starts, counts, classes, slots, bearing, rank0, depths, inherits, concrete, delta_class, base_link, "
      "base_class, base_slot, digest_link, digest_class, digest_rank, delta_pages, delta_links, delta_slots) "

@@ -17,6 +17,8 @@ opening it alone gives.
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 
 from . import checks
@@ -28,9 +30,17 @@ from .format import (
 )
 from .tables import ImageTables, Region
 
-# the batch's work per extent is ~3x that of ImageTables.load, its work per link ~1/3: it
-# pays for links of up to ~2000 extents (a deep chain's small links)
-BATCH_EXTENTS_MAX = 2048
+try:        # optional (setup.py): the page maps' rules in one pass (it reads extents as a little-endian host)
+    from . import _native
+except ImportError:
+    _native = None
+if sys.byteorder != "little":
+    _native = None
+
+# without leanimg._native the batch's work per extent is ~3x that of ImageTables.load, its work
+# per link ~1/3: it pays for links of up to ~2000 extents (a deep chain's small links); with it,
+# its work per extent is no more than load's, and it takes links of any size
+BATCH_EXTENTS_MAX = 2048 if _native is None else 1 << 62
 SHAPE_TYPES = frozenset(int(t) for t in (RecordType.REGION, RecordType.PAGE_MAP, RecordType.DIGESTS,
                                           RecordType.PAGE_FRAME, RecordType.DELTA_FRAME))
 
@@ -237,9 +247,48 @@ def _extents_hold(all_tables, prepared) -> np.ndarray:
         for k, p in enumerate(prepared):
             prepared[k] = (*p[:2], np.zeros(0, bool), np.zeros(0, np.int64), p[2], p[3])
         return np.zeros(n, bool)
+    bits = np.array([t.header.incompatible_features for t in all_tables], np.int64)
+    own = np.array([inherits_digests(int(b)) for b in bits])
+    pages = np.array([p[0].num_pages for p in prepared], np.int64)
+    available = np.stack([np.array([t.page_frames.total for t in all_tables], np.int64), np.zeros(n, np.int64),
+                          np.array([t.delta_frames.total for t in all_tables], np.int64)], axis=1)   # no DISK_REFS
+    extents_rules = _extents_rules_numpy if _native is None else _extents_rules_native
+    ok, present, bearing, rank0 = extents_rules(extents, pages, available, own)
+    has_parent = np.array([t.header.has_parent for t in all_tables])
+    ok &= ~present[:, PageClass.DISK] | (bits & IncompatFeature.DISK != 0)
+    ok &= ~present[:, PageClass.DELTA] | (bits & IncompatFeature.DELTA != 0)
+    ok &= ~(present[:, PageClass.PARENT] | present[:, PageClass.DELTA]) | has_parent
+    for k, p in enumerate(prepared):
+        lo, hi = int(first[k]), int(first[k]) + len(extents[k])
+        prepared[k] = (*p[:2], bearing[lo:hi], rank0[lo:hi], p[2], p[3])
+    return ok
+
+
+_SLOT_CLASSES = (PageClass.STORED, PageClass.DISK, PageClass.DELTA)
+
+
+def _extents_rules_native(extents: list, pages: np.ndarray, available: np.ndarray, own: np.ndarray) -> tuple:
+    """Per image (its page map ``extents[k]``, its region's ``pages``, the slots its pages of
+    each class of _SLOT_CLASSES must use, whether it ``own``s its digests, format 1.1):
+    whether its extents cover the region (LI-MAP-001) and use their slots in extent order
+    (LI-MAP-004), which classes it has (an (images, 16) mask); per extent, digest bearing
+    and the digests before it in its image. One pass (leanimg._native)."""
+    joined = _joined(extents)
+    ok, present = np.zeros(len(extents), np.uint8), np.zeros(len(extents), np.uint64)
+    bearing, rank0 = np.zeros(len(joined), np.uint8), np.zeros(len(joined), np.int64)
+    _native.extents_hold(joined, np.array([len(e) for e in extents], np.int64), pages, available,
+                         own.astype(np.uint8), HAS_OWN_DIGEST.view(np.uint8), HAS_DIGEST.view(np.uint8),
+                         np.array(_SLOT_CLASSES, np.int64), ok, present, bearing, rank0)
+    classes = (present[:, None] >> np.arange(16, dtype=np.uint64)) & np.uint64(1) != 0
+    return ok.view(bool), classes, bearing.view(bool), rank0
+
+
+def _extents_rules_numpy(extents: list, pages: np.ndarray, available: np.ndarray, own: np.ndarray) -> tuple:
+    """_extents_rules_native with numpy (where leanimg._native was not built)."""
+    n = len(extents)
+    lid, first = _link_ids([len(e) for e in extents])
     firsts, num, classes, slots = (np.concatenate([e[name] for e in extents]).astype(np.int64)
                                    for name in ("first_page", "num_pages", "page_class", "first_slot"))
-    pages = np.array([p[0].num_pages for p in prepared], np.int64)
     ends = firsts + num
     last = np.append(first[1:], len(lid)) - 1
     ok = np.array([len(e) > 0 for e in extents])
@@ -247,29 +296,16 @@ def _extents_hold(all_tables, prepared) -> np.ndarray:
     gap[1:] = (firsts[1:] != ends[:-1]) & (lid[1:] == lid[:-1])
     ok &= np.bincount(lid[gap], minlength=n) == 0
     ok &= np.where(ok, (firsts[np.minimum(first, len(lid) - 1)] == 0) & (ends[np.maximum(last, 0)] == pages), False)
-    available = {PageClass.STORED: np.array([t.page_frames.total for t in all_tables], np.int64),
-                 PageClass.DISK: np.zeros(n, np.int64),
-                 PageClass.DELTA: np.array([t.delta_frames.total for t in all_tables], np.int64)}
-    for cls, have in available.items():
+    for have, cls in zip(available.T, _SLOT_CLASSES):
         mine = classes == cls
         sub_lid = lid[mine]
         sub_first = np.searchsorted(sub_lid, np.arange(n))
         follows = slots[mine] == _exclusive_sums(num[mine], sub_lid, sub_first)
         ok &= np.bincount(sub_lid[~follows], minlength=n) == 0
         ok &= np.bincount(sub_lid, weights=num[mine], minlength=n) == have
-    per_class = np.bincount(lid * 16 + classes, minlength=n * 16).reshape(n, 16) > 0
-    bits = np.array([t.header.incompatible_features for t in all_tables], np.int64)
-    has_parent = np.array([t.header.has_parent for t in all_tables])
-    ok &= ~per_class[:, PageClass.DISK] | (bits & IncompatFeature.DISK != 0)
-    ok &= ~per_class[:, PageClass.DELTA] | (bits & IncompatFeature.DELTA != 0)
-    ok &= ~(per_class[:, PageClass.PARENT] | per_class[:, PageClass.DELTA]) | has_parent
-    own = np.array([inherits_digests(int(b)) for b in bits])
+    present = np.bincount(lid * 16 + classes, minlength=n * 16).reshape(n, 16) > 0
     bearing = HAS_OWN_DIGEST[classes] if own.all() else np.where(own[lid], HAS_OWN_DIGEST[classes], HAS_DIGEST[classes])
-    rank0 = _exclusive_sums(np.where(bearing, num, 0), lid, first)
-    for k, p in enumerate(prepared):
-        lo, hi = int(first[k]), int(first[k]) + len(extents[k])
-        prepared[k] = (*p[:2], bearing[lo:hi], rank0[lo:hi], p[2], p[3])
-    return ok
+    return ok, present, bearing, _exclusive_sums(np.where(bearing, num, 0), lid, first)
 
 
 def _digests_cover(all_tables, prepared) -> np.ndarray:

@@ -1,7 +1,8 @@
 """leanimg._native (lean-image/_native.c) gives what leanimg computes without it: the page
 digests of the xxhash module page by page (spec §6.5), through format.page_digests and
 row_digests, the INDEX_LIST parse of delta._parse_index_lists_numpy (spec §7.3), on sound
-and damaged entries, and chain._fold_own_pages_numpy's fold of a chain's pages; it refuses
+and damaged entries, tables_batch's page-map rules and chain._fold_own_pages_numpy's fold of
+a chain's pages; it refuses
 rows, offsets and extents outside its buffers. .ci/install builds it
 (and fails when it cannot), so these tests require it."""
 
@@ -11,8 +12,8 @@ import xxhash
 from hypothesis import given, settings, strategies as st
 
 from leanimg import _native
-from leanimg import chain, delta, format as fmt
-from leanimg.format import IS_CONCRETE, PageClass
+from leanimg import chain, delta, format as fmt, tables_batch
+from leanimg.format import EXTENT, IS_CONCRETE, PageClass
 
 
 def _reference(pages: np.ndarray, rows) -> bytes:
@@ -187,3 +188,53 @@ def test_native_fold_refuses_extents_outside_its_tables(change):
     assert (outputs[0] == 4096).all() and (outputs[6] == 0).all()       # nothing written
     extents, outputs = _fold_arguments()
     assert _native.fold_own_pages(*extents, int(PageClass.DELTA), *outputs) == 8     # the same, sound
+
+
+@st.composite
+def _page_maps(draw):
+    """Page maps of 1-5 images, each of any run of extents of the spec's classes with slots
+    used in extent order, then perhaps spoiled (a gap, a slot, a count, a short region, a
+    wrong number of slots); the region's pages, the slots each class must use, whether each
+    image owns its digests."""
+    maps, pages, available = [], [], []
+    for _ in range(draw(st.integers(1, 5))):
+        rows, page, used = [], 0, {c: 0 for c in tables_batch._SLOT_CLASSES}
+        for _ in range(draw(st.integers(0, 8))):
+            cls, count = draw(st.sampled_from(list(PageClass))), draw(st.integers(1, 6))
+            rows.append((page, count, cls, 0, used.get(cls, 0)))
+            if cls in used:
+                used[cls] += count
+            page += count
+        extents = np.array(rows, EXTENT.dtype)
+        spoil = draw(st.sampled_from(["none", "first_page", "first_slot", "num_pages", "pages", "available"]))
+        if spoil in ("first_page", "first_slot", "num_pages") and len(rows):
+            extents[draw(st.integers(0, len(rows) - 1))][spoil] += draw(st.integers(1, 3))
+        maps.append(extents)
+        pages.append(page - (spoil == "pages"))
+        available.append([used[c] + (spoil == "available") for c in tables_batch._SLOT_CLASSES])
+    own = draw(st.lists(st.booleans(), min_size=len(maps), max_size=len(maps)))
+    return maps, np.array(pages, np.int64), np.array(available, np.int64), np.array(own)
+
+
+@settings(max_examples=300, deadline=None)
+@given(_page_maps())
+def test_native_page_map_rules_are_the_numpy_rules(drawn):
+    maps, pages, available, own = drawn
+    if not sum(len(m) for m in maps):
+        return                                  # _extents_hold refuses these before either runs
+    native = tables_batch._extents_rules_native(maps, pages, available, own)
+    numpy = tables_batch._extents_rules_numpy(maps, pages, available, own)
+    for got, want, name in zip(native, numpy, ["ok", "present", "bearing", "rank0"]):
+        assert got.dtype == want.dtype and got.tolist() == want.tolist(), name
+
+
+def test_native_page_map_rules_refuse_lengths_that_do_not_add_up():
+    extents = np.zeros(3, EXTENT.dtype).tobytes()
+    tables = (np.ones(1 << 16, np.uint8), np.ones(1 << 16, np.uint8), np.array([1, 4, 6], np.int64))
+    for lengths in ([2], [4], [-1, 4]):
+        ok = np.full(len(lengths), 7, np.uint8)
+        with pytest.raises(ValueError, match="do not add up"):
+            _native.extents_hold(extents, np.array(lengths, np.int64), np.zeros(len(lengths), np.int64),
+                                 np.zeros((len(lengths), 3), np.int64), np.zeros(len(lengths), np.uint8), *tables, ok,
+                                 np.zeros(len(lengths), np.uint64), np.zeros(3, np.uint8), np.zeros(3, np.int64))
+        assert (ok == 7).all()                  # nothing written
