@@ -104,7 +104,7 @@ class DigestStore:
             pages = np.flatnonzero(links > 0)
             if len(pages):
                 depth_of = links[pages]
-                depths = np.unique(depth_of)
+                depths = np.flatnonzero(np.bincount(depth_of))           # the digest links, ascending
                 stored, bases = read_tables([resolution.links[d].digests for d in depths.tolist()],
                                             [resolution.regions[d] for d in depths.tolist()])
                 ranks, classes = resolution.digest_rank[pages], resolution.digest_class[pages]

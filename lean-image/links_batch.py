@@ -19,7 +19,7 @@ from .format import (
     FOOTER, FOOTER_MAGIC, FORMAT_MAJOR, HEADER, HEADER_MAGIC, INDEX_BODY, INDEX_ENTRY, KNOWN_INCOMPAT, PAGE_SIZE_MAX,
     PAGE_SIZE_MIN, RECORD, RECORD_BODY_MAX, RECORD_TRAILER, IncompatFeature, RecordType, checksum64,
 )
-from .structures import Footer, Header, ImageFile, Record, footer_checksum, header_checksum, parse_body
+from .structures import Footer, Header, ImageFile, Record, footer_checksum, header_checksum, parse_tested_body
 from .tables import FrameTable
 
 # the INDEX record's header and its body's fixed part
@@ -147,5 +147,5 @@ def _assembled(path: str, fd: int, data: bytes, index_at: int) -> tuple:
     body = memoryview(raw)[RECORD.size:trailer_at]
     (stored,) = RECORD_TRAILER.unpack_from(raw, trailer_at)
     index = Record(index_at, int(RecordType.INDEX), 0, body_length, stored, body)
-    parse_body(index)                  # its length and reserved rules passed above: it parses
+    parse_tested_body(index)           # its length and reserved rules passed above
     return fileobj, file, header, footer, index

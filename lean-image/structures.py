@@ -543,6 +543,14 @@ def parse_body(record: Record, index: int | None = None) -> dict:
     return record.parsed
 
 
+def parse_tested_body(record: Record) -> dict:
+    """parse_body for a record of a known type whose body length and reserved fields were
+    tested already (links_batch tests a batch's INDEX records together): no finding to look for."""
+    b = _Body(record, record.index)
+    record.parsed = BODY_PARSERS[record.record_type](b, b.structure.unpack(record.body)._asdict())
+    return record.parsed
+
+
 def body_problems(record: Record, index: int | None, page_size: int) -> Iterator[FormatError]:
     """Value rules of one parsed body that do not need other records."""
     check = BODY_CHECKS.get(record.record_type)
