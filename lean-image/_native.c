@@ -1,5 +1,5 @@
-/* leanimg._native: the two loops of a restore that numpy and the xxhash module can only do
- * with the GIL held for most of their time, done in C with the GIL released:
+/* leanimg._native: the loops of a restore that numpy and the xxhash module can only do with
+ * the GIL held for most of their time, or in many passes, done in C with the GIL released:
  *  - digest_rows: the page digests of spec §6.5 (xxh3-128 of each page, canonical byte order)
  *    of many pages in one call; the xxhash module takes one call per page under the GIL;
  *  - index_list_heads / index_list_words: the plain INDEX_LIST entries of a decompressed
@@ -9,9 +9,9 @@
  *    each page's base and digest, the deltas above the base, by page, deepest link first) in
  *    one pass over the extents; numpy expands them page by page and sorts the deltas.
  * Optional: leanimg works the same without it (setup.py builds it where gcc, Python's headers
- * and xxhash.h are found; format.py, delta.py, tables_batch.py and chain.py fall back to the xxhash module and numpy,
- * and tests/test_native.py checks both give the same). xxhash.h is Debian's libxxhash-dev,
- * used header-only. */
+ * and xxhash.h are found; format.py, delta.py, tables_batch.py and chain.py fall back to the
+ * xxhash module and numpy, and tests/test_native.py checks both give the same). xxhash.h is
+ * Debian's libxxhash-dev, used header-only. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
@@ -189,10 +189,10 @@ struct extent {
  * (LI-MAP-001) and, for each class c of ``slot_classes`` (i8), the slots its pages use
  * follow each other from 0 in extent order and number available[k, c] (LI-MAP-004, i8
  * per link and slot class); into ok (u1 per link). present (u8 per link): bit c for each
- * class c < 64 of its extents (a class past 63 fails the link). bearing (u1 per extent): whether its pages bear a stored
- * digest (has_own_digest[class] for a link that ``own``s (u1 per link), else
- * has_digest[class], tables of 65536 u1); rank0 (i8 per extent): the digests before it in
- * its link. Sums wrap as uint64, as numpy's int64 sums do. ValueError (nothing written) when
+ * class c < 64 of its extents (a class past 63 fails the link). bearing (u1 per extent):
+ * whether its pages bear a stored digest (has_own_digest[class] for a link that ``own``s
+ * (u1 per link), else has_digest[class], tables of 65536 u1); rank0 (i8 per extent): the
+ * digests before it in its link. Sums wrap as uint64, as numpy's int64 sums do. ValueError (nothing written) when
  * the lengths do not add up to the extents or a table or an output is too small. */
 static PyObject *extents_hold(PyObject *self, PyObject *args)
 {
@@ -289,8 +289,8 @@ static PyObject *fold_own_pages(PyObject *self, PyObject *args)
     Py_buffer in[9], out[9];
     int delta_class;
     if (!PyArg_ParseTuple(args, "y*y*y*y*y*y*y*y*y*iw*w*w*w*w*w*w*w*w*", &in[0], &in[1], &in[2], &in[3], &in[4],
-                          &in[5], &in[6], &in[7], &in[8], &delta_class, &out[0], &out[1], &out[2], &out[3], &out[4], &out[5],
-                          &out[6], &out[7], &out[8]))
+                          &in[5], &in[6], &in[7], &in[8], &delta_class, &out[0], &out[1], &out[2], &out[3],
+                          &out[4], &out[5], &out[6], &out[7], &out[8]))
         return NULL;
     PyObject *result = NULL;
     const int64_t *start = in[0].buf, *count = in[1].buf, *slot = in[3].buf, *rank0 = in[5].buf;
@@ -301,9 +301,9 @@ static PyObject *fold_own_pages(PyObject *self, PyObject *args)
     int64_t *base_slot = out[2].buf, *digest_rank = out[5].buf, *delta_page = out[6].buf, *delta_slot = out[8].buf;
     Py_ssize_t m = in[0].len / 8, n = out[0].len / 4, links = in[7].len, room = out[6].len / 8, deltas = 0;
     int bad = in[1].len < m * 8 || in[2].len < m || in[3].len < m * 8 || in[4].len < m || in[5].len < m * 8 ||
-              in[6].len < m * 4 || delta_class < 0 || in[8].len <= delta_class || out[1].len < n || out[2].len < n * 8 ||
-              out[3].len < n * 4 || out[4].len < n || out[5].len < n * 8 || out[7].len < room * 4 ||
-              out[8].len < room * 8;
+              in[6].len < m * 4 || delta_class < 0 || in[8].len <= delta_class || out[1].len < n ||
+              out[2].len < n * 8 || out[3].len < n * 4 || out[4].len < n || out[5].len < n * 8 ||
+              out[7].len < room * 4 || out[8].len < room * 8;
     for (Py_ssize_t e = 0; !bad && e < m; e++) {
         bad = start[e] < 0 || count[e] < 0 || start[e] > n - count[e] || cls[e] >= in[8].len ||
               depth[e] < 0 || depth[e] >= links;
@@ -389,9 +389,9 @@ static PyMethodDef methods[] = {
      "extents_hold(extents, lengths, pages, available, own, has_own_digest, has_digest, slot_classes, ok, present, "
      "bearing, rank0)"},
     {"fold_own_pages", fold_own_pages, METH_VARARGS,
-     "fold_own_pages(starts, counts, classes, slots, bearing, rank0, depths, inherits, concrete, delta_class, base_link, "
-     "base_class, base_slot, digest_link, digest_class, digest_rank, delta_pages, delta_links, delta_slots) "
-     "-> deltas"},
+     "fold_own_pages(starts, counts, classes, slots, bearing, rank0, depths, inherits, concrete, delta_class, "
+     "base_link, base_class, base_slot, digest_link, digest_class, digest_rank, delta_pages, delta_links, "
+     "delta_slots) -> deltas"},
     {NULL, NULL, 0, NULL},
 };
 
