@@ -39,8 +39,9 @@ if sys.byteorder != "little":
 
 # without leanimg._native the batch's work per extent is ~3x that of ImageTables.load, its work
 # per link ~1/3: it pays for links of up to ~2000 extents (a deep chain's small links); with it,
-# its work per extent is no more than load's, and it takes links of any size
-BATCH_EXTENTS_MAX = 2048 if _native is None else 1 << 62
+# its work per extent is no more than load's. The bound keeps a batch's extents, laid end to end
+# with their temporaries, to ~100 MB (CHECK_BATCH links of 1.5 MiB of extents at most)
+BATCH_EXTENTS_MAX = 2048 if _native is None else 1 << 16
 SHAPE_TYPES = frozenset(int(t) for t in (RecordType.REGION, RecordType.PAGE_MAP, RecordType.DIGESTS,
                                           RecordType.PAGE_FRAME, RecordType.DELTA_FRAME))
 
