@@ -471,7 +471,8 @@ def _parse_delta_batch(frames: list, page_size: int):
             parse_index_lists(b"".join(content for content, _, _ in read), offsets, page_size))
 
 
-_DELTA_RECORD = struct.Struct("<IIQQII")       # record_type, flags, body_length; first_delta, num_deltas, reserved
+# a DELTA_FRAME record's header and its body's fixed part (first_delta, num_deltas, reserved)
+_DELTA_RECORD = struct.Struct(RECORD.struct.format + DELTA_FRAME_BODY.struct.format.lstrip("<"))
 
 
 def _quick_delta_frame(link, frame: int, decompressor=None):

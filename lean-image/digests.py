@@ -146,8 +146,7 @@ def verify_page(region: Region, page: int, data, expected: bytes | None) -> None
 
 
 # a DIGESTS record's header and its body's fixed part
-_DIGESTS_HEAD = np.dtype([("record_type", "<u4"), ("flags", "<u4"), ("body_length", "<u8"), ("region_id", "<u4"),
-                          ("num_digests", "<u4"), ("first_page", "<u8"), ("num_pages", "<u8")])
+_DIGESTS_HEAD = np.dtype(RECORD.dtype.descr + DIGESTS_BODY.dtype.descr)
 
 
 def read_tables(stores: list[DigestStore], regions: list[Region]) -> tuple[np.ndarray, np.ndarray]:
