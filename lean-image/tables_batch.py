@@ -243,8 +243,8 @@ def _extents_hold(all_tables, prepared) -> np.ndarray:
     LI-MAP-005 feature bits; sets each prepared entry's digest ranks."""
     n = len(all_tables)
     extents = [p[1] for p in prepared]
-    lid, first = _link_ids([len(e) for e in extents])
-    if not len(lid):                   # no image has extents (LI-MAP-002): load reports it
+    bounds = np.cumsum([0] + [len(e) for e in extents]).tolist()     # each image's extents laid end to end
+    if not bounds[-1]:                 # no image has extents (LI-MAP-002): load reports it
         for k, p in enumerate(prepared):
             prepared[k] = (*p[:2], np.zeros(0, bool), np.zeros(0, np.int64), p[2], p[3])
         return np.zeros(n, bool)
@@ -259,8 +259,7 @@ def _extents_hold(all_tables, prepared) -> np.ndarray:
     ok &= ~present[:, PageClass.DISK] | (bits & IncompatFeature.DISK != 0)
     ok &= ~present[:, PageClass.DELTA] | (bits & IncompatFeature.DELTA != 0)
     ok &= ~(present[:, PageClass.PARENT] | present[:, PageClass.DELTA]) | has_parent
-    for k, p in enumerate(prepared):
-        lo, hi = int(first[k]), int(first[k]) + len(extents[k])
+    for k, (p, lo, hi) in enumerate(zip(prepared, bounds, bounds[1:])):
         prepared[k] = (*p[:2], bearing[lo:hi], rank0[lo:hi], p[2], p[3])
     return ok
 
