@@ -30,6 +30,7 @@ WRAPPED = [
     ("leanimg.chain", "_ChainPatches.apply", "deltas: apply"),
     ("leanimg.chain", "_fold_delta_batch", "delta batch: read, parse, fold"),
     ("leanimg.chain", "_quick_delta_frame", "delta batch: read a frame"),
+    ("leanimg.chain", "_read_delta_batch_native", "delta batch: read its frames"),
     ("leanimg.chain", "pieces", "pieces (one range)"),
     ("leanimg.chain", "_hold_direct_frames", "direct frames"),
     ("leanimg.chain", "_StoredPages.copy", "copy built pages"),

@@ -4,19 +4,26 @@
  *    of many pages in one call; the xxhash module takes one call per page under the GIL;
  *  - index_list_heads / index_list_words: the plain INDEX_LIST entries of a decompressed
  *    DELTA_FRAME (spec §7.3) parsed in one pass; numpy needs a dozen passes and gathers;
+ *  - read_delta_frames: a batch of DELTA_FRAME records (one per link of a deep chain) read,
+ *    tested and decompressed in one call, so a read-ahead worker does not take the GIL
+ *    from the caller record after record;
  *  - extents_hold: tables_batch's page-map rules of many links' extents in one pass;
  *  - fold_own_pages: chain.resolve's fold of a chain's own pages (the nearest link holding
  *    each page's base and digest, the deltas above the base, by page, deepest link first) in
  *    one pass over the extents; numpy expands them page by page and sorts the deltas.
- * Optional: leanimg works the same without it (setup.py builds it where gcc, Python's headers
- * and xxhash.h are found; format.py, delta.py, tables_batch.py and chain.py fall back to the
- * xxhash module and numpy, and tests/test_native.py checks both give the same). xxhash.h is
- * Debian's libxxhash-dev, used header-only. */
+ * Optional: leanimg works the same without it (setup.py builds it where gcc, Python's headers,
+ * xxhash.h and libzstd are found; format.py, delta.py, tables_batch.py and chain.py fall back
+ * to the xxhash and zstandard modules and numpy, and tests/test_native.py and
+ * tests/test_chain_fold.py check both give the same). xxhash.h is Debian's libxxhash-dev,
+ * used header-only; libzstd is libzstd-dev. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
+#include <stdlib.h>
+#include <unistd.h>
 #define XXH_INLINE_ALL
 #include <xxhash.h>
+#include <zstd.h>
 
 /* digest_rows(data, page_size, rows, out): for each int64 k of ``rows``, the digest of page
  * k of ``data`` (pages of page_size bytes laid end to end) into 16 bytes of ``out``, in order.
@@ -173,6 +180,197 @@ done:
     return result;
 }
 
+
+#define RECORD_HEAD 16          /* record_type u4, flags u4, body_length u8 (spec §5.2) */
+#define RECORD_TRAILER 8        /* record_checksum u8: xxh3-64 of the record before it */
+#define DELTA_FRAME_TYPE 0x11
+#define DELTA_HEAD 16           /* first_delta u8, num_deltas u4, reserved u4 (spec §7.1) */
+#define FRAME_PAGES_MAX_BYTES ((int64_t)16 << 20)
+
+static inline uint64_t load_le32(const unsigned char *p)
+{
+    return (uint64_t)p[0] | (uint64_t)p[1] << 8 | (uint64_t)p[2] << 16 | (uint64_t)p[3] << 24;
+}
+
+static int all_zero(const unsigned char *p, int64_t n)
+{
+    for (int64_t i = 0; i < n; i++)
+        if (p[i])
+            return 0;
+    return 1;
+}
+
+/* The DELTA_FRAME record ``r`` (``length`` bytes, up to the next record) tested as
+ * chain._quick_delta_frame tests it, its INDEX entry listing ``first`` and ``num``: framing,
+ * checksum, flags and padding, body length, reserved field, entry offsets, size, one whole
+ * zstd frame declaring that size. Its decompressed size (>0), with where its zstd frame lies;
+ * -1 when any test fails (the checked path then reads it and raises its finding). */
+static int64_t delta_record_holds(const unsigned char *r, int64_t length, int64_t first, int64_t num,
+                                  int64_t *frame_at, int64_t *frame_length)
+{
+    if (length < RECORD_HEAD + DELTA_HEAD + 4 + RECORD_TRAILER || load_le32(r) != DELTA_FRAME_TYPE || load_le32(r + 4))
+        return -1;
+    uint64_t body = load_le64(r + 8);
+    if (body > (uint64_t)(length - RECORD_HEAD - RECORD_TRAILER) ||
+        RECORD_HEAD + ((body + 7) & ~(uint64_t)7) + RECORD_TRAILER != (uint64_t)length)
+        return -1;
+    int64_t n = (int64_t)load_le32(r + 24), body_end = RECORD_HEAD + (int64_t)body;
+    if ((int64_t)load_le64(r + 16) != first || n != num || n < 1 || load_le32(r + 28))
+        return -1;
+    int64_t table_end = RECORD_HEAD + DELTA_HEAD + 4 * (n + 1);
+    int64_t start = RECORD_HEAD + ((DELTA_HEAD + 4 * (n + 1) + 7) & ~(int64_t)7);
+    if (start > body_end || !all_zero(r + body_end, length - RECORD_TRAILER - body_end) ||
+        !all_zero(r + table_end, start - table_end) ||
+        XXH3_64bits(r, (size_t)(length - RECORD_TRAILER)) != load_le64(r + length - RECORD_TRAILER))
+        return -1;
+    const unsigned char *table = r + RECORD_HEAD + DELTA_HEAD;
+    if (load_le32(table))
+        return -1;
+    for (int64_t i = 1; i <= n; i++)
+        if (load_le32(table + 4 * i) < load_le32(table + 4 * (i - 1)))
+            return -1;
+    int64_t size = (int64_t)load_le32(table + 4 * n);
+    size_t src_length = (size_t)(body_end - start);
+    const unsigned char *src = r + start;
+    if (size < 1 || size > FRAME_PAGES_MAX_BYTES || src_length < 4 || load_le32(src) != ZSTD_MAGICNUMBER ||
+        ZSTD_getFrameContentSize(src, src_length) != (unsigned long long)size ||
+        ZSTD_findFrameCompressedSize(src, src_length) != src_length)
+        return -1;
+    *frame_at = start;
+    *frame_length = (int64_t)src_length;
+    return size;
+}
+
+/* Every byte of [offset, offset + length) of fd into out; 0 when the file is shorter or unreadable. */
+static int read_fully(int fd, unsigned char *out, int64_t length, int64_t offset)
+{
+    while (length > 0) {
+        ssize_t got = pread(fd, out, (size_t)length, (off_t)offset);
+        if (got <= 0)
+            return 0;
+        out += got;
+        length -= got;
+        offset += got;
+    }
+    return 1;
+}
+
+struct batch {
+    Py_ssize_t n;
+    const int32_t *fd;
+    const int64_t *offset, *length, *first, *num;
+    unsigned char *raw;
+    int64_t *size, *frame_at, *frame_length;
+};
+
+/* Each record read and tested; 0 when one cannot be (or its content would pass ``most``). */
+static int batch_read(struct batch *b, int64_t most)
+{
+    int64_t at = 0, total = 0;
+    for (Py_ssize_t k = 0; k < b->n; k++) {
+        if (!read_fully(b->fd[k], b->raw + at, b->length[k], b->offset[k]))
+            return 0;
+        b->size[k] = delta_record_holds(b->raw + at, b->length[k], b->first[k], b->num[k], &b->frame_at[k],
+                                        &b->frame_length[k]);
+        if (b->size[k] < 0 || (total += b->size[k]) > most)
+            return 0;
+        b->frame_at[k] += at;
+        at += b->length[k];
+    }
+    return 1;
+}
+
+/* Each record's frame decompressed into content (laid end to end) and its entry offsets, made
+ * offsets into content, into offsets (sum of num, plus the end); 0 when a frame fails. */
+static int batch_decompress(struct batch *b, unsigned char *content, int64_t *offsets)
+{
+    ZSTD_DCtx *dctx = ZSTD_createDCtx();
+    int ok = dctx != NULL;
+    int64_t at = 0, entry = 0, record = 0;
+    for (Py_ssize_t k = 0; ok && k < b->n; k++) {
+        size_t got = ZSTD_decompressDCtx(dctx, content + at, (size_t)b->size[k], b->raw + b->frame_at[k],
+                                         (size_t)b->frame_length[k]);
+        ok = !ZSTD_isError(got) && got == (size_t)b->size[k];
+        const unsigned char *table = b->raw + record + RECORD_HEAD + DELTA_HEAD;
+        for (int64_t i = 0; ok && i < b->num[k]; i++)
+            offsets[entry++] = at + (int64_t)load_le32(table + 4 * i);
+        at += b->size[k];
+        record += b->length[k];
+    }
+    offsets[entry] = at;
+    ZSTD_freeDCtx(dctx);
+    return ok;
+}
+
+/* read_delta_frames(fds, offsets, lengths, firsts, nums, most) -> (content, entry offsets) or
+ * None: DELTA_FRAME records (record k: ``lengths[k]`` bytes at ``offsets[k]`` of ``fds[k]``
+ * (i4), up to the next record; its INDEX entry lists firsts[k] and nums[k], i8) read, tested as
+ * chain._quick_delta_frame tests one, and decompressed, all with the GIL released: their
+ * contents laid end to end (bytes, at most ``most`` of them) and their entries' offsets into
+ * it (i8 bytes: sum(nums) + 1). None when any record fails a test, or is not read whole: the
+ * caller then reads them one by one on the checked path. */
+static PyObject *read_delta_frames(PyObject *self, PyObject *args)
+{
+    Py_buffer in[5];
+    long long most;
+    if (!PyArg_ParseTuple(args, "y*y*y*y*y*L", &in[0], &in[1], &in[2], &in[3], &in[4], &most))
+        return NULL;
+    PyObject *result = NULL, *content = NULL, *offsets = NULL;
+    struct batch b = {in[0].len / 4, in[0].buf, in[1].buf, in[2].buf, in[3].buf, in[4].buf, NULL, NULL, NULL, NULL};
+    int64_t raw_total = 0, entries = 0, content_total = 0;
+    int bad = in[0].len % 4 || b.n < 1;
+    for (int i = 1; i < 5; i++)
+        bad |= in[i].len != b.n * 8;
+    for (Py_ssize_t k = 0; !bad && k < b.n; k++) {
+        bad = b.length[k] < 0 || b.offset[k] < 0 || b.num[k] < 0 || b.num[k] > UINT32_MAX;
+        raw_total += b.length[k];
+        entries += b.num[k];
+        bad |= raw_total > PY_SSIZE_T_MAX / 2;
+    }
+    if (bad) {
+        PyErr_SetString(PyExc_ValueError, "read_delta_frames: arrays of unequal lengths, or a bad length or count");
+        goto done;
+    }
+    b.raw = malloc((size_t)raw_total);
+    int64_t *scratch = malloc((size_t)b.n * 3 * sizeof(int64_t));
+    b.size = scratch;
+    if (!b.raw || !scratch) {
+        free(b.raw);
+        free(scratch);
+        PyErr_NoMemory();
+        goto done;
+    }
+    b.frame_at = scratch + b.n;
+    b.frame_length = scratch + 2 * b.n;
+    int ok;
+    Py_BEGIN_ALLOW_THREADS
+    ok = batch_read(&b, most);
+    Py_END_ALLOW_THREADS
+    for (Py_ssize_t k = 0; ok && k < b.n; k++)
+        content_total += b.size[k];
+    if (ok) {
+        content = PyBytes_FromStringAndSize(NULL, content_total);
+        offsets = PyBytes_FromStringAndSize(NULL, (entries + 1) * 8);
+        if (content && offsets) {
+            unsigned char *c = (unsigned char *)PyBytes_AS_STRING(content);
+            int64_t *o = (int64_t *)PyBytes_AS_STRING(offsets);
+            Py_BEGIN_ALLOW_THREADS
+            ok = batch_decompress(&b, c, o);
+            Py_END_ALLOW_THREADS
+            result = ok ? PyTuple_Pack(2, content, offsets) : Py_NewRef(Py_None);
+        }
+    } else {
+        result = Py_NewRef(Py_None);
+    }
+    free(b.raw);
+    free(scratch);
+    Py_XDECREF(content);
+    Py_XDECREF(offsets);
+done:
+    for (int i = 0; i < 5; i++)
+        PyBuffer_Release(&in[i]);
+    return result;
+}
 
 /* One extent of a PAGE_MAP (spec §6.2), as laid out in the file. */
 struct extent {
@@ -385,6 +583,8 @@ static PyMethodDef methods[] = {
      "index_list_heads(content, offsets, page_size, simple, word_start, num_words) -> words"},
     {"index_list_words", index_list_words, METH_VARARGS,
      "index_list_words(content, offsets, page_size, simple, word_start, positions, values)"},
+    {"read_delta_frames", read_delta_frames, METH_VARARGS,
+     "read_delta_frames(fds, offsets, lengths, firsts, nums, most) -> (content, entry offsets) or None"},
     {"extents_hold", extents_hold, METH_VARARGS,
      "extents_hold(extents, lengths, pages, available, own, has_own_digest, has_digest, slot_classes, ok, present, "
      "bearing, rank0)"},

@@ -460,15 +460,61 @@ def _parse_delta_batch(frames: list, page_size: int):
     """DELTA_FRAMEs ``frames`` ((link, frame)) read, checked, decompressed and parsed as one:
     (first delta per frame, entries per frame, parse_index_lists' arrays over the frames laid
     end to end)."""
+    read = _read_delta_batch_native(frames, page_size) if _native is not None else None
+    if read is None:
+        read = _read_delta_batch(frames)
+    content, offsets, firsts, counts = read
+    return firsts, counts, parse_index_lists(content, offsets, page_size)
+
+
+def _read_delta_batch(frames: list) -> tuple:
+    """(content, entry offsets, first delta per frame, entries per frame) of DELTA_FRAMEs
+    ``frames`` laid end to end, each read by _quick_delta_frame or, failing that, by the frame
+    store's checked path (which raises its finding)."""
     decompressor = zstandard.ZstdDecompressor()            # one per batch: a batch runs on one thread
     read = [_quick_delta_frame(link, frame, decompressor) or link.frames._read_delta_frame(frame)
             for link, frame in frames]
     byte_base = np.cumsum([0] + [len(content) for content, _, _ in read])
     offsets = np.concatenate([np.asarray(offsets[:-1], np.int64) + base for (_, offsets, _), base
                               in zip(read, byte_base.tolist())] + [byte_base[-1:].astype(np.int64)])
-    return (np.array([first for _, _, first in read], np.int64),
-            np.array([len(offsets) - 1 for _, offsets, _ in read], np.int64),
-            parse_index_lists(b"".join(content for content, _, _ in read), offsets, page_size))
+    return (b"".join(content for content, _, _ in read), offsets,
+            np.array([first for _, _, first in read], np.int64),
+            np.array([len(offsets) - 1 for _, offsets, _ in read], np.int64))
+
+
+# what one native call reads of a batch's records, at most (past it, they are read one by one)
+NATIVE_BATCH_BYTES_MAX = 256 << 20
+
+
+def _read_delta_batch_native(frames: list, page_size: int) -> tuple | None:
+    """_read_delta_batch in one call of leanimg._native.read_delta_frames: every record read,
+    tested as _quick_delta_frame tests it, and decompressed in C, the GIL released (so a batch
+    on a read-ahead worker does not hold back the caller); None when any record is not of
+    the plain case (a worker then reads them one by one, and the checked path raises any finding)."""
+    fds, offsets, lengths, firsts, nums = [], [], [], [], []
+    for link, frame in frames:
+        tables = link.tables
+        position = int(tables.delta_frames.positions[frame])
+        offset, kind, key, first, num = tables.entries[position].item()
+        length = tables.listed_end(position) - offset
+        if kind != RecordType.DELTA_FRAME or key != NO_KEY or not 0 < num <= 0xFFFF_FFFF or first >= 1 << 63 or \
+                offset + length > tables.file.size:
+            return None
+        fds.append(tables.file.fileobj.fileno())
+        offsets.append(offset)
+        lengths.append(length)
+        firsts.append(first)
+        nums.append(num)
+    if sum(lengths) > NATIVE_BATCH_BYTES_MAX:
+        return None
+    most = sum(nums) * 2 * page_size          # an entry of any encoding is shorter than two pages (spec §7.2)
+    read = _native.read_delta_frames(np.array(fds, np.int32), np.array(offsets, np.int64),
+                                     np.array(lengths, np.int64), np.array(firsts, np.int64),
+                                     np.array(nums, np.int64), most)
+    if read is None:
+        return None
+    content, entry_offsets = read
+    return content, np.frombuffer(entry_offsets, np.int64), np.array(firsts, np.int64), np.array(nums, np.int64)
 
 
 # a DELTA_FRAME record's header and its body's fixed part (first_delta, num_deltas, reserved)
@@ -482,7 +528,8 @@ def _quick_delta_frame(link, frame: int, decompressor=None):
     (LI-REC-008), entry offsets (LI-DLT-001), size (LI-FRM-004), its INDEX entry (LI-IDX-001),
     a zstd frame of the declared size; else None, and that path reads it and raises its finding.
     One read and a few scalar tests, not a Record and its checks' generators (a deep chain's
-    restore reads one DELTA_FRAME per link); ``decompressor``: one to use again (a batch's)."""
+    restore reads one DELTA_FRAME per link); ``decompressor``: one to use again (a batch's).
+    leanimg._native.read_delta_frames tests the same (keep them alike)."""
     tables = link.tables
     position = int(tables.delta_frames.positions[frame])
     _, *listed = tables.entries[position].item()        # record_type, key, first, count

@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from leanimg import chain as chain_module
-from leanimg.chain import _quick_delta_frame, resolve
+from leanimg.chain import _quick_delta_frame, _read_delta_batch, _read_delta_batch_native, resolve
 from leanimg.errors import LeanImageError
 from leanimg.format import (
     DIGEST_SIZE, INDEX_BODY, INDEX_ENTRY, IS_CONCRETE, RECORD, PageClass, RecordType, page_digest, zero_page_digest,
@@ -256,25 +256,44 @@ def _delta_outcome(path: Path, depth: int, read) -> tuple:
         return found
 
 
+def _quick(link, frame):
+    """A restore's read of one DELTA_FRAME in Python: the quick path, else the checked one."""
+    return _quick_delta_frame(link, frame) or link.frames._read_delta_frame(frame)
+
+
+def _native(link, frame):
+    """A restore's read of one DELTA_FRAME in C (a batch of one), else the checked path."""
+    read = _read_delta_batch_native([(link, frame)], link.page_size)
+    if read is None:
+        return link.frames._read_delta_frame(frame)
+    content, offsets, firsts, _ = read
+    return content, offsets, firsts[0]
+
+
+def _checked(link, frame):
+    return link.frames._read_delta_frame(frame)
+
+
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_any_delta_frame_edit_is_judged_quickly_as_by_the_frame_store(short_chain, tmp_path_factory, data):
     """A byte of a link's DELTA_FRAME record or of its INDEX entry set to any value, checksums
-    right again: the quick read of a restore (chain._quick_delta_frame, else the frame store)
-    gives what FrameStore._read_delta_frame gives, or the same finding."""
+    right again: the quick read of a restore (chain._quick_delta_frame, else the frame store),
+    and its read in C (leanimg._native.read_delta_frames, else the frame store), give what
+    FrameStore._read_delta_frame gives, or the same finding."""
     paths, bad = _one_byte_set(short_chain, tmp_path_factory, data, st.integers(1, LINKS - 1), _delta_spans)
-    quick = _delta_outcome(paths[-1], LINKS - 1 - bad,
-                           lambda link, frame: _quick_delta_frame(link, frame) or link.frames._read_delta_frame(frame))
+    quick = _delta_outcome(paths[-1], LINKS - 1 - bad, _quick)
     refused = any(isinstance(q[0], str) for q in quick)
     event("open refused" if quick[0] == "open" else "refused" if refused else "read")
-    assert quick == _delta_outcome(paths[-1], LINKS - 1 - bad, lambda link, frame: link.frames._read_delta_frame(frame))
+    assert quick == _delta_outcome(paths[-1], LINKS - 1 - bad, _checked)
+    assert quick == _delta_outcome(paths[-1], LINKS - 1 - bad, _native)
 
 
 @pytest.mark.parametrize("padding", ["after the entry offsets", "after the body"])
 def test_a_delta_frame_with_its_padding_set_is_judged_quickly_as_alone(tmp_path, padding):
     """A byte of a DELTA_FRAME record's padding that is not zero, checksums right again (the
     short chain's frames have no padding after their entry offsets, so any edit misses it):
-    the quick read refuses the record, and the frame store gives LI-REC-004."""
+    the quick reads (Python and C) refuse the record, and the frame store gives LI-REC-004."""
     plan = [(False, ["rewrite"] * PAGES), (False, ["word", "word"] + ["parent"] * (PAGES - 2))]
     paths = write_chain(tmp_path, plan, 3)
     data = bytearray(paths[1].read_bytes())
@@ -286,9 +305,8 @@ def test_a_delta_frame_with_its_padding_set_is_judged_quickly_as_alone(tmp_path,
     assert pad % 8, "the record has no padding there"
     data[pad] = 1
     paths[1].write_bytes(reseal(bytes(data)))
-    quick = _delta_outcome(paths[1], 0, lambda link, frame: _quick_delta_frame(link, frame) or
-                           link.frames._read_delta_frame(frame))
-    assert quick == _delta_outcome(paths[1], 0, lambda link, frame: link.frames._read_delta_frame(frame))
+    quick = _delta_outcome(paths[1], 0, _quick)
+    assert quick == _delta_outcome(paths[1], 0, _checked) == _delta_outcome(paths[1], 0, _native)
     assert quick[0][1] == "LI-REC-004"
 
 
@@ -314,10 +332,69 @@ def test_a_lying_body_length_is_judged_quickly_as_alone(short_chain, tmp_path, r
         assert quick == _inherited_outcome(paths[-1], reference_inherited)
     else:
         depth = LINKS - 1 - bad
-        quick = _delta_outcome(paths[-1], depth,
-                               lambda link, frame: _quick_delta_frame(link, frame) or link.frames._read_delta_frame(frame))
+        quick = _delta_outcome(paths[-1], depth, _quick)
         assert quick[0] != "open" and isinstance(quick[0][0], str), "a lying DELTA_FRAME record was read"
-        assert quick == _delta_outcome(paths[-1], depth, lambda link, frame: link.frames._read_delta_frame(frame))
+        assert quick == _delta_outcome(paths[-1], depth, _checked) == _delta_outcome(paths[-1], depth, _native)
+
+
+def test_a_delta_frame_with_a_wrong_checksum_is_judged_quickly_as_alone(short_chain, tmp_path):
+    """A middle link's DELTA_FRAME with one entry offset moved (entries still in order, so
+    only the record's checksum, left as it was, tells): the quick reads (Python and C)
+    refuse the record, and the frame store gives the checksum's finding."""
+    paths = [tmp_path / p.name for p in short_chain]
+    for source, target in zip(short_chain, paths):
+        target.write_bytes(source.read_bytes())
+    bad = LINKS - 2
+    start, _ = _delta_spans(paths[bad])[0]
+    spoiled = bytearray(paths[bad].read_bytes())
+    table = start + RECORD.size + 16                # its entry offsets: the second moved by one
+    second, third = struct.unpack_from("<II", spoiled, table + 4)
+    assert second + 1 < third, "the second entry should be longer than a byte"
+    struct.pack_into("<I", spoiled, table + 4, second + 1)
+    paths[bad].write_bytes(bytes(spoiled))
+    quick = _delta_outcome(paths[-1], 1, _quick)
+    assert quick == _delta_outcome(paths[-1], 1, _checked) == _delta_outcome(paths[-1], 1, _native)
+    assert quick[0][1] == "LI-REC-003"
+
+
+def test_a_batch_of_delta_frames_read_in_c_is_the_batch_read_in_python(short_chain, tmp_path):
+    """Every DELTA_FRAME of the short chain's links read as one batch (a restore's worker):
+    leanimg._native.read_delta_frames gives the contents, entry offsets, first deltas and
+    entry counts the Python batch gives; one record spoiled in the middle of the batch (its
+    checksum made right again), or one file cut short after it was opened, and it reads none
+    (None: the batch goes the Python way, which refuses that record with its finding)."""
+    with LeanImage.open(short_chain[-1]) as image:
+        frames = [(link, frame) for link in image.chain() for frame in range(len(link.frames.delta_frames))]
+        assert len({id(link) for link, _ in frames}) >= 3, "the batch should span links"
+        native, python = _read_delta_batch_native(frames, PS), _read_delta_batch(frames)
+        assert native[0] == python[0] and len(native[0]) > 0
+        for a, b in zip(native[1:], python[1:]):
+            assert a.dtype == b.dtype == np.int64 and np.array_equal(a, b)
+    paths = [tmp_path / p.name for p in short_chain]
+    for source, target in zip(short_chain, paths):
+        target.write_bytes(source.read_bytes())
+    bad = LINKS - 3
+    start, _ = _delta_spans(paths[bad])[0]
+    spoiled = bytearray(paths[bad].read_bytes())
+    spoiled[start + RECORD.size + 16] ^= 0x01           # the first entry offset: no longer 0
+    paths[bad].write_bytes(reseal(bytes(spoiled)))
+    relink(paths, bad + 1)
+    with LeanImage.open(paths[-1]) as image:
+        frames = [(link, frame) for link in image.chain() for frame in range(len(link.frames.delta_frames))]
+        assert _read_delta_batch_native(frames, PS) is None
+        found, _ = _outcome(lambda: _read_delta_batch(frames))
+        assert found is not None and found[4] == str(paths[bad])
+    with LeanImage.open(short_chain[-1]) as image:          # a file cut short after it was opened
+        link = image.chain()[1]
+        frames = [(image, 0), (link, 0)]
+        cut = tmp_path / "cut.lean"
+        cut.write_bytes(short_chain[-2].read_bytes()[:_delta_spans(short_chain[-2])[0][0] + 8])
+        link.tables.file.fileobj = open(cut, "rb")
+        try:
+            assert _read_delta_batch_native(frames, PS) is None
+            assert _outcome(lambda: _read_delta_batch(frames))[0][0] == "TruncatedError"
+        finally:
+            link.tables.file.fileobj.close()
 
 
 # --- a deep chain: a bad link in the middle is found and named ------------------------------------

@@ -3,7 +3,8 @@ digests of the xxhash module page by page (spec §6.5), through format.page_dige
 row_digests, the INDEX_LIST parse of delta._parse_index_lists_numpy (spec §7.3), on sound
 and damaged entries, tables_batch's page-map rules on sound and spoiled page maps, and
 chain._fold_own_pages_numpy's fold of a chain's pages; it refuses rows, offsets and extents
-outside its buffers. .ci/install builds it (and fails when it cannot), so these tests
+outside its buffers, and records' places that do not add up. (Its DELTA_FRAME reads are
+checked against chain._quick_delta_frame's in tests/test_chain_fold.py, on damaged records.) .ci/install builds it (and fails when it cannot), so these tests
 require it."""
 
 import numpy as np
@@ -237,3 +238,17 @@ def test_native_page_map_rules_refuse_lengths_that_do_not_add_up():
                                  np.zeros((len(lengths), 3), np.int64), np.zeros(len(lengths), np.uint8), *tables, ok,
                                  np.zeros(len(lengths), np.uint64), np.zeros(3, np.uint8), np.zeros(3, np.int64))
         assert (ok == 7).all()                  # nothing written
+
+
+@pytest.mark.parametrize("change", [dict(fds=np.zeros(2, np.int32)), dict(nums=np.array([-1], np.int64)),
+                                    dict(lengths=np.array([-8], np.int64)), dict(fds=np.zeros(0, np.int32)),
+                                    dict(offsets=np.zeros(1, np.int32))],
+                         ids=["unequal", "negative-count", "negative-length", "empty", "offsets-not-int64"])
+def test_native_delta_frame_read_refuses_bad_arguments(change):
+    """read_delta_frames is given its records' places by the caller: arrays that do not
+    describe the same records raise ValueError, and nothing is read."""
+    args = dict(fds=np.zeros(1, np.int32), offsets=np.zeros(1, np.int64), lengths=np.full(1, 64, np.int64),
+                firsts=np.zeros(1, np.int64), nums=np.ones(1, np.int64))
+    args.update(change)
+    with pytest.raises(ValueError):
+        _native.read_delta_frames(*args.values(), 1 << 20)
