@@ -53,13 +53,18 @@ class ImageFile:
         """Read from the file again from now on (memory held only while opening)."""
         self._whole = None
 
-    def read_exact(self, offset: int, length: int, structure) -> bytes:
-        """``structure``: the path errors name, or a function giving it (built only on an error)."""
+    def read_exact(self, offset: int, length: int, structure, view: bool = False) -> bytes:
+        """``structure``: the path errors name, or a function giving it (built only on an error).
+        ``view``: of a file held whole, a memoryview of its bytes rather than a copy (for a
+        caller that copies what it keeps)."""
         if offset < 0 or length < 0 or offset + length > self.size:
             raise TruncatedError(f"expected {length} bytes, file ends at {self.size:#x}",
                                  offset=offset, structure=_named(structure))
         whole = self._whole
-        data = whole[offset:offset + length] if whole is not None else os.pread(self.fileobj.fileno(), length, offset)
+        if whole is not None:
+            data = memoryview(whole)[offset:offset + length] if view else whole[offset:offset + length]
+        else:
+            data = os.pread(self.fileobj.fileno(), length, offset)
         if len(data) != length:
             raise TruncatedError(f"expected {length} bytes, got {len(data)}", offset=offset,
                                  structure=_named(structure))

@@ -150,17 +150,17 @@ class ImageTables:
         offsets = self.entries["record_offset"]
         return int(offsets[position + 1]) if position + 1 < len(offsets) else self.index.offset
 
-    def listed_bytes(self, position: int, most: int) -> bytes | None:
+    def listed_bytes(self, position: int, most: int, view: bool = False) -> bytes | None:
         """The bytes of entry ``position``'s record up to the next record, for a quick path
         that tests its rules in their plain case; None when they are more than ``most`` or
         cannot be read (the checked path, ``record``, then reads no more than the limit and
-        raises its finding)."""
+        raises its finding). ``view``: as ImageFile.read_exact's."""
         offset = int(self.entries["record_offset"][position])
         length = self.listed_end(position) - offset
         if length > most:
             return None
         try:
-            return self.file.read_exact(offset, length, lambda: f"record[{position}]")
+            return self.file.read_exact(offset, length, lambda: f"record[{position}]", view)
         except LeanImageError:
             return None
 

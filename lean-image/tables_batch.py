@@ -26,7 +26,7 @@ from .errors import LeanImageError
 from .format import (
     EXTENT, FRAME_PAGES_MAX_BYTES, HAS_DIGEST, HAS_OWN_DIGEST, HAS_SLOT, IS_PAGE_CLASS, PAGE_MAP_BODY, RECORD,
     RECORD_BODY_MAX, RECORD_TRAILER, REGION_BODY, REGION_FLAG_HAS_GPA, REGION_NAME_MAX, IncompatFeature, PageClass,
-    RecordType, checksum64, inherits_digests, record_size,
+    RecordType, checksum64, inherits_digests, joined, record_size,
 )
 from .tables import ImageTables, Region
 
@@ -142,7 +142,7 @@ def _page_maps_pass(all_tables: list[ImageTables], positions: list[int]) -> list
     raws = []
     shortest = RECORD.size + PAGE_MAP_BODY.size + EXTENT.size + RECORD_TRAILER.size
     for t, position in zip(all_tables, positions):
-        raw = t.listed_bytes(position, record_size(RECORD_BODY_MAX))
+        raw = t.listed_bytes(position, record_size(RECORD_BODY_MAX), view=True)     # the extents are copied below
         raws.append(raw if raw is not None and len(raw) >= shortest else None)
     kept = [k for k, raw in enumerate(raws) if raw is not None]
     if not kept:
@@ -157,15 +157,17 @@ def _page_maps_pass(all_tables: list[ImageTables], positions: list[int]) -> list
     ok &= trailers == np.array([checksum64(memoryview(raws[k])[:-RECORD_TRAILER.size]) for k in kept], np.uint64)
     num = np.where(ok, num, 0)
     start = RECORD.size + PAGE_MAP_BODY.size
-    extents = [np.frombuffer(raws[k], EXTENT.dtype, int(n), start) for k, n in zip(kept, num.tolist())]
     lid, first = _link_ids(num)
-    e = _joined(extents) if len(lid) else np.zeros(0, EXTENT.dtype)
+    e = joined([np.frombuffer(raws[k], EXTENT.dtype, int(n), start) for k, n in zip(kept, num.tolist())]) \
+        if len(lid) else np.zeros(0, EXTENT.dtype)
+    e.flags.writeable = False              # the links' page maps, as read from their files
+    extents = [e[lo:lo + n] for lo, n in zip(first.tolist(), num.tolist())]     # views: the files' bytes can go
     classes = e["page_class"]
     bad = (e["reserved"] != 0) | ~IS_PAGE_CLASS[np.minimum(classes, len(IS_PAGE_CLASS) - 1)] | \
         (classes >= len(IS_PAGE_CLASS)) | (e["num_pages"] == 0) | \
         (~HAS_SLOT[np.minimum(classes, len(HAS_SLOT) - 1)] & (e["first_slot"] != 0))
     ok &= np.bincount(lid[bad], minlength=len(kept)) == 0
-    entries = _joined([all_tables[k].entries[positions[k]:positions[k] + 1] for k in kept])
+    entries = joined([all_tables[k].entries[positions[k]:positions[k] + 1] for k in kept])
     pages = np.bincount(lid, weights=e["num_pages"].astype(np.float64), minlength=len(kept))
     firsts = np.where(num > 0, e["first_page"][np.minimum(first, max(len(e) - 1, 0))] if len(e) else 0, 0)
     ok &= (entries["record_type"] == RecordType.PAGE_MAP) & (entries["key"] == head["region_id"]) & \
@@ -195,11 +197,6 @@ def _link_ids(lengths) -> tuple[np.ndarray, np.ndarray]:
     lengths = np.asarray(lengths, np.int64)
     return np.repeat(np.arange(len(lengths)), lengths), np.cumsum(lengths) - lengths
 
-
-def _joined(tables: list[np.ndarray]) -> np.ndarray:
-    """Structured arrays of one dtype laid end to end (by their bytes: np.concatenate
-    promotes the fields of each, ~50 us a table)."""
-    return np.frombuffer(b"".join(t.tobytes() for t in tables), tables[0].dtype)
 
 
 def _exclusive_sums(values: np.ndarray, lid: np.ndarray, first: np.ndarray) -> np.ndarray:
@@ -273,10 +270,10 @@ def _extents_rules_native(extents: list, pages: np.ndarray, available: np.ndarra
     whether its extents cover the region (LI-MAP-001) and use their slots in extent order
     (LI-MAP-004), which classes it has (an (images, 16) mask); per extent, digest bearing
     and the digests before it in its image. One pass (leanimg._native)."""
-    joined = _joined(extents)
+    laid = joined(extents)
     ok, present = np.zeros(len(extents), np.uint8), np.zeros(len(extents), np.uint64)
-    bearing, rank0 = np.zeros(len(joined), np.uint8), np.zeros(len(joined), np.int64)
-    _native.extents_hold(joined, np.array([len(e) for e in extents], np.int64), pages, available,
+    bearing, rank0 = np.zeros(len(laid), np.uint8), np.zeros(len(laid), np.int64)
+    _native.extents_hold(laid, np.array([len(e) for e in extents], np.int64), pages, available,
                          own.astype(np.uint8), HAS_OWN_DIGEST.view(np.uint8), HAS_DIGEST.view(np.uint8),
                          np.array(_SLOT_CLASSES, np.int64), ok, present, bearing, rank0)
     classes = (present[:, None] >> np.arange(16, dtype=np.uint64)) & np.uint64(1) != 0
@@ -314,7 +311,7 @@ def _digests_cover(all_tables, prepared) -> np.ndarray:
     DIGESTS positions."""
     n = len(all_tables)
     lid, first = _link_ids([len(t.entries) for t in all_tables])
-    flat = _joined([t.entries for t in all_tables])
+    flat = joined([t.entries for t in all_tables])
     digests = np.flatnonzero(flat["record_type"] == RecordType.DIGESTS)
     at, d_lid = digests - first[lid[digests]], lid[digests]
     region_at = np.array([p[4] for p in prepared], np.int64)
