@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from leanimg.arrays import distinct
 from leanimg.disks.partitions import aligned_ranges, scan_segments
 from leanimg.format import DIGEST_SIZE, DISK_SECTOR_SIZE, row_digests
 from leanimg.writer import LeanImageWriter
@@ -115,7 +116,7 @@ class PageIndex:
         """Per region id, the matched pages sorted by page."""
         found = np.flatnonzero(self.disk_ids >= 0)
         out = {}
-        for region in np.unique(self.regions[found]).tolist():
+        for region in distinct(self.regions[found]).tolist():
             rows = found[self.regions[found] == region]
             rows = rows[np.argsort(self.pages[rows])]
             out[region] = DiskMatches(self.pages[rows].astype(np.int64), self.disk_ids[rows], self.sectors[rows],
@@ -176,7 +177,7 @@ class DiskPages:
         ps = self.writer.page_size
         pages = np.frombuffer(data, np.uint8).reshape(-1, ps)
         ok = np.zeros(len(rows), bool)
-        for disk_id in np.unique(disk_ids).tolist():
+        for disk_id in distinct(disk_ids).tolist():
             mine = np.flatnonzero(disk_ids == disk_id)
             on_disk = self.disks[disk_id].read_runs(sectors[mine].astype(np.int64) * DISK_SECTOR_SIZE, ps)
             ok[mine] = (on_disk == pages[rows[mine]]).all(axis=1)

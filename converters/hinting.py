@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from leanimg.arrays import distinct
 from leanimg.format import DISK_SECTOR_SIZE, PageClass, row_digests
 from leanimg.hints import Guest, HintError, Hints, RecordType, check_against, read_hints, resolve
 from leanimg.rules import implements
@@ -179,7 +180,7 @@ class HintPlan:
             return
         sectors = region.disk_sector[first + hinted]
         ok = rows[hinted].view(np.uint64).any(axis=1)       # a zero page stays ZERO
-        for k in np.unique(index[hinted]).tolist():
+        for k in distinct(index[hinted]).tolist():
             mine = np.flatnonzero(index[hinted] == k)
             on_disk = self.disks[self.disk_names[k]].read_runs(sectors[mine].astype(np.int64) * DISK_SECTOR_SIZE, ps)
             ok[mine] &= (on_disk == rows[hinted[mine]]).all(axis=1)

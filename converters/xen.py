@@ -45,6 +45,7 @@ from typing import BinaryIO, Callable, Iterator
 
 import numpy as np
 
+from leanimg.arrays import distinct
 from leanimg.errors import SourceFormatError, fits_in_memory
 
 from .cursor import Cursor
@@ -468,7 +469,7 @@ class _Scanner:
         self.num_pfns = max(self.num_pfns, top)
         ids = self.entries + np.arange(len(pfns), dtype=np.int64)
         if not self.resent:
-            self.resent = bool((self.last_entry[pfns] >= 0).any()) or len(np.unique(pfns)) < len(pfns)
+            self.resent = bool((self.last_entry[pfns] >= 0).any()) or len(distinct(pfns)) < len(pfns)
         np.maximum.at(self.last_entry, pfns, ids)
         self.entries += len(pfns)
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import zstandard
 
+from .arrays import distinct
 from .compression import FrameError, decompress_exact
 from .delta import parse_index_lists
 from .digests import verify_rows
@@ -277,7 +278,7 @@ def _fill_disk(resolution: Resolution, out: np.ndarray, first_page: int, count: 
     """Rows ``rows`` of the range, whose bases are DISK pages, read from each base link's disks."""
     links = resolution.base_link[first_page:first_page + count][rows]
     slots = resolution.base_slot[first_page:first_page + count][rows]
-    for link_index in np.unique(links).tolist():
+    for link_index in distinct(links).tolist():
         mine = links == link_index
         resolution.links[link_index].fill_disk_pages(resolution.regions[link_index], first_page, out, rows[mine],
                                                      slots[mine].astype(np.int64))
@@ -289,7 +290,7 @@ def _delta_groups(resolution: Resolution, first_page: int, stop: int) -> list[tu
     so its frames' order does not matter)."""
     lo, hi = (int(x) for x in np.searchsorted(resolution.delta_pages, [first_page, stop]))
     top = len(resolution.links) - 1
-    keys = np.unique(_frame_keys(top - resolution.delta_links[lo:hi].astype(np.int64), resolution.delta_frames[lo:hi]))
+    keys = distinct(_frame_keys(top - resolution.delta_links[lo:hi].astype(np.int64), resolution.delta_frames[lo:hi]))
     return [(top - (key >> 32), key & 0xFFFFFFFF) for key in keys.tolist()]
 
 
@@ -393,7 +394,7 @@ class _ChainPatches:
         plain = np.zeros(len(r.delta_pages), bool)
         for rows, (_, _, _, rows_plain) in results:
             plain[rows] = rows_plain
-        slow_pages = np.unique(r.delta_pages[~plain])
+        slow_pages = distinct(r.delta_pages[~plain])
         self.slow_rows = np.flatnonzero(np.isin(r.delta_pages, slow_pages))
         folds = [(flat, values) for _, (_, flat, values, _) in reversed(results)]
         if len(slow_pages):              # their words come from the checked path, in its order
@@ -646,7 +647,7 @@ class _StoredPages:
     def to_open(self, first_page: int, rows: np.ndarray) -> np.ndarray:
         """Frames (indexes into self.keys, ascending) a call for pages ``first_page + rows``
         decompresses: those not opened earlier in the pass."""
-        groups = np.unique(self.group_of[first_page + rows])
+        groups = distinct(self.group_of[first_page + rows])
         return groups[~self.opened[groups]] if self._forward(first_page) else groups
 
     def frame_of(self, group: int) -> tuple[int, int]:

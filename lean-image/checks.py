@@ -13,6 +13,7 @@ from typing import Iterable, Iterator
 
 import numpy as np
 
+from .arrays import distinct
 from .errors import ChainError, DiskError, FormatError, LimitError
 from .format import (
     HAS_DIGEST, IS_PAGE_CLASS, DISK_BODY, DISK_NAME_MAX, DISK_SECTOR_SIZE, DISKS_MAX, INDEX_BODY,
@@ -78,7 +79,7 @@ def record_references(record: Record) -> tuple[int, tuple[int, ...]]:
     if kind in (RecordType.PAGE_MAP, RecordType.DIGESTS):
         return kind, (p["region_id"],)
     if kind == RecordType.DISK_REFS:
-        return kind, tuple(int(d) for d in np.unique(p["refs"]["disk_id"]))
+        return kind, tuple(int(d) for d in distinct(p["refs"]["disk_id"]))
     return kind, ()
 
 

@@ -15,9 +15,10 @@ import numpy as np
 from . import checks
 from .checks import first_problem
 from .errors import ChainError, LeanImageError
+from .arrays import joined
 from .format import (
     DIGEST_SIZE, DIGESTS_BODY, RECORD, RECORD_BODY_MAX, RECORD_TRAILER, PageClass, RecordType, checksum64,
-    digest_class_table, inherits_digests, joined, page_digest, record_size, zero_page_digest,
+    digest_class_table, inherits_digests, page_digest, record_size, zero_page_digest,
 )
 from .tables import ImageTables, Region
 

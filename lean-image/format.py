@@ -339,13 +339,6 @@ def page_digests(data, page_size: int) -> np.ndarray:
     return np.frombuffer(joined, np.uint8).reshape(-1, DIGEST_SIZE)
 
 
-def joined(tables: list[np.ndarray]) -> np.ndarray:
-    """Structured arrays of one dtype (a file's tables) laid end to end, by their bytes: one
-    copy (np.concatenate of the arrays themselves promotes the fields of each, ~50 us a
-    table; tobytes and a join copy twice)."""
-    return np.concatenate([np.ascontiguousarray(t).view(np.uint8) for t in tables]).view(tables[0].dtype)
-
-
 def page_items(page_size: int) -> np.dtype:
     """One page as one numpy item: fancy-indexed copies of whole pages move one block per
     page (several times faster than rows of an (n, page_size) uint8 array)."""

@@ -15,6 +15,7 @@ from contextlib import contextmanager
 import numpy as np
 import zstandard
 
+from .arrays import distinct
 from .compression import SIZE, FrameError, decompress_exact, decompress_into
 from .delta import parse_index_lists
 from .errors import FormatError, LeanImageError
@@ -171,7 +172,7 @@ class FrameStore:
             return data[start * self.page_size:(start + 1) * self.page_size]
 
     def frames_touched(self, ordinals: np.ndarray) -> int:
-        return len(np.unique(self.page_frames.frame_of(ordinals)))
+        return len(distinct(self.page_frames.frame_of(ordinals)))
 
     def _load_only(self, frame: int, buffers: FrameBuffers | None = None) -> tuple[bytes, None]:
         return self._load(frame, buffers), None

@@ -21,6 +21,7 @@ from typing import BinaryIO, Iterator
 import numpy as np
 import xxhash
 
+from .arrays import distinct
 from .errors import LeanImageError
 from .rules import implements
 
@@ -381,7 +382,7 @@ class _Scanner:
         if record.addressing == Addressing.REGION and record.region_id not in self.hints.regions:
             missing.append(f"region id {record.region_id}")
         if record.kind == RecordType.DISK:
-            unknown = set(np.unique(record.entries["disk_id"]).tolist()) - set(self.hints.disks)
+            unknown = set(distinct(record.entries["disk_id"]).tolist()) - set(self.hints.disks)
             missing += [f"disk id {i}" for i in sorted(unknown)]
         if missing:
             yield _undeclared(record, missing)
@@ -571,7 +572,7 @@ def _check_disks(hints: Hints, guest: Guest):
         return
     for record in hints.of_kind(RecordType.DISK):
         runs = record.entries
-        for disk_id in np.unique(runs["disk_id"]).tolist():
+        for disk_id in distinct(runs["disk_id"]).tolist():
             name = hints.disks[disk_id]
             if name not in guest.disks:
                 yield HintError(f"DISK hints name disk {name!r}, which is not given (give it with --disk "

@@ -10,6 +10,7 @@ from collections import Counter
 
 import numpy as np
 
+from .arrays import distinct
 from .format import DIGEST_SIZE, PageClass, page_digest
 from .reader import LeanImage
 from .rules import implements
@@ -157,7 +158,7 @@ class DiskBases:
         pages = np.flatnonzero(candidate)
         depths, slots = res.base_link[pages], res.base_slot[pages]
         new_ids = np.full(len(pages), -1, np.int64)
-        for depth in np.unique(depths).tolist():
+        for depth in distinct(depths).tolist():
             at = depths == depth
             old = res.links[depth].tables.disk_refs.disk_ids[slots[at]].astype(np.int64)
             new_ids[at] = _map_ids(old, depth, disk_ids)
@@ -175,7 +176,7 @@ class DiskBases:
         links, slots = self.link[pages], self.slot[pages]
         sectors = np.zeros(count, np.int64)
         digests = np.zeros((count, DIGEST_SIZE), np.uint8)
-        for depth in np.unique(links).tolist():
+        for depth in distinct(links).tolist():
             at = np.flatnonzero(links == depth)
             link, region = self.resolution.links[depth], self.resolution.regions[depth]
             sectors[at] = link.tables.disk_refs.sectors[slots[at]]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .arrays import distinct
 from . import checks
 from .checks import first_problem
 from .digests import verify_page, verify_rows
@@ -173,7 +174,7 @@ def fill_disk_pages(image, region: Region, first_page: int, out: np.ndarray, row
     ids, sectors = refs.disk_ids[slots], refs.sectors[slots].astype(np.int64)
     _, expected = image.digests.expected_range(region, first_page, int(rows.max()) + 1)
     pages = out.reshape(-1, ps)
-    for disk_id in np.unique(ids).tolist():
+    for disk_id in distinct(ids).tolist():
         mine = np.flatnonzero(ids == disk_id)
         source = _disk_source(image, region, first_page + int(rows[mine[0]]), disk_id)
         source.read_runs(sectors[mine] * DISK_SECTOR_SIZE, ps, sort=image.sort_blocks, out=pages, rows=rows[mine])

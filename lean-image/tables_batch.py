@@ -23,10 +23,11 @@ import numpy as np
 
 from . import checks
 from .errors import LeanImageError
+from .arrays import joined
 from .format import (
     EXTENT, FRAME_PAGES_MAX_BYTES, HAS_DIGEST, HAS_OWN_DIGEST, HAS_SLOT, IS_PAGE_CLASS, PAGE_MAP_BODY, RECORD,
     RECORD_BODY_MAX, RECORD_TRAILER, REGION_BODY, REGION_FLAG_HAS_GPA, REGION_NAME_MAX, IncompatFeature, PageClass,
-    RecordType, checksum64, inherits_digests, joined, record_size,
+    RecordType, checksum64, inherits_digests, record_size,
 )
 from .tables import ImageTables, Region
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import zstandard
 
+from .arrays import distinct
 from . import checks
 from . import delta as deltacodec
 from .errors import InputMissing, LeanImageError, LimitError
@@ -388,7 +389,7 @@ def _check_frames(image: ImageFile, scan: _Scan, page_size: int, tables: dict, r
         first = min(p["first_ordinal"], 1 << 62)       # a lying u8 must not overflow the search
         lo, hi = np.searchsorted(ordinals, [first, first + len(got)])
         rows = ordinals[lo:hi] - first
-        for region_id in np.unique(region_of[lo:hi]).tolist():
+        for region_id in distinct(region_of[lo:hi]).tolist():
             mine = np.flatnonzero(region_of[lo:hi] == region_id)
             report.add_all(checks.digest_problems(region_id, names[region_id], page_of[lo:hi][mine],
                                                   got[rows[mine]], expected[lo:hi][mine],

@@ -22,6 +22,7 @@ import numpy as np
 import xxhash
 import zstandard
 
+from .arrays import distinct
 from . import delta as deltacodec
 from .errors import LimitError, fits_in_memory
 from .fileutil import commit_temporary, create_temporary, discard_temporary, is_special_file
@@ -408,7 +409,7 @@ class LeanImageWriter:
         if not len(pages) == len(disk_ids) == len(sectors) == len(digests):
             raise WriterUsageError(f"put_disks: {len(pages)} pages, {len(disk_ids)} disk ids, {len(sectors)} "
                                    f"sectors and {len(digests)} digests: expected one of each per page")
-        unknown = set(np.unique(disk_ids).tolist()) - set(self._disks)
+        unknown = set(distinct(disk_ids).tolist()) - set(self._disks)
         if unknown:
             raise WriterUsageError(f"unknown disk id {min(unknown)}")
         sizes = np.array(self._disk_sizes, np.float64)[np.asarray(disk_ids, np.int64)]
@@ -421,7 +422,7 @@ class LeanImageWriter:
         if region is None:
             raise WriterUsageError(f"unknown region id {region_id}")
         pages = np.asarray(pages, np.int64)
-        if pages.min() < 0 or pages.max() >= region.num_pages or len(np.unique(pages)) != len(pages):
+        if pages.min() < 0 or pages.max() >= region.num_pages or len(distinct(pages)) != len(pages):
             raise WriterUsageError(f"region {region.name!r}: DISK pages outside 0..{region.num_pages} or repeated")
         taken = pages[region.classes[pages] != 0]
         if len(taken):

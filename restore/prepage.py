@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from leanimg.arrays import distinct
 from leanimg.format import PageClass
 
 STRATEGIES = ("none", "sequential", "bubble", "disk-sorted")
@@ -69,7 +70,7 @@ class Ordered:
             hi = min(len(self.page_of), self.cursor + WINDOW)
             bs, ps = self.block_of[self.cursor:hi], self.page_of[self.cursor:hi]
             unsent = np.ones(len(ps), bool)
-            for index in np.unique(bs).tolist():
+            for index in distinct(bs).tolist():
                 mine = bs == index
                 unsent[mine] = ~self.blocks[index].sent[ps[mine]]
             chosen = np.flatnonzero(unsent)[:want]

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from leanimg.arrays import distinct
 from leanimg.errors import DiskError
 from leanimg.format import DISK_SECTOR_SIZE, PageClass
 
@@ -79,7 +80,7 @@ def _references(image) -> dict[int, np.ndarray]:
     slots = np.concatenate(used)
     refs = image.tables.disk_refs
     ids, sectors = refs.disk_ids[slots], refs.sectors[slots].astype(np.int64)
-    return {int(d): sectors[ids == d] for d in np.unique(ids)}
+    return {int(d): sectors[ids == d] for d in distinct(ids)}
 
 
 def _files_of(source, sectors: np.ndarray) -> Counter:
