@@ -4,6 +4,8 @@
  *    of many pages in one call; the xxhash module takes one call per page under the GIL;
  *  - index_list_heads / index_list_words: the plain INDEX_LIST entries of a decompressed
  *    DELTA_FRAME (spec §7.3) parsed in one pass; numpy needs a dozen passes and gathers;
+ *  - copy_rows: pages copied from a decompressed frame into a chain's range buffer, one
+ *    copy each (numpy's fancy assignment gathers into a temporary first);
  *  - read_delta_frames: a batch of DELTA_FRAME records (one per link of a deep chain) read,
  *    tested and decompressed in one call, so a read-ahead worker does not take the GIL
  *    from the caller record after record;
@@ -20,6 +22,7 @@
 #include <Python.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 #include <unistd.h>
 #define XXH_INLINE_ALL
 #include <xxhash.h>
@@ -372,6 +375,42 @@ done:
     return result;
 }
 
+/* copy_rows(src, src_rows, dst, dst_rows, row_size): row src_rows[k] of ``src`` (rows of
+ * row_size bytes laid end to end) to row dst_rows[k] of ``dst``, for each k (int64 rows), the
+ * GIL released: one copy per row, where numpy's dst[rows] = src[rows] gathers into a
+ * temporary and copies again. ValueError (nothing written) when a row is outside its buffer. */
+static PyObject *copy_rows(PyObject *self, PyObject *args)
+{
+    Py_buffer src, src_rows, dst, dst_rows;
+    Py_ssize_t row_size;
+    if (!PyArg_ParseTuple(args, "y*y*w*y*n", &src, &src_rows, &dst, &dst_rows, &row_size))
+        return NULL;
+    PyObject *result = NULL;
+    const int64_t *from = src_rows.buf, *to = dst_rows.buf;
+    Py_ssize_t n = src_rows.len / (Py_ssize_t)sizeof(int64_t);
+    Py_ssize_t src_count = row_size > 0 ? src.len / row_size : 0, dst_count = row_size > 0 ? dst.len / row_size : 0;
+    int bad = row_size <= 0 || src_rows.len % (Py_ssize_t)sizeof(int64_t) || dst_rows.len != src_rows.len;
+    for (Py_ssize_t k = 0; !bad && k < n; k++)
+        bad = from[k] < 0 || from[k] >= src_count || to[k] < 0 || to[k] >= dst_count;
+    if (bad) {
+        PyErr_SetString(PyExc_ValueError, "copy_rows: a row outside its buffer, or rows of unequal lengths");
+        goto done;
+    }
+    const unsigned char *in = src.buf;
+    unsigned char *out = dst.buf;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t k = 0; k < n; k++)
+        memcpy(out + to[k] * row_size, in + from[k] * row_size, (size_t)row_size);
+    Py_END_ALLOW_THREADS
+    result = Py_NewRef(Py_None);
+done:
+    PyBuffer_Release(&src);
+    PyBuffer_Release(&src_rows);
+    PyBuffer_Release(&dst);
+    PyBuffer_Release(&dst_rows);
+    return result;
+}
+
 /* One extent of a PAGE_MAP (spec §6.2), as laid out in the file. */
 struct extent {
     uint64_t first_page;
@@ -583,6 +622,7 @@ static PyMethodDef methods[] = {
      "index_list_heads(content, offsets, page_size, simple, word_start, num_words) -> words"},
     {"index_list_words", index_list_words, METH_VARARGS,
      "index_list_words(content, offsets, page_size, simple, word_start, positions, values)"},
+    {"copy_rows", copy_rows, METH_VARARGS, "copy_rows(src, src_rows, dst, dst_rows, row_size)"},
     {"read_delta_frames", read_delta_frames, METH_VARARGS,
      "read_delta_frames(fds, offsets, lengths, firsts, nums, most) -> (content, entry offsets) or None"},
     {"extents_hold", extents_hold, METH_VARARGS,

@@ -677,7 +677,7 @@ class _StoredPages:
             pages = self.pages[self.bounds[group]:self.bounds[group + 1]]
             ordinals = self.resolution.base_slot[pages] - int(link.frames.page_frames.starts[frame])
             lo, hi = (int(x) for x in np.searchsorted(pages, [first_page, stop]))
-            items[pages[lo:hi] - first_page] = content[ordinals[lo:hi]]
+            _copy_rows(items, pages[lo:hi] - first_page, content, ordinals[lo:hi])
             if forward and hi < len(pages):
                 self.carried.append((pages[hi:], content[ordinals[hi:]]))       # copies
             if forward and loaded is not None:
@@ -705,6 +705,16 @@ class _StoredPages:
     def local(self, first_page: int, stop: int) -> np.ndarray:
         """Per frame: whether all its pages lie in [first_page, stop) (no other range needs it)."""
         return (self.first >= first_page) & (self.last < stop)
+
+
+def _copy_rows(dst: np.ndarray, dst_rows: np.ndarray, src: np.ndarray, src_rows: np.ndarray) -> None:
+    """dst[dst_rows] = src[src_rows] (arrays of page items): with leanimg._native one copy of
+    each page, the GIL released; numpy gathers them into a temporary and copies them again."""
+    if _native is None:
+        dst[dst_rows] = src[src_rows]
+    else:
+        _native.copy_rows(src, np.ascontiguousarray(src_rows, np.int64), dst, np.ascontiguousarray(dst_rows, np.int64),
+                          dst.itemsize)
 
 
 class _FrameWindow:

@@ -252,3 +252,26 @@ def test_native_delta_frame_read_refuses_bad_arguments(change):
     args.update(change)
     with pytest.raises(ValueError):
         _native.read_delta_frames(*args.values(), 1 << 20)
+
+
+@settings(max_examples=100, deadline=None)
+@given(rows=st.integers(1, 12), seed=st.integers(0, 2**32 - 1), data=st.data())
+def test_native_copy_rows_is_numpy_fancy_assignment(rows, seed, data):
+    """chain._copy_rows' C copy: dst[dst_rows] = src[src_rows], rows in any order, repeats allowed."""
+    item = np.dtype((np.void, 64))
+    src = np.random.default_rng(seed).integers(0, 256, rows * 64, np.uint8).view(item)
+    src_rows = np.array(data.draw(st.lists(st.integers(0, rows - 1), max_size=20)), np.int64)
+    dst_rows = np.array(data.draw(st.lists(st.integers(0, 7), min_size=len(src_rows), max_size=len(src_rows))),
+                        np.int64)
+    want, got = np.zeros(8, item), np.zeros(8, item)
+    want[dst_rows] = src[src_rows]
+    _native.copy_rows(src, src_rows, got, dst_rows, 64)
+    assert got.tobytes() == want.tobytes()
+
+
+@pytest.mark.parametrize("src_rows, dst_rows", [([4], [0]), ([0], [2]), ([-1], [0]), ([0, 1], [0])])
+def test_native_copy_rows_refuses_rows_outside_its_buffers(src_rows, dst_rows):
+    src, dst = np.arange(4 * 8, dtype=np.uint8), np.zeros(2 * 8, np.uint8)
+    with pytest.raises(ValueError):
+        _native.copy_rows(src, np.array(src_rows, np.int64), dst, np.array(dst_rows, np.int64), 8)
+    assert not dst.any()
