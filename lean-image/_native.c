@@ -9,7 +9,8 @@
  *  - read_delta_frames: a batch of DELTA_FRAME records (one per link of a deep chain) read,
  *    tested and decompressed in one call, so a read-ahead worker does not take the GIL
  *    from the caller record after record;
- *  - extents_hold: tables_batch's page-map rules of many links' extents in one pass;
+ *  - page_map_extents, extents_hold: tables_batch's page-map rules of many links' extents
+ *    in one pass each (the rules of each extent alone; those across a link's extents);
  *  - fold_own_pages: chain.resolve's fold of a chain's own pages (the nearest link holding
  *    each page's base and digest, the deltas above the base, by page, deepest link first) in
  *    one pass over the extents; numpy expands them page by page and sorts the deltas.
@@ -419,6 +420,62 @@ struct extent {
     uint64_t first_slot;
 };
 
+/* page_map_extents(extents, lengths, is_page_class, has_slot, ok, pages, firsts): the page
+ * maps of many links laid end to end (``lengths[k]`` EXTENT records of link k, i8), each
+ * extent's own rules (spec §6.2: reserved zero, a page class, at least one page, first_slot
+ * zero for a class without slots; is_page_class and has_slot: u1 tables of 65536) tested per
+ * link into ok (u1 per link), with its pages in all (u8, wrapping) and its first extent's
+ * first_page (u8; 0 without extents). ValueError (nothing written) when the lengths do not
+ * add up to the extents or a table or an output is too small. */
+static PyObject *page_map_extents(PyObject *self, PyObject *args)
+{
+    Py_buffer extents, lengths, is_page_class, has_slot, ok, pages, firsts;
+    if (!PyArg_ParseTuple(args, "y*y*y*y*w*w*w*", &extents, &lengths, &is_page_class, &has_slot, &ok, &pages, &firsts))
+        return NULL;
+    PyObject *result = NULL;
+    const struct extent *e = extents.buf;
+    const int64_t *length = lengths.buf;
+    const unsigned char *is_class = is_page_class.buf, *slotted = has_slot.buf;
+    Py_ssize_t m = extents.len / (Py_ssize_t)sizeof(struct extent), links = lengths.len / 8, total = 0;
+    int bad = extents.len % (Py_ssize_t)sizeof(struct extent) || lengths.len % 8 || is_page_class.len < 65536 ||
+              has_slot.len < 65536 || ok.len < links || pages.len < links * 8 || firsts.len < links * 8;
+    for (Py_ssize_t k = 0; !bad && k < links; k++) {
+        bad = length[k] < 0 || length[k] > m - total;
+        total += bad ? 0 : length[k];
+    }
+    if (bad || total != m) {
+        PyErr_SetString(PyExc_ValueError, "page_map_extents: lengths that do not add up to the extents, or a table "
+                                          "or an output too small");
+        goto done;
+    }
+    unsigned char *good = ok.buf;
+    uint64_t *sum = pages.buf, *first = firsts.buf;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t k = 0; k < links; e += length[k], k++) {
+        int holds = 1;
+        uint64_t in_all = 0;
+        for (int64_t i = 0; i < length[k]; i++) {
+            uint16_t c = e[i].page_class;
+            holds &= !e[i].reserved && is_class[c] && e[i].num_pages && (slotted[c] || !e[i].first_slot);
+            in_all += e[i].num_pages;
+        }
+        good[k] = holds;
+        sum[k] = in_all;
+        first[k] = length[k] ? e[0].first_page : 0;
+    }
+    Py_END_ALLOW_THREADS
+    result = Py_NewRef(Py_None);
+done:
+    PyBuffer_Release(&extents);
+    PyBuffer_Release(&lengths);
+    PyBuffer_Release(&is_page_class);
+    PyBuffer_Release(&has_slot);
+    PyBuffer_Release(&ok);
+    PyBuffer_Release(&pages);
+    PyBuffer_Release(&firsts);
+    return result;
+}
+
 /* extents_hold(extents, lengths, pages, available, own, has_own_digest, has_digest, slot_classes,
  *              ok, present, bearing, rank0)
  * The page maps of many links laid end to end (``extents``: EXTENT records, ``lengths[k]``
@@ -625,6 +682,8 @@ static PyMethodDef methods[] = {
     {"copy_rows", copy_rows, METH_VARARGS, "copy_rows(src, src_rows, dst, dst_rows, row_size)"},
     {"read_delta_frames", read_delta_frames, METH_VARARGS,
      "read_delta_frames(fds, offsets, lengths, firsts, nums, most) -> (content, entry offsets) or None"},
+    {"page_map_extents", page_map_extents, METH_VARARGS,
+     "page_map_extents(extents, lengths, is_page_class, has_slot, ok, pages, firsts)"},
     {"extents_hold", extents_hold, METH_VARARGS,
      "extents_hold(extents, lengths, pages, available, own, has_own_digest, has_digest, slot_classes, ok, present, "
      "bearing, rank0)"},

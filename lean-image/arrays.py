@@ -8,8 +8,33 @@ import numpy as np
 def joined(tables: list[np.ndarray]) -> np.ndarray:
     """Structured arrays of one dtype (a file's tables) laid end to end, by their bytes: one
     copy (np.concatenate of the arrays themselves promotes the fields of each, ~50 us a
-    table; tobytes and a join copy twice)."""
+    table; tobytes and a join copy twice). Tables that already lie end to end in one array
+    (slices of what an earlier call returned, as tables_batch keeps a batch's page maps) are
+    not copied: a read-only view of them is returned."""
+    span = _adjacent_span(tables)
+    if span is not None:
+        return span
     return np.concatenate([np.ascontiguousarray(t).view(np.uint8) for t in tables]).view(tables[0].dtype)
+
+
+def _adjacent_span(tables: list[np.ndarray]) -> np.ndarray | None:
+    """A read-only view of the bytes ``tables`` cover, if they are contiguous views of one
+    array, each starting where the one before ends; else None."""
+    dtype, tables = tables[0].dtype, [t for t in tables if len(t)]      # an empty slice may point anywhere
+    owner = tables[0].base if tables else None
+    if owner is None or not isinstance(owner, np.ndarray) or not owner.flags.c_contiguous:
+        return None
+    at = owner.__array_interface__["data"][0]
+    end = tables[0].__array_interface__["data"][0]
+    start = end
+    for t in tables:
+        if t.base is not owner or not t.flags.c_contiguous or t.dtype != dtype or \
+                t.__array_interface__["data"][0] != end:
+            return None
+        end += t.nbytes
+    span = owner.reshape(-1).view(np.uint8)[start - at:end - at].view(dtype)
+    span.flags.writeable = False
+    return span
 
 
 def distinct(values) -> np.ndarray:

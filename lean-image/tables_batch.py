@@ -158,26 +158,44 @@ def _page_maps_pass(all_tables: list[ImageTables], positions: list[int]) -> list
     ok &= trailers == np.array([checksum64(memoryview(raws[k])[:-RECORD_TRAILER.size]) for k in kept], np.uint64)
     num = np.where(ok, num, 0)
     start = RECORD.size + PAGE_MAP_BODY.size
-    lid, first = _link_ids(num)
+    first = np.cumsum(num) - num
     e = joined([np.frombuffer(raws[k], EXTENT.dtype, int(n), start) for k, n in zip(kept, num.tolist())]) \
-        if len(lid) else np.zeros(0, EXTENT.dtype)
+        if num.any() else np.zeros(0, EXTENT.dtype)
     e.flags.writeable = False              # the links' page maps, as read from their files
     extents = [e[lo:lo + n] for lo, n in zip(first.tolist(), num.tolist())]     # views: the files' bytes can go
-    classes = e["page_class"]
-    bad = (e["reserved"] != 0) | ~IS_PAGE_CLASS[np.minimum(classes, len(IS_PAGE_CLASS) - 1)] | \
-        (classes >= len(IS_PAGE_CLASS)) | (e["num_pages"] == 0) | \
-        (~HAS_SLOT[np.minimum(classes, len(HAS_SLOT) - 1)] & (e["first_slot"] != 0))
-    ok &= np.bincount(lid[bad], minlength=len(kept)) == 0
+    extents_ok, pages, firsts = (_extents_alone_numpy if _native is None else _extents_alone_native)(e, num)
     entries = joined([all_tables[k].entries[positions[k]:positions[k] + 1] for k in kept])
-    pages = np.bincount(lid, weights=e["num_pages"].astype(np.float64), minlength=len(kept))
-    firsts = np.where(num > 0, e["first_page"][np.minimum(first, max(len(e) - 1, 0))] if len(e) else 0, 0)
-    ok &= (entries["record_type"] == RecordType.PAGE_MAP) & (entries["key"] == head["region_id"]) & \
-        (entries["first"] == firsts) & (entries["count"].astype(np.float64) == pages)
+    ok &= extents_ok & (entries["record_type"] == RecordType.PAGE_MAP) & (entries["key"] == head["region_id"]) & \
+        (entries["first"] == firsts) & (entries["count"] == pages)
     result = [None] * len(raws)
     for j, k in enumerate(kept):
         if ok[j]:
             result[k] = extents[j]
     return result
+
+
+def _extents_alone_native(e: np.ndarray, num: np.ndarray) -> tuple:
+    """Per link (``num[k]`` of the extents ``e``, laid end to end): whether each of its
+    extents holds alone (reserved zero, a page class, a page at least, first_slot zero for a
+    class without slots: LI-MAP-002/003), its pages in all and its first extent's first_page
+    (u8). One pass (leanimg._native)."""
+    ok, pages, firsts = np.zeros(len(num), np.uint8), np.zeros(len(num), np.uint64), np.zeros(len(num), np.uint64)
+    _native.page_map_extents(e, num.astype(np.int64), IS_PAGE_CLASS.view(np.uint8), HAS_SLOT.view(np.uint8),
+                             ok, pages, firsts)
+    return ok.view(bool), pages, firsts
+
+
+def _extents_alone_numpy(e: np.ndarray, num: np.ndarray) -> tuple:
+    """_extents_alone_native with numpy (where leanimg._native was not built)."""
+    lid, first = _link_ids(num)
+    classes = e["page_class"]
+    bad = (e["reserved"] != 0) | ~IS_PAGE_CLASS[classes] | (e["num_pages"] == 0) | \
+        (~HAS_SLOT[classes] & (e["first_slot"] != 0))
+    ok = np.bincount(lid[bad], minlength=len(num)) == 0
+    pages = np.zeros(len(num), np.uint64)
+    np.add.at(pages, lid, e["num_pages"].astype(np.uint64))
+    firsts = np.where(num > 0, e["first_page"][np.minimum(first, max(len(e) - 1, 0))] if len(e) else 0, 0)
+    return ok, pages, firsts.astype(np.uint64)
 
 
 def _rules_hold(all_tables: list[ImageTables], prepared: list) -> np.ndarray:

@@ -39,3 +39,17 @@ def test_joined_lays_tables_end_to_end(blobs, skip):
     got = joined(tables)
     assert got.dtype == INDEX_ENTRY.dtype
     assert got.tobytes() == b"".join(t.tobytes() for t in tables)
+
+
+def test_joined_slices_of_one_array_are_a_view_of_it():
+    """A batch's page maps, slices of one joined copy laid end to end, are joined without a
+    copy (read-only); slices not end to end, or of other arrays, are copied."""
+    base = joined([np.frombuffer(bytes(range(256)) * 2, INDEX_ENTRY.dtype)])
+    parts = [base[0:3], base[3:3], base[3:10], base[10:16]]
+    span = joined(parts)
+    assert np.shares_memory(span, base) and not span.flags.writeable
+    assert span.tobytes() == base.tobytes()
+    for others in ([base[0:3], base[4:10]], [base[3:10], base[0:3]], [base[0:3], base.copy()[3:10]]):
+        copied = joined(others)
+        assert not np.shares_memory(copied, base)
+        assert copied.tobytes() == b"".join(t.tobytes() for t in others)

@@ -228,6 +228,34 @@ def test_native_page_map_rules_are_the_numpy_rules(drawn):
         assert got.dtype == want.dtype and got.tolist() == want.tolist(), name
 
 
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.lists(st.tuples(st.integers(0, 2**64 - 1), st.sampled_from([0, 1, 2, 7, 2**32 - 1]),
+                                   st.one_of(st.sampled_from(list(PageClass)), st.integers(0, 2**16 - 1)),
+                                   st.sampled_from([0, 0, 0, 1, 2**16 - 1]), st.sampled_from([0, 0, 3, 2**64 - 1])),
+                         max_size=6), min_size=1, max_size=5))
+def test_native_extent_rules_are_the_numpy_rules(links):
+    """Each extent's own rules (reserved, class, a page at least, no slot for a class without
+    slots), a link's pages in all and its first extent's first_page: the C pass and numpy's
+    agree, on extents of any field values, links without extents included."""
+    rows = [row for link in links for row in link]
+    e = np.array([(first, num, cls, reserved, slot) for first, num, cls, reserved, slot in rows], EXTENT.dtype)
+    num = np.array([len(link) for link in links], np.int64)
+    native, numpy = tables_batch._extents_alone_native(e, num), tables_batch._extents_alone_numpy(e, num)
+    for got, want, name in zip(native, numpy, ["ok", "pages", "firsts"]):
+        assert got.dtype == want.dtype and got.tolist() == want.tolist(), name
+
+
+def test_native_extent_rules_refuse_lengths_that_do_not_add_up():
+    extents = np.zeros(3, EXTENT.dtype)
+    for lengths in ([2], [4], [-1, 4]):
+        ok = np.full(len(lengths), 7, np.uint8)
+        with pytest.raises(ValueError, match="do not add up"):
+            _native.page_map_extents(extents, np.array(lengths, np.int64), np.ones(1 << 16, np.uint8),
+                                     np.ones(1 << 16, np.uint8), ok, np.zeros(len(lengths), np.uint64),
+                                     np.zeros(len(lengths), np.uint64))
+        assert (ok == 7).all()                  # nothing written
+
+
 def test_native_page_map_rules_refuse_lengths_that_do_not_add_up():
     extents = np.zeros(3, EXTENT.dtype).tobytes()
     tables = (np.ones(1 << 16, np.uint8), np.ones(1 << 16, np.uint8), np.array([1, 4, 6], np.int64))
