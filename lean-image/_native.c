@@ -11,6 +11,8 @@
  *    from the caller record after record;
  *  - page_map_extents, extents_hold: tables_batch's page-map rules of many links' extents
  *    in one pass each (the rules of each extent alone; those across a link's extents);
+ *  - own_extents: the links' own (non-PARENT) extents laid end to end, field by field, for
+ *    the fold (numpy concatenates each field of every link and filters them);
  *  - fold_own_pages: chain.resolve's fold of a chain's own pages (the nearest link holding
  *    each page's base and digest, the deltas above the base, by page, deepest link first) in
  *    one pass over the extents; numpy expands them page by page and sorts the deltas.
@@ -564,6 +566,93 @@ done:
     return result;
 }
 
+/* own_extents(extents, bearing, rank0, depths, limit, parent_class, start, count, cls, slot,
+ *             bearing_out, rank0_out, depth_out) -> m
+ * chain._own_extents in one pass: the extents of a region in each link (``extents[k]``: EXTENT
+ * records, with ``bearing[k]`` (u1) and ``rank0[k]`` (i8) per extent; link depths[k], i4),
+ * nearest link first, those of a class other than parent_class starting below ``limit``
+ * laid end to end field by field into the outputs (i8 first page, i8 pages (cut at limit),
+ * u1 class, i8 first slot, u1 bearing, i8 rank, i4 link); their number is returned.
+ * ValueError (nothing written past the check) when the sequences differ in length, an item's
+ * sizes do not match its extents', or an output is too small. */
+static PyObject *own_extents(PyObject *self, PyObject *args)
+{
+    PyObject *lists[3], *fast[3] = {NULL, NULL, NULL};
+    Py_buffer depths, out[7];
+    long long limit;
+    int parent_class;
+    if (!PyArg_ParseTuple(args, "OOOy*Liw*w*w*w*w*w*w*", &lists[0], &lists[1], &lists[2], &depths, &limit,
+                          &parent_class, &out[0], &out[1], &out[2], &out[3], &out[4], &out[5], &out[6]))
+        return NULL;
+    PyObject *result = NULL;
+    Py_ssize_t links = depths.len / 4, m = 0, views_held = 0;
+    Py_buffer *views = NULL;
+    for (int i = 0; i < 3; i++)
+        if (!(fast[i] = PySequence_Fast(lists[i], "own_extents: a sequence")))
+            goto done;
+    int bad = depths.len % 4 || limit < 0 || PySequence_Fast_GET_SIZE(fast[0]) != links ||
+              PySequence_Fast_GET_SIZE(fast[1]) != links || PySequence_Fast_GET_SIZE(fast[2]) != links;
+    if (!bad && !(views = PyMem_Calloc((size_t)(3 * links + 1), sizeof(Py_buffer)))) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    Py_ssize_t total = 0;
+    for (Py_ssize_t k = 0; !bad && k < links; k++) {
+        for (int i = 0; i < 3; i++) {
+            if (PyObject_GetBuffer(PySequence_Fast_ITEMS(fast[i])[k], &views[3 * k + i], PyBUF_C_CONTIGUOUS) < 0)
+                goto done;
+            views_held++;
+        }
+        Py_ssize_t n = views[3 * k].len / (Py_ssize_t)sizeof(struct extent);
+        bad = views[3 * k].len % (Py_ssize_t)sizeof(struct extent) || views[3 * k + 1].len != n ||
+              views[3 * k + 2].len != n * 8;
+        total += n;
+    }
+    bad |= out[0].len < total * 8 || out[1].len < total * 8 || out[2].len < total || out[3].len < total * 8 ||
+           out[4].len < total || out[5].len < total * 8 || out[6].len < total * 4;
+    if (bad) {
+        PyErr_SetString(PyExc_ValueError, "own_extents: sequences of unequal lengths, an item's sizes not its "
+                                          "extents', or an output too small");
+        goto done;
+    }
+    int64_t *start = out[0].buf, *count = out[1].buf, *slot = out[3].buf, *rank = out[5].buf;
+    unsigned char *cls = out[2].buf, *bears = out[4].buf;
+    int32_t *link = out[6].buf;
+    const int32_t *depth = depths.buf;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t k = 0; k < links; k++) {
+        const struct extent *e = views[3 * k].buf;
+        const unsigned char *bearing = views[3 * k + 1].buf;
+        const int64_t *rank0 = views[3 * k + 2].buf;
+        Py_ssize_t n = views[3 * k].len / (Py_ssize_t)sizeof(struct extent);
+        for (Py_ssize_t i = 0; i < n; i++) {
+            if (e[i].page_class == parent_class || e[i].first_page >= (uint64_t)limit)
+                continue;
+            uint64_t room = (uint64_t)limit - e[i].first_page;
+            start[m] = (int64_t)e[i].first_page;
+            count[m] = (int64_t)(e[i].num_pages < room ? e[i].num_pages : room);
+            cls[m] = (unsigned char)e[i].page_class;
+            slot[m] = (int64_t)e[i].first_slot;
+            bears[m] = bearing[i];
+            rank[m] = rank0[i];
+            link[m] = depth[k];
+            m++;
+        }
+    }
+    Py_END_ALLOW_THREADS
+    result = PyLong_FromSsize_t(m);
+done:
+    for (Py_ssize_t v = 0; v < views_held; v++)
+        PyBuffer_Release(&views[v]);
+    PyMem_Free(views);
+    for (int i = 0; i < 3; i++)
+        Py_XDECREF(fast[i]);
+    PyBuffer_Release(&depths);
+    for (int i = 0; i < 7; i++)
+        PyBuffer_Release(&out[i]);
+    return result;
+}
+
 /* fold_own_pages(starts, counts, classes, slots, bearing, rank0, depths, inherits, concrete,
  *                delta_class, base_link, base_class, base_slot, digest_link, digest_class, digest_rank,
  *                delta_pages, delta_links, delta_slots) -> deltas
@@ -687,6 +776,9 @@ static PyMethodDef methods[] = {
     {"extents_hold", extents_hold, METH_VARARGS,
      "extents_hold(extents, lengths, pages, available, own, has_own_digest, has_digest, slot_classes, ok, present, "
      "bearing, rank0)"},
+    {"own_extents", own_extents, METH_VARARGS,
+     "own_extents(extents, bearing, rank0, depths, limit, parent_class, start, count, cls, slot, bearing_out, "
+     "rank0_out, depth_out) -> m"},
     {"fold_own_pages", fold_own_pages, METH_VARARGS,
      "fold_own_pages(starts, counts, classes, slots, bearing, rank0, depths, inherits, concrete, delta_class, "
      "base_link, base_class, base_slot, digest_link, digest_class, digest_rank, delta_pages, delta_links, "

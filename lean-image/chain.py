@@ -93,7 +93,8 @@ def resolve(image, region) -> Resolution:
     n = region.num_pages
     inherits = np.zeros(len(links), bool)
     inherits[present] = [links[d].digests.inherits for d in present]
-    extents = _own_extents([regions[d] for d in present], present, n)
+    own_extents = _own_extents if _native is None else _own_extents_native
+    extents = own_extents([regions[d] for d in present], present, n)
     fold = _Fold(n)
     fold_own = _fold_own_pages_numpy if _native is None else _fold_own_pages_native
     delta_pages, delta_links, delta_slots = fold_own(fold, extents, inherits)
@@ -167,6 +168,18 @@ def _own_extents(regions: list, depths: list[int], limit: int) -> tuple:
             np.concatenate([r.digest_bearing for r in regions])[mine],
             np.concatenate([r.digest_rank0 for r in regions])[mine].astype(np.int64),
             np.repeat(np.array(depths, np.int32), lengths)[mine])
+
+
+def _own_extents_native(regions: list, depths: list[int], limit: int) -> tuple:
+    """_own_extents in one pass (leanimg._native), each link's extents read where they are."""
+    total = sum(len(r.extents) for r in regions)
+    out = (np.empty(total, np.int64), np.empty(total, np.int64), np.empty(total, np.uint8), np.empty(total, np.int64),
+           np.empty(total, np.uint8), np.empty(total, np.int64), np.empty(total, np.int32))
+    found = _native.own_extents([r.extents for r in regions], [r.digest_bearing for r in regions],
+                                [r.digest_rank0 for r in regions], np.array(depths, np.int32), limit,
+                                int(PageClass.PARENT), *out)
+    starts, counts, classes, slots, bearing, rank0, links = (a[:found] for a in out)
+    return starts, classes, counts, slots, bearing.view(bool), rank0, links
 
 
 def _parts(counts: np.ndarray, most: int):

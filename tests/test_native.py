@@ -13,7 +13,7 @@ import xxhash
 from hypothesis import assume, given, settings, strategies as st
 
 from leanimg import _native
-from leanimg import chain, delta, format as fmt, tables_batch
+from leanimg import chain, delta, format as fmt, tables, tables_batch
 from leanimg.format import EXTENT, IS_CONCRETE, PageClass
 
 
@@ -165,6 +165,43 @@ def test_native_fold_is_the_numpy_fold(drawn):
     pages, links, _ = deltas[0]
     base = folds[0].result("base")[0]
     assert (np.diff(pages) >= 0).all() and (links < np.where(base < 0, 4096, base)[pages]).all()
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(0, 40), st.lists(st.tuples(st.lists(st.tuples(st.integers(1, 9), st.sampled_from(list(PageClass)),
+                                                         st.booleans()), max_size=8), st.integers(0, 9)),
+                                   min_size=1, max_size=5))
+def test_native_own_extents_are_the_numpy_ones(limit, links):
+    """chain._own_extents_native lays out what chain._own_extents does: each link's extents
+    (nearest first) but PARENT ones and those from ``limit`` on, counts cut at it."""
+    regions, depths = [], []
+    for rows, depth in links:
+        firsts = np.cumsum([0] + [count for count, _, _ in rows])[:-1]
+        extents = np.array([(first, count, cls, 0, 7 * k) for k, (first, (count, cls, _)) in
+                            enumerate(zip(firsts.tolist(), rows))], EXTENT.dtype)
+        region = tables.Region(0, "r", int(firsts[-1] + rows[-1][0]) * 4096 if rows else 0, None, 4096)
+        region.extents, region.starts = extents, extents["first_page"].astype(np.int64)
+        region.digest_bearing = np.array([bears for _, _, bears in rows], bool)
+        region.digest_rank0 = np.arange(len(rows), dtype=np.int64) * 3
+        regions.append(region)
+        depths.append(depth)
+    native, numpy = chain._own_extents_native(regions, depths, limit), chain._own_extents(regions, depths, limit)
+    for got, want in zip(native, numpy):
+        assert got.dtype == want.dtype and got.tolist() == want.tolist()
+
+
+def test_native_own_extents_refuse_items_that_do_not_match():
+    extents = np.zeros(2, EXTENT.dtype)
+    outputs = [np.zeros(2, np.int64), np.zeros(2, np.int64), np.zeros(2, np.uint8), np.zeros(2, np.int64),
+               np.zeros(2, np.uint8), np.zeros(2, np.int64), np.zeros(2, np.int32)]
+    for bearing, rank0, depths in ([np.zeros(1, np.uint8)], [np.zeros(2, np.int64)], [0]), \
+            ([np.zeros(2, np.uint8)], [np.zeros(2, np.int32)], [0]), ([np.zeros(2, np.uint8)], [np.zeros(2, np.int64)], [0, 1]):
+        with pytest.raises(ValueError):
+            _native.own_extents([extents], bearing, rank0, np.array(depths, np.int32), 8, int(PageClass.PARENT),
+                                *outputs)
+    with pytest.raises(ValueError):                  # an output too small
+        _native.own_extents([extents], [np.zeros(2, np.uint8)], [np.zeros(2, np.int64)], np.zeros(1, np.int32), 8,
+                            int(PageClass.PARENT), *outputs[:6], np.zeros(1, np.int32))
 
 
 def _fold_arguments(n=8, starts=(0,), counts=(8,), classes=(PageClass.DELTA,), depths=(0,), room=8):
