@@ -337,16 +337,20 @@ def test_a_lying_body_length_is_judged_quickly_as_alone(short_chain, tmp_path, r
         assert quick == _delta_outcome(paths[-1], depth, _checked) == _delta_outcome(paths[-1], depth, _native)
 
 
+def _copy_to_spoil_a_delta_frame(short_chain, directory: Path, bad: int) -> tuple[list[Path], int, bytearray]:
+    """A copy of the short chain; where link ``bad``'s first DELTA_FRAME starts, and its bytes."""
+    paths = [directory / p.name for p in short_chain]
+    for source, target in zip(short_chain, paths):
+        target.write_bytes(source.read_bytes())
+    return paths, _delta_spans(paths[bad])[0][0], bytearray(paths[bad].read_bytes())
+
+
 def test_a_delta_frame_with_a_wrong_checksum_is_judged_quickly_as_alone(short_chain, tmp_path):
     """A middle link's DELTA_FRAME with one entry offset moved (entries still in order, so
     only the record's checksum, left as it was, tells): the quick reads (Python and C)
     refuse the record, and the frame store gives the checksum's finding."""
-    paths = [tmp_path / p.name for p in short_chain]
-    for source, target in zip(short_chain, paths):
-        target.write_bytes(source.read_bytes())
     bad = LINKS - 2
-    start, _ = _delta_spans(paths[bad])[0]
-    spoiled = bytearray(paths[bad].read_bytes())
+    paths, start, spoiled = _copy_to_spoil_a_delta_frame(short_chain, tmp_path, bad)
     table = start + RECORD.size + 16                # its entry offsets: the second moved by one
     second, third = struct.unpack_from("<II", spoiled, table + 4)
     assert second + 1 < third, "the second entry should be longer than a byte"
@@ -370,12 +374,8 @@ def test_a_batch_of_delta_frames_read_in_c_is_the_batch_read_in_python(short_cha
         assert native[0] == python[0] and len(native[0]) > 0
         for a, b in zip(native[1:], python[1:]):
             assert a.dtype == b.dtype == np.int64 and np.array_equal(a, b)
-    paths = [tmp_path / p.name for p in short_chain]
-    for source, target in zip(short_chain, paths):
-        target.write_bytes(source.read_bytes())
     bad = LINKS - 3
-    start, _ = _delta_spans(paths[bad])[0]
-    spoiled = bytearray(paths[bad].read_bytes())
+    paths, start, spoiled = _copy_to_spoil_a_delta_frame(short_chain, tmp_path, bad)
     spoiled[start + RECORD.size + 16] ^= 0x01           # the first entry offset: no longer 0
     paths[bad].write_bytes(reseal(bytes(spoiled)))
     relink(paths, bad + 1)
