@@ -726,8 +726,8 @@ def _copy_rows(dst: np.ndarray, dst_rows: np.ndarray, src: np.ndarray, src_rows:
     if _native is None:
         dst[dst_rows] = src[src_rows]
     else:
-        _native.copy_rows(src, np.ascontiguousarray(src_rows, np.int64), dst, np.ascontiguousarray(dst_rows, np.int64),
-                          dst.itemsize)
+        _native.copy_rows(src, np.ascontiguousarray(src_rows, np.int64), dst,
+                          np.ascontiguousarray(dst_rows, np.int64), dst.itemsize)
 
 
 class _FrameWindow:

@@ -13,9 +13,9 @@ import weakref
 import numpy as np
 
 from . import checks
+from .arrays import joined
 from .checks import first_problem
 from .errors import ChainError, LeanImageError
-from .arrays import joined
 from .format import (
     DIGEST_SIZE, DIGESTS_BODY, RECORD, RECORD_BODY_MAX, RECORD_TRAILER, PageClass, RecordType, checksum64,
     digest_class_table, inherits_digests, page_digest, record_size, zero_page_digest,
@@ -228,4 +228,3 @@ def _bearing_between(regions: list[Region], owner: np.ndarray, starts: np.ndarra
         lo, hi = checks.digests_before(r.extents, r.digest_bearing, r.digest_rank0, [starts[k], ends[k]])
         counts[k] = hi - lo
     return counts
-

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .arrays import distinct
 from . import checks
+from .arrays import distinct
 from .checks import first_problem
 from .digests import verify_page, verify_rows
 from .errors import DiskNotGiven, LeanImageError

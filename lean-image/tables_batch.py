@@ -22,8 +22,8 @@ import sys
 import numpy as np
 
 from . import checks
-from .errors import LeanImageError
 from .arrays import joined
+from .errors import LeanImageError
 from .format import (
     EXTENT, FRAME_PAGES_MAX_BYTES, HAS_DIGEST, HAS_OWN_DIGEST, HAS_SLOT, IS_PAGE_CLASS, PAGE_MAP_BODY, RECORD,
     RECORD_BODY_MAX, RECORD_TRAILER, REGION_BODY, REGION_FLAG_HAS_GPA, REGION_NAME_MAX, IncompatFeature, PageClass,
@@ -215,7 +215,6 @@ def _link_ids(lengths) -> tuple[np.ndarray, np.ndarray]:
     """(link id per item, index of each link's first item) for items laid end to end."""
     lengths = np.asarray(lengths, np.int64)
     return np.repeat(np.arange(len(lengths)), lengths), np.cumsum(lengths) - lengths
-
 
 
 def _exclusive_sums(values: np.ndarray, lid: np.ndarray, first: np.ndarray) -> np.ndarray:

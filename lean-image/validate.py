@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import zstandard
 
-from .arrays import distinct
 from . import checks
 from . import delta as deltacodec
+from .arrays import distinct
 from .errors import InputMissing, LeanImageError, LimitError
 from .format import (
     DIGEST_SIZE, PAGE_SIZE_MIN, PageClass, RecordType, digest_class_table, inherits_digests, page_digests,

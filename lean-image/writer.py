@@ -22,8 +22,8 @@ import numpy as np
 import xxhash
 import zstandard
 
-from .arrays import distinct
 from . import delta as deltacodec
+from .arrays import distinct
 from .errors import LimitError, fits_in_memory
 from .fileutil import commit_temporary, create_temporary, discard_temporary, is_special_file
 from .format import (
