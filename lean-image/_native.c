@@ -337,7 +337,7 @@ static PyObject *read_delta_frames(PyObject *self, PyObject *args)
         PyErr_SetString(PyExc_ValueError, "read_delta_frames: arrays of unequal lengths, or a bad length or count");
         goto done;
     }
-    b.raw = malloc((size_t)raw_total);
+    b.raw = malloc(raw_total > 0 ? (size_t)raw_total : 1);
     int64_t *scratch = malloc((size_t)b.n * 3 * sizeof(int64_t));
     b.size = scratch;
     if (!b.raw || !scratch) {
