@@ -422,6 +422,22 @@ struct extent {
     uint64_t first_slot;
 };
 
+/* Whether ``extents`` holds whole EXTENT records and ``lengths`` (i8, one per link) are
+ * counts of them that add up to all: the page maps of many links laid end to end. */
+static int lengths_add_up(const Py_buffer *extents, const Py_buffer *lengths)
+{
+    const int64_t *length = lengths->buf;
+    Py_ssize_t m = extents->len / (Py_ssize_t)sizeof(struct extent), total = 0;
+    if (extents->len % (Py_ssize_t)sizeof(struct extent) || lengths->len % 8)
+        return 0;
+    for (Py_ssize_t k = 0; k < lengths->len / 8; k++) {
+        if (length[k] < 0 || length[k] > m - total)
+            return 0;
+        total += length[k];
+    }
+    return total == m;
+}
+
 /* page_map_extents(extents, lengths, is_page_class, has_slot, ok, pages, firsts): the page
  * maps of many links laid end to end (``lengths[k]`` EXTENT records of link k, i8), each
  * extent's own rules (spec §6.2: reserved zero, a page class, at least one page, first_slot
@@ -438,14 +454,9 @@ static PyObject *page_map_extents(PyObject *self, PyObject *args)
     const struct extent *e = extents.buf;
     const int64_t *length = lengths.buf;
     const unsigned char *is_class = is_page_class.buf, *slotted = has_slot.buf;
-    Py_ssize_t m = extents.len / (Py_ssize_t)sizeof(struct extent), links = lengths.len / 8, total = 0;
-    int bad = extents.len % (Py_ssize_t)sizeof(struct extent) || lengths.len % 8 || is_page_class.len < 65536 ||
-              has_slot.len < 65536 || ok.len < links || pages.len < links * 8 || firsts.len < links * 8;
-    for (Py_ssize_t k = 0; !bad && k < links; k++) {
-        bad = length[k] < 0 || length[k] > m - total;
-        total += bad ? 0 : length[k];
-    }
-    if (bad || total != m) {
+    Py_ssize_t links = lengths.len / 8;
+    if (!lengths_add_up(&extents, &lengths) || is_page_class.len < 65536 || has_slot.len < 65536 ||
+        ok.len < links || pages.len < links * 8 || firsts.len < links * 8) {
         PyErr_SetString(PyExc_ValueError, "page_map_extents: lengths that do not add up to the extents, or a table "
                                           "or an output too small");
         goto done;
@@ -504,14 +515,9 @@ static PyObject *extents_hold(PyObject *self, PyObject *args)
     uint64_t *present = out[1].buf;
     int64_t *rank0 = out[3].buf;
     Py_ssize_t m = in[0].len / (Py_ssize_t)sizeof(struct extent), links = in[1].len / 8, classes = in[7].len / 8;
-    Py_ssize_t total = 0;
-    int bad = in[0].len % (Py_ssize_t)sizeof(struct extent) || in[2].len < links * 8 ||
+    int bad = !lengths_add_up(&in[0], &in[1]) || in[2].len < links * 8 ||
               in[3].len < links * classes * 8 || in[4].len < links || in[5].len < 65536 || in[6].len < 65536 ||
               out[0].len < links || out[1].len < links * 8 || out[2].len < m || out[3].len < m * 8;
-    for (Py_ssize_t k = 0; !bad && k < links; k++) {
-        bad = length[k] < 0 || length[k] > m - total;
-        total += bad ? 0 : length[k];
-    }
     int slot_index[64];                 /* class -> its place in slot_classes, or -1 */
     for (int c = 0; c < 64; c++)
         slot_index[c] = -1;
@@ -521,7 +527,7 @@ static PyObject *extents_hold(PyObject *self, PyObject *args)
         if (!bad)
             slot_index[slot_class[c]] = (int)c;
     }
-    if (bad || total != m) {
+    if (bad) {
         PyErr_SetString(PyExc_ValueError, "extents_hold: lengths that do not add up to the extents, or a table "
                                           "or an output too small");
         goto done;
