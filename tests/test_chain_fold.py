@@ -361,6 +361,35 @@ def test_a_delta_frame_with_a_wrong_checksum_is_judged_quickly_as_alone(short_ch
     assert quick[0][1] == "LI-REC-003"
 
 
+@pytest.mark.parametrize("spoil", ["zstd magic", "declared size huge", "zstd content size"])
+def test_a_spoiled_delta_frame_is_refused_by_every_read_alike(short_chain, tmp_path, spoil):
+    """A middle link's DELTA_FRAME with its zstd frame's magic broken, its entry table declaring
+    4 GiB of content, or its zstd header declaring another content size (checksums made right
+    again): the Python and C quick reads refuse it, and every read gives the frame store's
+    finding (no traceback, nothing read)."""
+    bad = LINKS - 2
+    paths, start, spoiled = _copy_to_spoil_a_delta_frame(short_chain, tmp_path, bad)
+    num = struct.unpack_from("<I", spoiled, start + RECORD.size + 8)[0]
+    table_end = start + RECORD.size + 16 + 4 * (num + 1)
+    frame_at = start + RECORD.size + ((16 + 4 * (num + 1) + 7) & ~7)
+    assert spoiled[frame_at:frame_at + 4] == b"\x28\xb5\x2f\xfd"
+    if spoil == "zstd magic":
+        spoiled[frame_at] ^= 0xFF
+    elif spoil == "declared size huge":
+        struct.pack_into("<I", spoiled, table_end - 4, 0xFFFF_FFFF)
+    elif spoil == "zstd content size":
+        spoiled[frame_at + 5] ^= 0x01                  # the content size that follows the frame header descriptor
+    paths[bad].write_bytes(reseal(bytes(spoiled)))
+    relink(paths, bad + 1)
+    checked = _delta_outcome(paths[-1], 1, _checked)
+    assert _delta_outcome(paths[-1], 1, _quick) == checked == _delta_outcome(paths[-1], 1, _native)
+    assert checked != "open" and isinstance(checked[0][0], str), f"a DELTA_FRAME with its {spoil} spoiled was read"
+    with LeanImage.open(paths[-1]) as image:
+        link = image.chain()[1]
+        assert _quick_delta_frame(link, 0) is None
+        assert _read_delta_batch_native([(link, 0)], PS) is None
+
+
 def test_a_batch_of_delta_frames_read_in_c_is_the_batch_read_in_python(short_chain, tmp_path):
     """Every DELTA_FRAME of the short chain's links read as one batch (a restore's worker):
     leanimg._native.read_delta_frames gives the contents, entry offsets, first deltas and
