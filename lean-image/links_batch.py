@@ -27,12 +27,14 @@ _INDEX_HEAD = np.dtype(RECORD.dtype.descr + INDEX_BODY.dtype.descr)
 _SMALLEST = HEADER.size + RECORD.size + INDEX_BODY.size + RECORD_TRAILER.size + FOOTER.size
 
 
-def open_links(paths: list[str], whole_below: int) -> dict:
+def open_links(paths: list[str], whole_below: int, preread: dict | None = None) -> dict:
     """path -> (fileobj, ImageFile, Header, Footer, INDEX Record, (PAGE_FRAME, DELTA_FRAME
     FrameTable)), as open_link(check=False) makes them, for each of ``paths`` smaller than
     ``whole_below`` bytes (read whole) whose header, footer and INDEX pass every test; the
-    others are not opened (nothing raises)."""
-    read = [_read_whole(path, whole_below) for path in paths]
+    others are not opened (nothing raises). ``preread``: path -> (fd, the file's bytes) of
+    files already open and read whole (parents._image_uuids); those taken are removed."""
+    preread = {} if preread is None else preread
+    read = [_taken(preread, path, whole_below) or _read_whole(path, whole_below) for path in paths]
     kept = [(path, *got) for path, got in zip(paths, read) if got is not None]
     if not kept:
         return {}
@@ -64,6 +66,15 @@ def _frame_tables(all_entries: list[np.ndarray]) -> list[tuple[FrameTable, Frame
         tables.append([FrameTable(starts[lo:hi], counts[lo:hi], positions[lo:hi])
                        for lo, hi in zip(bounds[:-1], bounds[1:])])
     return list(zip(*tables))
+
+
+def _taken(preread: dict, path: str, whole_below: int):
+    """(fd, bytes) of ``path`` from ``preread`` (removed from it), if it is there and read whole would be."""
+    got = preread.pop(path, None)
+    if got is not None and not _SMALLEST <= len(got[1]) < whole_below:
+        os.close(got[0])
+        return None
+    return got
 
 
 def _read_whole(path: str, whole_below: int):

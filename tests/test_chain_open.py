@@ -318,6 +318,36 @@ def test_read_ahead_stops_at_its_budget_and_skips_large_files(chain, tmp_path, m
     assert all(size < reader_module.WHOLE_READ_BELOW for size, _, _ in advised)
 
 
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.parametrize("kept", [parents_module.PREREAD_FILES_MAX, 5], ids=["all-kept", "five-kept"])
+def test_the_links_read_beside_the_image_are_not_opened_or_read_again(chain, monkeypatch, kept):
+    """The parents' search reads each small *.lean beside the image whole and keeps it open
+    (PREREAD_FILES_MAX at most); opening a link it read takes those bytes: each parent is
+    opened once and read once, whole; the files no link took are closed; the parents beyond
+    the limit are opened again (their header was read), as before."""
+    paths, memory = chain
+    monkeypatch.setattr(parents_module, "PREREAD_FILES_MAX", kept)
+    opened, reads = [], []
+    real_open, real_pread = os.open, os.pread
+    monkeypatch.setattr(os, "open", lambda path, *a, **k: opened.append(os.fspath(path)) or real_open(path, *a, **k))
+    monkeypatch.setattr(os, "pread", lambda fd, n, at: reads.append(n) or real_pread(fd, n, at))
+    before = _open_fds()
+    with LeanImage.open(paths[-1]) as image:
+        assert [link.path for link in image.chain()][::-1] == [str(p) for p in paths]
+        assert _open_fds() == before + len(paths)                     # one file open per link, nothing else
+    assert _open_fds() == before
+    counts = [opened.count(str(p)) for p in paths[:-1]]
+    assert set(counts) <= {1, 2} and counts.count(1) == min(kept, len(counts))
+    sizes = {p.stat().st_size for p in paths}
+    if kept >= len(paths):
+        assert set(reads) <= sizes                                    # whole files only: no header read
+    else:
+        assert not set(reads) <= sizes
+
+
 def test_a_truncated_digests_record_in_a_link_is_reported_by_the_restore(copy):
     """DIGESTS are read when a restore first needs them (LI-DIG-003 names the link): those of
     a link near the top, whose changed pages no later link changes again."""
