@@ -11,6 +11,7 @@ how is the same as when every link is opened alone.
 
 from __future__ import annotations
 
+import io
 import os
 
 import numpy as np
@@ -19,7 +20,7 @@ from .format import (
     FOOTER, FOOTER_MAGIC, FORMAT_MAJOR, HEADER, HEADER_MAGIC, INDEX_BODY, INDEX_ENTRY, KNOWN_INCOMPAT, PAGE_SIZE_MAX,
     PAGE_SIZE_MIN, RECORD, RECORD_BODY_MAX, RECORD_TRAILER, IncompatFeature, RecordType, checksum64,
 )
-from .structures import Footer, Header, ImageFile, Record, footer_checksum, header_checksum, parse_tested_body
+from .structures import Footer, Header, ImageFile, Record, footer_checksum, header_checksum
 from .tables import FrameTable
 
 # the INDEX record's header and its body's fixed part
@@ -38,23 +39,33 @@ def open_links(paths: list[str], whole_below: int, preread: dict | None = None) 
     kept = [(path, *got) for path, got in zip(paths, read) if got is not None]
     if not kept:
         return {}
-    ok, index_at = _tables_hold([data for _, _, data in kept])
-    opened = {}
-    for (path, fd, data), good, at in zip(kept, ok.tolist(), index_at.tolist()):
-        if good and path not in opened:
-            opened[path] = _assembled(path, fd, data, at)
+    ok, index_at, num_entries = _tables_hold([data for _, _, data in kept])
+    taken, chosen = set(), []
+    for j, ((path, fd, _), good) in enumerate(zip(kept, ok.tolist())):
+        if good and path not in taken:
+            taken.add(path)
+            chosen.append(j)
         else:
             os.close(fd)
-    frames = _frame_tables([entry[4].parsed["entries"] for entry in opened.values()])
-    return {path: (*entry, tables) for (path, entry), tables in zip(opened.items(), frames)}
+    at, counts = index_at[chosen], num_entries[chosen]
+    flat = np.frombuffer(b"".join([kept[j][2][a:a + n * INDEX_ENTRY.size] for j, a, n in
+                                   zip(chosen, (at + _INDEX_HEAD.itemsize).tolist(), counts.tolist())]),
+                         INDEX_ENTRY.dtype)
+    bounds = np.concatenate(([0], np.cumsum(counts))).tolist()
+    frames = _frame_tables(flat, counts)
+    opened = {}
+    for k, j in enumerate(chosen):
+        path, fd, data = kept[j]
+        opened[path] = (*_assembled(path, fd, data, int(at[k]), flat[bounds[k]:bounds[k + 1]]), frames[k])
+    return opened
 
 
-def _frame_tables(all_entries: list[np.ndarray]) -> list[tuple[FrameTable, FrameTable]]:
-    """FrameTable.of each INDEX's PAGE_FRAMEs and DELTA_FRAMEs, for all INDEXes laid end to end."""
-    if not all_entries:
+def _frame_tables(flat: np.ndarray, lengths: np.ndarray) -> list[tuple[FrameTable, FrameTable]]:
+    """FrameTable.of each INDEX's PAGE_FRAMEs and DELTA_FRAMEs, for INDEX entries laid end to
+    end in ``flat`` (``lengths[k]`` of link k)."""
+    if not len(lengths):
         return []
-    lengths = np.array([len(e) for e in all_entries], np.int64)
-    flat = np.frombuffer(b"".join([e.tobytes() for e in all_entries]), INDEX_ENTRY.dtype)
+    lengths = lengths.astype(np.int64)
     lid = np.repeat(np.arange(len(lengths)), lengths)
     first = np.cumsum(lengths) - lengths
     tables = []
@@ -95,9 +106,9 @@ def _read_whole(path: str, whole_below: int):
     return None
 
 
-def _tables_hold(datas: list[bytes]) -> tuple[np.ndarray, np.ndarray]:
+def _tables_hold(datas: list[bytes]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per file: whether its header, footer and INDEX record pass every test open_link
-    makes (in their plain case), and the INDEX's offset."""
+    makes (in their plain case), the INDEX's offset and its num_entries."""
     sizes = np.array([len(d) for d in datas], np.int64)
     h = np.frombuffer(b"".join([d[:HEADER.size] for d in datas]), HEADER.dtype)
     f = np.frombuffer(b"".join([d[-FOOTER.size:] for d in datas]), FOOTER.dtype)
@@ -115,7 +126,7 @@ def _tables_hold(datas: list[bytes]) -> tuple[np.ndarray, np.ndarray]:
         end = int(footer_at[k]) - RECORD_TRAILER.size
         ok[k] = checksum64(memoryview(datas[k])[int(index_at[k]):end]) == \
             int.from_bytes(datas[k][end:end + RECORD_TRAILER.size], "little")
-    return ok, index_at
+    return ok, index_at, heads["num_entries"].astype(np.int64)
 
 
 def _headers_hold(h: np.ndarray, datas: list[bytes]) -> np.ndarray:
@@ -145,18 +156,17 @@ def _footers_hold(f: np.ndarray, sizes: np.ndarray, datas: list[bytes]) -> np.nd
     return ok
 
 
-def _assembled(path: str, fd: int, data: bytes, index_at: int) -> tuple:
-    """The objects open_link(check=False) makes of a file whose tests passed."""
-    fileobj = open(fd, "rb")
+def _assembled(path: str, fd: int, data: bytes, index_at: int, entries: np.ndarray) -> tuple:
+    """The objects open_link(check=False) makes of a file whose tests passed, its INDEX's
+    ``entries`` parsed already (with the batch's)."""
+    fileobj = io.FileIO(fd, "r")
     file = ImageFile.holding(fileobj, path, data)
     header = Header(data[:HEADER.size])
     footer_at = len(data) - FOOTER.size
     footer = Footer(data[footer_at:], footer_at)
-    raw = data[index_at:footer_at]
-    trailer_at = len(raw) - RECORD_TRAILER.size
-    body_length = trailer_at - RECORD.size
-    body = memoryview(raw)[RECORD.size:trailer_at]
-    (stored,) = RECORD_TRAILER.unpack_from(raw, trailer_at)
-    index = Record(index_at, int(RecordType.INDEX), 0, body_length, stored, body)
-    parse_tested_body(index)           # its length and reserved rules passed above
+    trailer_at = footer_at - RECORD_TRAILER.size
+    body = memoryview(data[index_at + RECORD.size:trailer_at])
+    (stored,) = RECORD_TRAILER.unpack_from(data, trailer_at)
+    index = Record(index_at, int(RecordType.INDEX), 0, trailer_at - index_at - RECORD.size, stored, body)
+    index.parsed = {"num_entries": len(entries), "reserved": 0, "entries": entries}   # as parse_body gives
     return fileobj, file, header, footer, index

@@ -15,6 +15,7 @@ Every page handed out has been checked against its digest.
 
 from __future__ import annotations
 
+import io
 import os
 
 import numpy as np
@@ -85,7 +86,7 @@ class LeanImage:
         ``check_links`` must follow (a chain's links are checked together)."""
         path = os.fspath(path)
         try:
-            fileobj = open(path, "rb")
+            fileobj = io.FileIO(path, "r")          # unbuffered: every read is a pread or a large read
         except OSError as exc:
             raise LeanImageError(f"cannot open: {exc.strerror}", path=path) from None
         try:

@@ -219,6 +219,12 @@ def test_the_chain_opens_batched_and_alone_alike(chain):
                 got, want = getattr(ra, name), getattr(rb, name)
                 assert got.dtype == want.dtype and np.array_equal(got, want), name
             assert a.tables.digest_positions == b.tables.digest_positions
+            ia, ib = a.tables.index, b.tables.index
+            assert (ia.offset, ia.body_length, ia.record_checksum, bytes(ia.body)) == \
+                (ib.offset, ib.body_length, ib.record_checksum, bytes(ib.body))
+            assert ia.parsed.keys() == ib.parsed.keys() and ia.parsed["num_entries"] == ib.parsed["num_entries"]
+            assert ia.parsed["entries"].dtype == ib.parsed["entries"].dtype
+            assert ia.parsed["entries"].tobytes() == ib.parsed["entries"].tobytes()
             assert (a.disks, a.source_states, len(a.tables.disk_refs)) == (b.disks, b.source_states, 0)
 
 
