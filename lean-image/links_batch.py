@@ -28,14 +28,14 @@ _INDEX_HEAD = np.dtype(RECORD.dtype.descr + INDEX_BODY.dtype.descr)
 _SMALLEST = HEADER.size + RECORD.size + INDEX_BODY.size + RECORD_TRAILER.size + FOOTER.size
 
 
-def open_links(paths: list[str], whole_below: int, preread: dict | None = None) -> dict:
+def open_links(paths: list[str], whole_below: int, kept: dict | None = None) -> dict:
     """path -> (fileobj, ImageFile, Header, Footer, INDEX Record, (PAGE_FRAME, DELTA_FRAME
     FrameTable)), as open_link(check=False) makes them, for each of ``paths`` smaller than
     ``whole_below`` bytes (read whole) whose header, footer and INDEX pass every test; the
-    others are not opened (nothing raises). ``preread``: path -> (fd, the file's bytes) of
-    files already open and read whole (parents._image_uuids); those taken are removed."""
-    preread = {} if preread is None else preread
-    read = [_taken(preread, path, whole_below) or _read_whole(path, whole_below) for path in paths]
+    others are not opened (nothing raises). ``kept``: path -> (fd, size) of files open already
+    (parents._image_uuids); those of ``paths`` are taken from it (and removed)."""
+    kept = {} if kept is None else kept
+    read = [_taken(kept, path, whole_below) or _read_whole(path, whole_below) for path in paths]
     kept = [(path, *got) for path, got in zip(paths, read) if got is not None]
     if not kept:
         return {}
@@ -79,13 +79,22 @@ def _frame_tables(flat: np.ndarray, lengths: np.ndarray) -> list[tuple[FrameTabl
     return list(zip(*tables))
 
 
-def _taken(preread: dict, path: str, whole_below: int):
-    """(fd, bytes) of ``path`` from ``preread`` (removed from it), if it is there and read whole would be."""
-    got = preread.pop(path, None)
-    if got is not None and not _SMALLEST <= len(got[1]) < whole_below:
-        os.close(got[0])
+def _taken(kept: dict, path: str, whole_below: int):
+    """(fd, the file's bytes) of ``path`` if it is in ``kept`` (open already: path -> (fd, size);
+    removed from it) and read whole would be, else None (its fd closed)."""
+    got = kept.pop(path, None)
+    if got is None:
         return None
-    return got
+    fd, size = got
+    try:
+        if _SMALLEST <= size < whole_below:
+            data = os.pread(fd, size, 0)
+            if len(data) == size:
+                return fd, data
+    except OSError:
+        pass
+    os.close(fd)
+    return None
 
 
 def _read_whole(path: str, whole_below: int):

@@ -40,7 +40,7 @@ def attach_chain(image, parents: list, open_link, check_links=None, open_links=N
         raise
     finally:
         ahead.close_unused()
-        _close_preread(index)
+        _close_kept(index)
     if pending:
         check_links(pending)
     # links are joined by UUID first, so that a cycle is reported as one; then verified by digest
@@ -107,7 +107,7 @@ class _Ahead:
         if self.open_links is not None and path not in self.tried:
             run = [p for p in _expected_links(path, index, CHECK_BATCH) if p not in self.tried]
             self.tried.update(run)
-            self.opened.update(self.open_links(run, index.get(("preread",), {})))
+            self.opened.update(self.open_links(run, index.get(("kept",), {})))
         return self.opened.pop(path, None)
 
     def close_unused(self) -> None:
@@ -145,7 +145,7 @@ def _find_candidate(wanted: bytes, candidates, index: dict):
     paths = [os.path.abspath(os.fspath(c)) for c in candidates if isinstance(c, (str, os.PathLike))]
     paths = list(dict.fromkeys(paths))
     unread = [key for key in paths if key not in index]
-    for key, found in zip(unread, _image_uuids(unread, index.setdefault(("preread",), {}))):
+    for key, found in zip(unread, _image_uuids(unread, index.setdefault(("kept",), {}))):
         index[key] = found and found[0]
         if found is not None:
             by_uuid.setdefault(found[0], key)
@@ -169,37 +169,35 @@ def _siblings(path: str, index: dict) -> list[str]:
 
 READ_AHEAD_FILES = 256              # files open at once while their UUIDs are read
 READ_AHEAD_BYTES = 256 << 20        # small files handed to the kernel's read-ahead, at most
-PREREAD_FILES_MAX = 4096            # small files kept open and read whole, for open_links
+KEPT_FILES_MAX = 4096               # small files kept open for open_links
 
 
-def _image_uuids(paths: list[str], preread: dict) -> list[tuple[bytes, bytes] | None]:
+def _image_uuids(paths: list[str], kept: dict) -> list[tuple[bytes, bytes] | None]:
     """The image_uuid and parent_uuid of each of ``paths`` (None: unreadable or too short; such
     candidates simply do not match). Files small enough to be read whole when opened as links
     (reader.WHOLE_READ_BELOW) are first handed to the kernel's read-ahead, READ_AHEAD_FILES at
     a time (posix_fadvise WILLNEED): the reads of a deep chain's links are then queued together,
-    not one after another (cold, 1000 small links: 310 -> 130 ms). Those are then read whole
-    and kept open, path -> (fd, bytes) in ``preread`` (PREREAD_FILES_MAX at most), so that
-    opening them as links (links_batch.open_links) opens and reads nothing again."""
+    not one after another (cold, 1000 small links: 310 -> 130 ms). Those stay open, path ->
+    (fd, size) in ``kept`` (KEPT_FILES_MAX at most), for links_batch.open_links to read whole."""
     from .reader import WHOLE_READ_BELOW
     at, end = HEADER.offset("image_uuid"), HEADER.offset("parent_uuid") + 16
     budget = [READ_AHEAD_BYTES]
     found = []
     for lo in range(0, len(paths), READ_AHEAD_FILES):
         batch = paths[lo:lo + READ_AHEAD_FILES]
-        for path, (fd, whole) in zip(batch, [_open_ahead(path, WHOLE_READ_BELOW, budget) for path in batch]):
+        for path, (fd, small) in zip(batch, [_open_ahead(path, WHOLE_READ_BELOW, budget) for path in batch]):
             if fd is None:
                 found.append(None)
                 continue
-            keep = whole and len(preread) < PREREAD_FILES_MAX
             try:
-                raw = os.pread(fd, whole if keep else end, 0)
+                raw = os.pread(fd, end, 0)
                 found.append(None if len(raw) < at + 16 else   # a short file's parent_uuid: None
-                             (raw[at:at + 16], raw[end - 16:end] if len(raw) >= end else None))
+                             (raw[at:at + 16], raw[end - 16:] if len(raw) == end else None))
             except OSError:
                 found.append(None)
-                keep = False
-            if keep and len(raw) == whole:
-                preread[path] = (fd, raw)
+                small = 0
+            if small and len(kept) < KEPT_FILES_MAX:
+                kept[path] = (fd, small)
             else:
                 os.close(fd)
     return found
@@ -227,8 +225,7 @@ def _open_ahead(path: str, small: int, budget: list) -> tuple[int | None, int]:
     return fd, 0
 
 
-def _close_preread(index: dict) -> None:
+def _close_kept(index: dict) -> None:
     """Close the files _image_uuids kept open that no link took."""
-    for fd, _ in index.get(("preread",), {}).values():
+    for fd, _ in index.pop(("kept",), {}).values():
         os.close(fd)
-    index.pop(("preread",), None)

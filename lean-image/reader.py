@@ -103,14 +103,14 @@ class LeanImage:
             raise
 
     @classmethod
-    def open_links(cls, paths: list[str], preread: dict | None = None) -> dict:
+    def open_links(cls, paths: list[str], kept: dict | None = None) -> dict:
         """path -> link, as open_link(path, check=False) opens it, for those of ``paths`` whose
         header, footer and INDEX pass the tests links_batch makes of many files at once; the
-        others are not opened (open_link then raises the finding). ``preread``: as links_batch's."""
+        others are not opened (open_link then raises the finding). ``kept``: as links_batch's."""
         from .links_batch import open_links
         return {path: cls(path, fileobj, ImageTables(file, header, footer, index, load=False, frames=frames))
                 for path, (fileobj, file, header, footer, index, frames)
-                in open_links(paths, WHOLE_READ_BELOW, preread).items()}
+                in open_links(paths, WHOLE_READ_BELOW, kept).items()}
 
     @staticmethod
     def check_links(links: list["LeanImage"]) -> None:
