@@ -32,6 +32,7 @@ from .tables import DiskInfo, ImageTables, Region, SourceState
 # a link file smaller than this is read whole when opened: the tables opening checks are then
 # one read, not one per record (a cold chain of 1000 small links paid ~1 ms per link for them)
 WHOLE_READ_BELOW = 1 << 20
+KEPT_DIGESTS_MOST = 16 << 10      # a link's DIGESTS record kept from its whole read, if no larger
 
 __all__ = ["LeanImage", "Region", "DiskInfo", "SourceState", "decompress_frame"]
 
@@ -119,6 +120,10 @@ class LeanImage:
         from .tables_batch import load_tables
         try:
             load_tables([link.tables for link in links], on_error=lambda exc, tables: _name(exc, tables.file.name))
+            for link in links:           # a restore reads the DIGESTS of most links of a 1.1 chain
+                if link.digests.inherits:
+                    for positions in link.tables.digest_positions.values():
+                        link.tables.keep_listed(positions, KEPT_DIGESTS_MOST)
         finally:
             for link in links:
                 link.tables.file.drop_whole()

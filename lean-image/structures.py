@@ -49,6 +49,10 @@ class ImageFile:
         image.fileobj, image.name, image.size, image._whole = fileobj, name, len(data), data
         return image
 
+    @property
+    def holds_whole(self) -> bool:
+        return self._whole is not None
+
     def drop_whole(self) -> None:
         """Read from the file again from now on (memory held only while opening)."""
         self._whole = None

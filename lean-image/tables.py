@@ -135,6 +135,7 @@ class ImageTables:
         self.page_frames, self.delta_frames = frames
         self.disk_refs = DiskRefs(np.zeros(0, np.uint32), np.zeros(0, np.uint64))
         self.digest_positions: dict[int, list[int]] = {}
+        self.kept_listed: dict[int, bytes] = {}        # entry position -> its listed bytes (keep_listed)
         if load:
             self.load()
 
@@ -155,6 +156,9 @@ class ImageTables:
         that tests its rules in their plain case; None when they are more than ``most`` or
         cannot be read (the checked path, ``record``, then reads no more than the limit and
         raises its finding). ``view``: as ImageFile.read_exact's."""
+        kept = self.kept_listed.get(position)
+        if kept is not None:
+            return None if len(kept) > most else memoryview(kept) if view else kept
         offset = int(self.entries["record_offset"][position])
         length = self.listed_end(position) - offset
         if length > most:
@@ -163,6 +167,15 @@ class ImageTables:
             return self.file.read_exact(offset, length, lambda: f"record[{position}]", view)
         except LeanImageError:
             return None
+
+    def keep_listed(self, positions: list[int], most: int) -> None:
+        """While the file is held whole, copy the listed bytes of entries ``positions`` (those
+        of ``most`` bytes at most) for listed_bytes to give later without reading the file."""
+        if self.file.holds_whole:
+            for position in positions:
+                raw = self.listed_bytes(position, most)
+                if raw is not None:
+                    self.kept_listed[position] = raw
 
     def record(self, position: int) -> Record:
         """The record of index entry ``position``, checked against its entry and parsed."""

@@ -351,6 +351,39 @@ def test_the_links_found_beside_the_image_are_not_opened_again(chain, monkeypatc
     assert sorted(whole_reads) == sorted(str(p) for p in paths)      # every link read whole once
 
 
+@pytest.mark.parametrize("most", [reader_module.KEPT_DIGESTS_MOST, 0], ids=["kept", "none-kept"])
+def test_a_restore_reads_the_digests_its_links_kept_when_opened(chain, tmp_path, monkeypatch, most):
+    """A 1.1 link read whole when opened keeps its DIGESTS bytes (up to KEPT_DIGESTS_MOST):
+    the restore, which needs the digests of most links, reads no DIGESTS record again. Over
+    the limit, the restore reads them from the files, as before; both restore the memory."""
+    paths, memory = chain
+    monkeypatch.setattr(reader_module, "KEPT_DIGESTS_MOST", most)
+    digests_at = {}
+    for path in paths[:-1]:
+        index_offset, entries = _entries(path)
+        digests_at[str(path)] = set(entries["record_offset"][entries["record_type"] == RecordType.DIGESTS].tolist())
+    reads = []
+    real_pread = os.pread
+    monkeypatch.setattr(os, "pread", lambda fd, n, at: reads.append((os.readlink(f"/proc/self/fd/{fd}"), at))
+                        or real_pread(fd, n, at))
+    out = tmp_path / "restored.raw"
+    with LeanImage.open(paths[-1]) as image:
+        links = image.chain()[1:-1]                                   # the root inherits nothing
+        assert all(link.digests.inherits for link in links)
+        for link in links:
+            kept = link.tables.kept_listed
+            assert sorted(kept) == (sorted(link.tables.digest_positions[0]) if most else [])
+            for position, raw in kept.items():
+                offset = int(link.tables.entries["record_offset"][position])
+                assert raw == Path(link.path).read_bytes()[offset:link.tables.listed_end(position)]
+        del reads[:]
+        with open(out, "wb") as f:
+            restore_raw(image, f)
+    assert out.read_bytes() == memory
+    digest_reads = [(path, at) for path, at in reads if at in digests_at.get(path, ())]
+    assert (digest_reads == []) if most else len(digest_reads) > 0
+
+
 def test_a_truncated_digests_record_in_a_link_is_reported_by_the_restore(copy):
     """DIGESTS are read when a restore first needs them (LI-DIG-003 names the link): those of
     a link near the top, whose changed pages no later link changes again."""
