@@ -767,5 +767,44 @@ def checkpoint(qmp_socket, output, as_json, mode, then, disks, parents, delta, l
     ui.summary(result.summary())
 
 
+def run() -> None:
+    """The console script: the command, then a quick exit (_exit_quickly)."""
+    try:
+        main()                          # click's standalone mode ends with SystemExit
+    except SystemExit as exc:
+        code = exc.code
+    else:
+        code = 0
+    _exit_quickly(code)
+
+
+def _exit_quickly(code) -> None:
+    """End the process without tearing the interpreter's objects down one by one: after a
+    restore of a deep chain that teardown (10^5 objects, 200 MB of buffers freed piecemeal)
+    took 35-70 ms, as long as the restore's last quarter; the kernel frees the memory at
+    once. What a normal exit does that matters is done first, in its order: the worker
+    threads joined, atexit handlers run (temporary outputs removed), stdout and stderr
+    flushed (a failed flush exits 120, as Python does)."""
+    import atexit
+    import threading
+    if code is None:
+        code = 0
+    elif not isinstance(code, int):           # sys.exit("message"): printed, status 1
+        print(code, file=sys.stderr)
+        code = 1
+    shutdown = getattr(threading, "_shutdown", None)
+    run_exit_handlers = getattr(atexit, "_run_exitfuncs", None)
+    if shutdown is None or run_exit_handlers is None:     # not CPython 3.x as we know it: exit as usual
+        sys.exit(code)
+    shutdown()
+    run_exit_handlers()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            code = code or 120
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    main()
+    run()

@@ -6,13 +6,16 @@ import fcntl
 import json
 import os
 import stat
+import subprocess
+import sys
 import threading
+from importlib.metadata import entry_points
 
 import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from leanimg.cli import main
+from leanimg.cli import command_line, main
 from leanimg.fileutil import PIPE_BUFFER_BYTES, widen_pipe
 from leanimg.inspect import summarize
 from leanimg.reader import LeanImage
@@ -195,3 +198,71 @@ def test_qemu_stream_gets_a_hint(tmp_path):
     result = CliRunner().invoke(main, ["inspect", str(path)])
     assert result.exit_code == 1
     assert "LI-HDR-001" in result.output and "leanimg convert" in result.output
+
+
+# --- the console script's quick exit (cli.run) --------------------------------------------
+def _script(*args, **kw) -> subprocess.CompletedProcess:
+    """The installed console script (cli.run), as a user runs it."""
+    return subprocess.run([*command_line(), *map(str, args)], capture_output=True, timeout=120, **kw)
+
+
+def test_the_console_script_is_the_quick_exit():
+    (script,) = [e for e in entry_points(group="console_scripts") if e.name == "leanimg"]
+    assert script.value == "leanimg.cli:run"
+
+
+def test_the_console_script_exits_with_each_status_and_all_its_output(images, tmp_path):
+    """The quick exit keeps what a normal exit gives: the command's status, every byte of
+    stdout however large (here piped), the messages on stderr, the restored file whole."""
+    out = tmp_path / "child.raw"
+    done = _script("restore", images["child"], "--parent", images["parent"], "--to", "raw", "-o", out, "--json")
+    assert done.returncode == 0 and json.loads(done.stdout)["output"] == str(out)
+    assert out.read_bytes() == images["child_mem"]
+    listing = _script("inspect", images["child"], "--parent", images["parent"], "--json", "-vv")
+    assert listing.returncode == 0 and json.loads(listing.stdout)
+    bad = tmp_path / "bad.lean"
+    bad.write_bytes(b"not an image" * 100)
+    refused = _script("inspect", bad)
+    assert refused.returncode == 1 and b"[LI-HDR-001]" in refused.stderr and refused.stdout == b""
+    usage = _script("inspect", "--no-such-option", bad)
+    assert usage.returncode == 2 and b"No such option" in usage.stderr
+    assert sorted(os.listdir(tmp_path)) == ["bad.lean", "child.lean", "child.raw", "parent.lean"]
+
+
+QUICK_EXIT_PROGRAM = """
+import sys, threading, time
+from leanimg import fileutil
+from leanimg.cli import _exit_quickly
+temp, f = fileutil.create_temporary(sys.argv[1])
+f.write(b"half an output")
+def late():
+    time.sleep(0.3)
+    open(sys.argv[2], "w").write("done")
+threading.Thread(target=late).start()
+sys.stdout.write("x" * 100)                # buffered, not flushed
+sys.stderr.write("note")
+_exit_quickly(eval(sys.argv[3]))
+"""
+
+
+@pytest.mark.parametrize("code, status, message", [(None, 0, ""), (0, 0, ""), (4, 4, ""), ("bad", 1, "bad")])
+def test_the_quick_exit_does_what_a_normal_exit_must(tmp_path, code, status, message):
+    """_exit_quickly joins the worker threads (one still writing), runs the atexit handlers
+    (a temporary output removed), flushes stdout and stderr, and exits with the status
+    sys.exit(code) would give."""
+    done = subprocess.run([sys.executable, "-c", QUICK_EXIT_PROGRAM, tmp_path / "out.raw", tmp_path / "late",
+                           repr(code)], capture_output=True, text=True, timeout=60,
+                          env={k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"})   # buffered, as usual
+    assert done.returncode == status, done.stderr
+    assert done.stdout == "x" * 100 and done.stderr == "note" + (message + "\n" if message else "")
+    assert sorted(os.listdir(tmp_path)) == ["late"] and (tmp_path / "late").read_text() == "done"
+
+
+def test_a_closed_stdout_makes_the_console_script_exit_120_as_python_does(images):
+    """Output lost at exit (stdout closed by the reader) is not a success."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    with open(write_end, "wb") as closed:
+        done = subprocess.run([*command_line(), "inspect", str(images["child"]), "--parent", str(images["parent"])],
+                              stdout=closed, stderr=subprocess.PIPE, timeout=120)
+    assert done.returncode != 0
