@@ -391,15 +391,15 @@ class _ChainPatches:
         self.batches = []
         for lo, hi, row_lo, row_hi in zip(cuts, cuts[1:], row_cuts, row_cuts[1:]):
             rows = by_frame[row_lo:row_hi]
-            job = (frames[lo:hi], self.of_frame[rows] - lo, r.delta_slots[rows], r.delta_pages[rows], ps)
-            self.batches.append((rows, job, pool.submit(_fold_delta_batch, *job) if pool is not None else None))
+            job = (frames[lo:hi], lo, rows, self.of_frame, r.delta_slots, r.delta_pages, ps)
+            self.batches.append((rows, job, pool.submit(_gather_and_fold, *job) if pool is not None else None))
         self.folds = None
 
     def _ready(self) -> None:
         """The batches' folds (waiting for the workers), deepest first; the rows of pages
         that go the checked path."""
         r = self.resolution
-        results = [(rows, future.result() if future is not None else _fold_delta_batch(*job))
+        results = [(rows, future.result() if future is not None else _gather_and_fold(*job))
                    for rows, job, future in self.batches]
         self.batches = []
         firsts = np.concatenate([result[0] for _, result in results] or [np.zeros(0, np.int64)])
@@ -445,6 +445,13 @@ def _frames_in_use(r: Resolution) -> tuple[np.ndarray, list, np.ndarray]:
     frames = [(r.links[link], frame) for link, frame in zip(link_of.tolist(), (ids - first[link_of]).tolist())]
     sizes = np.concatenate([t.counts for t in tables] or [np.zeros(0, np.int64)]).astype(np.int64)[ids]
     return (np.cumsum(used) - 1)[numbered], frames, sizes
+
+
+def _gather_and_fold(frames: list, first_frame: int, rows: np.ndarray, of_frame: np.ndarray, slots: np.ndarray,
+                     pages: np.ndarray, page_size: int):
+    """_fold_delta_batch of the delta entries ``rows`` (their frame, ``of_frame``, counted from
+    ``first_frame``; slot; page), gathered here, on the worker: numpy gathers without the GIL."""
+    return _fold_delta_batch(frames, of_frame[rows] - first_frame, slots[rows], pages[rows], page_size)
 
 
 def _fold_delta_batch(frames: list, frame_of_row: np.ndarray, slots: np.ndarray, pages: np.ndarray,
