@@ -115,6 +115,9 @@ SMALL_RECORDS = [RecordType.REGION, RecordType.DISK, RecordType.SOURCE_STATE, Re
 SMALL_RECORD_TYPES = frozenset(int(t) for t in SMALL_RECORDS)
 
 
+_NO_DISK_IDS, _NO_SECTORS = np.zeros(0, np.uint32), np.zeros(0, np.uint64)     # empty: shared
+
+
 class ImageTables:
     """The tables of one image, read and checked when it is opened."""
 
@@ -133,7 +136,7 @@ class ImageTables:
             types = self.entries["record_type"]
             frames = FrameTable.of(self.entries, _PAGE_FRAME, types), FrameTable.of(self.entries, _DELTA_FRAME, types)
         self.page_frames, self.delta_frames = frames
-        self.disk_refs = DiskRefs(np.zeros(0, np.uint32), np.zeros(0, np.uint64))
+        self.disk_refs = DiskRefs(_NO_DISK_IDS, _NO_SECTORS)
         self.digest_positions: dict[int, list[int]] = {}
         self.kept_listed: dict[int, bytes] = {}        # entry position -> its listed bytes (keep_listed)
         if load:

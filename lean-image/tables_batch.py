@@ -205,8 +205,9 @@ def _rules_hold(all_tables: list[ImageTables], prepared: list) -> np.ndarray:
     if not n:
         return np.zeros(0, bool)
     ok = _index_ascending(all_tables)
-    ok &= _frames_hold(all_tables)
-    ok &= _extents_hold(all_tables, prepared)
+    frames_ok, totals = _frames_hold(all_tables)
+    ok &= frames_ok
+    ok &= _extents_hold(all_tables, prepared, totals)
     ok &= _digests_cover(all_tables, prepared)
     return ok
 
@@ -234,28 +235,33 @@ def _index_ascending(all_tables) -> np.ndarray:
     return ok & (np.bincount(lid[step_bad], minlength=len(all_tables)) == 0)
 
 
-def _frames_hold(all_tables) -> np.ndarray:
+def _frames_hold(all_tables) -> tuple[np.ndarray, dict]:
     """LI-FRM-001 and LI-FRM-004 (from the INDEX): frames number their pages and entries
-    from 0 contiguously; a PAGE_FRAME holds 1.. 16 MiB of pages."""
+    from 0 contiguously; a PAGE_FRAME holds 1.. 16 MiB of pages. Also, per kind, each
+    image's FrameTable.total (int64 sums, wrapping as its sum does)."""
     n = len(all_tables)
     ok = np.ones(n, bool)
+    totals = {}
     for kind in ("page_frames", "delta_frames"):
         tables = [getattr(t, kind) for t in all_tables]
-        lid, first = _link_ids([len(f) for f in tables])
+        lengths = [len(f) for f in tables]
+        lid, first = _link_ids(lengths)
         starts = np.concatenate([f.starts for f in tables])
         counts = np.concatenate([f.counts for f in tables])
+        running = np.concatenate(([0], np.cumsum(counts)))
+        totals[kind] = running[first + lengths] - running[first]
         bad = starts != _exclusive_sums(counts, lid, first)
         if kind == "page_frames":
             most = np.repeat(np.array([FRAME_PAGES_MAX_BYTES // t.page_size for t in all_tables]),
                              [len(f) for f in tables])
             bad |= (counts < 1) | (counts > most)
         ok &= np.bincount(lid[bad], minlength=n) == 0
-    return ok
+    return ok, totals
 
 
-def _extents_hold(all_tables, prepared) -> np.ndarray:
+def _extents_hold(all_tables, prepared, totals: dict) -> np.ndarray:
     """LI-MAP-001 coverage, LI-MAP-004 slot use (slots in extent order), LI-HDR-009 and
-    LI-MAP-005 feature bits; sets each prepared entry's digest ranks."""
+    LI-MAP-005 feature bits; sets each prepared entry's digest ranks. ``totals``: _frames_hold's."""
     n = len(all_tables)
     extents = [p[1] for p in prepared]
     bounds = np.cumsum([0] + [len(e) for e in extents]).tolist()     # each image's extents laid end to end
@@ -266,8 +272,7 @@ def _extents_hold(all_tables, prepared) -> np.ndarray:
     bits = np.array([t.header.incompatible_features for t in all_tables], np.int64)
     own = np.array([inherits_digests(int(b)) for b in bits])
     pages = np.array([p[0].num_pages for p in prepared], np.int64)
-    available = np.stack([np.array([t.page_frames.total for t in all_tables], np.int64), np.zeros(n, np.int64),
-                          np.array([t.delta_frames.total for t in all_tables], np.int64)], axis=1)   # no DISK_REFS
+    available = np.stack([totals["page_frames"], np.zeros(n, np.int64), totals["delta_frames"]], axis=1)  # no DISK_REFS
     extents_rules = _extents_rules_numpy if _native is None else _extents_rules_native
     ok, present, bearing, rank0 = extents_rules(extents, pages, available, own)
     has_parent = np.array([t.header.has_parent for t in all_tables])
