@@ -15,7 +15,9 @@
  *    the fold (numpy concatenates each field of every link and filters them);
  *  - fold_own_pages: chain.resolve's fold of a chain's own pages (the nearest link holding
  *    each page's base and digest, the deltas above the base, by page, deepest link first) in
- *    one pass over the extents; numpy expands them page by page and sorts the deltas.
+ *    one pass over the extents; numpy expands them page by page and sorts the deltas;
+ *  - fold_words: a batch of DELTA_FRAMEs' words folded into the nearest link's value of each
+ *    word, by page and word (a radix sort by page; numpy sorts every word and gathers).
  * Optional: leanimg works the same without it (setup.py builds it where gcc, Python's headers,
  * xxhash.h and libzstd are found; format.py, delta.py, tables_batch.py and chain.py fall back
  * to the xxhash and zstandard modules and numpy, and tests/test_native.py and
@@ -767,6 +769,170 @@ done:
     return result;
 }
 
+/* One kept word of a page while fold_words dedupes it: its index in the page, its value. */
+struct word {
+    int64_t at;
+    uint64_t value;
+};
+
+static int word_before(const void *a, const void *b)
+{
+    int64_t x = ((const struct word *)a)->at, y = ((const struct word *)b)->at;
+    return (x > y) - (x < y);
+}
+
+/* Sort n words by index (a page's few: insertion sort; many: qsort). */
+static void sort_words(struct word *w, Py_ssize_t n)
+{
+    if (n > 32) {
+        qsort(w, (size_t)n, sizeof(struct word), word_before);
+        return;
+    }
+    for (Py_ssize_t i = 1; i < n; i++) {
+        struct word x = w[i];
+        Py_ssize_t j = i;
+        for (; j > 0 && w[j - 1].at > x.at; j--)
+            w[j] = w[j - 1];
+        w[j] = x;
+    }
+}
+
+/* Stable LSD radix sort of ``n`` item ids ``ids`` by ``key[id]`` (0 <= key < limit), a byte a
+ * pass (a batch's few thousand entries: 256 counts a pass cost less than 65536); ``tmp`` as
+ * long as ids. The result is in ids. */
+static void radix_by_key(int64_t *ids, int64_t *tmp, Py_ssize_t n, const int64_t *key, int64_t limit)
+{
+    int64_t counts[256 + 1];
+    for (int shift = 0; shift < 64 && (limit - 1) >> shift; shift += 8) {
+        memset(counts, 0, sizeof counts);
+        for (Py_ssize_t i = 0; i < n; i++)
+            counts[((key[ids[i]] >> shift) & 0xFF) + 1]++;
+        for (int d = 0; d < 256; d++)
+            counts[d + 1] += counts[d];
+        for (Py_ssize_t i = 0; i < n; i++)
+            tmp[counts[(key[ids[i]] >> shift) & 0xFF]++] = ids[i];
+        memcpy(ids, tmp, (size_t)n * sizeof(int64_t));
+    }
+}
+
+/* fold_words(simple, word_start, positions, values, entries, pages, words_per_page, page_limit,
+ *            plain, flat, flat_values) -> count, or -1
+ * chain._fold_delta_batch's fold, in one pass without the GIL. Entries (simple u1, word_start
+ * i8: where each entry's words start in positions i8 / values u8, laid end to end) as
+ * parse_index_lists gives them; rows (entries i8: each row's entry, pages i8: its page). Per
+ * row, plain[row] = simple[entry]; a plain row's entry applies to its page (of two rows of one
+ * entry, the later). Every word of an applying entry is page * words_per_page + its index;
+ * of a word several entries set, the first entry's value is kept (entries come nearest link
+ * first); the words go to flat / flat_values ascending, their number returned. -1 (the caller
+ * folds with numpy) when an input is not as described: an entry or page out of range, word
+ * starts not ascending, a word index outside its page. The GIL is released. */
+static PyObject *fold_words(PyObject *self, PyObject *args)
+{
+    Py_buffer simple_b, start_b, pos_b, val_b, entries_b, pages_b, plain_b, flat_b, fval_b;
+    int64_t wpp, page_limit;
+    if (!PyArg_ParseTuple(args, "y*y*y*y*y*y*LLw*w*w*", &simple_b, &start_b, &pos_b, &val_b, &entries_b, &pages_b,
+                          &wpp, &page_limit, &plain_b, &flat_b, &fval_b))
+        return NULL;
+    PyObject *result = NULL;
+    const unsigned char *simple = simple_b.buf;
+    const int64_t *word_start = start_b.buf, *positions = pos_b.buf, *entries = entries_b.buf, *pages = pages_b.buf;
+    const uint64_t *values = val_b.buf;
+    unsigned char *plain = plain_b.buf;
+    int64_t *flat = flat_b.buf;
+    uint64_t *flat_values = fval_b.buf;
+    Py_ssize_t E = simple_b.len, W = pos_b.len / 8, R = entries_b.len / 8;
+    int64_t count = -1;
+    int bad = start_b.len != E * 8 || val_b.len != W * 8 || pages_b.len != R * 8 || plain_b.len != R ||
+              flat_b.len < W * 8 || fval_b.len < W * 8 || wpp <= 0 || page_limit < 0 || page_limit > (1LL << 48) ||
+              (page_limit > 0 && wpp > INT64_MAX / page_limit);
+    int64_t *page_of = NULL, *ids = NULL, *tmp = NULL;
+    uint32_t *seen = NULL;
+    struct word *kept = NULL;
+    if (!bad) {
+        page_of = malloc(((size_t)E + 1) * sizeof(int64_t));
+        ids = malloc(((size_t)E + 1) * sizeof(int64_t));
+        tmp = malloc(((size_t)E + 1) * sizeof(int64_t));
+        seen = calloc((size_t)wpp, sizeof(uint32_t));
+        kept = malloc(((size_t)W + 1) * sizeof(struct word));
+        if (!page_of || !ids || !tmp || !seen || !kept) {
+            PyErr_NoMemory();
+            goto done;
+        }
+    }
+    if (bad)
+        goto answer;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t e = 0; e < E; e++) {
+        page_of[e] = -1;
+        if (word_start[e] < (e ? word_start[e - 1] : 0) || word_start[e] > W)
+            bad = 1;
+    }
+    for (Py_ssize_t r = 0; !bad && r < R; r++) {
+        int64_t e = entries[r];
+        bad = e < 0 || e >= E;
+        if (!bad) {
+            plain[r] = simple[e] != 0;
+            if (plain[r]) {
+                bad = pages[r] < 0 || pages[r] >= page_limit;
+                page_of[e] = pages[r];
+            }
+        }
+    }
+    Py_ssize_t n = 0;
+    for (Py_ssize_t e = 0; !bad && e < E; e++)
+        if (page_of[e] >= 0)
+            ids[n++] = e;
+    if (!bad)
+        radix_by_key(ids, tmp, n, page_of, page_limit);
+    int64_t out = 0;
+    uint32_t stamp = 0;
+    for (Py_ssize_t i = 0; !bad && i < n;) {
+        int64_t page = page_of[ids[i]];
+        Py_ssize_t many = 0;
+        stamp++;
+        for (; i < n && page_of[ids[i]] == page; i++) {
+            int64_t e = ids[i], end = e + 1 < E ? word_start[e + 1] : W;
+            for (int64_t w = word_start[e]; w < end; w++) {
+                int64_t at = positions[w];
+                if (at < 0 || at >= wpp) {
+                    bad = 1;
+                    break;
+                }
+                if (seen[at] != stamp) {
+                    seen[at] = stamp;
+                    kept[many].at = at;
+                    kept[many++].value = values[w];
+                }
+            }
+        }
+        sort_words(kept, many);
+        for (Py_ssize_t k = 0; k < many; k++) {
+            flat[out] = page * wpp + kept[k].at;
+            flat_values[out++] = kept[k].value;
+        }
+    }
+    count = bad ? -1 : out;
+    Py_END_ALLOW_THREADS
+answer:
+    result = PyLong_FromLongLong(count);
+done:
+    free(page_of);
+    free(ids);
+    free(tmp);
+    free(seen);
+    free(kept);
+    PyBuffer_Release(&simple_b);
+    PyBuffer_Release(&start_b);
+    PyBuffer_Release(&pos_b);
+    PyBuffer_Release(&val_b);
+    PyBuffer_Release(&entries_b);
+    PyBuffer_Release(&pages_b);
+    PyBuffer_Release(&plain_b);
+    PyBuffer_Release(&flat_b);
+    PyBuffer_Release(&fval_b);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"digest_rows", digest_rows, METH_VARARGS,
      "digest_rows(data, page_size, rows, out): xxh3-128 of pages ``rows`` of ``data`` into ``out``."},
@@ -789,6 +955,9 @@ static PyMethodDef methods[] = {
      "fold_own_pages(starts, counts, classes, slots, bearing, rank0, depths, inherits, concrete, delta_class, "
      "base_link, base_class, base_slot, digest_link, digest_class, digest_rank, delta_pages, delta_links, "
      "delta_slots) -> deltas"},
+    {"fold_words", fold_words, METH_VARARGS,
+     "fold_words(simple, word_start, positions, values, entries, pages, words_per_page, page_limit, plain, flat, "
+     "flat_values) -> count or -1"},
     {NULL, NULL, 0, NULL},
 };
 

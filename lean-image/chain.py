@@ -464,6 +464,30 @@ def _fold_delta_batch(frames: list, frame_of_row: np.ndarray, slots: np.ndarray,
     nearest link's value is kept."""
     firsts, counts, (simple, word_start, _, positions, values) = _parse_delta_batch(frames, page_size)
     entries = (np.cumsum(counts) - counts)[frame_of_row] + slots - firsts[frame_of_row]
+    folded = _fold_words_native(simple, word_start, positions, values, entries, pages, page_size) \
+        if _native is not None else None
+    if folded is not None:
+        return (firsts, *folded)
+    return (firsts, *_fold_words(simple, word_start, positions, values, entries, pages, page_size))
+
+
+def _fold_words_native(simple, word_start, positions, values, entries, pages, page_size: int) -> tuple | None:
+    """_fold_words in one call of leanimg._native.fold_words (None: an input it does not take)."""
+    plain = np.zeros(len(entries), bool)
+    flat, flat_values = np.empty(len(positions), np.int64), np.empty(len(positions), "<u8")
+    count = _native.fold_words(simple.view(np.uint8), np.ascontiguousarray(word_start, np.int64),
+                               np.ascontiguousarray(positions, np.int64), np.ascontiguousarray(values, "<u8"),
+                               np.ascontiguousarray(entries, np.int64), np.ascontiguousarray(pages, np.int64),
+                               page_size // 8, int(pages.max()) + 1 if len(pages) else 0,
+                               plain.view(np.uint8), flat, flat_values)
+    return None if count < 0 else (flat[:count], flat_values[:count], plain)
+
+
+def _fold_words(simple, word_start, positions, values, entries, pages, page_size: int) -> tuple:
+    """The words of a batch's entries (parse_index_lists' arrays) that its rows apply (each
+    row: its ``entries`` index and its page): (page * words per page + word, ascending, their
+    values, per row whether its entry is a plain INDEX_LIST). Of a word several entries set,
+    the first entry's value is kept (a batch's entries come nearest link first)."""
     plain = simple[entries]
     page_of_entry = np.full(len(simple), -1, np.int64)
     page_of_entry[entries[plain]] = pages[plain]
@@ -474,7 +498,7 @@ def _fold_delta_batch(frames: list, frame_of_row: np.ndarray, slots: np.ndarray,
     flat, values = flat[order], values[kept][order]
     first = np.ones(len(flat), bool)
     first[1:] = flat[1:] != flat[:-1]
-    return firsts, flat[first], values[first], plain
+    return flat[first], values[first], plain
 
 
 def _parse_delta_batch(frames: list, page_size: int):

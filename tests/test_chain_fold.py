@@ -506,3 +506,58 @@ def test_the_deep_chain_restores_its_final_memory(deep_chain, tmp_path):
     with LeanImage.open(deep_chain[0][-1]) as image, open(tmp_path / "out", "wb") as out:
         restore_raw(image, out)
     assert (tmp_path / "out").read_bytes() == deep_chain[1]
+
+
+# --- a batch's words folded in C (leanimg._native.fold_words) ---------------------------------
+@st.composite
+def word_batches(draw):
+    """parse_index_lists' arrays of a batch of entries (some not plain) and rows applying them
+    (some entries applied twice, some never; pages repeated across entries), as
+    _fold_delta_batch hands them to the fold."""
+    wpp = draw(st.sampled_from([8, 512]))
+    entries = draw(st.integers(0, 40))
+    simple = np.array(draw(st.lists(st.booleans(), min_size=entries, max_size=entries)), bool)
+    counts = [draw(st.integers(1, min(wpp, 6))) if s else 0 for s in simple]
+    positions = np.concatenate([np.sort(np.array(draw(st.lists(st.integers(0, wpp - 1), min_size=n, max_size=n,
+                                                                unique=True)), np.int64)) for n in counts] or
+                               [np.zeros(0, np.int64)]).astype(np.int64)
+    values = np.array(draw(st.lists(st.integers(0, 2**64 - 1), min_size=len(positions), max_size=len(positions))),
+                      "<u8")
+    word_start = (np.cumsum(counts) - counts).astype(np.int64) if entries else np.zeros(0, np.int64)
+    rows = draw(st.lists(st.integers(0, entries - 1), max_size=60)) if entries else []
+    pages = np.array(draw(st.lists(st.sampled_from([0, 1, 2, 7, 300, 70_000]), min_size=len(rows),
+                                   max_size=len(rows))), np.int64)
+    return simple, word_start, positions, values, np.array(rows, np.int64), pages, wpp * 8
+
+
+@pytest.mark.skipif(chain_module._native is None, reason="leanimg._native not built")
+@settings(max_examples=400, deadline=None)
+@given(batch=word_batches())
+def test_the_words_folded_in_c_are_the_words_numpy_folds(batch):
+    """Ascending page * words + word, the first entry's value of a word several set, and
+    whether each row's entry is plain: the same from C as from numpy, dtypes included."""
+    native = chain_module._fold_words_native(*batch)
+    python = chain_module._fold_words(*batch)
+    assert native is not None
+    for got, want in zip(native, python):
+        assert got.dtype == want.dtype and np.array_equal(got, want)
+
+
+@pytest.mark.skipif(chain_module._native is None, reason="leanimg._native not built")
+@pytest.mark.parametrize("spoil", ["entry out of range", "word out of its page", "word starts descending",
+                                   "negative page"])
+def test_inputs_the_c_fold_does_not_take_go_to_numpy(spoil):
+    """fold_words answers -1 (the fold then runs in numpy, which fails as it always did, or
+    folds) for inputs that are not as parse_index_lists and the resolution give them."""
+    simple = np.array([True, True], bool)
+    word_start, positions = np.array([0, 2], np.int64), np.array([1, 3, 0], np.int64)
+    values, rows, pages = np.arange(3, dtype="<u8"), np.array([0, 1], np.int64), np.array([4, 5], np.int64)
+    if spoil == "entry out of range":
+        rows = np.array([0, 2], np.int64)
+    elif spoil == "word out of its page":
+        positions = np.array([1, 3, 512], np.int64)
+    elif spoil == "word starts descending":
+        word_start = np.array([2, 0], np.int64)
+    else:
+        pages = np.array([4, -1], np.int64)
+    assert chain_module._fold_words_native(simple, word_start, positions, values, rows, pages, PS) is None
