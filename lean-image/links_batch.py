@@ -83,18 +83,7 @@ def _taken(kept: dict, path: str, whole_below: int):
     """(fd, the file's bytes) of ``path`` if it is in ``kept`` (open already: path -> (fd, size);
     removed from it) and read whole would be, else None (its fd closed)."""
     got = kept.pop(path, None)
-    if got is None:
-        return None
-    fd, size = got
-    try:
-        if _SMALLEST <= size < whole_below:
-            data = os.pread(fd, size, 0)
-            if len(data) == size:
-                return fd, data
-    except OSError:
-        pass
-    os.close(fd)
-    return None
+    return None if got is None else _whole_of(*got, whole_below)
 
 
 def _read_whole(path: str, whole_below: int):
@@ -105,6 +94,15 @@ def _read_whole(path: str, whole_below: int):
         return None
     try:
         size = os.fstat(fd).st_size
+    except OSError:
+        size = -1
+    return _whole_of(fd, size, whole_below)
+
+
+def _whole_of(fd: int, size: int, whole_below: int):
+    """(fd, its ``size`` bytes) if ImageFile would read a file of that size whole and all are
+    there, else None (fd closed)."""
+    try:
         if _SMALLEST <= size < whole_below:
             data = os.pread(fd, size, 0)
             if len(data) == size:
