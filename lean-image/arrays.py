@@ -50,3 +50,21 @@ def distinct(values) -> np.ndarray:
     if len(values) < 2:
         return values
     return values[np.concatenate(([True], values[1:] != values[:-1]))]
+
+
+def as_items(rows: np.ndarray) -> np.ndarray:
+    """An (n, k) C-contiguous array as a view of n items of k bytes each: numpy gathers and
+    scatters those with one copy per item, where rows of an (n, 16) uint8 array (digests) go
+    byte by byte, ~9x the time."""
+    return rows.view(np.dtype((np.void, rows.shape[1] * rows.itemsize))).reshape(len(rows))
+
+
+def gather_rows(rows: np.ndarray, at) -> np.ndarray:
+    """rows[at] (``at``: indexes or a mask) of an (n, k) C-contiguous array, through as_items."""
+    return as_items(rows)[at].view(rows.dtype).reshape(-1, rows.shape[1])
+
+
+def scatter_rows(rows: np.ndarray, at, values: np.ndarray) -> None:
+    """rows[at] = values, for an (n, k) C-contiguous ``rows``, through as_items."""
+    as_items(rows)[at] = as_items(np.ascontiguousarray(values, rows.dtype))
+

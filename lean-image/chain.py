@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import zstandard
 
-from .arrays import distinct
+from .arrays import distinct, scatter_rows
 from .compression import FrameError, decompress_exact
 from .delta import parse_index_lists
 from .digests import verify_rows
@@ -898,7 +898,7 @@ def _hold_direct_frames(image, region, resolution, window, first_page, links, fr
         key = (link_index << 32) | frame
         lo, hi = np.searchsorted(keys, [key, key + 1])
         mine = rows[by_frame[lo:hi]]
-        got[mine] = row_digests(np.frombuffer(content, np.uint8).reshape(-1, ps), slots[mine] - first_ordinal)
+        scatter_rows(got, mine, row_digests(np.frombuffer(content, np.uint8).reshape(-1, ps), slots[mine] - first_ordinal))
     verify_rows(region, first_page, rows, got, expected)
     return held
 
@@ -946,5 +946,5 @@ def check_built(image, region, first_page: int, out: np.ndarray, rows: np.ndarra
     if not len(rows):
         return
     got = np.zeros(expected.shape, np.uint8)
-    got[rows] = row_digests(out.reshape(-1, image.page_size), rows)
+    scatter_rows(got, rows, row_digests(out.reshape(-1, image.page_size), rows))
     verify_rows(region, first_page, rows, got, expected)

@@ -13,7 +13,7 @@ import weakref
 import numpy as np
 
 from . import checks
-from .arrays import joined
+from .arrays import gather_rows, joined, scatter_rows
 from .checks import first_problem
 from .errors import ChainError, LeanImageError
 from .format import (
@@ -59,7 +59,7 @@ class DigestStore:
         if self.inherits:
             rows = np.flatnonzero(classes == PageClass.PARENT)
             if len(rows):
-                expected[rows] = self._inherited(region, first_page + rows)
+                scatter_rows(expected, rows, self._inherited(region, first_page + rows))
         return classes, expected
 
     def own_range(self, region: Region, first_page: int, count: int) -> tuple[np.ndarray, np.ndarray]:
@@ -73,7 +73,7 @@ class DigestStore:
         ranks = np.repeat(region.digest_rank0[lo:hi], sizes)[skip:skip + count] + within
         bearing = np.repeat(region.digest_bearing[lo:hi], sizes)[skip:skip + count]
         expected = np.zeros((count, DIGEST_SIZE), np.uint8)
-        expected[bearing] = self.table(region)[ranks[bearing]]
+        scatter_rows(expected, bearing, gather_rows(self.table(region), ranks[bearing]))
         expected[classes == PageClass.ZERO] = np.frombuffer(zero_page_digest(self.page_size), np.uint8)
         return classes, expected
 
@@ -90,7 +90,7 @@ class DigestStore:
             depth = int(depths[depths >= 0].min())          # the nearest link where one is FREE
             first_problem(checks.inherited_digest_problems(region.region_id, region.name, pages[depths == depth],
                                                            image.resolution(region).links[depth].path))
-        return table[pages]
+        return gather_rows(table, pages)
 
     def _inherited_table(self, region: Region, image) -> tuple[np.ndarray, np.ndarray]:
         """Per page of the region, the digest its digest link holds for it, and that link's
@@ -110,8 +110,9 @@ class DigestStore:
                                             [resolution.regions[d] for d in depths.tolist()])
                 ranks, classes = resolution.digest_rank[pages], resolution.digest_class[pages]
                 bearing = ranks >= 0
-                rows = bases[np.searchsorted(depths, depth_of[bearing])] + ranks[bearing]
-                table[pages[bearing]] = stored[rows]
+                base_of = np.zeros(int(depths[-1]) + 1, np.int64)       # digest link -> its first row in stored
+                base_of[depths] = bases
+                scatter_rows(table, pages[bearing], gather_rows(stored, base_of[depth_of[bearing]] + ranks[bearing]))
                 table[pages[classes == PageClass.ZERO]] = np.frombuffer(zero_page_digest(self.page_size), np.uint8)
                 free = classes == PageClass.FREE
                 free_in[pages[free]] = depth_of[free]

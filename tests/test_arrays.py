@@ -1,5 +1,6 @@
 """leanimg.arrays: distinct is np.unique of what it is given; joined lays structured tables end
-to end as np.concatenate would, in one copy, views and slices included."""
+to end as np.concatenate would, in one copy, views and slices included; gather_rows and
+scatter_rows index the rows of a 2-d array as numpy's own indexing does."""
 
 import subprocess
 import sys
@@ -8,7 +9,7 @@ import numpy as np
 from hypothesis import given, settings, strategies as st
 from hypothesis.extra import numpy as hnp
 
-from leanimg.arrays import distinct, joined
+from leanimg.arrays import as_items, distinct, gather_rows, joined, scatter_rows
 from leanimg.format import INDEX_ENTRY
 
 
@@ -53,3 +54,36 @@ def test_joined_slices_of_one_array_are_a_view_of_it():
         copied = joined(others)
         assert not np.shares_memory(copied, base)
         assert copied.tobytes() == b"".join(t.tobytes() for t in others)
+
+
+@st.composite
+def rows_and_picks(draw):
+    """(n, 16) uint8 rows, some indexes of them (repeats included) or a mask, and new rows."""
+    n = draw(st.integers(0, 30))
+    rows = draw(hnp.arrays(np.uint8, (n, 16)))
+    if n and draw(st.booleans()):
+        at = np.array(draw(st.lists(st.integers(0, n - 1), max_size=40)), np.int64)
+    else:
+        at = draw(hnp.arrays(bool, n))
+    values = draw(hnp.arrays(np.uint8, (int(at.sum()) if at.dtype == bool else len(at), 16)))
+    return rows, at, values
+
+
+@settings(max_examples=300, deadline=None)
+@given(case=rows_and_picks())
+def test_rows_gathered_and_scattered_as_numpy_does(case):
+    rows, at, values = case
+    got = gather_rows(rows, at)
+    assert got.dtype == rows.dtype and np.array_equal(got, rows[at])
+    if at.dtype != bool and len(set(at.tolist())) < len(at):
+        values = values[:0] if not len(at) else np.repeat(values[:1], len(at), axis=0)   # repeats: one value
+    want = rows.copy()
+    want[at] = values
+    scatter_rows(rows, at, values)                    # in place, through the view as_items gives
+    assert np.array_equal(rows, want)
+
+
+def test_as_items_is_a_view_of_one_item_per_row():
+    rows = np.arange(48, dtype=np.uint8).reshape(3, 16)
+    items = as_items(rows)
+    assert items.shape == (3,) and items.itemsize == 16 and np.shares_memory(items, rows)
