@@ -36,26 +36,26 @@ def open_links(paths: list[str], whole_below: int, kept: dict | None = None) -> 
     (parents._image_uuids); those of ``paths`` are taken from it (and removed)."""
     kept = {} if kept is None else kept
     read = [_taken(kept, path, whole_below) or _read_whole(path, whole_below) for path in paths]
-    kept = [(path, *got) for path, got in zip(paths, read) if got is not None]
-    if not kept:
+    files = [(path, *got) for path, got in zip(paths, read) if got is not None]      # (path, fd, bytes)
+    if not files:
         return {}
-    ok, index_at, num_entries = _tables_hold([data for _, _, data in kept])
+    ok, index_at, num_entries = _tables_hold([data for _, _, data in files])
     taken, chosen = set(), []
-    for j, ((path, fd, _), good) in enumerate(zip(kept, ok.tolist())):
+    for j, ((path, fd, _), good) in enumerate(zip(files, ok.tolist())):
         if good and path not in taken:
             taken.add(path)
             chosen.append(j)
         else:
             os.close(fd)
     at, counts = index_at[chosen], num_entries[chosen]
-    flat = np.frombuffer(b"".join([kept[j][2][a:a + n * INDEX_ENTRY.size] for j, a, n in
+    flat = np.frombuffer(b"".join([files[j][2][a:a + n * INDEX_ENTRY.size] for j, a, n in
                                    zip(chosen, (at + _INDEX_HEAD.itemsize).tolist(), counts.tolist())]),
                          INDEX_ENTRY.dtype)
     bounds = np.concatenate(([0], np.cumsum(counts))).tolist()
     frames = _frame_tables(flat, counts)
     opened = {}
     for k, j in enumerate(chosen):
-        path, fd, data = kept[j]
+        path, fd, data = files[j]
         opened[path] = (*_assembled(path, fd, data, int(at[k]), flat[bounds[k]:bounds[k + 1]]), frames[k])
     return opened
 

@@ -169,7 +169,7 @@ def _siblings(path: str, index: dict) -> list[str]:
 
 READ_AHEAD_FILES = 256              # files open at once while their UUIDs are read
 READ_AHEAD_BYTES = 256 << 20        # small files handed to the kernel's read-ahead, at most
-KEPT_FILES_MAX = 4096               # small files kept open for open_links
+KEPT_FILES_MAX = 4096               # small files kept open for open_links (and a quarter of the open-file limit)
 
 
 def _image_uuids(paths: list[str], kept: dict) -> list[tuple[bytes, bytes] | None]:
@@ -182,6 +182,7 @@ def _image_uuids(paths: list[str], kept: dict) -> list[tuple[bytes, bytes] | Non
     from .reader import WHOLE_READ_BELOW
     at, end = HEADER.offset("image_uuid"), HEADER.offset("parent_uuid") + 16
     budget = [READ_AHEAD_BYTES]
+    most = _kept_most()
     found = []
     for lo in range(0, len(paths), READ_AHEAD_FILES):
         batch = paths[lo:lo + READ_AHEAD_FILES]
@@ -196,11 +197,22 @@ def _image_uuids(paths: list[str], kept: dict) -> list[tuple[bytes, bytes] | Non
             except OSError:
                 found.append(None)
                 small = 0
-            if small and len(kept) < KEPT_FILES_MAX:
+            if small and len(kept) < most:
                 kept[path] = (fd, small)
             else:
                 os.close(fd)
     return found
+
+
+def _kept_most() -> int:
+    """How many files _image_uuids keeps open: KEPT_FILES_MAX, and no more than a quarter of
+    this process's open-file limit (the chain's links keep theirs open too)."""
+    try:
+        import resource
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    except (ImportError, OSError, ValueError):
+        return 0
+    return KEPT_FILES_MAX if soft == resource.RLIM_INFINITY else min(KEPT_FILES_MAX, soft // 4)
 
 
 def _open_ahead(path: str, small: int, budget: list) -> tuple[int | None, int]:

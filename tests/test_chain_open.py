@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 import struct
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -349,6 +351,32 @@ def test_the_links_found_beside_the_image_are_not_opened_again(chain, monkeypatc
     counts = [opened.count(str(p)) for p in paths[:-1]]
     assert set(counts) <= {1, 2} and counts.count(1) == min(kept, len(counts))
     assert sorted(whole_reads) == sorted(str(p) for p in paths)      # every link read whole once
+
+
+LOW_LIMIT_PROGRAM = """
+import resource, sys
+resource.setrlimit(resource.RLIMIT_NOFILE, (400, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+from leanimg.reader import LeanImage
+with LeanImage.open(sys.argv[1]) as image:
+    print(len(image.chain()))
+"""
+
+
+def test_small_siblings_kept_open_stay_within_the_open_file_limit(chain, tmp_path):
+    """The parents' search keeps small files open, but no more than a quarter of the open-file
+    limit: with a limit of 400 and 500 small *.lean beside a 12-link chain (sorted first), the
+    chain is still found and opened (keeping them all would leave no descriptor for it; the
+    search opens READ_AHEAD_FILES, 256, at once, as it always did)."""
+    paths, _ = chain
+    for k in range(500):
+        (tmp_path / f"aaa-{k:03d}.lean").write_bytes(bytes(range(256)) * 4)
+    copies = []
+    for path in paths[:12]:
+        copies.append(tmp_path / f"zzz-{path.name}")
+        copies[-1].write_bytes(path.read_bytes())
+    done = subprocess.run([sys.executable, "-c", LOW_LIMIT_PROGRAM, str(copies[-1])], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0 and done.stdout.split() == ["12"], done.stderr
 
 
 @pytest.mark.parametrize("most", [reader_module.KEPT_DIGESTS_MOST, 0], ids=["kept", "none-kept"])
