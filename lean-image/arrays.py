@@ -67,4 +67,3 @@ def gather_rows(rows: np.ndarray, at) -> np.ndarray:
 def scatter_rows(rows: np.ndarray, at, values: np.ndarray) -> None:
     """rows[at] = values, for an (n, k) C-contiguous ``rows``, through as_items."""
     as_items(rows)[at] = as_items(np.ascontiguousarray(values, rows.dtype))
-

@@ -898,7 +898,8 @@ def _hold_direct_frames(image, region, resolution, window, first_page, links, fr
         key = (link_index << 32) | frame
         lo, hi = np.searchsorted(keys, [key, key + 1])
         mine = rows[by_frame[lo:hi]]
-        scatter_rows(got, mine, row_digests(np.frombuffer(content, np.uint8).reshape(-1, ps), slots[mine] - first_ordinal))
+        pages = np.frombuffer(content, np.uint8).reshape(-1, ps)
+        scatter_rows(got, mine, row_digests(pages, slots[mine] - first_ordinal))
     verify_rows(region, first_page, rows, got, expected)
     return held
 
