@@ -842,7 +842,8 @@ static PyObject *fold_words(PyObject *self, PyObject *args)
     uint64_t *flat_values = fval_b.buf;
     Py_ssize_t E = simple_b.len, W = pos_b.len / 8, R = entries_b.len / 8;
     int64_t count = -1;
-    int bad = start_b.len != E * 8 || val_b.len != W * 8 || pages_b.len != R * 8 || plain_b.len != R ||
+    int bad = pos_b.len % 8 || entries_b.len % 8 || E >= (Py_ssize_t)UINT32_MAX ||   /* stamps: u4 a page */
+              start_b.len != E * 8 || val_b.len != W * 8 || pages_b.len != R * 8 || plain_b.len != R ||
               flat_b.len < W * 8 || fval_b.len < W * 8 || wpp <= 0 || page_limit < 0 || page_limit > (1LL << 48) ||
               (page_limit > 0 && wpp > INT64_MAX / page_limit);
     int64_t *page_of = NULL, *ids = NULL, *tmp = NULL;
