@@ -367,6 +367,10 @@ def test_small_siblings_kept_open_stay_within_the_open_file_limit(chain, tmp_pat
     limit: with a limit of 400 and 500 small *.lean beside a 12-link chain (sorted first), the
     chain is still found and opened (keeping them all would leave no descriptor for it; the
     search opens READ_AHEAD_FILES, 256, at once, as it always did)."""
+    import resource
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    if hard != resource.RLIM_INFINITY and hard < 400:
+        pytest.skip(f"the open-file limit's hard maximum here is {hard}")
     paths, _ = chain
     for k in range(500):
         (tmp_path / f"aaa-{k:03d}.lean").write_bytes(bytes(range(256)) * 4)
