@@ -248,12 +248,11 @@ def _frames_hold(all_tables) -> tuple[np.ndarray, dict]:
         lid, first = _link_ids(lengths)
         starts = np.concatenate([f.starts for f in tables])
         counts = np.concatenate([f.counts for f in tables])
-        running = np.concatenate(([0], np.cumsum(counts)))
+        running = np.concatenate(([0], np.cumsum(counts)))           # the counts before each frame, in all
         totals[kind] = running[first + lengths] - running[first]
-        bad = starts != _exclusive_sums(counts, lid, first)
+        bad = starts != running[:-1] - running[first][lid]            # _exclusive_sums, from the same sums
         if kind == "page_frames":
-            most = np.repeat(np.array([FRAME_PAGES_MAX_BYTES // t.page_size for t in all_tables]),
-                             [len(f) for f in tables])
+            most = np.repeat(np.array([FRAME_PAGES_MAX_BYTES // t.page_size for t in all_tables]), lengths)
             bad |= (counts < 1) | (counts > most)
         ok &= np.bincount(lid[bad], minlength=n) == 0
     return ok, totals
