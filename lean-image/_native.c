@@ -17,7 +17,10 @@
  *    each page's base and digest, the deltas above the base, by page, deepest link first) in
  *    one pass over the extents; numpy expands them page by page and sorts the deltas;
  *  - fold_words: a batch of DELTA_FRAMEs' words folded into the nearest link's value of each
- *    word, by page and word (a radix sort by page; numpy sorts every word and gathers).
+ *    word, by page and word (a radix sort by page; numpy sorts every word and gathers);
+ *  - scan_files: the *.lean files beside an image opened, handed to the kernel's read-ahead
+ *    and their headers read, on a thread of their own, while the chain's walk checks the
+ *    links found so far (in Python, each file costs the walk's thread four system calls).
  * Optional: leanimg works the same without it (setup.py builds it where gcc, Python's headers,
  * xxhash.h and libzstd are found; format.py, delta.py, tables_batch.py and chain.py fall back
  * to the xxhash and zstandard modules and numpy, and tests/test_native.py and
@@ -28,6 +31,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 #define XXH_INLINE_ALL
 #include <xxhash.h>
@@ -934,6 +940,84 @@ done:
     return result;
 }
 
+/* scan_files(names, starts, small, budget, keep_most, fds, sizes, got, heads, progress): the
+ * files ``names`` names (NUL-terminated, laid end to end, name k from starts[k], i8, n + 1 of
+ * them) opened in order, the GIL released throughout. Of file k: its first bytes into row k
+ * of ``heads`` (rows of len(heads) / n bytes; got[k] how many, -1 when unreadable); a file of
+ * 1 .. small - 1 bytes that ``budget`` (bytes, spent in order) still allows handed whole to
+ * the kernel's read-ahead (WILLNEED), its size in sizes[k] (else 0); such a file is kept
+ * open, fds[k] (i4), while fewer than keep_most are, else closed (-1; -2: it cannot be
+ * opened). progress[0] (i8) counts the files done, each one's outputs written before it is
+ * counted: another thread reads them as they come. ValueError (nothing done) when the
+ * buffers do not match. */
+static PyObject *scan_files(PyObject *self, PyObject *args)
+{
+    Py_buffer names, starts_b, fds_b, sizes_b, got_b, heads_b, progress_b;
+    long long small, budget, keep_most;
+    if (!PyArg_ParseTuple(args, "y*y*LLLw*w*w*w*w*", &names, &starts_b, &small, &budget, &keep_most, &fds_b,
+                          &sizes_b, &got_b, &heads_b, &progress_b))
+        return NULL;
+    PyObject *result = NULL;
+    Py_ssize_t n = fds_b.len / (Py_ssize_t)sizeof(int32_t);
+    const char *name = names.buf;
+    const int64_t *starts = starts_b.buf;
+    int bad = n < 1 || fds_b.len % (Py_ssize_t)sizeof(int32_t) || starts_b.len != (n + 1) * (Py_ssize_t)sizeof(int64_t) ||
+              sizes_b.len != n * (Py_ssize_t)sizeof(int64_t) || got_b.len != sizes_b.len || heads_b.len % n ||
+              progress_b.len < (Py_ssize_t)sizeof(int64_t) || starts[0] != 0 || starts[n] != names.len;
+    for (Py_ssize_t k = 0; !bad && k < n; k++)
+        bad = starts[k + 1] <= starts[k] || starts[k + 1] > names.len || name[starts[k + 1] - 1] != 0;
+    if (bad) {
+        PyErr_SetString(PyExc_ValueError, "scan_files: buffers of unmatched lengths, or names not NUL-terminated");
+        goto done;
+    }
+    int32_t *fds = fds_b.buf;
+    int64_t *sizes = sizes_b.buf, *got = got_b.buf, *progress = progress_b.buf, kept = 0;
+    size_t row = (size_t)(heads_b.len / n);
+    unsigned char *heads = heads_b.buf;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t k = 0; k < n; k++) {
+        int fd = open(name + starts[k], O_RDONLY | O_CLOEXEC);
+        fds[k] = -2;
+        sizes[k] = 0;
+        got[k] = -1;
+        if (fd >= 0) {
+            struct stat st;
+            int64_t size = fstat(fd, &st) == 0 ? (int64_t)st.st_size : -1;
+            if (size > 0 && size < small && size <= budget) {
+                budget -= size;
+                posix_fadvise(fd, 0, (off_t)size, POSIX_FADV_WILLNEED);     /* advice: its failure changes nothing */
+                sizes[k] = size;
+            }
+            ssize_t r;
+            do
+                r = pread(fd, heads + (size_t)k * row, row, 0);
+            while (r < 0 && errno == EINTR);
+            got[k] = r;
+            if (r < 0)
+                sizes[k] = 0;
+            if (sizes[k] && kept < keep_most) {
+                fds[k] = fd;
+                kept++;
+            } else {
+                close(fd);
+                fds[k] = -1;
+            }
+        }
+        __atomic_store_n(progress, (int64_t)(k + 1), __ATOMIC_RELEASE);
+    }
+    Py_END_ALLOW_THREADS
+    result = Py_NewRef(Py_None);
+done:
+    PyBuffer_Release(&names);
+    PyBuffer_Release(&starts_b);
+    PyBuffer_Release(&fds_b);
+    PyBuffer_Release(&sizes_b);
+    PyBuffer_Release(&got_b);
+    PyBuffer_Release(&heads_b);
+    PyBuffer_Release(&progress_b);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"digest_rows", digest_rows, METH_VARARGS,
      "digest_rows(data, page_size, rows, out): xxh3-128 of pages ``rows`` of ``data`` into ``out``."},
@@ -959,6 +1043,8 @@ static PyMethodDef methods[] = {
     {"fold_words", fold_words, METH_VARARGS,
      "fold_words(simple, word_start, positions, values, entries, pages, words_per_page, page_limit, plain, flat, "
      "flat_values) -> count or -1"},
+    {"scan_files", scan_files, METH_VARARGS,
+     "scan_files(names, starts, small, budget, keep_most, fds, sizes, got, heads, progress)"},
     {NULL, NULL, 0, NULL},
 };
 

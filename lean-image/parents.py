@@ -5,12 +5,22 @@ verified by digest and page size, link after link (chains may be 4096 deep).
 
 from __future__ import annotations
 
+import bisect
 import os
+import threading
+import time
 import uuid
+
+import numpy as np
 
 from .errors import ChainError, LeanImageError
 from .format import CHAIN_DEPTH_MAX, HEADER
 from .rules import implements
+
+try:        # optional (setup.py): the files beside an image read on a thread of their own
+    from . import _native
+except ImportError:
+    _native = None
 
 SIBLINGS_MAX = 100_000
 
@@ -30,17 +40,17 @@ def attach_chain(image, parents: list, open_link, check_links=None, open_links=N
     raised) opens the links the walk expects next CHECK_BATCH at a time; the walk takes a
     link from there only when it finds that very path, and opens any other with ``open_link``."""
     pending: list = []
-    index: dict = {}                     # what the walk read of the candidates (_find_candidate)
+    search = _Search()
     ahead = _Ahead(open_links)
     try:
-        _walk(image, parents, open_link, pending, check_links, ahead, index)
+        _walk(image, parents, open_link, pending, check_links, ahead, search)
     except LeanImageError:
         if pending:
             check_links(pending)
         raise
     finally:
         ahead.close_unused()
-        _close_kept(index)
+        search.close()
     if pending:
         check_links(pending)
     # links are joined by UUID first, so that a cycle is reported as one; then verified by digest
@@ -51,7 +61,7 @@ def attach_chain(image, parents: list, open_link, check_links=None, open_links=N
                 raise first
 
 
-def _walk(image, parents: list, open_link, pending: list, check_links, ahead: "_Ahead", index: dict) -> None:
+def _walk(image, parents: list, open_link, pending: list, check_links, ahead: "_Ahead", search: "_Search") -> None:
     seen = {image.header.image_uuid}
     link = image
     while link.header.has_parent:
@@ -61,15 +71,14 @@ def _walk(image, parents: list, open_link, pending: list, check_links, ahead: "_
             raise ChainError(f"parent {_uuid(wanted)} is already in the chain (cycle)", rule="LI-CHN-005", **where)
         if len(seen) >= CHAIN_DEPTH_MAX:
             raise ChainError(f"chain deeper than {CHAIN_DEPTH_MAX}", rule="LI-CHN-005", **where)
-        candidate = _find_candidate(wanted, parents, index) or \
-            _find_candidate(wanted, _siblings(link.path, index), index)
+        candidate = _find_candidate(wanted, parents, search) or _find_sibling(wanted, link.path, search)
         if candidate is None:
             raise ChainError(f"parent image {_uuid(wanted)} not found among {len(parents)} candidate(s) "
                              "and the files beside the image; pass it with --parent", rule="LI-CHN-001", **where)
         if not isinstance(candidate, str):
             link.parent = candidate                  # an open image brings its own chain
             break
-        link.parent = ahead.take(candidate, index) or open_link(candidate)
+        link.parent = ahead.take(candidate, search) or open_link(candidate)
         seen.add(link.parent.header.image_uuid)
         link = link.parent
         if check_links is not None:
@@ -102,12 +111,12 @@ class _Ahead:
     def __init__(self, open_links):
         self.open_links, self.opened, self.tried = open_links, {}, set()
 
-    def take(self, path: str, index: dict):
+    def take(self, path: str, search: "_Search"):
         """The link opened ahead for ``path`` (None: open it with open_link)."""
         if self.open_links is not None and path not in self.tried:
-            run = [p for p in _expected_links(path, index, CHECK_BATCH) if p not in self.tried]
+            run = [p for p in _expected_links(path, search, CHECK_BATCH) if p not in self.tried]
             self.tried.update(run)
-            self.opened.update(self.open_links(run, index.get(("kept",), {})))
+            self.opened.update(self.open_links(run, search.kept))
         return self.opened.pop(path, None)
 
     def close_unused(self) -> None:
@@ -116,14 +125,13 @@ class _Ahead:
         self.opened.clear()
 
 
-def _expected_links(first: str, index: dict, most: int) -> list[str]:
+def _expected_links(first: str, search: "_Search", most: int) -> list[str]:
     """``first`` and up to ``most - 1`` paths the chain is expected to go on with: each file's
     parent_uuid, as _image_uuids read it, looked up among the files read."""
-    by_uuid, parent_of = index.get(("by-uuid",), {}), index.get(("parent-of",), {})
     run, seen = [first], {first}
     while len(run) < most:
-        parent = parent_of.get(run[-1])
-        path = by_uuid.get(parent) if parent is not None else None
+        parent = search.parent_of.get(run[-1])
+        path = search.path_of(parent) if parent is not None else None
         if path is None or path in seen:
             break
         run.append(path)
@@ -135,41 +143,108 @@ def _uuid(raw: bytes) -> str:
     return str(uuid.UUID(bytes=bytes(raw)))
 
 
-def _find_candidate(wanted: bytes, candidates, index: dict):
-    """The candidate (open image or path) whose image_uuid is ``wanted``; ``index`` caches reads."""
-    by_uuid = index.setdefault(("by-uuid",), {})        # UUID -> first path read with it: O(1) per link
-    parent_of = index.setdefault(("parent-of",), {})    # path -> its header's parent_uuid
+class _Search:
+    """What the walk read of the candidates: each path's image_uuid (None: unreadable), the
+    first path read with each UUID, each path's parent_uuid, the small files kept open (path
+    -> (fd, size), for links_batch.open_links), the directories listed, and the scan of a
+    directory still under way on its own thread (_Scan), taken in as the walk asks."""
+
+    def __init__(self):
+        self.uuid_of: dict = {}
+        self.by_uuid: dict = {}          # UUID -> first path read with it: O(1) per link
+        self.parent_of: dict = {}        # path -> its header's parent_uuid
+        self.kept: dict = {}
+        self.listed: set = set()
+        self.scan: _Scan | None = None
+
+    def note(self, path: str, found, fd_size=None) -> None:
+        """``found``: (image_uuid, parent_uuid) of ``path`` (None: unreadable); ``fd_size``: it is kept open."""
+        self.uuid_of[path] = found and found[0]
+        if found is not None:
+            self.by_uuid.setdefault(found[0], path)
+            self.parent_of[path] = found[1]
+        if fd_size is not None:
+            self.kept[path] = fd_size
+
+    def path_of(self, wanted: bytes):
+        """The first path read with image_uuid ``wanted``; a scan under way is waited for until
+        it has read that path, or every file."""
+        while wanted not in self.by_uuid and self.scan is not None:
+            self._take_in(wait=True)
+        return self.by_uuid.get(wanted)
+
+    def finish(self) -> None:
+        """Every file of a scan under way read and taken in."""
+        while self.scan is not None:
+            self._take_in(wait=True)
+
+    def close(self) -> None:
+        """Close the files kept open that no link took (a scan under way finished first)."""
+        self.finish()
+        for fd, _ in self.kept.values():
+            os.close(fd)
+        self.kept.clear()
+
+    def _take_in(self, wait: bool) -> None:
+        for path, found, fd_size in self.scan.read(wait):
+            self.note(path, found, fd_size)
+        if self.scan.done():
+            self.scan = None
+
+
+def _find_candidate(wanted: bytes, candidates, search: _Search):
+    """The candidate (open image or path) whose image_uuid is ``wanted``, or a path read
+    before with it."""
     for candidate in candidates:
         if not isinstance(candidate, (str, os.PathLike)) and candidate.header.image_uuid == wanted:
             return candidate
     paths = [os.path.abspath(os.fspath(c)) for c in candidates if isinstance(c, (str, os.PathLike))]
-    paths = list(dict.fromkeys(paths))
-    unread = [key for key in paths if key not in index]
-    for key, found in zip(unread, _image_uuids(unread, index.setdefault(("kept",), {}))):
-        index[key] = found and found[0]
-        if found is not None:
-            by_uuid.setdefault(found[0], key)
-            parent_of[key] = found[1]
-    return by_uuid.get(wanted)
+    _read_uuids([path for path in dict.fromkeys(paths) if path not in search.uuid_of], search)
+    return search.by_uuid.get(wanted)
 
 
-def _siblings(path: str, index: dict) -> list[str]:
-    """The *.lean files beside ``path`` (where the links of a chain usually live), listed once."""
+def _find_sibling(wanted: bytes, link_path: str, search: _Search):
+    """The *.lean file beside ``link_path`` (or read before) whose image_uuid is ``wanted``."""
+    siblings = _siblings(link_path, search)
+    _read_uuids([path for path in siblings if path not in search.uuid_of], search)
+    return search.path_of(wanted)
+
+
+def _read_uuids(paths: list[str], search: _Search) -> None:
+    """Read the UUIDs of ``paths`` into ``search``: many on a thread of their own (_Scan),
+    which the walk takes in as it goes; else here."""
+    if len(paths) >= SCAN_THREAD_MIN and _native is not None:
+        search.finish()                  # paths are taken in in the order they are named
+        search.scan = _Scan(paths, _kept_most() - len(search.kept))
+    elif paths:
+        for path, found in zip(paths, _image_uuids(paths, search.kept)):
+            search.note(path, found)
+
+
+def _siblings(path: str, search: _Search) -> list[str]:
+    """The other *.lean files beside ``path`` (where the links of a chain usually live), listed
+    once: nearest first, those sorting before ``path``'s name descending, then those after
+    it (a chain's links are usually named in the order they were made). A UUID two of them
+    share is taken from the first in this order."""
     directory = os.path.dirname(os.path.abspath(path))
-    marker = ("scanned", directory)
-    if marker in index:
+    if directory in search.listed:
         return []
-    index[marker] = True
+    search.listed.add(directory)
     try:
         names = sorted(n for n in os.listdir(directory) if n.endswith(".lean"))[:SIBLINGS_MAX]
     except OSError:
         return []
-    return [os.path.join(directory, n) for n in names]
+    own = os.path.basename(path)
+    at = bisect.bisect_left(names, own)
+    after = at + 1 if at < len(names) and names[at] == own else at        # the image itself is open already
+    return [os.path.join(directory, n) for n in names[:at][::-1] + names[after:]]
 
 
 READ_AHEAD_FILES = 256              # files open at once while their UUIDs are read
 READ_AHEAD_BYTES = 256 << 20        # small files handed to the kernel's read-ahead, at most
 KEPT_FILES_MAX = 4096               # small files kept open for open_links (and a quarter of the open-file limit)
+SCAN_THREAD_MIN = 16                # files from which their UUIDs are read on a thread of their own
+_UUIDS_AT, _UUIDS_END = HEADER.offset("image_uuid"), HEADER.offset("parent_uuid") + 16
 
 
 def _image_uuids(paths: list[str], kept: dict) -> list[tuple[bytes, bytes] | None]:
@@ -180,7 +255,6 @@ def _image_uuids(paths: list[str], kept: dict) -> list[tuple[bytes, bytes] | Non
     not one after another (cold, 1000 small links: 310 -> 130 ms). Those stay open, path ->
     (fd, size) in ``kept`` (KEPT_FILES_MAX at most), for links_batch.open_links to read whole."""
     from .reader import WHOLE_READ_BELOW
-    at, end = HEADER.offset("image_uuid"), HEADER.offset("parent_uuid") + 16
     budget = [READ_AHEAD_BYTES]
     most = _kept_most()
     found = []
@@ -191,9 +265,7 @@ def _image_uuids(paths: list[str], kept: dict) -> list[tuple[bytes, bytes] | Non
                 found.append(None)
                 continue
             try:
-                raw = os.pread(fd, end, 0)
-                found.append(None if len(raw) < at + 16 else   # a short file's parent_uuid: None
-                             (raw[at:at + 16], raw[end - 16:] if len(raw) == end else None))
+                found.append(_uuids_of(os.pread(fd, _UUIDS_END, 0)))
             except OSError:
                 found.append(None)
                 small = 0
@@ -202,6 +274,67 @@ def _image_uuids(paths: list[str], kept: dict) -> list[tuple[bytes, bytes] | Non
             else:
                 os.close(fd)
     return found
+
+
+def _uuids_of(raw: bytes) -> tuple[bytes, bytes | None] | None:
+    """(image_uuid, parent_uuid) from a file's first bytes; None: too short for its image_uuid
+    (a file too short for its parent_uuid, or with none (zero), has None there)."""
+    if len(raw) < _UUIDS_AT + 16:
+        return None
+    parent = bytes(raw[_UUIDS_END - 16:]) if len(raw) == _UUIDS_END else None
+    return bytes(raw[_UUIDS_AT:_UUIDS_AT + 16]), parent if parent is None or any(parent) else None
+
+
+class _Scan:
+    """_image_uuids of many paths on a thread of its own (leanimg._native.scan_files: the
+    opens, WILLNEEDs and header reads of a directory of links without the GIL), while the
+    walk checks the links found so far: cold, the reads of depth 1000's headers take ~35 ms
+    the walk no longer waits for. The same files are kept open, the same read ahead."""
+
+    POLL = 50e-6                    # seconds between looks at the progress while waiting for it
+
+    def __init__(self, paths: list[str], keep_most: int):
+        from .reader import WHOLE_READ_BELOW
+        names = [os.fsencode(path) + b"\0" for path in paths]
+        starts = np.zeros(len(names) + 1, np.int64)
+        np.cumsum([len(name) for name in names], out=starts[1:])
+        self.paths, self.taken = paths, 0
+        self.fds, self.sizes = np.full(len(paths), -2, np.int32), np.zeros(len(paths), np.int64)
+        self.got, self.heads = np.full(len(paths), -1, np.int64), np.zeros((len(paths), _UUIDS_END), np.uint8)
+        self.progress = np.zeros(1, np.int64)
+        args = (b"".join(names), starts, WHOLE_READ_BELOW, READ_AHEAD_BYTES, max(keep_most, 0),
+                self.fds, self.sizes, self.got, self.heads, self.progress)
+        self.thread = threading.Thread(target=_native.scan_files, args=args, name="leanimg-scan", daemon=True)
+        self.thread.start()
+
+    def done(self) -> bool:
+        return self.taken == len(self.paths)
+
+    def read(self, wait: bool) -> list[tuple]:
+        """(path, (image_uuid, parent_uuid) or None, (fd, size) kept or None) of the files read
+        since the last call; with ``wait``, at least one (the thread is waited for). If the
+        thread ended early (it cannot start), the rest are read here."""
+        ready = self._ready()
+        while wait and ready == self.taken and self.thread.is_alive():
+            time.sleep(self.POLL)
+            ready = self._ready()
+        if ready == self.taken and not self.thread.is_alive():
+            ready = self._ready()
+            if ready < len(self.paths) and ready == self.taken:
+                return self._read_here()
+        lo, self.taken = self.taken, ready
+        return [(self.paths[k], None if got < 0 else _uuids_of(self.heads[k, :got].tobytes()),
+                 (fd, size) if fd >= 0 else None)
+                for k, got, fd, size in zip(range(lo, ready), self.got[lo:ready].tolist(),
+                                            self.fds[lo:ready].tolist(), self.sizes[lo:ready].tolist())]
+
+    def _ready(self) -> int:
+        return int(self.progress[0])
+
+    def _read_here(self) -> list[tuple]:
+        rest, kept = self.paths[self.taken:], {}
+        self.taken = len(self.paths)
+        return [(path, found, kept.get(path)) for path, found in zip(rest, _image_uuids(rest, kept))]
 
 
 def _kept_most() -> int:
@@ -235,9 +368,3 @@ def _open_ahead(path: str, small: int, budget: list) -> tuple[int | None, int]:
     except OSError:
         pass
     return fd, 0
-
-
-def _close_kept(index: dict) -> None:
-    """Close the files _image_uuids kept open that no link took."""
-    for fd, _ in index.pop(("kept",), {}).values():
-        os.close(fd)

@@ -295,16 +295,30 @@ def _advised(monkeypatch) -> list:
     return calls
 
 
+@pytest.fixture(params=["thread", "here"])
+def search_mode(request, monkeypatch):
+    """How the parents' search reads the files beside an image: on a thread of its own
+    (leanimg._native.scan_files), or on the walk's thread (without leanimg._native)."""
+    if request.param == "thread" and parents_module._native is None:
+        pytest.skip("leanimg._native is not built here")
+    if request.param == "here":
+        monkeypatch.setattr(parents_module, "_native", None)
+    return request.param
+
+
 @pytest.mark.parametrize("at_once", [parents_module.READ_AHEAD_FILES, 7])
 def test_the_links_beside_an_image_are_read_ahead_together(chain, monkeypatch, at_once):
     """The parents' search reads every *.lean beside the image for its UUID; small files (those
     read whole when opened) are first handed to the kernel's read-ahead, the whole file each,
-    ``at_once`` files at a time: a cold deep chain's reads are queued together."""
+    ``at_once`` files at a time: a cold deep chain's reads are queued together. (Read on the
+    walk's thread, where the calls can be seen; the scan on a thread of its own asks for the
+    same files: test_the_scan_reads_what_the_walk_would_read.)"""
     paths, _ = chain
+    monkeypatch.setattr(parents_module, "_native", None)
     monkeypatch.setattr(parents_module, "READ_AHEAD_FILES", at_once)
     advised = _advised(monkeypatch)
     LeanImage.open(paths[-1]).close()
-    assert sorted(advised) == sorted((p.stat().st_size, 0, p.stat().st_size) for p in paths)
+    assert sorted(advised) == sorted((p.stat().st_size, 0, p.stat().st_size) for p in paths[:-1])   # not the image
 
 
 def test_read_ahead_stops_at_its_budget_and_skips_large_files(chain, tmp_path, monkeypatch):
@@ -318,6 +332,7 @@ def test_read_ahead_stops_at_its_budget_and_skips_large_files(chain, tmp_path, m
     (tmp_path / "aaa-dangling.lean").symlink_to(tmp_path / "missing")
     (tmp_path / "zzz-large.lean").write_bytes(bytes(reader_module.WHOLE_READ_BELOW))
     sizes = sorted(p.stat().st_size for p in copies)
+    monkeypatch.setattr(parents_module, "_native", None)
     monkeypatch.setattr(parents_module, "READ_AHEAD_BYTES", sum(sizes[:5]))
     advised = _advised(monkeypatch)
     with LeanImage.open(copies[-1]) as image:
@@ -326,16 +341,127 @@ def test_read_ahead_stops_at_its_budget_and_skips_large_files(chain, tmp_path, m
     assert all(size < reader_module.WHOLE_READ_BELOW for size, _, _ in advised)
 
 
+def _odd_siblings(chain, directory: Path) -> list[str]:
+    """Some of the chain's links beside every kind of file the search meets: a dangling link,
+    a directory, an empty file, files too short for an image_uuid or a parent_uuid, a large
+    file, an image with no parent."""
+    paths, _ = chain
+    for path in paths[:20]:
+        (directory / path.name).write_bytes(path.read_bytes())
+    (directory / "dangling.lean").symlink_to(directory / "missing")
+    (directory / "a-directory.lean").mkdir()
+    (directory / "empty.lean").write_bytes(b"")
+    head = paths[5].read_bytes()[:HEADER.size]
+    (directory / "no-uuid.lean").write_bytes(head[:HEADER.offset("image_uuid") + 15])
+    (directory / "no-parent-uuid.lean").write_bytes(head[:HEADER.offset("parent_uuid") + 15])
+    (directory / "large.lean").write_bytes(head + bytes(reader_module.WHOLE_READ_BELOW))
+    (directory / "root.lean").write_bytes(paths[0].read_bytes())
+    return sorted(str(p) for p in directory.iterdir())
+
+
+@pytest.mark.skipif(parents_module._native is None, reason="leanimg._native is not built here")
+@pytest.mark.parametrize("budget_files, keep", [(None, None), (7, None), (None, 5), (3, 0)])
+def test_the_scan_reads_what_the_walk_would_read(chain, tmp_path, monkeypatch, budget_files, keep):
+    """The scan on a thread of its own finds, per file, the UUIDs _image_uuids reads on the
+    walk's thread, and keeps the same files open (the small ones its read-ahead budget allows,
+    up to its limit: a file's size is given back exactly when it was asked for whole), each
+    descriptor of that very file."""
+    paths = _odd_siblings(chain, tmp_path)
+    if budget_files is not None:
+        small = sorted(Path(p).stat().st_size for p in paths if Path(p).is_file() and Path(p).stat().st_size)
+        monkeypatch.setattr(parents_module, "READ_AHEAD_BYTES", sum(small[:budget_files]))
+    if keep is not None:
+        monkeypatch.setattr(parents_module, "KEPT_FILES_MAX", keep)
+    expected_kept = {}
+    expected = parents_module._image_uuids(paths, expected_kept)
+    scan = parents_module._Scan(paths, parents_module._kept_most())
+    got = []
+    while not scan.done():
+        got += scan.read(wait=True)
+    scan.thread.join()
+    try:
+        assert [path for path, _, _ in got] == paths
+        assert [found for _, found, _ in got] == expected
+        assert {path: kept[1] for path, _, kept in got if kept} == {p: size for p, (_, size) in expected_kept.items()}
+        assert all(os.readlink(f"/proc/self/fd/{kept[0]}") == path for path, _, kept in got if kept)
+        assert any(found is None for found in expected) and any(found and found[1] is None for found in expected)
+    finally:
+        for fd, _ in list(expected_kept.values()) + [kept for _, _, kept in got if kept]:
+            os.close(fd)
+
+
+@pytest.mark.skipif(parents_module._native is None, reason="leanimg._native is not built here")
+@pytest.mark.parametrize("change", ["names-unterminated", "starts-short", "fds-odd", "sizes-short", "heads-uneven"])
+def test_the_native_scan_refuses_buffers_that_do_not_match(tmp_path, change):
+    """scan_files refuses names and outputs that do not describe the same files (ValueError),
+    and opens none of them."""
+    names = [os.fsencode(tmp_path / f"{k}.lean") + b"\0" for k in range(3)]
+    for name in names:
+        Path(os.fsdecode(name[:-1])).write_bytes(b"x" * 100)
+    starts = np.cumsum([0] + [len(n) for n in names]).astype(np.int64)
+    blob = b"".join(names)
+    fds, sizes, got = np.full(3, -2, np.int32), np.zeros(3, np.int64), np.zeros(3, np.int64)
+    heads, progress = np.zeros((3, 48), np.uint8), np.zeros(1, np.int64)
+    if change == "names-unterminated":
+        blob = blob[:-1] + b"x"
+    elif change == "starts-short":
+        starts = starts[:-1]
+    elif change == "fds-odd":
+        fds = np.full(3, -2, np.int16)
+    elif change == "sizes-short":
+        sizes = sizes[:2]
+    else:
+        heads = np.zeros(3 * 48 + 1, np.uint8)
+    before = _open_fds()
+    with pytest.raises(ValueError, match="scan_files"):
+        parents_module._native.scan_files(blob, starts, 1 << 20, 1 << 30, 10, fds, sizes, got, heads, progress)
+    assert progress[0] == 0 and _open_fds() == before
+
+
+def test_a_uuid_two_files_share_is_taken_from_the_nearest_before_the_image(chain, tmp_path, search_mode):
+    """Two files beside an image with the same image_uuid: the search takes the one sorting
+    nearest before the image's name (a chain's links are usually named in order), on either
+    path alike; here a damaged copy of the parent (its footer's checksum fails), refused
+    by name. Without it the chain opens: the far copy is never taken."""
+    paths, _ = chain
+    for k, path in enumerate(paths[:30]):
+        (tmp_path / f"link-{k:03d}.lean").write_bytes(path.read_bytes())
+    parent = tmp_path / "link-028.lean"
+    spoiled = bytearray(parent.read_bytes())
+    spoiled[-FOOTER.size + FOOTER.offset("image_digest")] ^= 1
+    (tmp_path / "link-028b.lean").write_bytes(bytes(spoiled))
+    (tmp_path / "link-000a.lean").write_bytes(bytes(spoiled))                 # far before: not taken
+    with pytest.raises(LeanImageError) as caught:
+        LeanImage.open(tmp_path / "link-029.lean").close()
+    assert caught.value.path == str(tmp_path / "link-028b.lean")
+    os.unlink(tmp_path / "link-028b.lean")
+    with LeanImage.open(tmp_path / "link-029.lean") as image:
+        assert len(image.chain()) == 30
+
+
+def test_a_failed_walk_leaves_no_scan_or_file_open(copy, search_mode):
+    """A parent missing deep down: the walk raises, the scan's thread has ended and every
+    file it opened is closed."""
+    import threading
+    paths, _ = copy
+    os.unlink(paths[40])
+    before = _open_fds()
+    with pytest.raises(LeanImageError, match="not found"):
+        LeanImage.open(paths[-1]).close()
+    assert _open_fds() == before
+    assert not [t for t in threading.enumerate() if t.name == "leanimg-scan"]
+
+
 def _open_fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 
 
 @pytest.mark.parametrize("kept", [parents_module.KEPT_FILES_MAX, 5], ids=["all-kept", "five-kept"])
-def test_the_links_found_beside_the_image_are_not_opened_again(chain, monkeypatch, kept):
+def test_the_links_found_beside_the_image_are_not_opened_again(chain, monkeypatch, kept, search_mode):
     """The parents' search opens each small *.lean beside the image, reads its UUIDs and keeps
     it open (KEPT_FILES_MAX at most); opening a link it kept reads that file whole, once: each
-    parent is opened once; the files no link took are closed; the parents beyond the limit
-    are opened again, as before."""
+    parent is opened once (by the scan's thread, where the walk's thread does not open it);
+    the files no link took are closed; the parents beyond the limit are opened again, as before."""
     paths, memory = chain
     monkeypatch.setattr(parents_module, "KEPT_FILES_MAX", kept)
     opened, whole_reads = [], []
@@ -349,7 +475,8 @@ def test_the_links_found_beside_the_image_are_not_opened_again(chain, monkeypatc
         assert _open_fds() == before + len(paths)                     # one file open per link, nothing else
     assert _open_fds() == before
     counts = [opened.count(str(p)) for p in paths[:-1]]
-    assert set(counts) <= {1, 2} and counts.count(1) == min(kept, len(counts))
+    once = 0 if search_mode == "thread" else 1                       # the scan's own opens are not os.open's
+    assert set(counts) <= {once, once + 1} and counts.count(once) == min(kept, len(counts))
     assert sorted(whole_reads) == sorted(str(p) for p in paths)      # every link read whole once
 
 
