@@ -940,30 +940,33 @@ done:
     return result;
 }
 
-/* scan_files(names, starts, small, budget, keep_most, fds, sizes, got, heads, progress): the
- * files ``names`` names (NUL-terminated, laid end to end, name k from starts[k], i8, n + 1 of
- * them) opened in order, the GIL released throughout. Of file k: its first bytes into row k
- * of ``heads`` (rows of len(heads) / n bytes; got[k] how many, -1 when unreadable); a file of
- * 1 .. small - 1 bytes that ``budget`` (bytes, spent in order) still allows handed whole to
- * the kernel's read-ahead (WILLNEED), its size in sizes[k] (else 0); such a file is kept
- * open, fds[k] (i4), while fewer than keep_most are, else closed (-1; -2: it cannot be
- * opened). progress[0] (i8) counts the files done, each one's outputs written before it is
- * counted: another thread reads them as they come. ValueError (nothing done) when the
- * buffers do not match. */
+/* scan_files(names, starts, small, budget, keep_most, group, fds, sizes, got, heads, progress):
+ * the files ``names`` names (NUL-terminated, laid end to end, name k from starts[k], i8, n + 1
+ * of them) read in order, ``group`` files at a time, the GIL released throughout. Each file of
+ * a group is opened, and one of 1 .. small - 1 bytes that ``budget`` (bytes, spent in order)
+ * still allows is handed whole to the kernel's read-ahead (WILLNEED), its size in sizes[k]
+ * (else 0): a group's reads are queued together. Then, file by file, its first bytes are read
+ * into row k of ``heads`` (rows of len(heads) / n bytes; got[k] how many, -1 when unreadable);
+ * a file with a size is kept open, fds[k] (i4), while fewer than keep_most are, else closed
+ * (-1; -2: it cannot be opened). progress[0] (i8) counts the files done, each one's outputs
+ * written before it is counted: another thread reads them as they come. ValueError (nothing
+ * done) when the buffers do not match. */
 static PyObject *scan_files(PyObject *self, PyObject *args)
 {
     Py_buffer names, starts_b, fds_b, sizes_b, got_b, heads_b, progress_b;
     long long small, budget, keep_most;
-    if (!PyArg_ParseTuple(args, "y*y*LLLw*w*w*w*w*", &names, &starts_b, &small, &budget, &keep_most, &fds_b,
-                          &sizes_b, &got_b, &heads_b, &progress_b))
+    Py_ssize_t group;
+    if (!PyArg_ParseTuple(args, "y*y*LLLnw*w*w*w*w*", &names, &starts_b, &small, &budget, &keep_most, &group,
+                          &fds_b, &sizes_b, &got_b, &heads_b, &progress_b))
         return NULL;
     PyObject *result = NULL;
     Py_ssize_t n = fds_b.len / (Py_ssize_t)sizeof(int32_t);
     const char *name = names.buf;
     const int64_t *starts = starts_b.buf;
-    int bad = n < 1 || fds_b.len % (Py_ssize_t)sizeof(int32_t) || starts_b.len != (n + 1) * (Py_ssize_t)sizeof(int64_t) ||
-              sizes_b.len != n * (Py_ssize_t)sizeof(int64_t) || got_b.len != sizes_b.len || heads_b.len % n ||
-              progress_b.len < (Py_ssize_t)sizeof(int64_t) || starts[0] != 0 || starts[n] != names.len;
+    int bad = n < 1 || group < 1 || fds_b.len % (Py_ssize_t)sizeof(int32_t) ||
+              starts_b.len != (n + 1) * (Py_ssize_t)sizeof(int64_t) || sizes_b.len != n * (Py_ssize_t)sizeof(int64_t) ||
+              got_b.len != sizes_b.len || heads_b.len % n || progress_b.len < (Py_ssize_t)sizeof(int64_t) ||
+              starts[0] != 0 || starts[n] != names.len;
     for (Py_ssize_t k = 0; !bad && k < n; k++)
         bad = starts[k + 1] <= starts[k] || starts[k + 1] > names.len || name[starts[k + 1] - 1] != 0;
     if (bad) {
@@ -975,35 +978,39 @@ static PyObject *scan_files(PyObject *self, PyObject *args)
     size_t row = (size_t)(heads_b.len / n);
     unsigned char *heads = heads_b.buf;
     Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t k = 0; k < n; k++) {
-        int fd = open(name + starts[k], O_RDONLY | O_CLOEXEC);
-        fds[k] = -2;
-        sizes[k] = 0;
-        got[k] = -1;
-        if (fd >= 0) {
+    for (Py_ssize_t lo = 0; lo < n; lo += group) {
+        Py_ssize_t hi = lo + group < n ? lo + group : n;
+        for (Py_ssize_t k = lo; k < hi; k++) {          /* the group opened, its small files asked for */
+            int fd = open(name + starts[k], O_RDONLY | O_CLOEXEC);
             struct stat st;
-            int64_t size = fstat(fd, &st) == 0 ? (int64_t)st.st_size : -1;
+            int64_t size = fd >= 0 && fstat(fd, &st) == 0 ? (int64_t)st.st_size : -1;
+            fds[k] = fd >= 0 ? fd : -2;
+            sizes[k] = 0;
             if (size > 0 && size < small && size <= budget) {
                 budget -= size;
                 posix_fadvise(fd, 0, (off_t)size, POSIX_FADV_WILLNEED);     /* advice: its failure changes nothing */
                 sizes[k] = size;
             }
-            ssize_t r;
-            do
-                r = pread(fd, heads + (size_t)k * row, row, 0);
-            while (r < 0 && errno == EINTR);
-            got[k] = r;
-            if (r < 0)
-                sizes[k] = 0;
-            if (sizes[k] && kept < keep_most) {
-                fds[k] = fd;
-                kept++;
-            } else {
-                close(fd);
-                fds[k] = -1;
-            }
         }
-        __atomic_store_n(progress, (int64_t)(k + 1), __ATOMIC_RELEASE);
+        for (Py_ssize_t k = lo; k < hi; k++) {          /* then read, file by file */
+            int fd = fds[k];
+            got[k] = -1;
+            if (fd >= 0) {
+                ssize_t r;
+                do
+                    r = pread(fd, heads + (size_t)k * row, row, 0);
+                while (r < 0 && errno == EINTR);
+                got[k] = r;
+                if (r >= 0 && sizes[k] && kept < keep_most)
+                    kept++;
+                else {
+                    close(fd);
+                    fds[k] = -1;
+                    sizes[k] = r >= 0 ? sizes[k] : 0;
+                }
+            }
+            __atomic_store_n(progress, (int64_t)(k + 1), __ATOMIC_RELEASE);
+        }
     }
     Py_END_ALLOW_THREADS
     result = Py_NewRef(Py_None);
@@ -1044,7 +1051,7 @@ static PyMethodDef methods[] = {
      "fold_words(simple, word_start, positions, values, entries, pages, words_per_page, page_limit, plain, flat, "
      "flat_values) -> count or -1"},
     {"scan_files", scan_files, METH_VARARGS,
-     "scan_files(names, starts, small, budget, keep_most, fds, sizes, got, heads, progress)"},
+     "scan_files(names, starts, small, budget, keep_most, group, fds, sizes, got, heads, progress)"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -302,7 +302,7 @@ class _Scan:
         self.fds, self.sizes = np.full(len(paths), -2, np.int32), np.zeros(len(paths), np.int64)
         self.got, self.heads = np.full(len(paths), -1, np.int64), np.zeros((len(paths), _UUIDS_END), np.uint8)
         self.progress = np.zeros(1, np.int64)
-        args = (b"".join(names), starts, WHOLE_READ_BELOW, READ_AHEAD_BYTES, max(keep_most, 0),
+        args = (b"".join(names), starts, WHOLE_READ_BELOW, READ_AHEAD_BYTES, max(keep_most, 0), READ_AHEAD_FILES,
                 self.fds, self.sizes, self.got, self.heads, self.progress)
         self.thread = threading.Thread(target=_native.scan_files, args=args, name="leanimg-scan", daemon=True)
         self.thread.start()

@@ -414,7 +414,7 @@ def test_the_native_scan_refuses_buffers_that_do_not_match(tmp_path, change):
         heads = np.zeros(3 * 48 + 1, np.uint8)
     before = _open_fds()
     with pytest.raises(ValueError, match="scan_files"):
-        parents_module._native.scan_files(blob, starts, 1 << 20, 1 << 30, 10, fds, sizes, got, heads, progress)
+        parents_module._native.scan_files(blob, starts, 1 << 20, 1 << 30, 10, 2, fds, sizes, got, heads, progress)
     assert progress[0] == 0 and _open_fds() == before
 
 
