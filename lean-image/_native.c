@@ -18,6 +18,7 @@
  *    one pass over the extents; numpy expands them page by page and sorts the deltas;
  *  - fold_words: a batch of DELTA_FRAMEs' words folded into the nearest link's value of each
  *    word, by page and word (a radix sort by page; numpy sorts every word and gathers);
+ *  - span_checksums: the checksums of a batch of links' headers, footers and records, one call;
  *  - scan_files: the *.lean files beside an image opened, handed to the kernel's read-ahead
  *    and their headers read, on a thread of their own, while the chain's walk checks the
  *    links found so far (in Python, each file costs the walk's thread four system calls).
@@ -1025,6 +1026,47 @@ done:
     return result;
 }
 
+/* span_checksums(buffers, offsets, lengths, out): out[k] (u8) = xxh3-64 (spec §3.6's checksum)
+ * of bytes [offsets[k], offsets[k] + lengths[k]) of buffers[k] (a list of bytes-like objects;
+ * offsets and lengths i8): the header, footer and record checksums of a batch of links in one
+ * call, where Python takes a slice, a memoryview and a call per link. ValueError (nothing
+ * written) when a span is outside its buffer or the lengths do not match. */
+static PyObject *span_checksums(PyObject *self, PyObject *args)
+{
+    PyObject *buffers;
+    Py_buffer offsets_b, lengths_b, out_b;
+    if (!PyArg_ParseTuple(args, "O!y*y*w*", &PyList_Type, &buffers, &offsets_b, &lengths_b, &out_b))
+        return NULL;
+    PyObject *result = NULL;
+    Py_ssize_t n = PyList_GET_SIZE(buffers);
+    const int64_t *offsets = offsets_b.buf, *lengths = lengths_b.buf;
+    uint64_t *out = out_b.buf;
+    if (offsets_b.len != n * (Py_ssize_t)sizeof(int64_t) || lengths_b.len != offsets_b.len ||
+        out_b.len != offsets_b.len) {
+        PyErr_SetString(PyExc_ValueError, "span_checksums: offsets, lengths and out must have one i8 per buffer");
+        goto done;
+    }
+    for (Py_ssize_t k = 0; k < n; k++) {
+        Py_buffer view;
+        if (PyObject_GetBuffer(PyList_GET_ITEM(buffers, k), &view, PyBUF_SIMPLE) < 0)
+            goto done;
+        int inside = offsets[k] >= 0 && lengths[k] >= 0 && offsets[k] <= view.len && lengths[k] <= view.len - offsets[k];
+        if (inside)
+            out[k] = XXH3_64bits((const unsigned char *)view.buf + offsets[k], (size_t)lengths[k]);
+        PyBuffer_Release(&view);
+        if (!inside) {
+            PyErr_Format(PyExc_ValueError, "span_checksums: span %zd is outside its buffer", k);
+            goto done;
+        }
+    }
+    result = Py_NewRef(Py_None);
+done:
+    PyBuffer_Release(&offsets_b);
+    PyBuffer_Release(&lengths_b);
+    PyBuffer_Release(&out_b);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"digest_rows", digest_rows, METH_VARARGS,
      "digest_rows(data, page_size, rows, out): xxh3-128 of pages ``rows`` of ``data`` into ``out``."},
@@ -1050,6 +1092,7 @@ static PyMethodDef methods[] = {
     {"fold_words", fold_words, METH_VARARGS,
      "fold_words(simple, word_start, positions, values, entries, pages, words_per_page, page_limit, plain, flat, "
      "flat_values) -> count or -1"},
+    {"span_checksums", span_checksums, METH_VARARGS, "span_checksums(buffers, offsets, lengths, out)"},
     {"scan_files", scan_files, METH_VARARGS,
      "scan_files(names, starts, small, budget, keep_most, group, fds, sizes, got, heads, progress)"},
     {NULL, NULL, 0, NULL},

@@ -18,8 +18,9 @@ import xxhash
 
 try:        # optional (setup.py): the same digests as the xxhash module, many pages a call
     from ._native import digest_rows as _native_digests
+    from ._native import span_checksums as _native_span_checksums
 except ImportError:
-    _native_digests = None
+    _native_digests = _native_span_checksums = None
 
 # Field types as the spec's tables write them; a name ending in [] is a variable-length array.
 _SCALARS = {"u1": "B", "u2": "H", "u4": "I", "u8": "Q", "b[8]": "8s", "uuid": "16s", "digest": "16s"}
@@ -322,6 +323,23 @@ def record_size(body_length: int) -> int:
 
 def checksum64(data) -> int:
     return xxhash.xxh3_64_intdigest(data)
+
+
+def span_checksums(buffers: list, offsets, lengths) -> np.ndarray:
+    """checksum64 of bytes [offsets[k], offsets[k] + lengths[k]) of each of ``buffers`` (u8):
+    a batch of links' checksums in one call (leanimg._native), or one call each. ValueError:
+    a span outside its buffer."""
+    offsets, lengths = np.asarray(offsets, np.int64), np.asarray(lengths, np.int64)
+    out = np.zeros(len(buffers), np.uint64)
+    if _native_span_checksums is not None:
+        _native_span_checksums(list(buffers), np.ascontiguousarray(offsets), np.ascontiguousarray(lengths), out)
+        return out
+    for k, (buffer, at, length) in enumerate(zip(buffers, offsets.tolist(), lengths.tolist())):
+        view = memoryview(buffer).cast("B")
+        if at < 0 or length < 0 or at + length > len(view):
+            raise ValueError(f"span_checksums: span {k} is outside its buffer")
+        out[k] = checksum64(view[at:at + length])
+    return out
 
 
 def page_digest(data) -> bytes:

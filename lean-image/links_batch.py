@@ -18,9 +18,9 @@ import numpy as np
 
 from .format import (
     FOOTER, FOOTER_MAGIC, FORMAT_MAJOR, HEADER, HEADER_MAGIC, INDEX_BODY, INDEX_ENTRY, KNOWN_INCOMPAT, PAGE_SIZE_MAX,
-    PAGE_SIZE_MIN, RECORD, RECORD_BODY_MAX, RECORD_TRAILER, IncompatFeature, RecordType, checksum64,
+    PAGE_SIZE_MIN, RECORD, RECORD_BODY_MAX, RECORD_TRAILER, IncompatFeature, RecordType, span_checksums,
 )
-from .structures import Footer, Header, ImageFile, Record, footer_checksum, header_checksum
+from .structures import Footer, Header, ImageFile, Record
 from .tables import FrameTable
 
 # the INDEX record's header and its body's fixed part
@@ -129,10 +129,12 @@ def _tables_hold(datas: list[bytes]) -> tuple[np.ndarray, np.ndarray, np.ndarray
         (body <= RECORD_BODY_MAX) & \
         (body == INDEX_BODY.size + INDEX_ENTRY.size * heads["num_entries"].astype(np.uint64)) & \
         (index_at + RECORD.size + body.astype(np.int64) + RECORD_TRAILER.size == footer_at)
-    for k in np.flatnonzero(ok).tolist():          # the INDEX's checksum (its padding is empty)
-        end = int(footer_at[k]) - RECORD_TRAILER.size
-        ok[k] = checksum64(memoryview(datas[k])[int(index_at[k]):end]) == \
-            int.from_bytes(datas[k][end:end + RECORD_TRAILER.size], "little")
+    held = np.flatnonzero(ok)                       # the INDEX's checksum (its padding is empty)
+    if len(held):
+        ends = footer_at[held] - RECORD_TRAILER.size
+        stored = np.frombuffer(b"".join([datas[k][end:end + RECORD_TRAILER.size] for k, end in
+                                         zip(held.tolist(), ends.tolist())]), "<u8")
+        ok[held] = span_checksums([datas[k] for k in held.tolist()], index_at[held], ends - index_at[held]) == stored
     return ok, index_at, heads["num_entries"].astype(np.int64)
 
 
@@ -147,9 +149,9 @@ def _headers_hold(h: np.ndarray, datas: list[bytes]) -> np.ndarray:
         (page_size >= PAGE_SIZE_MIN) & (page_size <= PAGE_SIZE_MAX) & (h["reserved"] == 0) & \
         (has_uuid == has_digest) & (has_digest == has_bit) & \
         (((bits & np.uint64(IncompatFeature.INHERITED_DIGESTS)) == 0) | has_bit)
-    for k in np.flatnonzero(ok).tolist():
-        ok[k] = header_checksum(datas[k][:HEADER.size]) == int(h["header_checksum"][k])
-    return ok
+    zeroed = h.copy()                                # header_checksum: of the header with its field zero
+    zeroed["header_checksum"] = 0
+    return ok & (_row_checksums(zeroed, HEADER.size) == h["header_checksum"])
 
 
 def _footers_hold(f: np.ndarray, sizes: np.ndarray, datas: list[bytes]) -> np.ndarray:
@@ -158,9 +160,14 @@ def _footers_hold(f: np.ndarray, sizes: np.ndarray, datas: list[bytes]) -> np.nd
     index_at = f["index_offset"]
     ok = (f["magic"] == FOOTER_MAGIC) & (f["file_length"] == sizes.astype(np.uint64)) & \
         (index_at >= HEADER.size) & (index_at < footer_at.astype(np.uint64)) & (index_at % 8 == 0)
-    for k in np.flatnonzero(ok).tolist():
-        ok[k] = footer_checksum(datas[k][-FOOTER.size:]) == int(f["footer_checksum"][k])
-    return ok
+    return ok & (_row_checksums(f, FOOTER.offset("footer_checksum")) == f["footer_checksum"])
+
+
+def _row_checksums(rows: np.ndarray, length: int) -> np.ndarray:
+    """checksum64 of the first ``length`` bytes of each row of a structured array."""
+    laid = np.ascontiguousarray(rows).view(np.uint8)
+    return span_checksums([laid] * len(rows), np.arange(len(rows), dtype=np.int64) * rows.dtype.itemsize,
+                          np.full(len(rows), length, np.int64))
 
 
 def _assembled(path: str, fd: int, data: bytes, index_at: int, entries: np.ndarray) -> tuple:

@@ -80,11 +80,15 @@ def _named(structure) -> str:
 
 
 # --- header --------------------------------------------------------------------
+_HEADER_FIELDS = tuple(f.name for f in HEADER.head)
+_FOOTER_FIELDS = tuple(f.name for f in FOOTER.head)
+
+
 class Header:
     """The header's fields (named as HEADER declares them) and its raw bytes."""
 
     def __init__(self, raw: bytes):
-        self.__dict__.update(HEADER.unpack(raw)._asdict())
+        self.__dict__.update(zip(_HEADER_FIELDS, HEADER.struct.unpack_from(raw)))     # (a deep chain makes many)
         self.raw = raw
 
     @property
@@ -161,7 +165,7 @@ class Footer:
     """The footer's fields (named as FOOTER declares them) and its file offset."""
 
     def __init__(self, raw: bytes, offset: int):
-        self.__dict__.update(FOOTER.unpack(raw)._asdict())
+        self.__dict__.update(zip(_FOOTER_FIELDS, FOOTER.struct.unpack_from(raw)))
         self.offset = offset
 
     def fields(self) -> dict:

@@ -27,7 +27,7 @@ from .errors import LeanImageError
 from .format import (
     EXTENT, FRAME_PAGES_MAX_BYTES, HAS_DIGEST, HAS_OWN_DIGEST, HAS_SLOT, IS_PAGE_CLASS, PAGE_MAP_BODY, RECORD,
     RECORD_BODY_MAX, RECORD_TRAILER, REGION_BODY, REGION_FLAG_HAS_GPA, REGION_NAME_MAX, IncompatFeature, PageClass,
-    RecordType, checksum64, inherits_digests, record_size,
+    RecordType, inherits_digests, record_size, span_checksums,
 )
 from .tables import ImageTables, Region
 
@@ -155,7 +155,7 @@ def _page_maps_pass(all_tables: list[ImageTables], positions: list[int]) -> list
     ok = (head["record_type"] == RecordType.PAGE_MAP) & (head["flags"] == 0) & (num >= 1) & \
         (body == PAGE_MAP_BODY.size + EXTENT.size * num) & (sizes == RECORD.size + body + RECORD_TRAILER.size)
     trailers = np.frombuffer(b"".join(raws[k][-RECORD_TRAILER.size:] for k in kept), "<u8")
-    ok &= trailers == np.array([checksum64(memoryview(raws[k])[:-RECORD_TRAILER.size]) for k in kept], np.uint64)
+    ok &= trailers == span_checksums([raws[k] for k in kept], np.zeros(len(kept), np.int64), sizes - RECORD_TRAILER.size)
     num = np.where(ok, num, 0)
     start = RECORD.size + PAGE_MAP_BODY.size
     first = np.cumsum(num) - num

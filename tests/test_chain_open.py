@@ -244,6 +244,40 @@ def test_a_bad_link_is_refused_as_when_opened_alone(copy, monkeypatch, edit, rul
     assert finding(LeanImage.open, paths[-1]) == expected
 
 
+def _checksum_at(where: str):
+    """Where a checksum field of a link file is: its header's, footer's, INDEX's or PAGE_MAP's."""
+    def at(path: Path, data: bytearray) -> int:
+        if where == "header":
+            return HEADER.offset("header_checksum")
+        if where == "footer":
+            return len(data) - FOOTER.size + FOOTER.offset("footer_checksum")
+        index_offset, entries = _entries(path)
+        if where == "index":
+            return len(data) - FOOTER.size - 8
+        position = int(np.flatnonzero(entries["record_type"] == RecordType.PAGE_MAP)[0])
+        ends = list(entries["record_offset"][1:]) + [index_offset]
+        return int(ends[position]) - 8
+    return at
+
+
+CHECKSUMS = {"header": "LI-HDR-004", "footer": "LI-FTR-002", "index": "LI-REC-003", "page map": "LI-REC-003"}
+
+
+@pytest.mark.parametrize("where, rule", CHECKSUMS.items(), ids=CHECKSUMS.keys())
+@pytest.mark.parametrize("bad", [1, CHECK_BATCH + 37], ids=["first-batch", "middle"])
+def test_a_link_whose_checksum_fails_is_refused_as_when_opened_alone(copy, where, rule, bad):
+    """A checksum the batch computes for all its links at once (format.span_checksums) that
+    fails in one link: refused as opening it alone refuses it."""
+    paths, _ = copy
+    data = bytearray(paths[bad].read_bytes())
+    data[_checksum_at(where)(paths[bad], data)] ^= 0x10
+    paths[bad].write_bytes(bytes(data))
+    relink(paths, bad + 1)
+    expected = finding(open_alone, paths[-1])
+    assert expected[1] == rule and expected[4] == str(paths[bad])
+    assert finding(LeanImage.open, paths[-1]) == expected
+
+
 def test_an_earlier_bad_link_is_reported_before_a_later_unreadable_one(copy):
     """The walk reads a later link's header before the earlier links' tables are checked: the
     earlier link's finding must still come first."""

@@ -3,7 +3,8 @@ digests of the xxhash module page by page (spec §6.5), through format.page_dige
 row_digests, the INDEX_LIST parse of delta._parse_index_lists_numpy (spec §7.3), on sound
 and damaged entries, tables_batch's page-map rules on sound and spoiled page maps, and
 chain._fold_own_pages_numpy's fold of a chain's pages; it refuses rows, offsets and extents
-outside its buffers, and records' places that do not add up. (Its DELTA_FRAME reads are
+outside its buffers, and records' places that do not add up; its batch checksums are the
+xxhash module's (format.span_checksums). (Its DELTA_FRAME reads are
 checked against chain._quick_delta_frame's in tests/test_chain_fold.py, on damaged records.) .ci/install builds it (and fails when it cannot), so these tests
 require it."""
 
@@ -340,3 +341,31 @@ def test_native_copy_rows_refuses_rows_outside_its_buffers(src_rows, dst_rows):
     with pytest.raises(ValueError):
         _native.copy_rows(src, np.array(src_rows, np.int64), dst, np.array(dst_rows, np.int64), 8)
     assert not dst.any()
+
+
+@settings(max_examples=60, deadline=None)
+@given(buffers=st.lists(st.binary(max_size=200), min_size=1, max_size=8), data=st.data())
+def test_native_span_checksums_are_the_xxhash_checksums(buffers, data):
+    """format.span_checksums: the xxh3-64 of each span, with leanimg._native and without it."""
+    spans = [data.draw(st.tuples(st.integers(0, len(b)), st.integers(0, len(b)))) for b in buffers]
+    offsets = [min(a, c) for a, c in spans]
+    lengths = [abs(a - c) for a, c in spans]
+    expected = [xxhash.xxh3_64_intdigest(b[o:o + n]) for b, o, n in zip(buffers, offsets, lengths)]
+    assert fmt.span_checksums(buffers, offsets, lengths).tolist() == expected
+    with pytest.MonkeyPatch.context() as patched:
+        patched.setattr(fmt, "_native_span_checksums", None)
+        assert fmt.span_checksums(buffers, offsets, lengths).tolist() == expected
+
+
+@pytest.mark.parametrize("offset, length", [(-1, 2), (0, 11), (10, 1), (3, -1), (2**62, 2**62)])
+@pytest.mark.parametrize("native", [True, False], ids=["native", "numpy"])
+def test_span_checksums_refuse_spans_outside_their_buffer(monkeypatch, offset, length, native):
+    if not native:
+        monkeypatch.setattr(fmt, "_native_span_checksums", None)
+    with pytest.raises(ValueError, match="outside its buffer"):
+        fmt.span_checksums([b"0123456789", b"ab"], [0, offset], [1, length])
+
+
+def test_native_span_checksums_refuse_lengths_that_do_not_match():
+    with pytest.raises(ValueError, match="one i8 per buffer"):
+        _native.span_checksums([b"ab", b"cd"], np.zeros(2, np.int64), np.zeros(1, np.int64), np.zeros(2, np.uint64))
