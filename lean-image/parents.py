@@ -25,7 +25,9 @@ except ImportError:
 SIBLINGS_MAX = 100_000
 
 
-CHECK_BATCH = 64          # links whose tables check_links checks together
+CHECK_BATCH = 64           # links whose tables check_links checks together: the first batch,
+CHECK_BATCH_LATER = 256    # and each one after it (the first small: a cold chain's checks start early;
+CHECK_BATCH_BYTES = 64 << 20   # the later large: a batch costs ~0.7 ms however small), of at most these bytes
 
 
 @implements("LI-CHN-001", "LI-CHN-005")
@@ -37,8 +39,10 @@ def attach_chain(image, parents: list, open_link, check_links=None, open_links=N
     before any finding of the walk is raised, the links opened before it are checked, so the
     first link with a finding is reported, as when each link was checked when opened.
     ``open_links(paths)`` (path -> link, for those it opens as ``open_link`` would, nothing
-    raised) opens the links the walk expects next CHECK_BATCH at a time; the walk takes a
-    link from there only when it finds that very path, and opens any other with ``open_link``."""
+    raised) opens the links the walk expects next a batch at a time; the walk takes a link
+    from there only when it finds that very path, and opens any other with ``open_link``.
+    A batch is CHECK_BATCH links, then CHECK_BATCH_LATER, each of CHECK_BATCH_BYTES at most
+    (of files read whole)."""
     pending: list = []
     search = _Search()
     ahead = _Ahead(open_links)
@@ -64,6 +68,7 @@ def attach_chain(image, parents: list, open_link, check_links=None, open_links=N
 def _walk(image, parents: list, open_link, pending: list, check_links, ahead: "_Ahead", search: "_Search") -> None:
     seen = {image.header.image_uuid}
     link = image
+    batches, held = 0, 0            # checked so far; bytes of the pending links' files read whole
     while link.header.has_parent:
         wanted = link.header.parent_uuid
         where = dict(offset=HEADER.offset("parent_uuid"), structure="header.parent_uuid", path=link.path)
@@ -83,9 +88,11 @@ def _walk(image, parents: list, open_link, pending: list, check_links, ahead: "_
         link = link.parent
         if check_links is not None:
             pending.append(link)
-            if len(pending) >= CHECK_BATCH:
+            held += link.tables.file.size if link.tables.file.holds_whole else 0
+            if len(pending) >= (CHECK_BATCH_LATER if batches else CHECK_BATCH) or held >= CHECK_BATCH_BYTES:
                 batch = pending[:]
                 pending.clear()
+                batches, held = batches + 1, 0
                 check_links(batch)
 
 
@@ -109,12 +116,14 @@ class _Ahead:
     the image (_image_uuids): a guess, which the walk's own lookup confirms link by link."""
 
     def __init__(self, open_links):
-        self.open_links, self.opened, self.tried = open_links, {}, set()
+        self.open_links, self.opened, self.tried, self.runs = open_links, {}, set(), 0
 
     def take(self, path: str, search: "_Search"):
         """The link opened ahead for ``path`` (None: open it with open_link)."""
         if self.open_links is not None and path not in self.tried:
-            run = [p for p in _expected_links(path, search, CHECK_BATCH) if p not in self.tried]
+            most = CHECK_BATCH_LATER if self.runs else CHECK_BATCH
+            self.runs += 1
+            run = [p for p in _expected_links(path, search, most) if p not in self.tried]
             self.tried.update(run)
             self.opened.update(self.open_links(run, search.kept))
         return self.opened.pop(path, None)
@@ -126,14 +135,19 @@ class _Ahead:
 
 
 def _expected_links(first: str, search: "_Search", most: int) -> list[str]:
-    """``first`` and up to ``most - 1`` paths the chain is expected to go on with: each file's
-    parent_uuid, as _image_uuids read it, looked up among the files read."""
+    """``first`` and up to ``most - 1`` paths the chain is expected to go on with, up to the
+    one whose size makes CHECK_BATCH_BYTES (a file not kept open counted as the largest read
+    whole), as the walk's batches end: each file's parent_uuid, as _image_uuids read it,
+    looked up among the files read."""
+    from .reader import WHOLE_READ_BELOW
     run, seen = [first], {first}
-    while len(run) < most:
+    held = search.kept.get(first, (None, WHOLE_READ_BELOW))[1]
+    while len(run) < most and held < CHECK_BATCH_BYTES:
         parent = search.parent_of.get(run[-1])
         path = search.path_of(parent) if parent is not None else None
         if path is None or path in seen:
             break
+        held += search.kept.get(path, (None, WHOLE_READ_BELOW))[1]
         run.append(path)
         seen.add(path)
     return run

@@ -20,3 +20,12 @@ def copy(chain, tmp_path):
         target.write_bytes(path.read_bytes())
         copies.append(target)
     return copies, memory
+
+
+@pytest.fixture
+def small_batches(monkeypatch):
+    """A chain walk's batches all of CHECK_BATCH links, the later ones too (CHECK_BATCH_LATER
+    is larger), so that a test chain of 2 * CHECK_BATCH + 20 links makes three batches
+    (test_chain_open.test_batches_grow_within_their_bytes checks the sizes as set)."""
+    from leanimg import parents
+    monkeypatch.setattr(parents, "CHECK_BATCH_LATER", parents.CHECK_BATCH)

@@ -33,7 +33,8 @@ from leanimg.writer import LeanImageWriter, ParentLink
 
 PS = 4096
 PAGES = 24
-LINKS = 2 * CHECK_BATCH + 20          # three batches: a bad link can sit in any of them
+LINKS = 2 * CHECK_BATCH + 20          # three batches (small_batches): a bad link can sit in any of them
+pytestmark = pytest.mark.usefixtures("small_batches")
 
 
 def reseal(data: bytes) -> bytes:
@@ -306,6 +307,46 @@ def test_a_missing_parent_deep_down_is_reported_as_before(copy):
     expected = finding(open_alone, paths[-1])
     assert expected[1] == "LI-CHN-001" and expected[4] == str(paths[4])
     assert finding(LeanImage.open, paths[-1]) == expected
+
+
+def _batches(sizes: list[int], first: int, later: int, most_bytes: int) -> list[int]:
+    """How many links each batch holds, for links of ``sizes`` in walk order: ``first``
+    links, then ``later``, a batch ending early at the link that makes ``most_bytes``."""
+    batches, count, held = [], 0, 0
+    for size in sizes:
+        count, held = count + 1, held + size
+        if count >= (later if batches else first) or held >= most_bytes:
+            batches.append(count)
+            count, held = 0, 0
+    return batches + [count] * bool(count)
+
+
+@pytest.mark.parametrize("later, most_bytes", [
+    (parents_module.CHECK_BATCH_LATER, parents_module.CHECK_BATCH_BYTES), (50, parents_module.CHECK_BATCH_BYTES),
+    (parents_module.CHECK_BATCH_LATER, 30), (50, 20), (parents_module.CHECK_BATCH_LATER, 1)],
+    ids=["as-set", "later-50", "30-links-of-bytes", "both", "one-byte"])
+def test_batches_grow_within_their_bytes(chain, monkeypatch, later, most_bytes):
+    """The walk checks CHECK_BATCH links first (a cold chain's checks start early), then
+    CHECK_BATCH_LATER at a time (each batch costs the same however small), a batch ending at
+    the link whose file makes CHECK_BATCH_BYTES (of files read whole); the links opened ahead
+    come in the same runs. (``most_bytes`` under 64: that many of the links' mean size.)"""
+    paths, memory = chain
+    sizes = [p.stat().st_size for p in paths[-2::-1]]                      # the parents, in walk order
+    if most_bytes < 64:
+        most_bytes = most_bytes * sum(sizes) // len(sizes)
+    expected = _batches(sizes, CHECK_BATCH, later, most_bytes)
+    assert len(expected) >= 2
+    monkeypatch.setattr(parents_module, "CHECK_BATCH_LATER", later)
+    monkeypatch.setattr(parents_module, "CHECK_BATCH_BYTES", most_bytes)
+    checked, runs = [], []
+    real_check, real_open = LeanImage.check_links, LeanImage.open_links
+    monkeypatch.setattr(LeanImage, "check_links", staticmethod(lambda links: checked.append(len(links)) or
+                                                               real_check(links)))
+    monkeypatch.setattr(LeanImage, "open_links", classmethod(lambda cls, run, kept=None: runs.append(len(run)) or
+                                                             real_open.__func__(cls, run, kept)))
+    with LeanImage.open(paths[-1]) as image:
+        assert len(image.chain()) == LINKS
+    assert checked == expected and runs == expected
 
 
 def test_a_small_link_is_opened_with_one_read(chain, monkeypatch):

@@ -23,6 +23,8 @@ from leanimg.reader import WHOLE_READ_BELOW, LeanImage
 from helpers import run_leanimg
 from test_chain_open import LINKS, _write_chain, finding, open_alone, relink, reseal
 
+pytestmark = pytest.mark.usefixtures("small_batches")
+
 
 @pytest.fixture(scope="module")
 def chain(tmp_path_factory):
