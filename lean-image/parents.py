@@ -26,7 +26,7 @@ SIBLINGS_MAX = 100_000
 
 
 CHECK_BATCH = 64           # links whose tables check_links checks together: the first batch,
-CHECK_BATCH_LATER = 256    # and each one after it (the first small: a cold chain's checks start early;
+CHECK_BATCH_LATER = 128    # and each one after it (the first small: a cold chain's checks start early;
 CHECK_BATCH_BYTES = 64 << 20   # the later large: a batch costs ~0.7 ms however small), of at most these bytes
 
 
@@ -257,7 +257,9 @@ def _siblings(path: str, search: _Search) -> list[str]:
 READ_AHEAD_FILES = 256              # files open at once while their UUIDs are read
 READ_AHEAD_BYTES = 256 << 20        # small files handed to the kernel's read-ahead, at most
 KEPT_FILES_MAX = 4096               # small files kept open for open_links (and a quarter of the open-file limit)
-SCAN_THREAD_MIN = 16                # files from which their UUIDs are read on a thread of their own
+SCAN_THREAD_MIN = 16                # files from which their UUIDs are read on a thread of their own,
+SCAN_GROUP = 64                     # this many opened and asked for at once (a walk waits for the first
+                                    # group: 1000 warm files take 5.7 ms in groups of 64, 10 ms of 256)
 _UUIDS_AT, _UUIDS_END = HEADER.offset("image_uuid"), HEADER.offset("parent_uuid") + 16
 
 
@@ -316,7 +318,7 @@ class _Scan:
         self.fds, self.sizes = np.full(len(paths), -2, np.int32), np.zeros(len(paths), np.int64)
         self.got, self.heads = np.full(len(paths), -1, np.int64), np.zeros((len(paths), _UUIDS_END), np.uint8)
         self.progress = np.zeros(1, np.int64)
-        args = (b"".join(names), starts, WHOLE_READ_BELOW, READ_AHEAD_BYTES, max(keep_most, 0), READ_AHEAD_FILES,
+        args = (b"".join(names), starts, WHOLE_READ_BELOW, READ_AHEAD_BYTES, max(keep_most, 0), SCAN_GROUP,
                 self.fds, self.sizes, self.got, self.heads, self.progress)
         self.thread = threading.Thread(target=_native.scan_files, args=args, name="leanimg-scan", daemon=True)
         self.thread.start()
