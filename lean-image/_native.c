@@ -707,16 +707,12 @@ static PyObject *fold_own_pages(PyObject *self, PyObject *args)
               depth[e] < 0 || depth[e] >= links;
         deltas += cls[e] == delta_class ? count[e] : 0;
     }
-    int64_t *first_of = NULL, *order = NULL;
+    int64_t *first_of = NULL;
     if (!bad && deltas > room)
         bad = 1;
-    if (!bad && deltas) {
-        first_of = calloc((size_t)n + 1, sizeof(int64_t));
-        order = malloc((size_t)deltas * 3 * sizeof(int64_t));
-        if (!first_of || !order) {
-            PyErr_NoMemory();
-            goto done;
-        }
+    if (!bad && deltas && !(first_of = calloc((size_t)n + 1, sizeof(int64_t)))) {
+        PyErr_NoMemory();
+        goto done;
     }
     if (bad) {
         PyErr_SetString(PyExc_ValueError, "fold_own_pages: an extent outside the pages, a class or link outside "
@@ -724,7 +720,6 @@ static PyObject *fold_own_pages(PyObject *self, PyObject *args)
         goto done;
     }
     Py_BEGIN_ALLOW_THREADS
-    Py_ssize_t seen = 0;
     for (Py_ssize_t e = 0; e < m; e++) {
         int32_t d = depth[e];
         unsigned char c = cls[e];
@@ -739,36 +734,33 @@ static PyObject *fold_own_pages(PyObject *self, PyObject *args)
                 digest_class[p] = c;
                 digest_rank[p] = bearing[e] ? rank0[e] + k : -1;
             }
-            if (c == delta_class) {             /* kept in link order, nearest first */
-                order[3 * seen] = p;
-                order[3 * seen + 1] = d;
-                order[3 * seen + 2] = slot[e] + k;
-                seen++;
-            }
         }
     }
-    /* the deltas above their page's base, counted by page, then placed by page; taken back to
-     * front, so each page's deepest link comes first */
-    for (Py_ssize_t i = 0; i < seen; i++)
-        if (order[3 * i + 1] < base_link[order[3 * i]])
-            first_of[order[3 * i] + 1]++;
-    for (Py_ssize_t p = 0; seen && p < n; p++)
-        first_of[p + 1] += first_of[p];
-    deltas = seen ? first_of[n] : 0;
-    for (Py_ssize_t i = seen - 1; i >= 0; i--) {
-        int64_t p = order[3 * i];
-        if (order[3 * i + 1] < base_link[p]) {
-            int64_t at = first_of[p]++;
-            delta_page[at] = p;
-            delta_link[at] = (int32_t)order[3 * i + 1];
-            delta_slot[at] = order[3 * i + 2];
-        }
+    /* the DELTA pages above their page's final base: counted by page, then placed by page from
+     * the deepest extent back (extents come nearest link first), so each page's deepest link
+     * comes first; two more passes over the extents, no copy of the pages */
+    if (deltas) {
+        for (Py_ssize_t e = 0; e < m; e++)
+            if (cls[e] == delta_class)
+                for (int64_t p = start[e]; p < start[e] + count[e]; p++)
+                    first_of[p + 1] += depth[e] < base_link[p];
+        for (Py_ssize_t p = 0; p < n; p++)
+            first_of[p + 1] += first_of[p];
+        deltas = first_of[n];
+        for (Py_ssize_t e = m - 1; e >= 0; e--)
+            if (cls[e] == delta_class)
+                for (int64_t k = count[e] - 1, p = start[e] + k; k >= 0; k--, p--)
+                    if (depth[e] < base_link[p]) {
+                        int64_t at = first_of[p]++;
+                        delta_page[at] = p;
+                        delta_link[at] = depth[e];
+                        delta_slot[at] = slot[e] + k;
+                    }
     }
     Py_END_ALLOW_THREADS
     result = PyLong_FromSsize_t(deltas);
 done:
     free(first_of);
-    free(order);
     for (int k = 0; k < 9; k++) {
         PyBuffer_Release(&in[k]);
         PyBuffer_Release(&out[k]);
