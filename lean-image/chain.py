@@ -56,6 +56,7 @@ class Resolution:
     _stored: "_StoredPages | None" = field(default=None, repr=False)
     _patches: "_DeltaPatches | None" = field(default=None, repr=False)
     _chain_patches: "_ChainPatches | None" = field(default=None, repr=False)
+    deltas_ahead: dict | None = field(default=None, repr=False)     # parse_deltas_ahead's, until used
 
     def delta_patches(self) -> "_DeltaPatches":
         """The deltas that apply, as word patches per DELTA_FRAME (built on first use)."""
@@ -381,17 +382,18 @@ class _ChainPatches:
         r = self.resolution = resolution
         self.words_per_page = r.links[0].page_size // 8
         self.of_frame, frames, sizes = _frames_in_use(r)
-        cuts = [0, *(np.flatnonzero(np.diff(np.cumsum(sizes) // self.BATCH_ENTRIES)) + 1).tolist(), len(frames)] \
-            if frames else [0]
+        cuts = _batch_cuts(sizes)
         # each frame's rows in their order: a radix sort where the frames fit 16 bits
         by_frame = np.argsort(self.of_frame.astype(np.uint16) if len(frames) <= 1 << 16 else self.of_frame,
                               kind="stable")
         row_cuts = np.searchsorted(self.of_frame[by_frame], cuts).tolist()
         pool, ps = r.links[0].frames.pool, r.links[0].page_size
         self.batches = []
+        ahead, r.deltas_ahead = r.deltas_ahead or {}, None
         for lo, hi, row_lo, row_hi in zip(cuts, cuts[1:], row_cuts, row_cuts[1:]):
             rows = by_frame[row_lo:row_hi]
-            job = (frames[lo:hi], lo, rows, self.of_frame, r.delta_slots, r.delta_pages, ps)
+            parsed = ahead.get(_batch_key(frames[lo:hi]))
+            job = (frames[lo:hi], lo, rows, self.of_frame, r.delta_slots, r.delta_pages, ps, parsed)
             self.batches.append((rows, job, pool.submit(_gather_and_fold, *job) if pool is not None else None))
         self.folds = None
 
@@ -448,21 +450,52 @@ def _frames_in_use(r: Resolution) -> tuple[np.ndarray, list, np.ndarray]:
 
 
 def _gather_and_fold(frames: list, first_frame: int, rows: np.ndarray, of_frame: np.ndarray, slots: np.ndarray,
-                     pages: np.ndarray, page_size: int):
+                     pages: np.ndarray, page_size: int, parsed=None):
     """_fold_delta_batch of the delta entries ``rows`` (their frame, ``of_frame``, counted from
-    ``first_frame``; slot; page), gathered here, on the worker: numpy gathers without the GIL."""
-    return _fold_delta_batch(frames, of_frame[rows] - first_frame, slots[rows], pages[rows], page_size)
+    ``first_frame``; slot; page), gathered here, on the worker: numpy gathers without the GIL.
+    ``parsed``: the future of the batch's _parse_delta_batch, begun ahead (parse_deltas_ahead)."""
+    return _fold_delta_batch(frames, of_frame[rows] - first_frame, slots[rows], pages[rows], page_size,
+                             parsed.result() if parsed is not None else None)
+
+
+def parse_deltas_ahead(image) -> dict | None:
+    """Begin reading and parsing the DELTA_FRAMEs of ``image``'s chain on its read-ahead workers
+    (idle while the caller resolves the chain), in the batches _ChainPatches will make if
+    every frame is in use (a chain restored whole): batch key (_batch_key) -> the future of
+    its _parse_delta_batch; a batch _ChainPatches makes otherwise is read there, as before.
+    None without workers. A frame's finding is raised only where a batch that uses it is folded."""
+    links = image.chain()
+    pool = links[0].frames.pool
+    if pool is None or len(links) < 2:
+        return None
+    frames = [(link, frame) for link in links for frame in range(len(link.frames.delta_frames))]
+    sizes = np.concatenate([link.frames.delta_frames.counts for link in links]).astype(np.int64)
+    cuts = _batch_cuts(sizes)
+    return {_batch_key(frames[lo:hi]): pool.submit(_parse_delta_batch, frames[lo:hi], image.page_size)
+            for lo, hi in zip(cuts, cuts[1:])}
+
+
+def _batch_cuts(sizes: np.ndarray) -> list[int]:
+    """Where the batches of frames of ``sizes`` entries (in order) begin, and the end: a new
+    batch where the entries so far pass a multiple of _ChainPatches.BATCH_ENTRIES."""
+    if not len(sizes):
+        return [0]
+    return [0, *(np.flatnonzero(np.diff(np.cumsum(sizes) // _ChainPatches.BATCH_ENTRIES)) + 1).tolist(), len(sizes)]
+
+
+def _batch_key(frames: list) -> tuple:
+    return tuple((id(link), frame) for link, frame in frames)
 
 
 def _fold_delta_batch(frames: list, frame_of_row: np.ndarray, slots: np.ndarray, pages: np.ndarray,
-                      page_size: int):
+                      page_size: int, parsed=None):
     """Runs on a read-ahead worker: DELTA_FRAMEs ``frames`` ((link, frame), nearest link first)
     read, checked, decompressed and parsed as one, and the entries that apply (rows: their
     frame's index in ``frames``, slot and page) folded: (first delta per frame, the words set
     as page * words per page + word, ascending, their values, per row whether its entry is a
     plain INDEX_LIST). Only plain entries' words are folded; of a word several set, the
-    nearest link's value is kept."""
-    firsts, counts, (simple, word_start, _, positions, values) = _parse_delta_batch(frames, page_size)
+    nearest link's value is kept. ``parsed``: the batch's _parse_delta_batch, if done already."""
+    firsts, counts, (simple, word_start, _, positions, values) = parsed or _parse_delta_batch(frames, page_size)
     entries = (np.cumsum(counts) - counts)[frame_of_row] + slots - firsts[frame_of_row]
     folded = _fold_words_native(simple, word_start, positions, values, entries, pages, page_size) \
         if _native is not None else None

@@ -133,7 +133,7 @@ def region_pieces(image, region: Region, first_page: int, count: int) -> list[tu
     next call on the same image (a chain builds its ranges in memory used again)."""
     if image.parent is not None:
         from .chain import pieces
-        return pieces(image, region, image.resolution(region), first_page, count)
+        return pieces(image, region, image.resolution(region, deltas_ahead=first_page == 0), first_page, count)
     cls, expected = image.digests.expected_range(region, first_page, count)
     blank = (cls == PageClass.ZERO) | (cls == PageClass.FREE)
     if blank.all():

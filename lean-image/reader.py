@@ -189,11 +189,15 @@ class LeanImage:
     def index_entries(self) -> np.ndarray:
         return self.tables.entries
 
-    def resolution(self, region: Region):
-        """The chain folded once for ``region`` (chain.resolve), cached."""
-        from .chain import resolve
+    def resolution(self, region: Region, deltas_ahead: bool = False):
+        """The chain folded once for ``region`` (chain.resolve), cached. ``deltas_ahead``: a
+        forward pass begins: its DELTA_FRAMEs are read and parsed on the read-ahead workers
+        while the chain is folded (chain.parse_deltas_ahead)."""
+        from .chain import parse_deltas_ahead, resolve
         if region.region_id not in self._resolutions:
+            ahead = parse_deltas_ahead(self) if deltas_ahead else None
             self._resolutions[region.region_id] = resolve(self, region)
+            self._resolutions[region.region_id].deltas_ahead = ahead
         return self._resolutions[region.region_id]
 
     # -- pages (pages.py) -------------------------------------------------------------

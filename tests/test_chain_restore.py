@@ -288,6 +288,42 @@ def test_a_forward_pass_folds_the_deltas_of_every_link(tmp_path, monkeypatch, st
         assert _joined(image, region, _forward(FOLD_PAGES, step), "bytes") == memory
 
 
+@pytest.mark.parametrize("batch_entries", [1, 3, 1 << 14])
+@pytest.mark.parametrize("ahead_entries", ["same", "other"], ids=["batches-as-folded", "other-batches"])
+def test_a_forward_pass_parses_the_delta_frames_while_the_chain_is_resolved(tmp_path, monkeypatch, batch_entries,
+                                                                            ahead_entries):
+    """A forward pass begins reading and parsing the chain's DELTA_FRAMEs on the read-ahead
+    workers before it resolves the chain (chain.parse_deltas_ahead), in the batches it will
+    fold: each batch is parsed once. Batches other than the fold's (here: cut by another size,
+    as when some frames are not in use) are parsed again by the fold; the memory is the same."""
+    monkeypatch.setattr(leanimg.chain._ChainPatches, "BATCH_ENTRIES", batch_entries)
+    parsed, real_parse = [], leanimg.chain._parse_delta_batch
+    monkeypatch.setattr(leanimg.chain, "_parse_delta_batch", lambda frames, page_size: parsed.append(
+        tuple((link.path, frame) for link, frame in frames)) or real_parse(frames, page_size))
+    real_ahead = leanimg.chain.parse_deltas_ahead
+
+    def ahead(image):
+        if ahead_entries == "other":             # one batch of all where the fold's are small, else one a frame
+            monkeypatch.setattr(leanimg.chain._ChainPatches, "BATCH_ENTRIES", 1 << 20 if batch_entries < 1 << 14 else 1)
+        try:
+            return real_ahead(image)
+        finally:
+            monkeypatch.setattr(leanimg.chain._ChainPatches, "BATCH_ENTRIES", batch_entries)
+    monkeypatch.setattr(leanimg.chain, "parse_deltas_ahead", ahead)
+    paths, memory = _fold_chain(tmp_path)
+    with LeanImage.open(paths[-1]) as image:
+        image.enable_read_ahead()
+        frames = [(link.path, f) for link in image.chain() for f in range(len(link.frames.delta_frames))]
+        assert _joined(image, image.regions[0], _forward(FOLD_PAGES, 5), "pieces") == memory
+    folded = [tuple(frames[lo:hi]) for lo, hi in zip(*(lambda cuts: (cuts, cuts[1:]))(leanimg.chain._batch_cuts(
+        np.concatenate([LeanImage.open_link(p).frames.delta_frames.counts for p in reversed(paths)]))))]
+    assert len(folded) > (batch_entries == 1)          # several batches where they are small
+    if ahead_entries == "same":
+        assert sorted(parsed) == sorted(folded)            # each once: the fold used the parses begun ahead
+    else:
+        assert set(folded) <= set(parsed) and len(parsed) > len(folded)
+
+
 def _superseding_chain(directory, superseded: bool):
     """root: FOLD_PAGES random pages; link 1: word deltas on pages 0-3; link 2: pages
     0-3 stored anew (``superseded``) or PARENT; link 3: a word delta on page 9. Link 1's
