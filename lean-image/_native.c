@@ -981,7 +981,9 @@ static PyObject *scan_files(PyObject *self, PyObject *args)
             sizes[k] = 0;
             if (size > 0 && size < small && size <= budget) {
                 budget -= size;
+#ifdef POSIX_FADV_WILLNEED
                 posix_fadvise(fd, 0, (off_t)size, POSIX_FADV_WILLNEED);     /* advice: its failure changes nothing */
+#endif
                 sizes[k] = size;
             }
         }
