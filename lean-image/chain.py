@@ -464,6 +464,7 @@ def parse_deltas_ahead(image) -> dict | None:
     every frame is in use (a chain restored whole): batch key (_batch_key) -> the future of
     its _parse_delta_batch; a batch _ChainPatches makes otherwise is read there, as before.
     None without workers. A frame's finding is raised only where a batch that uses it is folded."""
+    from concurrent.futures import Future          # (the read-ahead workers imported it)
     links = image.chain()
     pool = links[0].frames.pool
     if pool is None or len(links) < 2:
@@ -471,8 +472,18 @@ def parse_deltas_ahead(image) -> dict | None:
     frames = [(link, frame) for link in links for frame in range(len(link.frames.delta_frames))]
     sizes = np.concatenate([link.frames.delta_frames.counts for link in links]).astype(np.int64)
     cuts = _batch_cuts(sizes)
-    return {_batch_key(frames[lo:hi]): pool.submit(_parse_delta_batch, frames[lo:hi], image.page_size)
-            for lo, hi in zip(cuts, cuts[1:])}
+    batches = [(frames[lo:hi], Future()) for lo, hi in zip(cuts, cuts[1:])]
+    pool.submit(_parse_in_turn, batches, image.page_size)       # one worker: the caller resolves meanwhile
+    return {_batch_key(batch): future for batch, future in batches}
+
+
+def _parse_in_turn(batches: list, page_size: int) -> None:
+    """_parse_delta_batch of each (frames, future) in turn, its result (or finding) set in its future."""
+    for frames, future in batches:
+        try:
+            future.set_result(_parse_delta_batch(frames, page_size))
+        except BaseException as exc:
+            future.set_exception(exc)
 
 
 def _batch_cuts(sizes: np.ndarray) -> list[int]:
