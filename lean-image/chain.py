@@ -463,13 +463,15 @@ def parse_deltas_ahead(image) -> dict | None:
     (idle while the caller resolves the chain), in the batches _ChainPatches will make if
     every frame is in use (a chain restored whole): batch key (_batch_key) -> the future of
     its _parse_delta_batch; a batch _ChainPatches makes otherwise is read there, as before.
-    None without workers. A frame's finding is raised only where a batch that uses it is folded."""
+    None without workers or DELTA_FRAMEs. A frame's finding is raised only where a batch that uses it is folded."""
     from concurrent.futures import Future          # (the read-ahead workers imported it)
     links = image.chain()
     pool = links[0].frames.pool
     if pool is None or len(links) < 2:
         return None
     frames = [(link, frame) for link in links for frame in range(len(link.frames.delta_frames))]
+    if not frames:
+        return None
     sizes = np.concatenate([link.frames.delta_frames.counts for link in links]).astype(np.int64)
     cuts = _batch_cuts(sizes)
     batches = [(frames[lo:hi], Future()) for lo, hi in zip(cuts, cuts[1:])]

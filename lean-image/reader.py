@@ -196,8 +196,10 @@ class LeanImage:
         from .chain import parse_deltas_ahead, resolve
         if region.region_id not in self._resolutions:
             ahead = parse_deltas_ahead(self) if deltas_ahead else None
-            self._resolutions[region.region_id] = resolve(self, region)
-            self._resolutions[region.region_id].deltas_ahead = ahead
+            resolution = resolve(self, region)
+            if len(resolution.delta_pages):      # else no fold takes the parses (nor holds them)
+                resolution.deltas_ahead = ahead
+            self._resolutions[region.region_id] = resolution
         return self._resolutions[region.region_id]
 
     # -- pages (pages.py) -------------------------------------------------------------

@@ -315,6 +315,7 @@ def test_a_forward_pass_parses_the_delta_frames_while_the_chain_is_resolved(tmp_
         image.enable_read_ahead()
         frames = [(link.path, f) for link in image.chain() for f in range(len(link.frames.delta_frames))]
         assert _joined(image, image.regions[0], _forward(FOLD_PAGES, 5), "pieces") == memory
+        assert image.resolution(image.regions[0]).deltas_ahead is None      # taken by the fold, then let go
     folded = [tuple(frames[lo:hi]) for lo, hi in zip(*(lambda cuts: (cuts, cuts[1:]))(leanimg.chain._batch_cuts(
         np.concatenate([LeanImage.open_link(p).frames.delta_frames.counts for p in reversed(paths)]))))]
     assert len(folded) > (batch_entries == 1)          # several batches where they are small
@@ -322,6 +323,25 @@ def test_a_forward_pass_parses_the_delta_frames_while_the_chain_is_resolved(tmp_
         assert sorted(parsed) == sorted(folded)            # each once: the fold used the parses begun ahead
     else:
         assert set(folded) <= set(parsed) and len(parsed) > len(folded)
+
+
+def test_parses_begun_ahead_are_not_held_where_no_delta_applies(tmp_path):
+    """A chain whose one DELTA_FRAME no page needs (a later link stores its pages anew; the
+    frame broken): a forward pass parses it ahead, but the resolution does not hold the parse
+    (no fold would take it) and nothing is raised, even in a range that builds no page; the
+    pages are those the checked path reads."""
+    paths, _ = _superseding_chain(tmp_path, superseded=True)
+    with LeanImage.open(paths[2]) as image:
+        image.enable_read_ahead()
+        region = image.regions[0]
+        assert sum(len(link.frames.delta_frames) for link in image.chain()) == 1
+        first = _joined(image, region, [(0, 4)], "pieces")           # one frame's pages: served as its view
+        resolution = image.resolution(region)
+        assert not len(resolution.delta_pages) and resolution.deltas_ahead is None
+        assert resolution._chain_patches is None                      # no fold was made
+        rest = _joined(image, region, _forward(FOLD_PAGES, 4)[1:], "pieces")
+    with LeanImage.open(paths[2]) as image:
+        assert _joined(image, image.regions[0], _forward(FOLD_PAGES, 5), "bytes") == first + rest
 
 
 def _superseding_chain(directory, superseded: bool):
