@@ -47,5 +47,8 @@ def fitting_targets(image) -> str:
 RAW = RestoreTarget("raw", "flat guest memory: the regions in file order, concatenated", "raw", "restore_raw")
 QEMU = RestoreTarget("qemu", "the QEMU migration stream the image was converted from, for `qemu -incoming`",
                      "qemu", "restore_qemu", server="postcopy:serve_postcopy")
+QEMU_MAPPED_RAM = RestoreTarget("qemu-mapped-ram", "a QEMU mapped-ram file (QEMU >= 9.0) for `migrate-incoming "
+                                "file:FILE` with the capability mapped-ram set; needs -o FILE (it seeks)",
+                                "qemu", "restore_qemu_mapped_ram")
 XEN = RestoreTarget("xen", "the Xen save file (xl, libxl or libxc stream) the image was converted from",
                     "xen", "restore_xen", "describe_image")
