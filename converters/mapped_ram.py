@@ -90,7 +90,8 @@ def layout_at(name: str, length: int, page_size: int, header_at: int) -> BlockLa
 class RandomAccess:
     """Reads at given offsets of the input a stream cursor reads from, without moving it."""
 
-    def __init__(self, f: BinaryIO):
+    def __init__(self, f: BinaryIO, offset: int):
+        """``offset``: where the capability mapped-ram was read (for the error on a pipe)."""
         self.f = f
         try:
             self.fd = f.fileno()
@@ -100,7 +101,7 @@ class RandomAccess:
             if not _seekable(f):
                 raise UnsupportedError("a mapped-ram file read from a pipe or decompressed as it is read: its "
                                        "pages lie at fixed offsets, so convert the file itself",
-                                       structure="configuration") from None
+                                       offset=offset, structure="configuration") from None
             here = f.tell()
             self.size = f.seek(0, os.SEEK_END)
             f.seek(here)
@@ -157,31 +158,41 @@ def read_header(raw: bytes, name: str, length: int, page_size: int, header_at: i
 
 def page_runs(source: RandomAccess, layout: BlockLayout) -> Iterator[tuple[int, int, bytes | None]]:
     """(first page, count, their bytes or None for zero pages) in page order, at most
-    RUN_PAGES pages each: set bits are read from their slots, clear bits are zero."""
+    RUN_PAGES pages each: set bits are read from their slots, clear bits are zero. The bitmap
+    is read a window at a time, so memory stays bounded whatever the block's length."""
     if layout.ignored:
         return
-    raw = source.read(layout.bitmap_size, layout.bitmap_offset)
-    if len(raw) != layout.bitmap_size:
-        raise SourceFormatError(f"expected {layout.bitmap_size} bytes of bitmap, got {len(raw)}",
-                                offset=layout.bitmap_offset, structure=f"mapped-ram bitmap of {layout.name!r}")
-    bitmap = np.frombuffer(raw, np.uint8)
-    ps = layout.page_size
     for window in range(0, layout.num_pages, BITMAP_WINDOW):
         count = min(BITMAP_WINDOW, layout.num_pages - window)
-        bits = np.unpackbits(bitmap[window // 8:(window + count + 7) // 8], bitorder="little")[:count]
+        bits = _bitmap_window(source, layout, window, count)
         edges = np.flatnonzero(np.diff(bits)) + 1
         for lo, hi in zip([0, *edges.tolist()], [*edges.tolist(), count]):
-            if not bits[lo]:
+            if bits[lo]:
+                yield from _slots(source, layout, window + lo, window + hi)
+            else:
                 yield window + lo, hi - lo, None
-                continue
-            for first in range(window + lo, window + hi, RUN_PAGES):
-                n = min(RUN_PAGES, window + hi - first)
-                data = source.read(n * ps, layout.pages_offset + first * ps)
-                if len(data) != n * ps:
-                    raise SourceFormatError(f"expected {n * ps} bytes of pages, got {len(data)}",
-                                            offset=layout.pages_offset + first * ps,
-                                            structure=f"mapped-ram pages of {layout.name!r}")
-                yield first, n, data
+
+
+def _bitmap_window(source: RandomAccess, layout: BlockLayout, first: int, count: int) -> np.ndarray:
+    """The bits of pages [first, first + count) (first a multiple of 8), one uint8 each."""
+    at, size = layout.bitmap_offset + first // 8, (count + 7) // 8
+    raw = source.read(size, at)
+    if len(raw) != size:
+        raise SourceFormatError(f"expected {size} bytes of bitmap, got {len(raw)}", offset=at,
+                                structure=f"mapped-ram bitmap of {layout.name!r}")
+    return np.unpackbits(np.frombuffer(raw, np.uint8), bitorder="little")[:count]
+
+
+def _slots(source: RandomAccess, layout: BlockLayout, first: int, stop: int) -> Iterator[tuple[int, int, bytes]]:
+    ps = layout.page_size
+    for at in range(first, stop, RUN_PAGES):
+        n = min(RUN_PAGES, stop - at)
+        data = source.read(n * ps, layout.pages_offset + at * ps)
+        if len(data) != n * ps:
+            raise SourceFormatError(f"expected {n * ps} bytes of pages, got {len(data)}",
+                                    offset=layout.pages_offset + at * ps,
+                                    structure=f"mapped-ram pages of {layout.name!r}")
+        yield at, n, data
 
 
 # ---------------------------------------------------------------------------- writing

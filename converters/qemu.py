@@ -318,7 +318,7 @@ class _StreamReader:
             caps.append(cap)
         self.capabilities = tuple(caps)
         if mapped_ram.CAPABILITY in caps:
-            self.file = mapped_ram.RandomAccess(self.f)
+            self.file = mapped_ram.RandomAccess(self.f, inp.offset)
 
     # --- RAM sections -----------------------------------------------------------------
 
@@ -519,7 +519,7 @@ class _StreamReader:
         inp.structure = f"section[{self.nsections}]"
         base = inp.offset
         tail = Cursor.over_buffer(inp.rest(TAIL_LIMIT, "device state after the RAM"), base)
-        parser = _TailParser(tail, self.nsections, self.footers)
+        parser = _TailParser(tail, self.nsections, self.footers, self.ram.section_id)
         devices = parser.sections()
         vmdesc = parser.trailer()
         _check_vmdesc(devices, vmdesc, parser.vmdesc_at)
@@ -560,8 +560,8 @@ class _TailParser:
     Their bodies are opaque, so a section ends at the first footer (0x7e + its id) that is
     followed by a plausible next structure; the VMDESCRIPTION's device list confirms it."""
 
-    def __init__(self, cur: Cursor, first_index: int, footers: bool | None):
-        self.cur, self.index, self.footers = cur, first_index, footers
+    def __init__(self, cur: Cursor, first_index: int, footers: bool | None, ram_id: int):
+        self.cur, self.index, self.footers, self.ram_id = cur, first_index, footers, ram_id
         self.vmdesc_at = cur.offset
 
     def sections(self) -> list[DeviceSection]:
@@ -594,7 +594,7 @@ class _TailParser:
     def _body_length(self, header: SectionHeader, footer: bytes) -> int:
         """Bytes from the cursor to the first ``footer`` followed by a plausible next
         structure."""
-        cur, eof_candidate = self.cur, None
+        cur, eof_candidate, ram_after = self.cur, None, None
         at = cur.find(footer)
         while at >= 0:
             after = at + len(footer)
@@ -602,7 +602,13 @@ class _TailParser:
                 return at
             if eof_candidate is None and cur.peek(1, after) == bytes([EOF]):
                 eof_candidate = after
+            if ram_after is None and cur.peek(5, after) in (bytes([k]) + _BE32.pack(self.ram_id) for k in (PART, END)):
+                ram_after = after
             at = cur.find(footer, at + 1)
+        if ram_after is not None:
+            raise cur.unsupported(f"a RAM section ({SECTION_NAMES[cur.peek(1, ram_after)[0]]}) after device state: "
+                                  f"{header.idstr!r} was sent before the RAM was complete (virtio-mem's early "
+                                  "state)", at=cur.offset + ram_after)
         raise self._no_footer(header, eof_candidate)
 
     def _no_footer(self, header: SectionHeader, eof_candidate: int | None) -> SourceFormatError:

@@ -407,3 +407,14 @@ def test_restore_into_fresh_qemu(saved_guest, tmp_path):
 def _split_plan(total: int, parts: int) -> list[tuple[int, int]]:
     sizes = [total // parts] * (parts - 1) + [total - (total // parts) * (parts - 1)]
     return [(q.START, 0), *[(q.PART, n) for n in sizes], (q.END, 0)]
+
+
+def test_ram_after_device_state_is_refused_by_name():
+    """virtio-mem (machine types >= 8.0) sends a FULL section during setup, before the RAM's
+    PART sections: refused, not taken for the device tail."""
+    stream = emit(synthetic_state(), synthetic_ram())
+    start_end = stream.index(b"\x7e\x00\x00\x00\x02") + 5       # after START's footer
+    early = q.DeviceSection(q.FULL, q.SectionHeader(9, "0000:00:02.0/virtio-mem-device-early", 0, 1), b"\x00" * 8)
+    with pytest.raises(UnsupportedError, match=r"a RAM section \(PART\) after device state") as e:
+        parse(stream[:start_end] + early.to_bytes(True) + stream[start_end:])
+    assert e.value.offset == start_end + len(early.to_bytes(True))
