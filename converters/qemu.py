@@ -81,7 +81,12 @@ SECTION_NAMES = {EOF: "EOF", START: "START", PART: "PART", END: "END", FULL: "FU
 F_FULL, F_ZERO, F_MEM_SIZE, F_PAGE, F_EOS = 0x01, 0x02, 0x04, 0x08, 0x10
 F_CONTINUE, F_XBZRLE, F_HOOK, F_COMPRESS, F_MULTIFD_FLUSH = 0x20, 0x40, 0x80, 0x100, 0x200
 UNSUPPORTED_FLAGS = {F_XBZRLE: "XBZRLE-encoded pages", F_COMPRESS: "compressed pages",
-                     F_HOOK: "RDMA hooks", F_MULTIFD_FLUSH: "multifd",
+                     F_HOOK: "RDMA hooks",
+                     # multifd needs a socket (or mapped-ram, which sends no page entries): the
+                     # pages of a stream with it travel on other channels
+                     F_MULTIFD_FLUSH: "RAM_SAVE_FLAG_MULTIFD_FLUSH: the main channel of a multifd socket "
+                                      "migration, whose pages travel on other channels (no exec:, fd: or "
+                                      "file: save carries it)",
                      F_FULL: "RAM_SAVE_FLAG_FULL (obsolete pre-0.13 stream)"}
 
 DEFAULT_PAGE_SIZE = 4096
