@@ -417,6 +417,9 @@ class _StreamReader:
             if (flags == F_PAGE or flags == F_ZERO) and self.file is not None:
                 raise inp.error("expected no page entries in a mapped-ram stream (its pages lie in the "
                                 f"blocks' slots), got RAM flags {flags | cont:#x}", back=8)
+            if (flags == F_PAGE or flags == F_ZERO) and kind == START:
+                raise inp.error("expected MEM_SIZE and EOS in the START section (QEMU sends pages in PART "
+                                f"and END sections), got RAM flags {flags | cont:#x}", back=8)
             if flags == F_PAGE or flags == F_ZERO:
                 block = self._entry_block(cont)
                 if addr + ps > block.length:
