@@ -773,14 +773,17 @@ def _prologue_with_capabilities(prologue: bytes, caps: list[str]) -> bytes:
     subsections = {}
     while not inp.at_end():
         start = inp.offset
-        inp.u8("subsection marker")
+        if inp.u8("subsection marker") != SUBSECTION:
+            raise inp.error("expected a configuration subsection (0x05)", back=1)
         name = _read_name(inp, "subsection name")
         inp.be32("subsection version")
         if name == "configuration/capabilities":
             for _ in range(inp.be32("capability count")):
                 _read_name(inp, "capability")
+        elif name in _SUBSECTION_SIZES:
+            inp.take(_SUBSECTION_SIZES[name], name)
         else:
-            inp.take({"configuration/target-page-bits": 4, "configuration/uuid": 16}[name], name)
+            raise inp.unsupported(f"configuration subsection {name!r}")
         subsections[name] = prologue[start:inp.offset]
     if caps:
         listed = b"".join(_name_bytes(c) for c in caps)
@@ -790,6 +793,9 @@ def _prologue_with_capabilities(prologue: bytes, caps: list[str]) -> bytes:
         subsections.pop("configuration/capabilities", None)
     order = ["configuration/target-page-bits", "configuration/capabilities", "configuration/uuid"]
     return head + b"".join(subsections[name] for name in order if name in subsections)
+
+
+_SUBSECTION_SIZES = {"configuration/target-page-bits": 4, "configuration/uuid": 16}
 
 
 def _write_mapped(out: BinaryIO, state: StreamState, blocks: tuple[RamBlock, ...],
@@ -850,6 +856,7 @@ class _RamWriter:
         self.last_block: str | None = None
         self.block_pos = 0
         self.plan = _section_plan(state.ram_plan, sum(b.length for b in blocks) // self.ps)
+        self.last_section = max(i for i, (kind, _) in enumerate(self.plan) if kind != COMMAND)
         self.section = 0
         self.left = self.plan[0][1]
 
@@ -878,14 +885,11 @@ class _RamWriter:
         self.put(tail)
 
     def _next_section(self) -> None:
-        while self.left == 0 and self._sections_after():
+        while self.left == 0 and self.section < self.last_section:
             self._close_section()
             self.section += 1
             self.start_section()
             self.left = self.plan[self.section][1]
-
-    def _sections_after(self) -> bool:
-        return any(kind != COMMAND for kind, _ in self.plan[self.section + 1:])
 
     def end_sections(self) -> None:
         self._next_section()
@@ -1050,10 +1054,21 @@ def _state_from_bytes(blob: bytes) -> StreamState:
             prologue=blobs[0], machine=meta["machine"], page_size=meta["page_size"],
             capabilities=tuple(meta["capabilities"]), ram=SectionHeader(**meta["ram"]),
             ram_blocks=tuple(RamBlock(**b) for b in meta["ram_blocks"]),
-            ram_plan=[tuple(p) for p in meta["ram_plan"]], footers=meta["footers"],
+            ram_plan=_checked_plan(meta["ram_plan"]), footers=meta["footers"],
             devices=devices, vmdesc=blobs[-1] if meta["has_vmdesc"] else None)
     except (ValueError, KeyError, TypeError, struct.error) as e:
         raise bad(f"expected a valid state record, got {e}", pos) from None
+
+
+def _checked_plan(plan) -> list[tuple[int, int]]:
+    """The RAM plan of a state record: RAM sections with their entry counts, SWITCHOVER_START."""
+    checked = [tuple(p) for p in plan]
+    for entry in checked:
+        kind, n = entry
+        if not (kind in (START, PART, END) and isinstance(n, int) and n >= 0
+                or entry == (COMMAND, CMD_SWITCHOVER_START)):
+            raise ValueError(f"RAM plan entry {entry}")
+    return checked
 
 
 # ---------------------------------------------------------------------------- RAM image

@@ -187,3 +187,12 @@ def test_restore_to_a_mapped_ram_file_needs_a_file(tmp_path):
                           capture_output=True).returncode == 0
     assert parse(rebuilt.read_bytes())[1] == synthetic_ram()
     assert Path(rebuilt).stat().st_blocks * 512 < rebuilt.stat().st_size, "sparse"
+
+
+def test_a_configuration_it_cannot_rebuild_is_refused_not_crashed():
+    state = synthetic_state()
+    odd = bytes([q.SUBSECTION, 17]) + b"configuration/odd" + struct.pack(">I", 1)
+    with pytest.raises(UnsupportedError, match="configuration subsection 'configuration/odd'"):
+        q.with_mapped_ram(dataclasses.replace(state, prologue=state.prologue + odd), True)
+    with pytest.raises(SourceFormatError, match=r"expected a configuration subsection \(0x05\)"):
+        q.with_mapped_ram(dataclasses.replace(state, prologue=state.prologue + b"\x09"), True)

@@ -418,3 +418,15 @@ def test_ram_after_device_state_is_refused_by_name():
     with pytest.raises(UnsupportedError, match=r"a RAM section \(PART\) after device state") as e:
         parse(stream[:start_end] + early.to_bytes(True) + stream[start_end:])
     assert e.value.offset == start_end + len(early.to_bytes(True))
+
+
+@pytest.mark.parametrize("plan", [[[99, 1]], [[q.PART, -1]], [[q.COMMAND, 3]], [[q.START, 0, 1]], [["x", 0]]])
+def test_a_state_record_with_a_plan_no_stream_has_is_refused(plan):
+    blob = synthetic_state().to_bytes()
+    head = len(q._STATE_MAGIC)
+    n = struct.unpack_from(">I", blob, head)[0]
+    meta = json.loads(blob[head + 4:head + 4 + n])
+    meta["ram_plan"] = plan
+    text = json.dumps(meta).encode()
+    with pytest.raises(SourceFormatError, match="expected a valid state record"):
+        q.StreamState.from_bytes(blob[:head] + struct.pack(">I", len(text)) + text + blob[head + 4 + n:])
