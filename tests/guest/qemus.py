@@ -41,7 +41,7 @@ class Qemu:
         """Why this QEMU cannot run here, or None."""
         if shutil.which(self.binary) is None:
             return f"{self.binary} is not installed"
-        found = _version_of(self.binary)
+        found = version_of(self.binary)
         if not found.startswith(self.version + "."):
             return f"{self.binary} is QEMU {found}, not {self.version}"
         if not list(Path("/boot").glob("vmlinuz-*")):
@@ -59,7 +59,7 @@ class Qemu:
 
 
 @cache
-def _version_of(binary: str) -> str:
+def version_of(binary: str) -> str:
     out = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=60).stdout
     words = out.split()
     return words[words.index("version") + 1] if "version" in words else "unknown"
