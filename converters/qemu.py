@@ -1,4 +1,5 @@
-"""Read and write the QEMU 7.2 migration stream (``migrate "exec:cat > FILE"``).
+"""Read and write QEMU's migration stream (``migrate "exec:cat > FILE"``), QEMU 7.2 to 11.0,
+and QEMU's mapped-ram files (``migrate file:FILE`` with the capability mapped-ram, QEMU >= 9.0).
 
 Stream layout (migration/savevm.c, migration/ram.c)::
 
@@ -9,16 +10,21 @@ Stream layout (migration/savevm.c, migration/ram.c)::
     0x03 END    be32 id                                               'ram': pages..., EOS
     0x04 FULL   be32 id, u8 len, idstr, be32 instance, be32 version   device state (opaque)
     0x7e footer be32 id            after every section
+    0x08 COMMAND be16 cmd, be16 len      SWITCHOVER_START (QEMU >= 10.0 machine types) before END
     0x00 EOF
     0x06 VMDESCRIPTION be32 len, JSON
+
+A mapped-ram file has no page entries: each MEM_SIZE block entry is followed by a header,
+and the block's bitmap and page slots lie at fixed offsets (converters/mapped_ram.py).
 
 A RAM entry is ``be64 offset|flags`` (flags in the low page bits); without CONTINUE it is
 followed by ``u8 len, block name``; PAGE carries page_size bytes, ZERO one fill byte.
 
 Reading
 -------
-``read_qemu_stream(f)`` reads a binary file object strictly sequentially (a pipe is fine;
-no seek) and yields events in stream order:
+``read_qemu_stream(f)`` reads a binary file object sequentially (a pipe is fine; only a
+mapped-ram file's slots are read at their offsets, so it must be a file) and yields events in
+stream order:
 
 * ``RamBlocks(blocks, page_size)`` once, from MEM_SIZE: every ``RamBlock(name, length)``.
 * ``Page(block, offset, data, fill)`` per RAM entry.  ``data`` is ``page_size`` bytes, or
@@ -31,13 +37,15 @@ no seek) and yields events in stream order:
 
 Memory is bounded: pages are yielded as they are read; only the device sections after the
 RAM (typically well under 1 MiB, capped at ``TAIL_LIMIT``) are held.  Bad input raises
-``SourceFormatError`` and unsupported features (XBZRLE, compression, multifd, postcopy,
-RDMA, mapped-ram, block migration) ``UnsupportedError``, each with the byte ``offset`` and
-the ``structure`` (e.g. ``section[3] PART 'ram' id=2``).
+``SourceFormatError`` and unsupported features (XBZRLE, compression, multifd packets,
+postcopy and other commands, RDMA, block migration, device state before the RAM's end)
+``UnsupportedError``, each with the byte ``offset`` and the ``structure`` (e.g.
+``section[3] PART 'ram' id=2``).
 
 Writing
 -------
-``write_qemu_stream(out, state, ram_blocks, page_source)`` writes a stream QEMU 7.2 loads.
+``write_qemu_stream(out, state, ram_blocks, page_source, mapped=False)`` writes a stream the
+QEMU of the state loads (``mapped``: a mapped-ram file, into a seekable ``out``).
 ``page_source(block)`` returns an iterable of chunks covering ``block.length`` bytes in
 order: bytes-like objects whose length is a multiple of the page size, or ``Zeros(n)``.
 Every page is written (all-zero pages as ZERO entries), because a fresh destination starts

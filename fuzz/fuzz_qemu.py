@@ -1,4 +1,4 @@
-"""atheris harness: arbitrary bytes as a QEMU 7.2 migration stream, read, converted, restored.
+"""atheris harness: arbitrary bytes as a QEMU migration stream or mapped-ram file, read, converted, restored.
 
     python fuzz/make_stream_corpus.py qemu /tmp/leanimg-qemu-corpus
     LEANIMG_FUZZ_RUNS=100000 nice -n 19 python fuzz/fuzz_qemu.py /tmp/leanimg-qemu-corpus
@@ -12,9 +12,19 @@
    spool in this process), or holds those pages;
 3. ``convert_file`` into a lean image, from the file (streaming, falling back to the spooled
    path for a live save) and from a pipe with ``spool=True``: both succeed or both fail
-   (LeanImageError, no output left), and neither succeeds where the reader failed;
+   (LeanImageError, no output left), and neither succeeds where the reader failed. A mapped-ram
+   file (capability mapped-ram: pages at fixed offsets, converters/mapped_ram.py) cannot come
+   from a pipe: there the pipe conversion must refuse with UnsupportedError, and a conversion
+   from the bytes in memory (seekable, no file descriptor; spooled) must agree with the file's;
 4. when they succeed (and the guest RAM is at most DIFF_RAM_MAX), ``restore --to qemu`` of
-   each image gives the same stream, which reads back to the same pages and device state.
+   each image gives the same stream, which reads back to the same pages and device state
+   (without the capability mapped-ram); and ``restore --to qemu`` as a mapped-ram file, into a
+   BytesIO (QEMU's layout: each block's pages on a 1 MiB boundary, zero pages left as zeros),
+   reads back to the same pages and device state, with the capability. The mapped-ram restore
+   runs for mapped-ram inputs and thorough ones, when the file is at most MAPPED_RESTORE_MAX
+   bytes (a 1 MiB slot area per block: a fuzzed stream of many small blocks would make hundreds);
+   it may refuse (UnsupportedError) only a stream without a configuration section, which
+   cannot list the capability.
 
 Steps 3-4 cost most; to keep executions fast they run on every input the reader accepts
 (the pipe conversion on a quarter of them) and on a quarter of those it refuses, the
@@ -36,11 +46,11 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 with atheris.instrument_imports(include=["leanimg"]):
-    from leanimg.converters import qemu
+    from leanimg.converters import mapped_ram, qemu
     from leanimg.converters.convert import convert_file
-    from leanimg.errors import LeanImageError, LimitError
+    from leanimg.errors import LeanImageError, LimitError, UnsupportedError
     from leanimg.reader import LeanImage
-    from leanimg.restore.qemu import restore_qemu
+    from leanimg.restore.qemu import restore_qemu, restore_qemu_mapped_ram
 
 import xxhash  # noqa: E402
 
@@ -50,6 +60,7 @@ import make_stream_corpus  # noqa: E402  (not instrumented: seed builder only)
 harness.small_refills()
 
 DIFF_RAM_MAX = 16 << 20     # restore differential only for guests with at most this much RAM
+MAPPED_RESTORE_MAX = 40 << 20   # restore to a mapped-ram BytesIO only when it is at most this large
 WRITER = {"threads": 1}
 
 SCRATCH = harness.work_dir("qemu")
@@ -114,22 +125,37 @@ def _ram_bytes(state: qemu.StreamState) -> int:
     return sum(b.length for b in state.ram_blocks)
 
 
-def convert(source, name: str, **options) -> str | None:
-    """Path of the image ``convert_file`` made, or None when it refused the stream."""
+def convert(source, name: str, refusals: dict | None = None, **options) -> str | None:
+    """Path of the image ``convert_file`` made, or None when it refused the stream (then
+    ``refusals[name]`` is the exception's type: the type only, the exception would keep the
+    conversion's tables alive through its traceback)."""
     dest = os.path.join(RUN, name)
     try:
         convert_file(source, dest, source_format="qemu", writer_options=WRITER, **options)
-    except LeanImageError:
+    except LeanImageError as exc:
         assert not os.path.exists(dest), "a refused conversion left its output"
+        if refusals is not None:
+            refusals[name] = type(exc)
         return None
     return dest
 
 
-def restored(image_path: str) -> bytes:
+def restored(image_path: str, mapped: bool = False) -> bytes:
     out = io.BytesIO()
     with LeanImage.open(image_path) as image:
-        restore_qemu(image, out)
+        (restore_qemu_mapped_ram if mapped else restore_qemu)(image, out)
     return out.getvalue()
+
+
+def is_mapped_ram(state: qemu.StreamState) -> bool:
+    return mapped_ram.CAPABILITY in state.capabilities
+
+
+def mapped_file_size(state: qemu.StreamState) -> int:
+    """At least the size of the mapped-ram file of ``state``'s blocks (each block's pages
+    begin on the next 1 MiB boundary after its header and bitmap)."""
+    return sum(mapped_ram.ALIGNMENT + mapped_ram.bitmap_size(b.length // state.page_size) + b.length
+               for b in state.ram_blocks)
 
 
 def check(data: bytes) -> None:
@@ -152,24 +178,53 @@ def check(data: bytes) -> None:
         return
     with open(INPUT, "wb") as f:
         f.write(data)
+    mapped = outcome[0] != "error" and is_mapped_ram(outcome[1])
+    refusals = {}
     images = [convert(INPUT, "file.lean")]
     if thorough:
-        images.append(convert(io.BufferedReader(harness.Pipe(data)), "pipe.lean", spool=True))
+        pipe = convert(io.BufferedReader(harness.Pipe(data)), "pipe.lean", refusals, spool=True)
+        if mapped:
+            assert pipe is None and refusals["pipe.lean"] is UnsupportedError, \
+                f"a mapped-ram file from a pipe: expected UnsupportedError, got {pipe or refusals['pipe.lean']}"
+        else:
+            images.append(pipe)
+    if mapped:
+        images.append(convert(io.BytesIO(data), "memory.lean", spool=True))
     converted = [path is not None for path in images]
-    assert len(set(converted)) == 1, f"file and pipe conversions disagree: {images}"
+    assert len(set(converted)) == 1, f"conversions from the file, a pipe or memory disagree: {images}"
     assert outcome[0] != "error" or not converted[0], "conversion accepted what the reader refused"
     if converted[0] and outcome[2] is not None:
-        check_restore(images, outcome[1], outcome[2])
+        check_restore(images, outcome[1], outcome[2], mapped or thorough)
 
 
-def check_restore(images: list[str], state: qemu.StreamState, expected: dict) -> None:
+def check_restore(images: list[str], state: qemu.StreamState, expected: dict, to_mapped: bool) -> None:
     streams = [restored(path) for path in images]
-    assert streams[-1] == streams[0], "restores of the file and pipe conversions differ"
+    assert all(s == streams[0] for s in streams), "restores of the file and pipe (or memory) conversions differ"
     pages, back = read_pages(io.BytesIO(streams[0]), batch=True)
     assert pages != "error", f"restore --to qemu wrote a stream the reader refuses: {back}"
-    assert expected_ram(pages, back) == expected, "restored stream's pages differ from the input's"
-    assert back.devices == state.devices and back.vmdesc == state.vmdesc, "restored device state differs"
-    assert back.ram_blocks == state.ram_blocks, "restored RAM blocks differ"
+    check_restored(pages, back, state, expected, mapped=False)
+    if not to_mapped or mapped_file_size(state) > MAPPED_RESTORE_MAX:
+        return
+    try:
+        mapped = restored(images[0], mapped=True)
+    except UnsupportedError:
+        assert len(state.prologue) == 8, "restore to mapped-ram refused a stream with a configuration section"
+        return
+    pages, back = read_pages(io.BytesIO(mapped), batch=False)
+    assert pages != "error", f"restore to mapped-ram wrote a file the reader refuses: {back}"
+    check_restored(pages, back, state, expected, mapped=True)
+
+
+def check_restored(pages: dict, back: qemu.StreamState, state: qemu.StreamState, expected: dict,
+                   mapped: bool) -> None:
+    what = "restored mapped-ram file" if mapped else "restored stream"
+    assert expected_ram(pages, back) == expected, f"{what}'s pages differ from the input's"
+    assert back.devices == state.devices and back.vmdesc == state.vmdesc, f"{what}'s device state differs"
+    assert back.ram_blocks == state.ram_blocks, f"{what}'s RAM blocks differ"
+    assert is_mapped_ram(back) == mapped, f"{what}: capabilities {back.capabilities}"
+    others = [c for c in back.capabilities if c != mapped_ram.CAPABILITY]
+    assert others == [c for c in state.capabilities if c != mapped_ram.CAPABILITY], \
+        f"{what}: capabilities {back.capabilities}, the input's {state.capabilities}"
 
 
 def make_seeds(directory: str) -> list[str]:

@@ -8,7 +8,18 @@ RAM block but keeping QEMU's own configuration, device sections and VMDESCRIPTIO
 them, and a short variant with four devices), the real save's first 64 KiB, synthetic saves
 from our writer, a live save re-sending pages over several PART sections, ZERO pages with a
 non-zero fill byte, the x-ignore-shared capability (block addresses in MEM_SIZE), a 16 KiB
-target page size, no VMDESCRIPTION, and an XBZRLE entry (refused as unsupported).
+target page size, no VMDESCRIPTION, and an XBZRLE entry (refused as unsupported); and mapped-ram
+files (QEMU >= 9.0, converters/mapped_ram.py) from our writer: several blocks with set and clear
+bitmap bits, x-ignore-shared with a block whose header is empty, 16 KiB pages, PART sections and
+a SWITCHOVER_START command after the START section.
+
+Mapped-ram seeds are compact: each block's pages start at the first page boundary after its
+bitmap, not at the next 1 MiB boundary QEMU's writer uses (MAPPED_RAM_FILE_OFFSET_ALIGNMENT).
+QEMU's loader (parse_ramblock_mapped_ram) and ours ask for page alignment only, so the files are
+valid, and each stays under 64 KiB: a 1 MiB-aligned seed would be over 1 MiB of zeros, past
+libFuzzer's default -max_len cap (1 MiB, so it would be cut short and refused), and would make
+every mutation copy and parse a megabyte. The harness's restore --to mapped-ram writes the
+1 MiB-aligned form and reads it back, so the reader sees that form on every accepted input.
 
 Xen seeds: tests/xen_streams.py guests (small) laid out as xl/libxl, xl/libxc, libxl and
 libxc streams, PV and HVM, libxc v2 and v3, with checkpoint rounds re-sending pages.
@@ -17,6 +28,9 @@ Everything is deterministic; binary corpora are not committed.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import io
 import json
 import os
 import struct
@@ -26,6 +40,7 @@ from pathlib import Path
 import numpy as np
 import zstandard
 
+from leanimg.converters import mapped_ram
 from leanimg.converters import qemu as q
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -33,6 +48,7 @@ SAMPLE_SAVE = ROOT / "lean-image" / "sample" / "vm.save.zst"
 PS = 4096
 REAL_PREFIX = 64 << 10
 MINI_BLOCK_PAGES = 4
+MAPPED_SEED_MAX = 64 << 10
 
 
 # ---------------------------------------------------------------------------- QEMU
@@ -72,7 +88,6 @@ def _synthetic_state(blocks, *, prologue=None, page_size=PS, vmdesc=True, capabi
 
 
 def _write(state: q.StreamState, contents: dict[str, bytes]) -> bytes:
-    import io
     out = io.BytesIO()
     q.write_qemu_stream(out, state, None, lambda block: [contents[block.name]])
     return out.getvalue()
@@ -137,13 +152,78 @@ def live_save(*, xbzrle: bool = False) -> bytes:
     return bytes(out)
 
 
+@contextlib.contextmanager
+def _compact_slots(page_size: int):
+    """Our mapped-ram writer laying each block's pages out at the first page boundary after its
+    bitmap instead of the next 1 MiB one (see the module docstring)."""
+    saved = mapped_ram.ALIGNMENT
+    mapped_ram.ALIGNMENT = page_size
+    try:
+        yield
+    finally:
+        mapped_ram.ALIGNMENT = saved
+
+
+def mapped_ram_save(contents: dict[str, bytes], *, page_size: int = PS, addrs: dict[str, int] | None = None,
+                    plan=None, empty_last: bool = False) -> bytes:
+    """A mapped-ram file of ``contents`` (block name -> bytes) written by our writer
+    (write_qemu_stream(mapped=True)), compact. ``addrs``: the blocks' addresses, with the
+    capability x-ignore-shared; ``plan``: the RAM sections and commands after START (EOS only);
+    ``empty_last``: the last block as x-ignore-shared skips it (header with bitmap_offset =
+    pages_offset = 0, no bitmap, no pages: its RAM is the shared memory's, so zeros here)."""
+    blocks = [q.RamBlock(name, len(data), (addrs or {}).get(name)) for name, data in contents.items()]
+    subsections = b""
+    if page_size != PS:
+        subsections += _subsection("configuration/target-page-bits", 1, struct.pack(">I", page_size.bit_length() - 1))
+    caps = ("x-ignore-shared",) if addrs else ()
+    if caps:
+        subsections += _subsection("configuration/capabilities", 1, struct.pack(">I", 1) + _name(caps[0]))
+    state = _synthetic_state(blocks, prologue=_prologue(subsections=subsections), page_size=page_size,
+                             capabilities=caps)
+    if plan is not None:
+        state = dataclasses.replace(state, ram_plan=[(q.START, 0), *plan])
+    out = io.BytesIO()
+    with _compact_slots(page_size):
+        q.write_qemu_stream(out, state, None, lambda block: [contents[block.name]], mapped=True)
+        data = out.getvalue()
+        if empty_last:
+            last = blocks[-1]
+            entry = _name(last.name) + struct.pack(">Q", last.length) + \
+                (struct.pack(">Q", last.addr or 0) if addrs else b"")
+            header_at = data.index(entry) + len(entry)
+            layout = mapped_ram.layout_at(last.name, last.length, page_size, header_at)
+            data = data[:header_at] + mapped_ram.HEADER.pack(mapped_ram.VERSION, page_size, 0, 0) + data[layout.end:]
+    if len(data) >= MAPPED_SEED_MAX:
+        raise AssertionError(f"a mapped-ram seed of {len(data)} bytes: did the writer stop using "
+                             "mapped_ram.ALIGNMENT? (seeds are to stay compact)")
+    return data
+
+
+def _name(name: str) -> bytes:
+    return bytes([len(name)]) + name.encode()
+
+
+def mapped_ram_seeds() -> dict[str, bytes]:
+    ram = _pages(21, 4)                       # zero, small integers, random, zero
+    ram = ram[:3 * PS] + bytes(PS)
+    return {
+        "mapped_ram": mapped_ram_save({"pc.ram": ram, "vga.vram": _pages(22, 2)[::-1], "pc.bios": bytes(PS)}),
+        "mapped_ram_ignore_shared": mapped_ram_save(
+            {"pc.ram": _pages(23, 3), "vga.vram": bytes(2 * PS)},
+            addrs={"pc.ram": 0x7f0000000000, "vga.vram": 0x7f1000000000}, empty_last=True),
+        "mapped_ram_16k_pages": mapped_ram_save({"pc.ram": _pages(24, 2, 16384)[16384:] + bytes(16384)},
+                                                page_size=16384),
+        "mapped_ram_sections": mapped_ram_save({"pc.ram": _pages(25, 3)},
+                                               plan=[(q.PART, 0), (q.COMMAND, q.CMD_SWITCHOVER_START), (q.END, 0)]),
+    }
+
+
 def real_save_bytes() -> bytes:
     return zstandard.ZstdDecompressor().decompress(SAMPLE_SAVE.read_bytes(), max_output_size=1 << 30)
 
 
 def real_state(save: bytes) -> tuple[q.StreamState, dict[str, bytes]]:
     """The real save's stream state and the first pages of each RAM block."""
-    import io
     first: dict[str, dict[int, bytes]] = {}
     keep = MINI_BLOCK_PAGES * PS
     for event in q.read_qemu_stream(io.BytesIO(save)):
@@ -162,7 +242,6 @@ def real_state(save: bytes) -> tuple[q.StreamState, dict[str, bytes]]:
 def real_mini(state: q.StreamState, contents: dict[str, bytes], devices: int | None = None) -> bytes:
     """QEMU's own save with a few pages per block; ``devices``: keep only that many device
     sections (and their VMDESCRIPTION entries)."""
-    import dataclasses
     blocks = tuple(q.RamBlock(b.name, len(contents[b.name]), b.addr) for b in state.ram_blocks)
     small = dataclasses.replace(state, ram_blocks=blocks, ram_plan=[])
     if devices is not None:
@@ -182,6 +261,7 @@ def qemu_seeds(real: bool = True) -> dict[str, bytes]:
         "ignore_shared": ignore_shared_save(),
         "live_resend": live_save(),
         "live_xbzrle": live_save(xbzrle=True),
+        **mapped_ram_seeds(),
     }
     if real:
         save = real_save_bytes()

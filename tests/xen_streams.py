@@ -4,8 +4,11 @@ Written from docs/specs/libxc-migration-stream.pandoc (revision 3),
 docs/specs/libxl-migration-stream.pandoc (revision 2) and tools/xl/xl.h; no Xen code.
 ``make_guest`` draws a guest (pfn space with holes, page types, contents, checkpoint
 rounds re-sending pages), ``build_stream`` lays it out as a libxc, libxl or xl stream and
-``verify_stream`` runs verify-stream-v2 from Debian's xen-utils-4.17 (installed by
-.ci/install under ``$LEANIMG_XEN_DIR``, default ~/.cache/leanimg/xen).
+``verify_stream`` runs Xen's verify-stream-v2 on it: ``VERIFIERS`` are Xen 4.17's (Debian 12's
+xen-utils-4.17, unpacked by .ci/install under ``$LEANIMG_XEN_DIR``, default
+~/.cache/leanimg/xen) and Xen 4.20's (Debian 13's xen-utils-4.20, under
+``$LEANIMG_XEN420_DIR``, default ~/.cache/leanimg/xen420), each run by the system's
+/usr/bin/python3 with its own library on PYTHONPATH. A test checks a stream with each of them.
 """
 
 from __future__ import annotations
@@ -21,8 +24,7 @@ import numpy as np
 
 PAGE = 4096
 XEN_DIR = Path(os.environ.get("LEANIMG_XEN_DIR", os.path.expanduser("~/.cache/leanimg/xen")))
-XEN_LIB = XEN_DIR / "usr" / "lib" / "xen-4.17"
-VERIFY_STREAM = XEN_LIB / "bin" / "verify-stream-v2"
+XEN420_DIR = Path(os.environ.get("LEANIMG_XEN420_DIR", os.path.expanduser("~/.cache/leanimg/xen420")))
 
 XL_MAGIC = b"Xen saved domain, xl format\n \0 \r"
 LIBXL_IDENT = 0x4C6962786C466D74
@@ -254,19 +256,75 @@ def verifier_format(form: str) -> str:
     return "xl" if form.startswith("xl") else form
 
 
-# ---------------------------------------------------------------------------- verifier
+# ---------------------------------------------------------------------------- verifiers
 
-def verifier_available() -> bool:
-    return VERIFY_STREAM.is_file()
+@dataclass(frozen=True)
+class Verifier:
+    """One Xen release's verify-stream-v2, unpacked (not installed) by .ci/install."""
+    version: str
+    lib: Path                        # .../usr/lib/xen-VERSION
+
+    @property
+    def script(self) -> Path:
+        return self.lib / "bin" / "verify-stream-v2"
+
+    @property
+    def id(self) -> str:
+        return f"xen{self.version}"
+
+    def missing(self) -> str | None:
+        """Why this verifier cannot run here, or None."""
+        if not self.script.is_file():
+            return f"Xen {self.version}'s verify-stream-v2 is not at {self.script} (run .ci/install)"
+        if not os.access("/usr/bin/python3", os.X_OK):
+            return "/usr/bin/python3 (which runs Xen's verify-stream-v2) is missing"
+        return None
+
+    def require(self) -> None:
+        """Skip the calling test where this verifier is missing; in CI (env CI set) fail instead."""
+        _skip_or_fail([why] if (why := self.missing()) else [])
+
+    def run(self, path, form: str) -> subprocess.CompletedProcess:
+        """verify-stream-v2 on ``path`` (format xl, libxl or libxc)."""
+        why = self.missing()
+        if why is not None:
+            raise AssertionError(why)
+        env = dict(os.environ, PYTHONPATH=str(self.lib / "lib" / "python"))
+        return subprocess.run(["/usr/bin/python3", str(self.script), "-v", "-f", verifier_format(form),
+                               "-i", str(path)], env=env, capture_output=True, timeout=120)
 
 
-def verify_stream(path, form: str) -> subprocess.CompletedProcess:
-    """Run Xen 4.17's verify-stream-v2 on ``path`` (format xl, libxl or libxc)."""
-    if not verifier_available():
-        raise AssertionError(f"verify-stream-v2 not found at {VERIFY_STREAM}: run .ci/install")
-    env = dict(os.environ, PYTHONPATH=str(XEN_LIB / "lib" / "python"))
-    return subprocess.run(["/usr/bin/python3", str(VERIFY_STREAM), "-v", "-f", verifier_format(form),
-                           "-i", str(path)], env=env, capture_output=True, timeout=120)
+XEN_4_17 = Verifier("4.17", XEN_DIR / "usr" / "lib" / "xen-4.17")
+XEN_4_20 = Verifier("4.20", XEN420_DIR / "usr" / "lib" / "xen-4.20")
+VERIFIERS = (XEN_4_17, XEN_4_20)
+
+
+def verify_stream(path, form: str, verifier: Verifier) -> subprocess.CompletedProcess:
+    """Run ``verifier``'s verify-stream-v2 on ``path`` (format xl, libxl or libxc)."""
+    return verifier.run(path, form)
+
+
+def require_verifiers() -> None:
+    """Every verifier present: else skip the calling test (naming the missing ones), in CI fail."""
+    _skip_or_fail([why for v in VERIFIERS if (why := v.missing())])
+
+
+def _skip_or_fail(reasons: list[str]) -> None:
+    if not reasons:
+        return
+    import pytest          # imported here: fuzz/make_stream_corpus.py uses this module too
+    if os.environ.get("CI"):
+        pytest.fail("; ".join(reasons) + " (CI checks every stream with each Xen verifier)")
+    pytest.skip("; ".join(reasons))
+
+
+def verify_with_every_verifier(path, form: str) -> None:
+    """``path`` accepted by each of VERIFIERS (missing ones: skip, in CI fail; see Verifier.require)."""
+    require_verifiers()
+    for verifier in VERIFIERS:
+        proc = verifier.run(path, form)
+        assert proc.returncode == 0, f"Xen {verifier.version}'s verify-stream-v2 refused {path}:\n" + \
+            proc.stderr.decode()[-2000:]
 
 
 # ---------------------------------------------------------------------------- reference reader
