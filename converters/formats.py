@@ -14,6 +14,8 @@ QEMU_MAGIC = b"QEVM"
 XEN_XL_MAGIC = b"Xen saved domain"
 XEN_LIBXL_IDENT = b"LibxlFmt"
 XEN_LIBXC_MARKER = b"\xff" * 8
+LIBVIRT_MAGIC = b"LibvirtQemudSave"     # converters/libvirt.py; not imported here: detection stays cheap
+LIBVIRT_PARTIAL_MAGIC = b"LibvirtQemudPart"  # an interrupted save: recognised, so its reader says so
 
 
 @dataclass(frozen=True)
@@ -61,3 +63,5 @@ class SaveFormat:
 QEMU = SaveFormat("qemu", "a QEMU migration stream", f"magic {QEMU_MAGIC.hex(' ')}", (QEMU_MAGIC,))
 XEN = SaveFormat("xen", "a Xen save file", 'xl magic, "LibxlFmt" or libxc marker ff..ff',
                  (XEN_XL_MAGIC, XEN_LIBXL_IDENT, XEN_LIBXC_MARKER), cut_inside_magic=True)
+LIBVIRT = SaveFormat("libvirt", "a libvirt QEMU save image (virsh save, managedsave, snapshot memory)",
+                     f'magic "{LIBVIRT_MAGIC.decode()}"', (LIBVIRT_MAGIC, LIBVIRT_PARTIAL_MAGIC))
