@@ -42,8 +42,6 @@ from typing import BinaryIO
 
 from leanimg.errors import LimitError, SourceFormatError, UnsupportedError
 
-from .cursor import Cursor
-
 MAGIC = b"LibvirtQemudSave"
 PARTIAL_MAGIC = b"LibvirtQemudPart"
 VERSION = 2
@@ -116,13 +114,25 @@ def is_libvirt_save(head: bytes) -> bool:
 
 def read_save_header(stream: BinaryIO, size: int | None = None) -> SaveHeader:
     """Read and check the header and its data from the start of ``stream`` (left at the
-    payload); ``size``: the file's length when known (a pipe: None)."""
-    inp = Cursor(stream, size=size, chunk=0, structure="libvirt header")
-    head = inp.take(HEADER_SIZE, "libvirt's save header")
+    payload, not a byte further: a pipe goes on with the QEMU stream); ``size``: the file's
+    length when known (a pipe: None)."""
+    head = _read_exact(stream, HEADER_SIZE, 0, "libvirt header", "libvirt's save header")
     header = parse_header(head, size)
-    inp.structure = "libvirt header data"
-    data = inp.take(header.data_len, "the domain XML, cookie and padding (data_len)")
+    data = _read_exact(stream, header.data_len, HEADER_SIZE, "libvirt header data",
+                       "the domain XML, cookie and padding (data_len)")
     return parse_data(head + data, header)
+
+
+def _read_exact(stream: BinaryIO, n: int, offset: int, structure: str, what: str) -> bytes:
+    parts, got = [], 0
+    while got < n:
+        chunk = stream.read(n - got)
+        if not chunk:
+            raise SourceFormatError(f"truncated: expected {n} bytes of {what}, got {got}", offset=offset + got,
+                                    structure=structure)
+        parts.append(chunk)
+        got += len(chunk)
+    return b"".join(parts)
 
 
 def parse_header(head: bytes, size: int | None = None) -> SaveHeader:
