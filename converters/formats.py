@@ -54,6 +54,14 @@ class SaveFormat:
             hint_report.update(hinted.report or {})
         return scan.summary if scan and scan.scan else None
 
+    def disk_paths(self, save) -> dict[str, str]:
+        """The files of the VM's disks by device name, as the save itself names them (libvirt's
+        domain XML: <disk><source file=...><target dev=...>); {} when the format names none."""
+        if self.name != "libvirt":
+            return {}
+        from .libvirt import disk_paths
+        return disk_paths(save)
+
     def guest(self, save):
         """What hints for ``save`` are checked against (leanimg.hints.Guest)."""
         from .hinting import guest_of_save

@@ -233,6 +233,13 @@ def domain_of(xml: bytes) -> Domain:
                   emulator=_text(root, "devices/emulator"), disks=tuple(disks))
 
 
+def disk_paths(path) -> dict[str, str]:
+    """The file-backed disks the domain XML of the save image ``path`` names, by target dev."""
+    with open(path, "rb") as f:
+        header = read_save_header(f, file_size(f))
+    return dict(domain_of(header.xml).disks)
+
+
 def _text(root, path: str) -> str | None:
     element = root.find(path)
     return element.text.strip() if element is not None and element.text else None

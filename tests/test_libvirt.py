@@ -124,6 +124,9 @@ def test_inspect_shows_the_domain(stream, tmp_path):
     assert details["domain_name"] == "web1" and details["was_running"] is False
     assert details["memory_bytes"] == 1 << 20 and details["machine"] == "pc-i440fx-7.2"
     assert details["disks"] == [{"target": "vda", "file": "/var/lib/libvirt/images/web1.img"}]
+    import jsonschema
+    from leanimg.output import schema
+    jsonschema.validate(json.loads(ok("inspect", tmp_path / "web1.lean", "--json").stdout), schema("inspect"))
 
 
 @pytest.mark.parametrize("fmt", sorted(COMPRESS))
@@ -228,3 +231,18 @@ def test_domain_xml_never_raises():
     assert libvirt.domain_of(b"<other/>").problem
     assert libvirt.domain_of(b"<domain><memory unit='GiB'>2</memory></domain>").memory_bytes == 2 << 30
     assert libvirt.domain_of(b"<domain><memory unit='parsec'>2</memory></domain>").memory_bytes is None
+
+
+def test_disk_named_by_the_domain_xml(stream, tmp_path):
+    """`--disk vda` alone: the file the domain XML gives for target dev vda."""
+    disk = tmp_path / "web1.img"
+    disk.write_bytes(bytes(range(256)) * 16 * 64)
+    xml = XML.replace(b"/var/lib/libvirt/images/web1.img", str(disk).encode()) + b"\0"
+    save = tmp_path / "web1.save"
+    save.write_bytes(libvirt_save(stream, xml=xml))
+    ok("convert", save, "-o", tmp_path / "web1.lean", "--disk", "vda")
+    shown = json.loads(ok("inspect", tmp_path / "web1.lean", "--json").stdout)
+    assert [d["name"] for d in shown["disks"]] == ["vda"]
+    proc = run("convert", save, "-o", tmp_path / "x.lean", "--disk", "vdb")
+    assert proc.returncode == 2 and b"names no disk vdb (it names: vda=" in proc.stderr
+    assert not (tmp_path / "x.lean").exists()
