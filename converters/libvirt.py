@@ -264,8 +264,14 @@ def describe(header: SaveHeader, domain: Domain | None = None) -> str:
              f"{domain.memory_bytes / 2**20:g} MiB" if domain.memory_bytes is not None else None,
              domain.machine, "was running" if header.was_running else "was paused"]
     name = domain.name if domain.name is not None else "(unnamed)"
-    return f"libvirt save of domain {name} ({', '.join(f for f in facts if f)}), " \
-           f"{header.compression.label} payload: restore --to libvirt"
+    return one_line(f"libvirt save of domain {name} ({', '.join(f for f in facts if f)}), "
+                    f"{header.compression.label} payload: restore --to libvirt")
+
+
+def one_line(text: str, limit: int = 400) -> str:
+    """``text`` with control characters (an XML value may hold newlines) escaped, at most ``limit`` long."""
+    clean = "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+    return clean if len(clean) <= limit else clean[:limit - 1] + "…"
 
 
 def details(header: SaveHeader) -> dict:
@@ -290,7 +296,7 @@ def open_payload(stream: BinaryIO, header: SaveHeader) -> BinaryIO:
     else:
         raw = stream
     if header.compression == Compression.RAW:
-        return io.BufferedReader(raw, 1 << 20) if isinstance(raw, _Window) else raw
+        return raw                          # the stream reader reads in large chunks itself
     if header.compression in PYTHON_DECODERS:
         from leanimg.compressed_input import Decompressing
         return io.BufferedReader(Decompressing(raw, PYTHON_DECODERS[header.compression], close_raw=False), 1 << 20)
@@ -325,9 +331,7 @@ class _Window(io.RawIOBase):
         return True
 
     def readinto(self, buffer) -> int:
-        data = self.f.read(len(buffer))
-        buffer[:len(data)] = data
-        return len(data)
+        return self.f.readinto(buffer)      # no copy: straight into the reader's buffer
 
     def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
         if whence == io.SEEK_SET:

@@ -77,12 +77,12 @@ def check(data: bytes) -> None:
     assert data[:header.payload_offset] == header.raw
     domain = libvirt.domain_of(header.xml)
     libvirt.details(header)
-    assert "\n" not in libvirt.describe(header, domain).strip("\n") or domain.name and "\n" in domain.name
+    assert "\n" not in libvirt.describe(header, domain), "describe is not one line"
     assert unpack_libvirt_header(pack_libvirt_header(header)) == header
     try:
         payload = libvirt.open_payload(as_file, header)
         try:
-            rest = payload.read()
+            rest = _read_bounded(payload)
         finally:
             payload.close()
     except LeanImageError:
@@ -90,8 +90,24 @@ def check(data: bytes) -> None:
         return
     if header.compression == libvirt.Compression.RAW:
         assert rest == data[header.payload_offset:]
+    elif rest is None:
+        return                      # a decompression bomb: convert streams it, the harness does not
     if harness.thorough(data, 64):
         check_convert(data, header)
+
+
+PAYLOAD_READ_MAX = 64 << 20
+
+
+def _read_bounded(payload):
+    """The payload's bytes (read in chunks, as convert reads it), or None past PAYLOAD_READ_MAX."""
+    parts, total = [], 0
+    while chunk := payload.read(1 << 20):
+        total += len(chunk)
+        if total > PAYLOAD_READ_MAX:
+            return None
+        parts.append(chunk)
+    return b"".join(parts)
 
 
 def check_convert(data: bytes, header) -> None:

@@ -95,6 +95,8 @@ def _detail_lines(details: dict | None) -> list[str]:
     if not details or details.get("target") != "libvirt":
         return []
     memory = details.get("memory_bytes")
+    details = {k: "".join(c if c.isprintable() else repr(c)[1:-1] for c in v) if isinstance(v, str) else v
+               for k, v in details.items()}          # an XML value may hold newlines: one line each
     lines = [f"  domain  {details.get('domain_name') or '(unnamed)'}  uuid {details.get('domain_uuid') or '-'}",
              f"          memory {f'{memory / MIB:g} MiB' if memory is not None else '-'}, machine "
              f"{details.get('machine') or '-'}, was_running {'yes' if details.get('was_running') else 'no'}, "
