@@ -84,6 +84,9 @@ QEMU_TAG_CHECKPOINT_NOTE = 2
 CONNECT_TIMEOUT = 10.0          # to connect and read QMP's greeting
 COMMAND_TIMEOUT = 60.0          # for one QMP command's reply
 CANCEL_TIMEOUT = 60.0           # for a cancelled migration to end
+# The QEMU versions whose migration streams converters/qemu.py reads (7.2's format, plus
+# SWITCHOVER_START from 10.0 and mapped-ram from 9.0; the same up to 11.0): (major, minor)
+SUPPORTED_QEMU = ((7, 2), (11, 99))
 ACTIVE = {"setup", "active", "pre-switchover", "device", "cancelling", "wait-unplug",
           "postcopy-active", "postcopy-paused", "postcopy-recover", "colo"}
 UNLIMITED_BANDWIDTH = 1 << 40   # bytes/s: "as fast as the writer reads"
@@ -493,6 +496,7 @@ class _Checkpoint:
 
     # -- the whole run -------------------------------------------------------------------
     def run(self) -> CheckpointResult:
+        self._check_version()
         status = self.qmp.execute("query-status")["status"]
         self.was_running = status == "running"
         if self.qmp.execute("query-migrate").get("status") in ACTIVE:
@@ -668,6 +672,18 @@ class _Checkpoint:
             with out:
                 out.write(self.hint_options.source)
             commit_temporary(temp, self.req.keep_hints)
+
+    def _check_version(self) -> None:
+        """Refuse a QEMU whose migration stream this reader was not built for, before the guest
+        is touched."""
+        v = self.qmp.execute("query-version")["qemu"]
+        if not SUPPORTED_QEMU[0] <= (v["major"], v["minor"]) <= SUPPORTED_QEMU[1]:
+            raise CheckpointError(
+                f"this is QEMU {v['major']}.{v['minor']}.{v['micro']}; leanimg checkpoint reads the migration "
+                f"streams of QEMU {'.'.join(map(str, SUPPORTED_QEMU[0]))} to {SUPPORTED_QEMU[1][0]}.x (tested "
+                "with 7.2 and 10.0). The guest was not touched. Use a leanimg release that supports this QEMU, "
+                "or try `migrate \"exec:cat > FILE\"` and `leanimg convert FILE`, which refuses what it does not "
+                "know by name")
 
     def _set_capabilities(self, wanted: dict[str, bool]) -> None:
         current = {c["capability"]: c["state"] for c in self.qmp.execute("query-migrate-capabilities")}

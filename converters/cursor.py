@@ -117,8 +117,21 @@ class Cursor:
         else:                                   # a file has not
             self._seek(self.base + self.pos + n)
 
+    def jump(self, offset: int) -> None:
+        """Go on reading at ``offset`` (at or after the next byte) of a seekable input; the
+        bytes between are neither read nor held (a mapped-ram file's page slots)."""
+        if offset < self.offset:
+            raise ValueError(f"jump back from {self.offset:#x} to {offset:#x}")
+        if offset - self.base <= len(self.buf):
+            self.pos = offset - self.base
+            return
+        self._seek(offset)
+
     def u8(self, what: str) -> int:
         return self.take(1, what)[0]
+
+    def be16(self, what: str) -> int:
+        return int.from_bytes(self.take(2, what), "big")
 
     def be32(self, what: str) -> int:
         return _BE32.unpack(self.take(4, what))[0]

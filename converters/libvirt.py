@@ -24,7 +24,7 @@ handing it to `qemu -incoming`. ``read_save_header`` checks what libvirt checks 
 more (the XML's NUL, the cookie offset, a payload to follow); ``open_payload`` gives the QEMU
 stream, decompressed as it is read (gzip, bzip2, xz, zstd by Python's modules, lzop by the
 ``lzop`` program, as libvirt does). The header, XML, cookie and padding are kept verbatim as
-SOURCE_STATE tag 3 of source_format 1 (spec §5.4.2); restore/libvirt.py writes them back in
+SOURCE_STATE tag 3 of source_format 1 (spec §5.4.3); restore/libvirt.py writes them back in
 front of the rebuilt stream.
 """
 

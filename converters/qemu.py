@@ -60,10 +60,11 @@ from typing import BinaryIO, Callable, Iterable, Iterator, Union
 
 import numpy as np
 
-from leanimg.errors import SourceFormatError, fits_in_memory
+from leanimg.errors import SourceFormatError, UnsupportedError, fits_in_memory
 from leanimg.fileutil import GatherWriter
 from leanimg.format import REGION_SIZE_MAX
 
+from . import mapped_ram
 from .cursor import Cursor
 
 QEVM_MAGIC = 0x5145564D
@@ -80,12 +81,25 @@ SECTION_NAMES = {EOF: "EOF", START: "START", PART: "PART", END: "END", FULL: "FU
 F_FULL, F_ZERO, F_MEM_SIZE, F_PAGE, F_EOS = 0x01, 0x02, 0x04, 0x08, 0x10
 F_CONTINUE, F_XBZRLE, F_HOOK, F_COMPRESS, F_MULTIFD_FLUSH = 0x20, 0x40, 0x80, 0x100, 0x200
 UNSUPPORTED_FLAGS = {F_XBZRLE: "XBZRLE-encoded pages", F_COMPRESS: "compressed pages",
-                     F_HOOK: "RDMA hooks", F_MULTIFD_FLUSH: "multifd",
+                     F_HOOK: "RDMA hooks",
+                     # multifd needs a socket (or mapped-ram, which sends no page entries): the
+                     # pages of a stream with it travel on other channels
+                     F_MULTIFD_FLUSH: "RAM_SAVE_FLAG_MULTIFD_FLUSH: the main channel of a multifd socket "
+                                      "migration, whose pages travel on other channels (no exec:, fd: or "
+                                      "file: save carries it)",
                      F_FULL: "RAM_SAVE_FLAG_FULL (obsolete pre-0.13 stream)"}
 
 DEFAULT_PAGE_SIZE = 4096
 TAIL_LIMIT = 64 << 20          # device sections + VMDESCRIPTION held in memory
-SUPPORTED_CAPABILITIES = {"x-ignore-shared"}
+SUPPORTED_CAPABILITIES = {"x-ignore-shared", mapped_ram.CAPABILITY}
+
+# QEMU_VM_COMMAND sub-commands (savevm.c enum qemu_vm_cmd: the same numbers from 7.2 to 11.0).
+# A saved precopy stream carries SWITCHOVER_START alone (QEMU >= 10.0 machine types, property
+# send-switchover-start: sent before the final RAM section); the others need a live peer.
+MIG_COMMANDS = {1: "OPEN_RETURN_PATH", 2: "PING", 3: "POSTCOPY_ADVISE", 4: "POSTCOPY_LISTEN",
+                5: "POSTCOPY_RUN", 6: "POSTCOPY_RAM_DISCARD", 7: "PACKAGED", 8: "ENABLE_COLO",
+                9: "POSTCOPY_RESUME", 10: "RECV_BITMAP", 11: "SWITCHOVER_START"}
+CMD_SWITCHOVER_START = 11
 
 _BE32 = struct.Struct(">I")
 _BE64 = struct.Struct(">Q")
@@ -184,7 +198,8 @@ class StreamState:
     capabilities: tuple[str, ...]
     ram: SectionHeader
     ram_blocks: tuple[RamBlock, ...]
-    ram_plan: list[tuple[int, int]]   # (START/PART/END, page entries) per RAM section
+    ram_plan: list[tuple[int, int]]   # (START/PART/END, page entries) per RAM section, or
+                                      # (COMMAND, command id) for a command between them
     footers: bool
     devices: list[DeviceSection]
     vmdesc: bytes | None        # the JSON text
@@ -221,7 +236,10 @@ def read_qemu_stream(f: BinaryIO, batch: bool = False) -> Iterator[Event]:
 
 class _StreamReader:
     def __init__(self, f: BinaryIO, batch: bool = False):
+        self.f = f
         self.inp = Cursor.over_stream(f, structure="stream header")
+        self.file: mapped_ram.RandomAccess | None = None     # a mapped-ram file's pages
+        self.layouts: list[mapped_ram.BlockLayout] = []
         self.batch = batch
         self.page_size = DEFAULT_PAGE_SIZE
         self.machine: str | None = None
@@ -304,15 +322,16 @@ class _StreamReader:
                 raise inp.unsupported(f"migration capability {cap!r}")
             caps.append(cap)
         self.capabilities = tuple(caps)
+        if mapped_ram.CAPABILITY in caps:
+            self.file = mapped_ram.RandomAccess(self.f, inp.offset)
 
     # --- RAM sections -----------------------------------------------------------------
 
     def _ram_section(self, kind: int) -> Iterator[Event]:
         inp = self.inp
         if kind == COMMAND:
-            cmd = inp.take(2, "command id")
-            raise inp.unsupported(f"QEMU_VM_COMMAND {_be16(cmd)} (postcopy, COLO or "
-                                  "return-path commands)", back=3)
+            self.plan.append((COMMAND, self._command()))
+            return
         if kind not in (START, PART, END):
             raise inp.error(f"expected a section type (START, PART, END, FULL, EOF), "
                             f"got {kind:#04x}", back=1)
@@ -329,6 +348,30 @@ class _StreamReader:
         self._footer(section_id)
         if kind == START:
             yield RamBlocks(tuple(self.blocks.values()), self.page_size)
+            yield from self._mapped_pages()
+
+    def _mapped_pages(self) -> Iterator[PageRun]:
+        """A mapped-ram file's pages, read from their slots (its sections carry none)."""
+        for layout in self.layouts:
+            for first, count, data in mapped_ram.page_runs(self.file, layout):
+                pages = None if data is None else np.frombuffer(data, np.uint8).reshape(count, self.page_size)
+                yield PageRun(layout.name, first * self.page_size, count, pages, layout.header_at)
+
+    def _command(self) -> int:
+        """A QEMU_VM_COMMAND between RAM sections: SWITCHOVER_START, or refused by name."""
+        inp = self.inp
+        inp.structure = f"section[{self.nsections}] COMMAND"
+        cmd, length = inp.be16("command id"), inp.be16("command length")
+        name = MIG_COMMANDS.get(cmd)
+        if name is None:
+            raise inp.error(f"expected a QEMU_VM_COMMAND id 1..{max(MIG_COMMANDS)}, got {cmd}", back=4)
+        if cmd != CMD_SWITCHOVER_START:
+            raise inp.unsupported(f"QEMU_VM_COMMAND {cmd} {name} (postcopy, COLO and return-path "
+                                  "commands need a live destination; a saved stream cannot carry them)",
+                                  back=5)
+        if length != 0:
+            raise inp.error(f"expected {name} with length 0, got {length}", back=2)
+        return cmd
 
     def _ram_start(self, section_id: int) -> None:
         inp = self.inp
@@ -371,6 +414,12 @@ class _StreamReader:
             cont, flags = flags & F_CONTINUE, flags & ~F_CONTINUE
             if flags == F_EOS and not cont:
                 return count
+            if (flags == F_PAGE or flags == F_ZERO) and self.file is not None:
+                raise inp.error("expected no page entries in a mapped-ram stream (its pages lie in the "
+                                f"blocks' slots), got RAM flags {flags | cont:#x}", back=8)
+            if (flags == F_PAGE or flags == F_ZERO) and kind == START:
+                raise inp.error("expected MEM_SIZE and EOS in the START section (QEMU sends pages in PART "
+                                f"and END sections), got RAM flags {flags | cont:#x}", back=8)
             if flags == F_PAGE or flags == F_ZERO:
                 block = self._entry_block(cont)
                 if addr + ps > block.length:
@@ -455,9 +504,21 @@ class _StreamReader:
                                 f"{REGION_SIZE_MAX:#x} bytes), got {name!r} length {length:#x}", back=8)
             self.blocks[name] = RamBlock(name, length, addr)
             seen += length
+            if self.file is not None:
+                self._mapped_ram_header(name, length)
         if seen != total:
             raise inp.error(f"expected RAM block lengths to add up to MEM_SIZE {total:#x}, "
                             f"got {seen:#x}")
+
+    def _mapped_ram_header(self, name: str, length: int) -> None:
+        """A block's mapped-ram header; the stream goes on after the block's pages."""
+        inp = self.inp
+        at = inp.offset
+        raw = inp.take(mapped_ram.HEADER.size, f"mapped-ram header of {name!r}")
+        layout = mapped_ram.read_header(raw, name, length, self.page_size, at, self.file.size,
+                                        "x-ignore-shared" in self.capabilities)
+        self.layouts.append(layout)
+        inp.jump(layout.end)
 
     # --- device sections, EOF, VMDESCRIPTION ------------------------------------------
 
@@ -466,7 +527,7 @@ class _StreamReader:
         inp.structure = f"section[{self.nsections}]"
         base = inp.offset
         tail = Cursor.over_buffer(inp.rest(TAIL_LIMIT, "device state after the RAM"), base)
-        parser = _TailParser(tail, self.nsections, self.footers)
+        parser = _TailParser(tail, self.nsections, self.footers, self.ram.section_id)
         devices = parser.sections()
         vmdesc = parser.trailer()
         _check_vmdesc(devices, vmdesc, parser.vmdesc_at)
@@ -500,10 +561,6 @@ def _run_length(buf, pos: int, first: int, flags: int, stride: int, limit: int, 
     return done
 
 
-def _be16(raw: bytes) -> int:
-    return int.from_bytes(raw, "big")
-
-
 class _TailParser:
     """FULL device sections, EOF and VMDESCRIPTION, read with a cursor over the bytes after
     the RAM (held in memory).
@@ -511,8 +568,8 @@ class _TailParser:
     Their bodies are opaque, so a section ends at the first footer (0x7e + its id) that is
     followed by a plausible next structure; the VMDESCRIPTION's device list confirms it."""
 
-    def __init__(self, cur: Cursor, first_index: int, footers: bool | None):
-        self.cur, self.index, self.footers = cur, first_index, footers
+    def __init__(self, cur: Cursor, first_index: int, footers: bool | None, ram_id: int):
+        self.cur, self.index, self.footers, self.ram_id = cur, first_index, footers, ram_id
         self.vmdesc_at = cur.offset
 
     def sections(self) -> list[DeviceSection]:
@@ -545,7 +602,7 @@ class _TailParser:
     def _body_length(self, header: SectionHeader, footer: bytes) -> int:
         """Bytes from the cursor to the first ``footer`` followed by a plausible next
         structure."""
-        cur, eof_candidate = self.cur, None
+        cur, eof_candidate, ram_after = self.cur, None, None
         at = cur.find(footer)
         while at >= 0:
             after = at + len(footer)
@@ -553,7 +610,13 @@ class _TailParser:
                 return at
             if eof_candidate is None and cur.peek(1, after) == bytes([EOF]):
                 eof_candidate = after
+            if ram_after is None and cur.peek(5, after) in (bytes([k]) + _BE32.pack(self.ram_id) for k in (PART, END)):
+                ram_after = after
             at = cur.find(footer, at + 1)
+        if ram_after is not None:
+            raise cur.unsupported(f"a RAM section ({SECTION_NAMES[cur.peek(1, ram_after)[0]]}) after device state: "
+                                  f"{header.idstr!r} was sent before the RAM was complete (virtio-mem's early "
+                                  "state)", at=cur.offset + ram_after)
         raise self._no_footer(header, eof_candidate)
 
     def _no_footer(self, header: SectionHeader, eof_candidate: int | None) -> SourceFormatError:
@@ -654,9 +717,16 @@ def _check_vmdesc(devices: list[DeviceSection], vmdesc: bytes | None, offset: in
 
 def write_qemu_stream(out: BinaryIO, state: StreamState,
                       ram_blocks: Iterable[RamBlock] | None,
-                      page_source: Callable[[RamBlock], Iterable[Chunk]]) -> int:
-    """Write a complete stream to ``out``; return the number of bytes written."""
+                      page_source: Callable[[RamBlock], Iterable[Chunk]], mapped: bool = False) -> int:
+    """Write a complete stream to ``out``; return the number of bytes written.
+
+    ``mapped``: a mapped-ram file (``out`` must seek; zero pages are holes), else a stream
+    with page entries; either way the configuration lists the capability mapped-ram exactly
+    when the output is one, as the loading QEMU checks."""
     blocks = tuple(ram_blocks) if ram_blocks is not None else state.ram_blocks
+    state = with_mapped_ram(state, mapped)
+    if mapped:
+        return _write_mapped(out, state, blocks, page_source)
     w = _RamWriter(out, state, blocks)
     w.put(state.prologue)
     w.start_section()
@@ -665,12 +735,115 @@ def write_qemu_stream(out: BinaryIO, state: StreamState,
             w.chunk(block, chunk)
         w.finish_block(block)
     w.end_sections()
-    for dev in state.devices:
-        w.put(dev.to_bytes(state.footers))
-    w.put(bytes([EOF]))
-    if state.vmdesc is not None:
-        w.put(bytes([VMDESCRIPTION]) + _BE32.pack(len(state.vmdesc)) + state.vmdesc)
+    w.put(_tail_bytes(state))
     return w.written
+
+
+def _tail_bytes(state: StreamState) -> bytes:
+    """The device sections, EOF and VMDESCRIPTION."""
+    parts = [dev.to_bytes(state.footers) for dev in state.devices] + [bytes([EOF])]
+    if state.vmdesc is not None:
+        parts.append(bytes([VMDESCRIPTION]) + _BE32.pack(len(state.vmdesc)) + state.vmdesc)
+    return b"".join(parts)
+
+
+def with_mapped_ram(state: StreamState, mapped: bool) -> StreamState:
+    """``state`` with the capability mapped-ram on or off (configuration rebuilt)."""
+    if (mapped_ram.CAPABILITY in state.capabilities) == mapped:
+        return state
+    caps = [c for c in state.capabilities if c != mapped_ram.CAPABILITY]
+    if mapped:
+        caps.append(mapped_ram.CAPABILITY)        # QEMU lists x-ignore-shared first
+    return dataclasses.replace(state, capabilities=tuple(caps),
+                               prologue=_prologue_with_capabilities(state.prologue, caps))
+
+
+def _prologue_with_capabilities(prologue: bytes, caps: list[str]) -> bytes:
+    """The header and configuration section ``prologue`` with its capabilities subsection
+    replaced by one listing ``caps`` (none: no subsection, as QEMU writes it), in QEMU's
+    subsection order (target-page-bits, capabilities, uuid)."""
+    inp = Cursor.over_buffer(prologue, structure="configuration")
+    head = inp.take(8, "header")
+    if inp.at_end():
+        raise UnsupportedError("a stream without a configuration section cannot list capabilities",
+                               structure="configuration")
+    head += inp.take(1, "section type")
+    head += inp.take(4, "machine type length")
+    head += inp.take(int.from_bytes(head[-4:], "big"), "machine type")
+    subsections = {}
+    while not inp.at_end():
+        start = inp.offset
+        if inp.u8("subsection marker") != SUBSECTION:
+            raise inp.error("expected a configuration subsection (0x05)", back=1)
+        name = _read_name(inp, "subsection name")
+        inp.be32("subsection version")
+        if name == "configuration/capabilities":
+            for _ in range(inp.be32("capability count")):
+                _read_name(inp, "capability")
+        elif name in _SUBSECTION_SIZES:
+            inp.take(_SUBSECTION_SIZES[name], name)
+        else:
+            raise inp.unsupported(f"configuration subsection {name!r}")
+        subsections[name] = prologue[start:inp.offset]
+    if caps:
+        listed = b"".join(_name_bytes(c) for c in caps)
+        subsections["configuration/capabilities"] = (bytes([SUBSECTION]) + _name_bytes("configuration/capabilities")
+                                                     + _BE32.pack(1) + _BE32.pack(len(caps)) + listed)
+    else:
+        subsections.pop("configuration/capabilities", None)
+    order = ["configuration/target-page-bits", "configuration/capabilities", "configuration/uuid"]
+    return head + b"".join(subsections[name] for name in order if name in subsections)
+
+
+_SUBSECTION_SIZES = {"configuration/target-page-bits": 4, "configuration/uuid": 16}
+
+
+def _write_mapped(out: BinaryIO, state: StreamState, blocks: tuple[RamBlock, ...],
+                  page_source: Callable[[RamBlock], Iterable[Chunk]]) -> int:
+    """A mapped-ram file: the block list with each block's header and slots, then the
+    original's sections (EOS only) and commands, the device state."""
+    if not _output_seeks(out):
+        raise UnsupportedError("a mapped-ram file needs an output that can seek (its pages lie at fixed "
+                               "offsets): give -o FILE, not a pipe", structure="output")
+    ps, ram = state.page_size, state.ram
+    start = out.tell()
+    total = sum(b.length for b in blocks)
+    out.write(state.prologue + _section_header_bytes(START, ram) + _BE64.pack(total | F_MEM_SIZE))
+    for block in blocks:
+        entry = _name_bytes(block.name) + _BE64.pack(block.length)
+        if "x-ignore-shared" in state.capabilities:
+            entry += _BE64.pack(block.addr or 0)
+        out.write(entry)
+        layout = mapped_ram.layout_at(block.name, block.length, ps, out.tell() - start)
+        out.write(layout.header_bytes())
+        slots = mapped_ram.BlockWriter(out, layout, start)
+        for chunk in page_source(block):
+            _into_slots(slots, chunk, ps)
+        slots.finish()
+    eos = _BE64.pack(F_EOS) + (_footer_bytes(ram.section_id) if state.footers else b"")
+    rest = [eos]
+    plan = state.ram_plan if state.ram_plan and state.ram_plan[0][0] == START else [(START, 0), (END, 0)]
+    for kind, n in plan[1:]:
+        rest.append(_command_bytes(n) if kind == COMMAND else bytes([kind]) + _BE32.pack(ram.section_id) + eos)
+    out.write(b"".join(rest) + _tail_bytes(state))
+    return out.tell() - start
+
+
+def _output_seeks(out: BinaryIO) -> bool:
+    try:
+        return out.seekable()
+    except (AttributeError, ValueError):
+        return False
+
+
+def _into_slots(slots: mapped_ram.BlockWriter, chunk: Chunk, ps: int) -> None:
+    if isinstance(chunk, Zeros):
+        slots.zeros(chunk.length // ps)
+    elif isinstance(chunk, Pages):
+        slots.pages(chunk.data)
+    else:
+        data = memoryview(chunk).cast("B")
+        slots.pages(data, np.frombuffer(data, np.uint64).reshape(-1, ps // 8).any(axis=1))
 
 
 class _RamWriter:
@@ -682,12 +855,8 @@ class _RamWriter:
         self.ps = state.page_size
         self.last_block: str | None = None
         self.block_pos = 0
-        total_pages = sum(b.length for b in blocks) // self.ps
-        planned = sum(n for _, n in state.ram_plan)
-        if planned == total_pages and state.ram_plan and state.ram_plan[0][0] == START:
-            self.plan = list(state.ram_plan)
-        else:
-            self.plan = [(START, 0), (PART, total_pages), (END, 0)]
+        self.plan = _section_plan(state.ram_plan, sum(b.length for b in blocks) // self.ps)
+        self.last_section = max(i for i, (kind, _) in enumerate(self.plan) if kind != COMMAND)
         self.section = 0
         self.left = self.plan[0][1]
 
@@ -699,6 +868,9 @@ class _RamWriter:
         self.gather.write_all([blob])
 
     def start_section(self) -> None:
+        while self.plan[self.section][0] == COMMAND:
+            self.put(_command_bytes(self.plan[self.section][1]))
+            self.section += 1
         kind = self.plan[self.section][0]
         ram = self.state.ram
         if kind == START:
@@ -713,17 +885,19 @@ class _RamWriter:
         self.put(tail)
 
     def _next_section(self) -> None:
-        while self.left == 0 and self.section + 1 < len(self.plan):
+        while self.left == 0 and self.section < self.last_section:
             self._close_section()
             self.section += 1
-            self.left = self.plan[self.section][1]
             self.start_section()
+            self.left = self.plan[self.section][1]
 
     def end_sections(self) -> None:
         self._next_section()
         if self.left:
             raise ValueError(f"page_source supplied {self.left} pages fewer than planned")
         self._close_section()
+        for _, cmd in self.plan[self.section + 1:]:       # commands after the last RAM section
+            self.put(_command_bytes(cmd))
 
     def _mem_size(self) -> bytes:
         total = sum(b.length for b in self.blocks)
@@ -806,6 +980,21 @@ class _RamWriter:
         return first + parts
 
 
+def _section_plan(plan: list[tuple[int, int]], total_pages: int) -> list[tuple[int, int]]:
+    """The original's RAM sections and commands when its page count matches (the output is
+    then byte-identical), else one PART with every page, the original's commands before END."""
+    sections = [n for kind, n in plan if kind != COMMAND]
+    if plan and plan[0][0] == START and sum(sections) == total_pages:
+        return list(plan)
+    commands = [(kind, n) for kind, n in plan if kind == COMMAND]
+    return [(START, 0), (PART, total_pages), *commands, (END, 0)]
+
+
+def _command_bytes(cmd: int) -> bytes:
+    """A QEMU_VM_COMMAND without data (the only kind a saved stream carries)."""
+    return bytes([COMMAND]) + struct.pack(">HH", cmd, 0)
+
+
 def _section_header_bytes(kind: int, h: SectionHeader) -> bytes:
     return (bytes([kind]) + _BE32.pack(h.section_id) + _name_bytes(h.idstr) +
             struct.pack(">II", h.instance_id, h.version_id))
@@ -865,10 +1054,21 @@ def _state_from_bytes(blob: bytes) -> StreamState:
             prologue=blobs[0], machine=meta["machine"], page_size=meta["page_size"],
             capabilities=tuple(meta["capabilities"]), ram=SectionHeader(**meta["ram"]),
             ram_blocks=tuple(RamBlock(**b) for b in meta["ram_blocks"]),
-            ram_plan=[tuple(p) for p in meta["ram_plan"]], footers=meta["footers"],
+            ram_plan=_checked_plan(meta["ram_plan"]), footers=meta["footers"],
             devices=devices, vmdesc=blobs[-1] if meta["has_vmdesc"] else None)
     except (ValueError, KeyError, TypeError, struct.error) as e:
         raise bad(f"expected a valid state record, got {e}", pos) from None
+
+
+def _checked_plan(plan) -> list[tuple[int, int]]:
+    """The RAM plan of a state record: RAM sections with their entry counts, SWITCHOVER_START."""
+    checked = [tuple(p) for p in plan]
+    for entry in checked:
+        kind, n = entry
+        if not (kind in (START, PART, END) and isinstance(n, int) and n >= 0
+                or entry == (COMMAND, CMD_SWITCHOVER_START)):
+            raise ValueError(f"RAM plan entry {entry}")
+    return checked
 
 
 # ---------------------------------------------------------------------------- RAM image

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import stat
 import sys
 import traceback
 from contextlib import contextmanager
@@ -810,7 +811,39 @@ def run() -> None:
         code = exc.code
     else:
         code = 0
+    if code not in (0, None):
+        _fail_a_waiting_destination(sys.argv[1:])
     _exit_quickly(code)
+
+
+# What a failing restore or serve writes to a pipe on its standard output: not a migration stream
+STREAM_FAILED = b"leanimg failed: see its standard error\n"
+
+
+def _fail_a_waiting_destination(argv: list[str]) -> None:
+    """A QEMU started with -incoming "exec:leanimg restore IMG --to qemu -o -" (or serve) whose
+    source exits before writing anything stays in migration state setup forever (QEMU 7.2 and
+    10.0 do not notice the end of input). A failing restore or serve that writes its stream to a
+    pipe on standard output therefore gives it a few bytes that are no migration stream: QEMU
+    refuses them at once and exits. A stream cut short after its first bytes fails QEMU alike."""
+    if not _streams_to_stdout(argv):
+        return
+    try:
+        if stat.S_ISFIFO(os.fstat(1).st_mode) or stat.S_ISSOCK(os.fstat(1).st_mode):
+            os.write(1, STREAM_FAILED)
+    except OSError:                           # the reader has gone: nobody waits
+        pass
+
+
+def _streams_to_stdout(argv: list[str]) -> bool:
+    """Whether the command line is serve, or restore with -o - (its options as click takes them)."""
+    words = [w for w in argv if not w.startswith("-")]
+    if not words or words[0] not in ("serve", "restore"):
+        return False
+    if words[0] == "serve":
+        return True
+    return any(a in ("-o", "--output") and b == "-" for a, b in zip(argv, argv[1:])) or \
+        "-o-" in argv or "--output=-" in argv
 
 
 def _exit_quickly(code) -> None:

@@ -1,7 +1,7 @@
 """Restore to libvirt's save image: `virsh restore FILE`, or managedsave's file and `virsh start`.
 
 The header, domain XML, cookie and padding come back verbatim from SOURCE_STATE tag 3
-(converters/libvirt.py, spec §5.4.2), the QEMU stream after them as `restore --to qemu`
+(converters/libvirt.py, spec §5.4.3), the QEMU stream after them as `restore --to qemu`
 writes it. A raw payload gives the original file byte for byte. A compressed payload is
 compressed again with the program libvirt uses (`PROG -c`, xz with -3): the same program
 version gives the same bytes, another may not, and libvirt only needs to decompress it.

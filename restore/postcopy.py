@@ -335,7 +335,7 @@ class PostcopyServer:
     def __init__(self, image: LeanImage, out, inp, strategy: str = "sequential", log=None, progress=None,
                  working_set: str | None = None, precopy_seconds: float = 0.0):
         self.image, self.out, self.inp = image, out, inp
-        self.state = stream_state(image)
+        self.state = qemu.with_mapped_ram(stream_state(image), False)   # post-copy streams carry page entries
         self.ps = image.page_size
         if self.state.page_size != self.ps:
             raise UnsupportedError(f"stream target page size {self.state.page_size} differs from the image's "

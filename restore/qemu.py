@@ -1,4 +1,5 @@
-"""Restore to a QEMU 7.2 migration stream that `qemu-system-x86_64 -incoming` accepts."""
+"""Restore to a QEMU migration stream that `qemu-system-x86_64 -incoming` accepts (QEMU 7.2 to
+11.0, as the image's stream state was saved), or to a mapped-ram file (QEMU >= 9.0)."""
 
 from __future__ import annotations
 
@@ -41,8 +42,18 @@ def _page_source(image: LeanImage, progress):
 
 def restore_qemu(image: LeanImage, out: BinaryIO, progress=None) -> int:
     """Write the rebuilt stream to ``out``; return its length."""
+    return _restore(image, out, progress, mapped=False)
+
+
+def restore_qemu_mapped_ram(image: LeanImage, out: BinaryIO, progress=None) -> int:
+    """Write a mapped-ram file (QEMU >= 9.0: `migrate-incoming file:FILE` with the capability
+    mapped-ram set) to the seekable ``out``: zero pages are holes; return its length."""
+    return _restore(image, out, progress, mapped=True)
+
+
+def _restore(image: LeanImage, out: BinaryIO, progress, mapped: bool) -> int:
     state = stream_state(image)
     image.enable_read_ahead()
-    written = qemu.write_qemu_stream(out, state, state.ram_blocks, _page_source(image, progress))
+    written = qemu.write_qemu_stream(out, state, state.ram_blocks, _page_source(image, progress), mapped)
     out.flush()
     return written

@@ -56,5 +56,8 @@ QEMU = RestoreTarget("qemu", "the QEMU migration stream the image was converted 
 LIBVIRT = RestoreTarget("libvirt", "libvirt's save image the image was converted from (virsh save, managedsave, "
                         "snapshot memory), for `virsh restore` / `virsh start`", "libvirt", "restore_libvirt",
                         "describe_image", details_of="image_details", source_states=((1, 3),))
+QEMU_MAPPED_RAM = RestoreTarget("qemu-mapped-ram", "a QEMU mapped-ram file (QEMU >= 9.0) for `migrate-incoming "
+                                "file:FILE` with the capability mapped-ram set; needs -o FILE (it seeks)",
+                                "qemu", "restore_qemu_mapped_ram")
 XEN = RestoreTarget("xen", "the Xen save file (xl, libxl or libxc stream) the image was converted from",
                     "xen", "restore_xen", "describe_image")

@@ -9,11 +9,13 @@ import os
 from collections import Counter
 
 import numpy as np
+import pytest
 
 from helpers import qemu_save
 from leanimg.converters import qemu
 from leanimg.converters.checkpoint import CheckpointResult, FrozenDisk
 from leanimg.converters.convert import write_spooled
+from leanimg.errors import CheckpointError
 from leanimg.format import PageClass
 from leanimg.inspect import class_counts
 from leanimg.reader import LeanImage
@@ -160,3 +162,33 @@ def test_a_live_checkpoint_leaves_the_pre_switchover_pause_once():
         assert run._wait_migration() == {"status": "completed"}
     assert [c for c, _ in monitor.sent] == ["migrate-continue"]
     assert monitor.sent[0][1] == {"state": "pre-switchover"}
+
+
+class _VersionedMonitor:
+    """A QEMU of a given version: answers query-version, records every command."""
+
+    def __init__(self, major: int, minor: int):
+        self.version, self.sent = {"major": major, "minor": minor, "micro": 0}, []
+
+    def execute(self, command: str, **arguments):
+        self.sent.append(command)
+        return {"qemu": self.version, "package": ""} if command == "query-version" else {"status": "running"}
+
+
+@pytest.mark.parametrize("major, minor", [(6, 2), (7, 1), (12, 0)])
+def test_a_qemu_it_does_not_read_is_refused_before_the_guest_is_touched(major, minor):
+    from leanimg.converters.checkpoint import CheckpointRequest, _Checkpoint, _Signals
+    monitor = _VersionedMonitor(major, minor)
+    run = _Checkpoint(monitor, CheckpointRequest(qmp="unused", output="unused.lean"), _Signals())
+    with pytest.raises(CheckpointError, match=rf"this is QEMU {major}\.{minor}\.0; leanimg checkpoint reads the "
+                       r"migration streams of QEMU 7\.2 to 11\.x .*The guest was not touched"):
+        run.run()
+    assert monitor.sent == ["query-version"]
+
+
+@pytest.mark.parametrize("major, minor", [(7, 2), (8, 2), (10, 0), (11, 0)])
+def test_the_qemus_it_reads_pass_the_version_check(major, minor):
+    from leanimg.converters.checkpoint import CheckpointRequest, _Checkpoint, _Signals
+    monitor = _VersionedMonitor(major, minor)
+    _Checkpoint(monitor, CheckpointRequest(qmp="unused", output="unused.lean"), _Signals())._check_version()
+    assert monitor.sent == ["query-version"]

@@ -22,7 +22,7 @@ import pytest
 import zstandard
 
 from helpers import assert_clean_failure, qemu_save, with_source_state_data
-from leanimg.cli import command_line
+from leanimg.cli import STREAM_FAILED, command_line
 from leanimg.fileutil import sha256_file
 from leanimg.converters import qemu as q
 from leanimg.format import RecordType, checksum64
@@ -333,7 +333,7 @@ def test_restore_to_qemu_without_qemu_state(tmp_path):
     assert "no QEMU stream state" in lines[0] and "--to raw" in lines[0]
     assert os.listdir(outdir) == []
     proc = run("restore", img, "--to", "qemu", "-o", "-")
-    assert proc.returncode == 1 and proc.stdout == b""
+    assert proc.returncode == 1 and proc.stdout == STREAM_FAILED, "no stream: the line a waiting QEMU refuses"
     # --to raw of the same image is fine
     assert run("restore", img, "--to", "raw", "-o", outdir / "mem.raw").returncode == 0
 

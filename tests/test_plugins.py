@@ -19,7 +19,7 @@ CORE = Path(__file__).resolve().parent.parent / "lean-image"
 
 def test_the_built_in_plugins_are_registered():
     assert [s.name for s in plugins.sources()] == ["libvirt", "qemu", "xen"]
-    assert [t.name for t in plugins.targets()] == ["libvirt", "qemu", "raw", "xen"]
+    assert [t.name for t in plugins.targets()] == ["libvirt", "qemu", "qemu-mapped-ram", "raw", "xen"]
     assert plugins.target("raw").name == "raw"
     assert plugins.checkpointer("qemu").name == "qemu"
     with pytest.raises(UnsupportedError, match="no restore target 'vmware'"):

@@ -25,7 +25,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from helpers import qemu_save
-from leanimg.cli import command_line
+from leanimg.cli import STREAM_FAILED, command_line
 from leanimg.converters import qemu as q
 from leanimg.converters.convert import convert_file
 from leanimg.format import RecordType
@@ -583,7 +583,7 @@ def test_cli_serve_refuses_a_bad_working_set_before_sending_anything(image, tmp_
     proc = subprocess.run([*command_line(), "serve", str(image), "--postcopy", "--working-set", str(path)],
                           capture_output=True, timeout=60, stdin=subprocess.DEVNULL)
     err = proc.stderr.decode()
-    assert proc.returncode == 1 and proc.stdout == b"", err
+    assert proc.returncode == 1 and proc.stdout == STREAM_FAILED, err     # no stream byte, the failure line
     assert err.startswith("leanimg: error: ") and "[LI-WKS-005]" in err and "entries[1]" in err, err
     assert "Traceback" not in err, err
 

@@ -33,7 +33,8 @@ import pytest
 
 from guest.chain_scenarios import CHAIN_PHASES, VGA_WINDOW, Checkpoint, run_chain_scenario
 from guest.scenarios import assert_resumes
-from guest.vm import copy_disk, qemu_available
+from guest.qemus import qemu_params
+from guest.vm import copy_disk
 from helpers import first_difference
 from leanimg.cli import command_line
 from leanimg.fileutil import sha256_file
@@ -64,11 +65,10 @@ def inspect_json(image: Path, *extra) -> dict:
 
 # ------------------------------------------------------------------ fixtures
 
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory) -> list[Checkpoint]:
-    if not qemu_available():
-        pytest.skip("qemu-system-x86_64 or a /boot/vmlinuz-* kernel is not installed")
-    return run_chain_scenario(tmp_path_factory.mktemp("chain-guest"),
+@pytest.fixture(scope="module", params=qemu_params())
+def checkpoints(request, tmp_path_factory) -> list[Checkpoint]:
+    request.param.require()
+    return run_chain_scenario(tmp_path_factory.mktemp(f"chain-{request.param.id}"), qemu=request.param,
                               log=lambda msg: print(f"[chain guest] {msg}"))
 
 

@@ -36,8 +36,9 @@ import pytest
 
 from guest.build import build_guest
 from guest.fixtures import running_guest_with_qmp
+from guest.qemus import QEMU_7_2, qemu_params
 from guest.scenarios import last_heartbeat, wait_heartbeat
-from guest.vm import GuestVM, copy_disk, qemu_available
+from guest.vm import GuestVM, copy_disk
 from helpers import checkpoint_ok, first_difference, run_leanimg
 from leanimg.cli import command_line
 from leanimg.fileutil import sha256_file
@@ -67,17 +68,19 @@ def checkpoint(guest: Guest, image: Path, *args) -> subprocess.CompletedProcess:
     return checkpoint_ok(guest.qmp, image, *args, timeout=TIMEOUT)
 
 
-@pytest.fixture(scope="module")
-def guest(tmp_path_factory):
-    work = tmp_path_factory.mktemp("checkpoint")
-    with running_guest_with_qmp(work, mem_mib=MEM_MIB, devices=DEVICES, freed_mib=96) as (vm, disk, qmp):
+@pytest.fixture(scope="module", params=qemu_params())
+def guest(request, tmp_path_factory):
+    work = tmp_path_factory.mktemp(f"checkpoint-{request.param.id}")
+    with running_guest_with_qmp(work, mem_mib=MEM_MIB, devices=DEVICES, freed_mib=96,
+                                qemu=request.param) as (vm, disk, qmp):
         yield Guest(vm, work, disk, qmp)
 
 
 def _dest(guest: Guest, disk: Path, name: str, incoming: str) -> GuestVM:
     workdir = guest.work / name
     workdir.mkdir()
-    return GuestVM(guest.vm.build, disk, mem_mib=MEM_MIB, workdir=workdir, incoming=incoming, extra_args=DEVICES)
+    return GuestVM(guest.vm.build, disk, mem_mib=MEM_MIB, workdir=workdir, incoming=incoming, extra_args=DEVICES,
+                   qemu=guest.vm.qemu)
 
 
 def _qemu_load(guest: Guest, stream: Path, disk: Path, name: str) -> Path:
@@ -427,8 +430,7 @@ def test_a_live_checkpoint_with_free_page_hinting(tmp_path):
     would be FREE (tests/test_checkpoint.py); with Debian's kernel (init_on_alloc) the balloon
     driver zeroes the pages it takes to hint them, so they are dirtied and resent as zero pages
     (ZERO). Restoring such guests is unreliable under TCG (ENVIRONMENT.md): not tried here."""
-    if not qemu_available():
-        pytest.skip("qemu-system-x86_64 or a /boot/vmlinuz-* kernel is not installed")
+    QEMU_7_2.require()
     build = build_guest()
     (tmp_path / "source").mkdir()
     qmp = tmp_path / "leanimg-qmp.sock"

@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 
 from guest.scenarios import SavePoint, assert_resumes, run_scenario
-from guest.vm import copy_disk, qemu_available
+from guest.qemus import qemu_params
+from guest.vm import copy_disk
 from leanimg.cli import command_line
 
 pytestmark = pytest.mark.qemu
@@ -33,12 +34,14 @@ def cli(*args) -> subprocess.CompletedProcess:
     return proc
 
 
-@pytest.fixture(scope="module")
-def saved(tmp_path_factory) -> SavePoint:
-    if not qemu_available() or shutil.which("qemu-img") is None:
-        pytest.skip("qemu-system-x86_64, qemu-img or a /boot/vmlinuz-* kernel is not installed")
+@pytest.fixture(scope="module", params=qemu_params())
+def saved(request, tmp_path_factory) -> SavePoint:
+    request.param.require()
+    if shutil.which("qemu-img") is None:
+        pytest.skip("qemu-img is not installed")
     steps = (("pagecache", ("pagecache", "/mnt")),)
-    return run_scenario(tmp_path_factory.mktemp("disk-guest"), steps, mem_mib=128)["pagecache"]
+    return run_scenario(tmp_path_factory.mktemp(f"disk-{request.param.id}"), steps, mem_mib=128,
+                        qemu=request.param)["pagecache"]
 
 
 @pytest.fixture(scope="module")

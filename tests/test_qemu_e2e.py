@@ -1,6 +1,7 @@
 """End to end with real qemu-system-x86_64 (TCG) and the real `leanimg` command line.
 
-One 128 MiB guest boots once and runs the four workloads of issue 3 one after another
+On QEMU 7.2 and 10.0, each with its newest i440fx and q35 machine types (tests/guest/qemus.py),
+one 128 MiB guest boots once and runs the four workloads of issue 3 one after another
 (idle, page-cache heavy, anonymous random memory, dirty page cache); after each it is
 stopped, migrated to a file (``exec:cat > FILE``), pmemsaved and continued
 (tests/guest/scenarios.py).  For every save, through the CLI in a subprocess:
@@ -31,7 +32,8 @@ import xxhash
 
 import kaitai_support as ks
 from guest.scenarios import E2E_STEPS, SavePoint, assert_resumes, run_scenario
-from guest.vm import copy_disk, qemu_available
+from guest.qemus import qemu_params
+from guest.vm import copy_disk
 from helpers import first_difference
 from leanimg.cli import command_line
 from leanimg.fileutil import sha256_file
@@ -60,11 +62,11 @@ def cli(*args, input_file=None, check: bool = True) -> subprocess.CompletedProce
 
 # ------------------------------------------------------------------ fixtures
 
-@pytest.fixture(scope="module")
-def saves(tmp_path_factory) -> dict[str, SavePoint]:
-    if not qemu_available():
-        pytest.skip("qemu-system-x86_64 or a /boot/vmlinuz-* kernel is not installed")
-    return run_scenario(tmp_path_factory.mktemp("e2e-guest"), E2E_STEPS, mem_mib=128)
+@pytest.fixture(scope="module", params=qemu_params(("pc", "q35")))
+def saves(request, tmp_path_factory) -> dict[str, SavePoint]:
+    request.param.require()
+    return run_scenario(tmp_path_factory.mktemp(f"e2e-{request.param.id}"), E2E_STEPS, mem_mib=128,
+                        qemu=request.param)
 
 
 @pytest.fixture(scope="module")

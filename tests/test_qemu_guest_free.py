@@ -28,8 +28,9 @@ import numpy as np
 import pytest
 
 from guest.fixtures import running_guest_with_qmp
+from guest.qemus import QEMU_7_2, qemu_params
 from guest.scenarios import last_heartbeat, wait_heartbeat
-from guest.vm import GuestVM, copy_disk, qemu_available
+from guest.vm import GuestVM, copy_disk
 from helpers import checkpoint_ok, run_leanimg
 from leanimg.cli import command_line
 from leanimg.converters.checkpoint import QEMU_TAG_CHECKPOINT_NOTE
@@ -120,12 +121,13 @@ class Guest:
         return checkpoint_ok(self.qmp, image, *args, timeout=TIMEOUT)
 
 
-@pytest.fixture(scope="module")
-def guest(tmp_path_factory):
-    work = tmp_path_factory.mktemp("guestfree")
+@pytest.fixture(scope="module", params=qemu_params())
+def guest(request, tmp_path_factory):
+    work = tmp_path_factory.mktemp(f"guestfree-{request.param.id}")
     port = work / "free.sock"
     devices = port_args(port) + ["-trace", "virtio_serial_throttle_port"]
-    with running_guest_with_qmp(work, mem_mib=MEM_MIB, devices=devices, freed_mib=200) as (vm, disk, qmp):
+    with running_guest_with_qmp(work, mem_mib=MEM_MIB, devices=devices, freed_mib=200,
+                                qemu=request.param) as (vm, disk, qmp):
         g = Guest(vm, work, disk, qmp, port)
         g.helper_pid = g.start("free")
         yield g
@@ -136,7 +138,7 @@ def _dest(guest: Guest, name: str, incoming: str) -> GuestVM:
     workdir.mkdir()
     disk = copy_disk(guest.disk, guest.work / f"{name}.disk.img")
     return GuestVM(guest.vm.build, disk, mem_mib=MEM_MIB, workdir=workdir, incoming=incoming,
-                   extra_args=port_args(workdir / "free.sock"))
+                   extra_args=port_args(workdir / "free.sock"), qemu=guest.vm.qemu)
 
 
 def _pmem_of(vm: GuestVM, path: Path) -> np.ndarray:
@@ -318,8 +320,7 @@ def test_guest_free_without_a_port_socket_is_one_clear_line(guest, tmp_path):
 def test_a_q35_guest_with_split_ram_is_refused(tmp_path):
     """q35 puts RAM above 2 GiB at 4 GiB once it has 2.75 GiB: its pfns would name other pages
     of pc.ram under the pc map. A paused QEMU that never boots (its RAM is never touched)."""
-    if not qemu_available():
-        pytest.skip("qemu-system-x86_64 is not installed")
+    QEMU_7_2.require()
     qmp = tmp_path / "qmp.sock"
     qemu = subprocess.Popen(["qemu-system-x86_64", "-accel", "tcg", "-machine", "q35", "-m", "3G", "-nodefaults",
                              "-display", "none", "-S", "-qmp", f"unix:{qmp},server=on,wait=off"],

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from guest.build import build_guest
+from guest.qemus import qemu_params
 from guest.scenarios import last_heartbeat, wait_heartbeat
 from guest.vm import GuestVM, copy_disk
 from leanimg.cli import command_line
@@ -23,11 +24,13 @@ VGA_WINDOW = (0xA0000, 0xC0000)       # pmemsave reads the VGA device there, not
 MEM_MIB = 128
 
 
-@pytest.fixture(scope="module")
-def live_save(tmp_path_factory):
-    work = tmp_path_factory.mktemp("live")
+@pytest.fixture(scope="module", params=qemu_params())
+def live_save(request, tmp_path_factory):
+    qemu = request.param
+    qemu.require()
+    work = tmp_path_factory.mktemp(f"live-{qemu.id}")
     build = build_guest()
-    with GuestVM(build, copy_disk(build.disk, work / "disk.img"), mem_mib=MEM_MIB) as vm:
+    with GuestVM(build, copy_disk(build.disk, work / "disk.img"), mem_mib=MEM_MIB, qemu=qemu) as vm:
         vm.wait_ready()
         vm.run_workload("pages", "24", "0", "1000")        # rewrite all of 24 MiB every round
         wait_heartbeat(vm, "pages", last_heartbeat(vm, "pages") + 2)
@@ -39,7 +42,7 @@ def live_save(tmp_path_factory):
     # The source's memory can still change after the last RAM sync, so its pmemsave is not the
     # truth for a live save: QEMU itself loading the original stream is.
     with GuestVM(build, copy_disk(build.disk, work / "disk2.img"), mem_mib=MEM_MIB,
-                 incoming=f"exec:cat {work / 'live.save'}") as loaded:
+                 incoming=f"exec:cat {work / 'live.save'}", qemu=qemu) as loaded:
         loaded.wait_incoming(timeout=180)
         loaded.pmemsave(work / "live.mem")
     return work

@@ -38,7 +38,8 @@ import pytest
 
 from guest.chain_scenarios import VGA_WINDOW
 from guest.scenarios import SavePoint, heartbeats, run_scenario
-from guest.vm import GuestError, GuestVM, copy_disk, qemu_available
+from guest.qemus import qemu_params
+from guest.vm import GuestError, GuestVM, copy_disk
 from leanimg.cli import command_line
 from leanimg.format import PageClass
 from leanimg.reader import LeanImage
@@ -62,12 +63,11 @@ def cli(*args) -> subprocess.CompletedProcess:
 
 # ------------------------------------------------------------------ fixtures
 
-@pytest.fixture(scope="module")
-def saves(tmp_path_factory) -> dict[str, SavePoint]:
-    if not qemu_available():
-        pytest.skip("qemu-system-x86_64 or a /boot/vmlinuz-* kernel is not installed")
-    points = run_scenario(tmp_path_factory.mktemp("postcopy-guest"), STEPS, mem_mib=128,
-                          save_after={"check", "words"})
+@pytest.fixture(scope="module", params=qemu_params())
+def saves(request, tmp_path_factory) -> dict[str, SavePoint]:
+    request.param.require()
+    points = run_scenario(tmp_path_factory.mktemp(f"postcopy-{request.param.id}"), STEPS, mem_mib=128,
+                          save_after={"check", "words"}, qemu=request.param)
     return {"base": points["check"], "next": points["words"]}
 
 
@@ -134,7 +134,7 @@ def destination(sp: SavePoint, image: Path, workdir: Path, *serve_options: str, 
     vm_dir = workdir / "dest"
     vm_dir.mkdir()
     with GuestVM(sp.build, disk, mem_mib=sp.mem_mib, workdir=vm_dir, incoming=f"exec:{shlex.join(argv)}",
-                 extra_args=POSTCOPY, autostart=autostart) as vm:
+                 extra_args=POSTCOPY, autostart=autostart, qemu=sp.qemu) as vm:
         yield vm, stats
 
 

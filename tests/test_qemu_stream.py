@@ -144,6 +144,60 @@ def test_writer_without_matching_plan_still_round_trips():
     assert [k for k, _ in state2.ram_plan] == [q.START, q.PART, q.END]
 
 
+# ------------------------------------------------------------------ QEMU >= 10: commands in a saved stream
+
+SWITCHOVER = [(q.START, 0), (q.PART, 6), (q.COMMAND, q.CMD_SWITCHOVER_START), (q.END, 4)]
+
+
+def test_switchover_start_is_kept_and_given_back_byte_for_byte():
+    """QEMU 10's machine types send MIG_CMD_SWITCHOVER_START (08 000b 0000) before the END
+    section: read, kept in the plan, written back in its place."""
+    state, ram = synthetic_state(plan=SWITCHOVER), synthetic_ram()
+    data = emit(state, ram)
+    end = data.index(bytes([q.END]) + struct.pack(">I", 2))
+    assert data[end - 5:end] == b"\x08\x00\x0b\x00\x00"
+    state2, ram2 = parse(data)
+    assert ram2 == ram and state2.ram_plan == SWITCHOVER
+    assert emit(q.StreamState.from_bytes(state2.to_bytes()), ram2) == data
+
+
+def test_switchover_start_survives_a_plan_that_no_longer_fits():
+    state = synthetic_state(plan=[(q.START, 0), (q.PART, 3), (q.COMMAND, q.CMD_SWITCHOVER_START), (q.END, 2)])
+    state2, ram2 = parse(emit(state, synthetic_ram(5)))
+    assert ram2 == synthetic_ram(5)
+    assert state2.ram_plan == [(q.START, 0), (q.PART, 10), (q.COMMAND, q.CMD_SWITCHOVER_START), (q.END, 0)]
+
+
+def _with_command(cmd: int, length: int = 0, data: bytes = b"") -> tuple[bytes, int]:
+    stream = emit(synthetic_state(plan=SWITCHOVER), synthetic_ram())
+    at = stream.index(b"\x08\x00\x0b\x00\x00")
+    return stream[:at] + bytes([q.COMMAND]) + struct.pack(">HH", cmd, length) + data + stream[at + 5:], at
+
+
+@pytest.mark.parametrize("cmd, name", [(1, "OPEN_RETURN_PATH"), (2, "PING"), (3, "POSTCOPY_ADVISE"),
+                                       (7, "PACKAGED"), (8, "ENABLE_COLO"), (10, "RECV_BITMAP")])
+def test_commands_a_saved_stream_cannot_carry_are_refused_by_name(cmd, name):
+    stream, at = _with_command(cmd, 4, b"\0" * 4)
+    with pytest.raises(UnsupportedError, match=rf"QEMU_VM_COMMAND {cmd} {name}") as e:
+        parse(stream)
+    assert e.value.offset == at and e.value.structure.endswith("COMMAND")
+
+
+@pytest.mark.parametrize("cmd", [0, 12, 0xFFFF])
+def test_an_unknown_command_is_refused_with_its_offset(cmd):
+    stream, at = _with_command(cmd)
+    with pytest.raises(SourceFormatError, match=rf"expected a QEMU_VM_COMMAND id 1..11, got {cmd}") as e:
+        parse(stream)
+    assert e.value.offset == at + 1
+
+
+def test_switchover_start_with_data_is_refused():
+    stream, at = _with_command(q.CMD_SWITCHOVER_START, 2, b"\0\0")
+    with pytest.raises(SourceFormatError, match="expected SWITCHOVER_START with length 0, got 2") as e:
+        parse(stream)
+    assert e.value.offset == at + 3
+
+
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(st.sampled_from([b"\0", b"\1", b"\xff", None]), min_size=10, max_size=10),
        st.integers(0, 10))
@@ -329,7 +383,7 @@ def test_restore_into_fresh_qemu(saved_guest, tmp_path):
     """parse -> write (new section layout) -> QEMU -incoming: same memory, guest resumes."""
     with open(saved_guest.save, "rb") as f:
         state, image = q.load_stream(f, tmp_path)
-    total = sum(n for _, n in state.ram_plan)
+    total = sum(n for kind, n in state.ram_plan if kind != q.COMMAND)
     # pages spread over PART sections unlike the original's (whose split depends on timing)
     plan = next(p for p in (_split_plan(total, 3), _split_plan(total, 5)) if p != state.ram_plan)
     rebuilt = tmp_path / "rebuilt.save"
@@ -340,7 +394,7 @@ def test_restore_into_fresh_qemu(saved_guest, tmp_path):
     vm_dir = tmp_path / "dest"
     vm_dir.mkdir()
     with GuestVM(saved_guest.build, disk, mem_mib=saved_guest.mem_mib, workdir=vm_dir,
-                 incoming=f"exec:cat {rebuilt}") as vm:
+                 incoming=f"exec:cat {rebuilt}", qemu=saved_guest.qemu) as vm:
         vm.wait_incoming()
         vm.pmemsave(tmp_path / "restored.bin")
         assert (tmp_path / "restored.bin").read_bytes() == saved_guest.mem.read_bytes()
@@ -353,3 +407,26 @@ def test_restore_into_fresh_qemu(saved_guest, tmp_path):
 def _split_plan(total: int, parts: int) -> list[tuple[int, int]]:
     sizes = [total // parts] * (parts - 1) + [total - (total // parts) * (parts - 1)]
     return [(q.START, 0), *[(q.PART, n) for n in sizes], (q.END, 0)]
+
+
+def test_ram_after_device_state_is_refused_by_name():
+    """virtio-mem (machine types >= 8.0) sends a FULL section during setup, before the RAM's
+    PART sections: refused, not taken for the device tail."""
+    stream = emit(synthetic_state(), synthetic_ram())
+    start_end = stream.index(b"\x7e\x00\x00\x00\x02") + 5       # after START's footer
+    early = q.DeviceSection(q.FULL, q.SectionHeader(9, "0000:00:02.0/virtio-mem-device-early", 0, 1), b"\x00" * 8)
+    with pytest.raises(UnsupportedError, match=r"a RAM section \(PART\) after device state") as e:
+        parse(stream[:start_end] + early.to_bytes(True) + stream[start_end:])
+    assert e.value.offset == start_end + len(early.to_bytes(True))
+
+
+@pytest.mark.parametrize("plan", [[[99, 1]], [[q.PART, -1]], [[q.COMMAND, 3]], [[q.START, 0, 1]], [["x", 0]]])
+def test_a_state_record_with_a_plan_no_stream_has_is_refused(plan):
+    blob = synthetic_state().to_bytes()
+    head = len(q._STATE_MAGIC)
+    n = struct.unpack_from(">I", blob, head)[0]
+    meta = json.loads(blob[head + 4:head + 4 + n])
+    meta["ram_plan"] = plan
+    text = json.dumps(meta).encode()
+    with pytest.raises(SourceFormatError, match="expected a valid state record"):
+        q.StreamState.from_bytes(blob[:head] + struct.pack(">I", len(text)) + text + blob[head + 4 + n:])

@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 from .build import GuestBuild, build_guest
+from .qemus import QEMU_7_2, Qemu
 from .scenarios import SavePoint, save_point, wait_heartbeat
 from .vm import GuestVM, copy_disk
 
@@ -73,7 +74,7 @@ class Checkpoint:
 
 def run_chain_scenario(workdir: Path, phases=CHAIN_PHASES, mem_mib: int = 128,
                        build: GuestBuild | None = None, log=None,
-                       limit_rounds: bool = True) -> list[Checkpoint]:
+                       limit_rounds: bool = True, qemu: Qemu = QEMU_7_2) -> list[Checkpoint]:
     """Boot once, run ``phases`` in turn, checkpoint as they say; QEMU is gone afterwards.
 
     With ``limit_rounds`` every phase but the last stops writing after its last checkpoint
@@ -85,7 +86,7 @@ def run_chain_scenario(workdir: Path, phases=CHAIN_PHASES, mem_mib: int = 128,
     vm_dir.mkdir(exist_ok=True)
     say = log or (lambda msg: None)
     checkpoints: list[Checkpoint] = []
-    with GuestVM(build, disk, mem_mib=mem_mib, workdir=vm_dir) as vm:
+    with GuestVM(build, disk, mem_mib=mem_mib, workdir=vm_dir, qemu=qemu) as vm:
         t0 = time.monotonic()
         vm.wait_ready(timeout=300)
         say(f"booted in {time.monotonic() - t0:.1f} s")

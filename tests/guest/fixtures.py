@@ -13,7 +13,8 @@ import pytest
 
 from .build import GuestBuild, build_guest
 from .scenarios import wait_heartbeat
-from .vm import GuestVM, copy_disk, qemu_available
+from .qemus import QEMU_7_2, Qemu, qemu_params
+from .vm import GuestVM, copy_disk
 
 MEM_MIB = 128
 
@@ -27,16 +28,17 @@ class SavedGuest:
     mem_mib: int
     heartbeat: int      # last heartbeat the guest printed before the save
     workdir: Path
+    qemu: Qemu = QEMU_7_2
 
 
 def save_guest(workdir: Path, workload: tuple[str, ...] = ("pagecache", "/mnt"),
-               mem_mib: int = MEM_MIB, build: GuestBuild | None = None) -> SavedGuest:
+               mem_mib: int = MEM_MIB, build: GuestBuild | None = None, qemu: Qemu = QEMU_7_2) -> SavedGuest:
     """Boot the test guest, run ``workload``, stop it and save it; QEMU is gone afterwards."""
     build = build or build_guest()
     disk = copy_disk(build.disk, workdir / "disk.img")
     vm_dir = workdir / "source"
     vm_dir.mkdir()
-    with GuestVM(build, disk, mem_mib=mem_mib, workdir=vm_dir) as vm:
+    with GuestVM(build, disk, mem_mib=mem_mib, workdir=vm_dir, qemu=qemu) as vm:
         vm.wait_ready()
         vm.run_workload(*workload)
         vm.wait_heartbeat_after(1)
@@ -45,29 +47,28 @@ def save_guest(workdir: Path, workload: tuple[str, ...] = ("pagecache", "/mnt"),
         vm.save(workdir / "vm.save")
         vm.pmemsave(workdir / "mem.bin")
     return SavedGuest(build, disk, workdir / "vm.save", workdir / "mem.bin", mem_mib,
-                      heartbeat, workdir)
+                      heartbeat, workdir, qemu)
 
 
-@pytest.fixture(scope="module")
-def saved_guest(tmp_path_factory) -> SavedGuest:
-    if not qemu_available():
-        pytest.skip("qemu-system-x86_64 or a /boot/vmlinuz-* kernel is not installed")
-    return save_guest(tmp_path_factory.mktemp("saved-guest"))
+@pytest.fixture(scope="module", params=qemu_params())
+def saved_guest(request, tmp_path_factory) -> SavedGuest:
+    request.param.require()
+    return save_guest(tmp_path_factory.mktemp(f"saved-{request.param.id}"), qemu=request.param)
 
 
 @contextmanager
-def running_guest_with_qmp(work: Path, *, mem_mib: int, devices: list[str], freed_mib: int):
-    """A guest for checkpoint tests, booted from a copy of the test disk in ``work`` with
-    ``devices`` and a QMP socket of its own: page cache read from its disk, ``freed_mib`` MiB
-    written and freed, the ``pages`` workload running. Yields (vm, disk, qmp socket path)."""
-    if not qemu_available():
-        pytest.skip("qemu-system-x86_64 or a /boot/vmlinuz-* kernel is not installed")
+def running_guest_with_qmp(work: Path, *, mem_mib: int, devices: list[str], freed_mib: int,
+                           qemu: Qemu = QEMU_7_2):
+    """A guest for checkpoint tests, booted in ``qemu`` from a copy of the test disk in ``work``
+    with ``devices`` and a QMP socket of its own: page cache read from its disk, ``freed_mib``
+    MiB written and freed, the ``pages`` workload running. Yields (vm, disk, qmp socket path)."""
+    qemu.require()
     build = build_guest()
     disk = copy_disk(build.disk, work / "disk.img")
     (work / "source").mkdir()
     qmp = work / "leanimg-qmp.sock"
     extra = devices + ["-qmp", f"unix:{qmp},server=on,wait=off"]
-    with GuestVM(build, disk, mem_mib=mem_mib, workdir=work / "source", extra_args=extra) as vm:
+    with GuestVM(build, disk, mem_mib=mem_mib, workdir=work / "source", extra_args=extra, qemu=qemu) as vm:
         vm.wait_ready(timeout=300)
         vm.run_workload("pagecache", "/mnt")
         vm.run_workload("freed", str(freed_mib))

@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 from .build import DiskSpec, GuestBuild, build_guest
+from .qemus import QEMU_7_2, Qemu
 from .vm import GuestError, GuestVM, copy_disk
 
 # name, workload arguments.  "dirty" writes without sync: its data sits in the guest's
@@ -57,6 +58,7 @@ class SavePoint:
     mode: str           # the workload mode whose heartbeat proves a resumed guest runs
     heartbeat: int      # the last ``HB <mode> n`` printed before the save
     save_seconds: float
+    qemu: Qemu = QEMU_7_2   # the QEMU and machine type that saved it (restore into the same)
 
 
 def heartbeats(text: str, mode: str) -> list[int]:
@@ -97,14 +99,14 @@ def save_point(vm: GuestVM, workdir: Path, name: str, workload: tuple[str, ...],
     copy_disk(vm.disk, disk)
     vm.cont()
     return SavePoint(name, workload, vm.build, save, mem, disk, vm.mem_mib, mode, heartbeat,
-                     seconds)
+                     seconds, vm.qemu)
 
 
 def run_scenario(workdir: Path, steps=E2E_STEPS, mem_mib: int = 128,
                  build: GuestBuild | None = None, workload_timeout: float = 600.0,
-                 log=None, save_after=None) -> dict[str, SavePoint]:
-    """Boot once, run ``steps`` one after another, save after each (or only after the
-    steps named in ``save_after``); QEMU is gone afterwards."""
+                 log=None, save_after=None, qemu: Qemu = QEMU_7_2) -> dict[str, SavePoint]:
+    """Boot once (in ``qemu``), run ``steps`` one after another, save after each (or only
+    after the steps named in ``save_after``); QEMU is gone afterwards."""
     build = build or build_guest()
     workdir.mkdir(parents=True, exist_ok=True)
     disk = copy_disk(build.disk, workdir / "disk.img")
@@ -112,7 +114,7 @@ def run_scenario(workdir: Path, steps=E2E_STEPS, mem_mib: int = 128,
     vm_dir.mkdir(exist_ok=True)
     saves: dict[str, SavePoint] = {}
     say = log or (lambda msg: None)
-    with GuestVM(build, disk, mem_mib=mem_mib, workdir=vm_dir) as vm:
+    with GuestVM(build, disk, mem_mib=mem_mib, workdir=vm_dir, qemu=qemu) as vm:
         t0 = time.monotonic()
         vm.wait_ready(timeout=300)
         say(f"booted in {time.monotonic() - t0:.1f} s")
@@ -138,7 +140,7 @@ def assert_resumes(sp: SavePoint, disk: Path, workdir: Path, restore_argv: list[
     from leanimg.fileutil import sha256_file
     vm_dir = workdir / "dest"
     vm_dir.mkdir()
-    with GuestVM(sp.build, disk, mem_mib=sp.mem_mib, workdir=vm_dir,
+    with GuestVM(sp.build, disk, mem_mib=sp.mem_mib, workdir=vm_dir, qemu=sp.qemu,
                  incoming=f"exec:{shlex.join(restore_argv)}") as vm:
         vm.wait_incoming(timeout=180)
         assert vm.status() == "paused"

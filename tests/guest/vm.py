@@ -25,8 +25,9 @@ from pathlib import Path
 from qemu.qmp import ExecuteError, QMPClient
 
 from .build import READY_MARKER, GuestBuild
+from .qemus import QEMU_7_2, Qemu
 
-QEMU = "qemu-system-x86_64"
+QEMU = QEMU_7_2.binary
 
 
 class GuestError(RuntimeError):
@@ -38,9 +39,9 @@ def disk_format(disk: Path) -> str:
         return "qcow2" if f.read(4) == b"QFI\xfb" else "raw"
 
 
-def qemu_args(build: GuestBuild, disk: Path, workdir: Path, mem_mib: int) -> list[str]:
+def qemu_args(build: GuestBuild, disk: Path, workdir: Path, mem_mib: int, qemu: Qemu = QEMU_7_2) -> list[str]:
     return [
-        QEMU, "-accel", "tcg", "-machine", "pc", "-cpu", "qemu64", "-smp", "1",
+        qemu.binary, "-accel", "tcg", "-machine", qemu.machine, "-cpu", "qemu64", "-smp", "1",
         "-m", f"{mem_mib}M", "-nodefaults", "-vga", "std", "-display", "none", "-no-reboot",
         "-kernel", str(build.kernel), "-initrd", str(build.initrd), "-append", build.cmdline,
         "-drive", f"file={disk},format={disk_format(disk)},if=virtio,cache=writeback",
@@ -164,10 +165,11 @@ class GuestVM:
 
     def __init__(self, build: GuestBuild, disk: Path, mem_mib: int = 128,
                  incoming: str | None = None, workdir: Path | None = None,
-                 extra_args: tuple[str, ...] = (), autostart: bool = False):
+                 extra_args: tuple[str, ...] = (), autostart: bool = False, qemu: Qemu = QEMU_7_2):
         """``extra_args`` go to QEMU after the common ones; a destination starts paused (-S)
-        unless ``autostart``."""
+        unless ``autostart``. ``qemu``: which QEMU and machine type (tests/guest/qemus.py)."""
         self.build, self.disk, self.mem_mib, self.incoming = build, disk, mem_mib, incoming
+        self.qemu = qemu
         self.extra_args, self.autostart = tuple(extra_args), autostart
         self._own_workdir = workdir is None
         self.workdir = Path(workdir or tempfile.mkdtemp(prefix="leanimg-vm-"))
@@ -187,7 +189,7 @@ class GuestVM:
         self.close()
 
     def _start(self) -> None:
-        args = qemu_args(self.build, self.disk, self.workdir, self.mem_mib) + list(self.extra_args)
+        args = qemu_args(self.build, self.disk, self.workdir, self.mem_mib, self.qemu) + list(self.extra_args)
         if self.incoming:
             args += ([] if self.autostart else ["-S"]) + ["-incoming", self.incoming]
         self.stderr = open(self.workdir / "qemu.stderr", "wb")
