@@ -5,6 +5,8 @@ the plugin registry leanimg.plugins). A QEMU stream becomes one
 region per RAM block; zero pages become ZERO, the rest STORED, and everything
 but the pages (configuration, device sections, RAM section plan, VMDESCRIPTION)
 is kept as one SOURCE_STATE record so restore can rebuild a stream QEMU accepts.
+A libvirt save image (converters/libvirt.py) is its QEMU stream plus SOURCE_STATE tag 3 with
+libvirt's header, domain XML and cookie.
 A Xen stream (xl, libxl or libxc) becomes the region ``xen-pfn`` and one SOURCE_STATE
 record with the stream's skeleton (converters/xen.py).
 """
@@ -29,7 +31,8 @@ from leanimg.writer import LeanImageWriter, PageGivenTwice
 from . import qemu, xen
 from .diskrefs import DiskSummary, classify_by_disks, declare_disks
 from .hinting import HintOptions, HintPlan
-from .source_state import QEMU_TAG_STREAM_STATE, XEN_TAG_SKELETON, pack_skeleton, pack_stream_state
+from .source_state import (QEMU_TAG_LIBVIRT_HEADER, QEMU_TAG_STREAM_STATE, XEN_TAG_SKELETON, pack_libvirt_header,
+                           pack_skeleton, pack_stream_state)
 
 RUN_PAGES = 256
 
@@ -382,32 +385,61 @@ def _convert(src, dest, source_format, spool, writer_options, progress, parent, 
         if fmt == "xen":
             _convert_xen(stream if seekable else body, seekable, dest, writer_options, progress, parent, disks, hints)
             return fmt
+        if fmt == "libvirt":
+            _convert_libvirt(stream if seekable else body, dest, spool, writer_options, progress, parent, disks, hints)
+            return fmt
         if fmt != "qemu":
             raise UnsupportedError(f"source format {fmt!r} is not implemented", structure="--from")
-        if spool or (disks and disks.scan):
-            with LeanImageWriter(dest, **writer_options) as writer:
-                if disks:
-                    declare_disks(writer, disks.sources)
-                convert_qemu_spooled(body, writer, parent=parent, disks=disks, hints=hints)
-            return fmt
-        try:
-            with LeanImageWriter(dest, **writer_options) as writer:
-                if disks:
-                    declare_disks(writer, disks.sources)
-                convert_qemu(body, writer, progress, parent, hints, disks)
-        except RepeatedPages as exc:
-            if not seekable:
-                raise UnsupportedError(f"this stream sends pages more than once (a live save: {exc}); "
-                                       "convert it with --spool", structure="ram") from None
-            stream.seek(0)
-            with LeanImageWriter(dest, **writer_options) as writer:
-                if disks:
-                    declare_disks(writer, disks.sources)
-                convert_qemu_spooled(stream, writer, parent=parent, disks=disks, hints=hints)
+        _convert_qemu(body, dest, spool, writer_options, progress, parent, disks, hints)
         return fmt
     finally:
         if stream is not sys.stdin.buffer:
             stream.close()
+
+
+def _convert_qemu(body: BinaryIO, dest, spool, writer_options, progress, parent, disks=None, hints=None,
+                  states=()) -> None:
+    """The QEMU stream ``body`` (read from its first byte) into the image ``dest``; ``states``:
+    more SOURCE_STATE records (source_format, tag, data) to write after the stream state."""
+    def write(convert_into):
+        with LeanImageWriter(dest, **writer_options) as writer:
+            if disks:
+                declare_disks(writer, disks.sources)
+            convert_into(writer)
+            for state in states:
+                writer.add_source_state(*state)
+
+    if spool or (disks and disks.scan):
+        write(lambda writer: convert_qemu_spooled(body, writer, parent=parent, disks=disks, hints=hints))
+        return
+    try:
+        write(lambda writer: convert_qemu(body, writer, progress, parent, hints, disks))
+    except RepeatedPages as exc:
+        if not body.seekable():
+            raise UnsupportedError(f"this stream sends pages more than once (a live save: {exc}); "
+                                   "convert it with --spool", structure="ram") from None
+        body.seek(0)
+        write(lambda writer: convert_qemu_spooled(body, writer, parent=parent, disks=disks, hints=hints))
+
+
+def _convert_libvirt(stream: BinaryIO, dest, spool, writer_options, progress, parent, disks=None,
+                     hints=None) -> None:
+    """libvirt's save image: its header, XML and cookie checked and kept as SOURCE_STATE tag 3,
+    its payload (decompressed while read) converted as the QEMU stream it is."""
+    from . import libvirt
+    header = libvirt.read_save_header(stream, libvirt.file_size(stream))
+    if progress:
+        progress(header.payload_offset)
+    payload = libvirt.open_payload(stream, header)
+    try:
+        _convert_qemu(payload, dest, spool, writer_options, progress, parent, disks, hints,
+                      states=[(SourceFormat.QEMU, QEMU_TAG_LIBVIRT_HEADER, pack_libvirt_header(header))])
+    except (SourceFormatError, UnsupportedError) as exc:
+        if exc.structure and exc.structure.startswith(("--", "source_state")):
+            raise
+        raise libvirt.payload_error(exc, header) from None
+    finally:
+        payload.close()
 
 
 def _convert_xen(source, seekable, dest, writer_options, progress, parent, disks, hints=None) -> None:

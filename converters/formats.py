@@ -14,6 +14,8 @@ QEMU_MAGIC = b"QEVM"
 XEN_XL_MAGIC = b"Xen saved domain"
 XEN_LIBXL_IDENT = b"LibxlFmt"
 XEN_LIBXC_MARKER = b"\xff" * 8
+LIBVIRT_MAGIC = b"LibvirtQemudSave"     # converters/libvirt.py; not imported here: detection stays cheap
+LIBVIRT_PARTIAL_MAGIC = b"LibvirtQemudPart"  # an interrupted save: recognised, so its reader says so
 
 
 @dataclass(frozen=True)
@@ -52,6 +54,14 @@ class SaveFormat:
             hint_report.update(hinted.report or {})
         return scan.summary if scan and scan.scan else None
 
+    def disk_paths(self, save) -> dict[str, str]:
+        """The files of the VM's disks by device name, as the save itself names them (libvirt's
+        domain XML: <disk><source file=...><target dev=...>); {} when the format names none."""
+        if self.name != "libvirt":
+            return {}
+        from .libvirt import disk_paths
+        return disk_paths(save)
+
     def guest(self, save):
         """What hints for ``save`` are checked against (leanimg.hints.Guest)."""
         from .hinting import guest_of_save
@@ -61,3 +71,5 @@ class SaveFormat:
 QEMU = SaveFormat("qemu", "a QEMU migration stream", f"magic {QEMU_MAGIC.hex(' ')}", (QEMU_MAGIC,))
 XEN = SaveFormat("xen", "a Xen save file", 'xl magic, "LibxlFmt" or libxc marker ff..ff',
                  (XEN_XL_MAGIC, XEN_LIBXL_IDENT, XEN_LIBXC_MARKER), cut_inside_magic=True)
+LIBVIRT = SaveFormat("libvirt", "a libvirt QEMU save image (virsh save, managedsave, snapshot memory)",
+                     f'magic "{LIBVIRT_MAGIC.decode()}"', (LIBVIRT_MAGIC, LIBVIRT_PARTIAL_MAGIC))

@@ -289,8 +289,10 @@ def _kind_runs(values: np.ndarray):
 def guest_of_save(source_format: str, path: str) -> Guest:
     """What hints for the save file ``path`` are checked against: its regions and length (one
     pass over the stream)."""
-    from . import qemu, xen
+    from . import libvirt, qemu, xen
     with open(path, "rb") as f:
+        if source_format == "libvirt":      # hints count offsets in its QEMU stream, the payload
+            f = libvirt.open_payload(f, libvirt.read_save_header(f, libvirt.file_size(f)))
         if source_format == "xen":
             result = xen.scan(f)
             result.skeleton.close()

@@ -2,6 +2,8 @@
 
 QEMU (source_format 1) tag 1: one zstd frame holding qemu.StreamState.to_bytes()
 (configuration, device sections verbatim, RAM section plan, VMDESCRIPTION).
+QEMU (source_format 1) tag 3: one zstd frame holding libvirt's save header, domain XML,
+cookie and padding verbatim (converters/libvirt.py), for an image converted from libvirt's save.
 Xen (source_format 2) tag 1: one zstd frame holding the stream's skeleton
 (converters/xen.py): non-page bytes verbatim, PAGE_DATA pfn arrays.
 
@@ -16,11 +18,12 @@ from typing import BinaryIO
 import zstandard
 
 from leanimg.compression import FrameError, FrameReader, decompress_exact
-from leanimg.errors import SourceFormatError
+from leanimg.errors import SourceFormatError, UnsupportedError
 
-from . import qemu, xen
+from . import libvirt, qemu, xen
 
 QEMU_TAG_STREAM_STATE = 1
+QEMU_TAG_LIBVIRT_HEADER = 3
 XEN_TAG_SKELETON = 1
 STATE_LIMIT = 256 << 20         # decompressed QEMU stream state accepted on reading
 
@@ -43,6 +46,31 @@ def unpack_stream_state(data: bytes, offset: int | None = None) -> qemu.StreamSt
     except SourceFormatError as exc:
         raise SourceFormatError(f"byte {exc.offset} of the decompressed QEMU stream state: {exc.message}",
                                 offset=offset, structure=structure) from None
+
+
+def pack_libvirt_header(header: libvirt.SaveHeader) -> bytes:
+    """libvirt's header and data (XML, cookie, padding: mostly zeros) in one zstd frame."""
+    return zstandard.ZstdCompressor(level=9, write_content_size=True).compress(header.raw)
+
+
+def unpack_libvirt_header(data: bytes, offset: int | None = None) -> libvirt.SaveHeader:
+    """The header pack_libvirt_header stored, checked again as on converting."""
+    structure = "source_state[QEMU tag 3]"
+    limit = libvirt.HEADER_SIZE + libvirt.DATA_LIMIT
+    try:
+        raw = decompress_exact(data, limit=limit)
+    except FrameError as exc:
+        raise SourceFormatError(f"libvirt save header does not decompress within {limit} bytes: "
+                                f"{exc.message}", offset=offset, structure=structure) from None
+    try:
+        header = libvirt.parse_header(raw)
+        if len(raw) != header.payload_offset:
+            raise SourceFormatError(f"expected {header.payload_offset} bytes (header and data_len), got {len(raw)}",
+                                    offset=len(raw), structure="libvirt header data")
+        return libvirt.parse_data(raw, header)
+    except (SourceFormatError, UnsupportedError) as exc:
+        raise type(exc)(f"byte {exc.offset} of the decompressed libvirt header ({exc.structure}): {exc.message}",
+                        offset=offset, structure=structure) from None
 
 
 def pack_skeleton(skeleton: BinaryIO) -> bytes:

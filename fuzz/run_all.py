@@ -52,11 +52,17 @@ def _hint_seeds(directory: str) -> None:
     fuzz_hints.make_seeds(directory)
 
 
+def _libvirt_seeds(directory: str) -> None:
+    import fuzz_libvirt
+    fuzz_libvirt.make_seeds(directory)
+
+
 HARNESSES = {
     "reader": ("fuzz_reader.py", _reader_seeds),
     "qemu": ("fuzz_qemu.py", _stream_seeds("qemu")),
     "xen": ("fuzz_xen.py", _stream_seeds("xen")),
     "hints": ("fuzz_hints.py", _hint_seeds),
+    "libvirt": ("fuzz_libvirt.py", _libvirt_seeds),
 }
 
 STATUS = re.compile(r"^#(\d+)\s+\S+\s+cov: (\d+) ft: (\d+) corp: (\d+)/")

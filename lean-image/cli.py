@@ -308,9 +308,10 @@ def _print_report(report) -> None:
 
 @main.command()
 @click.argument("image", type=click.Path(exists=True, dir_okay=False))
-@click.option("--to", "target", default="raw", show_default=True, metavar="raw|qemu|xen|PLUGIN",
+@click.option("--to", "target", default="raw", show_default=True, metavar="raw|qemu|libvirt|xen|PLUGIN",
               callback=lambda ctx, param, value: _installed_plugin("leanimg.targets", param, value),
               help="raw: flat guest memory; qemu: a migration stream for `qemu -incoming`; "
+              "libvirt: libvirt's save image the image came from (virsh restore / virsh start); "
               "xen: the Xen save file (xl, libxl or libxc stream) the image came from; "
               "or an installed target plugin's name (leanimg plugins).")
 @click.option("-o", "--output", required=True, metavar="FILE|-", help="Output file, or - for stdout.")
@@ -330,6 +331,8 @@ def restore(image, target, output, as_json, parents, disks, sort_blocks, any_dis
     --to raw writes the regions in file order, concatenated (spec §11).
     --to qemu rebuilds the QEMU migration stream the image was converted from:
     qemu-system-x86_64 ... -incoming "exec:leanimg restore IMG --to qemu -o -"
+    --to libvirt rebuilds libvirt's save image (`virsh restore FILE`, or managedsave's
+    file and `virsh start DOM`): header and domain XML verbatim, then the stream.
     --to xen rebuilds the Xen save file (`xl restore FILE`) in the form it had.
     """
     import time
@@ -363,7 +366,7 @@ def restore(image, target, output, as_json, parents, disks, sort_blocks, any_dis
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="The lean image to write.")
 @json_option
 @verbosity_options
-@click.option("--from", "source_format", metavar="qemu|xen|PLUGIN",
+@click.option("--from", "source_format", metavar="qemu|libvirt|xen|PLUGIN",
               callback=lambda ctx, param, value: _installed_plugin("leanimg.sources", param, value),
               help="Force the source format (an installed source plugin's name: leanimg plugins).")
 @click.option("--spool/--no-spool", default=None,
@@ -378,9 +381,10 @@ def restore(image, target, output, as_json, parents, disks, sort_blocks, any_dis
               "more --parent options name PREV's ancestors (also found beside PREV).")
 @click.option("--delta/--no-delta", default=True, show_default=True,
               help="Encode changed pages as 8-byte-word deltas when smaller (with --parent).")
-@click.option("--disk", "disks", multiple=True, metavar="[NAME=]PATH",
+@click.option("--disk", "disks", multiple=True, metavar="[NAME=]PATH|NAME",
               help="A disk of the VM (raw or qcow2; repeatable): pages found on it become verified disk "
-              "references. NAME (the guest's device name, e.g. vda) defaults to the file name's stem.")
+              "references. NAME (the guest's device name, e.g. vda) defaults to the file name's stem. NAME "
+              "alone: the file the save names for it (a libvirt save's domain XML).")
 @click.option("--all-phases", is_flag=True,
               help="Scan every 512-byte phase of each disk, not only the partitions' own.")
 @click.option("--hints", "hints_path", type=click.Path(exists=True, dir_okay=False), metavar="FILE",
@@ -393,7 +397,7 @@ def restore(image, target, output, as_json, parents, disks, sort_blocks, any_dis
 @force_option
 def convert(save, output, as_json, source_format, spool, level, frame_pages, parents, delta, disks, all_phases, hints_path,
             trust_dirty_log, disk_scan, force):
-    """Convert a hypervisor save file (QEMU migration stream, Xen xl/libxl/libxc stream) into a lean image."""
+    """Convert a hypervisor save file (QEMU migration stream, libvirt save image, Xen xl/libxl/libxc stream) into a lean image."""
     import time
 
     from .disks.partitions import scan_bytes
@@ -401,9 +405,10 @@ def convert(save, output, as_json, source_format, spool, level, frame_pages, par
     started, save_name = time.monotonic(), save
     # the parent's chain is opened to name its links only when OUTPUT exists: it could be one
     chain = _chain_paths(parents[0], parents) if parents and os.path.exists(output) else []
-    _guard_output(output, [save, *parents, *chain, *_parse_disks(disks).values(), *filter(None, [hints_path])], force)
+    disk_paths = _disks_named_by_save(save, source_format, _parse_disks(disks))
+    _guard_output(output, [save, *parents, *chain, *disk_paths.values(), *filter(None, [hints_path])], force)
     hinting = _hint_options(hints_path, trust_dirty_log, disk_scan)
-    with _disk_sources(_parse_disks(disks), name_from_file=True) as sources:
+    with _disk_sources(disk_paths, name_from_file=True) as sources:
         if sources:        # the bar follows the disk scan, the part whose length depends on the disk
             total = sum(scan_bytes(d, 4096, all_phases) for d in sources.values())
             label = "scan disks"
@@ -425,6 +430,36 @@ def convert(save, output, as_json, source_format, spool, level, frame_pages, par
     if as_json:
         ui.emit_json(result)
     ui.summary(convert_line(result))
+
+
+def _disks_named_by_save(save: str, source_format: str | None, paths: dict) -> dict:
+    """``--disk NAME`` alone (no such file): the file the save names for that device (libvirt's
+    domain XML names each disk's file; a source plugin tells through ``disk_paths``)."""
+    bare = [path for name, path in paths.items() if name is None and "/" not in path and not os.path.exists(path)]
+    if not bare:
+        return paths
+    from . import plugins
+    source = None
+    if source_format:
+        source = plugins.source(source_format)
+    elif save != "-" and os.path.isfile(save):
+        with open(save, "rb") as f:
+            source = plugins.find_source(f.read(plugins.HEAD_BYTES))
+    named = getattr(source, "disk_paths", None)
+    found = named(save) if named and save != "-" else {}
+    resolved = {}
+    for name, path in paths.items():
+        if name is not None or path not in bare:
+            resolved[name] = path
+            continue
+        if path not in found:
+            known = ", ".join(f"{k}={v}" for k, v in found.items()) or "none"
+            raise click.BadParameter(f"{path} is not a file, and the save names no disk {path} "
+                                     f"(it names: {known})", param_hint="--disk")
+        if path in paths:
+            raise click.BadParameter(f"disk {path} given twice", param_hint="--disk")
+        resolved[path] = found[path]
+    return resolved
 
 
 def _plain_file(save: str) -> bool:

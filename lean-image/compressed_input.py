@@ -94,6 +94,10 @@ class Decompressing(io.RawIOBase):
             n = self.decoder.readinto(buffer)
         except self.errors as exc:
             raise self._error(exc) from None
+        except MemoryError:        # the decoder's own tables, sized by the stream (an xz dictionary)
+            from .errors import LimitError
+            raise LimitError(f"the {self.kind} decoder needs more memory than this process may use (after "
+                             f"{self.delivered} decompressed bytes)", structure=f"{self.kind} stream") from None
         self.delivered += n
         return n
 

@@ -81,12 +81,30 @@ def summarize(image: LeanImage) -> dict:
                           ratio=logical / chain_stored if chain_stored else 0.0),
         source_states=len(image.source_states),
         source=describe_source(image),
+        source_details=source_details(image),
         classes=class_dict(counts),
         logical_bytes=logical,
         stored_bytes=stored,
         ratio=logical / stored if stored else 0.0,
         record_bytes=record_bytes(image),
     )
+
+
+def _detail_lines(details: dict | None) -> list[str]:
+    """libvirt's domain (source_details) as text: name, UUID, memory, machine, was-running flag."""
+    if not details or details.get("target") != "libvirt":
+        return []
+    memory = details.get("memory_bytes")
+    details = {k: "".join(c if c.isprintable() else repr(c)[1:-1] for c in v) if isinstance(v, str) else v
+               for k, v in details.items()}          # an XML value may hold newlines: one line each
+    lines = [f"  domain  {details.get('domain_name') or '(unnamed)'}  uuid {details.get('domain_uuid') or '-'}",
+             f"          memory {f'{memory / MIB:g} MiB' if memory is not None else '-'}, machine "
+             f"{details.get('machine') or '-'}, was_running {'yes' if details.get('was_running') else 'no'}, "
+             f"payload {details.get('compression')}",
+             *(f"          disk {d['target']}: {d['file']}" for d in details.get("disks", []))]
+    if details.get("xml_problem"):
+        lines.append(f"          {details['xml_problem']}")
+    return lines
 
 
 def _names(features: list[str]) -> str:
@@ -115,6 +133,22 @@ def describe_source(image: LeanImage) -> str | None:
     return None
 
 
+def source_details(image: LeanImage) -> dict | None:
+    """What the SOURCE_STATE records say of the save as a dict, from the first restore target
+    of the image's that has a ``details`` method (libvirt's: the domain and its header)."""
+    from .errors import UnsupportedError
+    from .plugins import source_targets, target
+    for name in source_targets(image):
+        try:
+            details = getattr(target(name), "details", None)
+            found = details(image) if details else None
+        except UnsupportedError:          # that target is not installed
+            continue
+        if found:
+            return found
+    return None
+
+
 def render_text(summary: dict) -> str:
     lines = [
         f"{summary['path']}: lean image v{summary['format_version']}, page size {summary['page_size']}",
@@ -123,6 +157,7 @@ def render_text(summary: dict) -> str:
         f"  features incompatible {_names(summary['incompatible_features'])}, compatible "
         f"{_names(summary['compatible_features'])}; {summary['source_states']} source-state records",
         *([f"  source  {summary['source']}"] if summary.get("source") else []),
+        *_detail_lines(summary.get("source_details")),
         "",
         "regions:",
     ]

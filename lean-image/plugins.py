@@ -192,12 +192,18 @@ def installed() -> list[Installed]:
 
 
 def source_targets(image) -> list[str]:
-    """The restore targets that can rebuild the save an image came from: those named after
+    """The restore targets that can rebuild the save an image came from: first those whose
+    optional ``source_states`` attribute names a (source_format, tag) of its SOURCE_STATE records
+    (`--to libvirt`: QEMU tag 3), then those named after
     the formats of its SOURCE_STATE records, in source_format order, then, for a private-use
     format (a plugin's, spec §5.4), every other installed target whose ``describe`` claims it."""
     from .format import PRIVATE_SOURCE_FORMATS, SourceFormat
     formats = {s.source_format for s in image.source_states}
     names = [SourceFormat(f).name.lower() for f in sorted(formats & {int(f) for f in SourceFormat})]
+    states = {(s.source_format, s.tag) for s in image.source_states}
+    if states - {(f, 1) for f in formats}:      # a record beyond each format's first tag: a target for it?
+        names = [t.name for t in targets() if t.name not in names
+                 and states & set(getattr(t, "source_states", ()))] + names
     if max(formats, default=0) >= PRIVATE_SOURCE_FORMATS:
         names += [t.name for t in targets() if t.name not in names and _describes(t, image)]
     return names

@@ -18,12 +18,18 @@ class RestoreTarget:
     restorer: str                    # its function (image, out, progress) -> bytes written
     describer: str | None = None     # its function (image) -> what the image rebuilds, or None
     server: str | None = None        # "module:function" (image, out, inp, **options) serving it lazily
+    details_of: str | None = None    # its function (image) -> a dict for `inspect --json`, or None
+    source_states: tuple = ()        # (source_format, tag) of the SOURCE_STATE records it rebuilds from
 
     def restore(self, image, out, progress=None) -> int:
         return getattr(self._module(), self.restorer)(image, out, progress)
 
     def describe(self, image) -> str | None:
         return getattr(self._module(), self.describer)(image) if self.describer else None
+
+    def details(self, image) -> dict | None:
+        """What the image's SOURCE_STATE records say of the save, as a dict (inspect --json)."""
+        return getattr(self._module(), self.details_of)(image) if self.details_of else None
 
     def serve(self, image, out, inp, **options):
         """Serve ``image`` to a hypervisor that loads it lazily (QEMU post-copy): the stream on
@@ -47,6 +53,9 @@ def fitting_targets(image) -> str:
 RAW = RestoreTarget("raw", "flat guest memory: the regions in file order, concatenated", "raw", "restore_raw")
 QEMU = RestoreTarget("qemu", "the QEMU migration stream the image was converted from, for `qemu -incoming`",
                      "qemu", "restore_qemu", server="postcopy:serve_postcopy")
+LIBVIRT = RestoreTarget("libvirt", "libvirt's save image the image was converted from (virsh save, managedsave, "
+                        "snapshot memory), for `virsh restore` / `virsh start`", "libvirt", "restore_libvirt",
+                        "describe_image", details_of="image_details", source_states=((1, 3),))
 QEMU_MAPPED_RAM = RestoreTarget("qemu-mapped-ram", "a QEMU mapped-ram file (QEMU >= 9.0) for `migrate-incoming "
                                 "file:FILE` with the capability mapped-ram set; needs -o FILE (it seeks)",
                                 "qemu", "restore_qemu_mapped_ram")

@@ -37,7 +37,7 @@ def test_fuzz_reader_smoke(tmp_path):
 STREAM_SMOKE_RUNS = 300
 
 
-@pytest.mark.parametrize("harness", ["fuzz_qemu.py", "fuzz_xen.py", "fuzz_hints.py"])
+@pytest.mark.parametrize("harness", ["fuzz_qemu.py", "fuzz_xen.py", "fuzz_hints.py", "fuzz_libvirt.py"])
 def test_fuzz_stream_harness_smoke(harness, tmp_path):
     """The QEMU and Xen stream harnesses (readers, conversion, restore round trip) and the hint
     harness on their seeds (fuzz/make_stream_corpus.py, the hint vectors) and a few hundred

@@ -18,8 +18,8 @@ CORE = Path(__file__).resolve().parent.parent / "lean-image"
 
 
 def test_the_built_in_plugins_are_registered():
-    assert [s.name for s in plugins.sources()] == ["qemu", "xen"]
-    assert [t.name for t in plugins.targets()] == ["qemu", "qemu-mapped-ram", "raw", "xen"]
+    assert [s.name for s in plugins.sources()] == ["libvirt", "qemu", "xen"]
+    assert [t.name for t in plugins.targets()] == ["libvirt", "qemu", "qemu-mapped-ram", "raw", "xen"]
     assert plugins.target("raw").name == "raw"
     assert plugins.checkpointer("qemu").name == "qemu"
     with pytest.raises(UnsupportedError, match="no restore target 'vmware'"):
@@ -44,8 +44,8 @@ def test_source_detection(head, name):
 
 
 def test_an_unknown_save_file_names_every_format():
-    with pytest.raises(SourceFormatError, match=r"expected a QEMU migration stream \(magic 51 45 56 4d\) or a Xen "
-                       r"save file .*, got 00 01 02"):
+    with pytest.raises(SourceFormatError, match=r"expected a libvirt QEMU save image .*\(magic \"LibvirtQemudSave\"\) "
+                       r"or a QEMU migration stream \(magic 51 45 56 4d\) or a Xen save file .*, got 00 01 02"):
         plugins.detect_source(bytes(range(16)))
 
 
@@ -126,7 +126,7 @@ def test_another_distribution_named_leanimg_something_is_not_taken_for_leanimg(t
     monkeypatch.syspath_prepend(str(tmp_path))
     plugins._own_entry_points.cache_clear()
     try:
-        assert [e.name for e in plugins._own_entry_points(plugins.SOURCES)] == ["qemu", "xen"]
+        assert [e.name for e in plugins._own_entry_points(plugins.SOURCES)] == ["libvirt", "qemu", "xen"]
     finally:
         plugins._own_entry_points.cache_clear()
 
