@@ -1,5 +1,7 @@
 """End to end with a real libvirtd (Debian 12's libvirt 9.0), a TCG domain and `virsh`.
 
+The whole module runs twice: the domain's ``<emulator>`` is QEMU 7.2 (Debian 12's) and then
+QEMU 10.0 (the wrapper .ci/install writes beside it, tests/guest/qemus.py), machine ``pc``.
 The module starts virtlogd and libvirtd itself when they are not running (no systemd here:
 ../shared/ENVIRONMENT.md) after appending the settings they need to /etc/libvirt/qemu.conf,
 and stops what it started at the end. One persistent 128 MiB domain built from the test guest
@@ -34,6 +36,7 @@ from pathlib import Path
 import pytest
 
 from guest.build import READY_MARKER, build_guest
+from guest.qemus import qemu_params
 from guest.scenarios import heartbeats
 from guest.vm import GuestError, Serial, copy_disk
 from helpers import first_difference
@@ -130,7 +133,7 @@ class Daemons:
             time.sleep(0.2)
 
 
-def domain_xml(name: str, dom_uuid: str, build, disk: Path, serial: Path) -> str:
+def domain_xml(name: str, dom_uuid: str, build, disk: Path, serial: Path, emulator: str) -> str:
     return f"""<domain type='qemu'>
   <name>{name}</name>
   <uuid>{dom_uuid}</uuid>
@@ -148,7 +151,7 @@ def domain_xml(name: str, dom_uuid: str, build, disk: Path, serial: Path) -> str
   <on_reboot>destroy</on_reboot>
   <on_crash>destroy</on_crash>
   <devices>
-    <emulator>/usr/bin/qemu-system-x86_64</emulator>
+    <emulator>{emulator}</emulator>
     <disk type='file' device='disk'>
       <driver name='qemu' type='raw' cache='writeback'/>
       <source file='{disk}'/>
@@ -223,16 +226,19 @@ def libvirtd():
         daemons.stop()
 
 
-@pytest.fixture(scope="module")
-def domain(libvirtd, tmp_path_factory):
-    """A persistent domain, booted, the idle workload beating; undefined at the end."""
+@pytest.fixture(scope="module", params=qemu_params())
+def domain(request, libvirtd, tmp_path_factory):
+    """A persistent domain on the QEMU of the param, booted, the idle workload beating;
+    undefined at the end."""
+    qemu = request.param
+    qemu.require()
     build = build_guest()
     workdir = tmp_path_factory.mktemp("libvirt")
-    name = f"leanimg-test-{os.getpid()}"
+    name = f"leanimg-test-{os.getpid()}-{qemu.version}"
     disk = copy_disk(build.disk, workdir / "disk.img")
     serial = workdir / "serial.sock"
     xml = workdir / "domain.xml"
-    xml.write_text(domain_xml(name, str(uuid.uuid4()), build, disk, serial))
+    xml.write_text(domain_xml(name, str(uuid.uuid4()), build, disk, serial, shutil.which(qemu.binary)))
     virsh("define", xml)
     dom = Domain(name, workdir, disk, serial)
     try:
