@@ -363,7 +363,9 @@ class _StreamReader:
         for layout in self.layouts:
             for first, count, data in mapped_ram.page_runs(self.file, layout):
                 pages = None if data is None else np.frombuffer(data, np.uint8).reshape(count, self.page_size)
-                yield PageRun(layout.name, first * self.page_size, count, pages, layout.header_at)
+                # a slot holds the page as of the save's end (the bitmap is written last): its copy
+                # "ends" after the whole file, so no FREE hint (spec/hints.md §3) can apply to it
+                yield PageRun(layout.name, first * self.page_size, count, pages, self.file.size)
 
     def _command(self) -> int:
         """A QEMU_VM_COMMAND between RAM sections: SWITCHOVER_START, or refused by name."""

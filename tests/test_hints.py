@@ -660,3 +660,22 @@ def test_free_hints_on_a_stream_read_from_a_pipe(tmp_path):
     assert proc.returncode == 0, proc.stderr.decode()
     assert "hints FREE: 10 applied, 54 ignored" in proc.stderr.decode()
     assert np.flatnonzero(classes_of(tmp_path / "pipe.lean") == PageClass.FREE).tolist() == list(range(10))
+
+
+@pytest.mark.parametrize("spool", [False, True])
+def test_free_hints_never_apply_to_a_mapped_ram_file(tmp_path, spool):
+    """A mapped-ram file has no stream order for its pages: each slot holds the page as of the
+    save's end, so a FREE hint, even at the file's last byte, frees nothing (hints cost size,
+    never a page)."""
+    stream, pages, _ = precopy_stream()
+    state, ram = q.load_stream(io.BytesIO(stream))
+    with ram:
+        out = io.BytesIO()
+        q.write_qemu_stream(out, state, None, ram.page_source, mapped=True)
+    save = tmp_path / "mapped.save"
+    save.write_bytes(out.getvalue())
+    image = tmp_path / "vm.lean"
+    ok(run("convert", save, "-o", image, "--hints", free_all(tmp_path, len(out.getvalue())),
+           *(["--spool"] if spool else [])))
+    assert (classes_of(image) == PageClass.STORED).all()
+    assert raw_memory(image)["pc.ram"] == b"".join(pages)
