@@ -196,3 +196,38 @@ def test_a_configuration_it_cannot_rebuild_is_refused_not_crashed():
         q.with_mapped_ram(dataclasses.replace(state, prologue=state.prologue + odd), True)
     with pytest.raises(SourceFormatError, match=r"expected a configuration subsection \(0x05\)"):
         q.with_mapped_ram(dataclasses.replace(state, prologue=state.prologue + b"\x09"), True)
+
+
+class _RecordingFile:
+    """A mapped-ram file in memory whose reads and read-ahead advice are recorded."""
+
+    def __init__(self, data: bytes):
+        self.data, self.size, self.calls = data, len(data), []
+
+    def read(self, n: int, offset: int) -> bytes:
+        self.calls.append(("read", offset, n))
+        return self.data[offset:offset + n]
+
+    def advise(self, offset: int, length: int) -> None:
+        self.calls.append(("advise", offset, length))
+
+
+def test_slots_are_advised_to_the_kernel_before_they_are_read(monkeypatch):
+    """Cold, the kernel's read-ahead does not foresee slots between holes: each data run is
+    advised (WILLNEED) before it is read, at most READ_AHEAD bytes (plus one run) ahead."""
+    ram = synthetic_ram()
+    blk1 = bytearray(ram["blk1"])
+    blk1[5 * PS:6 * PS] = bytes(PS)             # data runs: pages 0-1, 4, 6-7
+    ram["blk1"] = bytes(blk1)
+    data = mapped_file(ram)
+    version, size, bitmap, pages = layout_of(data, "blk1")
+    layout = mapped_ram.BlockLayout("blk1", 8 * PS, PS, header_at(data, "blk1"), bitmap, pages)
+    monkeypatch.setattr(mapped_ram, "READ_AHEAD", 5 * PS)
+    source = _RecordingFile(data)
+    runs = list(mapped_ram.page_runs(source, layout))
+    assert [(first, count, data is not None) for first, count, data in runs] == \
+        [(0, 2, True), (2, 2, False), (4, 1, True), (5, 1, False), (6, 2, True)]
+    slot_calls = [c for c in source.calls if c[1] >= pages]
+    assert slot_calls == [("advise", pages, 2 * PS), ("advise", pages + 4 * PS, PS), ("read", pages, 2 * PS),
+                          ("advise", pages + 6 * PS, 2 * PS), ("read", pages + 4 * PS, PS),
+                          ("read", pages + 6 * PS, 2 * PS)]
