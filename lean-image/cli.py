@@ -836,14 +836,27 @@ def _fail_a_waiting_destination(argv: list[str]) -> None:
 
 
 def _streams_to_stdout(argv: list[str]) -> bool:
-    """Whether the command line is serve, or restore with -o - (its options as click takes them)."""
+    """Whether the command line is serve, or restore --to qemu -o - (what `-incoming exec:` runs;
+    other targets' output on a pipe is left as it is)."""
     words = [w for w in argv if not w.startswith("-")]
     if not words or words[0] not in ("serve", "restore"):
         return False
     if words[0] == "serve":
         return True
-    return any(a in ("-o", "--output") and b == "-" for a, b in zip(argv, argv[1:])) or \
-        "-o-" in argv or "--output=-" in argv
+    return _option(argv, "-o", "--output") == "-" and _option(argv, None, "--to") == "qemu"
+
+
+def _option(argv: list[str], short: str | None, long: str) -> str | None:
+    """The last value given to an option, as ``-o V``, ``-oV``, ``--output V`` or ``--output=V``."""
+    value = None
+    for a, b in zip(argv, [*argv[1:], None]):
+        if a in (short, long):
+            value = b
+        elif a.startswith(long + "="):
+            value = a[len(long) + 1:]
+        elif short and a.startswith(short) and len(a) > len(short) and not a.startswith("--"):
+            value = a[len(short):]
+    return value
 
 
 def _exit_quickly(code) -> None:

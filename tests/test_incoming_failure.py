@@ -42,6 +42,28 @@ def test_a_failing_stream_to_a_pipe_is_no_migration_stream(name, not_an_image):
     assert not proc.stdout.startswith(b"QEVM")
 
 
+@pytest.mark.parametrize("argv", [["restore", "NOT_AN_IMAGE", "--to", "raw", "-o", "-"],
+                                  ["restore", "NOT_AN_IMAGE", "-o", "-"],
+                                  ["restore", "NOT_AN_IMAGE", "--to", "qemu", "-o", "out.save"],
+                                  ["restore", "NOT_AN_IMAGE", "--to=xen", "-o-"]])
+def test_other_failing_restores_to_a_pipe_write_nothing(argv, not_an_image, tmp_path):
+    """Only what QEMU's -incoming reads gets the line: raw memory piped on stays empty."""
+    argv = [str(not_an_image) if a == "NOT_AN_IMAGE" else a for a in argv]
+    proc = subprocess.run([*LEANIMG, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=60,
+                          cwd=tmp_path)
+    assert proc.returncode == 1 and proc.stdout == b"" and b"Traceback" not in proc.stderr
+
+
+def test_the_option_forms_click_takes_are_read():
+    from leanimg.cli import _streams_to_stdout
+    for argv in (["restore", "x", "--to", "qemu", "-o", "-"], ["restore", "--to=qemu", "-o-", "x"],
+                 ["-q", "restore", "x", "--output=-", "--to", "qemu"], ["serve", "x", "--postcopy"]):
+        assert _streams_to_stdout(argv), argv
+    for argv in (["restore", "x", "--to", "raw", "-o", "-"], ["restore", "x", "--to", "qemu", "-o", "f"],
+                 ["inspect", "x"], ["restore", "x", "-o", "-"], []):
+        assert not _streams_to_stdout(argv), argv
+
+
 def test_a_failing_restore_to_a_file_or_another_command_writes_nothing_more(tmp_path, not_an_image):
     out = tmp_path / "stdout.bin"
     with open(out, "wb") as f:
