@@ -308,9 +308,10 @@ def _print_report(report) -> None:
 
 @main.command()
 @click.argument("image", type=click.Path(exists=True, dir_okay=False))
-@click.option("--to", "target", default="raw", show_default=True, metavar="raw|qemu|libvirt|xen|PLUGIN",
+@click.option("--to", "target", default="raw", show_default=True, metavar="raw|qemu|qemu-mapped-ram|libvirt|xen|PLUGIN",
               callback=lambda ctx, param, value: _installed_plugin("leanimg.targets", param, value),
               help="raw: flat guest memory; qemu: a migration stream for `qemu -incoming`; "
+              "qemu-mapped-ram: a QEMU mapped-ram file (QEMU >= 9.0, needs -o FILE); "
               "libvirt: libvirt's save image the image came from (virsh restore / virsh start); "
               "xen: the Xen save file (xl, libxl or libxc stream) the image came from; "
               "or an installed target plugin's name (leanimg plugins).")
@@ -331,6 +332,8 @@ def restore(image, target, output, as_json, parents, disks, sort_blocks, any_dis
     --to raw writes the regions in file order, concatenated (spec §11).
     --to qemu rebuilds the QEMU migration stream the image was converted from:
     qemu-system-x86_64 ... -incoming "exec:leanimg restore IMG --to qemu -o -"
+    --to qemu-mapped-ram writes a sparse QEMU mapped-ram file (QEMU >= 9.0:
+    migrate-incoming file:FILE with the capability mapped-ram set).
     --to libvirt rebuilds libvirt's save image (`virsh restore FILE`, or managedsave's
     file and `virsh start DOM`): header and domain XML verbatim, then the stream.
     --to xen rebuilds the Xen save file (`xl restore FILE`) in the form it had.
