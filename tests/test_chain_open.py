@@ -19,6 +19,7 @@ import xxhash
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
+from helpers import fds_before, open_fds
 from leanimg import parents as parents_module
 from leanimg import reader as reader_module
 from leanimg.errors import LeanImageError
@@ -487,10 +488,10 @@ def test_the_native_scan_refuses_buffers_that_do_not_match(tmp_path, change):
         sizes = sizes[:2]
     else:
         heads = np.zeros(3 * 48 + 1, np.uint8)
-    before = _open_fds()
+    before = fds_before()
     with pytest.raises(ValueError, match="scan_files"):
         parents_module._native.scan_files(blob, starts, 1 << 20, 1 << 30, 10, 2, fds, sizes, got, heads, progress)
-    assert progress[0] == 0 and _open_fds() == before
+    assert progress[0] == 0 and open_fds() == before
 
 
 def test_a_uuid_two_files_share_is_taken_from_the_nearest_before_the_image(chain, tmp_path, search_mode):
@@ -520,15 +521,11 @@ def test_a_failed_walk_leaves_no_scan_or_file_open(copy, search_mode):
     import threading
     paths, _ = copy
     os.unlink(paths[40])
-    before = _open_fds()
+    before = fds_before()
     with pytest.raises(LeanImageError, match="not found"):
         LeanImage.open(paths[-1]).close()
-    assert _open_fds() == before
+    assert open_fds() == before
     assert not [t for t in threading.enumerate() if t.name == "leanimg-scan"]
-
-
-def _open_fds() -> int:
-    return len(os.listdir("/proc/self/fd"))
 
 
 @pytest.mark.parametrize("kept", [parents_module.KEPT_FILES_MAX, 5], ids=["all-kept", "five-kept"])
@@ -544,11 +541,11 @@ def test_the_links_found_beside_the_image_are_not_opened_again(chain, monkeypatc
     monkeypatch.setattr(os, "open", lambda path, *a, **k: opened.append(os.fspath(path)) or real_open(path, *a, **k))
     monkeypatch.setattr(os, "pread", lambda fd, n, at: (n == os.fstat(fd).st_size and whole_reads.append(
         os.readlink(f"/proc/self/fd/{fd}"))) or real_pread(fd, n, at))
-    before = _open_fds()
+    before = fds_before()
     with LeanImage.open(paths[-1]) as image:
         assert [link.path for link in image.chain()][::-1] == [str(p) for p in paths]
-        assert _open_fds() == before + len(paths)                     # one file open per link, nothing else
-    assert _open_fds() == before
+        assert open_fds() == before + len(paths)                     # one file open per link, nothing else
+    assert open_fds() == before
     counts = [opened.count(str(p)) for p in paths[:-1]]
     once = 0 if search_mode == "thread" else 1                       # the scan's own opens are not os.open's
     assert set(counts) <= {once, once + 1} and counts.count(once) == min(kept, len(counts))

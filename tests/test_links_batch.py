@@ -20,7 +20,7 @@ from leanimg.format import FOOTER, HEADER, INDEX_BODY, RECORD, checksum64
 from leanimg.parents import CHECK_BATCH
 from leanimg.reader import WHOLE_READ_BELOW, LeanImage
 
-from helpers import run_leanimg
+from helpers import fds_before, open_fds, run_leanimg
 from test_chain_open import LINKS, _write_chain, finding, open_alone, relink, reseal
 
 pytestmark = pytest.mark.usefixtures("small_batches")
@@ -139,27 +139,23 @@ def test_a_deep_chain_is_opened_ahead(chain, monkeypatch):
     assert alone == [paths[-1]]
 
 
-def _open_fds() -> int:
-    return len(os.listdir("/proc/self/fd"))
-
-
 def test_links_opened_ahead_and_not_used_are_closed(chain, copy, tmp_path):
     """Links opened ahead that the walk does not take (it stops at an error, or at an open
     parent, which brings its own chain) leave no file open."""
     paths, _ = chain
     copies, _ = copy
-    before = _open_fds()
+    before = fds_before()
     data = bytearray(copies[LINKS - 20].read_bytes())
     data[HEADER.offset("page_size")] ^= 1                  # refused at the header, checksum made right
     copies[LINKS - 20].write_bytes(reseal(bytes(data)))
     expected = finding(open_alone, copies[-1])
     assert expected[1] == "LI-HDR-006" and expected[4] == str(copies[LINKS - 20])
     assert finding(LeanImage.open, copies[-1]) == expected
-    assert _open_fds() == before
+    assert open_fds() == before
     given = LeanImage.open(paths[LINKS - 5])             # an open parent brings its own chain
     with LeanImage.open(paths[-1], parents=[given]) as image:
         assert image.chain()[4] is given and len(image.chain()) == LINKS
-    assert _open_fds() == before
+    assert open_fds() == before
 
 
 @pytest.mark.parametrize("field, value, rule", [
