@@ -29,6 +29,7 @@ from .format import (
     PageClass, RecordType, align8, checksum64, page_items, record_size, row_digests, zero_page_digest,
 )
 from .frames import FrameBuffers
+from .locations import LocalFile
 from . import pages as page_module
 from .rules import implements
 
@@ -591,6 +592,8 @@ def _read_delta_batch_native(frames: list, page_size: int) -> tuple | None:
         if kind != RecordType.DELTA_FRAME or key != NO_KEY or not 0 < num <= 0xFFFF_FFFF or first >= 1 << 63 or \
                 offset + length > tables.file.size:
             return None
+        if not isinstance(tables.file.fileobj, LocalFile):
+            return None                              # an object in a store: read through its pread
         fds.append(tables.file.fileobj.fileno())
         offsets.append(offset)
         lengths.append(length)

@@ -138,10 +138,23 @@ def _open_image(image, parents, disks, check_disk_identity: bool = True):
         yield img
 
 
+class _ImageLocation(click.ParamType):
+    """An image: an existing file, or an object in S3-compatible storage (s3://BUCKET/KEY),
+    looked up when opened."""
+    name = "image"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, str) and value.startswith("s3://"):
+            return value
+        return click.Path(exists=True, dir_okay=False).convert(value, param, ctx)
+
+
+IMAGE = _ImageLocation()
+
 disk_option = click.option("--disk", "disks", multiple=True, metavar="[NAME=]PATH",
                            help="A disk of the image's disk table, raw or qcow2 (repeatable; NAME may be "
                            "left out when the image has one disk).")
-parent_option = click.option("--parent", "parents", multiple=True, type=click.Path(exists=True, dir_okay=False),
+parent_option = click.option("--parent", "parents", multiple=True, type=IMAGE,
                              metavar="IMG", help="An image of the parent chain (repeatable; matched by UUID; "
                              "images beside IMAGE are found without it).")
 
@@ -150,10 +163,21 @@ force_option = click.option("-f", "--force", is_flag=True,
                             help="Replace an existing output file (an input of the command never is).")
 
 
-def _guard_output(output, inputs, force: bool) -> None:
-    """Refuse an output that is one of the command's inputs (by path, hard or symbolic link),
-    an existing file without --force, or binary output to a terminal without --force."""
+def _guard_output(output, inputs, force: bool, object_ok: bool = False) -> None:
+    """Refuse an output that is one of the command's inputs (by path, hard or symbolic link;
+    an object by bucket and key), an existing file or object without --force, or binary output
+    to a terminal without --force. An object (s3://) only where ``object_ok``."""
     from .fileutil import OutputRefused, check_output
+    if output.startswith("s3://"):
+        if not object_ok:
+            raise click.UsageError(f"cannot write {output}: this command writes a local file or - (only "
+                                   "images are written to object storage)")
+        from .locations import check_object_output
+        try:
+            check_object_output(output, [os.fspath(p) for p in inputs], force=force)
+        except OutputRefused as exc:
+            raise click.UsageError(str(exc)) from None
+        return
     if output == "-":
         if sys.stdout.isatty() and not force:
             raise click.UsageError("refusing to write binary output to a terminal: redirect it, or use -f")
@@ -165,6 +189,11 @@ def _guard_output(output, inputs, force: bool) -> None:
         check_output(output, [os.fspath(p) for p in inputs], force=force)
     except OutputRefused as exc:
         raise click.UsageError(str(exc)) from None
+
+
+def _exists(name) -> bool:
+    from .locations import exists
+    return exists(name)
 
 
 def _inputs_of(img, disks=()) -> list:
@@ -209,7 +238,7 @@ def _raise_open_file_limit() -> None:
 
 
 @main.command()
-@click.argument("image", type=click.Path(exists=True, dir_okay=False))
+@click.argument("image", type=IMAGE)
 @json_option
 @verbosity_options
 @click.option("--map", "map_path", type=click.Path(dir_okay=False), metavar="FILE.png|FILE.svg",
@@ -241,7 +270,7 @@ def inspect(image, as_json, map_path, with_files, parents, disks, force):
 
 
 @main.command()
-@click.argument("image", type=click.Path(exists=True, dir_okay=False))
+@click.argument("image", type=IMAGE)
 @json_option
 @verbosity_options
 @click.option("--chain", "whole_chain", is_flag=True, help="Validate every link of IMAGE's chain, each "
@@ -307,7 +336,7 @@ def _print_report(report) -> None:
 
 
 @main.command()
-@click.argument("image", type=click.Path(exists=True, dir_okay=False))
+@click.argument("image", type=IMAGE)
 @click.option("--to", "target", default="raw", show_default=True, metavar="raw|qemu|qemu-mapped-ram|libvirt|xen|PLUGIN",
               callback=lambda ctx, param, value: _installed_plugin("leanimg.targets", param, value),
               help="raw: flat guest memory; qemu: a migration stream for `qemu -incoming`; "
@@ -379,7 +408,7 @@ def restore(image, target, output, as_json, parents, disks, sort_blocks, any_dis
               help="zstd level of stored pages (1-22).")
 @click.option("--frame-pages", type=click.IntRange(1, 4096),
               help="Pages per zstd frame, at most 16 MiB of them (default: 2 MiB worth).")
-@click.option("--parent", "parents", multiple=True, type=click.Path(exists=True, dir_okay=False),
+@click.option("--parent", "parents", multiple=True, type=IMAGE,
               metavar="PREV.lean", help="Write an incremental image against PREV (the first --parent); "
               "more --parent options name PREV's ancestors (also found beside PREV).")
 @click.option("--delta/--no-delta", default=True, show_default=True,
@@ -407,9 +436,9 @@ def convert(save, output, as_json, source_format, spool, level, frame_pages, par
     from .results import convert_line, convert_result, written_image
     started, save_name = time.monotonic(), save
     # the parent's chain is opened to name its links only when OUTPUT exists: it could be one
-    chain = _chain_paths(parents[0], parents) if parents and os.path.exists(output) else []
+    chain = _chain_paths(parents[0], parents) if parents and _exists(output) else []
     disk_paths = _disks_named_by_save(save, source_format, _parse_disks(disks))
-    _guard_output(output, [save, *parents, *chain, *disk_paths.values(), *filter(None, [hints_path])], force)
+    _guard_output(output, [save, *parents, *chain, *disk_paths.values(), *filter(None, [hints_path])], force, object_ok=True)
     hinting = _hint_options(hints_path, trust_dirty_log, disk_scan)
     with _disk_sources(disk_paths, name_from_file=True) as sources:
         if sources:        # the bar follows the disk scan, the part whose length depends on the disk
@@ -545,7 +574,7 @@ def _report_disk_pages(sources: dict, summary) -> None:
 
 
 @main.command()
-@click.argument("image", type=click.Path(exists=True, dir_okay=False))
+@click.argument("image", type=IMAGE)
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="The image to write.")
 @json_option
 @verbosity_options
@@ -556,7 +585,7 @@ def flatten(image, output, as_json, parents, disks, force):
     """Write IMAGE as a self-contained image: no parent, same memory, same source state."""
     from .incremental import rebase
     with _open_image(image, parents, disks) as img:
-        _guard_output(output, _inputs_of(img, disks), force)
+        _guard_output(output, _inputs_of(img, disks), force, object_ok=True)
         ui.detail(f"flattening the {len(img.chain())} link(s) of {image} into {output}")
         with ui.progress(sum(r.size_bytes for r in img.regions), "flatten") as advance:
             rebase(img, output, None, progress=advance)
@@ -564,7 +593,7 @@ def flatten(image, output, as_json, parents, disks, force):
 
 
 @main.command()
-@click.argument("image", type=click.Path(exists=True, dir_okay=False))
+@click.argument("image", type=IMAGE)
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="The image to write.")
 @json_option
 @verbosity_options
@@ -582,7 +611,7 @@ def merge(image, output, as_json, delta, parents, disks, force):
     with _open_image(image, parents, disks) as img:
         if img.parent is None:
             raise ChainError("the image has no parent to merge into; use flatten")
-        _guard_output(output, _inputs_of(img, disks), force)
+        _guard_output(output, _inputs_of(img, disks), force, object_ok=True)
         ancestors = [link.path for link in img.parent.chain()[1:]]
         ui.detail(f"merging {image} into its parent {img.parent.path}: {output}")
         with ui.progress(sum(r.size_bytes for r in img.regions), "merge") as advance:
@@ -625,7 +654,7 @@ def plugins_command(as_json):
 
 # -- serve: lazy restore (restore/postcopy.py, spec/guides/lazy-restore.md) -----------------
 @main.command()
-@click.argument("image", type=click.Path(exists=True, dir_okay=False))
+@click.argument("image", type=IMAGE)
 @click.option("--postcopy", is_flag=True, required=True,
               help="Speak the source side of QEMU 7.2's post-copy migration: the stream on stdout, "
               "QEMU's return path on stdin (for -incoming \"exec:leanimg serve IMG --postcopy\").")
@@ -698,7 +727,7 @@ def demo(workdir):
 
 # -- map and dump: extents and structures as qemu-img map and crit decode give them -----------
 @main.command("map")
-@click.argument("image", type=click.Path(exists=True, dir_okay=False))
+@click.argument("image", type=IMAGE)
 @click.option("--output", "output_format", type=click.Choice(["human", "json"]), default="human",
               show_default=True, help="human: one line per extent; json: as lean-image/schemas/map.schema.json.")
 @json_option
@@ -718,7 +747,7 @@ def map_command(image, output_format, as_json, parents, disks):
 
 
 @main.command("dump")
-@click.argument("image", type=click.Path(exists=True, dir_okay=False))
+@click.argument("image", type=IMAGE)
 @click.option("--payloads", is_flag=True, help="Give every byte string in full (default: those over 64 "
               "bytes, such as compressed frames, as their length and first 16 bytes).")
 @json_option
@@ -748,7 +777,7 @@ def dump_command(image, payloads, as_json):
               help="A file of the guest's disk (repeatable): pages found on it become disk references. "
               "With --then continue the disk is frozen at the checkpoint instant (the guest writes to a new "
               "qcow2 overlay beside it from then on).")
-@click.option("--parent", "parents", multiple=True, type=click.Path(exists=True, dir_okay=False),
+@click.option("--parent", "parents", multiple=True, type=IMAGE,
               metavar="PREV.lean", help="Write an incremental image against PREV (more: PREV's ancestors).")
 @click.option("--delta/--no-delta", default=True, show_default=True, help="8-byte-word deltas (with --parent).")
 @click.option("--level", default=3, show_default=True, type=click.IntRange(1, 22), help="zstd level.")
@@ -775,9 +804,9 @@ def checkpoint(qmp_socket, output, as_json, mode, then, disks, parents, delta, l
     for path in paths.values():
         if not os.path.isfile(path):
             raise click.BadParameter(f"{path} is not a file", param_hint="--disk")
-    chain = _chain_paths(parents[0], parents) if parents and os.path.exists(output) else []
+    chain = _chain_paths(parents[0], parents) if parents and _exists(output) else []
     inputs = [*parents, *chain, *paths.values()]
-    _guard_output(output, inputs, force)
+    _guard_output(output, inputs, force, object_ok=True)
     if keep_stream:
         _guard_output(keep_stream, [*inputs, output], force)
     if guest_free and mode != "live":

@@ -11,7 +11,6 @@ how is the same as when every link is opened alone.
 
 from __future__ import annotations
 
-import io
 import os
 
 import numpy as np
@@ -20,6 +19,7 @@ from .format import (
     FOOTER, FOOTER_MAGIC, FORMAT_MAJOR, HEADER, HEADER_MAGIC, INDEX_BODY, INDEX_ENTRY, KNOWN_INCOMPAT, PAGE_SIZE_MAX,
     PAGE_SIZE_MIN, RECORD, RECORD_BODY_MAX, RECORD_TRAILER, IncompatFeature, RecordType, span_checksums,
 )
+from .locations import LocalFile, is_remote
 from .structures import Footer, Header, ImageFile, Record
 from .tables import FrameTable
 
@@ -87,7 +87,10 @@ def _taken(kept: dict, path: str, whole_below: int):
 
 
 def _read_whole(path: str, whole_below: int):
-    """(fd, the file's bytes) of a file ImageFile would read whole, else None (closed)."""
+    """(fd, the file's bytes) of a file ImageFile would read whole, else None (closed; and
+    for an object in a store, which open_link reads)."""
+    if is_remote(path):
+        return None
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
@@ -173,7 +176,7 @@ def _row_checksums(rows: np.ndarray, length: int) -> np.ndarray:
 def _assembled(path: str, fd: int, data: bytes, index_at: int, entries: np.ndarray) -> tuple:
     """The objects open_link(check=False) makes of a file whose tests passed, its INDEX's
     ``entries`` parsed already (with the batch's)."""
-    fileobj = io.FileIO(fd, "r")
+    fileobj = LocalFile(fd, "r")
     file = ImageFile.holding(fileobj, path, data)
     header = Header(data[:HEADER.size])
     footer_at = len(data) - FOOTER.size

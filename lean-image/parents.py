@@ -14,7 +14,9 @@ import uuid
 import numpy as np
 
 from .errors import ChainError, LeanImageError
+from . import s3
 from .format import CHAIN_DEPTH_MAX, HEADER
+from .locations import is_remote
 from .rules import implements
 
 try:        # optional (setup.py): the files beside an image read on a thread of their own
@@ -212,9 +214,13 @@ def _find_candidate(wanted: bytes, candidates, search: _Search):
     for candidate in candidates:
         if not isinstance(candidate, (str, os.PathLike)) and candidate.header.image_uuid == wanted:
             return candidate
-    paths = [os.path.abspath(os.fspath(c)) for c in candidates if isinstance(c, (str, os.PathLike))]
+    paths = [_absolute(c) for c in candidates if isinstance(c, (str, os.PathLike))]
     _read_uuids([path for path in dict.fromkeys(paths) if path not in search.uuid_of], search)
     return search.by_uuid.get(wanted)
+
+
+def _absolute(name) -> str:
+    return name if is_remote(name) else os.path.abspath(os.fspath(name))
 
 
 def _find_sibling(wanted: bytes, link_path: str, search: _Search):
@@ -227,6 +233,11 @@ def _find_sibling(wanted: bytes, link_path: str, search: _Search):
 def _read_uuids(paths: list[str], search: _Search) -> None:
     """Read the UUIDs of ``paths`` into ``search``: many on a thread of their own (_Scan),
     which the walk takes in as it goes; else here."""
+    remote = [path for path in paths if is_remote(path)]
+    if remote:
+        for path, head in zip(remote, s3.read_heads(remote, _UUIDS_END)):
+            search.note(path, head and _uuids_of(head))
+        paths = [path for path in paths if not is_remote(path)]
     if len(paths) >= SCAN_THREAD_MIN and _native is not None:
         search.finish()                  # paths are taken in in the order they are named
         search.scan = _Scan(paths, _kept_most() - len(search.kept))
@@ -239,19 +250,23 @@ def _siblings(path: str, search: _Search) -> list[str]:
     """The other *.lean files beside ``path`` (where the links of a chain usually live), listed
     once: nearest first, those sorting before ``path``'s name descending, then those after
     it (a chain's links are usually named in the order they were made). A UUID two of them
-    share is taken from the first in this order."""
-    directory = os.path.dirname(os.path.abspath(path))
-    if directory in search.listed:
-        return []
+    share is taken from the first in this order. An object's are those of its prefix."""
+    if is_remote(path):
+        directory, own = path.rpartition("/")[::2]
+        names = [name.rpartition("/")[2] for name in s3.list_beside(path, ".lean", SIBLINGS_MAX)] \
+            if directory not in search.listed else []
+    else:
+        directory, own = os.path.dirname(os.path.abspath(path)), os.path.basename(path)
+        try:
+            names = [] if directory in search.listed else \
+                sorted(n for n in os.listdir(directory) if n.endswith(".lean"))[:SIBLINGS_MAX]
+        except OSError:
+            names = []
     search.listed.add(directory)
-    try:
-        names = sorted(n for n in os.listdir(directory) if n.endswith(".lean"))[:SIBLINGS_MAX]
-    except OSError:
-        return []
-    own = os.path.basename(path)
     at = bisect.bisect_left(names, own)
     after = at + 1 if at < len(names) and names[at] == own else at        # the image itself is open already
-    return [os.path.join(directory, n) for n in names[:at][::-1] + names[after:]]
+    join = (lambda name: f"{directory}/{name}") if is_remote(path) else (lambda name: os.path.join(directory, name))
+    return [join(n) for n in names[:at][::-1] + names[after:]]
 
 
 READ_AHEAD_FILES = 256              # files open at once while their UUIDs are read

@@ -15,7 +15,6 @@ Every page handed out has been checked against its digest.
 
 from __future__ import annotations
 
-import io
 import os
 
 import numpy as np
@@ -24,6 +23,7 @@ from . import pages
 from .errors import DiskError, LeanImageError
 from .digests import DigestStore
 from .frames import FrameStore, decompress_frame
+from .locations import display, open_image
 from .parents import attach_chain
 from .structures import ImageFile, header_problems, read_footer, read_header
 from .checks import first_problem
@@ -85,9 +85,9 @@ class LeanImage:
     def open_link(cls, path, *, check: bool = True) -> "LeanImage":
         """One link, without its parent. ``check=False``: its header, footer and INDEX only;
         ``check_links`` must follow (a chain's links are checked together)."""
-        path = os.fspath(path)
+        path = display(path)
         try:
-            fileobj = io.FileIO(path, "r")          # unbuffered: every read is a pread or a large read
+            fileobj = open_image(path)
         except OSError as exc:
             raise LeanImageError(f"cannot open: {exc.strerror}", path=path) from None
         try:

@@ -11,10 +11,10 @@ bytes unless ``payloads`` is set.
 from __future__ import annotations
 
 import json
-import os
 
 from .errors import LeanImageError
 from .format import HEADER, RecordType
+from .locations import display, open_image
 from .structures import ImageFile, dump_record, parse_body, read_footer, read_header, scan_records
 
 DUMP_FORMAT = 1          # version of the JSON layout (lean-image/schemas/dump.schema.json)
@@ -47,17 +47,17 @@ def write_dump(path, out, payloads: bool = False) -> int:
     """Write the dump of the image at ``path`` to the text stream ``out``; the record count.
     Every record is read once before the first byte is written, so an image with a record that
     cannot be read raises its LeanImageError and leaves ``out`` untouched (no truncated JSON)."""
-    with open(path, "rb") as fileobj:
-        image = ImageFile(fileobj, os.fspath(path))
+    with open_image(path) as fileobj:
+        image = ImageFile(fileobj, display(path))
         try:
             header = read_header(image)
             footer = read_footer(image, header.header_length)
         except LeanImageError as exc:
-            exc.path = exc.path or os.fspath(path)
+            exc.path = exc.path or display(path)
             raise
         for _ in _records(image, header, footer, path):
             pass
-        head = dict(dump_format=DUMP_FORMAT, image=os.fspath(path),
+        head = dict(dump_format=DUMP_FORMAT, image=display(path),
                     header=plain(dict(header.fields(), extension=bytes(header.raw[HEADER.size:])), payloads))
         text = json.dumps(head, indent=2)
         out.write(text[:-2] + ',\n  "records": [')
@@ -73,6 +73,6 @@ def _records(image, header, footer, path):
     """Each record's dump in file order; raises the error of the first that cannot be read."""
     for count, item in enumerate(scan_records(image, header.header_length, footer.offset)):
         if isinstance(item, LeanImageError):
-            item.path = item.path or os.fspath(path)
+            item.path = item.path or display(path)
             raise item
         yield dict(dump_record(item, parse_body(item, count)), type=record_type_label(item.record_type))

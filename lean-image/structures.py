@@ -39,7 +39,7 @@ class ImageFile:
         self.size = fileobj.tell()
         self._whole = None
         if self.size < whole_below:
-            data = os.pread(fileobj.fileno(), self.size, 0)
+            data = fileobj.pread(self.size, 0)
             self._whole = data if len(data) == self.size else None
 
     @classmethod
@@ -68,7 +68,7 @@ class ImageFile:
         if whole is not None:
             data = memoryview(whole)[offset:offset + length] if view else whole[offset:offset + length]
         else:
-            data = os.pread(self.fileobj.fileno(), length, offset)
+            data = self.fileobj.pread(length, offset)
         if len(data) != length:
             raise TruncatedError(f"expected {length} bytes, got {len(data)}", offset=offset,
                                  structure=_named(structure))
@@ -694,8 +694,9 @@ def dump_fields(structure, values: dict) -> dict:
 def dump_structure(path) -> dict:
     """Every structure of an image with every field its declaration (format.py) names, as plain
     Python values: the names the spec's tables and the .ksy use."""
-    with open(path, "rb") as fileobj:
-        image = ImageFile(fileobj, os.fspath(path))
+    from .locations import display, open_image
+    with open_image(path) as fileobj:
+        image = ImageFile(fileobj, display(path))
         header = read_header(image)
         footer = read_footer(image, header.header_length)
         records = []

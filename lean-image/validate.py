@@ -23,6 +23,7 @@ from .format import (
     DIGEST_SIZE, PAGE_SIZE_MIN, PageClass, RecordType, digest_class_table, inherits_digests, page_digests,
     valid_page_size,
 )
+from .locations import display, is_remote, open_image
 from .reader import LeanImage, decompress_frame
 from .structures import (
     ImageFile, Record, body_problems, header_problems, image_digest_problems, index_location_problems, parse_body,
@@ -143,12 +144,15 @@ def validate(path, *, disks: dict | None = None, parents=(), progress=None) -> R
     """Check ``path`` against every rule of format v1.0 that its inputs allow. ``progress`` is
     called with the bytes done: of the file as its records are scanned, then a page's size for
     each page resolved through a disk or the parent (see ``work_bytes``)."""
-    path = os.fspath(path)
+    path = display(path)
     report = Report(path)
     try:
-        fileobj = open(path, "rb")
+        fileobj = open_image(path)
     except OSError as exc:
         report.add(LeanImageError(f"cannot open: {exc.strerror}"))
+        return report
+    except LeanImageError as exc:
+        report.add(exc)
         return report
     with fileobj:
         _validate_file(ImageFile(fileobj, path), report, disks or {}, list(parents), progress)
@@ -191,7 +195,7 @@ def work_bytes(path, *, disks: dict | None = None, parents=()) -> int:
                         if int(e["page_class"]) in wanted)
             return records + pages * link.page_size
     except LeanImageError:           # validate will say what is wrong
-        return os.path.getsize(path)
+        return 0 if is_remote(path) else os.path.getsize(path)
 
 
 # --- sequential pass ---------------------------------------------------------------

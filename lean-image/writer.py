@@ -25,7 +25,7 @@ import zstandard
 from . import delta as deltacodec
 from .arrays import distinct
 from .errors import LimitError, fits_in_memory
-from .fileutil import commit_temporary, create_temporary, discard_temporary, is_special_file
+from .locations import Output
 from .format import (
     DEFAULT_FRAME_BYTES, DEFAULT_ZSTD_LEVEL, DELTA_FRAME_BODY, DIGEST_CHUNK_PAGES, DIGEST_SIZE, HAS_SLOT,
     DIGESTS_BODY, DISK_BODY, DISK_REF, DISK_REF_CHUNK, DISK_REFS_BODY, DISK_SECTOR_SIZE, EXTENT, EXTENT_CHUNK,
@@ -186,17 +186,12 @@ class LeanImageWriter:
     # -- destination -------------------------------------------------------
     def _open_destination(self, dest) -> None:
         if isinstance(dest, (str, os.PathLike)):
-            self.path = os.fspath(dest)
-            if is_special_file(self.path):      # /dev/null, a FIFO: written in place
-                self._temp_path = None
-                self._fileobj = open(self.path, "wb", buffering=1 << 20)
-            else:
-                self._temp_path, self._fileobj = create_temporary(self.path, buffering=1 << 20)
-            self._owns_file = True
+            self._output = Output(dest)
+            self.path = self._output.name
+            self._fileobj = self._output.file
         else:
-            self.path, self._temp_path = None, None
+            self.path, self._output = None, None
             self._fileobj = dest
-            self._owns_file = False
         self._sink = _Sink(self._fileobj)
 
     def __enter__(self):
@@ -212,10 +207,8 @@ class LeanImageWriter:
     def abort(self) -> None:
         """Drop everything written; a path destination is left untouched."""
         self._compressor.close()
-        if self._owns_file:
-            self._fileobj.close()
-            if self._temp_path:
-                discard_temporary(self._temp_path)
+        if self._output is not None:
+            self._output.discard()
         self._finished = True
 
     # -- header and records --------------------------------------------------
@@ -608,13 +601,10 @@ class LeanImageWriter:
         return digest
 
     def _commit(self) -> None:
-        self._fileobj.flush()
-        if self._owns_file and self._temp_path is None:
-            self._fileobj.close()
-        elif self._owns_file:
-            os.fsync(self._fileobj.fileno())
-            self._fileobj.close()
-            commit_temporary(self._temp_path, self.path)
+        if self._output is not None:
+            self._output.commit()
+        else:
+            self._fileobj.flush()
 
 
 def _region_tables(name: str, num_pages: int) -> tuple:

@@ -1,0 +1,449 @@
+"""Images in S3-compatible object storage: ``s3://BUCKET/KEY`` names an object that is read by
+ranged GETs and written by a multipart upload.
+
+The client is boto3's (spec/guides/architecture.md says why): endpoint, region, credentials
+and retries come from the standard AWS configuration (``AWS_ENDPOINT_URL``,
+``AWS_ACCESS_KEY_ID``, profiles, ``AWS_MAX_ATTEMPTS``), so one command works against AWS S3,
+Ceph RGW, SeaweedFS, Garage or any other S3-compatible store. Nothing here knows pages: an
+object is a file the reader reads with ``pread``, an upload a file the writer writes to.
+"""
+
+from __future__ import annotations
+
+import atexit
+import io
+import os
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from .errors import LeanImageError
+
+SCHEME = "s3://"
+BLOCK = 1 << 20                 # the unit of reads and of the cache
+GET_BLOCKS_MOST = 8             # blocks one GET asks for at most (nearby blocks coalesced)
+AHEAD_BLOCKS = 32               # blocks read ahead of a reader that goes forward
+CACHE_BLOCKS = 96               # blocks kept (LRU): memory is bounded whatever the object's size
+FETCH_THREADS = 8
+PART_SIZE = 8 << 20             # multipart upload parts (S3: at least 5 MiB but the last)
+PARTS_IN_FLIGHT = 4
+LIST_PAGE = 1000
+BODY_ATTEMPTS = 3               # a response body cut short is asked for again this many times
+
+
+class StoreError(LeanImageError):
+    """The object store refused or failed a request, or an object changed while it was read."""
+
+
+def is_s3(name) -> bool:
+    return isinstance(name, str) and name.startswith(SCHEME)
+
+
+def split(name: str) -> tuple[str, str]:
+    """(bucket, key) of ``s3://BUCKET/KEY``."""
+    bucket, _, key = name[len(SCHEME):].partition("/")
+    if not bucket or not key or key.endswith("/"):
+        raise StoreError(f"expected s3://BUCKET/KEY, got {name!r}", path=name)
+    return bucket, key
+
+
+def join(bucket: str, key: str) -> str:
+    return f"{SCHEME}{bucket}/{key}"
+
+
+# -- the client ------------------------------------------------------------------
+_lock = threading.Lock()
+_client = None
+_pool: ThreadPoolExecutor | None = None
+
+
+def client():
+    """The process's S3 client (thread-safe), made on first use: importing boto3 costs
+    ~150 ms, which no command that reads local files pays."""
+    global _client
+    with _lock:
+        if _client is None:
+            import boto3
+            from botocore.config import Config
+            attempts = int(os.environ.get("AWS_MAX_ATTEMPTS", "5"))
+            config = Config(retries={"mode": os.environ.get("AWS_RETRY_MODE", "standard"), "max_attempts": attempts},
+                            max_pool_connections=2 * FETCH_THREADS, connect_timeout=10, read_timeout=60)
+            _client = boto3.session.Session().client("s3", config=config)
+        return _client
+
+
+def pool() -> ThreadPoolExecutor:
+    global _pool
+    with _lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(max_workers=FETCH_THREADS, thread_name_prefix="leanimg-s3")
+        return _pool
+
+
+def failure(exc: Exception, name: str, doing: str) -> StoreError:
+    """A clear StoreError for what boto3 raised while ``doing`` something to ``name``."""
+    from botocore import exceptions as bce
+    if isinstance(exc, bce.ClientError):
+        error = exc.response.get("Error", {})
+        code, status = str(error.get("Code", "")), exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        if code == "NoSuchBucket":
+            bucket = split(name)[0] if is_s3(name) else name
+            return StoreError(f"{doing}: bucket {bucket!r} does not exist", path=name)
+        if code in ("NoSuchKey", "404", "NotFound"):
+            return StoreError(f"{doing}: no such object (or its bucket does not exist)", path=name)
+        if code in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "403", "Forbidden"):
+            return StoreError(f"{doing}: the store refused the credentials ({code}); check AWS_ACCESS_KEY_ID, "
+                              "AWS_SECRET_ACCESS_KEY or the profile", path=name)
+        return StoreError(f"{doing}: the store answered {status} {code}: {error.get('Message', '')}".rstrip(": "),
+                          path=name)
+    if isinstance(exc, bce.NoCredentialsError):
+        return StoreError(f"{doing}: no credentials for the store (set AWS_ACCESS_KEY_ID and "
+                          "AWS_SECRET_ACCESS_KEY, or AWS_PROFILE)", path=name)
+    if isinstance(exc, (bce.EndpointConnectionError, bce.ConnectionClosedError, bce.ConnectTimeoutError)):
+        return StoreError(f"{doing}: cannot reach the store ({exc})", path=name)
+    if isinstance(exc, bce.BotoCoreError):
+        return StoreError(f"{doing}: {exc}", path=name)
+    return StoreError(f"{doing}: {type(exc).__name__}: {exc}", path=name)
+
+
+def _boto_errors():
+    from botocore import exceptions as bce
+    from urllib3 import exceptions as u3
+    return (bce.BotoCoreError, bce.ClientError, u3.HTTPError, OSError)
+
+
+# -- what was fetched ----------------------------------------------------------------
+class Fetched:
+    """Bytes and requests one object cost, for `inspect` and `validate` to report."""
+
+    def __init__(self, name: str, size: int):
+        self.name, self.size, self.bytes, self.requests = name, size, 0, 0
+
+    def as_dict(self) -> dict:
+        return {"location": self.name, "object_bytes": self.size, "fetched_bytes": self.bytes,
+                "requests": self.requests}
+
+
+FETCHED: dict[str, Fetched] = {}
+
+
+def fetched() -> list[Fetched]:
+    """What every object opened in this process cost so far."""
+    return list(FETCHED.values())
+
+
+# -- reading -------------------------------------------------------------------------
+class S3Object(io.RawIOBase):
+    """An object read like a file: ``pread`` and sequential reads. Reads are BLOCK-aligned
+    ranged GETs, nearby missing blocks coalesced into one request, many requests at once,
+    the blocks ahead of a reader going forward asked for before it gets there, the last
+    CACHE_BLOCKS kept. The object is pinned by the ETag it had when opened: a GET of an
+    object replaced since fails (If-Match), so bytes of two versions are never mixed."""
+
+    def __init__(self, name: str):
+        super().__init__()
+        self.name = name
+        self.bucket, self.key = split(name)
+        try:
+            head = client().head_object(Bucket=self.bucket, Key=self.key)
+        except _boto_errors() as exc:
+            raise _open_failure(exc, name) from None
+        self.size, self.etag = int(head["ContentLength"]), head["ETag"]
+        self.fetched = FETCHED.setdefault(name, Fetched(name, self.size))
+        self.fetched.size = self.size
+        self._pos = 0
+        self._blocks: OrderedDict[int, bytes] = OrderedDict()
+        self._pending: dict[int, Future] = {}
+        self._next_block = -1                   # the block after the last read: reading on from there reads ahead
+        self._block_lock = threading.Lock()
+
+    # file protocol
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def fileno(self) -> int:
+        raise io.UnsupportedOperation(f"{self.name} is an object, not a file")
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        base = {0: 0, 1: self._pos, 2: self.size}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
+
+    def readinto(self, buffer) -> int:
+        data = self.pread(len(buffer), self._pos)
+        buffer[:len(data)] = data
+        self._pos += len(data)
+        return len(data)
+
+    def close(self) -> None:
+        with self._block_lock:
+            for future in self._pending.values():
+                future.cancel()
+            self._pending.clear()
+            self._blocks.clear()
+        super().close()
+
+    def pread(self, length: int, offset: int) -> bytes:
+        """``length`` bytes at ``offset`` (fewer at the object's end), as os.pread."""
+        end = min(offset + length, self.size)
+        if length <= 0 or offset >= end:
+            return b""
+        first, last = offset // BLOCK, (end - 1) // BLOCK
+        with self._block_lock:
+            self._ask(first, last + 1)
+            if first <= self._next_block <= last + 1:
+                self._ask(last + 1, min(last + 1 + AHEAD_BLOCKS, self._blocks_in_object()))
+            self._next_block = last + 1
+        data = b"".join(self._block(b) for b in range(first, last + 1))
+        lo = offset - first * BLOCK
+        return data[lo:lo + end - offset]
+
+    def _blocks_in_object(self) -> int:
+        return -(-self.size // BLOCK)
+
+    def _ask(self, lo: int, hi: int) -> None:
+        """GETs for the blocks of [lo, hi) neither held nor asked for; called under the lock."""
+        b = lo
+        while b < hi:
+            if b in self._blocks or b in self._pending:
+                b += 1
+                continue
+            run_end = b
+            while run_end < hi and run_end - b < GET_BLOCKS_MOST and run_end not in self._blocks \
+                    and run_end not in self._pending:
+                run_end += 1
+            future = pool().submit(self._get, b, run_end)
+            for k in range(b, run_end):
+                self._pending[k] = future
+            b = run_end
+
+    def _block(self, b: int) -> bytes:
+        with self._block_lock:
+            if b in self._blocks:
+                self._blocks.move_to_end(b)
+                return self._blocks[b]
+            future = self._pending.get(b)
+            if future is None:                      # evicted since asked for: ask again
+                self._ask(b, b + 1)
+                future = self._pending[b]
+        try:
+            lo, data = future.result()
+        except StoreError:
+            raise
+        with self._block_lock:
+            for k in range(lo, lo + -(-len(data) // BLOCK)):
+                if self._pending.get(k) is future:
+                    del self._pending[k]
+                    self._blocks[k] = data[(k - lo) * BLOCK:(k - lo + 1) * BLOCK]
+            while len(self._blocks) > CACHE_BLOCKS:
+                self._blocks.popitem(last=False)
+        return data[(b - lo) * BLOCK:(b - lo + 1) * BLOCK]
+
+    def _get(self, lo: int, hi: int) -> tuple[int, bytes]:
+        start, end = lo * BLOCK, min(hi * BLOCK, self.size)
+        doing = f"reading bytes {start}-{end - 1}"
+        for attempt in range(BODY_ATTEMPTS):
+            try:
+                response = client().get_object(Bucket=self.bucket, Key=self.key, Range=f"bytes={start}-{end - 1}",
+                                               IfMatch=self.etag)
+                data = response["Body"].read()
+            except _boto_errors() as exc:
+                if _replaced(exc):
+                    raise StoreError(f"{doing}: the object was replaced since it was opened (its ETag was "
+                                     f"{self.etag}); refused rather than mixing two versions", path=self.name) from None
+                if _body_cut(exc) and attempt + 1 < BODY_ATTEMPTS:
+                    continue
+                raise failure(exc, self.name, doing) from None
+            self.fetched.bytes += len(data)
+            self.fetched.requests += 1
+            if len(data) != end - start:
+                raise StoreError(f"{doing}: got {len(data)} bytes, expected {end - start} (object changed?)",
+                                 path=self.name)
+            return lo, data
+        raise AssertionError("unreachable")
+
+
+def _replaced(exc) -> bool:
+    from botocore.exceptions import ClientError
+    return isinstance(exc, ClientError) and (
+        exc.response.get("Error", {}).get("Code") == "PreconditionFailed"
+        or exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode") == 412)
+
+
+def _body_cut(exc) -> bool:
+    from botocore.exceptions import ClientError
+    return not isinstance(exc, ClientError)
+
+
+def _open_failure(exc, name: str) -> StoreError:
+    return failure(exc, name, "cannot open")
+
+
+def exists(name: str) -> bool:
+    bucket, key = split(name)
+    try:
+        client().head_object(Bucket=bucket, Key=key)
+        return True
+    except _boto_errors() as exc:
+        error = failure(exc, name, "cannot look at the output")
+        if "no such object" in error.message:
+            return False
+        raise error from None
+
+
+def read_heads(names: list[str], length: int) -> list[bytes | None]:
+    """The first ``length`` bytes of each object (None: unreadable), asked for all at once."""
+    def head(name):
+        try:
+            bucket, key = split(name)
+            return client().get_object(Bucket=bucket, Key=key, Range=f"bytes=0-{length - 1}")["Body"].read()
+        except (StoreError, *_boto_errors()):
+            return None
+    return list(pool().map(head, names))
+
+
+def list_beside(name: str, suffix: str, most: int) -> list[str]:
+    """The objects beside ``name`` (same prefix up to its last '/') whose keys end in
+    ``suffix``, sorted, at most ``most``."""
+    bucket, key = split(name)
+    prefix = key[:key.rfind("/") + 1]
+    found: list[str] = []
+    try:
+        pages = client().get_paginator("list_objects_v2").paginate(
+            Bucket=bucket, Prefix=prefix, Delimiter="/", PaginationConfig={"PageSize": LIST_PAGE})
+        for page in pages:
+            found.extend(item["Key"] for item in page.get("Contents", ()) if item["Key"].endswith(suffix))
+            if len(found) >= most:
+                break
+    except _boto_errors() as exc:
+        raise failure(exc, join(bucket, prefix), "cannot list the images beside it") from None
+    return [join(bucket, k) for k in sorted(found)[:most]]
+
+
+# -- writing ---------------------------------------------------------------------------
+_UPLOADS: set["S3Upload"] = set()
+
+
+class S3Upload(io.RawIOBase):
+    """A new object written like a file, as a multipart upload: PART_SIZE parts sent on the
+    fetch threads, PARTS_IN_FLIGHT at most (memory bounded whatever the object's size). The
+    object appears under its key only at ``commit``; ``discard`` (or the process ending
+    without a commit) aborts the upload, so no part of it stays in the store."""
+
+    def __init__(self, name: str):
+        super().__init__()
+        self.name = name
+        self.bucket, self.key = split(name)
+        self._buffer = bytearray()
+        self._upload_id: str | None = None
+        self._parts: list[Future] = []
+        self.written = 0
+        _UPLOADS.add(self)
+
+    def writable(self) -> bool:
+        return True
+
+    def fileno(self) -> int:
+        raise io.UnsupportedOperation(f"{self.name} is an object, not a file")
+
+    def write(self, data) -> int:
+        self._buffer += data
+        self.written += len(data)
+        while len(self._buffer) >= PART_SIZE:
+            self._send(bytes(self._buffer[:PART_SIZE]))
+            del self._buffer[:PART_SIZE]
+        return len(data)
+
+    def _send(self, data: bytes) -> None:
+        if self._upload_id is None:
+            try:
+                self._upload_id = client().create_multipart_upload(Bucket=self.bucket, Key=self.key)["UploadId"]
+            except _boto_errors() as exc:
+                raise failure(exc, self.name, "cannot start the upload") from None
+        number = len(self._parts) + 1
+        self._parts.append(pool().submit(self._upload_part, number, data))
+        in_flight = [part for part in self._parts if not part.done()]
+        if len(in_flight) > PARTS_IN_FLIGHT:
+            in_flight[0].result()
+
+    def _upload_part(self, number: int, data: bytes) -> dict:
+        try:
+            response = client().upload_part(Bucket=self.bucket, Key=self.key, UploadId=self._upload_id,
+                                            PartNumber=number, Body=data)
+        except _boto_errors() as exc:
+            raise failure(exc, self.name, f"cannot upload part {number}") from None
+        return {"PartNumber": number, "ETag": response["ETag"]}
+
+    def commit(self) -> None:
+        """Make the object visible under its key, complete."""
+        try:
+            if self._upload_id is None:
+                client().put_object(Bucket=self.bucket, Key=self.key, Body=bytes(self._buffer))
+            else:
+                if self._buffer:
+                    self._send(bytes(self._buffer))
+                parts = [part.result() for part in self._parts]
+                client().complete_multipart_upload(Bucket=self.bucket, Key=self.key, UploadId=self._upload_id,
+                                                   MultipartUpload={"Parts": parts})
+        except _boto_errors() as exc:
+            self.discard()
+            raise failure(exc, self.name, "cannot complete the upload") from None
+        except BaseException:
+            self.discard()
+            raise
+        self._buffer = bytearray()
+        _UPLOADS.discard(self)
+        super().close()
+
+    def discard(self) -> None:
+        """Abort the upload: nothing of it is left in the store."""
+        _UPLOADS.discard(self)
+        for part in self._parts:
+            part.cancel()
+        self._buffer = bytearray()
+        if self._upload_id is not None:
+            upload_id, self._upload_id = self._upload_id, None
+            for part in self._parts:
+                try:
+                    part.exception()
+                except BaseException:
+                    pass
+            try:
+                client().abort_multipart_upload(Bucket=self.bucket, Key=self.key, UploadId=upload_id)
+            except _boto_errors():
+                pass                     # `leanimg uploads --abort` finds it
+        super().close()
+
+
+@atexit.register
+def _abort_leftover_uploads() -> None:
+    for upload in list(_UPLOADS):
+        upload.discard()
+
+
+def incomplete_uploads(prefix_name: str) -> list[dict]:
+    """The multipart uploads under ``s3://BUCKET[/PREFIX]`` never completed nor aborted
+    (a writer killed with SIGKILL leaves one): key, upload id, when it began."""
+    bucket, _, prefix = prefix_name[len(SCHEME):].partition("/")
+    found = []
+    try:
+        for page in client().get_paginator("list_multipart_uploads").paginate(Bucket=bucket, Prefix=prefix):
+            found.extend({"location": join(bucket, u["Key"]), "upload_id": u["UploadId"],
+                          "initiated": u["Initiated"].isoformat()} for u in page.get("Uploads", ()))
+    except _boto_errors() as exc:
+        raise failure(exc, prefix_name, "cannot list the uploads") from None
+    return found
+
+
+def abort_upload(location: str, upload_id: str) -> None:
+    bucket, key = split(location)
+    try:
+        client().abort_multipart_upload(Bucket=bucket, Key=key, UploadId=upload_id)
+    except _boto_errors() as exc:
+        raise failure(exc, location, "cannot abort the upload") from None
