@@ -66,6 +66,7 @@ from collections import Counter
 
 from leanimg.errors import CheckpointError, CheckpointInterrupted, LeanImageError
 from leanimg.fileutil import commit_temporary, create_temporary, discard_temporary
+from leanimg.locations import Output
 from leanimg.format import SourceFormat
 from leanimg.rules import implements
 from leanimg.writer import LeanImageWriter
@@ -475,7 +476,7 @@ class _Checkpoint:
         self.qmp, self.req, self.signals = monitor, request, signals
         self.fd_name = f"leanimg-checkpoint-{os.getpid()}"
         self.spool: _Spool | None = None
-        self.staged = self.staged_out = None     # stop/--background without disks: the image being written
+        self.staged = None     # stop/--background without disks: the image being written (locations.Output)
         self.disks: list[FrozenDisk] = []
         self.migrating = self.fd_passed = self.fd_used = False
         self.switched_over = False               # --live: migrate-continue sent after the pause
@@ -526,10 +527,10 @@ class _Checkpoint:
                 if self.req.then == "quit":
                     self._quit()
                 self._keep_hints()
-                commit_temporary(staged, self.req.output)
+                staged.commit()
                 self._mark("image in place")
             except BaseException:
-                discard_temporary(staged)
+                staged.discard()
                 raise
         except BaseException as exc:
             raise self._recover(exc) from None
@@ -605,8 +606,8 @@ class _Checkpoint:
         finally:
             theirs.close()
         if self.req.mode in ONCE_MODES and not self.disks:
-            self.staged, self.staged_out = _temp_beside(self.req.output)
-            self.spool = _Direct(ours, self.req.keep_stream, self.staged_out, self._open_writer)
+            self.staged = Output(self.req.output)
+            self.spool = _Direct(ours, self.req.keep_stream, self.staged.file, self._open_writer)
         else:
             self.spool = _Spool(ours, self.req.keep_stream, self.req.workdir)
         self.spool.start()
@@ -766,9 +767,7 @@ class _Checkpoint:
             self.spool.join(0.1)
         self.spool.result()
         self._mark("image written")
-        self.staged_out.flush()
-        os.fsync(self.staged_out.fileno())
-        self.staged_out.close()
+        self.staged.sync()
         self._mark("image synced")
         return self.staged
 
@@ -800,20 +799,18 @@ class _Checkpoint:
             self.saved_bandwidth = None
 
     # -- the image -----------------------------------------------------------------------
-    def _write_image(self, state, ram) -> str:
-        """The image, in a temporary file beside the output; its path."""
-        temp, out = _temp_beside(self.req.output)
+    def _write_image(self, state, ram) -> Output:
+        """The image, written to the output not yet committed (locations.Output)."""
+        staged = Output(self.req.output)
         try:
-            with out:
-                self._write_into(out, state, ram)
-                self._mark("image written")
-                out.flush()
-                os.fsync(out.fileno())
-                self._mark("image synced")
+            self._write_into(staged.file, state, ram)
+            self._mark("image written")
+            staged.sync()
+            self._mark("image synced")
         except BaseException:
-            discard_temporary(temp)
+            staged.discard()
             raise
-        return temp
+        return staged
 
     def _write_into(self, out, state, ram) -> None:
         from leanimg.disks import open_disk
@@ -875,9 +872,9 @@ class _Checkpoint:
         from leanimg.inspect import class_counts
         from leanimg.reader import LeanImage
         with LeanImage.open(self.req.output, parents=list(self.req.parents)) as image:
-            counts, page_size = class_counts(image), image.page_size
+            counts, page_size, size = class_counts(image), image.page_size, image.tables.file.size
         guest = "quit" if self.req.then == "quit" else self.qmp.execute("query-status")["status"]
-        return CheckpointResult(self.req.output, self.req.mode, self.req.then, os.path.getsize(self.req.output),
+        return CheckpointResult(self.req.output, self.req.mode, self.req.then, size,
                                 page_size, counts, self.downtime_ms, self._paused_ms(),
                                 time.monotonic() - self.started, self.disks, guest, self.balloon,
                                 self.guest_free, self.timeline)
@@ -915,8 +912,7 @@ class _Checkpoint:
             if self.spool.ram is not None:
                 self.spool.ram.close()
         if self.staged is not None:
-            self.staged_out.close()
-            discard_temporary(self.staged)
+            self.staged.discard()
         for step in (self._close_fd, self._restore_run_state, self._hang_up_guest_port,
                      self._restore_migration_settings, self._deflate_after_failure):
             try:

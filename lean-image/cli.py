@@ -263,6 +263,9 @@ def inspect(image, as_json, map_path, with_files, parents, disks, force):
             from .memory_picture import render_map
             render_map(img, map_path)
             summary["map"] = map_path
+    from .s3 import take_fetched
+    if fetched := take_fetched():
+        summary["fetched"] = fetched
     if as_json:
         ui.emit_json(summary)
     else:
@@ -284,13 +287,16 @@ def validate(image, as_json, whole_chain, parents, disks):
     from .validate import work_bytes
     links = _chain_paths(image, parents) if whole_chain else [image]
     paths = _parse_disks(disks)
+    from .s3 import take_fetched
     reports = []
+    take_fetched()
     for link in links:
         ui.detail(f"validating {link}")
         with _disk_sources(paths) as sources:
             chain = list(parents) + links
             with ui.progress(work_bytes(link, disks=sources, parents=chain), "validate") as advance:
                 reports.append(run(link, disks=sources, parents=chain, progress=advance))
+        reports[-1].fetched = take_fetched()
     if as_json:
         body = [r.to_json() for r in reports]
         ui.emit_json(body if whole_chain else body[0])
@@ -330,6 +336,9 @@ def _print_report(report) -> None:
         click.echo(f"{rule}: {count} more findings not shown")
     for note in report.not_checked_reasons:
         click.echo(f"not checked: {note}")
+    if report.fetched:
+        from .s3 import fetched_lines
+        ui.note("\n".join(line.strip() for line in fetched_lines(report.fetched)))
     checked = ", ".join(f"{v} {k}" for k, v in sorted(report.checked.items()))
     verdict = _verdict(report)
     ui.summary(f"{report.path}: {verdict}; checked {checked}")
@@ -833,6 +842,35 @@ def checkpoint(qmp_socket, output, as_json, mode, then, disks, parents, delta, l
     if as_json:
         ui.emit_json(result.to_json())
     ui.summary(result.summary())
+
+
+# -- object storage ----------------------------------------------------------------------
+@main.command()
+@click.argument("location", metavar="s3://BUCKET[/PREFIX]")
+@click.option("--abort", "abort", is_flag=True, help="Abort every upload listed (its parts are deleted).")
+@json_option
+@verbosity_options
+def uploads(location, abort, as_json):
+    """List the multipart uploads under s3://BUCKET[/PREFIX] never completed nor aborted.
+
+    A writer killed with SIGKILL (or a host that died) leaves its upload behind: never an
+    object under the image's key, but parts the store keeps (and bills) until aborted. Any
+    other interruption aborts the upload itself. A lifecycle rule
+    (AbortIncompleteMultipartUpload) does the same in stores that support one.
+    """
+    from . import s3
+    if not location.startswith(s3.SCHEME) or not location[len(s3.SCHEME):].partition("/")[0]:
+        raise click.BadParameter(f"expected s3://BUCKET[/PREFIX], got {location!r}", param_hint="LOCATION")
+    found = s3.incomplete_uploads(location)
+    if abort:
+        for upload in found:
+            s3.abort_upload(upload["location"], upload["upload_id"])
+    if as_json:
+        ui.emit_json({"uploads": found, "aborted": abort})
+    for upload in [] if as_json else found:
+        click.echo(f"{upload['initiated']}  {upload['location']}  {upload['upload_id']}"
+                   + ("  aborted" if abort else ""))
+    ui.summary(f"{len(found)} incomplete upload(s) under {location}" + (", aborted" if abort and found else ""))
 
 
 def run() -> None:

@@ -170,6 +170,9 @@ def render_text(summary: dict) -> str:
         for d in summary["disks"]:
             lines.append(f"  [{d['disk_id']}] {d['name']:<24} {d['size_bytes'] / MIB:10.2f} MiB  "
                          f"fingerprint {d['fingerprint']}")
+    if summary.get("fetched"):
+        from .s3 import fetched_lines
+        lines += ["", "object storage:", *fetched_lines(summary["fetched"])]
     if len(summary["chain"]) > 1:
         lines += ["", "chain (this image first):"]
         for depth, link in enumerate(summary["chain"]):

@@ -56,7 +56,7 @@ class Output:
 
     def __init__(self, name, buffering: int = 1 << 20):
         self.name = display(name)
-        self._temp = None
+        self._temp, self._done = None, False
         if is_remote(self.name):
             self.file = s3.S3Upload(self.name)
         elif is_special_file(self.name):
@@ -64,18 +64,28 @@ class Output:
         else:
             self._temp, self.file = create_temporary(self.name, buffering=buffering)
 
+    def sync(self) -> None:
+        """What is written so far made durable (a local file's fsync; an upload's parts are
+        durable once sent, and the object exists only at ``commit``)."""
+        if not isinstance(self.file, s3.S3Upload):
+            self.file.flush()
+            if self._temp is not None:
+                os.fsync(self.file.fileno())
+
     def commit(self) -> None:
         if isinstance(self.file, s3.S3Upload):
             self.file.commit()
-            return
-        self.file.flush()
-        if self._temp is not None:
-            os.fsync(self.file.fileno())
-        self.file.close()
-        if self._temp is not None:
-            commit_temporary(self._temp, self.name)
+        else:
+            self.sync()
+            self.file.close()
+            if self._temp is not None:
+                commit_temporary(self._temp, self.name)
+        self._done = True
 
     def discard(self) -> None:
+        if self._done:
+            return
+        self._done = True
         if isinstance(self.file, s3.S3Upload):
             self.file.discard()
             return

@@ -127,18 +127,40 @@ class Fetched:
 FETCHED: dict[str, Fetched] = {}
 
 
-def fetched() -> list[Fetched]:
-    """What every object opened in this process cost so far."""
-    return list(FETCHED.values())
+def take_fetched() -> list[dict]:
+    """What every object opened since the last call cost (Fetched.as_dict), and start again."""
+    found = [f.as_dict() for f in FETCHED.values()]
+    FETCHED.clear()
+    return found
+
+
+def fetched_lines(fetched: list[dict]) -> list[str]:
+    return [f"  fetched {f['fetched_bytes'] / 2**20:.2f} MiB of {f['object_bytes'] / 2**20:.2f} MiB in "
+            f"{f['requests']} ranged GETs: {f['location']}" for f in fetched]
 
 
 # -- reading -------------------------------------------------------------------------
+class _Blocks:
+    """The blocks read of every object open in this process, by (bucket, key, ETag, block):
+    the last CACHE_BLOCKS kept (LRU), those asked for but not yet arrived as futures. Shared,
+    so a command that opens an image twice (validate: its records, then its pages) or a
+    parent twice fetches a block once while it is kept."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.held: OrderedDict[tuple, bytes] = OrderedDict()
+        self.pending: dict[tuple, Future] = {}
+
+
+_BLOCKS = _Blocks()
+
+
 class S3Object(io.RawIOBase):
     """An object read like a file: ``pread`` and sequential reads. Reads are BLOCK-aligned
     ranged GETs, nearby missing blocks coalesced into one request, many requests at once,
     the blocks ahead of a reader going forward asked for before it gets there, the last
-    CACHE_BLOCKS kept. The object is pinned by the ETag it had when opened: a GET of an
-    object replaced since fails (If-Match), so bytes of two versions are never mixed."""
+    CACHE_BLOCKS kept (_Blocks). The object is pinned by the ETag it had when opened: a GET
+    of an object replaced since fails (If-Match), so bytes of two versions are never mixed."""
 
     def __init__(self, name: str):
         super().__init__()
@@ -152,10 +174,8 @@ class S3Object(io.RawIOBase):
         self.fetched = FETCHED.setdefault(name, Fetched(name, self.size))
         self.fetched.size = self.size
         self._pos = 0
-        self._blocks: OrderedDict[int, bytes] = OrderedDict()
-        self._pending: dict[int, Future] = {}
+        self._id = (self.bucket, self.key, self.etag)
         self._next_block = -1                   # the block after the last read: reading on from there reads ahead
-        self._block_lock = threading.Lock()
 
     # file protocol
     def readable(self) -> bool:
@@ -181,13 +201,6 @@ class S3Object(io.RawIOBase):
         self._pos += len(data)
         return len(data)
 
-    def close(self) -> None:
-        with self._block_lock:
-            for future in self._pending.values():
-                future.cancel()
-            self._pending.clear()
-            self._blocks.clear()
-        super().close()
 
     def pread(self, length: int, offset: int) -> bytes:
         """``length`` bytes at ``offset`` (fewer at the object's end), as os.pread."""
@@ -195,7 +208,7 @@ class S3Object(io.RawIOBase):
         if length <= 0 or offset >= end:
             return b""
         first, last = offset // BLOCK, (end - 1) // BLOCK
-        with self._block_lock:
+        with _BLOCKS.lock:
             self._ask(first, last + 1)
             if first <= self._next_block <= last + 1:
                 self._ask(last + 1, min(last + 1 + AHEAD_BLOCKS, self._blocks_in_object()))
@@ -209,40 +222,45 @@ class S3Object(io.RawIOBase):
 
     def _ask(self, lo: int, hi: int) -> None:
         """GETs for the blocks of [lo, hi) neither held nor asked for; called under the lock."""
+        def missing(k):
+            return (*self._id, k) not in _BLOCKS.held and (*self._id, k) not in _BLOCKS.pending
         b = lo
         while b < hi:
-            if b in self._blocks or b in self._pending:
+            if not missing(b):
                 b += 1
                 continue
             run_end = b
-            while run_end < hi and run_end - b < GET_BLOCKS_MOST and run_end not in self._blocks \
-                    and run_end not in self._pending:
+            while run_end < hi and run_end - b < GET_BLOCKS_MOST and missing(run_end):
                 run_end += 1
             future = pool().submit(self._get, b, run_end)
             for k in range(b, run_end):
-                self._pending[k] = future
+                _BLOCKS.pending[(*self._id, k)] = future
             b = run_end
 
     def _block(self, b: int) -> bytes:
-        with self._block_lock:
-            if b in self._blocks:
-                self._blocks.move_to_end(b)
-                return self._blocks[b]
-            future = self._pending.get(b)
+        key = (*self._id, b)
+        with _BLOCKS.lock:
+            if key in _BLOCKS.held:
+                _BLOCKS.held.move_to_end(key)
+                return _BLOCKS.held[key]
+            future = _BLOCKS.pending.get(key)
             if future is None:                      # evicted since asked for: ask again
                 self._ask(b, b + 1)
-                future = self._pending[b]
+                future = _BLOCKS.pending[key]
         try:
             lo, data = future.result()
-        except StoreError:
+        except BaseException:
+            with _BLOCKS.lock:           # a later read asks again
+                for k in [k for k, f in _BLOCKS.pending.items() if f is future]:
+                    del _BLOCKS.pending[k]
             raise
-        with self._block_lock:
+        with _BLOCKS.lock:
             for k in range(lo, lo + -(-len(data) // BLOCK)):
-                if self._pending.get(k) is future:
-                    del self._pending[k]
-                    self._blocks[k] = data[(k - lo) * BLOCK:(k - lo + 1) * BLOCK]
-            while len(self._blocks) > CACHE_BLOCKS:
-                self._blocks.popitem(last=False)
+                if _BLOCKS.pending.get((*self._id, k)) is future:
+                    del _BLOCKS.pending[(*self._id, k)]
+                    _BLOCKS.held[(*self._id, k)] = data[(k - lo) * BLOCK:(k - lo + 1) * BLOCK]
+            while len(_BLOCKS.held) > CACHE_BLOCKS:
+                _BLOCKS.held.popitem(last=False)
         return data[(b - lo) * BLOCK:(b - lo + 1) * BLOCK]
 
     def _get(self, lo: int, hi: int) -> tuple[int, bytes]:

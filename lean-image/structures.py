@@ -39,7 +39,7 @@ class ImageFile:
         self.size = fileobj.tell()
         self._whole = None
         if self.size < whole_below:
-            data = fileobj.pread(self.size, 0)
+            data = self.pread(self.size, 0)
             self._whole = data if len(data) == self.size else None
 
     @classmethod
@@ -48,6 +48,11 @@ class ImageFile:
         image = cls.__new__(cls)
         image.fileobj, image.name, image.size, image._whole = fileobj, name, len(data), data
         return image
+
+    def pread(self, length: int, offset: int) -> bytes:
+        """os.pread of the file (an object in a store, locations.open_image, has its own)."""
+        own = getattr(self.fileobj, "pread", None)
+        return own(length, offset) if own is not None else os.pread(self.fileobj.fileno(), length, offset)
 
     @property
     def holds_whole(self) -> bool:
@@ -68,7 +73,7 @@ class ImageFile:
         if whole is not None:
             data = memoryview(whole)[offset:offset + length] if view else whole[offset:offset + length]
         else:
-            data = self.fileobj.pread(length, offset)
+            data = self.pread(length, offset)
         if len(data) != length:
             raise TruncatedError(f"expected {length} bytes, got {len(data)}", offset=offset,
                                  structure=_named(structure))

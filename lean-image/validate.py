@@ -100,6 +100,7 @@ class Verdict:
 @dataclass
 class Report(Verdict):
     checked: Counter = field(default_factory=Counter)
+    fetched: list = field(default_factory=list)       # s3.take_fetched(): objects read from a store
     # checks an input missing at run time prevented: structure -> (count, first message)
     unavailable: dict = field(default_factory=dict)
 
@@ -119,7 +120,8 @@ class Report(Verdict):
         self.findings.append(Finding(rule, error.offset, error.structure or "", error.message))
 
     def to_json(self) -> dict:
-        return dict(self.verdict_json(), checked=dict(self.checked))
+        extra = {"fetched": self.fetched} if self.fetched else {}
+        return dict(self.verdict_json(), checked=dict(self.checked), **extra)
 
 
 @dataclass

@@ -23,7 +23,7 @@ from leanimg.rules import HINT_RULES, RULES, WORKING_SET_RULES
 from helpers import VECTORS_DIR
 
 COMMANDS_WITH_JSON = {"inspect", "validate", "validate-hints", "plugins", "convert", "restore", "flatten", "merge",
-                      "serve", "checkpoint"}
+                      "serve", "checkpoint", "uploads"}
 RULE_IDS = set(RULES) | set(HINT_RULES) | set(WORKING_SET_RULES)
 
 
@@ -287,3 +287,39 @@ def test_progress_is_drawn_on_a_terminal_only(sample, tmp_path, command, args):
     piped = subprocess.run([*command_line(), command, *args, *(["-f"] if command != "validate" else [])],
                            cwd=sample, capture_output=True)
     assert piped.returncode == 0 and b"[#" not in piped.stderr and b"%" not in piped.stderr
+
+
+def test_inspect_and_validate_of_an_object_say_what_was_fetched(sample, s3store, monkeypatch):
+    """s3:// images: the bytes fetched and the requests, per object, in the schema's shape."""
+    from leanimg import s3
+    for name, value in s3store.env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(s3, "_client", None)
+    client = s3store.client()
+    for name in ("vm.lean", "vm-2.lean"):
+        client.upload_file(str(sample / name), s3store.bucket, f"json/{name}")
+    size = (sample / "vm-2.lean").stat().st_size
+    out = checked("inspect", ok(sample, "inspect", s3store.url("json/vm-2.lean"), "--json").stdout)
+    fetched = {f["location"]: f for f in out["fetched"]}
+    assert set(fetched) == {s3store.url("json/vm.lean"), s3store.url("json/vm-2.lean")}
+    child = fetched[s3store.url("json/vm-2.lean")]
+    assert child["object_bytes"] == size and 0 < child["fetched_bytes"] <= size and child["requests"] >= 1
+    monkeypatch.setattr(s3, "_BLOCKS", s3._Blocks())           # cold, as a new process is
+    report = checked("validate", ok(sample, "validate", s3store.url("json/vm.lean"), "--json", code=4).stdout)
+    (whole,) = report["fetched"]
+    assert whole["fetched_bytes"] == whole["object_bytes"] == (sample / "vm.lean").stat().st_size
+
+
+def test_uploads_lists_and_aborts(s3store, tmp_path, monkeypatch):
+    from leanimg import s3
+    for name, value in s3store.env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(s3, "_client", None)
+    client = s3store.client()
+    started = client.create_multipart_upload(Bucket=s3store.bucket, Key="uploads-json/left.lean")
+    listed = checked("uploads", ok(tmp_path, "uploads", s3store.url("uploads-json/"), "--json").stdout)
+    assert [(u["location"], u["upload_id"]) for u in listed["uploads"]] == \
+        [(s3store.url("uploads-json/left.lean"), started["UploadId"])] and listed["aborted"] is False
+    aborted = checked("uploads", ok(tmp_path, "uploads", s3store.url("uploads-json/"), "--abort", "--json").stdout)
+    assert aborted["aborted"] is True and len(aborted["uploads"]) == 1
+    assert s3store.uploads("uploads-json/") == []
