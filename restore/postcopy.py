@@ -56,6 +56,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
+from leanimg import s3
 from leanimg.converters import qemu
 from leanimg.errors import LeanImageError, UnsupportedError
 from leanimg.fileutil import widen_pipe, write_atomically
@@ -123,6 +124,10 @@ class ServeStats:
     demand_wait_total: float = 0.0
     # the first FIRST_REQUESTS requests: (arrival, answer queued) as Unix times, block, first page
     first_requests: list = field(default_factory=list)
+    # an image read from object storage (s3://): bytes fetched from the store when the guest
+    # was let run, and per object at the end (s3.take_fetched)
+    fetched_at_run: int | None = None
+    fetched: list = field(default_factory=list)
 
     def mark(self, event: str) -> None:
         self.timeline.append((event, time.time()))
@@ -133,7 +138,20 @@ class ServeStats:
         return (f"serve --postcopy ({self.strategy}): {self.demand_pages} pages on demand "
                 f"({self.demand_blank} of them zero), {self.pushed_pages} pushed, {self.requests} requests "
                 f"({self.requests_already_sent} for pages already sent); {done}; "
-                f"{self.bytes_sent / 2**20:.1f} MiB written")
+                f"{self.bytes_sent / 2**20:.1f} MiB written{self._fetched_summary()}")
+
+    def _fetched_summary(self) -> str:
+        if not self.fetched:
+            return ""
+        fetched, size = sum(f["fetched_bytes"] for f in self.fetched), sum(f["object_bytes"] for f in self.fetched)
+        at_run = f", {self.fetched_at_run / 2**20:.1f} MiB of it before the guest ran" \
+            if self.fetched_at_run is not None else ""
+        return f"; fetched {fetched / 2**20:.1f} MiB of the {size / 2**20:.1f} MiB image from the store{at_run}"
+
+
+def _fetched_bytes() -> int | None:
+    """Bytes fetched so far from object storage (None: the image is not in a store)."""
+    return sum(f.bytes for f in s3.FETCHED.values()) if s3.FETCHED else None
 
 
 # ---------------------------------------------------------------------------- host check
@@ -505,6 +523,7 @@ class PostcopyServer:
             self.out.flush()
             self.stats.mark("package sent")
             self.stats.seconds_to_run = time.monotonic() - self.t0
+            self.stats.fetched_at_run = _fetched_bytes()
             self._loop()
         except BrokenPipeError:
             self.stats.error = (f"the destination closed the migration stream after {self.stats.bytes_sent} bytes "
@@ -777,6 +796,7 @@ def serve_postcopy(image: LeanImage, out, inp, strategy: str = "sequential", sta
     finally:
         if record_faults:
             server.record_faults(record_faults)
+        server.stats.fetched = s3.take_fetched()
         server.log(server.stats.summary())
         if stats_path:
             text = json.dumps(asdict(server.stats), indent=2).encode()

@@ -18,6 +18,9 @@ its pmemsave then equals ``leanimg restore IMG --to raw`` and the checkpoint's o
 (the legacy VGA window excepted: pmemsave reads the VGA device there); after ``cont`` the
 check workload's heartbeat goes on.  The serve's counts (``--stats``) add up.
 
+From object storage (a real SeaweedFS, tests/s3store.py): the chain's two links as objects
+under one prefix, served from there (the parent found beside the child), the same memory.
+
 Also: a guest that runs while its memory is still arriving (no -S; bubble and disk-sorted
 prepaging), pages faulted on demand; a demand-only serve (``--prepage none``) whose every
 page is asked for by pmemsave; a disk changed under a DISK page stops the serve with an error
@@ -125,12 +128,14 @@ def with_free_pages(src: Path, dest: Path) -> None:
 # ------------------------------------------------------------------ helpers
 
 @contextmanager
-def destination(sp: SavePoint, image: Path, workdir: Path, *serve_options: str, autostart: bool = False):
+def destination(sp: SavePoint, image: Path | str, workdir: Path, *serve_options: str, autostart: bool = False,
+                env: dict | None = None):
     """A fresh QEMU on a copy of the checkpoint's disk, its incoming `leanimg serve IMAGE
-    --postcopy`; yields the VM and the path of the serve's --stats file."""
+    --postcopy` (with ``env`` set for it); yields the VM and the path of the serve's --stats file."""
     disk = copy_disk(sp.disk, workdir / "disk.img")
     stats = workdir / "serve-stats.json"
-    argv = [*LEANIMG, "serve", str(image), "--postcopy", "--stats", str(stats), *serve_options]
+    argv = [*(["env", *[f"{k}={v}" for k, v in env.items()]] if env else []),
+            *LEANIMG, "serve", str(image), "--postcopy", "--stats", str(stats), *serve_options]
     vm_dir = workdir / "dest"
     vm_dir.mkdir()
     with GuestVM(sp.build, disk, mem_mib=sp.mem_mib, workdir=vm_dir, incoming=f"exec:{shlex.join(argv)}",
@@ -334,3 +339,37 @@ def test_a_disk_changed_under_a_disk_page_stops_the_serve(images, tmp_path):
     assert len(named) == 1, (on_block, stats["error"])
     assert f"leanimg: error: {stats['error']}" in output, output[-3000:]
     assert "disk 'vda' sector" in stats["error"], stats["error"]
+
+
+@pytest.fixture(scope="module")
+def stored_chain(images, s3store):
+    """The chain image and its parent as objects under one prefix of the store."""
+    prefix = f"postcopy-{images['chain'][1].qemu.id}/"
+    client = s3store.client()
+    for kind in ("inline", "chain"):
+        client.upload_file(str(images[kind][0]), s3store.bucket, f"{prefix}{kind}.lean")
+    yield s3store.url(f"{prefix}chain.lean")
+    for kind in ("inline", "chain"):
+        client.delete_object(Bucket=s3store.bucket, Key=f"{prefix}{kind}.lean")
+
+
+def test_lazy_restore_from_object_storage(images, stored_chain, s3store, tmp_path):
+    """serve s3://.../chain.lean: its parent found beside it in the store, every page fetched
+    by range; the memory equals the local restore's, the guest runs on; the serve says what
+    it fetched."""
+    image, sp, options = images["chain"]
+    with destination(sp, stored_chain, tmp_path, *options, env=s3store.env) as (vm, stats_path):
+        assert wait_migration(vm, {"completed"}) == "completed"
+        vm.pmemsave(tmp_path / "dest.mem")
+        assert_same_memory(tmp_path / "dest.mem", raw_restore(image, options, tmp_path, sp.mem_mib << 20),
+                           "pmemsave of the serve from the store vs restore --to raw of the local chain")
+        vm.cont()
+        assert_check_workload_runs(vm)
+        assert vm.status() == "running"
+        stats = read_stats(stats_path)
+    assert_counts_add_up(stats)
+    fetched = {f["location"].rsplit("/", 1)[1]: f for f in stats["fetched"]}
+    assert set(fetched) == {"inline.lean", "chain.lean"}, stats["fetched"]
+    assert all(0 < f["fetched_bytes"] <= f["object_bytes"] for f in fetched.values()), fetched
+    assert stats["fetched_at_run"] is not None and stats["fetched_at_run"] > 0
+    assert "Traceback" not in vm.qemu_output() and "leanimg: error" not in vm.qemu_output()
