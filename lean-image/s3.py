@@ -264,6 +264,16 @@ class S3Object(io.RawIOBase):
         return data[(b - lo) * BLOCK:(b - lo + 1) * BLOCK]
 
     def _get(self, lo: int, hi: int) -> tuple[int, bytes]:
+        cache = disk_cache()
+        kept = cache and cache.get_run(self._id, lo, hi)
+        if kept:
+            return lo, kept
+        lo, data = self._fetch(lo, hi)
+        if cache:
+            cache.put_run(self._id, lo, data)
+        return lo, data
+
+    def _fetch(self, lo: int, hi: int) -> tuple[int, bytes]:
         start, end = lo * BLOCK, min(hi * BLOCK, self.size)
         doing = f"reading bytes {start}-{end - 1}"
         for attempt in range(BODY_ATTEMPTS):
@@ -285,6 +295,109 @@ class S3Object(io.RawIOBase):
                                  path=self.name)
             return lo, data
         raise AssertionError("unreachable")
+
+
+class DiskCache:
+    """A read-through cache of blocks on local disk (LEANIMG_S3_CACHE=DIR, at most
+    LEANIMG_S3_CACHE_MB, default 4096): a host that restores or serves the same images again
+    (a fleet's golden image) fetches their blocks once. A block is kept by object, ETag and
+    number (a replaced object is another ETag: never served from the old one's blocks), written
+    whole by rename, with its xxh3-64 checked when read (a damaged file is dropped and fetched
+    again). The least recently used files go when the limit is passed."""
+
+    def __init__(self, directory: str, limit: int):
+        self.directory, self.limit = directory, limit
+        self.used: int | None = None
+        self.lock = threading.Lock()
+
+    def _path(self, object_id: tuple, block: int) -> str:
+        import hashlib
+        name = hashlib.sha256("\0".join(object_id).encode()).hexdigest()[:32]
+        return os.path.join(self.directory, name, str(block))
+
+    def get_run(self, object_id: tuple, lo: int, hi: int) -> bytes | None:
+        """Blocks [lo, hi) joined, if every one is here and intact."""
+        import xxhash
+        parts = []
+        for block in range(lo, hi):
+            try:
+                with open(self._path(object_id, block), "rb") as f:
+                    raw = f.read()
+            except OSError:
+                return None
+            if len(raw) < 8 or xxhash.xxh3_64_digest(raw[8:]) != raw[:8]:
+                self._drop(self._path(object_id, block))
+                return None
+            parts.append(raw[8:])
+        for block in range(lo, hi):            # recently used: kept longest
+            try:
+                os.utime(self._path(object_id, block))
+            except OSError:
+                pass
+        return b"".join(parts)
+
+    def put_run(self, object_id: tuple, lo: int, data: bytes) -> None:
+        import xxhash
+        added = 0
+        for k in range(-(-len(data) // BLOCK)):
+            block = data[k * BLOCK:(k + 1) * BLOCK]
+            path = self._path(object_id, lo + k)
+            try:
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                temp = f"{path}.{os.getpid()}.{threading.get_ident()}.partial"
+                with open(temp, "wb") as f:
+                    f.write(xxhash.xxh3_64_digest(block) + block)
+                os.replace(temp, path)
+                added += len(block) + 8
+            except OSError:
+                return                          # a full or read-only cache costs fetches, never a failure
+        with self.lock:
+            if self.used is None:
+                self.used = sum(size for _, size, _ in self._files())
+            else:
+                self.used += added
+            if self.used > self.limit:
+                self._trim()
+
+    def _files(self) -> list[tuple[float, int, str]]:
+        found = []
+        for root, _, names in os.walk(self.directory):
+            for name in names:
+                try:
+                    st = os.stat(os.path.join(root, name))
+                except OSError:
+                    continue
+                found.append((st.st_mtime, st.st_size, os.path.join(root, name)))
+        return found
+
+    def _trim(self) -> None:
+        files = sorted(self._files())
+        self.used = sum(size for _, size, _ in files)
+        for _, size, path in files:
+            if self.used <= self.limit * 0.9:
+                break
+            self._drop(path)
+            self.used -= size
+
+    @staticmethod
+    def _drop(path: str) -> None:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+
+
+_disk_cache: list = []
+
+
+def disk_cache() -> DiskCache | None:
+    """The read-through cache LEANIMG_S3_CACHE names (None: no cache)."""
+    with _lock:
+        if not _disk_cache:
+            directory = os.environ.get("LEANIMG_S3_CACHE")
+            limit = int(os.environ.get("LEANIMG_S3_CACHE_MB", "4096")) << 20
+            _disk_cache.append(DiskCache(directory, limit) if directory else None)
+        return _disk_cache[0]
 
 
 def _replaced(exc) -> bool:

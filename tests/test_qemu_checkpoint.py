@@ -359,6 +359,36 @@ def test_a_background_checkpoint_without_disks_streams_into_the_writer(guest):
 
 
 @qemu
+def test_checkpoints_into_object_storage(guest, s3store):
+    """-o s3://: a background checkpoint streamed into an upload (no spool), then a live one
+    against it as parent in the store (spooled, its pages looked up in the parent by range):
+    each restores to the memory of its kept stream; the store holds the two objects only."""
+    env = dict(__import__("os").environ, **s3store.env)
+    prefix = f"checkpoint-{guest.vm.qemu.id}/"
+    first, second = s3store.url(f"{prefix}first.lean"), s3store.url(f"{prefix}second.lean")
+    streams = [guest.work / "s3-first.save", guest.work / "s3-second.save"]
+    for image, args in ((first, ["--background"]), (second, ["--live", "--parent", first])):
+        proc = run_leanimg("checkpoint", "--qmp", guest.qmp, "-o", image, *args, "--keep-stream",
+                           streams[image == second], timeout=TIMEOUT, env=env)
+        assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+        _assert_running_on(guest)
+    assert s3store.keys(prefix) == [f"{prefix}first.lean", f"{prefix}second.lean"] and not s3store.uploads(prefix)
+    for image, stream in zip((first, second), streams):
+        raw, full = stream.with_suffix(".raw"), stream.with_suffix(".lean")
+        assert leanimg("restore", image, "--to", "raw", "-o", raw, env=env).returncode == 0
+        assert leanimg("convert", stream, "-o", full).returncode == 0
+        assert leanimg("restore", full, "--to", "raw", "-o", full.with_suffix(".full.raw")).returncode == 0
+        assert sha256_file(raw) == sha256_file(full.with_suffix(".full.raw")), image
+    assert Counter(json_of(leanimg("inspect", second, "--json", env=env))["classes"])["PARENT"] > 0
+
+
+def json_of(proc: subprocess.CompletedProcess):
+    import json
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
+
+
+@qemu
 def test_checkpoint_json_follows_its_schema(guest):
     import json
 
