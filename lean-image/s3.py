@@ -147,7 +147,7 @@ class _Blocks:
     parent twice fetches a block once while it is kept."""
 
     def __init__(self):
-        self.lock = threading.Lock()
+        self.lock = threading.RLock()          # a GET that ended already runs its callback at once
         self.held: OrderedDict[tuple, bytes] = OrderedDict()
         self.pending: dict[tuple, Future] = {}
 
@@ -235,32 +235,36 @@ class S3Object(io.RawIOBase):
             future = pool().submit(self._get, b, run_end)
             for k in range(b, run_end):
                 _BLOCKS.pending[(*self._id, k)] = future
+            future.add_done_callback(self._arrived)
             b = run_end
+
+    def _arrived(self, future: Future) -> None:
+        """A GET's blocks moved to the held ones (LRU, CACHE_BLOCKS at most) as it ends, read
+        or not: blocks read ahead and never used cannot pile up. A failed GET's are
+        forgotten, so a later read asks again."""
+        failed = future.cancelled() or future.exception() is not None
+        with _BLOCKS.lock:
+            for key in [key for key, f in _BLOCKS.pending.items() if f is future]:
+                del _BLOCKS.pending[key]
+                if not failed:
+                    lo, data = future.result()
+                    k = key[-1] - lo
+                    _BLOCKS.held[key] = data[k * BLOCK:(k + 1) * BLOCK]
+            while len(_BLOCKS.held) > CACHE_BLOCKS:
+                _BLOCKS.held.popitem(last=False)
 
     def _block(self, b: int) -> bytes:
         key = (*self._id, b)
         with _BLOCKS.lock:
+            if key not in _BLOCKS.held and key not in _BLOCKS.pending:
+                self._ask(b, b + 1)                 # evicted since asked for (or never asked): ask again
             if key in _BLOCKS.held:
                 _BLOCKS.held.move_to_end(key)
                 return _BLOCKS.held[key]
             future = _BLOCKS.pending.get(key)
-            if future is None:                      # evicted since asked for: ask again
-                self._ask(b, b + 1)
-                future = _BLOCKS.pending[key]
-        try:
-            lo, data = future.result()
-        except BaseException:
-            with _BLOCKS.lock:           # a later read asks again
-                for k in [k for k, f in _BLOCKS.pending.items() if f is future]:
-                    del _BLOCKS.pending[k]
-            raise
-        with _BLOCKS.lock:
-            for k in range(lo, lo + -(-len(data) // BLOCK)):
-                if _BLOCKS.pending.get((*self._id, k)) is future:
-                    del _BLOCKS.pending[(*self._id, k)]
-                    _BLOCKS.held[(*self._id, k)] = data[(k - lo) * BLOCK:(k - lo + 1) * BLOCK]
-            while len(_BLOCKS.held) > CACHE_BLOCKS:
-                _BLOCKS.held.popitem(last=False)
+        if future is None:                          # its GET failed at once: here, to raise its error
+            return self._get(b, b + 1)[1]
+        lo, data = future.result()
         return data[(b - lo) * BLOCK:(b - lo + 1) * BLOCK]
 
     def _get(self, lo: int, hi: int) -> tuple[int, bytes]:

@@ -70,3 +70,36 @@ def test_a_replaced_object_is_not_served_from_the_old_blocks(s3store, stored, tm
     client.upload_file(str(tmp_path / "other.lean"), s3store.bucket, "cache/replaced.lean")
     proc = run_leanimg("validate", url, "--json", env=env, timeout=120)
     assert json.loads(proc.stdout)["valid"] is True and fetched(proc) == (tmp_path / "other.lean").stat().st_size
+
+
+def test_reads_of_an_object_match_its_bytes_and_memory_stays_bounded(s3store, monkeypatch):
+    """S3Object.pread at random offsets and lengths (across blocks, past the end) gives the
+    object's bytes, with blocks evicted and read again (a cache of 6 blocks, 4 ahead); the
+    blocks held never pass the limit, and none stays asked for once every GET has ended."""
+    import random
+    import time
+    from leanimg import s3
+    for name, value in s3store.env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("LEANIMG_S3_CACHE", raising=False)
+    monkeypatch.setattr(s3, "_client", None)
+    monkeypatch.setattr(s3, "_disk_cache", [])
+    monkeypatch.setattr(s3, "_BLOCKS", s3._Blocks())
+    monkeypatch.setattr(s3, "CACHE_BLOCKS", 6)
+    monkeypatch.setattr(s3, "AHEAD_BLOCKS", 4)
+    data = os.urandom(20 * MIB + 12345)
+    s3store.client().put_object(Bucket=s3store.bucket, Key="cache/blob", Body=data)
+    rng = random.Random(7)
+    with s3.S3Object(s3store.url("cache/blob")) as blob:
+        assert blob.size == len(data)
+        for _ in range(300):
+            offset = rng.randrange(len(data) + 10)
+            length = rng.choice([1, 4096, MIB - 1, MIB + 1, 3 * MIB, rng.randrange(1, 9 * MIB)])
+            assert blob.pread(length, offset) == data[offset:offset + length]
+            assert len(s3._BLOCKS.held) <= 6
+        blob.seek(5 * MIB)
+        assert blob.read(2 * MIB) == data[5 * MIB:7 * MIB]
+    deadline = time.monotonic() + 30
+    while s3._BLOCKS.pending and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not s3._BLOCKS.pending and len(s3._BLOCKS.held) <= 6
