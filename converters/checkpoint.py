@@ -65,7 +65,7 @@ import time
 from collections import Counter
 
 from leanimg.errors import CheckpointError, CheckpointInterrupted, LeanImageError
-from leanimg.fileutil import commit_temporary, create_temporary, discard_temporary
+from leanimg.fileutil import commit_temporary, create_temporary
 from leanimg.locations import Output
 from leanimg.format import SourceFormat
 from leanimg.rules import implements

@@ -15,7 +15,6 @@ Every page handed out has been checked against its digest.
 
 from __future__ import annotations
 
-import os
 
 import numpy as np
 
