@@ -211,10 +211,14 @@ class S3Object(io.RawIOBase):
         with _BLOCKS.lock:
             self._ask(first, last + 1)
             if first <= self._next_block <= last + 1:
-                self._ask(last + 1, min(last + 1 + AHEAD_BLOCKS, self._blocks_in_object()))
+                # the window's end moves in whole GETs: each read-ahead GET is a full one
+                ahead = (last + 1 + AHEAD_BLOCKS) // GET_BLOCKS_MOST * GET_BLOCKS_MOST
+                self._ask(last + 1, min(ahead, self._blocks_in_object()))
             self._next_block = last + 1
-        data = b"".join(self._block(b) for b in range(first, last + 1))
         lo = offset - first * BLOCK
+        if first == last:
+            return self._block(first)[lo:lo + end - offset]
+        data = b"".join([self._block(b) for b in range(first, last + 1)])
         return data[lo:lo + end - offset]
 
     def _blocks_in_object(self) -> int:
