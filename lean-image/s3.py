@@ -61,15 +61,14 @@ _pool: ThreadPoolExecutor | None = None
 
 
 def client():
-    """The process's S3 client (thread-safe), made on first use: importing boto3 costs
-    ~150 ms, which no command that reads local files pays."""
+    """The process's boto3 client (thread-safe) for uploads and the checks before a write,
+    made on first use: importing boto3 and building it costs ~220 ms, which no read pays."""
     global _client
     with _lock:
         if _client is None:
             import boto3
             from botocore.config import Config
-            attempts = int(os.environ.get("AWS_MAX_ATTEMPTS", "5"))
-            config = Config(retries={"mode": os.environ.get("AWS_RETRY_MODE", "standard"), "max_attempts": attempts},
+            config = Config(retries={"mode": os.environ.get("AWS_RETRY_MODE", "standard"), "max_attempts": _attempts()},
                             max_pool_connections=2 * FETCH_THREADS, connect_timeout=10, read_timeout=60)
             _client = boto3.session.Session().client("s3", config=config)
         return _client
@@ -80,8 +79,9 @@ def _attempts() -> int:
 
 
 def reader(bucket: str):
-    """The obstore S3Store that reads ``bucket`` (one per bucket and configuration, thread-safe). Credentials from
-    the environment; without AWS_ACCESS_KEY_ID, from boto3's chain (profiles, SSO, roles)."""
+    """The obstore S3Store that reads ``bucket`` (one per bucket and configuration, thread-safe).
+    Credentials from the environment; without AWS_ACCESS_KEY_ID, from boto3's chain (profiles,
+    SSO, roles)."""
     endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or ""
     key = (bucket, endpoint, os.environ.get("AWS_ACCESS_KEY_ID"), os.environ.get("AWS_SECRET_ACCESS_KEY"),
            os.environ.get("AWS_PROFILE"), os.environ.get("AWS_MAX_ATTEMPTS"))
