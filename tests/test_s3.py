@@ -675,14 +675,6 @@ def test_no_store_at_the_endpoint(env, saves, nowhere, tmp_path, command):
 
 
 # -- 7. credentials, buckets, keys ------------------------------------------------------------
-@pytest.fixture(scope="module")
-def readable(s3store, client, saves):
-    key = "errors/base.lean"
-    put(client, s3store.bucket, saves.base_lean, key)
-    yield s3store.url(key)
-    client.delete_object(Bucket=s3store.bucket, Key=key)
-
-
 READ_CASES = {
     "wrong secret": ({"AWS_SECRET_ACCESS_KEY": "not-the-secret"}, None, "credentials"),
     "unknown access key": ({"AWS_ACCESS_KEY_ID": "nobody"}, None, "credentials"),
@@ -693,9 +685,9 @@ READ_CASES = {
 
 @pytest.mark.parametrize("case", list(READ_CASES))
 @pytest.mark.parametrize("command", ["inspect", "restore"])
-def test_reading_fails_clearly(env, readable, tmp_path, case, command):
+def test_reading_fails_clearly(env, uploaded_base, tmp_path, case, command):
     changes, url, message = READ_CASES[case]
-    url = url or readable
+    url = url or uploaded_base
     args = ("restore", url, "-o", tmp_path / "out.raw") if command == "restore" else (command, url)
     err = assert_error(cli(dict(env, **changes), *args), message, url)
     if "credentials" in message:
@@ -713,12 +705,12 @@ def test_writing_with_wrong_credentials_fails_clearly(s3store, env, client, save
     assert keys(client, s3store.bucket, prefix) == [] and uploads(client, s3store.bucket, prefix) == []
 
 
-def test_no_credentials_at_all(env, readable, tmp_path):
+def test_no_credentials_at_all(env, uploaded_base, tmp_path):
     bare = {k: v for k, v in env.items() if not k.startswith("AWS_")}
     bare.update(AWS_ENDPOINT_URL=env["AWS_ENDPOINT_URL"], AWS_DEFAULT_REGION="us-east-1", AWS_MAX_ATTEMPTS="2",
                 AWS_SHARED_CREDENTIALS_FILE=str(tmp_path / "none"), AWS_CONFIG_FILE=str(tmp_path / "none"),
                 AWS_EC2_METADATA_DISABLED="true")
-    assert_error(cli(bare, "inspect", readable), "no credentials", readable)
+    assert_error(cli(bare, "inspect", uploaded_base), "no credentials", uploaded_base)
 
 
 @pytest.mark.parametrize("size", ["single PUT", "multipart"])
