@@ -452,7 +452,8 @@ def convert(save, output, as_json, source_format, spool, level, frame_pages, par
     # the parent's chain is opened to name its links only when OUTPUT exists: it could be one
     chain = _chain_paths(parents[0], parents) if parents and _exists(output) else []
     disk_paths = _disks_named_by_save(save, source_format, _parse_disks(disks))
-    _guard_output(output, [save, *parents, *chain, *disk_paths.values(), *filter(None, [hints_path])], force, object_ok=True)
+    _guard_output(output, [save, *parents, *chain, *disk_paths.values(), *filter(None, [hints_path])], force,
+                  object_ok=True)
     hinting = _hint_options(hints_path, trust_dirty_log, disk_scan)
     with _disk_sources(disk_paths, name_from_file=True) as sources:
         if sources:        # the bar follows the disk scan, the part whose length depends on the disk
