@@ -185,6 +185,13 @@ class Fetched:
 
     def __init__(self, name: str, size: int):
         self.name, self.size, self.bytes, self.requests = name, size, 0, 0
+        self._lock = threading.Lock()
+
+    def add(self, nbytes: int) -> None:
+        """One GET of ``nbytes`` (from the fetch threads: counted under a lock)."""
+        with self._lock:
+            self.bytes += nbytes
+            self.requests += 1
 
     def as_dict(self) -> dict:
         return {"location": self.name, "object_bytes": self.size, "fetched_bytes": self.bytes,
@@ -369,8 +376,7 @@ class S3Object(io.RawIOBase):
             if isinstance(exc, FileNotFoundError):
                 raise StoreError(f"{doing}: the object was deleted since it was opened", path=self.name) from None
             raise read_failure(exc, self.name, doing) from None
-        self.fetched.bytes += len(data)
-        self.fetched.requests += 1
+        self.fetched.add(len(data))
         if len(data) != end - start:
             raise StoreError(f"{doing}: got {len(data)} bytes, expected {end - start} (object changed?)",
                              path=self.name)
