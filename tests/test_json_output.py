@@ -295,6 +295,7 @@ def test_inspect_and_validate_of_an_object_say_what_was_fetched(sample, s3store,
     for name, value in s3store.env.items():
         monkeypatch.setenv(name, value)
     monkeypatch.setattr(s3, "_client", None)
+    monkeypatch.setattr(s3, "FETCHED", {})                   # what this process read before: not ours
     client = s3store.client()
     for name in ("vm.lean", "vm-2.lean"):
         client.upload_file(str(sample / name), s3store.bucket, f"json/{name}")

@@ -85,6 +85,7 @@ def test_reads_of_an_object_match_its_bytes_and_memory_stays_bounded(s3store, mo
     monkeypatch.setattr(s3, "_client", None)
     monkeypatch.setattr(s3, "_disk_cache", [])
     monkeypatch.setattr(s3, "_BLOCKS", s3._Blocks())
+    monkeypatch.setattr(s3, "FETCHED", {})
     monkeypatch.setattr(s3, "CACHE_BLOCKS", 6)
     monkeypatch.setattr(s3, "AHEAD_BLOCKS", 4)
     data = os.urandom(20 * MIB + 12345)
