@@ -36,7 +36,8 @@ A background snapshot is run to its end instead of cancelled (``_finish_backgrou
 leaves a cancelled one's guest RAM write-protected and the guest hangs) — which also means a
 ``migrate_cancel`` sent by someone else during ``--background`` hangs the guest.
 
-``--balloon-inflate`` (seed 001): the balloon is inflated before, deflated after (and after a
+``--balloon-inflate`` (Liu, Jin, Liao, *Optimize Performance of Virtual Machine Checkpointing
+via Memory Exclusion*): the balloon is inflated before, deflated after (and after a
 failure); the note records its size before, which a restored guest's balloon is deflated to.
 
 ``--guest-free SOCKET`` (``--live`` only; spec/hints.md §3.1): while the precopy runs,
@@ -109,7 +110,7 @@ class CheckpointRequest:
     hints: object = None                # a hint file's HintOptions: not taken yet (refused)
     guest_free: str | None = None       # --guest-free: the socket of the guest's free-list port
     keep_hints: str | None = None       # also write the guest FREE hints there (debugging, tests)
-    balloon_inflate: int = 0            # bytes to inflate the balloon by first (seed 001)
+    balloon_inflate: int = 0            # bytes to inflate the balloon by first (Liu, Jin, Liao)
     progress: bool = False              # a status line on stderr
     workdir: str | None = None          # where the RAM spool lives (default: $TMPDIR)
 
@@ -538,7 +539,7 @@ class _Checkpoint:
             self._end_status_line()
         return self._result()
 
-    # -- the balloon (seed 001) -----------------------------------------------------------
+    # -- the balloon (Liu, Jin, Liao) -----------------------------------------------------------
     def _inflate_balloon(self) -> None:
         """Inflate the balloon by --balloon-inflate and wait until the guest has given the pages
         (or stopped giving: no progress for BALLOON_SETTLE seconds)."""

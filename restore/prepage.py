@@ -6,9 +6,10 @@ every fault.
 
 - none:        nothing is pushed; pages travel only when the destination asks for them.
 - sequential:  every block in stream order, pages ascending.
-- bubble:      Hines et al.'s "bubbling" (seed 002): pages are pushed outwards from the
-               latest fault, alternately forward and backward, so the pages around what the
-               guest touches now come next; without a fault (or once a bubble reaches both
+- bubble:      the "bubbling" of Hines, Deshpande, Gopalan, Post-Copy Live Migration of
+               Virtual Machines: pages are pushed outwards from the latest fault,
+               alternately forward and backward, so the pages around what the guest
+               touches now come next; without a fault (or once a bubble reaches both
                ends of its block) sequential.
 - disk-sorted: as sequential, but DISK pages last, in ascending order of their disk blocks
                (one pass over each disk, neighbours read together).
