@@ -29,14 +29,10 @@ from .format import (
     PageClass, RecordType, align8, checksum64, page_items, record_size, row_digests, zero_page_digest,
 )
 from .frames import FrameBuffers
-from .locations import LocalFile
 from . import pages as page_module
 from .rules import implements
 
-try:        # optional (setup.py): the fold in one pass over the extents
-    from . import _native
-except ImportError:
-    _native = None
+from .native import backend as _native      # the fold in one pass over the extents (None: numpy)
 
 
 @dataclass
@@ -582,7 +578,10 @@ def _read_delta_batch_native(frames: list, page_size: int) -> tuple | None:
     """_read_delta_batch in one call of leanimg._native.read_delta_frames: every record read,
     tested as _quick_delta_frame tests it, and decompressed in C, the GIL released (so a batch
     on a read-ahead worker does not hold back the caller); None when any record is not of
-    the plain case (a worker then reads them one by one, and the checked path raises any finding)."""
+    the plain case (a worker then reads them one by one, and the checked path raises any finding),
+    or without the backend (LEANIMG_NATIVE=0)."""
+    if _native is None:
+        return None
     fds, offsets, lengths, firsts, nums = [], [], [], [], []
     for link, frame in frames:
         tables = link.tables
@@ -592,9 +591,10 @@ def _read_delta_batch_native(frames: list, page_size: int) -> tuple | None:
         if kind != RecordType.DELTA_FRAME or key != NO_KEY or not 0 < num <= 0xFFFF_FFFF or first >= 1 << 63 or \
                 offset + length > tables.file.size:
             return None
-        if not isinstance(tables.file.fileobj, LocalFile):
-            return None                              # an object in a store: read through its pread
-        fds.append(tables.file.fileobj.fileno())
+        try:
+            fds.append(tables.file.fileobj.fileno())
+        except (OSError, ValueError):                # an object in a store: read through its pread
+            return None
         offsets.append(offset)
         lengths.append(length)
         firsts.append(first)

@@ -231,6 +231,10 @@ def main():
     """
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     _raise_open_file_limit()
+    try:
+        from . import native  # noqa: F401  (LEANIMG_NATIVE checked here, not by the first page read)
+    except ImportError as exc:
+        raise click.UsageError(str(exc)) from None
 
 
 def _raise_open_file_limit() -> None:

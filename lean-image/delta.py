@@ -15,10 +15,7 @@ from .format import DELTA_ENTRY, DELTA_RUN, WORD_SIZE, DeltaEncoding
 from .rules import implements
 from .structures import reserved_problems
 
-try:        # optional (setup.py): parse_index_lists in one pass, without the GIL
-    from . import _native
-except ImportError:
-    _native = None
+from .native import backend as _native      # parse_index_lists in one pass, without the GIL (None: numpy)
 
 _HEAD = DELTA_ENTRY.size
 _NUM_RUNS = DELTA_ENTRY.field("num_runs").struct

@@ -16,11 +16,11 @@ import struct
 import numpy as np
 import xxhash
 
-try:        # optional (setup.py): the same digests as the xxhash module, many pages a call
-    from ._native import digest_rows as _native_digests
-    from ._native import span_checksums as _native_span_checksums
-except ImportError:
-    _native_digests = _native_span_checksums = None
+from .native import backend as _backend
+
+# the same digests and checksums as the xxhash module, many pages a call (None: xxhash)
+_native_digests = _backend.digest_rows if _backend is not None else None
+_native_span_checksums = _backend.span_checksums if _backend is not None else None
 
 # Field types as the spec's tables write them; a name ending in [] is a variable-length array.
 _SCALARS = {"u1": "B", "u2": "H", "u4": "I", "u8": "Q", "b[8]": "8s", "uuid": "16s", "digest": "16s"}

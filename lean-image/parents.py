@@ -19,10 +19,7 @@ from .format import CHAIN_DEPTH_MAX, HEADER
 from .locations import is_remote
 from .rules import implements
 
-try:        # optional (setup.py): the files beside an image read on a thread of their own
-    from . import _native
-except ImportError:
-    _native = None
+from .native import backend as _native      # the files beside an image read on a thread of their own
 
 SIBLINGS_MAX = 100_000
 

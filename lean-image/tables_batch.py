@@ -31,11 +31,8 @@ from .format import (
 )
 from .tables import ImageTables, Region
 
-try:        # optional (setup.py): the page maps' rules in one pass (it reads extents as a little-endian host)
-    from . import _native
-except ImportError:
-    _native = None
-if sys.byteorder != "little":
+from .native import backend as _native      # the page maps' rules in one pass (None: numpy)
+if sys.byteorder != "little":                  # it reads extents as a little-endian host
     _native = None
 
 # without leanimg._native the batch's work per extent is ~3x that of ImageTables.load, its work

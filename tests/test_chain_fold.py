@@ -390,6 +390,7 @@ def test_a_spoiled_delta_frame_is_refused_by_every_read_alike(short_chain, tmp_p
         assert _read_delta_batch_native([(link, 0)], PS) is None
 
 
+@pytest.mark.skipif(chain_module._native is None, reason="leanimg._native not in use (LEANIMG_NATIVE=0 or not built)")
 def test_a_batch_of_delta_frames_read_in_c_is_the_batch_read_in_python(short_chain, tmp_path):
     """Every DELTA_FRAME of the short chain's links read as one batch (a restore's worker):
     leanimg._native.read_delta_frames gives the contents, entry offsets, first deltas and

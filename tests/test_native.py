@@ -369,3 +369,32 @@ def test_span_checksums_refuse_spans_outside_their_buffer(monkeypatch, offset, l
 def test_native_span_checksums_refuse_lengths_that_do_not_match():
     with pytest.raises(ValueError, match="one i8 per buffer"):
         _native.span_checksums([b"ab", b"cd"], np.zeros(2, np.int64), np.zeros(1, np.int64), np.zeros(2, np.uint64))
+
+
+def test_leanimg_native_chooses_the_backend(tmp_path):
+    """LEANIMG_NATIVE: auto and 1 use the built module, 0 none (every module takes its numpy
+    path); any other value is a usage error before a command runs."""
+    import os
+    import subprocess
+    import sys
+    from helpers import run_leanimg
+    probe = ("from leanimg import native, chain, delta, format, parents, tables_batch; "
+             "print([m._native is native.backend for m in (chain, delta, parents, tables_batch)], "
+             "native.backend is None, format._native_digests is None)")
+    for mode, none in (("auto", False), ("1", False), ("0", True)):
+        out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True,
+                             env=dict(os.environ, LEANIMG_NATIVE=mode)).stdout.split("] ")
+        assert out[0] == "[True, True, True, True" and out[1].split() == [str(none), str(none)], (mode, out)
+    proc = run_leanimg("plugins", timeout=60, env=dict(os.environ, LEANIMG_NATIVE="yes"))
+    assert proc.returncode == 2 and "LEANIMG_NATIVE must be one of auto, 0, 1, not 'yes'" in proc.stderr
+
+
+def test_only_the_native_module_imports_the_backend():
+    import re
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    importers = [str(p.relative_to(root)) for folder in ("lean-image", "converters", "restore")
+                 for p in (root / folder).rglob("*.py")
+                 if re.search(r"^\s*(from \. import _native|from \._native import|import leanimg\._native)",
+                              p.read_text(), re.M)]
+    assert importers == ["lean-image/native.py"]
