@@ -245,7 +245,10 @@ class S3Object(io.RawIOBase):
             head = obstore.head(reader(self.bucket), self.key)
         except _read_errors() as exc:
             raise read_failure(exc, name, "cannot open") from None
-        self.size, self.etag = int(head["size"]), head["e_tag"]
+        self.size, self.etag = int(head["size"]), head.get("e_tag")
+        if not self.etag:
+            raise StoreError("cannot open: the store gave no ETag, so the object cannot be pinned against "
+                             "replacement while it is read", path=name)
         self.fetched = FETCHED.setdefault(name, Fetched(name, self.size))
         self.fetched.size = self.size
         self._pos = 0
