@@ -491,7 +491,10 @@ def main(argv=None) -> int:
                              "and --depths) instead of building them; DIR is kept")
     args = parser.parse_args(argv)
     require_null_device()
-    log = lambda msg: print(msg, file=sys.stderr, flush=True)
+
+    def log(msg):
+        print(msg, file=sys.stderr, flush=True)
+
     args.keep = args.keep or bool(args.reuse)
     work = Path(args.reuse) if args.reuse else Path(tempfile.mkdtemp(prefix="bench-chain-", dir=args.workdir))
     try:

@@ -208,7 +208,9 @@ def stop_round(vm: GuestVM, qmp: Path, disk: Path, work: Path, first: bool) -> d
 
 
 def run(args) -> dict:
-    say = (lambda msg: print(msg, file=sys.stderr, flush=True))
+    def say(msg):
+        print(msg, file=sys.stderr, flush=True)
+
     work = Path(args.workdir)
     work.mkdir(parents=True, exist_ok=True)
     quarter = args.mem_mib // 4

@@ -124,7 +124,10 @@ def main(argv=None) -> int:
     parser.add_argument("--workdir", default=None, help="parent of the temporary directory (default /tmp)")
     parser.add_argument("--json", dest="json_path", metavar="FILE", help="also write the results as JSON")
     args = parser.parse_args(argv)
-    log = lambda msg: print(msg, file=sys.stderr, flush=True)
+
+    def log(msg):
+        print(msg, file=sys.stderr, flush=True)
+
     work = Path(tempfile.mkdtemp(prefix="bench-links-", dir=args.workdir))
     try:
         phase = Phase("words", 24, saves=args.saves, rounds=args.rounds, amount=args.pages)

@@ -494,7 +494,7 @@ class PostcopyServer:
         (the error's ``page``)."""
         try:
             data = self.image.region_bytes(block.region, first, count)
-        except LeanImageError as exc:
+        except LeanImageError:
             page = first
             if count > 1:
                 for page in range(first, first + count):

@@ -5,7 +5,6 @@ the link open_link(check=False) opens, and any file open_link refuses it must le
 
 from __future__ import annotations
 
-import os
 import struct
 from pathlib import Path
 

@@ -217,6 +217,8 @@ def test_workloads_did_their_work(saves):
     assert first in mems["anon"]
     # dirty page cache: the written file's first page, page aligned
     page = first[:4096]
-    aligned = lambda m: any(m[i:i + 4096] == page for i in range(0, len(m), 4096)
-                            if m[i:i + 8] == page[:8])
+
+    def aligned(m):
+        return any(m[i:i + 4096] == page for i in range(0, len(m), 4096) if m[i:i + 8] == page[:8])
+
     assert not aligned(mems["anon"]) and aligned(mems["dirty"])
