@@ -494,17 +494,17 @@ class PostcopyServer:
         (the error's ``page``)."""
         try:
             data = self.image.region_bytes(block.region, first, count)
-        except LeanImageError:
-            page = first
+        except LeanImageError as exc:
+            page, cause = first, exc
             if count > 1:
                 for page in range(first, first + count):
                     try:
                         self.image.region_bytes(block.region, page, 1)
                     except LeanImageError as one:
-                        exc = one
+                        cause = one
                         break
             error = ServeError(f"stopped before sending block {block.name!r} page {page} "
-                               f"(offset {page * self.ps:#x}), nothing more sent: {exc}")
+                               f"(offset {page * self.ps:#x}), nothing more sent: {cause}")
             error.page = page
             raise error from None
         return np.frombuffer(data, np.uint8).reshape(count, self.ps)
