@@ -107,7 +107,7 @@ LEANIMG = command_line()
 parse_size = size_parser(1 << 20)
 
 # A leanimg process that also counts its boto3 calls (the bytes of its uploads) and its GETs
-# (leanimg.s3.FETCHED: reads go through obstore)
+# (leanimg.s3.fetched_total: reads go through obstore)
 # into the JSON file $BENCH_S3_CALLS when it exits: only for the counted runs, never timed
 # against local ones (it imports botocore up front).
 COUNTING = r'''
@@ -129,8 +129,9 @@ def counted(self, operation, params):
 botocore.client.BaseClient._make_api_call = counted
 def dump():
     from leanimg import s3           # reads go through obstore: leanimg's own count of its GETs
-    calls["GetObject"] += sum(f.requests for f in s3.FETCHED.values())
-    calls["GetObject bytes"] += sum(f.bytes for f in s3.FETCHED.values())
+    fetched, gets = s3.fetched_total() or (0, 0)
+    calls["GetObject"] += gets
+    calls["GetObject bytes"] += fetched
     with open(os.environ["BENCH_S3_CALLS"], "w") as f:
         json.dump(dict(calls), f)
 atexit.register(dump)

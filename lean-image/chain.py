@@ -548,7 +548,7 @@ def _parse_delta_batch(frames: list, page_size: int):
     """DELTA_FRAMEs ``frames`` ((link, frame)) read, checked, decompressed and parsed as one:
     (first delta per frame, entries per frame, parse_index_lists' arrays over the frames laid
     end to end)."""
-    read = _read_delta_batch_native(frames, page_size) if _native is not None else None
+    read = _read_delta_batch_native(frames, page_size)
     if read is None:
         read = _read_delta_batch(frames)
     content, offsets, firsts, counts = read

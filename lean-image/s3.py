@@ -201,6 +201,13 @@ class Fetched:
 FETCHED: dict[str, Fetched] = {}
 
 
+def fetched_total() -> tuple[int, int] | None:
+    """(bytes, GETs) fetched so far from every object this process read (None: it read none)."""
+    if not FETCHED:
+        return None
+    return sum(f.bytes for f in FETCHED.values()), sum(f.requests for f in FETCHED.values())
+
+
 def take_fetched() -> list[dict]:
     """What every object opened since the last call cost (Fetched.as_dict), and start again."""
     found = [f.as_dict() for f in FETCHED.values()]

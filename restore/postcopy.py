@@ -149,11 +149,6 @@ class ServeStats:
         return f"; fetched {fetched / 2**20:.1f} MiB of the {size / 2**20:.1f} MiB image from the store{at_run}"
 
 
-def _fetched_bytes() -> int | None:
-    """Bytes fetched so far from object storage (None: the image is not in a store)."""
-    return sum(f.bytes for f in s3.FETCHED.values()) if s3.FETCHED else None
-
-
 # ---------------------------------------------------------------------------- host check
 
 def check_userfaultfd() -> None:
@@ -523,7 +518,8 @@ class PostcopyServer:
             self.out.flush()
             self.stats.mark("package sent")
             self.stats.seconds_to_run = time.monotonic() - self.t0
-            self.stats.fetched_at_run = _fetched_bytes()
+            total = s3.fetched_total()             # None: the image is not in a store
+            self.stats.fetched_at_run = total and total[0]
             self._loop()
         except BrokenPipeError:
             self.stats.error = (f"the destination closed the migration stream after {self.stats.bytes_sent} bytes "
