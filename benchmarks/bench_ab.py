@@ -50,7 +50,7 @@ def compare(label: str, commands: dict, inputs: list[str], runs: int) -> None:
     """commands: {"a": argv, "b": argv}, run alternately (A B, B A, ...)."""
     times = {"a": [], "b": []}
     for run in range(runs):
-        for key in ("a", "b") if run % 2 == 0 else ("b", "a"):      # ABBA: no order bias
+        for key in ("a", "b") if run % 2 == 0 else ("b", "a"):  # ABBA: no order bias
             times[key].append(timed(commands[key], inputs))
     a, b = statistics.median(times["a"]), statistics.median(times["b"])
     print(f"{label}: A {a:.3f} s, B {b:.3f} s, B/A {b / a:.3f} (medians of {runs}, cold, interleaved)")
@@ -73,13 +73,24 @@ def main(argv=None) -> int:
     disks = [d.partition("=")[2] for d in args.disk]
     for image in args.images:
         inputs = sorted(glob.glob(os.path.join(os.path.dirname(os.path.abspath(image)), "*.lean"))) + disks
-        compare(f"restore --to {args.to} {image}", {k: [getattr(args, k), "restore", image, "--to", args.to, "-o",
-                                                       "/dev/null", *extra] for k in ("a", "b")}, inputs, args.runs)
+        compare(
+            f"restore --to {args.to} {image}",
+            {k: [getattr(args, k), "restore", image, "--to", args.to, "-o", "/dev/null", *extra] for k in ("a", "b")},
+            inputs,
+            args.runs,
+        )
     if args.convert:
         with tempfile.TemporaryDirectory(dir=os.path.dirname(os.path.abspath(args.convert))) as scratch:
             out = os.path.join(scratch, "out.lean")
-            compare(f"convert {args.convert}", {k: [getattr(args, k), "convert", args.convert, "-o", out, *(
-                ["-f"] if k == "b" else [])] for k in ("a", "b")}, [args.convert], args.runs)
+            compare(
+                f"convert {args.convert}",
+                {
+                    k: [getattr(args, k), "convert", args.convert, "-o", out, *(["-f"] if k == "b" else [])]
+                    for k in ("a", "b")
+                },
+                [args.convert],
+                args.runs,
+            )
     return 0
 
 

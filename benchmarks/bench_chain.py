@@ -84,6 +84,7 @@ LEANIMG = command_line()
 
 # ------------------------------------------------------------------ synthetic memory
 
+
 def initial_memory(num_pages: int, rng: np.random.Generator) -> np.ndarray:
     """(num_pages, 512) uint64: 30 % zero, 40 % text-like (compressible), 30 % random pages."""
     mem = np.zeros((num_pages, WORDS), np.uint64)
@@ -135,12 +136,12 @@ class ChainBuilder:
 
     def __init__(self, directory: Path, name: str, link_frame_pages: int | None = None):
         self.dir, self.name = directory, name
-        self.link_frame_pages = link_frame_pages       # PAGE_FRAME size of the links after the first
+        self.link_frame_pages = link_frame_pages  # PAGE_FRAME size of the links after the first
         directory.mkdir(parents=True, exist_ok=True)
         self.links: list[Path] = []
         self.parent: ParentLink | None = None
-        self.snap: np.ndarray | None = None       # memory of the last link
-        self.dirty: np.ndarray | None = None      # pages touched since the last link
+        self.snap: np.ndarray | None = None  # memory of the last link
+        self.dirty: np.ndarray | None = None  # pages touched since the last link
         self.classes: dict[str, int] = {}
 
     def touch(self, pages) -> None:
@@ -150,8 +151,9 @@ class ChainBuilder:
     def write(self, mem: np.ndarray, digests: np.ndarray) -> Path:
         path = self.dir / f"{self.name}-{len(self.links):04d}.lean"
         num_pages = len(mem)
-        w = LeanImageWriter(path, parent=self.parent,
-                            frame_pages=self.link_frame_pages if self.parent is not None else None)
+        w = LeanImageWriter(
+            path, parent=self.parent, frame_pages=self.link_frame_pages if self.parent is not None else None
+        )
         try:
             rid = w.add_region(REGION, num_pages * PAGE, guest_phys_base=0)
             if self.parent is None:
@@ -179,9 +181,17 @@ class ChainBuilder:
         return path
 
 
-def build_chains(directory: Path, size: int, depths: list[int], seed: int, word_frac: float,
-                 page_frac: float, log, sparse_pages: int = 0,
-                 link_frame_pages: int | None = None) -> dict[int, ChainBuilder]:
+def build_chains(
+    directory: Path,
+    size: int,
+    depths: list[int],
+    seed: int,
+    word_frac: float,
+    page_frac: float,
+    log,
+    sparse_pages: int = 0,
+    link_frame_pages: int | None = None,
+) -> dict[int, ChainBuilder]:
     """Chains of the given depths over the same evolution; all end at the same memory. With
     ``sparse_pages`` each step is mutate_sparse's (the sparse workload), else mutate's."""
     rng = np.random.default_rng(seed)
@@ -197,8 +207,7 @@ def build_chains(directory: Path, size: int, depths: list[int], seed: int, word_
     t0 = time.monotonic()
     for step in range(steps + 1):
         if step:
-            touched = mutate_sparse(mem, rng, sparse_pages) if sparse_pages else \
-                mutate(mem, rng, word_frac, page_frac)
+            touched = mutate_sparse(mem, rng, sparse_pages) if sparse_pages else mutate(mem, rng, word_frac, page_frac)
             digests[touched] = digests_of(mem, touched)
             for c in chains.values():
                 c.touch(touched)
@@ -216,6 +225,7 @@ def build_chains(directory: Path, size: int, depths: list[int], seed: int, word_
 
 # ------------------------------------------------------------------ timing
 
+
 def evict(paths) -> None:
     for p in paths:
         evict_from_page_cache(p)
@@ -224,8 +234,9 @@ def evict(paths) -> None:
 def run_cli(*args, stdout=subprocess.DEVNULL, cli=LEANIMG) -> None:
     proc = subprocess.run([*cli, *map(str, args)], stdout=stdout, stderr=subprocess.PIPE)
     if proc.returncode:
-        raise SystemExit(f"leanimg {' '.join(map(str, args))} exited {proc.returncode}:\n"
-                         f"{proc.stderr.decode(errors='replace')}")
+        raise SystemExit(
+            f"leanimg {' '.join(map(str, args))} exited {proc.returncode}:\n{proc.stderr.decode(errors='replace')}"
+        )
 
 
 def timed_restore(chain: ChainBuilder, out: str = "/dev/null", cli=LEANIMG) -> float:
@@ -272,6 +283,7 @@ def frames_to_decompress(chain: ChainBuilder) -> int:
     not the final memory, is a chain's CPU floor."""
     from leanimg.format import PageClass
     from leanimg.reader import LeanImage
+
     total = 0
     with LeanImage.open(chain.links[-1]) as image:
         for region in image.regions:
@@ -295,9 +307,17 @@ def bench_depths(work: Path, args, log) -> dict:
         chains = kept_chains(work, depths)
         log(f"timing the chains kept in {work}")
     else:
-        chains = build_chains(work, args.size, depths, args.seed, args.word_frac, args.page_frac, log,
-                              sparse_pages=args.sparse_pages if args.workload == "sparse" else 0,
-                              link_frame_pages=args.link_frame_pages)
+        chains = build_chains(
+            work,
+            args.size,
+            depths,
+            args.seed,
+            args.word_frac,
+            args.page_frac,
+            log,
+            sparse_pages=args.sparse_pages if args.workload == "sparse" else 0,
+            link_frame_pages=args.link_frame_pages,
+        )
     build_s = time.monotonic() - t0
     log(f"built chains of depth {depths} over {args.size >> 20} MiB in {build_s:.1f} s")
     # same final memory: restore each last link to a file once and compare
@@ -317,35 +337,53 @@ def bench_depths(work: Path, args, log) -> dict:
     times = {tag: {d: [] for d in depths} for tag in versions}
     cpu = {tag: {d: [] for d in depths} for tag in versions}
     reads = {d: [] for d in depths}
-    for repeat in range(args.repeat):      # interleaved: drift hits every depth and version alike
-        for d in depths:                   # and each version goes first as often as the other
-            for tag, cli in (list(versions.items()) if repeat % 2 == 0 else list(versions.items())[::-1]):
+    for repeat in range(args.repeat):  # interleaved: drift hits every depth and version alike
+        for d in depths:  # and each version goes first as often as the other
+            for tag, cli in list(versions.items()) if repeat % 2 == 0 else list(versions.items())[::-1]:
                 wall, used = timed_restore_cpu(chains[d], cli=cli)
                 times[tag][d].append(wall)
                 cpu[tag][d].append(used)
             reads[d].append(timed_read(chains[d]))
     read_med = {d: statistics.median(t) for d, t in reads.items()}
     result = dict(
-        size_bytes=args.size, workload=args.workload, word_frac=args.word_frac, page_frac=args.page_frac,
-        sparse_pages=args.sparse_pages, targets=TARGETS,
-        build_seconds=build_s, final_sha256=digests[1],
-        chains={str(d): dict(depth=d, links=len(c.links), bytes=chain_bytes(c),
-                             decompressed_bytes=frames_to_decompress(c),
-                             last_link_bytes=c.links[-1].stat().st_size, classes_written=c.classes,
-                             restore_seconds=times["new"][d], restore_median=statistics.median(times["new"][d]),
-                             restore_cpu_seconds=cpu["new"][d], restore_cpu_median=statistics.median(cpu["new"][d]),
-                             cold_read_seconds=reads[d], cold_read_median=read_med[d])
-                for d, c in chains.items()},
-        **verdict(times["new"], read_med, depths))
+        size_bytes=args.size,
+        workload=args.workload,
+        word_frac=args.word_frac,
+        page_frac=args.page_frac,
+        sparse_pages=args.sparse_pages,
+        targets=TARGETS,
+        build_seconds=build_s,
+        final_sha256=digests[1],
+        chains={
+            str(d): dict(
+                depth=d,
+                links=len(c.links),
+                bytes=chain_bytes(c),
+                decompressed_bytes=frames_to_decompress(c),
+                last_link_bytes=c.links[-1].stat().st_size,
+                classes_written=c.classes,
+                restore_seconds=times["new"][d],
+                restore_median=statistics.median(times["new"][d]),
+                restore_cpu_seconds=cpu["new"][d],
+                restore_cpu_median=statistics.median(cpu["new"][d]),
+                cold_read_seconds=reads[d],
+                cold_read_median=read_med[d],
+            )
+            for d, c in chains.items()
+        },
+        **verdict(times["new"], read_med, depths),
+    )
     if args.baseline:
-        result["baseline"] = dict(checkout=str(args.baseline), restore_seconds={str(d): t for d, t in
-                                                                               times["baseline"].items()},
-                                  restore_cpu_medians={str(d): statistics.median(t) for d, t in
-                                                       cpu["baseline"].items()},
-                                  paired_ratio_medians={str(d): statistics.median(
-                                      [n / b for n, b in zip(times["new"][d], t)]) for d, t in
-                                      times["baseline"].items()},
-                                  **verdict(times["baseline"], read_med, depths))
+        result["baseline"] = dict(
+            checkout=str(args.baseline),
+            restore_seconds={str(d): t for d, t in times["baseline"].items()},
+            restore_cpu_medians={str(d): statistics.median(t) for d, t in cpu["baseline"].items()},
+            paired_ratio_medians={
+                str(d): statistics.median([n / b for n, b in zip(times["new"][d], t)])
+                for d, t in times["baseline"].items()
+            },
+            **verdict(times["baseline"], read_med, depths),
+        )
     return result
 
 
@@ -359,8 +397,13 @@ def verdict(times: dict, read_med: dict, depths: list[int]) -> dict:
     over_flat = {str(d): med[d] / (read_med[d] + med[1]) for d in depths if d > 1}
     ratios["chain/(read+flat)"] = max(over_flat.values())
     verdicts = {name: value <= TARGETS[name] for name, value in ratios.items()}
-    return dict(restore_medians={str(d): m for d, m in med.items()}, ratios=ratios, meets_targets=verdicts,
-                chain_over_read_plus_flat=over_flat, meets_target=all(verdicts.values()))
+    return dict(
+        restore_medians={str(d): m for d, m in med.items()},
+        ratios=ratios,
+        meets_targets=verdicts,
+        chain_over_read_plus_flat=over_flat,
+        meets_target=all(verdicts.values()),
+    )
 
 
 def kept_chains(work: Path, depths: list[int]) -> dict[int, ChainBuilder]:
@@ -377,8 +420,9 @@ def kept_chains(work: Path, depths: list[int]) -> dict[int, ChainBuilder]:
 
 def bench_depth1000(work: Path, args, log) -> dict:
     t0 = time.monotonic()
-    chains = build_chains(work / "deep", args.deep_size, [1, args.deep_depth], args.seed + 1,
-                          args.word_frac, args.page_frac, log)
+    chains = build_chains(
+        work / "deep", args.deep_size, [1, args.deep_depth], args.seed + 1, args.word_frac, args.page_frac, log
+    )
     build_s = time.monotonic() - t0
     deep, flat = chains[args.deep_depth], chains[1]
     log(f"built a depth-{args.deep_depth} chain over {args.deep_size >> 20} MiB in {build_s:.1f} s")
@@ -400,12 +444,20 @@ def bench_depth1000(work: Path, args, log) -> dict:
         raise SystemExit(f"depth-{args.deep_depth} restore differs from the plain final memory")
     flat_times = [timed_restore(flat) for _ in range(args.repeat)]
     deep_times = [timed_restore(deep) for _ in range(args.repeat)]
-    return dict(depth=args.deep_depth, size_bytes=args.deep_size, build_seconds=build_s,
-                chain_bytes=chain_bytes(deep), inspect_seconds=inspect_s, validate_seconds=validate_s,
-                first_restore_seconds=restore_s, restore_seconds=deep_times,
-                restore_median=statistics.median(deep_times),
-                depth1_restore_seconds=flat_times, depth1_restore_median=statistics.median(flat_times),
-                identical_to_depth1=same)
+    return dict(
+        depth=args.deep_depth,
+        size_bytes=args.deep_size,
+        build_seconds=build_s,
+        chain_bytes=chain_bytes(deep),
+        inspect_seconds=inspect_s,
+        validate_seconds=validate_s,
+        first_restore_seconds=restore_s,
+        restore_seconds=deep_times,
+        restore_median=statistics.median(deep_times),
+        depth1_restore_seconds=flat_times,
+        depth1_restore_median=statistics.median(flat_times),
+        identical_to_depth1=same,
+    )
 
 
 def sha256_restore(chain: ChainBuilder, out: Path) -> str:
@@ -416,43 +468,60 @@ def sha256_restore(chain: ChainBuilder, out: Path) -> str:
 
 
 def render_verdict(v: dict, targets: dict) -> list[str]:
-    lines = [f"  depth {depth}: restore / (cold read of its files + depth-1 restore) = {ratio:.3f}"
-             for depth, ratio in v["chain_over_read_plus_flat"].items()]
-    lines += [f"  {name:<20} {ratio:.3f}  (target <= {targets[name]}: "
-              f"{'met' if v['meets_targets'][name] else 'NOT met'})" for name, ratio in v["ratios"].items()]
+    lines = [
+        f"  depth {depth}: restore / (cold read of its files + depth-1 restore) = {ratio:.3f}"
+        for depth, ratio in v["chain_over_read_plus_flat"].items()
+    ]
+    lines += [
+        f"  {name:<20} {ratio:.3f}  (target <= {targets[name]}: {'met' if v['meets_targets'][name] else 'NOT met'})"
+        for name, ratio in v["ratios"].items()
+    ]
     return lines
 
 
 def render(results: dict) -> str:
     d = results["depths"]
-    workload = "sparse: {} pages of 1-4 words a step".format(d["sparse_pages"]) if d["workload"] == "sparse" \
+    workload = (
+        "sparse: {} pages of 1-4 words a step".format(d["sparse_pages"])
+        if d["workload"] == "sparse"
         else "rewrite: {:g} of pages 1-4 words, {:g} rewritten a step".format(d["word_frac"], d["page_frac"])
-    lines = [f"workload {workload}",
-             f"restore --to raw of the last link, {d['size_bytes'] >> 20} MiB, median of "
-             f"{results['repeat']} cold runs (same final memory, sha256 {d['final_sha256'][:16]}…)",
-             f"  {'depth':>6} {'chain MiB':>10} {'last link MiB':>14} {'decompress MiB':>15} {'cold read s':>12} "
-             f"{'restore s':>10} {'CPU s':>6}  runs"]
+    )
+    lines = [
+        f"workload {workload}",
+        f"restore --to raw of the last link, {d['size_bytes'] >> 20} MiB, median of "
+        f"{results['repeat']} cold runs (same final memory, sha256 {d['final_sha256'][:16]}…)",
+        f"  {'depth':>6} {'chain MiB':>10} {'last link MiB':>14} {'decompress MiB':>15} {'cold read s':>12} "
+        f"{'restore s':>10} {'CPU s':>6}  runs",
+    ]
     for c in d["chains"].values():
-        lines.append(f"  {c['depth']:>6} {c['bytes'] / 2**20:10.2f} {c['last_link_bytes'] / 2**20:14.2f} "
-                     f"{c['decompressed_bytes'] / 2**20:15.1f} "
-                     f"{c['cold_read_median']:12.3f} {c['restore_median']:10.3f} {c['restore_cpu_median']:6.3f}  "
-                     f"{' '.join(f'{t:.3f}' for t in c['restore_seconds'])}")
+        lines.append(
+            f"  {c['depth']:>6} {c['bytes'] / 2**20:10.2f} {c['last_link_bytes'] / 2**20:14.2f} "
+            f"{c['decompressed_bytes'] / 2**20:15.1f} "
+            f"{c['cold_read_median']:12.3f} {c['restore_median']:10.3f} {c['restore_cpu_median']:6.3f}  "
+            f"{' '.join(f'{t:.3f}' for t in c['restore_seconds'])}"
+        )
     lines += render_verdict(d, d["targets"])
     if "baseline" in d:
         b = d["baseline"]
-        lines.append(f"baseline {b['checkout']}, interleaved with the runs above: restore medians "
-                     + ", ".join(f"depth {depth} {m:.3f} s" for depth, m in b["restore_medians"].items())
-                     + "; CPU medians " + ", ".join(f"depth {depth} {m:.3f} s"
-                                                   for depth, m in b["restore_cpu_medians"].items()))
-        lines.append("  new / baseline, median of the runs' ratios (each pair ran back to back, so drift "
-                     "cancels): " + ", ".join(f"depth {depth} {m:.3f}" for depth, m in b["paired_ratio_medians"].items()))
+        lines.append(
+            f"baseline {b['checkout']}, interleaved with the runs above: restore medians "
+            + ", ".join(f"depth {depth} {m:.3f} s" for depth, m in b["restore_medians"].items())
+            + "; CPU medians "
+            + ", ".join(f"depth {depth} {m:.3f} s" for depth, m in b["restore_cpu_medians"].items())
+        )
+        lines.append(
+            "  new / baseline, median of the runs' ratios (each pair ran back to back, so drift "
+            "cancels): " + ", ".join(f"depth {depth} {m:.3f}" for depth, m in b["paired_ratio_medians"].items())
+        )
         lines += render_verdict(b, d["targets"])
     if "deep" in results:
         k = results["deep"]
-        lines.append(f"depth {k['depth']} over {k['size_bytes'] >> 20} MiB: built in {k['build_seconds']:.1f} s "
-                     f"({k['chain_bytes'] / 2**20:.1f} MiB), inspect {k['inspect_seconds']:.2f} s, validate "
-                     f"{k['validate_seconds']:.2f} s, restore {k['restore_median']:.2f} s median "
-                     f"(depth 1: {k['depth1_restore_median']:.2f} s), bytes identical: {k['identical_to_depth1']}")
+        lines.append(
+            f"depth {k['depth']} over {k['size_bytes'] >> 20} MiB: built in {k['build_seconds']:.1f} s "
+            f"({k['chain_bytes'] / 2**20:.1f} MiB), inspect {k['inspect_seconds']:.2f} s, validate "
+            f"{k['validate_seconds']:.2f} s, restore {k['restore_median']:.2f} s median "
+            f"(depth 1: {k['depth1_restore_median']:.2f} s), bytes identical: {k['identical_to_depth1']}"
+        )
     return "\n".join(lines)
 
 
@@ -461,34 +530,61 @@ def main(argv=None) -> int:
     parser.add_argument("--size", type=parse_size, default=256 << 20, help="region size (default 256MiB)")
     parser.add_argument("--repeat", type=int, default=3, help="cold restores per chain (default 3)")
     parser.add_argument("--seed", type=int, default=20261122)
-    parser.add_argument("--word-frac", type=float, default=0.01,
-                        help="fraction of pages with 1-4 changed words per step (default 0.01)")
-    parser.add_argument("--page-frac", type=float, default=0.005,
-                        help="fraction of pages rewritten whole per step (default 0.005)")
-    parser.add_argument("--workload", choices=["rewrite", "sparse"], default="rewrite",
-                        help="rewrite (default): --word-frac and --page-frac a step, so superseded pages pile "
-                             "up in the chain; sparse: --sparse-pages pages get 1-4 new words a step, none "
-                             "rewritten (small links, as a guest between checkpoints)")
-    parser.add_argument("--sparse-pages", type=int, default=300,
-                        help="pages changed a step by the sparse workload (default 300)")
-    parser.add_argument("--link-frame-pages", type=int, default=None,
-                        help="pages per PAGE_FRAME in the links after the first (default: the writer's, 2 MiB); "
-                             "smaller frames decompress fewer superseded pages")
-    parser.add_argument("--depths", type=lambda v: [int(x) for x in v.split(",")], default=[1, 10, 100, 1000],
-                        help="chain depths compared in one run (default 1,10,100,1000)")
-    parser.add_argument("--deep-depth", type=int, default=0,
-                        help="also time inspect/validate/restore of a chain this deep over --deep-size (0: skip)")
-    parser.add_argument("--deep-size", type=parse_size, default=8 << 20,
-                        help="region size of the deep chain (default 8MiB)")
-    parser.add_argument("--baseline", type=Path, metavar="DIR",
-                        help="also time another checkout of leanimg (DIR, with its .venv), interleaved with "
-                             "this one: the A/B of a change in one run")
+    parser.add_argument(
+        "--word-frac", type=float, default=0.01, help="fraction of pages with 1-4 changed words per step (default 0.01)"
+    )
+    parser.add_argument(
+        "--page-frac", type=float, default=0.005, help="fraction of pages rewritten whole per step (default 0.005)"
+    )
+    parser.add_argument(
+        "--workload",
+        choices=["rewrite", "sparse"],
+        default="rewrite",
+        help="rewrite (default): --word-frac and --page-frac a step, so superseded pages pile "
+        "up in the chain; sparse: --sparse-pages pages get 1-4 new words a step, none "
+        "rewritten (small links, as a guest between checkpoints)",
+    )
+    parser.add_argument(
+        "--sparse-pages", type=int, default=300, help="pages changed a step by the sparse workload (default 300)"
+    )
+    parser.add_argument(
+        "--link-frame-pages",
+        type=int,
+        default=None,
+        help="pages per PAGE_FRAME in the links after the first (default: the writer's, 2 MiB); "
+        "smaller frames decompress fewer superseded pages",
+    )
+    parser.add_argument(
+        "--depths",
+        type=lambda v: [int(x) for x in v.split(",")],
+        default=[1, 10, 100, 1000],
+        help="chain depths compared in one run (default 1,10,100,1000)",
+    )
+    parser.add_argument(
+        "--deep-depth",
+        type=int,
+        default=0,
+        help="also time inspect/validate/restore of a chain this deep over --deep-size (0: skip)",
+    )
+    parser.add_argument(
+        "--deep-size", type=parse_size, default=8 << 20, help="region size of the deep chain (default 8MiB)"
+    )
+    parser.add_argument(
+        "--baseline",
+        type=Path,
+        metavar="DIR",
+        help="also time another checkout of leanimg (DIR, with its .venv), interleaved with "
+        "this one: the A/B of a change in one run",
+    )
     parser.add_argument("--workdir", default=None, help="parent of the temporary directory (default /tmp)")
     parser.add_argument("--json", dest="json_path", metavar="FILE", help="also write the results as JSON")
     parser.add_argument("--keep", action="store_true", help="keep the chains")
-    parser.add_argument("--reuse", metavar="DIR",
-                        help="time the chains an earlier --keep run left in DIR (give it the same --size, --workload "
-                             "and --depths) instead of building them; DIR is kept")
+    parser.add_argument(
+        "--reuse",
+        metavar="DIR",
+        help="time the chains an earlier --keep run left in DIR (give it the same --size, --workload "
+        "and --depths) instead of building them; DIR is kept",
+    )
     args = parser.parse_args(argv)
     require_null_device()
 
@@ -498,8 +594,11 @@ def main(argv=None) -> int:
     args.keep = args.keep or bool(args.reuse)
     work = Path(args.reuse) if args.reuse else Path(tempfile.mkdtemp(prefix="bench-chain-", dir=args.workdir))
     try:
-        results = dict(repeat=args.repeat, command=[sys.executable, *sys.argv],
-                       machine=dict(python=platform.python_version(), cpus=os.cpu_count()))
+        results = dict(
+            repeat=args.repeat,
+            command=[sys.executable, *sys.argv],
+            machine=dict(python=platform.python_version(), cpus=os.cpu_count()),
+        )
         results["depths"] = bench_depths(work, args, log)
         if args.deep_depth:
             results["deep"] = bench_depth1000(work, args, log)

@@ -32,7 +32,7 @@ from leanimg.reader import LeanImage
 
 from bench_chain import evict
 
-WORKERS = 2                      # as LeanImage.enable_read_ahead's default
+WORKERS = 2  # as LeanImage.enable_read_ahead's default
 
 
 def needed_records(last: Path) -> list[tuple[str, int, int, int, int, int]]:
@@ -45,15 +45,17 @@ def needed_records(last: Path) -> list[tuple[str, int, int, int, int, int]]:
             for link_index, link in enumerate(r.links):
                 stored = (r.base_class == PageClass.STORED) & (r.base_link == link_index)
                 tables = link.tables
-                for table, frames in ((tables.page_frames, np.unique(r.base_frame[stored])),
-                                      (tables.delta_frames, np.unique(r.delta_frames[r.delta_links == link_index]))):
+                for table, frames in (
+                    (tables.page_frames, np.unique(r.base_frame[stored])),
+                    (tables.delta_frames, np.unique(r.delta_frames[r.delta_links == link_index])),
+                ):
                     for frame in frames.tolist():
                         jobs.append(_job(link.path, tables.frame_record(table, frame)))
     return jobs
 
 
 def _job(path, record) -> tuple[str, int, int, int, int, int]:
-    frame = record.parsed["frame"]                     # the body's tail (structures.parse_body)
+    frame = record.parsed["frame"]  # the body's tail (structures.parse_body)
     start = RECORD.size + record.body_length - len(frame)
     return str(path), record.offset, record.size, start, len(frame), declared_size(frame)
 
@@ -70,7 +72,7 @@ def data_path(jobs: list, files: list[str]) -> tuple[float, float]:
         out = getattr(local, "out", None)
         if out is None or len(out) < content:
             out = local.out = bytearray(max(content, 4 << 20))
-        decompress_into(memoryview(raw)[start:start + length], out, expected=content, limit=FRAME_PAGES_MAX_BYTES)
+        decompress_into(memoryview(raw)[start : start + length], out, expected=content, limit=FRAME_PAGES_MAX_BYTES)
         return size
 
     try:
@@ -101,7 +103,7 @@ def measure(work: Path, depth: int, repeat: int) -> dict:
     jobs = needed_records(Path(files[-1]))
     runs = {"warm": [], "cold": [], "read": []}
     for _ in range(repeat):
-        data_path(jobs, files)                              # warms the cache
+        data_path(jobs, files)  # warms the cache
         runs["warm"].append(data_path(jobs, files))
         evict(files)
         runs["cold"].append(data_path(jobs, files))
@@ -112,24 +114,35 @@ def measure(work: Path, depth: int, repeat: int) -> dict:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--reuse", required=True, type=Path, metavar="DIR",
-                        help="the chains of a bench_chain.py --keep run (DIR/depthD/dD-NNNN.lean)")
+    parser.add_argument(
+        "--reuse",
+        required=True,
+        type=Path,
+        metavar="DIR",
+        help="the chains of a bench_chain.py --keep run (DIR/depthD/dD-NNNN.lean)",
+    )
     parser.add_argument("--depths", type=lambda v: [int(x) for x in v.split(",")], default=[10, 100, 1000])
     parser.add_argument("--repeat", type=int, default=3, help="runs per depth (medians reported)")
     args = parser.parse_args(argv)
     rows = [measure(args.reuse, depth, args.repeat) for depth in args.depths]
-    print(f"data floor of a restore ({WORKERS} threads: pread + record checksum + zstd into a reused buffer), "
-          f"median of {args.repeat}; wall s / CPU s")
+    print(
+        f"data floor of a restore ({WORKERS} threads: pread + record checksum + zstd into a reused buffer), "
+        f"median of {args.repeat}; wall s / CPU s"
+    )
     print(f"  {'depth':>6} {'frames':>7} {'MiB':>7} {'warm':>13} {'cold':>13} {'cold read of files':>19}")
     for r in rows:
-        print(f"  {r['depth']:>6} {r['frames']:>7} {r['mib']:7.0f} {r['warm'][0]:6.3f}/{r['warm'][1]:5.2f} "
-              f"{r['cold'][0]:6.3f}/{r['cold'][1]:5.2f} {r['read'][0]:12.3f}/{r['read'][1]:5.2f}")
+        print(
+            f"  {r['depth']:>6} {r['frames']:>7} {r['mib']:7.0f} {r['warm'][0]:6.3f}/{r['warm'][1]:5.2f} "
+            f"{r['cold'][0]:6.3f}/{r['cold'][1]:5.2f} {r['read'][0]:12.3f}/{r['read'][1]:5.2f}"
+        )
     base = {r["depth"]: r for r in rows}.get(10)
     if base:
         for r in rows:
             if r["depth"] != 10:
-                print(f"  cold floor depth{r['depth']}/depth10 = {r['cold'][0] / base['cold'][0]:.2f} (wall), "
-                      f"{r['cold'][1] / base['cold'][1]:.2f} (CPU)")
+                print(
+                    f"  cold floor depth{r['depth']}/depth10 = {r['cold'][0] / base['cold'][0]:.2f} (wall), "
+                    f"{r['cold'][1] / base['cold'][1]:.2f} (CPU)"
+                )
     return 0
 
 

@@ -59,8 +59,14 @@ BALLOON = ["-device", "virtio-balloon-pci,free-page-reporting=on"]
 
 
 def guest_free_port(sock: Path) -> list[str]:
-    return ["-device", "virtio-serial-pci", "-chardev", f"socket,id=lf,path={sock},server=on,wait=off",
-            "-device", "virtserialport,chardev=lf,name=org.leanimg.free.0"]
+    return [
+        "-device",
+        "virtio-serial-pci",
+        "-chardev",
+        f"socket,id=lf,path={sock},server=on,wait=off",
+        "-device",
+        "virtserialport,chardev=lf,name=org.leanimg.free.0",
+    ]
 
 
 def leanimg_command() -> list[str]:
@@ -75,7 +81,7 @@ def prepare(vm: GuestVM, mem_mib: int, say) -> None:
     vm.wait_ready(timeout=600)
     vm.run_workload("pagecache", "/mnt", timeout=1800)
     vm.run_workload("freed", str(mem_mib // 2), timeout=1800)
-    wait_heartbeat(vm, "freed", 4, timeout=120)     # a few seconds for free-page reporting
+    wait_heartbeat(vm, "freed", 4, timeout=120)  # a few seconds for free-page reporting
     say(f"guest ready in {time.monotonic() - t0:.0f} s")
 
 
@@ -93,19 +99,17 @@ def fsync_seconds(path: Path) -> float:
 def qemu_save(vm: GuestVM, path: Path, background: bool = False) -> tuple[float, dict]:
     """QEMU's own migrate to exec:cat; (wall seconds, final query-migrate)."""
     if background:
-        vm.qmp.execute("migrate-set-capabilities",
-                       capabilities=[{"capability": "background-snapshot", "state": True}])
+        vm.qmp.execute("migrate-set-capabilities", capabilities=[{"capability": "background-snapshot", "state": True}])
     else:
         vm.stop()
     t0 = time.monotonic()
     info = vm.save(path, timeout=1800)
     seconds = time.monotonic() - t0
     if background:
-        vm.qmp.execute("migrate-set-capabilities",
-                       capabilities=[{"capability": "background-snapshot", "state": False}])
+        vm.qmp.execute("migrate-set-capabilities", capabilities=[{"capability": "background-snapshot", "state": False}])
     else:
         vm.cont()
-        seconds = time.monotonic() - t0      # stop to running again, as the checkpoint's wall time
+        seconds = time.monotonic() - t0  # stop to running again, as the checkpoint's wall time
     return seconds, info
 
 
@@ -122,27 +126,36 @@ def checkpoint(qmp: Path, image: Path, *args, timeline: list | None = None) -> t
     (checkpoint -v: seconds since leanimg reached QEMU's monitor)."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.monotonic()
-    proc = subprocess.run([*leanimg_command(), "-v", "checkpoint", "--qmp", str(qmp), "-o", str(image), "-f",
-                           *map(str, args)], capture_output=True, text=True, timeout=3600)
+    proc = subprocess.run(
+        [*leanimg_command(), "-v", "checkpoint", "--qmp", str(qmp), "-o", str(image), "-f", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=3600,
+    )
     seconds = time.monotonic() - t0
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if proc.returncode != 0:
         raise SystemExit(f"leanimg checkpoint failed: {proc.stderr}")
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     if timeline is not None:
-        timeline.extend((m.group(2), float(m.group(1))) for m in
-                        re.finditer(r"checkpoint +([\d.]+) s +\(\+[\d.]+\) +(.+)", proc.stderr))
+        timeline.extend(
+            (m.group(2), float(m.group(1)))
+            for m in re.finditer(r"checkpoint +([\d.]+) s +\(\+[\d.]+\) +(.+)", proc.stderr)
+        )
     return seconds, cpu, proc.stdout.strip()
 
 
 def guest_free_runs(vm: GuestVM, qmp: Path, port: Path, disk: Path, work: Path, bandwidth: int, say) -> dict:
     """--live without and with --guest-free (and with --disk), in the plain guest."""
     start = len(vm.serial.text)
-    vm.serial.send("free")                              # the helper (tests/guest/build.py's init)
+    vm.serial.send("free")  # the helper (tests/guest/build.py's init)
     vm.serial.wait_for("LEANIMG-STARTED", 60, start)
     out = {}
-    runs = {"live": [], "live_guest_free": ["--guest-free", port],
-            "live_guest_free_disk": ["--guest-free", port, "--disk", f"vda={disk}"]}
+    runs = {
+        "live": [],
+        "live_guest_free": ["--guest-free", port],
+        "live_guest_free_disk": ["--guest-free", port, "--disk", f"vda={disk}"],
+    }
     for name, extra in runs.items():
         image = work / f"{name}.lean"
         seconds, cpu, summary = checkpoint(qmp, image, "--live", "--max-bandwidth", bandwidth, *extra)
@@ -161,6 +174,7 @@ def guest_free_runs(vm: GuestVM, qmp: Path, port: Path, disk: Path, work: Path, 
 
 def _checkpoint_note(image: Path) -> dict:
     from leanimg.reader import LeanImage
+
     with LeanImage.open(image) as img:
         return json.loads(bytes(next(s for s in img.source_states if s.tag == 2).data))
 
@@ -176,7 +190,7 @@ def stop_round(vm: GuestVM, qmp: Path, disk: Path, work: Path, first: bool) -> d
     seconds, _ = qemu_save(vm, work / "balloon.save")
     r["qemu_stop_save_seconds"] = seconds
     r["qemu_stop_save_fsync_seconds"] = fsync_seconds(work / "balloon.save")
-    if first:           # the sizes of the first round's save (the balloon may report more pages later)
+    if first:  # the sizes of the first round's save (the balloon may report more pages later)
         r["balloon_save_bytes"] = (work / "balloon.save").stat().st_size
         r["balloon_save_zstd_bytes"] = zstd_size(work / "balloon.save")
     (work / "balloon.save").unlink()
@@ -191,7 +205,7 @@ def stop_round(vm: GuestVM, qmp: Path, disk: Path, work: Path, first: bool) -> d
         r[f"{name}_migration_seconds"] = steps["migration completed"] - steps["ready to migrate"]
         r[f"{name}_after_migration_seconds"] = steps["image synced"] - steps["migration completed"]
         r[f"{name}_sync_seconds"] = steps["image synced"] - steps["image written"]
-        r[f"{name}_outside_seconds"] = seconds - steps["image in place"]   # start-up, connecting, the result
+        r[f"{name}_outside_seconds"] = seconds - steps["image in place"]  # start-up, connecting, the result
     r["checkpoint_disk_bytes"] = r["checkpoint_stop_bytes"]
 
     seconds, info = qemu_save(vm, work / "background.save", background=True)
@@ -220,8 +234,13 @@ def run(args) -> dict:
 
     (work / "plain").mkdir(exist_ok=True)
     qmp, port, disk = work / "plain-qmp.sock", work / "plain-free.sock", copy_disk(build.disk, work / "plain-disk.img")
-    with GuestVM(build, disk, mem_mib=args.mem_mib, workdir=work / "plain",
-                 extra_args=guest_free_port(port) + ["-qmp", f"unix:{qmp},server=on,wait=off"]) as vm:
+    with GuestVM(
+        build,
+        disk,
+        mem_mib=args.mem_mib,
+        workdir=work / "plain",
+        extra_args=guest_free_port(port) + ["-qmp", f"unix:{qmp},server=on,wait=off"],
+    ) as vm:
         prepare(vm, args.mem_mib, say)
         seconds, info = qemu_save(vm, work / "plain.save")
         results["plain_save_bytes"] = (work / "plain.save").stat().st_size
@@ -237,22 +256,29 @@ def run(args) -> dict:
     (work / "balloon").mkdir(exist_ok=True)
     disk = copy_disk(build.disk, work / "balloon-disk.img")
     qmp = work / "leanimg-qmp.sock"
-    with GuestVM(build, disk, mem_mib=args.mem_mib, workdir=work / "balloon",
-                 extra_args=BALLOON + ["-qmp", f"unix:{qmp},server=on,wait=off"]) as vm:
+    with GuestVM(
+        build,
+        disk,
+        mem_mib=args.mem_mib,
+        workdir=work / "balloon",
+        extra_args=BALLOON + ["-qmp", f"unix:{qmp},server=on,wait=off"],
+    ) as vm:
         prepare(vm, args.mem_mib, say)
         rounds = [stop_round(vm, qmp, disk, work, k == 0) for k in range(args.repeat)]
         for key, value in rounds[0].items():
             if isinstance(value, (int, float)) and all(key in r for r in rounds):
                 results[key] = statistics.median(r[key] for r in rounds)
             else:
-                results[key] = value         # measured once (the zstd size), or text
+                results[key] = value  # measured once (the zstd size), or text
         results["rounds"] = rounds
         say(f"balloon: {results}")
 
     results["load_average"] = os.getloadavg()
     results["ratio_vs_plain_zstd"] = results["checkpoint_disk_bytes"] / results["plain_save_zstd_bytes"]
     results["ratio_vs_balloon_zstd"] = results["checkpoint_disk_bytes"] / results["balloon_save_zstd_bytes"]
-    results["durable_qemu_stop_save_seconds"] = results["qemu_stop_save_seconds"] + results["qemu_stop_save_fsync_seconds"]
+    results["durable_qemu_stop_save_seconds"] = (
+        results["qemu_stop_save_seconds"] + results["qemu_stop_save_fsync_seconds"]
+    )
     results["stop_time_ratio"] = results["checkpoint_stop_seconds"] / results["qemu_stop_save_seconds"]
     results["stop_time_ratio_durable"] = results["checkpoint_stop_seconds"] / results["durable_qemu_stop_save_seconds"]
     results["stop_nodisk_time_ratio"] = results["checkpoint_stop_nodisk_seconds"] / results["qemu_stop_save_seconds"]
@@ -278,30 +304,35 @@ def report(r: dict) -> str:
     ]
     if "balloon_save_bytes" not in r:
         return "\n".join(lines)
-    return "\n".join(lines + [
-        f"same with free-page-reporting:    {mb(r['balloon_save_bytes'])}, zstd -T0 -3 {mb(r['balloon_save_zstd_bytes'])}",
-        f"checkpoint --disk:                {mb(r['checkpoint_disk_bytes'])} = {r['ratio_vs_plain_zstd']:.3f} x the plain "
-        f"zstd (target <= 0.2), {r['ratio_vs_balloon_zstd']:.3f} x the balloon zstd",
-        f"stop mode wall time (medians of {r['repeat']}): checkpoint --disk {r['checkpoint_stop_seconds']:.2f} s "
-        f"(leanimg CPU {r['checkpoint_stop_cpu_seconds']:.2f} s), QEMU exec:cat "
-        f"{r['qemu_stop_save_seconds']:.2f} s = {r['stop_time_ratio']:.2f} x (target <= 1.2); "
-        f"exec:cat then fsync {r['durable_qemu_stop_save_seconds']:.2f} s = {r['stop_time_ratio_durable']:.2f} x",
-        _steps("  --disk", r, "checkpoint_stop"),
-        f"  without --disk (streamed into the writer, no spool): {r['checkpoint_stop_nodisk_seconds']:.2f} s "
-        f"(leanimg CPU {r['checkpoint_stop_nodisk_cpu_seconds']:.2f} s, {mb(r['checkpoint_stop_nodisk_bytes'])}) = "
-        f"{r['stop_nodisk_time_ratio']:.2f} x",
-        _steps("  without --disk", r, "checkpoint_stop_nodisk"),
-        f"background: checkpoint {r['checkpoint_background_seconds']:.1f} s "
-        f"(leanimg CPU {r['checkpoint_background_cpu_seconds']:.1f} s), downtime "
-        f"{r['checkpoint_background_downtime_ms']} ms (target <= 50); QEMU exec:cat {r['qemu_background_seconds']:.1f} s, "
-        f"downtime {r['qemu_background_downtime_ms']} ms = {r['background_time_ratio']:.2f} x (target <= 1.2)",
-    ])
+    return "\n".join(
+        lines
+        + [
+            f"same with free-page-reporting:    {mb(r['balloon_save_bytes'])}, zstd -T0 -3 {mb(r['balloon_save_zstd_bytes'])}",
+            f"checkpoint --disk:                {mb(r['checkpoint_disk_bytes'])} = {r['ratio_vs_plain_zstd']:.3f} x the plain "
+            f"zstd (target <= 0.2), {r['ratio_vs_balloon_zstd']:.3f} x the balloon zstd",
+            f"stop mode wall time (medians of {r['repeat']}): checkpoint --disk {r['checkpoint_stop_seconds']:.2f} s "
+            f"(leanimg CPU {r['checkpoint_stop_cpu_seconds']:.2f} s), QEMU exec:cat "
+            f"{r['qemu_stop_save_seconds']:.2f} s = {r['stop_time_ratio']:.2f} x (target <= 1.2); "
+            f"exec:cat then fsync {r['durable_qemu_stop_save_seconds']:.2f} s = {r['stop_time_ratio_durable']:.2f} x",
+            _steps("  --disk", r, "checkpoint_stop"),
+            f"  without --disk (streamed into the writer, no spool): {r['checkpoint_stop_nodisk_seconds']:.2f} s "
+            f"(leanimg CPU {r['checkpoint_stop_nodisk_cpu_seconds']:.2f} s, {mb(r['checkpoint_stop_nodisk_bytes'])}) = "
+            f"{r['stop_nodisk_time_ratio']:.2f} x",
+            _steps("  without --disk", r, "checkpoint_stop_nodisk"),
+            f"background: checkpoint {r['checkpoint_background_seconds']:.1f} s "
+            f"(leanimg CPU {r['checkpoint_background_cpu_seconds']:.1f} s), downtime "
+            f"{r['checkpoint_background_downtime_ms']} ms (target <= 50); QEMU exec:cat {r['qemu_background_seconds']:.1f} s, "
+            f"downtime {r['qemu_background_downtime_ms']} ms = {r['background_time_ratio']:.2f} x (target <= 1.2)",
+        ]
+    )
 
 
 def _steps(label: str, r: dict, name: str) -> str:
-    return (f"{label}: migration {r[name + '_migration_seconds']:.2f} s, after it until synced "
-            f"{r[name + '_after_migration_seconds']:.2f} s (fsync {r[name + '_sync_seconds']:.2f} s), outside "
-            f"the steps (start-up, QMP, the summary) {r[name + '_outside_seconds']:.2f} s")
+    return (
+        f"{label}: migration {r[name + '_migration_seconds']:.2f} s, after it until synced "
+        f"{r[name + '_after_migration_seconds']:.2f} s (fsync {r[name + '_sync_seconds']:.2f} s), outside "
+        f"the steps (start-up, QMP, the summary) {r[name + '_outside_seconds']:.2f} s"
+    )
 
 
 def main() -> None:
@@ -309,11 +340,21 @@ def main() -> None:
     parser.add_argument("--mem-mib", type=int, default=1024, help="guest memory (default 1024)")
     parser.add_argument("--workdir", default="/var/tmp/leanimg-bench-checkpoint")
     parser.add_argument("--json", help="also write the results here")
-    parser.add_argument("--live-bandwidth", type=int, default=128, metavar="MIB/S",
-                        help="--max-bandwidth of the --live checkpoints (default 128)")
+    parser.add_argument(
+        "--live-bandwidth",
+        type=int,
+        default=128,
+        metavar="MIB/S",
+        help="--max-bandwidth of the --live checkpoints (default 128)",
+    )
     parser.add_argument("--skip-balloon", action="store_true", help="only the plain guest")
-    parser.add_argument("--repeat", type=int, default=3, metavar="N",
-                        help="rounds of the balloon guest's runs, alternated; medians reported (default 3)")
+    parser.add_argument(
+        "--repeat",
+        type=int,
+        default=3,
+        metavar="N",
+        help="rounds of the balloon guest's runs, alternated; medians reported (default 3)",
+    )
     args = parser.parse_args()
     results = run(args)
     print(report(results))

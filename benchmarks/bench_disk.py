@@ -53,16 +53,24 @@ def make_save(workdir: Path, reuse: bool) -> None:
     guest_dir = workdir / "guest"
     shutil.rmtree(guest_dir, ignore_errors=True)
     last = BENCH_STEPS[-1][0]
-    sp = run_scenario(guest_dir, BENCH_STEPS, mem_mib=BENCH_MEM_MIB, build=build_guest(BENCH_DISK),
-                      workload_timeout=1200, log=lambda m: print(f"  {m}", flush=True), save_after={last})[last]
+    sp = run_scenario(
+        guest_dir,
+        BENCH_STEPS,
+        mem_mib=BENCH_MEM_MIB,
+        build=build_guest(BENCH_DISK),
+        workload_timeout=1200,
+        log=lambda m: print(f"  {m}", flush=True),
+        save_after={last},
+    )[last]
     os.replace(sp.save, save)
     os.replace(sp.disk, disk)
     shutil.rmtree(guest_dir, ignore_errors=True)
 
 
 def class_pages(leanimg: list[str], image: Path) -> dict[str, int]:
-    info = json.loads(subprocess.run([*leanimg, "inspect", "--json", str(image)], check=True,
-                                     capture_output=True).stdout)
+    info = json.loads(
+        subprocess.run([*leanimg, "inspect", "--json", str(image)], check=True, capture_output=True).stdout
+    )
     return Counter(info["classes"])
 
 
@@ -78,6 +86,7 @@ def time_scan(save: Path, disk_path: Path, leanimg_dir: Path) -> dict:
     from leanimg.converters import qemu
     from leanimg.converters.diskrefs import PageIndex, scan_disk
     from leanimg.disks import open_disk
+
     with open(save, "rb") as f:
         state, ram = qemu.load_stream(f, leanimg_dir)
     index = PageIndex(4096)
@@ -102,7 +111,12 @@ def time_scan(save: Path, disk_path: Path, leanimg_dir: Path) -> dict:
         read = time.perf_counter() - t0
     finally:
         disk.close()
-    return {"scan_s": scan, "read_s": read, "scanned_mib": scanned / 2**20, "disk_pages": int((index.disk_ids >= 0).sum())}
+    return {
+        "scan_s": scan,
+        "read_s": read,
+        "scanned_mib": scanned / 2**20,
+        "disk_pages": int((index.disk_ids >= 0).sum()),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -117,25 +131,61 @@ def main(argv: list[str] | None = None) -> int:
     make_save(wd, args.reuse)
     leanimg = leanimg_command()
     save, raw = wd / "vm.save", wd / "disk.img"
-    inline, lean, zst, qcow2, out = (wd / n for n in ("inline.lean", "disk.lean", "vm.save.zst", "disk.qcow2", "out.raw"))
+    inline, lean, zst, qcow2, out = (
+        wd / n for n in ("inline.lean", "disk.lean", "vm.save.zst", "disk.qcow2", "out.raw")
+    )
     subprocess.run(["qemu-img", "convert", "-O", "qcow2", str(raw), str(qcow2)], check=True)
 
     convert = {
         "zstd -T0 -3": timed(["zstd", "-T0", "-3", "-q", "-f", str(save), "-o", str(zst)], cold=[save])["wall"],
         "convert inline": timed([*leanimg, "convert", str(save), "-o", str(inline), "-f"], cold=[save])["wall"],
-        "convert --disk": timed([*leanimg, "convert", str(save), "-o", str(lean), "-f", "--disk", f"vda={raw}"],
-                                cold=[save, raw])["wall"],
+        "convert --disk": timed(
+            [*leanimg, "convert", str(save), "-o", str(lean), "-f", "--disk", f"vda={raw}"], cold=[save, raw]
+        )["wall"],
     }
     pages = class_pages(leanimg, lean)
     variants = {
         "inline": ([*leanimg, "restore", str(inline), "--to", "raw", "-o", str(out), "-f"], [inline]),
-        "sorted": ([*leanimg, "restore", str(lean), "--to", "raw", "-o", str(out), "-f", "--disk", f"vda={raw}"], [lean, raw]),
-        "unsorted": ([*leanimg, "restore", str(lean), "--to", "raw", "-o", str(out), "-f", "--disk", f"vda={raw}",
-                      "--no-sort-blocks"], [lean, raw]),
-        "qcow2 sorted": ([*leanimg, "restore", str(lean), "--to", "raw", "-o", str(out), "-f", "--disk", f"vda={qcow2}"],
-                         [lean, qcow2]),
-        "qcow2 unsorted": ([*leanimg, "restore", str(lean), "--to", "raw", "-o", str(out), "-f", "--disk", f"vda={qcow2}",
-                            "--no-sort-blocks"], [lean, qcow2]),
+        "sorted": (
+            [*leanimg, "restore", str(lean), "--to", "raw", "-o", str(out), "-f", "--disk", f"vda={raw}"],
+            [lean, raw],
+        ),
+        "unsorted": (
+            [
+                *leanimg,
+                "restore",
+                str(lean),
+                "--to",
+                "raw",
+                "-o",
+                str(out),
+                "-f",
+                "--disk",
+                f"vda={raw}",
+                "--no-sort-blocks",
+            ],
+            [lean, raw],
+        ),
+        "qcow2 sorted": (
+            [*leanimg, "restore", str(lean), "--to", "raw", "-o", str(out), "-f", "--disk", f"vda={qcow2}"],
+            [lean, qcow2],
+        ),
+        "qcow2 unsorted": (
+            [
+                *leanimg,
+                "restore",
+                str(lean),
+                "--to",
+                "raw",
+                "-o",
+                str(out),
+                "-f",
+                "--disk",
+                f"vda={qcow2}",
+                "--no-sort-blocks",
+            ],
+            [lean, qcow2],
+        ),
     }
     runs: dict[str, list[float]] = {k: [] for k in variants}
     for i in range(args.runs):
@@ -144,8 +194,9 @@ def main(argv: list[str] | None = None) -> int:
             runs[name].append(timed(argv_, cold=cold)["wall"])
         print(f"run {i + 1}/{args.runs}: " + ", ".join(f"{k} {v[-1]:.2f}s" for k, v in runs.items()), flush=True)
     rebuilt = wd / "rebuilt.save"
-    subprocess.run([*leanimg, "restore", str(lean), "--to", "qemu", "-o", str(rebuilt), "-f", "--disk", f"vda={qcow2}"],
-                   check=True)
+    subprocess.run(
+        [*leanimg, "restore", str(lean), "--to", "qemu", "-o", str(rebuilt), "-f", "--disk", f"vda={qcow2}"], check=True
+    )
     identical = sha256_file(rebuilt) == sha256_file(save)
     rebuilt.unlink()
     out.unlink(missing_ok=True)
@@ -159,12 +210,18 @@ def main(argv: list[str] | None = None) -> int:
     big_qcow2.unlink()
 
     med = {k: statistics.median(v) for k, v in runs.items()}
-    sizes = {"save": save.stat().st_size, "zstd -T0 -3": zst.stat().st_size,
-             "lean inline": inline.stat().st_size, "lean --disk": lean.stat().st_size}
+    sizes = {
+        "save": save.stat().st_size,
+        "zstd -T0 -3": zst.stat().st_size,
+        "lean inline": inline.stat().st_size,
+        "lean --disk": lean.stat().st_size,
+    }
     nonzero = pages["STORED"] + pages["DISK"]
     print()
-    print(f"DISK pages: {pages['DISK']} ({pages['DISK'] * 4096 / 2**20:.1f} MiB) = "
-          f"{100 * pages['DISK'] / nonzero:.1f}% of the {nonzero} non-zero pages")
+    print(
+        f"DISK pages: {pages['DISK']} ({pages['DISK'] * 4096 / 2**20:.1f} MiB) = "
+        f"{100 * pages['DISK'] / nonzero:.1f}% of the {nonzero} non-zero pages"
+    )
     print(f"{'file':<14} {'MiB':>9} {'vs save':>8} {'vs zstd':>8}")
     for k, v in sizes.items():
         print(f"{k:<14} {v / 2**20:>9.1f} {v / sizes['save']:>8.3f} {v / sizes['zstd -T0 -3']:>8.3f}")
@@ -176,14 +233,30 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {k:<16} {v:6.2f} s   x{v / med['inline']:.2f} of inline")
     print("\ndisk scan, cold:")
     for k, v in scans.items():
-        print(f"  {k:<14} scan {v['scan_s']:.2f} s for {v['scanned_mib']:.0f} MiB of data "
-              f"({v['scanned_mib'] / v['scan_s']:.0f} MiB/s); reading those ranges alone {v['read_s']:.2f} s "
-              f"({v['scanned_mib'] / v['read_s']:.0f} MiB/s); {v['disk_pages']} pages matched")
-    print(f"\ntarget sorted <= inline: {'MET' if med['sorted'] <= med['inline'] else 'MISSED'}; "
-          f"restored stream identical to the save: {identical}")
+        print(
+            f"  {k:<14} scan {v['scan_s']:.2f} s for {v['scanned_mib']:.0f} MiB of data "
+            f"({v['scanned_mib'] / v['scan_s']:.0f} MiB/s); reading those ranges alone {v['read_s']:.2f} s "
+            f"({v['scanned_mib'] / v['read_s']:.0f} MiB/s); {v['disk_pages']} pages matched"
+        )
+    print(
+        f"\ntarget sorted <= inline: {'MET' if med['sorted'] <= med['inline'] else 'MISSED'}; "
+        f"restored stream identical to the save: {identical}"
+    )
     if args.json:
-        args.json.write_text(json.dumps({"pages": pages, "sizes": sizes, "convert": convert, "restore": runs,
-                                         "scan": scans, "identical": identical}, indent=2) + "\n")
+        args.json.write_text(
+            json.dumps(
+                {
+                    "pages": pages,
+                    "sizes": sizes,
+                    "convert": convert,
+                    "restore": runs,
+                    "scan": scans,
+                    "identical": identical,
+                },
+                indent=2,
+            )
+            + "\n"
+        )
     return 0 if identical else 1
 
 

@@ -41,9 +41,9 @@ from leanimg.validate import validate
 from leanimg.writer import LeanImageWriter
 
 PAGE = 4096
-CHUNK = 4 << 20                  # 4 MiB: generation and put_pages unit
+CHUNK = 4 << 20  # 4 MiB: generation and put_pages unit
 CHUNK_PAGES = CHUNK // PAGE
-RUN_MEAN_PAGES = 16              # classes come in runs, as in real guests
+RUN_MEAN_PAGES = 16  # classes come in runs, as in real guests
 MIX = {"zero": 0.45, "text": 0.35, "random": 0.20}
 parse_size = size_parser(CHUNK)
 
@@ -54,7 +54,7 @@ def _text_pool(rng: np.random.Generator, size: int = 1 << 20) -> np.ndarray:
     letters = np.frombuffer(b"etaoinshrdlcumwfgypbvkjxqz", np.uint8)
     vocab = [bytes(letters[rng.zipf(1.6, rng.integers(2, 11)) % 26]) for _ in range(2000)]
     words = rng.zipf(1.3, size // 4) % len(vocab)
-    text = np.frombuffer(b" ".join(vocab[w] for w in words)[:size // 2], np.uint8)
+    text = np.frombuffer(b" ".join(vocab[w] for w in words)[: size // 2], np.uint8)
     # structs: 64-byte records of pointers, small counters, flags and padding
     n = size // 2 // 64
     rec = np.zeros((n, 8), np.uint64)
@@ -136,9 +136,15 @@ def lean_validate(lean: str) -> None:
 def measure(args) -> dict:
     work = tempfile.mkdtemp(prefix="leanimg-bench-", dir=args.workdir)
     raw, lean, zst = (os.path.join(work, n) for n in ("mem.raw", "mem.lean", "mem.raw.zst"))
-    results: dict = dict(size=args.size, repeat=args.repeat, seed=args.seed, mix=MIX,
-                         python=platform.python_version(), cpus=os.cpu_count(),
-                         zstd=subprocess.run(["zstd", "-V"], capture_output=True, text=True).stdout.strip())
+    results: dict = dict(
+        size=args.size,
+        repeat=args.repeat,
+        seed=args.seed,
+        mix=MIX,
+        python=platform.python_version(),
+        cpus=os.cpu_count(),
+        zstd=subprocess.run(["zstd", "-V"], capture_output=True, text=True).stdout.strip(),
+    )
     times: dict[str, list[float]] = {}
     try:
         t = time.perf_counter()
@@ -146,8 +152,7 @@ def measure(args) -> dict:
         results["generate_seconds"] = time.perf_counter() - t
         steps = [
             ("cat", raw, lambda: run(["cat", raw])),
-            ("zstd_compress", raw, lambda: (run(["zstd", "-T0", "-3", "-q", "-f", raw, "-o", zst]),
-                                            fsync_path(zst))),
+            ("zstd_compress", raw, lambda: (run(["zstd", "-T0", "-3", "-q", "-f", raw, "-o", zst]), fsync_path(zst))),
             ("zstd_decompress", zst, lambda: run(["zstd", "-d", "-q", "-c", zst])),
             ("zstd_test", zst, lambda: run(["zstd", "-t", "-q", zst])),
             ("lean_write", raw, lambda: lean_write(raw, lean)),
@@ -187,11 +192,13 @@ def render(r: dict) -> str:
     med, rate = r["median_seconds"], r["mib_per_second"]
     pages = r["pages"]
     total = sum(pages.values())
-    lines = [f"leanimg benchmark: {r['size'] / mib:.0f} MiB, median of {r['repeat']}, seed {r['seed']}, "
-             f"{r['cpus']} CPUs, {r['zstd']}",
-             "page mix: " + ", ".join(f"{k} {100 * v / total:.1f}%" for k, v in pages.items()),
-             "",
-             f"{'operation':<18}{'median s':>10}{'MiB/s':>10}   runs (s)"]
+    lines = [
+        f"leanimg benchmark: {r['size'] / mib:.0f} MiB, median of {r['repeat']}, seed {r['seed']}, "
+        f"{r['cpus']} CPUs, {r['zstd']}",
+        "page mix: " + ", ".join(f"{k} {100 * v / total:.1f}%" for k, v in pages.items()),
+        "",
+        f"{'operation':<18}{'median s':>10}{'MiB/s':>10}   runs (s)",
+    ]
     for name in med:
         runs = " ".join(f"{t:.3f}" for t in r["seconds"][name])
         lines.append(f"{name:<18}{med[name]:>10.3f}{rate[name]:>10.0f}   {runs}")

@@ -85,18 +85,30 @@ def main() -> int:
             times["stream"].append(timed([*leanimg, "convert", save, "-o", work / "a.lean", "-f"]))
             times["libvirt"].append(timed([*leanimg, "convert", dom, "-o", work / "b.lean", "-f"]))
         subprocess.run(["zstd", "-q", "-3", "-f", dom, "-o", work / "dom.save.zst"], check=True)
-        sizes = {"stream": save.stat().st_size, "libvirt save": dom.stat().st_size,
-                 "libvirt save, zstd -3": (work / "dom.save.zst").stat().st_size,
-                 "lean": (work / "b.lean").stat().st_size}
+        sizes = {
+            "stream": save.stat().st_size,
+            "libvirt save": dom.stat().st_size,
+            "libvirt save, zstd -3": (work / "dom.save.zst").stat().st_size,
+            "lean": (work / "b.lean").stat().st_size,
+        }
         if disk:
-            subprocess.run([*leanimg, "convert", dom, "-o", work / "c.lean", "--disk", f"vda={disk}"], check=True,
-                           capture_output=True)
+            subprocess.run(
+                [*leanimg, "convert", dom, "-o", work / "c.lean", "--disk", f"vda={disk}"],
+                check=True,
+                capture_output=True,
+            )
             sizes["lean --disk"] = (work / "c.lean").stat().st_size
-        result = {"repeat": options.repeat, "median_seconds": {k: statistics.median(v) for k, v in times.items()},
-                  "seconds": times, "bytes": sizes}
+        result = {
+            "repeat": options.repeat,
+            "median_seconds": {k: statistics.median(v) for k, v in times.items()},
+            "seconds": times,
+            "bytes": sizes,
+        }
         ratio = result["median_seconds"]["libvirt"] / result["median_seconds"]["stream"]
-        print(f"convert, median of {options.repeat}: bare stream {result['median_seconds']['stream']:.2f} s, "
-              f"libvirt save {result['median_seconds']['libvirt']:.2f} s ({ratio:.2f}x)")
+        print(
+            f"convert, median of {options.repeat}: bare stream {result['median_seconds']['stream']:.2f} s, "
+            f"libvirt save {result['median_seconds']['libvirt']:.2f} s ({ratio:.2f}x)"
+        )
         for name, size in sizes.items():
             print(f"  {name:<24} {size:>13,} bytes  {size / 2**20:9.1f} MiB")
         if options.json:

@@ -45,8 +45,9 @@ LEANIMG = command_line()
 def run_cli(*args) -> None:
     proc = subprocess.run([*LEANIMG, *map(str, args)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     if proc.returncode:
-        raise SystemExit(f"leanimg {' '.join(map(str, args))} exited {proc.returncode}:\n"
-                         f"{proc.stderr.decode(errors='replace')}")
+        raise SystemExit(
+            f"leanimg {' '.join(map(str, args))} exited {proc.returncode}:\n{proc.stderr.decode(errors='replace')}"
+        )
 
 
 def raw_pages(link: Path, work: Path) -> np.ndarray:
@@ -94,24 +95,36 @@ def measure(chains: dict[str, list[Path]], work: Path) -> list[dict]:
             raise SystemExit(f"cp{i + 1}: the two chains restore to different memory")
         pages, baseline = changed_pages_zstd3(previous, current)
         delta, parent_only = (chains[k][i].stat().st_size for k in ("delta", "parent-only"))
-        rows.append(dict(link=f"cp{i + 1}", changed_pages=pages, zstd3_changed_bytes=baseline,
-                         delta_link_bytes=delta, parent_only_link_bytes=parent_only,
-                         delta_ratio=delta / baseline, parent_only_ratio=parent_only / baseline,
-                         meets_target=delta / baseline <= TARGET))
+        rows.append(
+            dict(
+                link=f"cp{i + 1}",
+                changed_pages=pages,
+                zstd3_changed_bytes=baseline,
+                delta_link_bytes=delta,
+                parent_only_link_bytes=parent_only,
+                delta_ratio=delta / baseline,
+                parent_only_ratio=parent_only / baseline,
+                meets_target=delta / baseline <= TARGET,
+            )
+        )
         previous = current
     return rows
 
 
 def render(rows: list[dict], args) -> str:
-    lines = [f"links of a {args.mem} MiB guest writing 1-4 words into {args.pages} pages per round, "
-             f"{args.saves} saves {args.rounds} rounds apart; baseline = zstd -3 of the pages changed since "
-             f"the previous save",
-             f"  {'link':>5} {'changed':>8} {'zstd3 B':>9} {'PARENT+DELTA B':>15} {'ratio':>6} "
-             f"{'PARENT-only B':>14} {'ratio':>6}  target <= {TARGET}"]
+    lines = [
+        f"links of a {args.mem} MiB guest writing 1-4 words into {args.pages} pages per round, "
+        f"{args.saves} saves {args.rounds} rounds apart; baseline = zstd -3 of the pages changed since "
+        f"the previous save",
+        f"  {'link':>5} {'changed':>8} {'zstd3 B':>9} {'PARENT+DELTA B':>15} {'ratio':>6} "
+        f"{'PARENT-only B':>14} {'ratio':>6}  target <= {TARGET}",
+    ]
     for r in rows:
-        lines.append(f"  {r['link']:>5} {r['changed_pages']:>8} {r['zstd3_changed_bytes']:>9} "
-                     f"{r['delta_link_bytes']:>15} {r['delta_ratio']:>6.3f} {r['parent_only_link_bytes']:>14} "
-                     f"{r['parent_only_ratio']:>6.3f}  {'met' if r['meets_target'] else 'NOT met'}")
+        lines.append(
+            f"  {r['link']:>5} {r['changed_pages']:>8} {r['zstd3_changed_bytes']:>9} "
+            f"{r['delta_link_bytes']:>15} {r['delta_ratio']:>6.3f} {r['parent_only_link_bytes']:>14} "
+            f"{r['parent_only_ratio']:>6.3f}  {'met' if r['meets_target'] else 'NOT met'}"
+        )
     return "\n".join(lines)
 
 
@@ -131,8 +144,7 @@ def main(argv=None) -> int:
     work = Path(tempfile.mkdtemp(prefix="bench-links-", dir=args.workdir))
     try:
         phase = Phase("words", 24, saves=args.saves, rounds=args.rounds, amount=args.pages)
-        checkpoints = run_chain_scenario(work / "guest", phases=(phase,), mem_mib=args.mem, log=log,
-                                         limit_rounds=False)
+        checkpoints = run_chain_scenario(work / "guest", phases=(phase,), mem_mib=args.mem, log=log, limit_rounds=False)
         chains = convert_chains([c.point.save for c in checkpoints], work, log)
         rows = measure(chains, work)
         print(render(rows, args))

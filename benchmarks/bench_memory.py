@@ -32,7 +32,7 @@ from common import require_null_device, size_parser
 from leanimg.converters import qemu as q
 
 MIB = 1 << 20
-GNU_TIME = "/usr/bin/time"                 # Debian package "time"
+GNU_TIME = "/usr/bin/time"  # Debian package "time"
 TABLE_BYTES_PER_PAGE = 25
 
 
@@ -40,19 +40,31 @@ def make_save(raw: Path, save: Path) -> None:
     """``raw`` guest memory as the RAM block pc.ram of a QEMU stream with one device section."""
     import json
     import struct
+
     size = raw.stat().st_size
     machine = b"pc-i440fx-7.2"
-    prologue = struct.pack(">II", q.QEVM_MAGIC, 3) + bytes([q.CONFIGURATION]) + struct.pack(">I", len(machine)) + machine
+    prologue = (
+        struct.pack(">II", q.QEVM_MAGIC, 3) + bytes([q.CONFIGURATION]) + struct.pack(">I", len(machine)) + machine
+    )
     devices = [q.DeviceSection(q.FULL, q.SectionHeader(3, "timer", 0, 2), b"\x01" * 24)]
-    state = q.StreamState(prologue=prologue, machine=machine.decode(), page_size=4096, capabilities=(),
-                          ram=q.SectionHeader(2, "ram", 0, 4), ram_blocks=(q.RamBlock("pc.ram", size),),
-                          ram_plan=[(q.START, 0), (q.PART, size // 4096), (q.END, 0)], footers=True, devices=devices,
-                          vmdesc=json.dumps({"page_size": 4096, "devices": [{"name": "timer", "instance_id": 0}]}).encode())
+    state = q.StreamState(
+        prologue=prologue,
+        machine=machine.decode(),
+        page_size=4096,
+        capabilities=(),
+        ram=q.SectionHeader(2, "ram", 0, 4),
+        ram_blocks=(q.RamBlock("pc.ram", size),),
+        ram_plan=[(q.START, 0), (q.PART, size // 4096), (q.END, 0)],
+        footers=True,
+        devices=devices,
+        vmdesc=json.dumps({"page_size": 4096, "devices": [{"name": "timer", "instance_id": 0}]}).encode(),
+    )
 
     def chunks(block):
         with open(raw, "rb") as f:
             while chunk := f.read(CHUNK):
                 yield chunk
+
     with open(save, "wb") as out:
         q.write_qemu_stream(out, state, None, chunks)
 
@@ -62,8 +74,9 @@ def peak_rss(args: list[str], work: Path) -> tuple[int, float]:
     them. Not os.wait4 on our own child: a child forked from this process inherits its
     high-water RSS (Linux keeps maxrss across exec), so every command would show ours."""
     report = work / "time.txt"
-    proc = subprocess.run([GNU_TIME, "-f", "%M %e", "-o", str(report), *args], stdout=subprocess.DEVNULL,
-                          stderr=subprocess.PIPE)
+    proc = subprocess.run(
+        [GNU_TIME, "-f", "%M %e", "-o", str(report), *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
     if proc.returncode != 0:
         raise SystemExit(f"{' '.join(args)} failed: {proc.stderr.decode()[-500:]}")
     kib, seconds = report.read_text().split()
@@ -112,8 +125,10 @@ def main(argv=None) -> int:
     print(f"{'':<24}" + "".join(f"{_size(size):>18}" for size in table))
     for name in names:
         print(f"{name:<24}" + "".join(f"{table[s][name][0] / MIB:>10.0f} ({table[s][name][1]:5.1f})" for s in table))
-    print(f"{'page tables, 25 B/page':<24}" + "".join(f"{s // 4096 * TABLE_BYTES_PER_PAGE / MIB:>10.1f}        "
-                                                   for s in table))
+    print(
+        f"{'page tables, 25 B/page':<24}"
+        + "".join(f"{s // 4096 * TABLE_BYTES_PER_PAGE / MIB:>10.1f}        " for s in table)
+    )
     return 0
 
 

@@ -72,23 +72,30 @@ TIMEOUT = 600
 
 def prepare(workdir: Path, mem_mib: int, reuse: bool) -> tuple[Path, Path]:
     """(image, disk at save time) of a guest of ``mem_mib`` MiB after STEPS."""
-    out = workdir / f"guest-{mem_mib}-{'-'.join(name for name, _ in STEPS)}"     # --reuse only the same steps
+    out = workdir / f"guest-{mem_mib}-{'-'.join(name for name, _ in STEPS)}"  # --reuse only the same steps
     image, disk = out / "vm.lean", out / "check.disk.img"
     if reuse and image.exists() and disk.exists():
         return image, disk
-    points = run_scenario(out, STEPS, mem_mib=mem_mib, save_after={"check"},
-                          log=lambda msg: print(f"[{mem_mib} MiB guest] {msg}", flush=True))
+    points = run_scenario(
+        out,
+        STEPS,
+        mem_mib=mem_mib,
+        save_after={"check"},
+        log=lambda msg: print(f"[{mem_mib} MiB guest] {msg}", flush=True),
+    )
     _run([*command_line(), "convert", str(points["check"].save), "-o", str(image), "-f"])
     return image, disk
 
 
 def _run(argv: list[str]) -> None:
     import subprocess
+
     subprocess.run(argv, check=True, capture_output=True, timeout=TIMEOUT)
 
 
-def measure(build, image: Path, disk: Path, mem_mib: int, incoming_argv: list[str], postcopy: bool,
-            completes: bool = True) -> dict:
+def measure(
+    build, image: Path, disk: Path, mem_mib: int, incoming_argv: list[str], postcopy: bool, completes: bool = True
+) -> dict:
     """Seconds from starting the destination to the first heartbeat and to "completed"
     (not waited for when the run never ``completes``: a demand-only serve)."""
     with tempfile.TemporaryDirectory(prefix="bench-postcopy-") as tmp:
@@ -96,9 +103,16 @@ def measure(build, image: Path, disk: Path, mem_mib: int, incoming_argv: list[st
         copy = copy_disk(disk, work / "disk.img")
         (work / "vm").mkdir()
         t0, launched = time.monotonic(), time.time()
-        with GuestVM(build, copy, mem_mib=mem_mib, workdir=work / "vm", autostart=True,
-                     incoming=f"exec:{shlex.join(incoming_argv)}", extra_args=POSTCOPY if postcopy else ()) as vm:
-            qmp = time.monotonic() - t0          # GuestVM returns once QMP answered
+        with GuestVM(
+            build,
+            copy,
+            mem_mib=mem_mib,
+            workdir=work / "vm",
+            autostart=True,
+            incoming=f"exec:{shlex.join(incoming_argv)}",
+            extra_args=POSTCOPY if postcopy else (),
+        ) as vm:
+            qmp = time.monotonic() - t0  # GuestVM returns once QMP answered
             running = working = resident = started = None
             deadline = t0 + TIMEOUT
             while (working is None or (completes and resident is None)) and time.monotonic() < deadline:
@@ -111,14 +125,20 @@ def measure(build, image: Path, disk: Path, mem_mib: int, incoming_argv: list[st
                 if resident is None and vm.qmp.execute("query-migrate").get("status") == "completed":
                     resident = time.monotonic() - t0
                     if not postcopy and vm.status() == "paused":
-                        vm.cont()     # the save was of a stopped VM: a pre-copy load stays paused
+                        vm.cont()  # the save was of a stopped VM: a pre-copy load stays paused
                 if vm.proc.poll() is not None or "WORKLOAD-ERROR" in vm.serial.text:
                     raise RuntimeError(f"destination failed:\n{vm.serial.text[-1000:]}\n{vm.qemu_output()[-2000:]}")
                 time.sleep(0.02)
             vm.qmp.execute("quit")
             vm.proc.wait(timeout=60)
-    return {"qmp_s": qmp, "started_s": started, "to_running_s": running, "working_set_s": working,
-            "resident_s": resident, "launched": launched}
+    return {
+        "qmp_s": qmp,
+        "started_s": started,
+        "to_running_s": running,
+        "working_set_s": working,
+        "resident_s": resident,
+        "launched": launched,
+    }
 
 
 def read_stats(path: Path) -> dict:
@@ -127,9 +147,19 @@ def read_stats(path: Path) -> dict:
         if path.exists() and path.stat().st_size:
             time.sleep(0.1)
             stats = json.loads(path.read_text())
-            return {k: stats.get(k, [] if k in ("timeline", "first_requests") else None)
-                    for k in ("demand_pages", "pushed_pages", "pages_to_send", "requests",
-                              "demand_wait_max", "demand_wait_total", "timeline", "first_requests")}
+            return {
+                k: stats.get(k, [] if k in ("timeline", "first_requests") else None)
+                for k in (
+                    "demand_pages",
+                    "pushed_pages",
+                    "pages_to_send",
+                    "requests",
+                    "demand_wait_max",
+                    "demand_wait_total",
+                    "timeline",
+                    "first_requests",
+                )
+            }
         time.sleep(0.1)
     raise RuntimeError(f"the serve wrote no {path}")
 
@@ -140,11 +170,19 @@ def main() -> None:
     ap.add_argument("--reuse", action="store_true", help="Reuse the saves and images in --workdir.")
     ap.add_argument("--sizes", default="256,2048", help="Guest memory sizes in MiB (comma-separated).")
     ap.add_argument("--strategies", default="none,sequential,bubble", help="Prepaging strategies to run.")
-    ap.add_argument("--repeat", type=int, default=3,
-                    help="Runs of every (size, restore) pair, interleaved; medians reported (default 3).")
+    ap.add_argument(
+        "--repeat",
+        type=int,
+        default=3,
+        help="Runs of every (size, restore) pair, interleaved; medians reported (default 3).",
+    )
     ap.add_argument("--json", type=Path, help="Write the results here too.")
-    ap.add_argument("--baseline", type=Path, metavar="DIR",
-                    help="Also run every restore with the leanimg of this checkout (DIR/.venv/bin/leanimg).")
+    ap.add_argument(
+        "--baseline",
+        type=Path,
+        metavar="DIR",
+        help="Also run every restore with the leanimg of this checkout (DIR/.venv/bin/leanimg).",
+    )
     args = ap.parse_args()
     build = build_guest()
     leanimg = command_line()
@@ -161,15 +199,20 @@ def main() -> None:
         for mem_mib in sizes:
             record_working_set(build, leanimg, args.workdir, *images[mem_mib], mem_mib)
     runs = [(f"{tag}full", None, argv) for tag, argv, _ in versions]
-    runs += [(f"{tag}postcopy {s}", s, argv) for s in strategies for tag, argv, _ in versions
-             if not (tag and ("+ws" in s or "@" in s))]      # options the baseline may not have
+    runs += [
+        (f"{tag}postcopy {s}", s, argv)
+        for s in strategies
+        for tag, argv, _ in versions
+        if not (tag and ("+ws" in s or "@" in s))
+    ]  # options the baseline may not have
     results = []
-    for repeat in range(args.repeat):           # interleaved: drift on a shared host hits every run alike
+    for repeat in range(args.repeat):  # interleaved: drift on a shared host hits every run alike
         for mem_mib in sizes:
             image, disk = images[mem_mib]
-            for name, strategy, argv in runs[repeat % len(runs):] + runs[:repeat % len(runs)]:   # no run always first
-                row = dict(mem_mib=mem_mib, run=name, repeat=repeat, image_bytes=image.stat().st_size,
-                           demand_pages=None)
+            for name, strategy, argv in runs[repeat % len(runs) :] + runs[: repeat % len(runs)]:  # no run always first
+                row = dict(
+                    mem_mib=mem_mib, run=name, repeat=repeat, image_bytes=image.stat().st_size, demand_pages=None
+                )
                 row.update(one_run(build, argv, args.workdir, image, disk, mem_mib, strategy))
                 results.append(row)
                 print(_line(row), flush=True)
@@ -198,8 +241,7 @@ def record_working_set(build, leanimg, workdir: Path, image: Path, disk: Path, m
 
 def one_run(build, leanimg, workdir: Path, image: Path, disk: Path, mem_mib: int, strategy) -> dict:
     if strategy is None:
-        return measure(build, image, disk, mem_mib, [*leanimg, "restore", str(image), "--to", "qemu", "-o", "-"],
-                       False)
+        return measure(build, image, disk, mem_mib, [*leanimg, "restore", str(image), "--to", "qemu", "-o", "-"], False)
     stats = workdir / f"stats-{mem_mib}-{strategy}.json"
     stats.unlink(missing_ok=True)
     named, _, budget = strategy.partition("@")
@@ -219,8 +261,7 @@ def one_run(build, leanimg, workdir: Path, image: Path, disk: Path, mem_mib: int
 
 TIMES = ("qmp_s", "started_s", "to_running_s", "working_set_s", "resident_s", "demand_pages")
 # issue 14 §4
-TARGETS = {"to running (s)": 1.0, "to running, largest / smallest guest": 1.2,
-           "resident, postcopy / full restore": 1.2}
+TARGETS = {"to running (s)": 1.0, "to running, largest / smallest guest": 1.2, "resident, postcopy / full restore": 1.2}
 
 
 def summarize(results: list[dict], sizes: list[int]) -> dict:
@@ -231,13 +272,12 @@ def summarize(results: list[dict], sizes: list[int]) -> dict:
         for k in TIMES:
             if row.get(k) is not None:
                 cell[k].append(row[k])
-    medians = {key: {k: statistics.median(v) if v else None for k, v in cell.items()}
-               for key, cell in medians.items()}
+    medians = {key: {k: statistics.median(v) if v else None for k, v in cell.items()} for key, cell in medians.items()}
     checks = []
     for key, m in medians.items():
         mem, run = key.split(" ", 1)
         tag = "base " if run.startswith("base ") else ""
-        if run[len(tag):].startswith("postcopy") and m["to_running_s"] is not None:
+        if run[len(tag) :].startswith("postcopy") and m["to_running_s"] is not None:
             checks.append(("to running (s)", key, m["to_running_s"]))
             full = medians[f"{mem} {tag}full"]["resident_s"]
             if m["resident_s"] is not None and full:
@@ -248,36 +288,50 @@ def summarize(results: list[dict], sizes: list[int]) -> dict:
         other = medians.get(f"{small} {run}")
         if int(mem) == large and large != small and not run.endswith("full") and other and other["to_running_s"]:
             checks.append(("to running, largest / smallest guest", run, m["to_running_s"] / other["to_running_s"]))
-    return {"medians": medians, "targets": TARGETS,
-            "checks": [dict(target=t, run=r, value=v, met=v <= TARGETS[t]) for t, r, v in checks]}
+    return {
+        "medians": medians,
+        "targets": TARGETS,
+        "checks": [dict(target=t, run=r, value=v, met=v <= TARGETS[t]) for t, r, v in checks],
+    }
 
 
 def render_summary(summary: dict, repeat: int) -> str:
     fmt = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
     lines = [f"medians of {repeat} runs:"]
     for key, m in summary["medians"].items():
-        lines.append(f"  {key:<28} qmp {fmt(m['qmp_s'])}  started {fmt(m['started_s'])}  to running "
-                     f"{fmt(m['to_running_s'])}  working set {fmt(m['working_set_s'])}  resident "
-                     f"{fmt(m['resident_s'])}  on demand {fmt(m['demand_pages'])}")
+        lines.append(
+            f"  {key:<28} qmp {fmt(m['qmp_s'])}  started {fmt(m['started_s'])}  to running "
+            f"{fmt(m['to_running_s'])}  working set {fmt(m['working_set_s'])}  resident "
+            f"{fmt(m['resident_s'])}  on demand {fmt(m['demand_pages'])}"
+        )
     for c in summary["checks"]:
-        lines.append(f"  {c['target']:<38} {c['run']:<28} {c['value']:.3f}  (target <= "
-                     f"{summary['targets'][c['target']]}: {'met' if c['met'] else 'NOT met'})")
+        lines.append(
+            f"  {c['target']:<38} {c['run']:<28} {c['value']:.3f}  (target <= "
+            f"{summary['targets'][c['target']]}: {'met' if c['met'] else 'NOT met'})"
+        )
     return "\n".join(lines)
 
 
 def _line(row: dict) -> str:
     fmt = lambda v: "-" if v is None else f"{v:.2f} s"  # noqa: E731
-    demand = "" if row["demand_pages"] is None else (f"  on demand {row['demand_pages']} pages, pushed "
-                                                     f"{row['pushed_pages']} of {row['pages_to_send']}")
+    demand = (
+        ""
+        if row["demand_pages"] is None
+        else (f"  on demand {row['demand_pages']} pages, pushed {row['pushed_pages']} of {row['pages_to_send']}")
+    )
     timeline = "".join(f"\n        {t:6.3f} s  {event}" for event, t in row.get("timeline", ()))
     if row.get("requests") and row.get("demand_wait_max") is not None:
         firsts = row["first_requests"]
         before = sum(1 for a, *_ in firsts if row["to_running_s"] and a < row["to_running_s"])
-        timeline += (f"\n        requests {row['requests']}, {before} before the console printed; wait max "
-                     f"{row['demand_wait_max'] * 1000:.1f} ms, mean {row['demand_wait_total'] / row['requests'] * 1000:.2f} ms")
-    return (f"{row['mem_mib']:>5} MiB  {row['run']:<22} qmp {fmt(row['qmp_s']):>7}  started "
-            f"{fmt(row['started_s']):>7}  to running {fmt(row['to_running_s']):>8}  "
-            f"working set {fmt(row['working_set_s']):>8}  resident {fmt(row['resident_s']):>8}{demand}{timeline}")
+        timeline += (
+            f"\n        requests {row['requests']}, {before} before the console printed; wait max "
+            f"{row['demand_wait_max'] * 1000:.1f} ms, mean {row['demand_wait_total'] / row['requests'] * 1000:.2f} ms"
+        )
+    return (
+        f"{row['mem_mib']:>5} MiB  {row['run']:<22} qmp {fmt(row['qmp_s']):>7}  started "
+        f"{fmt(row['started_s']):>7}  to running {fmt(row['to_running_s']):>8}  "
+        f"working set {fmt(row['working_set_s']):>8}  resident {fmt(row['resident_s']):>8}{demand}{timeline}"
+    )
 
 
 if __name__ == "__main__":

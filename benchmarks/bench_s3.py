@@ -101,8 +101,13 @@ PAGE = 4096
 WORDS = PAGE // 8
 PARTS = ("restore", "postcopy", "fleet")
 RESTORE_TARGET, POSTCOPY_TARGET, FLEET_FACTOR = 1.3, 1.5, 0.5
-PRODUCT_FILES = ("lean-image/s3.py", "lean-image/locations.py", "lean-image/reader.py",
-                 "lean-image/parents.py", "lean-image/cli.py")
+PRODUCT_FILES = (
+    "lean-image/s3.py",
+    "lean-image/locations.py",
+    "lean-image/reader.py",
+    "lean-image/parents.py",
+    "lean-image/cli.py",
+)
 LEANIMG = command_line()
 parse_size = size_parser(1 << 20)
 
@@ -110,7 +115,7 @@ parse_size = size_parser(1 << 20)
 # (leanimg.s3.fetched_total: reads go through obstore)
 # into the JSON file $BENCH_S3_CALLS when it exits: only for the counted runs, never timed
 # against local ones (it imports botocore up front).
-COUNTING = r'''
+COUNTING = r"""
 import atexit, collections, json, os, sys, threading
 import botocore.client
 calls, lock = collections.Counter(), threading.Lock()
@@ -138,7 +143,7 @@ atexit.register(dump)
 sys.argv[0] = "leanimg"
 from leanimg.cli import run
 run()
-'''
+"""
 
 
 def log(msg: str) -> None:
@@ -147,13 +152,15 @@ def log(msg: str) -> None:
 
 # ------------------------------------------------------------------ synthetic memory and saves
 
+
 def word_salad(rng: np.random.Generator, nbytes: int) -> np.ndarray:
     """``nbytes`` of text: words of a 4000-word vocabulary (letters by English frequency),
     drawn with Zipf-like frequencies, separated by spaces."""
     letters = np.frombuffer(b"etaoinshrdlucmfwypvbgkjqxz", np.uint8)
     weights = np.linspace(2.0, 0.2, len(letters))
-    vocab = [rng.choice(letters, size=n, p=weights / weights.sum()).tobytes() + b" "
-             for n in rng.integers(2, 11, size=4000)]
+    vocab = [
+        rng.choice(letters, size=n, p=weights / weights.sum()).tobytes() + b" " for n in rng.integers(2, 11, size=4000)
+    ]
     lengths = np.array([len(w) for w in vocab])
     blob = np.frombuffer(b"".join(vocab), np.uint8)
     offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]])
@@ -174,7 +181,7 @@ class Text:
         out = np.empty((count, PAGE), np.uint8)
         starts = rng.integers(0, len(self.pool) - PAGE, size=count)
         for i in range(0, count, 4096):
-            out[i:i + 4096] = self.pool[starts[i:i + 4096, None] + np.arange(PAGE)]
+            out[i : i + 4096] = self.pool[starts[i : i + 4096, None] + np.arange(PAGE)]
         return out
 
 
@@ -210,20 +217,30 @@ def write_save(path: Path, mem: np.ndarray) -> int:
     """A QEMU 7.2 migration stream (one RAM block "pc.ram" holding ``mem``, one device), as
     tests/helpers.qemu_save makes but streamed to ``path``; its size."""
     from leanimg.converters import qemu as q
+
     machine = b"pc-i440fx-7.2"
-    prologue = struct.pack(">II", q.QEVM_MAGIC, 3) + bytes([q.CONFIGURATION]) + \
-        struct.pack(">I", len(machine)) + machine
+    prologue = (
+        struct.pack(">II", q.QEVM_MAGIC, 3) + bytes([q.CONFIGURATION]) + struct.pack(">I", len(machine)) + machine
+    )
     devices = [q.DeviceSection(q.FULL, q.SectionHeader(3, "timer", 0, 2), b"\x01" * 24)]
     desc = {"page_size": PAGE, "devices": [{"name": "timer", "instance_id": 0}]}
     size = mem.size * 8
-    state = q.StreamState(prologue=prologue, machine=machine.decode(), page_size=PAGE, capabilities=(),
-                          ram=q.SectionHeader(2, "ram", 0, 4), ram_blocks=(q.RamBlock("pc.ram", size),),
-                          ram_plan=[(q.START, 0), (q.PART, size // PAGE), (q.END, 0)], footers=True,
-                          devices=devices, vmdesc=json.dumps(desc).encode())
+    state = q.StreamState(
+        prologue=prologue,
+        machine=machine.decode(),
+        page_size=PAGE,
+        capabilities=(),
+        ram=q.SectionHeader(2, "ram", 0, 4),
+        ram_blocks=(q.RamBlock("pc.ram", size),),
+        ram_plan=[(q.START, 0), (q.PART, size // PAGE), (q.END, 0)],
+        footers=True,
+        devices=devices,
+        vmdesc=json.dumps(desc).encode(),
+    )
     flat = mem.reshape(-1).view(np.uint8)
     chunk = 64 << 20
     with open(path, "wb") as f:
-        q.write_qemu_stream(f, state, None, lambda block: (flat[i:i + chunk] for i in range(0, size, chunk)))
+        q.write_qemu_stream(f, state, None, lambda block: (flat[i : i + chunk] for i in range(0, size, chunk)))
     return path.stat().st_size
 
 
@@ -231,17 +248,20 @@ def sha256_of(mem: np.ndarray) -> str:
     h = hashlib.sha256()
     flat = mem.reshape(-1).view(np.uint8)
     for i in range(0, len(flat), 64 << 20):
-        h.update(flat[i:i + (64 << 20)])
+        h.update(flat[i : i + (64 << 20)])
     return h.hexdigest()
 
 
 # ------------------------------------------------------------------ running and timing
 
+
 def run_cli(*args, stdout=subprocess.DEVNULL, timeout=1800) -> str:
     proc = subprocess.run([*LEANIMG, *map(str, args)], stdout=stdout, stderr=subprocess.PIPE, timeout=timeout)
     if proc.returncode:
-        raise SystemExit(f"leanimg {shlex.join(map(str, args))} exited {proc.returncode}:\n"
-                         f"{proc.stderr.decode(errors='replace')[-3000:]}")
+        raise SystemExit(
+            f"leanimg {shlex.join(map(str, args))} exited {proc.returncode}:\n"
+            f"{proc.stderr.decode(errors='replace')[-3000:]}"
+        )
     return proc.stdout.decode() if stdout is subprocess.PIPE else ""
 
 
@@ -250,12 +270,19 @@ def counted_cli(workdir: Path, *args, stdout=subprocess.DEVNULL) -> tuple[dict, 
     calls = workdir / "calls.json"
     calls.unlink(missing_ok=True)
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-c", COUNTING, *map(str, args)], stdout=stdout,
-                          stderr=subprocess.PIPE, env=dict(os.environ, BENCH_S3_CALLS=str(calls)), timeout=1800)
+    proc = subprocess.run(
+        [sys.executable, "-c", COUNTING, *map(str, args)],
+        stdout=stdout,
+        stderr=subprocess.PIPE,
+        env=dict(os.environ, BENCH_S3_CALLS=str(calls)),
+        timeout=1800,
+    )
     wall = time.perf_counter() - t0
     if proc.returncode:
-        raise SystemExit(f"leanimg {shlex.join(map(str, args))} exited {proc.returncode}:\n"
-                         f"{proc.stderr.decode(errors='replace')[-3000:]}")
+        raise SystemExit(
+            f"leanimg {shlex.join(map(str, args))} exited {proc.returncode}:\n"
+            f"{proc.stderr.decode(errors='replace')[-3000:]}"
+        )
     counts = json.loads(calls.read_text()) if calls.exists() else {}
     calls.unlink(missing_ok=True)
     return counts, wall, proc.stdout.decode() if stdout is subprocess.PIPE else ""
@@ -302,8 +329,11 @@ def timed(argv: list[str], store: SeaweedFS) -> dict:
     if proc.returncode:
         raise SystemExit(f"{shlex.join(argv)} failed ({proc.returncode}):\n{proc.stderr.decode(errors='replace')}")
     used = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return {"wall": wall, "cpu": (used.ru_utime - before.ru_utime) + (used.ru_stime - before.ru_stime),
-            "store_cpu": cpu_of(store.process.pid) - store_before}
+    return {
+        "wall": wall,
+        "cpu": (used.ru_utime - before.ru_utime) + (used.ru_stime - before.ru_stime),
+        "store_cpu": cpu_of(store.process.pid) - store_before,
+    }
 
 
 def rotated(items: list, k: int) -> list:
@@ -340,8 +370,10 @@ def restore_part(args, store: SeaweedFS, client, work: Path, mem: np.ndarray | N
         t0 = time.perf_counter()
         write_save(save, mem)
         source = f"synthetic, {mem.size * 8 >> 20} MiB"
-        log(f"restore: wrote the synthetic save {save} ({save.stat().st_size / 2**20:.1f} MiB) in "
-            f"{time.perf_counter() - t0:.1f} s")
+        log(
+            f"restore: wrote the synthetic save {save} ({save.stat().st_size / 2**20:.1f} MiB) in "
+            f"{time.perf_counter() - t0:.1f} s"
+        )
     img = wd / "vm.lean"
     evict_from_page_cache(save)
     t0 = time.perf_counter()
@@ -357,8 +389,10 @@ def restore_part(args, store: SeaweedFS, client, work: Path, mem: np.ndarray | N
     convert_calls, convert_s3, _ = counted_cli(wd, "convert", save, "-o", store.url("restore/converted.lean"))
     converted_bytes = client.head_object(Bucket=BUCKET, Key="restore/converted.lean")["ContentLength"]
     client.delete_object(Bucket=BUCKET, Key="restore/converted.lean")
-    log(f"restore: image {img.stat().st_size / 2**20:.1f} MiB; convert local {convert_local:.1f} s, "
-        f"convert -o s3:// {convert_s3:.1f} s (counted run), boto3 upload_file of the image {upload:.1f} s")
+    log(
+        f"restore: image {img.stat().st_size / 2**20:.1f} MiB; convert local {convert_local:.1f} s, "
+        f"convert -o s3:// {convert_s3:.1f} s (counted run), boto3 upload_file of the image {upload:.1f} s"
+    )
 
     runs: dict[str, list[dict]] = {}
     cells = [(fmt, state) for fmt in ("raw", "qemu") for state in STATES]
@@ -368,8 +402,7 @@ def restore_part(args, store: SeaweedFS, client, work: Path, mem: np.ndarray | N
             target = url if state.startswith("s3") else str(img)
             row = timed([*LEANIMG, "restore", target, "--to", fmt, "-o", os.devnull], store)
             runs.setdefault(f"{fmt} {state}", []).append(row)
-        log(f"restore round {r + 1}/{args.repeat}: " +
-            ", ".join(f"{k} {v[-1]['wall']:.2f}s" for k, v in runs.items()))
+        log(f"restore round {r + 1}/{args.repeat}: " + ", ".join(f"{k} {v[-1]['wall']:.2f}s" for k, v in runs.items()))
 
     med = {k: {m: median(x[m] for x in v) for m in ("wall", "cpu", "store_cpu")} for k, v in runs.items()}
     ratios = {}
@@ -379,7 +412,8 @@ def restore_part(args, store: SeaweedFS, client, work: Path, mem: np.ndarray | N
                 a, b = runs[f"{fmt} {s3state}"], runs[f"{fmt} {local}"]
                 ratios[f"{fmt}: {s3state} / {local}"] = {
                     "of medians": ratio(med[f"{fmt} {s3state}"]["wall"], med[f"{fmt} {local}"]["wall"]),
-                    "median per round": median(x["wall"] / y["wall"] for x, y in zip(a, b))}
+                    "median per round": median(x["wall"] / y["wall"] for x, y in zip(a, b)),
+                }
 
     # outside the timings: what a restore fetches, and that it gives the right bytes
     counted = {}
@@ -399,54 +433,83 @@ def restore_part(args, store: SeaweedFS, client, work: Path, mem: np.ndarray | N
             doc = json.loads(proc.stdout)
         except ValueError:
             doc = {}
-        reported[command] = dict(wall=wall, exit=proc.returncode, fetched=doc.get("fetched"),
-                                 valid=doc.get("valid"))
+        reported[command] = dict(wall=wall, exit=proc.returncode, fetched=doc.get("fetched"), valid=doc.get("valid"))
     object_bytes = img.stat().st_size
-    result = dict(source=source, save_bytes=save.stat().st_size, image_bytes=object_bytes,
-                  convert_local_s=convert_local, convert_to_s3_s=convert_s3, convert_to_s3_calls=convert_calls,
-                  converted_object_bytes=converted_bytes, upload_file_s=upload, repeat=args.repeat,
-                  runs=runs, medians=med, ratios=ratios, target=RESTORE_TARGET, counted=counted,
-                  reported=reported)
+    result = dict(
+        source=source,
+        save_bytes=save.stat().st_size,
+        image_bytes=object_bytes,
+        convert_local_s=convert_local,
+        convert_to_s3_s=convert_s3,
+        convert_to_s3_calls=convert_calls,
+        converted_object_bytes=converted_bytes,
+        upload_file_s=upload,
+        repeat=args.repeat,
+        runs=runs,
+        medians=med,
+        ratios=ratios,
+        target=RESTORE_TARGET,
+        counted=counted,
+        reported=reported,
+    )
     if not args.save:
         save.unlink()
     return result
 
 
 def render_restore(r: dict) -> str:
-    lines = [f"1. restore ({r['source']}): save {r['save_bytes'] / 2**20:.1f} MiB, image "
-             f"{r['image_bytes'] / 2**20:.1f} MiB; medians of {r['repeat']} interleaved rounds",
-             f"   {'restore --to':<18} {'wall s':>8} {'cpu s':>8} {'store cpu s':>12}"]
+    lines = [
+        f"1. restore ({r['source']}): save {r['save_bytes'] / 2**20:.1f} MiB, image "
+        f"{r['image_bytes'] / 2**20:.1f} MiB; medians of {r['repeat']} interleaved rounds",
+        f"   {'restore --to':<18} {'wall s':>8} {'cpu s':>8} {'store cpu s':>12}",
+    ]
     for k, m in r["medians"].items():
         lines.append(f"   {k:<18} {m['wall']:>8.2f} {m['cpu']:>8.2f} {m['store_cpu']:>12.2f}")
     lines.append(f"   {'ratio (wall)':<32} {'of medians':>10} {'per round':>10}   target <= {r['target']}")
     for k, v in r["ratios"].items():
-        lines.append(f"   {k:<32} {v['of medians']:>10.2f} {v['median per round']:>10.2f}   "
-                     f"{verdict(v['of medians'], r['target'])}")
+        lines.append(
+            f"   {k:<32} {v['of medians']:>10.2f} {v['median per round']:>10.2f}   "
+            f"{verdict(v['of medians'], r['target'])}"
+        )
     obj = r["image_bytes"]
     for k, c in r["counted"].items():
         calls = c["calls"]
         got = calls.get("GetObject bytes", 0)
-        lines.append(f"   {k} from the store (counted run, {c['wall']:.2f} s): {calls.get('GetObject', 0)} GETs, "
-                     f"{got / 2**20:.1f} MiB fetched ({got / obj:.2f}x the object), "
-                     f"{calls.get('HeadObject', 0)} HEAD, {calls.get('ListObjectsV2', 0)} LIST; "
-                     f"identical output: {c['identical']}")
+        lines.append(
+            f"   {k} from the store (counted run, {c['wall']:.2f} s): {calls.get('GetObject', 0)} GETs, "
+            f"{got / 2**20:.1f} MiB fetched ({got / obj:.2f}x the object), "
+            f"{calls.get('HeadObject', 0)} HEAD, {calls.get('ListObjectsV2', 0)} LIST; "
+            f"identical output: {c['identical']}"
+        )
     for k, c in r["reported"].items():
-        f = (c["fetched"] or [{}])
+        f = c["fetched"] or [{}]
         total = sum(x.get("fetched_bytes", 0) for x in f)
         requests = sum(x.get("requests", 0) for x in f)
-        lines.append(f"   {k} --json of the object ({c['wall']:.2f} s, exit {c['exit']}): reports "
-                     f"{total / 2**20:.1f} MiB fetched ({total / obj:.2f}x the object) in {requests} requests")
+        lines.append(
+            f"   {k} --json of the object ({c['wall']:.2f} s, exit {c['exit']}): reports "
+            f"{total / 2**20:.1f} MiB fetched ({total / obj:.2f}x the object) in {requests} requests"
+        )
     cc = r["convert_to_s3_calls"]
-    lines.append(f"   convert: local {r['convert_local_s']:.2f} s; -o s3:// {r['convert_to_s3_s']:.2f} s "
-                 f"({cc.get('UploadPart', 0)} parts, {cc.get('UploadPart bytes', 0) / 2**20:.1f} MiB sent); "
-                 f"boto3 upload_file of the local image {r['upload_file_s']:.2f} s")
+    lines.append(
+        f"   convert: local {r['convert_local_s']:.2f} s; -o s3:// {r['convert_to_s3_s']:.2f} s "
+        f"({cc.get('UploadPart', 0)} parts, {cc.get('UploadPart bytes', 0) / 2**20:.1f} MiB sent); "
+        f"boto3 upload_file of the local image {r['upload_file_s']:.2f} s"
+    )
     return "\n".join(lines)
 
 
 # ------------------------------------------------------------------ part 2: postcopy
 
-POSTCOPY_KEYS = ("qmp_s", "started_s", "to_running_s", "working_set_s", "resident_s", "demand_pages",
-                 "requests", "demand_wait_max")
+POSTCOPY_KEYS = (
+    "qmp_s",
+    "started_s",
+    "to_running_s",
+    "working_set_s",
+    "resident_s",
+    "demand_pages",
+    "requests",
+    "demand_wait_max",
+)
 
 
 def postcopy_part(args, store: SeaweedFS, client, work: Path) -> dict:
@@ -455,8 +518,10 @@ def postcopy_part(args, store: SeaweedFS, client, work: Path) -> dict:
     build = build_guest()
     t0 = time.perf_counter()
     image, disk = postcopy.prepare(wd, args.postcopy_mib, args.reuse)
-    log(f"postcopy: {args.postcopy_mib} MiB guest image {image} ({image.stat().st_size / 2**20:.1f} MiB) "
-        f"ready in {time.perf_counter() - t0:.1f} s")
+    log(
+        f"postcopy: {args.postcopy_mib} MiB guest image {image} ({image.stat().st_size / 2**20:.1f} MiB) "
+        f"ready in {time.perf_counter() - t0:.1f} s"
+    )
     key = "postcopy/vm.lean"
     client.upload_file(str(image), BUCKET, key)
     url = store.url(key)
@@ -469,9 +534,11 @@ def postcopy_part(args, store: SeaweedFS, client, work: Path) -> dict:
             row = {k: row.get(k) for k in (*POSTCOPY_KEYS, "timeline")}
             runs.setdefault(state, []).append(row)
             nan = lambda v: float("nan") if v is None else v  # noqa: E731
-            log(f"postcopy round {r + 1}/{args.repeat} {state:<10}: to running {nan(row['to_running_s']):.2f} s, "
+            log(
+                f"postcopy round {r + 1}/{args.repeat} {state:<10}: to running {nan(row['to_running_s']):.2f} s, "
                 f"working set {nan(row['working_set_s']):.2f} s, resident {nan(row['resident_s']):.2f} s, "
-                f"on demand {row['demand_pages']}; serve ready at {nan(_event(row, 'server ready')):.2f} s")
+                f"on demand {row['demand_pages']}; serve ready at {nan(_event(row, 'server ready')):.2f} s"
+            )
     med = {k: {m: median(x.get(m) for x in v) for m in POSTCOPY_KEYS} for k, v in runs.items()}
     for k, v in runs.items():
         med[k]["server_ready_s"] = median(_event(x, "server ready") for x in v)
@@ -482,18 +549,32 @@ def postcopy_part(args, store: SeaweedFS, client, work: Path) -> dict:
             a, b = runs[s3state], runs[local]
             ratios[f"to running: {s3state} / {local}"] = {
                 "of medians": ratio(med[s3state]["to_running_s"], med[local]["to_running_s"]),
-                "median per round": median(x["to_running_s"] / y["to_running_s"] for x, y in zip(a, b)
-                                           if x["to_running_s"] and y["to_running_s"])}
+                "median per round": median(
+                    x["to_running_s"] / y["to_running_s"]
+                    for x, y in zip(a, b)
+                    if x["to_running_s"] and y["to_running_s"]
+                ),
+            }
             ratios[f"resident: {s3state} / {local}"] = {
                 "of medians": ratio(med[s3state]["resident_s"], med[local]["resident_s"]),
-                "median per round": median(x["resident_s"] / y["resident_s"] for x, y in zip(a, b)
-                                           if x["resident_s"] and y["resident_s"])}
+                "median per round": median(
+                    x["resident_s"] / y["resident_s"] for x, y in zip(a, b) if x["resident_s"] and y["resident_s"]
+                ),
+            }
     # bench_postcopy's measure() can miss the beacon's line ("HB beacon") and leave "to running"
     # None (the check workload's heartbeat came first): such runs are left out of the medians
     missed = {k: sum(1 for x in v if x["to_running_s"] is None) for k, v in runs.items()}
-    return dict(mem_mib=args.postcopy_mib, strategy=args.strategy, image_bytes=image.stat().st_size,
-                repeat=args.repeat, runs=runs, medians=med, ratios=ratios, target=POSTCOPY_TARGET,
-                to_running_missed=missed)
+    return dict(
+        mem_mib=args.postcopy_mib,
+        strategy=args.strategy,
+        image_bytes=image.stat().st_size,
+        repeat=args.repeat,
+        runs=runs,
+        medians=med,
+        ratios=ratios,
+        target=POSTCOPY_TARGET,
+        to_running_missed=missed,
+    )
 
 
 def _event(row: dict, name: str) -> float | None:
@@ -503,26 +584,33 @@ def _event(row: dict, name: str) -> float | None:
 
 def render_postcopy(r: dict) -> str:
     fmt = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
-    lines = [f"2. serve --postcopy --prepage {r['strategy']}: {r['mem_mib']} MiB guest, image "
-             f"{r['image_bytes'] / 2**20:.1f} MiB; medians of {r['repeat']} interleaved rounds (s after the "
-             f"destination's launch)",
-             f"   {'image':<11} {'qmp':>6} {'serve ready':>12} {'started':>8} {'to running':>11} "
-             f"{'working set':>12} {'resident':>9} {'on demand':>10} {'wait max ms':>12}"]
+    lines = [
+        f"2. serve --postcopy --prepage {r['strategy']}: {r['mem_mib']} MiB guest, image "
+        f"{r['image_bytes'] / 2**20:.1f} MiB; medians of {r['repeat']} interleaved rounds (s after the "
+        f"destination's launch)",
+        f"   {'image':<11} {'qmp':>6} {'serve ready':>12} {'started':>8} {'to running':>11} "
+        f"{'working set':>12} {'resident':>9} {'on demand':>10} {'wait max ms':>12}",
+    ]
     for k, m in r["medians"].items():
         wait = None if m["demand_wait_max"] is None else m["demand_wait_max"] * 1000
-        lines.append(f"   {k:<11} {fmt(m['qmp_s']):>6} {fmt(m['server_ready_s']):>12} {fmt(m['started_s']):>8} "
-                     f"{fmt(m['to_running_s']):>11} {fmt(m['working_set_s']):>12} {fmt(m['resident_s']):>9} "
-                     f"{fmt(m['demand_pages']):>10} {fmt(wait):>12}")
+        lines.append(
+            f"   {k:<11} {fmt(m['qmp_s']):>6} {fmt(m['server_ready_s']):>12} {fmt(m['started_s']):>8} "
+            f"{fmt(m['to_running_s']):>11} {fmt(m['working_set_s']):>12} {fmt(m['resident_s']):>9} "
+            f"{fmt(m['demand_pages']):>10} {fmt(wait):>12}"
+        )
     if any(r["to_running_missed"].values()):
         lines.append(f"   runs whose beacon line was not seen (left out): {r['to_running_missed']}")
     lines.append(f"   {'ratio':<32} {'of medians':>10} {'per round':>10}   target (to running) <= {r['target']}")
     for k, v in r["ratios"].items():
-        lines.append(f"   {k:<32} {fmt(v['of medians']):>10} {fmt(v['median per round']):>10}   "
-                     f"{verdict(v['of medians'], r['target']) if k.startswith('to running') else ''}")
+        lines.append(
+            f"   {k:<32} {fmt(v['of medians']):>10} {fmt(v['median per round']):>10}   "
+            f"{verdict(v['of medians'], r['target']) if k.startswith('to running') else ''}"
+        )
     return "\n".join(lines)
 
 
 # ------------------------------------------------------------------ part 3: fleet
+
 
 def mutate(golden: np.ndarray, text: Text, i: int, word_pages: int, seed: int) -> tuple[np.ndarray, dict]:
     """Guest ``i``: the golden memory with 1 + i % 4 MiB of pages rewritten (half text-like,
@@ -539,14 +627,19 @@ def mutate(golden: np.ndarray, text: Text, i: int, word_pages: int, seed: int) -
     counts = rng.integers(1, 5, size=len(worded))
     rows = np.repeat(worded, counts)
     mem[rows, rng.integers(0, WORDS, size=len(rows))] = rng.integers(0, 2**64, size=len(rows), dtype=np.uint64)
-    return mem, {"rewritten_pages": len(rewritten), "word_pages": len(worded), "words": int(counts.sum()),
-                 "rewritten": rewritten, "worded": worded}
+    return mem, {
+        "rewritten_pages": len(rewritten),
+        "word_pages": len(worded),
+        "words": int(counts.sum()),
+        "rewritten": rewritten,
+        "worded": worded,
+    }
 
 
 def changed_rows(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     out = []
     for i in range(0, len(a), 16384):
-        out.append(np.flatnonzero((a[i:i + 16384] != b[i:i + 16384]).any(axis=1)) + i)
+        out.append(np.flatnonzero((a[i : i + 16384] != b[i : i + 16384]).any(axis=1)) + i)
     return np.concatenate(out)
 
 
@@ -554,8 +647,9 @@ def zstd3(data) -> int:
     return len(zstandard.ZstdCompressor(level=3).compress(data))
 
 
-def fleet_part(args, store: SeaweedFS, client, work: Path, golden: np.ndarray, text: Text,
-               golden_img: Path | None) -> dict:
+def fleet_part(
+    args, store: SeaweedFS, client, work: Path, golden: np.ndarray, text: Text, golden_img: Path | None
+) -> dict:
     wd = work / "fleet"
     wd.mkdir(exist_ok=True)
     save = wd / "guest.save"
@@ -584,17 +678,30 @@ def fleet_part(args, store: SeaweedFS, client, work: Path, golden: np.ndarray, t
         key = f"fleet/guest-{i:02d}.lean"
         calls, wall, _ = counted_cli(wd, "convert", save, "--parent", parent, "-o", store.url(key))
         link = client.head_object(Bucket=BUCKET, Key=key)["ContentLength"]
-        row = dict(guest=i, rewritten_pages=change["rewritten_pages"], word_pages=change["word_pages"],
-                   words=change["words"], changed_pages=len(changed), zstd3_changed=z_changed,
-                   zstd3_rewritten=z_rewritten, zstd3_word_pages=z_worded, link_bytes=link,
-                   save_bytes=save_bytes, zstd_full_save=zstd_full, convert_s=wall, convert_calls=calls)
+        row = dict(
+            guest=i,
+            rewritten_pages=change["rewritten_pages"],
+            word_pages=change["word_pages"],
+            words=change["words"],
+            changed_pages=len(changed),
+            zstd3_changed=z_changed,
+            zstd3_rewritten=z_rewritten,
+            zstd3_word_pages=z_worded,
+            link_bytes=link,
+            save_bytes=save_bytes,
+            zstd_full_save=zstd_full,
+            convert_s=wall,
+            convert_calls=calls,
+        )
         if i in check:
             row["restore_check"] = fleet_check(wd, store, key, mem, save)
         guests.append(row)
-        log(f"fleet guest {i:2d}: {len(changed)} pages changed ({change['rewritten_pages']} rewritten), zstd -3 of "
+        log(
+            f"fleet guest {i:2d}: {len(changed)} pages changed ({change['rewritten_pages']} rewritten), zstd -3 of "
             f"them {z_changed / 2**10:.0f} KiB; link {link / 2**10:.0f} KiB ({link / z_changed:.2f}x); "
             f"convert {wall:.1f} s, fetched {calls.get('GetObject bytes', 0) / 2**20:.1f} MiB"
-            + (f"; restored from the store: {row['restore_check']}" if i in check else ""))
+            + (f"; restored from the store: {row['restore_check']}" if i in check else "")
+        )
     save.unlink(missing_ok=True)
     objects = client.list_objects_v2(Bucket=BUCKET, Prefix="fleet/").get("Contents", [])
     store_total = sum(o["Size"] for o in objects)
@@ -602,15 +709,27 @@ def fleet_part(args, store: SeaweedFS, client, work: Path, golden: np.ndarray, t
     sum_changed = sum(g["zstd3_changed"] for g in guests)
     target_a = golden_bytes + FLEET_FACTOR * sum_changed
     full_zstd = sum(g["zstd_full_save"] for g in guests)
-    return dict(guests=guests, fleet=args.fleet, word_pages=args.fleet_word_pages, parent=str(parent),
-                golden_bytes=golden_bytes, golden_memory_bytes=golden.size * 8, objects=len(objects),
-                store_total=store_total, links_total=links_total, sum_zstd3_changed=sum_changed,
-                sum_zstd3_rewritten=sum(g["zstd3_rewritten"] for g in guests),
-                sum_zstd3_word_pages=sum(g["zstd3_word_pages"] for g in guests),
-                target_a=target_a, met_a=store_total <= target_a, full_zstd_saves=full_zstd,
-                links_over_changed=links_total / sum_changed, store_over_a=store_total / target_a,
-                store_over_b=store_total / full_zstd,
-                all_identical=all(c for g in guests for c in (g.get("restore_check") or {}).values()))
+    return dict(
+        guests=guests,
+        fleet=args.fleet,
+        word_pages=args.fleet_word_pages,
+        parent=str(parent),
+        golden_bytes=golden_bytes,
+        golden_memory_bytes=golden.size * 8,
+        objects=len(objects),
+        store_total=store_total,
+        links_total=links_total,
+        sum_zstd3_changed=sum_changed,
+        sum_zstd3_rewritten=sum(g["zstd3_rewritten"] for g in guests),
+        sum_zstd3_word_pages=sum(g["zstd3_word_pages"] for g in guests),
+        target_a=target_a,
+        met_a=store_total <= target_a,
+        full_zstd_saves=full_zstd,
+        links_over_changed=links_total / sum_changed,
+        store_over_a=store_total / target_a,
+        store_over_b=store_total / full_zstd,
+        all_identical=all(c for g in guests for c in (g.get("restore_check") or {}).values()),
+    )
 
 
 def fleet_check(wd: Path, store: SeaweedFS, key: str, mem: np.ndarray, save: Path) -> dict:
@@ -628,16 +747,20 @@ def fleet_check(wd: Path, store: SeaweedFS, key: str, mem: np.ndarray, save: Pat
 def render_fleet(r: dict) -> str:
     g = r["guests"]
     mib = lambda v: f"{v / 2**20:.2f}"  # noqa: E731
-    lines = [f"3. fleet: golden {r['golden_memory_bytes'] >> 20} MiB of memory, image {mib(r['golden_bytes'])} MiB; "
-             f"{r['fleet']} guests, each 1-4 MiB rewritten + 1-4 words in {r['word_pages']} pages; links "
-             f"converted with --parent {r['parent']}",
-             f"   {'guest':>5} {'changed':>8} {'rewritten':>9} {'zstd3 chg KiB':>13} {'of rewr.':>9} "
-             f"{'of words':>9} {'link KiB':>9} {'link/zstd3':>10} {'convert s':>9}"]
+    lines = [
+        f"3. fleet: golden {r['golden_memory_bytes'] >> 20} MiB of memory, image {mib(r['golden_bytes'])} MiB; "
+        f"{r['fleet']} guests, each 1-4 MiB rewritten + 1-4 words in {r['word_pages']} pages; links "
+        f"converted with --parent {r['parent']}",
+        f"   {'guest':>5} {'changed':>8} {'rewritten':>9} {'zstd3 chg KiB':>13} {'of rewr.':>9} "
+        f"{'of words':>9} {'link KiB':>9} {'link/zstd3':>10} {'convert s':>9}",
+    ]
     for x in g:
-        lines.append(f"   {x['guest']:>5} {x['changed_pages']:>8} {x['rewritten_pages']:>9} "
-                     f"{x['zstd3_changed'] / 1024:>13.0f} {x['zstd3_rewritten'] / 1024:>9.0f} "
-                     f"{x['zstd3_word_pages'] / 1024:>9.0f} {x['link_bytes'] / 1024:>9.0f} "
-                     f"{x['link_bytes'] / x['zstd3_changed']:>10.2f} {x['convert_s']:>9.1f}")
+        lines.append(
+            f"   {x['guest']:>5} {x['changed_pages']:>8} {x['rewritten_pages']:>9} "
+            f"{x['zstd3_changed'] / 1024:>13.0f} {x['zstd3_rewritten'] / 1024:>9.0f} "
+            f"{x['zstd3_word_pages'] / 1024:>9.0f} {x['link_bytes'] / 1024:>9.0f} "
+            f"{x['link_bytes'] / x['zstd3_changed']:>10.2f} {x['convert_s']:>9.1f}"
+        )
     lines += [
         f"   store under fleet/ ({r['objects']} objects): {mib(r['store_total'])} MiB "
         f"(golden {mib(r['golden_bytes'])} + links {mib(r['links_total'])})",
@@ -652,11 +775,13 @@ def render_fleet(r: dict) -> str:
         f"   median convert of a link into the store: {median(x['convert_s'] for x in g):.2f} s, fetched "
         f"{median(x['convert_calls'].get('GetObject bytes', 0) for x in g) / 2**20:.1f} MiB, "
         f"{median(x['convert_calls'].get('UploadPart', 0) + x['convert_calls'].get('PutObject', 0) for x in g):.0f} "
-        f"uploads"]
+        f"uploads",
+    ]
     return "\n".join(lines)
 
 
 # ------------------------------------------------------------------ main
+
 
 def file_hashes() -> dict:
     out = {}
@@ -669,14 +794,16 @@ def file_hashes() -> dict:
 def git_state() -> dict:
     def git(*a):
         return subprocess.run(["git", *a], cwd=REPO, capture_output=True, text=True).stdout.strip()
+
     return {"head": git("rev-parse", "HEAD"), "status": git("status", "--short").splitlines()}
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--parts", default=",".join(PARTS), help="comma-separated: restore,postcopy,fleet")
-    ap.add_argument("--quick", action="store_true",
-                    help="small sizes, 1 repeat: 64 MiB image, 128 MiB guest, 4 guests of 64 MiB")
+    ap.add_argument(
+        "--quick", action="store_true", help="small sizes, 1 repeat: 64 MiB image, 128 MiB guest, 4 guests of 64 MiB"
+    )
     ap.add_argument("--size", type=parse_size, help="synthetic restore image's memory (default 1GiB)")
     ap.add_argument("--save", type=Path, help="restore part: this QEMU save instead of a synthetic one")
     ap.add_argument("--repeat", type=int, help="interleaved rounds (default 5; --quick 1)")
@@ -684,13 +811,22 @@ def main(argv=None) -> int:
     ap.add_argument("--strategy", default="sequential", help="serve --prepage (bench_postcopy's strategy syntax)")
     ap.add_argument("--fleet", type=int, help="guests of the fleet (default 20; --quick 4)")
     ap.add_argument("--fleet-size", type=parse_size, help="golden memory (default: --size)")
-    ap.add_argument("--fleet-word-pages", type=int,
-                    help="pages with 1-4 words changed per guest (default 2048; --quick 256)")
-    ap.add_argument("--fleet-parent", choices=("local", "store"), default="local",
-                    help="convert the links with --parent the local golden image or its object")
+    ap.add_argument(
+        "--fleet-word-pages", type=int, help="pages with 1-4 words changed per guest (default 2048; --quick 256)"
+    )
+    ap.add_argument(
+        "--fleet-parent",
+        choices=("local", "store"),
+        default="local",
+        help="convert the links with --parent the local golden image or its object",
+    )
     ap.add_argument("--seed", type=int, default=33)
-    ap.add_argument("--mean-run", type=int, default=64,
-                    help="synthetic memory: mean run of pages of one kind (zero, text, random, mixed)")
+    ap.add_argument(
+        "--mean-run",
+        type=int,
+        default=64,
+        help="synthetic memory: mean run of pages of one kind (zero, text, random, mixed)",
+    )
     ap.add_argument("--workdir", type=Path, default=Path("/var/tmp/leanimg-bench-s3"))
     ap.add_argument("--keep", action="store_true", help="keep WORKDIR (the store's data is always removed)")
     ap.add_argument("--reuse", action="store_true", help="reuse the postcopy guest's image kept in WORKDIR")
@@ -719,11 +855,11 @@ def main(argv=None) -> int:
     load_before = os.getloadavg()
     args.workdir.mkdir(parents=True, exist_ok=True)
     store = SeaweedFS.start(args.workdir / "store")
-    os.environ.update(store.env)        # leanimg children, and QEMU's exec: children, reach the store
+    os.environ.update(store.env)  # leanimg children, and QEMU's exec: children, reach the store
     result: dict = {}
     try:
         client = store.client()
-        subprocess.run([*LEANIMG, "--version"], check=True, capture_output=True)   # warm the interpreter's files
+        subprocess.run([*LEANIMG, "--version"], check=True, capture_output=True)  # warm the interpreter's files
         mem = text = None
         if "fleet" in parts or ("restore" in parts and not args.save):
             t0 = time.perf_counter()
@@ -739,7 +875,7 @@ def main(argv=None) -> int:
         if "fleet" in parts:
             golden_img = None
             if "restore" in parts and not args.save and args.fleet_size == args.size:
-                golden_img = args.workdir / "restore" / "vm.lean"       # the same memory, already converted
+                golden_img = args.workdir / "restore" / "vm.lean"  # the same memory, already converted
             if mem.size * 8 != args.fleet_size:
                 mem = None
                 mem, text = synthetic_memory(args.fleet_size, args.seed, args.mean_run)
@@ -753,36 +889,50 @@ def main(argv=None) -> int:
     hashes_after = file_hashes()
     changed = [k for k in hashes_before if hashes_before[k] != hashes_after[k]]
     print()
-    print(f"{len(parts)} part(s) in {time.time() - started:.0f} s; load average {load_before[0]:.2f} before, "
-          f"{os.getloadavg()[0]:.2f} after; {os.cpu_count()} CPUs")
+    print(
+        f"{len(parts)} part(s) in {time.time() - started:.0f} s; load average {load_before[0]:.2f} before, "
+        f"{os.getloadavg()[0]:.2f} after; {os.cpu_count()} CPUs"
+    )
     if changed:
         print(f"WARNING: product files changed during the run (other work in the tree): {', '.join(changed)}")
     print("summary:")
     if "restore" in result:
         for k, v in result["restore"]["ratios"].items():
-            print(f"  restore {k:<30} {v['of medians']:.2f}  (target <= {RESTORE_TARGET}: "
-                  f"{verdict(v['of medians'], RESTORE_TARGET)})")
+            print(
+                f"  restore {k:<30} {v['of medians']:.2f}  (target <= {RESTORE_TARGET}: "
+                f"{verdict(v['of medians'], RESTORE_TARGET)})"
+            )
     if "postcopy" in result:
         for k, v in result["postcopy"]["ratios"].items():
             if k.startswith("to running"):
-                print(f"  postcopy {k:<36} {v['of medians'] or float('nan'):.2f}  (target <= {POSTCOPY_TARGET}: "
-                      f"{verdict(v['of medians'], POSTCOPY_TARGET)})")
+                print(
+                    f"  postcopy {k:<36} {v['of medians'] or float('nan'):.2f}  (target <= {POSTCOPY_TARGET}: "
+                    f"{verdict(v['of medians'], POSTCOPY_TARGET)})"
+                )
     if "fleet" in result:
         f = result["fleet"]
-        print(f"  fleet store {f['store_total'] / 2**20:.1f} MiB / (a) {f['target_a'] / 2**20:.1f} MiB = "
-              f"{f['store_over_a']:.3f} ({'met' if f['met_a'] else 'NOT met'}); / (b) "
-              f"{f['full_zstd_saves'] / 2**20:.1f} MiB = {f['store_over_b']:.4f}; restored identical: "
-              f"{f['all_identical']}")
+        print(
+            f"  fleet store {f['store_total'] / 2**20:.1f} MiB / (a) {f['target_a'] / 2**20:.1f} MiB = "
+            f"{f['store_over_a']:.3f} ({'met' if f['met_a'] else 'NOT met'}); / (b) "
+            f"{f['full_zstd_saves'] / 2**20:.1f} MiB = {f['store_over_b']:.4f}; restored identical: "
+            f"{f['all_identical']}"
+        )
     if args.json:
-        doc = {"command": shlex.join([sys.executable, *sys.argv]) if argv is None else argv,
-               "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
-                           "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
-                           "weed": subprocess.run([weed_binary(), "version"], capture_output=True,
-                                                  text=True).stdout.strip()},
-               "git": git_before, "product_files_sha256_16": hashes_before,
-               "product_files_changed_during_run": changed,
-               "parameters": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-               **result}
+        doc = {
+            "command": shlex.join([sys.executable, *sys.argv]) if argv is None else argv,
+            "machine": {
+                "cpus": os.cpu_count(),
+                "python": platform.python_version(),
+                "loadavg_before": load_before,
+                "loadavg_after": os.getloadavg(),
+                "weed": subprocess.run([weed_binary(), "version"], capture_output=True, text=True).stdout.strip(),
+            },
+            "git": git_before,
+            "product_files_sha256_16": hashes_before,
+            "product_files_changed_during_run": changed,
+            "parameters": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+            **result,
+        }
         args.json.write_text(json.dumps(doc, indent=2, default=_json_default) + "\n")
         print(f"wrote {args.json}")
     ok = all(c.get("identical", True) for c in result.get("restore", {}).get("counted", {}).values())

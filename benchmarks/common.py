@@ -9,12 +9,24 @@ import stat
 import subprocess
 from pathlib import Path
 
-_UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MB": 1 << 20,
-          "MIB": 1 << 20, "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30}
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "K": 1 << 10,
+    "KB": 1 << 10,
+    "KIB": 1 << 10,
+    "M": 1 << 20,
+    "MB": 1 << 20,
+    "MIB": 1 << 20,
+    "G": 1 << 30,
+    "GB": 1 << 30,
+    "GIB": 1 << 30,
+}
 
 
 def size_parser(multiple: int):
     """An argparse type for sizes like 64MiB or 1GiB that must be a non-zero multiple of ``multiple``."""
+
     def parse(text: str) -> int:
         m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
         if not m or m.group(2).upper() not in _UNITS:
@@ -23,6 +35,7 @@ def size_parser(multiple: int):
         if size <= 0 or size % multiple:
             raise argparse.ArgumentTypeError(f"size must be a non-zero multiple of {multiple} bytes, got {size}")
         return size
+
     return parse
 
 
@@ -32,9 +45,11 @@ def require_null_device() -> None:
     finished file over it as root) every run appended ~600 MiB to it, and the timings
     measured that."""
     if not stat.S_ISCHR(os.stat(os.devnull).st_mode):
-        raise SystemExit(f"{os.devnull} is not a character device here, so writes into it are "
-                         f"kept; recreate it (as root: rm {os.devnull} && mknod -m 666 {os.devnull} "
-                         f"c 1 3) before timing anything written to it")
+        raise SystemExit(
+            f"{os.devnull} is not a character device here, so writes into it are "
+            f"kept; recreate it (as root: rm {os.devnull} && mknod -m 666 {os.devnull} "
+            f"c 1 3) before timing anything written to it"
+        )
 
 
 def compile_checkout(leanimg: str) -> None:
@@ -46,5 +61,9 @@ def compile_checkout(leanimg: str) -> None:
     venv_bin = Path(leanimg).resolve().parent if os.sep in leanimg else None
     root = venv_bin.parent.parent if venv_bin is not None else None
     if root is not None and (root / "lean-image").is_dir() and (venv_bin / "python").exists():
-        subprocess.run([str(venv_bin / "python"), "-m", "compileall", "-q", "lean-image", "converters", "restore"],
-                       cwd=root, stdout=subprocess.DEVNULL, check=True)
+        subprocess.run(
+            [str(venv_bin / "python"), "-m", "compileall", "-q", "lean-image", "converters", "restore"],
+            cwd=root,
+            stdout=subprocess.DEVNULL,
+            check=True,
+        )

@@ -63,6 +63,7 @@ def _timed(function, label: str, log: list):
             return function(*args, **kwargs)
         finally:
             log.append((label, threading.current_thread() is threading.main_thread(), start, time.perf_counter()))
+
     return timed
 
 
@@ -83,8 +84,10 @@ def report(log: list, t0: float, first_range: bool) -> None:
         print(f"the first range, {(hi - lo) * 1000:.0f} ms: calls of 2 ms or more")
         for label, main, start, end in sorted(log, key=lambda e: e[2]):
             if lo <= start <= hi and end - start >= 0.002 and label != "pieces (one range)":
-                print(f"  {'caller' if main else 'worker':7} {label:32} {(start - lo) * 1000:+7.1f} ms "
-                      f"{(end - start) * 1000:7.1f} ms")
+                print(
+                    f"  {'caller' if main else 'worker':7} {label:32} {(start - lo) * 1000:+7.1f} ms "
+                    f"{(end - start) * 1000:7.1f} ms"
+                )
 
 
 def main(argv=None) -> int:
@@ -94,6 +97,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     t0 = time.perf_counter()
     from leanimg import cli
+
     imported = time.perf_counter()
     log: list = []
     wrap_all(log)

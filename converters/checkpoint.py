@@ -79,54 +79,68 @@ from .guest_free import GuestFreeLink, Snapshot, free_hints
 from .hinting import HintOptions
 
 MODES = ("stop", "live", "background")
-ONCE_MODES = ("stop", "background")     # QEMU sends every page once: no spool needed without disks
-Q35_ALL_LOW = 0xB0000000        # q35 keeps all RAM below 4 GiB when it is smaller (QEMU 7.2 pc_q35.c)
+ONCE_MODES = ("stop", "background")  # QEMU sends every page once: no spool needed without disks
+Q35_ALL_LOW = 0xB0000000  # q35 keeps all RAM below 4 GiB when it is smaller (QEMU 7.2 pc_q35.c)
 THEN = ("continue", "stop", "quit")
 QEMU_TAG_CHECKPOINT_NOTE = 2
-CONNECT_TIMEOUT = 10.0          # to connect and read QMP's greeting
-COMMAND_TIMEOUT = 60.0          # for one QMP command's reply
-CANCEL_TIMEOUT = 60.0           # for a cancelled migration to end
+CONNECT_TIMEOUT = 10.0  # to connect and read QMP's greeting
+COMMAND_TIMEOUT = 60.0  # for one QMP command's reply
+CANCEL_TIMEOUT = 60.0  # for a cancelled migration to end
 # The QEMU versions whose migration streams converters/qemu.py reads (7.2's format, plus
 # SWITCHOVER_START from 10.0 and mapped-ram from 9.0; the same up to 11.0): (major, minor)
 SUPPORTED_QEMU = ((7, 2), (11, 99))
-ACTIVE = {"setup", "active", "pre-switchover", "device", "cancelling", "wait-unplug",
-          "postcopy-active", "postcopy-paused", "postcopy-recover", "colo"}
-UNLIMITED_BANDWIDTH = 1 << 40   # bytes/s: "as fast as the writer reads"
-BALLOON_SETTLE = 5.0            # --balloon-inflate: seconds without progress that end the wait
+ACTIVE = {
+    "setup",
+    "active",
+    "pre-switchover",
+    "device",
+    "cancelling",
+    "wait-unplug",
+    "postcopy-active",
+    "postcopy-paused",
+    "postcopy-recover",
+    "colo",
+}
+UNLIMITED_BANDWIDTH = 1 << 40  # bytes/s: "as fast as the writer reads"
+BALLOON_SETTLE = 5.0  # --balloon-inflate: seconds without progress that end the wait
 
 
 @dataclasses.dataclass
 class CheckpointRequest:
-    qmp: str                            # path of QEMU's QMP unix socket
+    qmp: str  # path of QEMU's QMP unix socket
     output: str
     mode: str = "stop"
     then: str = "continue"
-    disks: dict = dataclasses.field(default_factory=dict)      # name -> path
+    disks: dict = dataclasses.field(default_factory=dict)  # name -> path
     parents: tuple = ()
     allow_delta: bool = True
     writer_options: dict = dataclasses.field(default_factory=dict)
-    max_bandwidth: int | None = None    # bytes/s; None: unlimited
-    keep_stream: str | None = None      # also copy QEMU's raw stream there (debugging, tests)
-    hints: object = None                # a hint file's HintOptions: not taken yet (refused)
-    guest_free: str | None = None       # --guest-free: the socket of the guest's free-list port
-    keep_hints: str | None = None       # also write the guest FREE hints there (debugging, tests)
-    balloon_inflate: int = 0            # bytes to inflate the balloon by first (Liu, Jin, Liao)
-    progress: bool = False              # a status line on stderr
-    workdir: str | None = None          # where the RAM spool lives (default: $TMPDIR)
+    max_bandwidth: int | None = None  # bytes/s; None: unlimited
+    keep_stream: str | None = None  # also copy QEMU's raw stream there (debugging, tests)
+    hints: object = None  # a hint file's HintOptions: not taken yet (refused)
+    guest_free: str | None = None  # --guest-free: the socket of the guest's free-list port
+    keep_hints: str | None = None  # also write the guest FREE hints there (debugging, tests)
+    balloon_inflate: int = 0  # bytes to inflate the balloon by first (Liu, Jin, Liao)
+    progress: bool = False  # a status line on stderr
+    workdir: str | None = None  # where the RAM spool lives (default: $TMPDIR)
 
 
 @dataclasses.dataclass
 class FrozenDisk:
     name: str
-    path: str                           # the file holding the referenced blocks
-    device: dict                        # how QMP names it: {"device": ...} or {"node-name": ...}
-    writable: bool                      # the guest writes this file (its active layer)
-    overlay: str | None = None          # where the guest writes since the freeze
-    referenced: int = 0                 # bytes of DISK pages referring to it
+    path: str  # the file holding the referenced blocks
+    device: dict  # how QMP names it: {"device": ...} or {"node-name": ...}
+    writable: bool  # the guest writes this file (its active layer)
+    overlay: str | None = None  # where the guest writes since the freeze
+    referenced: int = 0  # bytes of DISK pages referring to it
 
     def note(self) -> dict:
-        return {"name": self.name, "file": self.path, "frozen": self.overlay is not None or not self.writable,
-                "overlay": self.overlay}
+        return {
+            "name": self.name,
+            "file": self.path,
+            "frozen": self.overlay is not None or not self.writable,
+            "overlay": self.overlay,
+        }
 
     def describe(self) -> str:
         if self.overlay:
@@ -141,7 +155,8 @@ class FrozenDisk:
 @dataclasses.dataclass
 class Balloon:
     """``--balloon-inflate``: the guest's balloon before, the target asked and the size reached."""
-    before: int                         # query-balloon "actual", bytes of guest RAM
+
+    before: int  # query-balloon "actual", bytes of guest RAM
     target: int
     reached: int = 0
     deflated: bool = False
@@ -152,25 +167,33 @@ class Balloon:
     def describe(self) -> str:
         inflated = (self.before - self.reached) / 2**20
         after = "deflated again" if self.deflated else "still inflated"
-        return (f"balloon inflated by {inflated:.0f} MiB for the checkpoint ({after}); a guest restored from "
-                f"the image has it inflated: deflate it with QMP balloon value={self.before}")
+        return (
+            f"balloon inflated by {inflated:.0f} MiB for the checkpoint ({after}); a guest restored from "
+            f"the image has it inflated: deflate it with QMP balloon value={self.before}"
+        )
 
 
 @dataclasses.dataclass
 class GuestFree:
     """``--guest-free``: what the guest said and what the stream-offset rule made of it."""
+
     asked: int
     answered: int
     snapshot: Snapshot | None
     stream_length: int = 0
-    report: dict | None = None          # HintOptions.report["FREE"]
+    report: dict | None = None  # HintOptions.report["FREE"]
 
     def note(self) -> dict:
         s = self.snapshot
-        return {"asked": self.asked, "answered": self.answered,
-                "stream_offset": s.stream_offset if s else None, "stream_length": self.stream_length,
-                "pages_reported": s.pages if s else 0, "helper_us": s.helper_us if s else None,
-                "applied": self.applied}
+        return {
+            "asked": self.asked,
+            "answered": self.answered,
+            "stream_offset": s.stream_offset if s else None,
+            "stream_length": self.stream_length,
+            "pages_reported": s.pages if s else 0,
+            "helper_us": s.helper_us if s else None,
+            "applied": self.applied,
+        }
 
     @property
     def applied(self) -> int:
@@ -178,15 +201,18 @@ class GuestFree:
 
     def describe(self) -> str:
         if self.snapshot is None:
-            return (f"guest free hints: none (asked {self.asked} times, no answer complete before the "
-                    "checkpoint instant)")
+            return (
+                f"guest free hints: none (asked {self.asked} times, no answer complete before the checkpoint instant)"
+            )
         s, report = self.snapshot, self.report or {}
         defeated = report.get("ignored: defeated by a later copy", 0)
         where = s.stream_offset / self.stream_length if self.stream_length else 0
-        return (f"guest free hints: {s.pages * s.page_size / 2**20:.1f} MiB free in the guest's latest answer "
-                f"(answer {self.answered} of {self.asked}, asked at {where:.0%} of the stream), "
-                f"{self.applied * s.page_size / 2**20:.1f} MiB made FREE, "
-                f"{defeated * s.page_size / 2**20:.1f} MiB sent again after it")
+        return (
+            f"guest free hints: {s.pages * s.page_size / 2**20:.1f} MiB free in the guest's latest answer "
+            f"(answer {self.answered} of {self.asked}, asked at {where:.0%} of the stream), "
+            f"{self.applied * s.page_size / 2**20:.1f} MiB made FREE, "
+            f"{defeated * s.page_size / 2**20:.1f} MiB sent again after it"
+        )
 
 
 @dataclasses.dataclass
@@ -197,14 +223,14 @@ class CheckpointResult:
     file_bytes: int
     page_size: int
     classes: Counter
-    downtime_ms: int | None             # query-migrate's "downtime"
-    paused_ms: float | None             # from leanimg's own stop to the guest running again
+    downtime_ms: int | None  # query-migrate's "downtime"
+    paused_ms: float | None  # from leanimg's own stop to the guest running again
     seconds: float
     disks: list
-    guest: str                          # the guest's run state at the end
+    guest: str  # the guest's run state at the end
     balloon: Balloon | None = None
     guest_free: GuestFree | None = None
-    timeline: list = dataclasses.field(default_factory=list)    # (step, seconds since the start)
+    timeline: list = dataclasses.field(default_factory=list)  # (step, seconds since the start)
 
     def summary(self) -> str:
         mib = lambda pages: pages * self.page_size / 2**20  # noqa: E731
@@ -212,8 +238,10 @@ class CheckpointResult:
         timing = f"downtime {self.downtime_ms} ms" if self.downtime_ms is not None else "downtime unknown"
         if self.paused_ms is not None:
             timing += f", guest paused {self.paused_ms:.0f} ms"
-        line = (f"{self.output}: {self.file_bytes / 2**20:.1f} MiB, {self.mode} checkpoint in "
-                f"{self.seconds:.1f} s, {timing}; MiB by class: {classes}; guest {self.guest}")
+        line = (
+            f"{self.output}: {self.file_bytes / 2**20:.1f} MiB, {self.mode} checkpoint in "
+            f"{self.seconds:.1f} s, {timing}; MiB by class: {classes}; guest {self.guest}"
+        )
         extra = [self.balloon.describe()] if self.balloon else []
         extra += [self.guest_free.describe()] if self.guest_free else []
         return "; ".join([line] + [d.describe() for d in self.disks] + extra)
@@ -221,13 +249,22 @@ class CheckpointResult:
     def to_json(self) -> dict:
         """``checkpoint --json`` (schemas/checkpoint.schema.json)."""
         classes = {cls.name: int(n) for cls, n in sorted(self.classes.items()) if n}
-        return dict(output=self.output, mode=self.mode, then=self.then, file_bytes=self.file_bytes,
-                    page_size=self.page_size, classes=classes,
-                    downtime_ms=self.downtime_ms, paused_ms=self.paused_ms, seconds=self.seconds, guest=self.guest,
-                    disks=[dict(d.note(), referenced_bytes=d.referenced) for d in self.disks],
-                    balloon=dict(self.balloon.note(), deflated=self.balloon.deflated) if self.balloon else None,
-                    guest_free=self.guest_free.note() if self.guest_free else None,
-                    timeline=[dict(step=step, seconds=round(at, 4)) for step, at in self.timeline])
+        return dict(
+            output=self.output,
+            mode=self.mode,
+            then=self.then,
+            file_bytes=self.file_bytes,
+            page_size=self.page_size,
+            classes=classes,
+            downtime_ms=self.downtime_ms,
+            paused_ms=self.paused_ms,
+            seconds=self.seconds,
+            guest=self.guest,
+            disks=[dict(d.note(), referenced_bytes=d.referenced) for d in self.disks],
+            balloon=dict(self.balloon.note(), deflated=self.balloon.deflated) if self.balloon else None,
+            guest_free=self.guest_free.note() if self.guest_free else None,
+            timeline=[dict(step=step, seconds=round(at, 4)) for step, at in self.timeline],
+        )
 
     def timeline_lines(self) -> list[str]:
         """-v: when each step ended, and how long it took."""
@@ -240,25 +277,30 @@ class CheckpointResult:
 
 # ------------------------------------------------------------------------------ QMP
 
+
 class Monitor:
     """A synchronous QMP client (qemu.qmp's QMPClient on a private event loop), every wait
     bounded; failures become CheckpointError."""
 
     def __init__(self, path: str, timeout: float = CONNECT_TIMEOUT):
         from qemu.qmp import QMPClient
+
         self.path = path
         self._loop = asyncio.new_event_loop()
         self._client = QMPClient("leanimg-checkpoint")
         if not os.path.exists(path):
             self._loop.close()
-            raise CheckpointError(f"QMP socket {path} does not exist (start QEMU with "
-                                  f"-qmp unix:{path},server=on,wait=off)")
+            raise CheckpointError(
+                f"QMP socket {path} does not exist (start QEMU with -qmp unix:{path},server=on,wait=off)"
+            )
         try:
             self._run(self._client.connect(path), timeout)
         except asyncio.TimeoutError:
             self.close()
-            raise CheckpointError(f"{path}: no QMP greeting within {timeout:.0f} s (not a QMP socket, or "
-                                  "another client holds it: QEMU serves one client per -qmp socket)") from None
+            raise CheckpointError(
+                f"{path}: no QMP greeting within {timeout:.0f} s (not a QMP socket, or "
+                "another client holds it: QEMU serves one client per -qmp socket)"
+            ) from None
         except Exception as exc:  # qemu.qmp's ConnectError wraps the OSError or the bad greeting
             self.close()
             raise CheckpointError(f"{path}: cannot speak QMP: {_cause(exc)}") from None
@@ -268,6 +310,7 @@ class Monitor:
 
     def execute(self, command: str, timeout: float = COMMAND_TIMEOUT, **arguments):
         from qemu.qmp import ExecuteError
+
         try:
             return self._run(self._client.execute(command, arguments or None), timeout)
         except ExecuteError as exc:
@@ -288,7 +331,7 @@ class Monitor:
     def close(self) -> None:
         try:
             self._run(self._client.disconnect(), 10)
-        except Exception:   # closing after a failure: nothing more to report
+        except Exception:  # closing after a failure: nothing more to report
             pass
         self._loop.close()
 
@@ -307,6 +350,7 @@ def _cause(exc: BaseException) -> str:
 
 
 # ------------------------------------------------------------------------------ signals
+
 
 class _Signals:
     """SIGINT and SIGTERM set a flag the checkpoint looks at between steps, so it can cancel
@@ -336,6 +380,7 @@ class _Signals:
 
 
 # ------------------------------------------------------------------------------ the stream
+
 
 class _SocketReader(io.RawIOBase):
     """Our end of the socketpair; counts bytes and copies them to ``keep`` when asked."""
@@ -368,13 +413,13 @@ class _Spool(threading.Thread):
         self.sock, self.workdir = sock, workdir
         self.reader = _SocketReader(sock, keep)
         self.state = self.ram = self.error = None
-        self.parsed = threading.Event()      # the whole stream has been read
+        self.parsed = threading.Event()  # the whole stream has been read
 
     def run(self) -> None:
         try:
             with io.BufferedReader(self.reader, 1 << 20) as stream:
                 self.state, self.ram = self._consume(stream)
-        except BaseException as exc:   # handed to the main thread
+        except BaseException as exc:  # handed to the main thread
             self.error = exc
             self._drain()
         finally:
@@ -430,8 +475,9 @@ class _Direct(_Spool):
             try:
                 state = convert_qemu(stream, writer, parent=parent)
             except RepeatedPages as exc:
-                raise CheckpointError(f"QEMU sent a page twice ({exc}): a stopped migration or a background "
-                                      "snapshot sends each page once") from None
+                raise CheckpointError(
+                    f"QEMU sent a page twice ({exc}): a stopped migration or a background snapshot sends each page once"
+                ) from None
             self.parsed.set()
             self._go.wait()
             if self.note is None:
@@ -448,6 +494,7 @@ class _Direct(_Spool):
 
 
 # ------------------------------------------------------------------------------ the checkpoint
+
 
 def run_checkpoint(request: CheckpointRequest) -> CheckpointResult:
     """Checkpoint the guest behind ``request.qmp`` into ``request.output`` (see the module)."""
@@ -467,9 +514,12 @@ def _guest_free_allowed(mode: str) -> None:
     rule, answers taken before the checkpoint instant, is _Checkpoint's order of steps: the
     link is finished (an answer in flight dropped) before the guest is resumed."""
     if mode != "live":
-        raise CheckpointError("--guest-free needs --live: in a stop-and-save or a background snapshot a page the "
-                              "guest writes after its answer is not sent again, so its free pages cannot be "
-                              "trusted (spec/hints.md §3.1)", rule="LI-HNT-026")
+        raise CheckpointError(
+            "--guest-free needs --live: in a stop-and-save or a background snapshot a page the "
+            "guest writes after its answer is not sent again, so its free pages cannot be "
+            "trusted (spec/hints.md §3.1)",
+            rule="LI-HNT-026",
+        )
 
 
 class _Checkpoint:
@@ -477,10 +527,10 @@ class _Checkpoint:
         self.qmp, self.req, self.signals = monitor, request, signals
         self.fd_name = f"leanimg-checkpoint-{os.getpid()}"
         self.spool: _Spool | None = None
-        self.staged = None     # stop/--background without disks: the image being written (locations.Output)
+        self.staged = None  # stop/--background without disks: the image being written (locations.Output)
         self.disks: list[FrozenDisk] = []
         self.migrating = self.fd_passed = self.fd_used = False
-        self.switched_over = False               # --live: migrate-continue sent after the pause
+        self.switched_over = False  # --live: migrate-continue sent after the pause
         self.changed_caps: dict[str, bool] = {}
         self.saved_bandwidth = None
         self.stopped_at = self.resumed_at = None
@@ -578,8 +628,7 @@ class _Checkpoint:
             match = next((m for m in (_file_of(dev, path) for dev in devices) if m), None)
             if match is None:
                 files = ", ".join(f for dev in devices for f in _files(dev["inserted"])) or "none"
-                raise CheckpointError(f"--disk {name}={path} is not a file of this guest's disks "
-                                      f"(its files: {files})")
+                raise CheckpointError(f"--disk {name}={path} is not a file of this guest's disks (its files: {files})")
             device, writable = match
             found.append(FrozenDisk(name, os.path.abspath(path), device, writable))
         return found
@@ -594,8 +643,7 @@ class _Checkpoint:
         for disk in self.disks:
             if disk.writable:
                 overlay = _overlay_path(disk.path, self.req.output)
-                self.qmp.execute("blockdev-snapshot-sync", **disk.device, format="qcow2",
-                                 **{"snapshot-file": overlay})
+                self.qmp.execute("blockdev-snapshot-sync", **disk.device, format="qcow2", **{"snapshot-file": overlay})
                 disk.overlay = overlay
 
     # -- the migration -------------------------------------------------------------------
@@ -616,11 +664,14 @@ class _Checkpoint:
     def _migrate(self) -> dict:
         params = self.qmp.execute("query-migrate-parameters")
         self.saved_bandwidth = params.get("max-bandwidth")
-        self.qmp.execute("migrate-set-parameters",
-                         **{"max-bandwidth": self.req.max_bandwidth or UNLIMITED_BANDWIDTH})
+        self.qmp.execute("migrate-set-parameters", **{"max-bandwidth": self.req.max_bandwidth or UNLIMITED_BANDWIDTH})
         mode = self.req.mode
-        self._set_capabilities({"pause-before-switchover": mode == "live" and self._freezing(),
-                                "background-snapshot": mode == "background"})
+        self._set_capabilities(
+            {
+                "pause-before-switchover": mode == "live" and self._freezing(),
+                "background-snapshot": mode == "background",
+            }
+        )
         if mode == "stop" or (mode == "background" and self._freezing()):
             self._stop()
         if mode == "background":
@@ -645,10 +696,12 @@ class _Checkpoint:
         ram, plugged = memory.get("base-memory", 0), memory.get("plugged-memory", 0)
         fits = machine.startswith("pc-i440fx-") or (machine.startswith("pc-q35-") and ram < Q35_ALL_LOW)
         if not fits or plugged:
-            raise CheckpointError(f"--guest-free: machine {machine} with {ram / 2**20:.0f} MiB of RAM"
-                                  + (f" and {plugged / 2**20:.0f} MiB plugged in" if plugged else "")
-                                  + ": guest page frame numbers map to QEMU's pc.ram only on i440fx (-machine pc), "
-                                  "or q35 below 2.75 GiB, without hotplugged memory (spec/hints.md §6)")
+            raise CheckpointError(
+                f"--guest-free: machine {machine} with {ram / 2**20:.0f} MiB of RAM"
+                + (f" and {plugged / 2**20:.0f} MiB plugged in" if plugged else "")
+                + ": guest page frame numbers map to QEMU's pc.ram only on i440fx (-machine pc), "
+                "or q35 below 2.75 GiB, without hotplugged memory (spec/hints.md §6)"
+            )
 
     def _finish_guest_free(self) -> None:
         """The migration has completed and the guest is stopped: the answers are all in."""
@@ -684,15 +737,17 @@ class _Checkpoint:
                 f"this is QEMU {v['major']}.{v['minor']}.{v['micro']}; leanimg checkpoint reads the migration "
                 f"streams of QEMU {'.'.join(map(str, SUPPORTED_QEMU[0]))} to {SUPPORTED_QEMU[1][0]}.x (tested "
                 "with 7.2 and 10.0). The guest was not touched. Use a leanimg release that supports this QEMU, "
-                "or try `migrate \"exec:cat > FILE\"` and `leanimg convert FILE`, which refuses what it does not "
-                "know by name")
+                'or try `migrate "exec:cat > FILE"` and `leanimg convert FILE`, which refuses what it does not '
+                "know by name"
+            )
 
     def _set_capabilities(self, wanted: dict[str, bool]) -> None:
         current = {c["capability"]: c["state"] for c in self.qmp.execute("query-migrate-capabilities")}
         change = {cap: on for cap, on in wanted.items() if current.get(cap, False) != on}
         if change:
-            self.qmp.execute("migrate-set-capabilities",
-                             capabilities=[{"capability": c, "state": on} for c, on in change.items()])
+            self.qmp.execute(
+                "migrate-set-capabilities", capabilities=[{"capability": c, "state": on} for c, on in change.items()]
+            )
             self.changed_caps.update({c: not on for c, on in change.items()})
 
     def _stop(self) -> None:
@@ -709,7 +764,7 @@ class _Checkpoint:
         while True:
             self.signals.check()
             if self.guest_link is not None and self.guest_link.error is not None:
-                raise self.guest_link.error      # a broken answer: cancel now, not after the precopy
+                raise self.guest_link.error  # a broken answer: cancel now, not after the precopy
             info = self.qmp.execute("query-migrate")
             status = info.get("status")
             self._show_status(status)
@@ -731,7 +786,7 @@ class _Checkpoint:
                 continue
             if self.spool.error is not None or not self.spool.is_alive():
                 if self.req.mode != "background" and self._stream_ended_first():
-                    continue        # the next query-migrate names how the migration ended
+                    continue  # the next query-migrate names how the migration ended
                 self.spool.result()
                 raise CheckpointError("the migration stream ended before the migration completed")
             time.sleep(0.02 if status == "device" else 0.05)
@@ -776,7 +831,7 @@ class _Checkpoint:
         if self.req.then == "continue" and self.was_running:
             self._cont()
         elif self.req.then == "stop" and self.qmp.execute("query-status")["status"] == "running":
-            self.qmp.execute("stop")        # --background: the guest ran on during the snapshot
+            self.qmp.execute("stop")  # --background: the guest ran on during the snapshot
 
     def _cont(self) -> None:
         if self.qmp.execute("query-status")["status"] != "running":
@@ -788,12 +843,14 @@ class _Checkpoint:
         try:
             self.qmp.execute("quit")
         except CheckpointError:
-            pass                # QEMU may close the connection before it replies
+            pass  # QEMU may close the connection before it replies
 
     def _restore_migration_settings(self) -> None:
         if self.changed_caps:
-            self.qmp.execute("migrate-set-capabilities",
-                             capabilities=[{"capability": c, "state": on} for c, on in self.changed_caps.items()])
+            self.qmp.execute(
+                "migrate-set-capabilities",
+                capabilities=[{"capability": c, "state": on} for c, on in self.changed_caps.items()],
+            )
             self.changed_caps = {}
         if self.saved_bandwidth is not None:
             self.qmp.execute("migrate-set-parameters", **{"max-bandwidth": self.saved_bandwidth})
@@ -815,15 +872,15 @@ class _Checkpoint:
 
     def _write_into(self, out, state, ram) -> None:
         from leanimg.disks import open_disk
+
         sources = {}
         try:
-            for disk in self.disks:           # opened after the freeze: size and fingerprint of it
+            for disk in self.disks:  # opened after the freeze: size and fingerprint of it
                 sources[disk.name] = open_disk(disk.path, disk.name)
             scan = DiskOptions(sources) if sources else None
             with self._open_writer(out, sources) as (writer, parent):
                 self.signals.check()
-                write_spooled(writer, state, ram, parent=parent, disks=scan, unsent_free=True,
-                              hints=self.hint_options)
+                write_spooled(writer, state, ram, parent=parent, disks=scan, unsent_free=True, hints=self.hint_options)
                 if self.hint_options is not None:
                     self.guest_free.report = self.hint_options.report.get("FREE", {})
                 writer.add_source_state(SourceFormat.QEMU, QEMU_TAG_CHECKPOINT_NOTE, self._note())
@@ -840,13 +897,12 @@ class _Checkpoint:
         open parent image (or None)."""
         from leanimg.incremental import parent_link
         from leanimg.reader import LeanImage
-        parent = LeanImage.open(self.req.parents[0], parents=list(self.req.parents[1:])) \
-            if self.req.parents else None
+
+        parent = LeanImage.open(self.req.parents[0], parents=list(self.req.parents[1:])) if self.req.parents else None
         try:
             options = dict(self.req.writer_options)
             if parent is not None:
-                options.update(parent=parent_link(parent), allow_delta=self.req.allow_delta,
-                               page_size=parent.page_size)
+                options.update(parent=parent_link(parent), allow_delta=self.req.allow_delta, page_size=parent.page_size)
             with LeanImageWriter(out, **options) as writer:
                 if sources:
                     declare_disks(writer, sources)
@@ -856,12 +912,17 @@ class _Checkpoint:
                 parent.close()
 
     def _note(self) -> bytes:
-        note = {"written_by": "leanimg checkpoint", "mode": self.req.mode, "then": self.req.then,
-                "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                "downtime_ms": self.downtime_ms, "paused_ms": self._paused_ms(),
-                "disks": [d.note() for d in self.disks],
-                "balloon": self.balloon.note() if self.balloon else None,
-                "guest_free": self.guest_free.note() if self.guest_free else None}
+        note = {
+            "written_by": "leanimg checkpoint",
+            "mode": self.req.mode,
+            "then": self.req.then,
+            "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "downtime_ms": self.downtime_ms,
+            "paused_ms": self._paused_ms(),
+            "disks": [d.note() for d in self.disks],
+            "balloon": self.balloon.note() if self.balloon else None,
+            "guest_free": self.guest_free.note() if self.guest_free else None,
+        }
         return json.dumps(note, indent=1).encode()
 
     def _paused_ms(self) -> float | None:
@@ -872,21 +933,36 @@ class _Checkpoint:
     def _result(self) -> CheckpointResult:
         from leanimg.inspect import class_counts
         from leanimg.reader import LeanImage
+
         with LeanImage.open(self.req.output, parents=list(self.req.parents)) as image:
             counts, page_size, size = class_counts(image), image.page_size, image.tables.file.size
         guest = "quit" if self.req.then == "quit" else self.qmp.execute("query-status")["status"]
-        return CheckpointResult(self.req.output, self.req.mode, self.req.then, size,
-                                page_size, counts, self.downtime_ms, self._paused_ms(),
-                                time.monotonic() - self.started, self.disks, guest, self.balloon,
-                                self.guest_free, self.timeline)
+        return CheckpointResult(
+            self.req.output,
+            self.req.mode,
+            self.req.then,
+            size,
+            page_size,
+            counts,
+            self.downtime_ms,
+            self._paused_ms(),
+            time.monotonic() - self.started,
+            self.disks,
+            guest,
+            self.balloon,
+            self.guest_free,
+            self.timeline,
+        )
 
     # -- progress ------------------------------------------------------------------------
     def _show_status(self, status: str) -> None:
         if not self.req.progress:
             return
         received = self.spool.reader.received / 2**20 if self.spool else 0
-        sys.stderr.write(f"\rcheckpoint ({self.req.mode}): {received:8.1f} MiB received, migration "
-                         f"{status:<14} {time.monotonic() - self.started:6.1f} s")
+        sys.stderr.write(
+            f"\rcheckpoint ({self.req.mode}): {received:8.1f} MiB received, migration "
+            f"{status:<14} {time.monotonic() - self.started:6.1f} s"
+        )
         sys.stderr.flush()
         self._status_shown = True
 
@@ -914,14 +990,23 @@ class _Checkpoint:
                 self.spool.ram.close()
         if self.staged is not None:
             self.staged.discard()
-        for step in (self._close_fd, self._restore_run_state, self._hang_up_guest_port,
-                     self._restore_migration_settings, self._deflate_after_failure):
+        for step in (
+            self._close_fd,
+            self._restore_run_state,
+            self._hang_up_guest_port,
+            self._restore_migration_settings,
+            self._deflate_after_failure,
+        ):
             try:
                 step()
             except CheckpointError as error:
                 notes.append(str(error))
-        notes += [f"disk {d.name}: the guest now writes to {d.overlay} over {d.path} (block snapshot taken; "
-                  "merge it back with QMP block-commit if wanted)" for d in self.disks if d.overlay]
+        notes += [
+            f"disk {d.name}: the guest now writes to {d.overlay} over {d.path} (block snapshot taken; "
+            "merge it back with QMP block-commit if wanted)"
+            for d in self.disks
+            if d.overlay
+        ]
         if not isinstance(exc, LeanImageError):
             if isinstance(exc, OSError):
                 return exc if not notes else CheckpointError(f"{exc}; " + "; ".join(notes))
@@ -979,6 +1064,7 @@ class _Checkpoint:
 
 
 # ------------------------------------------------------------------------------ helpers
+
 
 def _files(inserted: dict) -> list[str]:
     """The files of a block device: its active layer, then its backing chain."""

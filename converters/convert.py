@@ -31,8 +31,14 @@ from leanimg.writer import LeanImageWriter, PageGivenTwice
 from . import qemu, xen
 from .diskrefs import DiskSummary, classify_by_disks, declare_disks
 from .hinting import HintOptions, HintPlan
-from .source_state import (QEMU_TAG_LIBVIRT_HEADER, QEMU_TAG_STREAM_STATE, XEN_TAG_SKELETON, pack_libvirt_header,
-                           pack_skeleton, pack_stream_state)
+from .source_state import (
+    QEMU_TAG_LIBVIRT_HEADER,
+    QEMU_TAG_STREAM_STATE,
+    XEN_TAG_SKELETON,
+    pack_libvirt_header,
+    pack_skeleton,
+    pack_stream_state,
+)
 
 RUN_PAGES = 256
 
@@ -70,11 +76,12 @@ class _RunBuffer:
 @dataclass
 class DiskOptions:
     """``convert --disk``: the open disks by name, how to scan them, and what came of it."""
-    sources: dict = field(default_factory=dict)          # name -> leanimg.disks.DiskSource
+
+    sources: dict = field(default_factory=dict)  # name -> leanimg.disks.DiskSource
     all_phases: bool = False
     progress: object = None
     summary: DiskSummary | None = None
-    scan: bool = True          # scan the disks for pages (with DISK hints: only when asked)
+    scan: bool = True  # scan the disks for pages (with DISK hints: only when asked)
 
     def close(self) -> None:
         for disk in self.sources.values():
@@ -97,8 +104,14 @@ def _contiguous(data):
     return np.ascontiguousarray(data) if isinstance(data, np.ndarray) else data
 
 
-def convert_qemu(source: BinaryIO, writer: LeanImageWriter, progress=None, parent=None,
-                 hints: HintOptions | None = None, disks: DiskOptions | None = None) -> qemu.StreamState:
+def convert_qemu(
+    source: BinaryIO,
+    writer: LeanImageWriter,
+    progress=None,
+    parent=None,
+    hints: HintOptions | None = None,
+    disks: DiskOptions | None = None,
+) -> qemu.StreamState:
     """Stream a QEMU migration stream into ``writer``; each page must come once.
 
     With ``parent`` (an open LeanImage), pages are classified against it. A page sent
@@ -111,8 +124,9 @@ def convert_qemu(source: BinaryIO, writer: LeanImageWriter, progress=None, paren
         raise RepeatedPages(str(exc)) from None
 
 
-def _stream_into(source: BinaryIO, writer: LeanImageWriter, progress, parent, hints=None,
-                 disks=None) -> qemu.StreamState:
+def _stream_into(
+    source: BinaryIO, writer: LeanImageWriter, progress, parent, hints=None, disks=None
+) -> qemu.StreamState:
     writer.declare_source_state()
     regions: dict[str, int] = {}
     names: dict[int, str] = {}
@@ -165,8 +179,14 @@ def _stream_into(source: BinaryIO, writer: LeanImageWriter, progress, parent, hi
     raise SourceFormatError("stream ended without QEMU_VM_EOF", structure="stream")
 
 
-def convert_qemu_spooled(source: BinaryIO, writer: LeanImageWriter, workdir=None, parent=None,
-                         disks: DiskOptions | None = None, hints: HintOptions | None = None) -> qemu.StreamState:
+def convert_qemu_spooled(
+    source: BinaryIO,
+    writer: LeanImageWriter,
+    workdir=None,
+    parent=None,
+    disks: DiskOptions | None = None,
+    hints: HintOptions | None = None,
+) -> qemu.StreamState:
     """Like convert_qemu for streams that resend pages: the last copy of each page wins.
 
     With ``disks``, pages found on one of the disks become DISK references (two passes
@@ -178,9 +198,16 @@ def convert_qemu_spooled(source: BinaryIO, writer: LeanImageWriter, workdir=None
     return state
 
 
-def write_spooled(writer: LeanImageWriter, state: qemu.StreamState, ram: qemu.RamImage, *, parent=None,
-                  disks: DiskOptions | None = None, hints: HintOptions | None = None,
-                  unsent_free: bool = False) -> None:
+def write_spooled(
+    writer: LeanImageWriter,
+    state: qemu.StreamState,
+    ram: qemu.RamImage,
+    *,
+    parent=None,
+    disks: DiskOptions | None = None,
+    hints: HintOptions | None = None,
+    unsent_free: bool = False,
+) -> None:
     """The RAM a stream was spooled into (qemu.load_stream) and its state, into ``writer``.
 
     ``unsent_free``: pages the stream never sent (free pages QEMU skipped under virtio-balloon
@@ -210,12 +237,13 @@ def write_spooled(writer: LeanImageWriter, state: qemu.StreamState, ram: qemu.Ra
                 else:
                     view = memoryview(chunk)
                     for a, b in _true_runs(seen[first:stop]):
-                        sink(region, first + a, view[a * ps:b * ps])
+                        sink(region, first + a, view[a * ps : b * ps])
 
     plan = None
     if hints:
-        plan = _plan(hints, writer, "qemu", {block.name: region for region, block in regions}, disks, parent,
-                     ram.stream_length)
+        plan = _plan(
+            hints, writer, "qemu", {block.name: region for region, block in regions}, disks, parent, ram.stream_length
+        )
         for region, block in regions:
             plan.free_pages(region, ram.last_end[block.name])
     for region, block in regions:
@@ -251,20 +279,29 @@ def _true_runs(flags: np.ndarray):
     return zip(edges[::2].tolist(), edges[1::2].tolist())
 
 
-def convert_xen(source: BinaryIO, writer: LeanImageWriter, progress=None, parent=None,
-                workdir=None, disks: DiskOptions | None = None, hints: HintOptions | None = None) -> xen.ScanResult:
+def convert_xen(
+    source: BinaryIO,
+    writer: LeanImageWriter,
+    progress=None,
+    parent=None,
+    workdir=None,
+    disks: DiskOptions | None = None,
+    hints: HintOptions | None = None,
+) -> xen.ScanResult:
     """Convert the Xen stream in the seekable file ``source`` into ``writer``: region
     ``xen-pfn`` (page p = pfn p), the last copy of each page, holes FREE, and the
     skeleton as SOURCE_STATE (source_format XEN, tag 1). With ``disks``, pages found on
     them become DISK references (the pages are read twice)."""
     if writer.page_size != xen.PAGE_SIZE:
-        raise UnsupportedError(f"Xen streams have {xen.PAGE_SIZE}-byte pages, the image {writer.page_size}",
-                               structure="--parent")
+        raise UnsupportedError(
+            f"Xen streams have {xen.PAGE_SIZE}-byte pages, the image {writer.page_size}", structure="--parent"
+        )
     writer.declare_source_state()
     result = xen.scan(source, workdir)
     with result.skeleton:
         region = writer.add_region(xen.REGION_NAME, max(result.num_pfns, 1) * xen.PAGE_SIZE, guest_phys_base=0)
         put_data = _page_sink(writer, parent, {region: xen.REGION_NAME})
+
         def feed(sink):
             xen.feed_pages(source, result, lambda pfn, data: sink(region, pfn, data), None if disks else progress)
 
@@ -272,7 +309,7 @@ def convert_xen(source: BinaryIO, writer: LeanImageWriter, progress=None, parent
         if hints:
             plan = _plan(hints, writer, "xen", {xen.REGION_NAME: region}, disks, parent, result.length)
             last_end = np.full(writer.page_classes(region).shape[0], -1, np.int64)
-            last_end[:len(result.last_end)] = result.last_end
+            last_end[: len(result.last_end)] = result.last_end
             plan.free_pages(region, last_end)
         _write_hinted_pages(writer, feed, put_data, disks, plan)
         _free_unsent(writer, {xen.REGION_NAME: region})
@@ -280,8 +317,15 @@ def convert_xen(source: BinaryIO, writer: LeanImageWriter, progress=None, parent
     return result
 
 
-def _plan(hints: HintOptions, writer: LeanImageWriter, source: str, regions: dict, disks, parent,
-          stream_length: int | None = None) -> HintPlan:
+def _plan(
+    hints: HintOptions,
+    writer: LeanImageWriter,
+    source: str,
+    regions: dict,
+    disks,
+    parent,
+    stream_length: int | None = None,
+) -> HintPlan:
     """The hints resolved against this save: ``regions`` by name -> region id."""
     sizes = {name: (rid, writer.page_classes(rid).shape[0]) for name, rid in regions.items()}
     return HintPlan(hints, writer, source, sizes, disks.sources if disks else {}, parent, stream_length)
@@ -314,16 +358,18 @@ def _write_pages(writer: LeanImageWriter, feed, put_data, disks: DiskOptions | N
     """Every page ``feed`` gives through ``put_data``; with ``disks`` to scan, pages found on them
     first become DISK references (``feed`` is then called twice)."""
     if disks and disks.scan:
-        disks.summary = classify_by_disks(writer, disks.sources, feed, put_data,
-                                          all_phases=disks.all_phases, progress=disks.progress)
+        disks.summary = classify_by_disks(
+            writer, disks.sources, feed, put_data, all_phases=disks.all_phases, progress=disks.progress
+        )
     else:
         feed(put_data)
 
 
 def _check_page_size(page_size: int, writer: LeanImageWriter) -> None:
     if page_size != writer.page_size:
-        raise UnsupportedError(f"stream page size {page_size}, image page size {writer.page_size}",
-                               structure="ram MEM_SIZE")
+        raise UnsupportedError(
+            f"stream page size {page_size}, image page size {writer.page_size}", structure="ram MEM_SIZE"
+        )
 
 
 def _free_unsent(writer: LeanImageWriter, regions: dict[str, int]) -> None:
@@ -333,10 +379,19 @@ def _free_unsent(writer: LeanImageWriter, regions: dict[str, int]) -> None:
             writer.put_free(region_id, first, count)
 
 
-def convert_file(src, dest: str, *, source_format: str | None = None, spool: bool | None = None,
-                 writer_options: dict | None = None, progress=None, parents=(),
-                 allow_delta: bool = True, disks: DiskOptions | None = None,
-                 hints: HintOptions | None = None) -> str:
+def convert_file(
+    src,
+    dest: str,
+    *,
+    source_format: str | None = None,
+    spool: bool | None = None,
+    writer_options: dict | None = None,
+    progress=None,
+    parents=(),
+    allow_delta: bool = True,
+    disks: DiskOptions | None = None,
+    hints: HintOptions | None = None,
+) -> str:
     """Convert the save file ``src`` (a path, ``-`` for stdin, or an open binary file) into the
     lean image ``dest``; ``source_format`` names the format (by default: detected).
 
@@ -352,8 +407,9 @@ def convert_file(src, dest: str, *, source_format: str | None = None, spool: boo
     with LeanImage.open(parents[0], parents=list(parents[1:])) as parent:
         if disks:
             _lend_disks(parent, disks.sources)
-        options = dict(writer_options or {}, parent=parent_link(parent), allow_delta=allow_delta,
-                       page_size=parent.page_size)
+        options = dict(
+            writer_options or {}, parent=parent_link(parent), allow_delta=allow_delta, page_size=parent.page_size
+        )
         return _convert(src, dest, source_format, spool, options, progress, parent, disks, hints)
 
 
@@ -362,12 +418,13 @@ def _lend_disks(parent: LeanImage, sources: dict) -> None:
     match) to the parent, so that a page that changed since it was a DISK page of the parent
     can be read to encode its delta. The parent closes them; closing twice is harmless."""
     from leanimg.errors import DiskError
+
     names = {info.name for link in parent.chain() for info in link.disks}
     for name, disk in sources.items():
         if name in names:
             try:
                 parent.attach_disks({name: disk})
-            except DiskError:          # another disk of that name: the pages it held stay unread
+            except DiskError:  # another disk of that name: the pages it held stay unread
                 pass
 
 
@@ -397,10 +454,12 @@ def _convert(src, dest, source_format, spool, writer_options, progress, parent, 
             stream.close()
 
 
-def _convert_qemu(body: BinaryIO, dest, spool, writer_options, progress, parent, disks=None, hints=None,
-                  states=()) -> None:
+def _convert_qemu(
+    body: BinaryIO, dest, spool, writer_options, progress, parent, disks=None, hints=None, states=()
+) -> None:
     """The QEMU stream ``body`` (read from its first byte) into the image ``dest``; ``states``:
     more SOURCE_STATE records (source_format, tag, data) to write after the stream state."""
+
     def write(convert_into):
         with LeanImageWriter(dest, **writer_options) as writer:
             if disks:
@@ -416,24 +475,34 @@ def _convert_qemu(body: BinaryIO, dest, spool, writer_options, progress, parent,
         write(lambda writer: convert_qemu(body, writer, progress, parent, hints, disks))
     except RepeatedPages as exc:
         if not body.seekable():
-            raise UnsupportedError(f"this stream sends pages more than once (a live save: {exc}); "
-                                   "convert it with --spool", structure="ram") from None
+            raise UnsupportedError(
+                f"this stream sends pages more than once (a live save: {exc}); convert it with --spool", structure="ram"
+            ) from None
         body.seek(0)
         write(lambda writer: convert_qemu_spooled(body, writer, parent=parent, disks=disks, hints=hints))
 
 
-def _convert_libvirt(stream: BinaryIO, dest, spool, writer_options, progress, parent, disks=None,
-                     hints=None) -> None:
+def _convert_libvirt(stream: BinaryIO, dest, spool, writer_options, progress, parent, disks=None, hints=None) -> None:
     """libvirt's save image: its header, XML and cookie checked and kept as SOURCE_STATE tag 3,
     its payload (decompressed while read) converted as the QEMU stream it is."""
     from . import libvirt
+
     header = libvirt.read_save_header(stream, libvirt.file_size(stream))
     if progress:
         progress(header.payload_offset)
     payload = libvirt.open_payload(stream, header)
     try:
-        _convert_qemu(payload, dest, spool, writer_options, progress, parent, disks, hints,
-                      states=[(SourceFormat.QEMU, QEMU_TAG_LIBVIRT_HEADER, pack_libvirt_header(header))])
+        _convert_qemu(
+            payload,
+            dest,
+            spool,
+            writer_options,
+            progress,
+            parent,
+            disks,
+            hints,
+            states=[(SourceFormat.QEMU, QEMU_TAG_LIBVIRT_HEADER, pack_libvirt_header(header))],
+        )
     except (SourceFormatError, UnsupportedError) as exc:
         if exc.structure and exc.structure.startswith(("--", "source_state")):
             raise

@@ -35,7 +35,7 @@ from typing import BinaryIO
 
 from leanimg.errors import SourceFormatError, UnsupportedError
 
-READ_CHUNK = 4 << 20          # a stream cursor's refill size
+READ_CHUNK = 4 << 20  # a stream cursor's refill size
 
 _BE32 = struct.Struct(">I")
 _BE64 = struct.Struct(">Q")
@@ -44,15 +44,23 @@ _BE64 = struct.Struct(">Q")
 class Cursor:
     """Exact reads with absolute offsets over a stream, a seekable file or a buffer."""
 
-    def __init__(self, stream: BinaryIO | None, *, buffer: bytes | bytearray = b"", base: int = 0,
-                 size: int | None = None, chunk: int = READ_CHUNK, structure: str = ""):
+    def __init__(
+        self,
+        stream: BinaryIO | None,
+        *,
+        buffer: bytes | bytearray = b"",
+        base: int = 0,
+        size: int | None = None,
+        chunk: int = READ_CHUNK,
+        structure: str = "",
+    ):
         self._stream = stream
-        self._chunk = chunk               # bytes a refill reads at least; 0: only those asked
-        self.size = size                  # offset of the end of input; None: unknown
-        self.buf = buffer                 # buffered input; buf[pos:] is unread
+        self._chunk = chunk  # bytes a refill reads at least; 0: only those asked
+        self.size = size  # offset of the end of input; None: unknown
+        self.buf = buffer  # buffered input; buf[pos:] is unread
         self.pos = 0
-        self.base = base                  # offset of buf[0]
-        self.structure = structure        # where the parser is, for error messages
+        self.base = base  # offset of buf[0]
+        self.structure = structure  # where the parser is, for error messages
         self._recording: list[bytes] | None = None
 
     @classmethod
@@ -101,7 +109,7 @@ class Cursor:
         else:
             start = self.pos
             self.pos += n
-            out = bytes(memoryview(self.buf)[start:self.pos])
+            out = bytes(memoryview(self.buf)[start : self.pos])
         if self._recording is not None:
             self._recording.append(out)
         return out
@@ -112,9 +120,9 @@ class Cursor:
             self.pos += n
         elif not self._has(n):
             raise self._truncated(n, what)
-        elif len(self.buf) - self.pos >= n:     # a stream has read them
+        elif len(self.buf) - self.pos >= n:  # a stream has read them
             self.pos += n
-        else:                                   # a file has not
+        else:  # a file has not
             self._seek(self.base + self.pos + n)
 
     def jump(self, offset: int) -> None:
@@ -146,7 +154,7 @@ class Cursor:
     def rest(self, limit: int, what: str) -> bytes:
         """All remaining input; UnsupportedError if ``what`` exceeds ``limit`` bytes
         (reported at the offset where the bytes buffered before this call end)."""
-        held = bytes(memoryview(self.buf)[self.pos:])
+        held = bytes(memoryview(self.buf)[self.pos :])
         self.base, self.buf, self.pos = self.base + len(self.buf), b"", 0
         parts, more = [held], 0
         while self._stream is not None and (chunk := self._stream.read(READ_CHUNK)):
@@ -166,7 +174,7 @@ class Cursor:
         if len(self.buf) - self.pos < want:
             self._fill(want)
         start = self.pos + ahead
-        return bytes(memoryview(self.buf)[start:start + n])
+        return bytes(memoryview(self.buf)[start : start + n])
 
     def peek_u8(self) -> int | None:
         """The next byte, not consumed; None at the end of input."""
@@ -210,8 +218,7 @@ class Cursor:
 
     def _truncated(self, n: int, what: str) -> SourceFormatError:
         left = self.remaining() if self.size is not None else len(self.buf) - self.pos
-        return self.error(f"truncated stream: expected {n} bytes of {what}, got {left} "
-                          "before end of input")
+        return self.error(f"truncated stream: expected {n} bytes of {what}, got {left} before end of input")
 
     # --- buffering ---------------------------------------------------------------------
 
@@ -226,7 +233,7 @@ class Cursor:
     def _take_refilled(self, n: int, what: str) -> bytes:
         """``take`` past the buffered bytes: a file with none buffered reads them directly
         (its file object buffers), anything else refills its buffer."""
-        if self._chunk or self.pos < len(self.buf):     # a stream, or a file after a peek
+        if self._chunk or self.pos < len(self.buf):  # a stream, or a file after a peek
             if not self._fill(n):
                 raise self._truncated(n, what)
             self.pos = n
@@ -254,7 +261,7 @@ class Cursor:
         stream costs what the stream holds, not what the field says."""
         unread = len(self.buf) - self.pos
         buf = bytearray(max(self._chunk, min(n, 2 * unread + self._chunk)))
-        buf[:unread] = memoryview(self.buf)[self.pos:]
+        buf[:unread] = memoryview(self.buf)[self.pos :]
         filled = unread
         while filled < n:
             if filled == len(buf):
@@ -270,7 +277,7 @@ class Cursor:
     def _read_exactly(self, n: int) -> bytes:
         """The unread bytes, then input up to ``n`` bytes in all (small reads from a
         buffered file)."""
-        unread = self.buf[self.pos:]
+        unread = self.buf[self.pos :]
         more = self._stream.read(n - len(unread))
         return unread + more if unread else more
 

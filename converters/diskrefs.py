@@ -24,8 +24,17 @@ from leanimg.writer import LeanImageWriter
 
 SCAN_CHUNK = 8 << 20
 # odd 64-bit multipliers: a sampled word's contribution to the sketch depends on its position
-_MULTIPLIERS = np.array([0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9,
-                         0xD6E8FEB86659FD93, 0xFF51AFD7ED558CCD, 0xC4CEB9FE1A85EC53], np.uint64)
+_MULTIPLIERS = np.array(
+    [
+        0x9E3779B97F4A7C15,
+        0xC2B2AE3D27D4EB4F,
+        0x165667B19E3779F9,
+        0xD6E8FEB86659FD93,
+        0xFF51AFD7ED558CCD,
+        0xC4CEB9FE1A85EC53,
+    ],
+    np.uint64,
+)
 
 
 def sketch(words: np.ndarray) -> np.ndarray:
@@ -43,6 +52,7 @@ def sketch(words: np.ndarray) -> np.ndarray:
 @dataclass
 class DiskMatches:
     """The matched pages of one region, sorted by page."""
+
     pages: np.ndarray
     disk_ids: np.ndarray
     sectors: np.ndarray
@@ -65,14 +75,21 @@ class PageIndex:
         if not len(keep):
             return
         digests = row_digests(np.frombuffer(data, np.uint8).reshape(-1, ps), keep)
-        self._parts.append((sketches[keep], digests,
-                            np.full(len(keep), region_id, np.uint32), first_page + keep.astype(np.uint64)))
+        self._parts.append(
+            (sketches[keep], digests, np.full(len(keep), region_id, np.uint32), first_page + keep.astype(np.uint64))
+        )
 
     def freeze(self) -> None:
         """Sort by sketch; ready for scans."""
         if not self._parts:
-            self._parts = [(np.zeros(0, np.uint64), np.zeros((0, DIGEST_SIZE), np.uint8),
-                            np.zeros(0, np.uint32), np.zeros(0, np.uint64))]
+            self._parts = [
+                (
+                    np.zeros(0, np.uint64),
+                    np.zeros((0, DIGEST_SIZE), np.uint8),
+                    np.zeros(0, np.uint32),
+                    np.zeros(0, np.uint64),
+                )
+            ]
         sketches, digests, regions, pages = (np.concatenate(column) for column in zip(*self._parts))
         self._parts = []
         order = np.argsort(sketches, kind="stable")
@@ -98,17 +115,21 @@ class PageIndex:
             return
         digests = row_digests(blocks.view(np.uint8), hits)
         first, stop = pos[hits], self._run_stop[pos[hits]]
-        single = stop - first == 1                 # the usual case: one guest page per sketch
+        single = stop - first == 1  # the usual case: one guest page per sketch
         self._assign(first[single], digests[single], offsets[hits[single]], disk_id)
         for k in np.flatnonzero(~single).tolist():  # the same content several times in memory
             rows = np.arange(first[k], stop[k])
-            self._assign(rows, np.broadcast_to(digests[k], (len(rows), DIGEST_SIZE)),
-                         np.full(len(rows), offsets[hits[k]]), disk_id)
+            self._assign(
+                rows,
+                np.broadcast_to(digests[k], (len(rows), DIGEST_SIZE)),
+                np.full(len(rows), offsets[hits[k]]),
+                disk_id,
+            )
 
     def _assign(self, rows: np.ndarray, digests: np.ndarray, offsets: np.ndarray, disk_id: int) -> None:
         ok = (self.disk_ids[rows] < 0) & (self.digests[rows] == digests).all(axis=1)
         rows, offsets = rows[ok], offsets[ok]
-        rows, first = np.unique(rows, return_index=True)      # first block (lowest offset) wins
+        rows, first = np.unique(rows, return_index=True)  # first block (lowest offset) wins
         self.disk_ids[rows] = disk_id
         self.sectors[rows] = offsets[first] // DISK_SECTOR_SIZE
 
@@ -119,8 +140,9 @@ class PageIndex:
         for region in distinct(self.regions[found]).tolist():
             rows = found[self.regions[found] == region]
             rows = rows[np.argsort(self.pages[rows])]
-            out[region] = DiskMatches(self.pages[rows].astype(np.int64), self.disk_ids[rows], self.sectors[rows],
-                                      self.digests[rows])
+            out[region] = DiskMatches(
+                self.pages[rows].astype(np.int64), self.disk_ids[rows], self.sectors[rows], self.digests[rows]
+            )
         return out
 
 
@@ -144,18 +166,19 @@ def scan_disk(index: PageIndex, disk, disk_id: int, *, all_phases: bool = False,
 @dataclass
 class DiskPages:
     """Step 3: a page sink that writes matched pages as DISK references, the rest to ``inner``."""
+
     writer: LeanImageWriter
     matches: dict[int, DiskMatches]
-    disks: dict[int, object]             # disk id -> DiskSource
-    inner: object                        # put_data(region_id, first_page, data)
-    counts: dict[int, int] = field(default_factory=dict)     # disk id -> DISK pages written
+    disks: dict[int, object]  # disk id -> DiskSource
+    inner: object  # put_data(region_id, first_page, data)
+    counts: dict[int, int] = field(default_factory=dict)  # disk id -> DISK pages written
 
     def put(self, region_id: int, first_page: int, data) -> None:
         ps = self.writer.page_size
         data = memoryview(data).cast("B")
         count = len(data) // ps
         found = self.matches.get(region_id)
-        lo, hi = (np.searchsorted(found.pages, [first_page, first_page + count]) if found else (0, 0))
+        lo, hi = np.searchsorted(found.pages, [first_page, first_page + count]) if found else (0, 0)
         if lo == hi:
             self.inner(region_id, first_page, data)
             return
@@ -165,10 +188,15 @@ class DiskPages:
         is_disk[rows[confirmed]] = True
         for a, b, on_disk in _runs(is_disk):
             if not on_disk:
-                self.inner(region_id, first_page + a, data[a * ps:b * ps])
+                self.inner(region_id, first_page + a, data[a * ps : b * ps])
         ids = found.disk_ids[lo:hi][confirmed]
-        self.writer.put_disks(region_id, first_page + rows[confirmed], ids, found.sectors[lo:hi][confirmed],
-                              found.digests[lo:hi][confirmed])
+        self.writer.put_disks(
+            region_id,
+            first_page + rows[confirmed],
+            ids,
+            found.sectors[lo:hi][confirmed],
+            found.digests[lo:hi][confirmed],
+        )
         for disk_id, n in zip(*np.unique(ids, return_counts=True)):
             self.counts[int(disk_id)] = self.counts.get(int(disk_id), 0) + int(n)
 
@@ -194,14 +222,16 @@ def _runs(flags: np.ndarray):
 @dataclass
 class DiskSummary:
     """What the disk classification did: DISK pages per disk name, bytes scanned."""
+
     pages: dict[str, int]
     scanned_bytes: int
     indexed_pages: int
     page_size: int
 
 
-def classify_by_disks(writer: LeanImageWriter, disks: dict[str, object], feed, put_data, *,
-                      all_phases: bool = False, progress=None) -> DiskSummary:
+def classify_by_disks(
+    writer: LeanImageWriter, disks: dict[str, object], feed, put_data, *, all_phases: bool = False, progress=None
+) -> DiskSummary:
     """Write the guest's pages through the three steps; pages on no disk go to ``put_data``.
 
     ``feed(sink)`` calls ``sink(region id, first page, data)`` for every run of pages of the
@@ -218,8 +248,7 @@ def classify_by_disks(writer: LeanImageWriter, disks: dict[str, object], feed, p
     sink = DiskPages(writer, index.matches(), by_id, put_data)
     feed(sink.put)
     names = {writer.disk_id(name): name for name in disks}
-    return DiskSummary({names[i]: n for i, n in sink.counts.items()}, scanned, len(index.sketches),
-                       writer.page_size)
+    return DiskSummary({names[i]: n for i, n in sink.counts.items()}, scanned, len(index.sketches), writer.page_size)
 
 
 def declare_disks(writer: LeanImageWriter, disks: dict[str, object]) -> None:

@@ -37,14 +37,14 @@ from leanimg.errors import CheckpointError
 from leanimg.hints import AddressMap, FreeSource, HintWriter
 
 PORT_NAME = "org.leanimg.free.0"
-MAX_RANGES = 1 << 20            # per answer (the helper reports no more)
-MAX_SKIPPED = 1 << 26           # bytes of stale output skipped before an answer begins
-MAX_LINE = 256                  # bytes of any line but a range line
-RANGE_LINE = 34                 # "%016x %016x\n"
-REQUEST_INTERVAL = 0.2          # seconds from one answer to the next request
+MAX_RANGES = 1 << 20  # per answer (the helper reports no more)
+MAX_SKIPPED = 1 << 26  # bytes of stale output skipped before an answer begins
+MAX_LINE = 256  # bytes of any line but a range line
+RANGE_LINE = 34  # "%016x %016x\n"
+REQUEST_INTERVAL = 0.2  # seconds from one answer to the next request
 PAGE_SIZES = {1 << k for k in range(12, 17)}
-POLL = 0.1                      # seconds a read waits before looking at the stop flag
-REASK_AFTER = 2.0               # seconds without a byte back before a request is made again
+POLL = 0.1  # seconds a read waits before looking at the stop flag
+REASK_AFTER = 2.0  # seconds without a byte back before a request is made again
 
 
 class GuestFreeError(CheckpointError):
@@ -54,11 +54,12 @@ class GuestFreeError(CheckpointError):
 @dataclasses.dataclass
 class Snapshot:
     """One answer: the guest's free pages as (first pfn, pages) rows, asked at ``stream_offset``."""
+
     stream_offset: int
     page_size: int
-    ranges: np.ndarray              # (n, 2) uint64
-    helper_us: int                  # how long the guest took to read its page flags
-    received_at: float              # time.monotonic()
+    ranges: np.ndarray  # (n, 2) uint64
+    helper_us: int  # how long the guest took to read its page flags
+    received_at: float  # time.monotonic()
 
     @property
     def pages(self) -> int:
@@ -74,8 +75,8 @@ class Answer:
         self.nonce = nonce
         self.begun = False
         self.page_size = 0
-        self.body = bytearray()         # the range lines, as sent
-        self.pending = bytearray()      # bytes not yet a whole line
+        self.body = bytearray()  # the range lines, as sent
+        self.pending = bytearray()  # bytes not yet a whole line
         self.skipped = 0
         self.line_no = 0
         self.end: tuple[int, int, int] | None = None
@@ -92,8 +93,8 @@ class Answer:
             if cut < 0:
                 self._check_pending()
                 return b""
-            line = bytes(self.pending[:cut + 1])
-            del self.pending[:cut + 1]
+            line = bytes(self.pending[: cut + 1])
+            del self.pending[: cut + 1]
             self.line_no += 1
             self._line(line)
         rest, self.pending = bytes(self.pending), bytearray()
@@ -139,8 +140,10 @@ class Answer:
         ranges = self._ranges()
         count, pages, micros = (int(w) for w in words[2:])
         if count != len(ranges) or pages != int(ranges[:, 1].sum() if len(ranges) else 0):
-            raise self._error(f"the end line says {count} ranges of {pages} pages; the answer has "
-                              f"{len(ranges)} ranges of {int(ranges[:, 1].sum()) if len(ranges) else 0} pages")
+            raise self._error(
+                f"the end line says {count} ranges of {pages} pages; the answer has "
+                f"{len(ranges)} ranges of {int(ranges[:, 1].sum()) if len(ranges) else 0} pages"
+            )
         self.end = (count, pages, micros)
         self.ranges = ranges
 
@@ -164,8 +167,9 @@ class Answer:
         return ranges
 
     def _error(self, why: str) -> GuestFreeError:
-        return GuestFreeError(f"the guest's free-list answer, line {self.line_no}: {why}",
-                              structure="guest free-list protocol")
+        return GuestFreeError(
+            f"the guest's free-list answer, line {self.line_no}: {why}", structure="guest free-list protocol"
+        )
 
 
 def _show(line: bytes) -> str:
@@ -198,12 +202,12 @@ class GuestFreeLink:
                     self.latest = snapshot
                     self.answered += 1
                     self._stop.wait(self.interval)
-        except BaseException as exc:        # handed to the main thread by finish()
+        except BaseException as exc:  # handed to the main thread by finish()
             self.error = exc
 
     def _ask(self) -> Snapshot | None:
         nonce = secrets.token_hex(8)
-        offset = self.offset()              # before the request: never later than the guest's look
+        offset = self.offset()  # before the request: never later than the guest's look
         self.sock.sendall(f"free {nonce}\n".encode())
         self.asked += 1
         answer, data = Answer(nonce), self._rest
@@ -226,7 +230,7 @@ class GuestFreeLink:
                 continue
             if not data:
                 raise GuestFreeError(f"--guest-free {self.path}: QEMU closed the port's socket")
-        return None                          # stopped mid-answer: dropped
+        return None  # stopped mid-answer: dropped
 
     def finish(self) -> Snapshot | None:
         """Stop asking (call it while the guest is still stopped after the checkpoint instant);
@@ -261,10 +265,12 @@ def _connect(path: str) -> socket.socket:
         sock.connect(path)
     except OSError as exc:
         sock.close()
-        raise CheckpointError(f"--guest-free {path}: cannot connect ({exc.strerror or exc}); give QEMU "
-                              f"-device virtio-serial-pci -chardev socket,id=lf,path={path},server=on,wait=off "
-                              f"-device virtserialport,chardev=lf,name={PORT_NAME} and run leanimg-guest-free "
-                              "in the guest") from None
+        raise CheckpointError(
+            f"--guest-free {path}: cannot connect ({exc.strerror or exc}); give QEMU "
+            f"-device virtio-serial-pci -chardev socket,id=lf,path={path},server=on,wait=off "
+            f"-device virtserialport,chardev=lf,name={PORT_NAME} and run leanimg-guest-free "
+            "in the guest"
+        ) from None
     sock.settimeout(POLL)
     return sock
 

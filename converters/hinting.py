@@ -31,6 +31,7 @@ class HintOptions:
     of those: a producer that writes hints while the save stream flows (``leanimg checkpoint``)
     passes a callable, which is called only once the converter needs the hints (the spooled
     QEMU path and the Xen path: after the whole stream was read)."""
+
     source: object
     trust_dirty_log: bool = False
     hints: Hints | None = None
@@ -56,31 +57,46 @@ class _RegionHints:
     region_id: int
     name: str
     num_pages: int
-    free_until: np.ndarray | None = None     # int64: latest stream_offset of a FREE hint, -1 none
-    disk_index: np.ndarray | None = None     # int16: index in HintPlan.disk_names, -1 none
-    disk_sector: np.ndarray | None = None    # uint64
-    unchanged: np.ndarray | None = None      # bool
-    last_end: np.ndarray = field(default=None)   # int64: where the page's last copy ends, -1 never sent
-    made_free: np.ndarray | None = None      # bool: FREE because of a hint
-    skipped: np.ndarray | None = None        # bool: pages the feed must not hand on
+    free_until: np.ndarray | None = None  # int64: latest stream_offset of a FREE hint, -1 none
+    disk_index: np.ndarray | None = None  # int16: index in HintPlan.disk_names, -1 none
+    disk_sector: np.ndarray | None = None  # uint64
+    unchanged: np.ndarray | None = None  # bool
+    last_end: np.ndarray = field(default=None)  # int64: where the page's last copy ends, -1 never sent
+    made_free: np.ndarray | None = None  # bool: FREE because of a hint
+    skipped: np.ndarray | None = None  # bool: pages the feed must not hand on
 
 
 class HintPlan:
     """The hints of one conversion. ``regions``: region name -> (region id, pages)."""
 
-    def __init__(self, options: HintOptions, writer: LeanImageWriter, source: str, regions: dict,
-                 disks: dict, parent=None, stream_length: int | None = None):
+    def __init__(
+        self,
+        options: HintOptions,
+        writer: LeanImageWriter,
+        source: str,
+        regions: dict,
+        disks: dict,
+        parent=None,
+        stream_length: int | None = None,
+    ):
         self.options, self.writer, self.parent = options, writer, parent
         self.hints = options.load()
-        self.guest = Guest(writer.page_size, source, {name: pages for name, (_, pages) in regions.items()},
-                           stream_length, {name: disk.size for name, disk in disks.items()},
-                           parent.header.image_uuid if parent is not None else None)
+        self.guest = Guest(
+            writer.page_size,
+            source,
+            {name: pages for name, (_, pages) in regions.items()},
+            stream_length,
+            {name: disk.size for name, disk in disks.items()},
+            parent.header.image_uuid if parent is not None else None,
+        )
         resolved = resolve(self.hints, self.guest)
         self.disks = disks
         self.disk_names = sorted({name for r in resolved if r.disks for name in r.disks})
         self.counts: dict[str, Counter] = {kind: Counter() for kind in ("FREE", "DISK", "UNCHANGED")}
-        self.regions = {rid: _RegionHints(rid, name, pages, last_end=np.full(pages, -1, np.int64))
-                        for name, (rid, pages) in regions.items()}
+        self.regions = {
+            rid: _RegionHints(rid, name, pages, last_end=np.full(pages, -1, np.int64))
+            for name, (rid, pages) in regions.items()
+        }
         by_name = {r.name: r for r in self.regions.values()}
         for r in sorted(resolved, key=lambda r: (r.kind != RecordType.FREE, r.record.stream_offset)):
             self._mark(by_name[r.region], r)
@@ -92,20 +108,20 @@ class HintPlan:
             if region.free_until is None:
                 region.free_until = np.full(n, -1, np.int64)
             for lo, count in zip(r.first.tolist(), r.count.tolist()):
-                region.free_until[lo:lo + count] = r.record.stream_offset
+                region.free_until[lo : lo + count] = r.record.stream_offset
         elif r.kind == RecordType.UNCHANGED:
             if region.unchanged is None:
                 region.unchanged = np.zeros(n, bool)
             for lo, count in zip(r.first.tolist(), r.count.tolist()):
-                region.unchanged[lo:lo + count] = True
+                region.unchanged[lo : lo + count] = True
         else:
             if region.disk_index is None:
                 region.disk_index = np.full(n, -1, np.int16)
                 region.disk_sector = np.zeros(n, np.uint64)
             step = self.writer.page_size // DISK_SECTOR_SIZE
             for lo, count, disk, sector in zip(r.first.tolist(), r.count.tolist(), r.disks, r.sectors.tolist()):
-                region.disk_index[lo:lo + count] = self.disk_names.index(disk)
-                region.disk_sector[lo:lo + count] = sector + step * np.arange(count, dtype=np.uint64)
+                region.disk_index[lo : lo + count] = self.disk_names.index(disk)
+                region.disk_sector[lo : lo + count] = sector + step * np.arange(count, dtype=np.uint64)
 
     # -- FREE ---------------------------------------------------------------------------
     @implements("LI-HNT-023")
@@ -114,10 +130,10 @@ class HintPlan:
         them a FREE hint makes FREE: those whose last copy ended at or before the hint's offset
         (ends never decrease for a page: a later copy ends later)."""
         region = self.regions[region_id]
-        region.last_end[first:first + len(ends)] = ends
+        region.last_end[first : first + len(ends)] = ends
         if region.free_until is None:
             return np.zeros(len(ends), bool)
-        return (ends >= 0) & (ends <= region.free_until[first:first + len(ends)])
+        return (ends >= 0) & (ends <= region.free_until[first : first + len(ends)])
 
     def free_pages(self, region_id: int, last_end: np.ndarray) -> np.ndarray:
         """For a converter that knows every page's last copy up front (spooled QEMU, Xen): the
@@ -134,16 +150,18 @@ class HintPlan:
 
     def skip_free(self, sink):
         """``sink`` without the pages ``free_pages`` took care of."""
+
         def put(region_id: int, first: int, data) -> None:
             mask = self.regions[region_id].skipped
             rows = _rows(data, self.writer.page_size)
-            part = mask[first:first + len(rows)] if mask is not None else None
+            part = mask[first : first + len(rows)] if mask is not None else None
             if part is None or not part.any():
                 sink(region_id, first, data)
                 return
             for a, b, free in _runs(part):
                 if not free:
                     sink(region_id, first + a, rows[a:b])
+
         return put
 
     # -- DISK ---------------------------------------------------------------------------
@@ -157,8 +175,9 @@ class HintPlan:
         if region.skipped is not None:
             zeros = zeros & ~region.skipped
         if region.disk_index is not None:
-            self.counts["DISK"]["ignored: content differs from the disk block (or a zero page)"] += \
-                int((zeros & (region.disk_index >= 0)).sum())
+            self.counts["DISK"]["ignored: content differs from the disk block (or a zero page)"] += int(
+                (zeros & (region.disk_index >= 0)).sum()
+            )
         return zeros
 
     def disk_sink(self, inner):
@@ -173,13 +192,13 @@ class HintPlan:
     def _put_disk_hinted(self, ids, inner, region_id: int, first: int, data) -> None:
         region, ps = self.regions[region_id], self.writer.page_size
         rows = _rows(data, ps)
-        index = region.disk_index[first:first + len(rows)] if region.disk_index is not None else None
+        index = region.disk_index[first : first + len(rows)] if region.disk_index is not None else None
         hinted = np.flatnonzero(index >= 0) if index is not None else np.zeros(0, np.int64)
         if not len(hinted):
             inner(region_id, first, data)
             return
         sectors = region.disk_sector[first + hinted]
-        ok = rows[hinted].view(np.uint64).any(axis=1)       # a zero page stays ZERO
+        ok = rows[hinted].view(np.uint64).any(axis=1)  # a zero page stays ZERO
         for k in distinct(index[hinted]).tolist():
             mine = np.flatnonzero(index[hinted] == k)
             on_disk = self.disks[self.disk_names[k]].read_runs(sectors[mine].astype(np.int64) * DISK_SECTOR_SIZE, ps)
@@ -192,8 +211,13 @@ class HintPlan:
         for a, b, on_disk in _runs(is_disk):
             if not on_disk:
                 inner(region_id, first + a, rows[a:b])
-        self.writer.put_disks(region_id, first + good, ids[index[good]], sectors[ok],
-                              row_digests(np.ascontiguousarray(rows[good]), np.arange(len(good))))
+        self.writer.put_disks(
+            region_id,
+            first + good,
+            ids[index[good]],
+            sectors[ok],
+            row_digests(np.ascontiguousarray(rows[good]), np.arange(len(good))),
+        )
 
     # -- the end ------------------------------------------------------------------------
     def check_length(self, stream_length: int) -> None:
@@ -220,20 +244,27 @@ class HintPlan:
         absent = region.unchanged & (classes == 0)
         sent = region.unchanged & (classes != 0)
         self.counts["UNCHANGED"]["verified: PARENT"] += int((sent & (classes == PageClass.PARENT)).sum())
-        self.counts["UNCHANGED"]["ignored: page changed (or classed otherwise)"] += \
-            int((sent & (classes != PageClass.PARENT)).sum())
+        self.counts["UNCHANGED"]["ignored: page changed (or classed otherwise)"] += int(
+            (sent & (classes != PageClass.PARENT)).sum()
+        )
         pages = np.flatnonzero(absent)
         if not len(pages):
             return
         if not self.options.trust_dirty_log:
-            raise HintError(f"region {region.name!r}: page {int(pages[0])} (and {len(pages) - 1} more) is hinted "
-                            "UNCHANGED but the stream never sends it: its content cannot be checked; convert with "
-                            "--trust-dirty-log to take such pages from the parent", structure="UNCHANGED",
-                            rule="LI-HNT-022")
+            raise HintError(
+                f"region {region.name!r}: page {int(pages[0])} (and {len(pages) - 1} more) is hinted "
+                "UNCHANGED but the stream never sends it: its content cannot be checked; convert with "
+                "--trust-dirty-log to take such pages from the parent",
+                structure="UNCHANGED",
+                rule="LI-HNT-022",
+            )
         parent_region = next((r for r in self.parent.regions if r.name == region.name), None)
         if parent_region is None or int(pages[-1]) >= parent_region.num_pages:
-            raise HintError(f"region {region.name!r}: page {int(pages[-1])} is hinted UNCHANGED but the parent has "
-                            "no such page", structure="UNCHANGED", rule="LI-HNT-022")
+            raise HintError(
+                f"region {region.name!r}: page {int(pages[-1])} is hinted UNCHANGED but the parent has no such page",
+                structure="UNCHANGED",
+                rule="LI-HNT-022",
+            )
         for a, b, on in _runs(absent):
             if on:
                 self._take_from_parent(region.region_id, parent_region, a, b - a)
@@ -255,15 +286,20 @@ class HintPlan:
         if region.free_until is not None:
             hinted = region.free_until >= 0
             free = self.counts["FREE"]
-            made = region.made_free if region.made_free is not None else \
-                hinted & sent & (region.last_end <= region.free_until)
+            made = (
+                region.made_free
+                if region.made_free is not None
+                else hinted & sent & (region.last_end <= region.free_until)
+            )
             free["applied"] += int((hinted & made).sum())
             free["ignored: defeated by a later copy"] += int((hinted & sent & ~made).sum())
             free["not in the stream (FREE anyway)"] += int((hinted & ~sent).sum())
         if region.disk_index is not None:
-            self.counts["DISK"]["ignored: page not in the stream or FREE"] += \
-                int(((region.disk_index >= 0) & (~sent | (region.made_free if region.made_free is not None
-                                                          else False))).sum())
+            self.counts["DISK"]["ignored: page not in the stream or FREE"] += int(
+                (
+                    (region.disk_index >= 0) & (~sent | (region.made_free if region.made_free is not None else False))
+                ).sum()
+            )
 
 
 def _rows(data, page_size: int) -> np.ndarray:
@@ -290,14 +326,16 @@ def guest_of_save(source_format: str, path: str) -> Guest:
     """What hints for the save file ``path`` are checked against: its regions and length (one
     pass over the stream)."""
     from . import libvirt, qemu, xen
+
     with open(path, "rb") as f:
-        if source_format == "libvirt":      # hints count offsets in its QEMU stream, the payload
+        if source_format == "libvirt":  # hints count offsets in its QEMU stream, the payload
             f = libvirt.open_payload(f, libvirt.read_save_header(f, libvirt.file_size(f)))
         if source_format == "xen":
             result = xen.scan(f)
             result.skeleton.close()
-            return Guest(xen.PAGE_SIZE, "xen", {xen.REGION_NAME: max(result.num_pfns, 1)}, result.length,
-                         parent_known=False)
+            return Guest(
+                xen.PAGE_SIZE, "xen", {xen.REGION_NAME: max(result.num_pfns, 1)}, result.length, parent_known=False
+            )
         regions, page_size = {}, 4096
         for event in qemu.read_qemu_stream(f, batch=True):
             if isinstance(event, qemu.RamBlocks):

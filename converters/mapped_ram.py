@@ -36,16 +36,17 @@ from leanimg.errors import SourceFormatError, UnsupportedError
 
 HEADER = struct.Struct(">IQQQ")
 VERSION = 1
-ALIGNMENT = 1 << 20              # MAPPED_RAM_FILE_OFFSET_ALIGNMENT
-RUN_PAGES = 1024                 # pages read (or given back) at a time
-BITMAP_WINDOW = 1 << 18          # pages whose bits are unpacked at a time (32 KiB of bitmap)
-READ_AHEAD = 32 << 20            # bytes of slots advised to the kernel ahead of the reader
+ALIGNMENT = 1 << 20  # MAPPED_RAM_FILE_OFFSET_ALIGNMENT
+RUN_PAGES = 1024  # pages read (or given back) at a time
+BITMAP_WINDOW = 1 << 18  # pages whose bits are unpacked at a time (32 KiB of bitmap)
+READ_AHEAD = 32 << 20  # bytes of slots advised to the kernel ahead of the reader
 CAPABILITY = "mapped-ram"
 
 
 @dataclasses.dataclass(frozen=True)
 class BlockLayout:
     """Where one RAM block's bitmap and pages lie in a mapped-ram file."""
+
     name: str
     length: int
     page_size: int
@@ -88,6 +89,7 @@ def layout_at(name: str, length: int, page_size: int, header_at: int) -> BlockLa
 
 # ---------------------------------------------------------------------------- reading
 
+
 class RandomAccess:
     """Reads at given offsets of the input a stream cursor reads from, without moving it."""
 
@@ -95,14 +97,17 @@ class RandomAccess:
         """``offset``: where the capability mapped-ram was read (for the error on a pipe)."""
         self.f = f
         if not _seekable(f):
-            raise UnsupportedError("a mapped-ram file read from a pipe or decompressed as it is read: its "
-                                   "pages lie at fixed offsets, so convert the file itself",
-                                   offset=offset, structure="configuration")
+            raise UnsupportedError(
+                "a mapped-ram file read from a pipe or decompressed as it is read: its "
+                "pages lie at fixed offsets, so convert the file itself",
+                offset=offset,
+                structure="configuration",
+            )
         try:
             self.fd = f.fileno()
             self.size = os.fstat(self.fd).st_size
         except (AttributeError, io.UnsupportedOperation, OSError):
-            self.fd = None                  # an in-memory file (tests, fuzzing)
+            self.fd = None  # an in-memory file (tests, fuzzing)
             here = f.tell()
             self.size = f.seek(0, os.SEEK_END)
             f.seek(here)
@@ -131,8 +136,9 @@ def _seekable(f) -> bool:
         return False
 
 
-def read_header(raw: bytes, name: str, length: int, page_size: int, header_at: int, file_size: int,
-                ignore_shared: bool) -> BlockLayout:
+def read_header(
+    raw: bytes, name: str, length: int, page_size: int, header_at: int, file_size: int, ignore_shared: bool
+) -> BlockLayout:
     """The layout of the header ``raw`` read at ``header_at``, checked: a version this reader
     knows, the stream's page size, the bitmap after the header, the pages after the bitmap on a
     page boundary, all inside the file. Raises with the offset of the field at fault."""
@@ -143,23 +149,31 @@ def read_header(raw: bytes, name: str, length: int, page_size: int, header_at: i
         return SourceFormatError(message, offset=header_at + field, structure=where)
 
     if version != VERSION:
-        raise UnsupportedError(f"mapped-ram header version {version} (this reader knows {VERSION})",
-                               offset=header_at, structure=where)
+        raise UnsupportedError(
+            f"mapped-ram header version {version} (this reader knows {VERSION})", offset=header_at, structure=where
+        )
     if size != page_size:
         raise bad(f"expected the stream's page size {page_size}, got {size}", 4)
     layout = BlockLayout(name, length, page_size, header_at, bitmap_offset, pages_offset)
     if ignore_shared and layout.ignored:
         return layout
     if bitmap_offset != header_at + HEADER.size:
-        raise bad(f"expected the bitmap right after the header at {header_at + HEADER.size:#x}, "
-                  f"got bitmap_offset {bitmap_offset:#x}", 12)
+        raise bad(
+            f"expected the bitmap right after the header at {header_at + HEADER.size:#x}, "
+            f"got bitmap_offset {bitmap_offset:#x}",
+            12,
+        )
     bitmap_end = bitmap_offset + layout.bitmap_size
     if pages_offset % page_size or pages_offset < bitmap_end:
-        raise bad(f"expected pages_offset on a page boundary at or after the bitmap's end {bitmap_end:#x}, "
-                  f"got {pages_offset:#x}", 20)
+        raise bad(
+            f"expected pages_offset on a page boundary at or after the bitmap's end {bitmap_end:#x}, "
+            f"got {pages_offset:#x}",
+            20,
+        )
     if layout.end > file_size:
-        raise bad(f"expected the pages [{pages_offset:#x}, {layout.end:#x}) inside the file of "
-                  f"{file_size:#x} bytes", 20)
+        raise bad(
+            f"expected the pages [{pages_offset:#x}, {layout.end:#x}) inside the file of {file_size:#x} bytes", 20
+        )
     return layout
 
 
@@ -173,8 +187,9 @@ def page_runs(source: RandomAccess, layout: BlockLayout) -> Iterator[tuple[int, 
         count = min(BITMAP_WINDOW, layout.num_pages - window)
         bits = _bitmap_window(source, layout, window, count)
         edges = np.flatnonzero(np.diff(bits)) + 1
-        runs = [(window + lo, window + hi, bool(bits[lo]))
-                for lo, hi in zip([0, *edges.tolist()], [*edges.tolist(), count])]
+        runs = [
+            (window + lo, window + hi, bool(bits[lo])) for lo, hi in zip([0, *edges.tolist()], [*edges.tolist(), count])
+        ]
         ahead = _Advice(source, layout, [(lo, hi) for lo, hi, data in runs if data])
         for lo, hi, data in runs:
             if data:
@@ -189,8 +204,8 @@ class _Advice:
 
     def __init__(self, source: RandomAccess, layout: BlockLayout, runs: list[tuple[int, int]]):
         self.source, self.layout, self.runs = source, layout, runs
-        self.next = 0               # the first run not advised yet
-        self.advised_to = 0         # page up to which runs are advised
+        self.next = 0  # the first run not advised yet
+        self.advised_to = 0  # page up to which runs are advised
 
     def reach(self, page: int) -> None:
         ps, until = self.layout.page_size, page + READ_AHEAD // self.layout.page_size
@@ -205,8 +220,11 @@ def _bitmap_window(source: RandomAccess, layout: BlockLayout, first: int, count:
     at, size = layout.bitmap_offset + first // 8, (count + 7) // 8
     raw = source.read(size, at)
     if len(raw) != size:
-        raise SourceFormatError(f"expected {size} bytes of bitmap, got {len(raw)}", offset=at,
-                                structure=f"mapped-ram bitmap of {layout.name!r}")
+        raise SourceFormatError(
+            f"expected {size} bytes of bitmap, got {len(raw)}",
+            offset=at,
+            structure=f"mapped-ram bitmap of {layout.name!r}",
+        )
     return np.unpackbits(np.frombuffer(raw, np.uint8), bitorder="little")[:count]
 
 
@@ -216,13 +234,16 @@ def _slots(source: RandomAccess, layout: BlockLayout, first: int, stop: int) -> 
         n = min(RUN_PAGES, stop - at)
         data = source.read(n * ps, layout.pages_offset + at * ps)
         if len(data) != n * ps:
-            raise SourceFormatError(f"expected {n * ps} bytes of pages, got {len(data)}",
-                                    offset=layout.pages_offset + at * ps,
-                                    structure=f"mapped-ram pages of {layout.name!r}")
+            raise SourceFormatError(
+                f"expected {n * ps} bytes of pages, got {len(data)}",
+                offset=layout.pages_offset + at * ps,
+                structure=f"mapped-ram pages of {layout.name!r}",
+            )
         yield at, n, data
 
 
 # ---------------------------------------------------------------------------- writing
+
 
 class BlockWriter:
     """Writes one block's pages into their slots of a seekable ``out`` whose file starts at
@@ -248,15 +269,16 @@ class BlockWriter:
         for lo, hi in zip([0, *edges.tolist()], [*edges.tolist(), count]):
             if nonzero[lo]:
                 self.out.seek(self.start + self.layout.pages_offset + (self.page + lo) * ps)
-                self.out.write(view[lo * ps:hi * ps])
+                self.out.write(view[lo * ps : hi * ps])
         set_pages = self.page + np.flatnonzero(nonzero)
         np.bitwise_or.at(self.bitmap, set_pages >> 3, (1 << (set_pages & 7)).astype(np.uint8))
         self.page += count
 
     def finish(self) -> None:
         if self.page != self.layout.num_pages:
-            raise ValueError(f"page_source supplied {self.page} of block {self.layout.name!r}'s "
-                             f"{self.layout.num_pages} pages")
+            raise ValueError(
+                f"page_source supplied {self.page} of block {self.layout.name!r}'s {self.layout.num_pages} pages"
+            )
         self.out.seek(self.start + self.layout.bitmap_offset)
         self.out.write(self.bitmap.tobytes())
         self.out.seek(self.start + self.layout.end)

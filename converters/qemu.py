@@ -81,32 +81,54 @@ QEVM_VERSION_COMPAT = 2
 
 EOF, START, PART, END, FULL, SUBSECTION, VMDESCRIPTION, CONFIGURATION, COMMAND = range(9)
 FOOTER = 0x7E
-SECTION_NAMES = {EOF: "EOF", START: "START", PART: "PART", END: "END", FULL: "FULL",
-                 SUBSECTION: "SUBSECTION", VMDESCRIPTION: "VMDESCRIPTION",
-                 CONFIGURATION: "CONFIGURATION", COMMAND: "COMMAND", FOOTER: "FOOTER"}
+SECTION_NAMES = {
+    EOF: "EOF",
+    START: "START",
+    PART: "PART",
+    END: "END",
+    FULL: "FULL",
+    SUBSECTION: "SUBSECTION",
+    VMDESCRIPTION: "VMDESCRIPTION",
+    CONFIGURATION: "CONFIGURATION",
+    COMMAND: "COMMAND",
+    FOOTER: "FOOTER",
+}
 
 # RAM_SAVE_FLAG_* (migration/ram.c)
 F_FULL, F_ZERO, F_MEM_SIZE, F_PAGE, F_EOS = 0x01, 0x02, 0x04, 0x08, 0x10
 F_CONTINUE, F_XBZRLE, F_HOOK, F_COMPRESS, F_MULTIFD_FLUSH = 0x20, 0x40, 0x80, 0x100, 0x200
-UNSUPPORTED_FLAGS = {F_XBZRLE: "XBZRLE-encoded pages", F_COMPRESS: "compressed pages",
-                     F_HOOK: "RDMA hooks",
-                     # multifd needs a socket (or mapped-ram, which sends no page entries): the
-                     # pages of a stream with it travel on other channels
-                     F_MULTIFD_FLUSH: "RAM_SAVE_FLAG_MULTIFD_FLUSH: the main channel of a multifd socket "
-                                      "migration, whose pages travel on other channels (no exec:, fd: or "
-                                      "file: save carries it)",
-                     F_FULL: "RAM_SAVE_FLAG_FULL (obsolete pre-0.13 stream)"}
+UNSUPPORTED_FLAGS = {
+    F_XBZRLE: "XBZRLE-encoded pages",
+    F_COMPRESS: "compressed pages",
+    F_HOOK: "RDMA hooks",
+    # multifd needs a socket (or mapped-ram, which sends no page entries): the
+    # pages of a stream with it travel on other channels
+    F_MULTIFD_FLUSH: "RAM_SAVE_FLAG_MULTIFD_FLUSH: the main channel of a multifd socket "
+    "migration, whose pages travel on other channels (no exec:, fd: or "
+    "file: save carries it)",
+    F_FULL: "RAM_SAVE_FLAG_FULL (obsolete pre-0.13 stream)",
+}
 
 DEFAULT_PAGE_SIZE = 4096
-TAIL_LIMIT = 64 << 20          # device sections + VMDESCRIPTION held in memory
+TAIL_LIMIT = 64 << 20  # device sections + VMDESCRIPTION held in memory
 SUPPORTED_CAPABILITIES = {"x-ignore-shared", mapped_ram.CAPABILITY}
 
 # QEMU_VM_COMMAND sub-commands (savevm.c enum qemu_vm_cmd: the same numbers from 7.2 to 11.0).
 # A saved precopy stream carries SWITCHOVER_START alone (QEMU >= 10.0 machine types, property
 # send-switchover-start: sent before the final RAM section); the others need a live peer.
-MIG_COMMANDS = {1: "OPEN_RETURN_PATH", 2: "PING", 3: "POSTCOPY_ADVISE", 4: "POSTCOPY_LISTEN",
-                5: "POSTCOPY_RUN", 6: "POSTCOPY_RAM_DISCARD", 7: "PACKAGED", 8: "ENABLE_COLO",
-                9: "POSTCOPY_RESUME", 10: "RECV_BITMAP", 11: "SWITCHOVER_START"}
+MIG_COMMANDS = {
+    1: "OPEN_RETURN_PATH",
+    2: "PING",
+    3: "POSTCOPY_ADVISE",
+    4: "POSTCOPY_LISTEN",
+    5: "POSTCOPY_RUN",
+    6: "POSTCOPY_RAM_DISCARD",
+    7: "PACKAGED",
+    8: "ENABLE_COLO",
+    9: "POSTCOPY_RESUME",
+    10: "RECV_BITMAP",
+    11: "SWITCHOVER_START",
+}
 CMD_SWITCHOVER_START = 11
 
 _BE32 = struct.Struct(">I")
@@ -115,11 +137,12 @@ _BE64 = struct.Struct(">Q")
 
 # ---------------------------------------------------------------------------- events
 
+
 @dataclasses.dataclass(frozen=True)
 class RamBlock:
     name: str
     length: int
-    addr: int | None = None     # present with the x-ignore-shared capability
+    addr: int | None = None  # present with the x-ignore-shared capability
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,9 +155,9 @@ class RamBlocks:
 class Page:
     block: str
     offset: int
-    data: bytes | None          # None: a ZERO entry, page filled with ``fill``
+    data: bytes | None  # None: a ZERO entry, page filled with ``fill``
     fill: int = 0
-    end: int = 0                # stream offset just after the entry (spec/hints.md §3)
+    end: int = 0  # stream offset just after the entry (spec/hints.md §3)
 
     def content(self, page_size: int) -> bytes:
         return self.data if self.data is not None else bytes([self.fill]) * page_size
@@ -149,6 +172,7 @@ class PageRun:
     of ZERO entries with fill byte 0.  ``data`` is the same pages as one bytes object.
     ``at`` is the stream offset of the first entry; ``ends()`` where each entry ends.
     """
+
     block: str
     offset: int
     count: int
@@ -167,6 +191,7 @@ class PageRun:
 @dataclasses.dataclass(frozen=True)
 class Zeros:
     """A page_source chunk of ``length`` zero bytes, without materialising them."""
+
     length: int
 
 
@@ -174,6 +199,7 @@ class Zeros:
 class Pages:
     """A page_source chunk sent as PAGE entries whatever its content (the caller knows these
     pages are not blank); ``data`` is gathered into the output in place, not copied."""
+
     data: memoryview
 
 
@@ -188,7 +214,8 @@ class SectionHeader:
 @dataclasses.dataclass(frozen=True)
 class DeviceSection:
     """A non-RAM section, body kept verbatim (footer not included)."""
-    kind: int                   # FULL
+
+    kind: int  # FULL
     header: SectionHeader
     body: bytes
 
@@ -200,17 +227,18 @@ class DeviceSection:
 @dataclasses.dataclass
 class StreamState:
     """Everything of a stream except the RAM pages."""
-    prologue: bytes             # magic, version, configuration section: verbatim
+
+    prologue: bytes  # magic, version, configuration section: verbatim
     machine: str | None
     page_size: int
     capabilities: tuple[str, ...]
     ram: SectionHeader
     ram_blocks: tuple[RamBlock, ...]
-    ram_plan: list[tuple[int, int]]   # (START/PART/END, page entries) per RAM section, or
-                                      # (COMMAND, command id) for a command between them
+    ram_plan: list[tuple[int, int]]  # (START/PART/END, page entries) per RAM section, or
+    # (COMMAND, command id) for a command between them
     footers: bool
     devices: list[DeviceSection]
-    vmdesc: bytes | None        # the JSON text
+    vmdesc: bytes | None  # the JSON text
 
     def to_bytes(self) -> bytes:
         return _state_to_bytes(self)
@@ -223,7 +251,7 @@ class StreamState:
 @dataclasses.dataclass(frozen=True)
 class StreamEnd:
     state: StreamState
-    length: int                 # bytes read
+    length: int  # bytes read
 
 
 Event = Union[RamBlocks, Page, PageRun, StreamEnd]
@@ -231,6 +259,7 @@ Chunk = Union[bytes, bytearray, memoryview, Zeros, Pages]
 
 
 # ---------------------------------------------------------------------------- reading
+
 
 def read_qemu_stream(f: BinaryIO, batch: bool = False) -> Iterator[Event]:
     """Yield the events of the migration stream read from ``f`` (see module docstring).
@@ -246,7 +275,7 @@ class _StreamReader:
     def __init__(self, f: BinaryIO, batch: bool = False):
         self.f = f
         self.inp = Cursor.over_stream(f, structure="stream header")
-        self.file: mapped_ram.RandomAccess | None = None     # a mapped-ram file's pages
+        self.file: mapped_ram.RandomAccess | None = None  # a mapped-ram file's pages
         self.layouts: list[mapped_ram.BlockLayout] = []
         self.batch = batch
         self.page_size = DEFAULT_PAGE_SIZE
@@ -266,20 +295,26 @@ class _StreamReader:
             inp.structure = f"section[{self.nsections}]"
             kind = inp.peek_u8()
             if kind is None:
-                raise inp.error("truncated stream: expected a section type or QEMU_VM_EOF, "
-                                "got end of input")
+                raise inp.error("truncated stream: expected a section type or QEMU_VM_EOF, got end of input")
             if kind in (FULL, EOF):
                 break
             yield from self._ram_section(inp.u8("section type"))
             self.nsections += 1
         if self.ram is None:
-            raise inp.error("expected the 'ram' section before device state, got "
-                            f"{SECTION_NAMES[kind]}")
+            raise inp.error(f"expected the 'ram' section before device state, got {SECTION_NAMES[kind]}")
         devices, vmdesc = self._read_tail()
-        state = StreamState(prologue=prologue, machine=self.machine, page_size=self.page_size,
-                            capabilities=self.capabilities, ram=self.ram,
-                            ram_blocks=tuple(self.blocks.values()), ram_plan=self.plan,
-                            footers=bool(self.footers), devices=devices, vmdesc=vmdesc)
+        state = StreamState(
+            prologue=prologue,
+            machine=self.machine,
+            page_size=self.page_size,
+            capabilities=self.capabilities,
+            ram=self.ram,
+            ram_blocks=tuple(self.blocks.values()),
+            ram_plan=self.plan,
+            footers=bool(self.footers),
+            devices=devices,
+            vmdesc=vmdesc,
+        )
         yield StreamEnd(state, inp.offset)
 
     # --- header and configuration -----------------------------------------------------
@@ -341,15 +376,17 @@ class _StreamReader:
             self.plan.append((COMMAND, self._command()))
             return
         if kind not in (START, PART, END):
-            raise inp.error(f"expected a section type (START, PART, END, FULL, EOF), "
-                            f"got {kind:#04x}", back=1)
+            raise inp.error(f"expected a section type (START, PART, END, FULL, EOF), got {kind:#04x}", back=1)
         section_id = inp.be32("section id")
         if kind == START:
             self._ram_start(section_id)
         elif self.ram is None or section_id != self.ram.section_id:
-            raise inp.error(f"expected section id of 'ram' "
-                            f"({self.ram.section_id if self.ram else 'none started'}), "
-                            f"got {section_id}", back=4)
+            raise inp.error(
+                f"expected section id of 'ram' "
+                f"({self.ram.section_id if self.ram else 'none started'}), "
+                f"got {section_id}",
+                back=4,
+            )
         inp.structure = f"section[{self.nsections}] {SECTION_NAMES[kind]} 'ram' id={section_id}"
         entries = yield from self._ram_entries(kind)
         self.plan.append((kind, entries))
@@ -376,9 +413,11 @@ class _StreamReader:
         if name is None:
             raise inp.error(f"expected a QEMU_VM_COMMAND id 1..{max(MIG_COMMANDS)}, got {cmd}", back=4)
         if cmd != CMD_SWITCHOVER_START:
-            raise inp.unsupported(f"QEMU_VM_COMMAND {cmd} {name} (postcopy, COLO and return-path "
-                                  "commands need a live destination; a saved stream cannot carry them)",
-                                  back=5)
+            raise inp.unsupported(
+                f"QEMU_VM_COMMAND {cmd} {name} (postcopy, COLO and return-path "
+                "commands need a live destination; a saved stream cannot carry them)",
+                back=5,
+            )
         if length != 0:
             raise inp.error(f"expected {name} with length 0, got {length}", back=2)
         return cmd
@@ -388,8 +427,7 @@ class _StreamReader:
         idstr = _read_name(inp, "section idstr")
         instance_id, version_id = inp.be32("instance id"), inp.be32("version id")
         if idstr != "ram":
-            raise inp.unsupported(f"iterative section {idstr!r} (block migration or dirty "
-                                  "bitmaps)")
+            raise inp.unsupported(f"iterative section {idstr!r} (block migration or dirty bitmaps)")
         if self.ram is not None:
             raise inp.error("expected one START section for 'ram', got a second one")
         self.ram = SectionHeader(section_id, idstr, instance_id, version_id)
@@ -425,16 +463,24 @@ class _StreamReader:
             if flags == F_EOS and not cont:
                 return count
             if (flags == F_PAGE or flags == F_ZERO) and self.file is not None:
-                raise inp.error("expected no page entries in a mapped-ram stream (its pages lie in the "
-                                f"blocks' slots), got RAM flags {flags | cont:#x}", back=8)
+                raise inp.error(
+                    "expected no page entries in a mapped-ram stream (its pages lie in the "
+                    f"blocks' slots), got RAM flags {flags | cont:#x}",
+                    back=8,
+                )
             if (flags == F_PAGE or flags == F_ZERO) and kind == START:
-                raise inp.error("expected MEM_SIZE and EOS in the START section (QEMU sends pages in PART "
-                                f"and END sections), got RAM flags {flags | cont:#x}", back=8)
+                raise inp.error(
+                    "expected MEM_SIZE and EOS in the START section (QEMU sends pages in PART "
+                    f"and END sections), got RAM flags {flags | cont:#x}",
+                    back=8,
+                )
             if flags == F_PAGE or flags == F_ZERO:
                 block = self._entry_block(cont)
                 if addr + ps > block.length:
-                    raise inp.error(f"expected a page offset below block {block.name!r} "
-                                    f"length {block.length:#x}, got {addr:#x}", back=8)
+                    raise inp.error(
+                        f"expected a page offset below block {block.name!r} length {block.length:#x}, got {addr:#x}",
+                        back=8,
+                    )
                 if flags == F_PAGE:
                     yield Page(block.name, addr, inp.take(ps, "page data"), 0, inp.offset)
                 else:
@@ -455,7 +501,7 @@ class _StreamReader:
         buf, pos = inp.buf, inp.pos
         if len(buf) - pos < 8 or inp.recording:
             return None
-        word = int.from_bytes(buf[pos:pos + 8], "big")
+        word = int.from_bytes(buf[pos : pos + 8], "big")
         flags, first = word & (ps - 1), word & ~(ps - 1)
         if flags not in (F_PAGE | F_CONTINUE, F_ZERO | F_CONTINUE):
             return None
@@ -467,7 +513,7 @@ class _StreamReader:
         if count < 2:
             return None
         pages = None
-        if stride != 9:        # the cursor never writes a buffer again: a refill makes a new one
+        if stride != 9:  # the cursor never writes a buffer again: a refill makes a new one
             pages = np.ndarray((count, ps), np.uint8, buffer=buf, offset=pos + 8, strides=(stride, 1))
         at = inp.offset
         inp.pos += count * stride
@@ -476,10 +522,8 @@ class _StreamReader:
     def _bad_flags(self, flags: int, word: int) -> None:
         for bit, feature in UNSUPPORTED_FLAGS.items():
             if flags & bit:
-                raise self.inp.unsupported(f"{feature} (RAM flag {bit:#x} in entry "
-                                           f"{word:#018x})", back=8)
-        raise self.inp.error(f"expected RAM flags PAGE, ZERO, MEM_SIZE (first section) or EOS, "
-                             f"got {flags:#x}", back=8)
+                raise self.inp.unsupported(f"{feature} (RAM flag {bit:#x} in entry {word:#018x})", back=8)
+        raise self.inp.error(f"expected RAM flags PAGE, ZERO, MEM_SIZE (first section) or EOS, got {flags:#x}", back=8)
 
     def _entry_block(self, cont: int) -> RamBlock:
         inp = self.inp
@@ -490,8 +534,9 @@ class _StreamReader:
         name = _read_name(inp, "RAM block name")
         block = self.blocks.get(name)
         if block is None:
-            raise inp.error(f"expected a RAM block listed in MEM_SIZE, got {name!r} (missing "
-                            "from MEM_SIZE)", back=len(name) + 1)
+            raise inp.error(
+                f"expected a RAM block listed in MEM_SIZE, got {name!r} (missing from MEM_SIZE)", back=len(name) + 1
+            )
         self.last_block = block
         return block
 
@@ -500,33 +545,38 @@ class _StreamReader:
         while seen < total:
             name = _read_name(inp, "RAM block name")
             length = inp.be64("RAM block length")
-            addr = inp.be64("RAM block address") if "x-ignore-shared" in self.capabilities \
-                else None
+            addr = inp.be64("RAM block address") if "x-ignore-shared" in self.capabilities else None
             if name in self.blocks:
                 raise inp.error(f"expected unique RAM block names, got {name!r} twice", back=8)
             if length % self.page_size or length == 0 or not name:
-                raise inp.error(f"expected a RAM block with a name and a length that is a "
-                                f"positive multiple of {self.page_size} (MEM_SIZE {total:#x}, "
-                                f"lengths so far add up to {seen:#x}), got {name!r} length "
-                                f"{length:#x}", back=8)
+                raise inp.error(
+                    f"expected a RAM block with a name and a length that is a "
+                    f"positive multiple of {self.page_size} (MEM_SIZE {total:#x}, "
+                    f"lengths so far add up to {seen:#x}), got {name!r} length "
+                    f"{length:#x}",
+                    back=8,
+                )
             if length > REGION_SIZE_MAX:
-                raise inp.error(f"expected a RAM block a lean image region can hold (at most "
-                                f"{REGION_SIZE_MAX:#x} bytes), got {name!r} length {length:#x}", back=8)
+                raise inp.error(
+                    f"expected a RAM block a lean image region can hold (at most "
+                    f"{REGION_SIZE_MAX:#x} bytes), got {name!r} length {length:#x}",
+                    back=8,
+                )
             self.blocks[name] = RamBlock(name, length, addr)
             seen += length
             if self.file is not None:
                 self._mapped_ram_header(name, length)
         if seen != total:
-            raise inp.error(f"expected RAM block lengths to add up to MEM_SIZE {total:#x}, "
-                            f"got {seen:#x}")
+            raise inp.error(f"expected RAM block lengths to add up to MEM_SIZE {total:#x}, got {seen:#x}")
 
     def _mapped_ram_header(self, name: str, length: int) -> None:
         """A block's mapped-ram header; the stream goes on after the block's pages."""
         inp = self.inp
         at = inp.offset
         raw = inp.take(mapped_ram.HEADER.size, f"mapped-ram header of {name!r}")
-        layout = mapped_ram.read_header(raw, name, length, self.page_size, at, self.file.size,
-                                        "x-ignore-shared" in self.capabilities)
+        layout = mapped_ram.read_header(
+            raw, name, length, self.page_size, at, self.file.size, "x-ignore-shared" in self.capabilities
+        )
         self.layouts.append(layout)
         inp.jump(layout.end)
 
@@ -590,8 +640,7 @@ class _TailParser:
             if kind != FULL:
                 break
             if not self.footers:
-                raise cur.unsupported("device sections without section footers (machine "
-                                      "types before 2.4)")
+                raise cur.unsupported("device sections without section footers (machine types before 2.4)")
             devices.append(self._section())
             self.index += 1
         if kind is None:
@@ -624,9 +673,12 @@ class _TailParser:
                 ram_after = after
             at = cur.find(footer, at + 1)
         if ram_after is not None:
-            raise cur.unsupported(f"a RAM section ({SECTION_NAMES[cur.peek(1, ram_after)[0]]}) after device state: "
-                                  f"{header.idstr!r} was sent before the RAM was complete (virtio-mem's early "
-                                  "state)", at=cur.offset + ram_after)
+            raise cur.unsupported(
+                f"a RAM section ({SECTION_NAMES[cur.peek(1, ram_after)[0]]}) after device state: "
+                f"{header.idstr!r} was sent before the RAM was complete (virtio-mem's early "
+                "state)",
+                at=cur.offset + ram_after,
+            )
         raise self._no_footer(header, eof_candidate)
 
     def _no_footer(self, header: SectionHeader, eof_candidate: int | None) -> SourceFormatError:
@@ -636,20 +688,24 @@ class _TailParser:
         if eof_candidate is not None:
             cur.structure = "after EOF"
             got = cur.peek(1, eof_candidate + 1)[0]
-            return cur.error(f"expected end of stream or QEMU_VM_VMDESCRIPTION (0x06) after "
-                             f"QEMU_VM_EOF, got {got:#04x}", at=cur.offset + eof_candidate + 1)
+            return cur.error(
+                f"expected end of stream or QEMU_VM_VMDESCRIPTION (0x06) after QEMU_VM_EOF, got {got:#04x}",
+                at=cur.offset + eof_candidate + 1,
+            )
         cur.structure = f"section[{self.index}] FULL {header.idstr!r} id={header.section_id}"
-        return cur.error(f"truncated stream: expected a section footer 7e "
-                         f"{header.section_id:08x} followed by a section or EOF, got end of "
-                         "input", at=cur.size)
+        return cur.error(
+            f"truncated stream: expected a section footer 7e "
+            f"{header.section_id:08x} followed by a section or EOF, got end of "
+            "input",
+            at=cur.size,
+        )
 
     def _header(self) -> SectionHeader:
         """The FULL section header at the cursor, up to the body."""
         cur = self.cur
         head = cur.peek(6)
         if len(head) < 6 or cur.remaining() < 6 + head[5] + 8:
-            raise cur.error("truncated stream: expected a FULL section header, got end of "
-                            "input", at=cur.size)
+            raise cur.error("truncated stream: expected a FULL section header, got end of input", at=cur.size)
         cur.skip(1, "section type")
         section_id = cur.be32("section id")
         idstr = cur.take(cur.u8("section idstr length"), "section idstr")
@@ -681,22 +737,22 @@ class _TailParser:
             return None
         if kind != VMDESCRIPTION:
             cur.structure = "after EOF"
-            raise cur.error(f"expected end of stream or QEMU_VM_VMDESCRIPTION (0x06) after "
-                            f"QEMU_VM_EOF, got {kind:#04x}")
+            raise cur.error(
+                f"expected end of stream or QEMU_VM_VMDESCRIPTION (0x06) after QEMU_VM_EOF, got {kind:#04x}"
+            )
         cur.structure = "vmdescription"
         if cur.remaining() < 5:
-            raise cur.error("truncated stream: expected the VMDESCRIPTION length, got end "
-                            "of input", at=cur.size)
+            raise cur.error("truncated stream: expected the VMDESCRIPTION length, got end of input", at=cur.size)
         cur.skip(1, "section type")
         n = cur.be32("VMDESCRIPTION length")
         if cur.remaining() < n:
-            raise cur.error(f"truncated stream: expected {n} bytes of VMDESCRIPTION JSON, "
-                            f"got {cur.remaining()}", at=cur.size)
+            raise cur.error(
+                f"truncated stream: expected {n} bytes of VMDESCRIPTION JSON, got {cur.remaining()}", at=cur.size
+            )
         text = cur.take(n, "VMDESCRIPTION JSON")
         if not cur.at_end():
             cur.structure = "after vmdescription"
-            raise cur.error(f"expected end of stream after VMDESCRIPTION, got "
-                            f"{cur.remaining()} more bytes")
+            raise cur.error(f"expected end of stream after VMDESCRIPTION, got {cur.remaining()} more bytes")
         return text
 
 
@@ -711,23 +767,31 @@ def _check_vmdesc(devices: list[DeviceSection], vmdesc: bytes | None, offset: in
         desc = json.loads(vmdesc)
         listed = [(d["name"], d["instance_id"]) for d in desc["devices"]]
     except (ValueError, KeyError, TypeError) as e:
-        raise SourceFormatError(f"expected VMDESCRIPTION JSON with a device list, got {e}",
-                                offset=offset, structure="vmdescription") from None
+        raise SourceFormatError(
+            f"expected VMDESCRIPTION JSON with a device list, got {e}", offset=offset, structure="vmdescription"
+        ) from None
     found = [(d.header.idstr, d.header.instance_id) for d in devices]
     if listed != found:
-        diff = next(i for i in range(max(len(listed), len(found)))
-                    if listed[i:i + 1] != found[i:i + 1])
-        raise SourceFormatError(f"expected device sections to match VMDESCRIPTION, section "
-                                f"{diff}: described {listed[diff:diff + 1]}, got "
-                                f"{found[diff:diff + 1]}", offset=offset,
-                                structure="vmdescription")
+        diff = next(i for i in range(max(len(listed), len(found))) if listed[i : i + 1] != found[i : i + 1])
+        raise SourceFormatError(
+            f"expected device sections to match VMDESCRIPTION, section "
+            f"{diff}: described {listed[diff : diff + 1]}, got "
+            f"{found[diff : diff + 1]}",
+            offset=offset,
+            structure="vmdescription",
+        )
 
 
 # ---------------------------------------------------------------------------- writing
 
-def write_qemu_stream(out: BinaryIO, state: StreamState,
-                      ram_blocks: Iterable[RamBlock] | None,
-                      page_source: Callable[[RamBlock], Iterable[Chunk]], mapped: bool = False) -> int:
+
+def write_qemu_stream(
+    out: BinaryIO,
+    state: StreamState,
+    ram_blocks: Iterable[RamBlock] | None,
+    page_source: Callable[[RamBlock], Iterable[Chunk]],
+    mapped: bool = False,
+) -> int:
     """Write a complete stream to ``out``; return the number of bytes written.
 
     ``mapped``: a mapped-ram file (``out`` must seek; zero pages are holes), else a stream
@@ -763,9 +827,10 @@ def with_mapped_ram(state: StreamState, mapped: bool) -> StreamState:
         return state
     caps = [c for c in state.capabilities if c != mapped_ram.CAPABILITY]
     if mapped:
-        caps.append(mapped_ram.CAPABILITY)        # QEMU lists x-ignore-shared first
-    return dataclasses.replace(state, capabilities=tuple(caps),
-                               prologue=_prologue_with_capabilities(state.prologue, caps))
+        caps.append(mapped_ram.CAPABILITY)  # QEMU lists x-ignore-shared first
+    return dataclasses.replace(
+        state, capabilities=tuple(caps), prologue=_prologue_with_capabilities(state.prologue, caps)
+    )
 
 
 def _prologue_with_capabilities(prologue: bytes, caps: list[str]) -> bytes:
@@ -775,8 +840,9 @@ def _prologue_with_capabilities(prologue: bytes, caps: list[str]) -> bytes:
     inp = Cursor.over_buffer(prologue, structure="configuration")
     head = inp.take(8, "header")
     if inp.at_end():
-        raise UnsupportedError("a stream without a configuration section cannot list capabilities",
-                               structure="configuration")
+        raise UnsupportedError(
+            "a stream without a configuration section cannot list capabilities", structure="configuration"
+        )
     head += inp.take(1, "section type")
     head += inp.take(4, "machine type length")
     head += inp.take(int.from_bytes(head[-4:], "big"), "machine type")
@@ -794,11 +860,16 @@ def _prologue_with_capabilities(prologue: bytes, caps: list[str]) -> bytes:
             inp.take(_SUBSECTION_SIZES[name], name)
         else:
             raise inp.unsupported(f"configuration subsection {name!r}")
-        subsections[name] = prologue[start:inp.offset]
+        subsections[name] = prologue[start : inp.offset]
     if caps:
         listed = b"".join(_name_bytes(c) for c in caps)
-        subsections["configuration/capabilities"] = (bytes([SUBSECTION]) + _name_bytes("configuration/capabilities")
-                                                     + _BE32.pack(1) + _BE32.pack(len(caps)) + listed)
+        subsections["configuration/capabilities"] = (
+            bytes([SUBSECTION])
+            + _name_bytes("configuration/capabilities")
+            + _BE32.pack(1)
+            + _BE32.pack(len(caps))
+            + listed
+        )
     else:
         subsections.pop("configuration/capabilities", None)
     order = ["configuration/target-page-bits", "configuration/capabilities", "configuration/uuid"]
@@ -808,13 +879,17 @@ def _prologue_with_capabilities(prologue: bytes, caps: list[str]) -> bytes:
 _SUBSECTION_SIZES = {"configuration/target-page-bits": 4, "configuration/uuid": 16}
 
 
-def _write_mapped(out: BinaryIO, state: StreamState, blocks: tuple[RamBlock, ...],
-                  page_source: Callable[[RamBlock], Iterable[Chunk]]) -> int:
+def _write_mapped(
+    out: BinaryIO, state: StreamState, blocks: tuple[RamBlock, ...], page_source: Callable[[RamBlock], Iterable[Chunk]]
+) -> int:
     """A mapped-ram file: the block list with each block's header and slots, then the
     original's sections (EOS only) and commands, the device state."""
     if not _output_seeks(out):
-        raise UnsupportedError("a mapped-ram file needs an output that can seek (its pages lie at fixed "
-                               "offsets): give -o FILE, not a pipe", structure="output")
+        raise UnsupportedError(
+            "a mapped-ram file needs an output that can seek (its pages lie at fixed "
+            "offsets): give -o FILE, not a pipe",
+            structure="output",
+        )
     ps, ram = state.page_size, state.ram
     start = out.tell()
     total = sum(b.length for b in blocks)
@@ -906,7 +981,7 @@ class _RamWriter:
         if self.left:
             raise ValueError(f"page_source supplied {self.left} pages fewer than planned")
         self._close_section()
-        for _, cmd in self.plan[self.section + 1:]:       # commands after the last RAM section
+        for _, cmd in self.plan[self.section + 1 :]:  # commands after the last RAM section
             self.put(_command_bytes(cmd))
 
     def _mem_size(self) -> bytes:
@@ -934,17 +1009,20 @@ class _RamWriter:
         edges = np.flatnonzero(np.diff(nonzero.astype(np.int8))) + 1
         bounds = [0, *edges.tolist(), len(nonzero)]
         for lo, hi in zip(bounds, bounds[1:]):
-            self._run(block, hi - lo, data[lo * self.ps:hi * self.ps] if nonzero[lo] else None)
+            self._run(block, hi - lo, data[lo * self.ps : hi * self.ps] if nonzero[lo] else None)
 
     def _check(self, block: RamBlock, length: int) -> None:
         if length % self.ps or self.block_pos + length > block.length:
-            raise ValueError(f"page_source chunk of {length} bytes does not fit block "
-                             f"{block.name!r} at {self.block_pos:#x} (length {block.length:#x})")
+            raise ValueError(
+                f"page_source chunk of {length} bytes does not fit block "
+                f"{block.name!r} at {self.block_pos:#x} (length {block.length:#x})"
+            )
 
     def finish_block(self, block: RamBlock) -> None:
         if self.block_pos != block.length:
-            raise ValueError(f"page_source supplied {self.block_pos:#x} of block "
-                             f"{block.name!r}'s {block.length:#x} bytes")
+            raise ValueError(
+                f"page_source supplied {self.block_pos:#x} of block {block.name!r}'s {block.length:#x} bytes"
+            )
         self.block_pos = 0
 
     def _run(self, block: RamBlock, count: int, pages: memoryview | None) -> None:
@@ -953,7 +1031,7 @@ class _RamWriter:
         while done < count:
             self._next_section()
             n = min(count - done, self.left) if self.left else count - done
-            sub = None if pages is None else pages[done * ps:(done + n) * ps]
+            sub = None if pages is None else pages[done * ps : (done + n) * ps]
             self.gather.write_all(self._entries(block, self.block_pos, n, sub))
             self.block_pos += n * self.ps
             self.left -= n if self.left else 0
@@ -976,8 +1054,7 @@ class _RamWriter:
             pages = None if pages is None else pages[ps:]
         if n == 0:
             return first
-        words = (offset + np.arange(n, dtype=np.uint64) * np.uint64(ps)) | \
-            np.uint64(flag | F_CONTINUE)
+        words = (offset + np.arange(n, dtype=np.uint64) * np.uint64(ps)) | np.uint64(flag | F_CONTINUE)
         headers = words.astype(">u8").view(np.uint8).reshape(n, 8)
         if pages is None:
             entries = np.zeros((n, 9), np.uint8)
@@ -985,8 +1062,8 @@ class _RamWriter:
             return first + [memoryview(entries).cast("B")]
         heads = memoryview(headers.tobytes())
         parts = [None] * (2 * n)
-        parts[0::2] = [heads[k:k + 8] for k in range(0, 8 * n, 8)]
-        parts[1::2] = [pages[k:k + ps] for k in range(0, n * ps, ps)]
+        parts[0::2] = [heads[k : k + 8] for k in range(0, 8 * n, 8)]
+        parts[1::2] = [pages[k : k + ps] for k in range(0, n * ps, ps)]
         return first + parts
 
 
@@ -1006,8 +1083,12 @@ def _command_bytes(cmd: int) -> bytes:
 
 
 def _section_header_bytes(kind: int, h: SectionHeader) -> bytes:
-    return (bytes([kind]) + _BE32.pack(h.section_id) + _name_bytes(h.idstr) +
-            struct.pack(">II", h.instance_id, h.version_id))
+    return (
+        bytes([kind])
+        + _BE32.pack(h.section_id)
+        + _name_bytes(h.idstr)
+        + struct.pack(">II", h.instance_id, h.version_id)
+    )
 
 
 def _footer_bytes(section_id: int) -> bytes:
@@ -1028,12 +1109,16 @@ def _state_to_bytes(s: StreamState) -> bytes:
     """JSON metadata + the opaque blobs, each blob's length recorded in the metadata."""
     blobs = [s.prologue] + [d.body for d in s.devices] + [s.vmdesc or b""]
     meta = {
-        "machine": s.machine, "page_size": s.page_size, "capabilities": list(s.capabilities),
+        "machine": s.machine,
+        "page_size": s.page_size,
+        "capabilities": list(s.capabilities),
         "ram": dataclasses.asdict(s.ram),
         "ram_blocks": [dataclasses.asdict(b) for b in s.ram_blocks],
-        "ram_plan": s.ram_plan, "footers": s.footers,
+        "ram_plan": s.ram_plan,
+        "footers": s.footers,
         "devices": [{"kind": d.kind, **dataclasses.asdict(d.header)} for d in s.devices],
-        "has_vmdesc": s.vmdesc is not None, "blob_lengths": [len(b) for b in blobs],
+        "has_vmdesc": s.vmdesc is not None,
+        "blob_lengths": [len(b) for b in blobs],
     }
     text = json.dumps(meta, separators=(",", ":")).encode()
     return _STATE_MAGIC + _BE32.pack(len(text)) + text + b"".join(blobs)
@@ -1044,28 +1129,36 @@ def _state_from_bytes(blob: bytes) -> StreamState:
         return SourceFormatError(msg, offset=off, structure="preserved qemu state")
 
     if not blob.startswith(_STATE_MAGIC):
-        raise bad(f"expected magic {_STATE_MAGIC!r}, got {blob[:len(_STATE_MAGIC)]!r}", 0)
+        raise bad(f"expected magic {_STATE_MAGIC!r}, got {blob[: len(_STATE_MAGIC)]!r}", 0)
     pos = len(_STATE_MAGIC)
     try:
         n = _BE32.unpack_from(blob, pos)[0]
-        meta = json.loads(blob[pos + 4:pos + 4 + n])
+        meta = json.loads(blob[pos + 4 : pos + 4 + n])
         pos += 4 + n
         blobs = []
         for length in meta["blob_lengths"]:
             if pos + length > len(blob):
                 raise bad(f"expected {length} bytes of state blob, got {len(blob) - pos}", pos)
-            blobs.append(blob[pos:pos + length])
+            blobs.append(blob[pos : pos + length])
             pos += length
         if pos != len(blob):
             raise bad(f"expected end of state, got {len(blob) - pos} more bytes", pos)
-        devices = [DeviceSection(d.pop("kind"), SectionHeader(**d), body)
-                   for d, body in zip(meta["devices"], blobs[1:-1], strict=True)]
+        devices = [
+            DeviceSection(d.pop("kind"), SectionHeader(**d), body)
+            for d, body in zip(meta["devices"], blobs[1:-1], strict=True)
+        ]
         return StreamState(
-            prologue=blobs[0], machine=meta["machine"], page_size=meta["page_size"],
-            capabilities=tuple(meta["capabilities"]), ram=SectionHeader(**meta["ram"]),
+            prologue=blobs[0],
+            machine=meta["machine"],
+            page_size=meta["page_size"],
+            capabilities=tuple(meta["capabilities"]),
+            ram=SectionHeader(**meta["ram"]),
             ram_blocks=tuple(RamBlock(**b) for b in meta["ram_blocks"]),
-            ram_plan=_checked_plan(meta["ram_plan"]), footers=meta["footers"],
-            devices=devices, vmdesc=blobs[-1] if meta["has_vmdesc"] else None)
+            ram_plan=_checked_plan(meta["ram_plan"]),
+            footers=meta["footers"],
+            devices=devices,
+            vmdesc=blobs[-1] if meta["has_vmdesc"] else None,
+        )
     except (ValueError, KeyError, TypeError, struct.error) as e:
         raise bad(f"expected a valid state record, got {e}", pos) from None
 
@@ -1075,13 +1168,15 @@ def _checked_plan(plan) -> list[tuple[int, int]]:
     checked = [tuple(p) for p in plan]
     for entry in checked:
         kind, n = entry
-        if not (kind in (START, PART, END) and isinstance(n, int) and n >= 0
-                or entry == (COMMAND, CMD_SWITCHOVER_START)):
+        if not (
+            kind in (START, PART, END) and isinstance(n, int) and n >= 0 or entry == (COMMAND, CMD_SWITCHOVER_START)
+        ):
             raise ValueError(f"RAM plan entry {entry}")
     return checked
 
 
 # ---------------------------------------------------------------------------- RAM image
+
 
 class RamImage:
     """Guest RAM assembled from ``Page`` events in sparse scratch files (last copy wins).
@@ -1116,15 +1211,15 @@ class RamImage:
         """A run of pages; zero pages are written only over a copy sent before (the scratch
         file is sparse, so a page never written reads as zeros)."""
         first = run.offset // self.page_size
-        seen = self.seen[run.block][first:first + run.count]
+        seen = self.seen[run.block][first : first + run.count]
         fd = self._files[run.block].fileno()
         if run.pages is not None:
             os.pwrite(fd, run.data, run.offset)
         elif seen.any():
             os.pwrite(fd, bytes(run.count * self.page_size), run.offset)
         seen[:] = True
-        self.zero[run.block][first:first + run.count] = run.pages is None
-        self.last_end[run.block][first:first + run.count] = run.ends()
+        self.zero[run.block][first : first + run.count] = run.pages is None
+        self.last_end[run.block][first : first + run.count] = run.ends()
 
     def read(self, name: str) -> bytes:
         return os.pread(self._files[name].fileno(), self.blocks[name].length, 0)
@@ -1140,7 +1235,7 @@ class RamImage:
         known_zero, per_chunk = self.zero[block.name], max(1, chunk // self.page_size)
         spans = []
         for first in range(0, len(known_zero), per_chunk):
-            wanted = np.flatnonzero(~known_zero[first:first + per_chunk])
+            wanted = np.flatnonzero(~known_zero[first : first + per_chunk])
             if len(wanted):
                 spans.append((first + int(wanted[0]), first + int(wanted[-1]) + 1))
         return spans
@@ -1163,13 +1258,14 @@ class RamImage:
 def _page_table(block: RamBlock, page_size: int, dtype, fill) -> np.ndarray:
     """One ``dtype`` value per page of ``block``, or a LimitError when that does not fit in this
     process's memory (MEM_SIZE may claim up to 256 TiB)."""
-    with fits_in_memory(f"RAM block {block.name!r} of {block.length:#x} bytes: a table of its "
-                        f"{block.length // page_size} pages", "ram MEM_SIZE"):
+    with fits_in_memory(
+        f"RAM block {block.name!r} of {block.length:#x} bytes: a table of its {block.length // page_size} pages",
+        "ram MEM_SIZE",
+    ):
         return np.full(block.length // page_size, fill, dtype)
 
 
-def load_stream(f: BinaryIO, directory: str | os.PathLike | None = None
-                ) -> tuple[StreamState, RamImage]:
+def load_stream(f: BinaryIO, directory: str | os.PathLike | None = None) -> tuple[StreamState, RamImage]:
     """Read a whole stream into a ``RamImage``; the caller closes the image."""
     image = None
     try:

@@ -25,7 +25,7 @@ from . import libvirt, qemu, xen
 QEMU_TAG_STREAM_STATE = 1
 QEMU_TAG_LIBVIRT_HEADER = 3
 XEN_TAG_SKELETON = 1
-STATE_LIMIT = 256 << 20         # decompressed QEMU stream state accepted on reading
+STATE_LIMIT = 256 << 20  # decompressed QEMU stream state accepted on reading
 
 
 def _frame(raw: bytes) -> bytes:
@@ -39,8 +39,9 @@ def _unframe(data: bytes, offset: int | None, limit: int, what: str, structure: 
     try:
         return decompress_exact(data, limit=limit)
     except FrameError as exc:
-        raise SourceFormatError(f"{what} does not decompress within {limit} bytes: {exc.message}",
-                                offset=offset, structure=structure) from None
+        raise SourceFormatError(
+            f"{what} does not decompress within {limit} bytes: {exc.message}", offset=offset, structure=structure
+        ) from None
 
 
 def pack_stream_state(state: qemu.StreamState) -> bytes:
@@ -54,8 +55,11 @@ def unpack_stream_state(data: bytes, offset: int | None = None) -> qemu.StreamSt
     try:
         return qemu.StreamState.from_bytes(raw)
     except SourceFormatError as exc:
-        raise SourceFormatError(f"byte {exc.offset} of the decompressed QEMU stream state: {exc.message}",
-                                offset=offset, structure=structure) from None
+        raise SourceFormatError(
+            f"byte {exc.offset} of the decompressed QEMU stream state: {exc.message}",
+            offset=offset,
+            structure=structure,
+        ) from None
 
 
 def pack_libvirt_header(header: libvirt.SaveHeader) -> bytes:
@@ -70,12 +74,18 @@ def unpack_libvirt_header(data: bytes, offset: int | None = None) -> libvirt.Sav
     try:
         header = libvirt.parse_header(raw)
         if len(raw) != header.payload_offset:
-            raise SourceFormatError(f"expected {header.payload_offset} bytes (header and data_len), got {len(raw)}",
-                                    offset=len(raw), structure="libvirt header data")
+            raise SourceFormatError(
+                f"expected {header.payload_offset} bytes (header and data_len), got {len(raw)}",
+                offset=len(raw),
+                structure="libvirt header data",
+            )
         return libvirt.parse_data(raw, header)
     except (SourceFormatError, UnsupportedError) as exc:
-        raise type(exc)(f"byte {exc.offset} of the decompressed libvirt header ({exc.structure}): {exc.message}",
-                        offset=offset, structure=structure) from None
+        raise type(exc)(
+            f"byte {exc.offset} of the decompressed libvirt header ({exc.structure}): {exc.message}",
+            offset=offset,
+            structure=structure,
+        ) from None
 
 
 def pack_skeleton(skeleton: BinaryIO) -> bytes:
@@ -95,8 +105,10 @@ def unpack_skeleton(data: bytes, offset: int | None = None):
         yield from xen.iter_items(reader)
         reader.finish()
     except FrameError as exc:
-        raise SourceFormatError(f"Xen stream skeleton does not decompress: {exc.message}",
-                                offset=offset, structure=structure) from None
+        raise SourceFormatError(
+            f"Xen stream skeleton does not decompress: {exc.message}", offset=offset, structure=structure
+        ) from None
     except SourceFormatError as exc:
-        raise SourceFormatError(f"byte {exc.offset} of the decompressed Xen skeleton: {exc.message}",
-                                offset=offset, structure=structure) from None
+        raise SourceFormatError(
+            f"byte {exc.offset} of the decompressed Xen skeleton: {exc.message}", offset=offset, structure=structure
+        ) from None

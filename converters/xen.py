@@ -55,97 +55,149 @@ PAGE_SHIFT = 12
 REGION_NAME = "xen-pfn"
 
 XL_MAGIC = b"Xen saved domain, xl format\n \0 \r"
-XL_HEADER = struct.Struct("<32sIIII")     # magic, byteorder, mandatory, optional flags, optdata length
+XL_HEADER = struct.Struct("<32sIIII")  # magic, byteorder, mandatory, optional flags, optdata length
 XL_BYTEORDER = 0x01020304
-XL_BYTEORDER_SWAPPED = 0x04030201         # the marker as a big-endian writer leaves it
+XL_BYTEORDER_SWAPPED = 0x04030201  # the marker as a big-endian writer leaves it
 XL_FLAG_JSON = 1 << 0
 XL_FLAG_STREAMV2 = 1 << 1
 XL_KNOWN_MANDATORY = XL_FLAG_JSON | XL_FLAG_STREAMV2
 
-LIBXL_HEADER = struct.Struct(">QII")      # ident, version, options
-LIBXL_IDENT = 0x4C6962786C466D74          # "LibxlFmt"
+LIBXL_HEADER = struct.Struct(">QII")  # ident, version, options
+LIBXL_IDENT = 0x4C6962786C466D74  # "LibxlFmt"
 LIBXL_MAGIC = LIBXL_IDENT.to_bytes(8, "big")
 LIBXL_VERSION = 2
 LIBXL_OPT_BIG_ENDIAN = 1 << 0
 LIBXL_OPT_LEGACY = 1 << 1
 
-LIBXC_IMAGE_HEADER = struct.Struct(">QIIHHI")   # marker, ident, version, options, reserved x2
+LIBXC_IMAGE_HEADER = struct.Struct(">QIIHHI")  # marker, ident, version, options, reserved x2
 LIBXC_MARKER = 0xFFFFFFFFFFFFFFFF
-LIBXC_IDENT = 0x58454E46                  # "XENF"
+LIBXC_IDENT = 0x58454E46  # "XENF"
 LIBXC_VERSIONS = (2, 3)
 LIBXC_OPT_BIG_ENDIAN = 1 << 0
-LIBXC_DOMAIN_HEADER = struct.Struct("<IHHII")   # type, page_shift, reserved, xen major, minor
+LIBXC_DOMAIN_HEADER = struct.Struct("<IHHII")  # type, page_shift, reserved, xen major, minor
 DOMAIN_TYPES = {1: "x86 PV", 2: "x86 HVM"}
 
-RECORD_HEADER = struct.Struct("<II")      # type, body_length
-PAGE_DATA_HEADER = struct.Struct("<II")   # count, reserved
+RECORD_HEADER = struct.Struct("<II")  # type, body_length
+PAGE_DATA_HEADER = struct.Struct("<II")  # count, reserved
 OPTIONAL_RECORD = 1 << 31
 
 # libxc record types
-(END, PAGE_DATA, X86_PV_INFO, X86_PV_P2M_FRAMES, X86_PV_VCPU_BASIC, X86_PV_VCPU_EXTENDED,
- X86_PV_VCPU_XSAVE, SHARED_INFO, X86_TSC_INFO, HVM_CONTEXT, HVM_PARAMS, TOOLSTACK,
- X86_PV_VCPU_MSRS, VERIFY, CHECKPOINT, CHECKPOINT_DIRTY_PFN_LIST, STATIC_DATA_END,
- X86_CPUID_POLICY, X86_MSR_POLICY) = range(0x13)
-LIBXC_RECORD_NAMES = dict(enumerate((
-    "END", "PAGE_DATA", "X86_PV_INFO", "X86_PV_P2M_FRAMES", "X86_PV_VCPU_BASIC",
-    "X86_PV_VCPU_EXTENDED", "X86_PV_VCPU_XSAVE", "SHARED_INFO", "X86_TSC_INFO", "HVM_CONTEXT",
-    "HVM_PARAMS", "TOOLSTACK", "X86_PV_VCPU_MSRS", "VERIFY", "CHECKPOINT",
-    "CHECKPOINT_DIRTY_PFN_LIST", "STATIC_DATA_END", "X86_CPUID_POLICY", "X86_MSR_POLICY")))
+(
+    END,
+    PAGE_DATA,
+    X86_PV_INFO,
+    X86_PV_P2M_FRAMES,
+    X86_PV_VCPU_BASIC,
+    X86_PV_VCPU_EXTENDED,
+    X86_PV_VCPU_XSAVE,
+    SHARED_INFO,
+    X86_TSC_INFO,
+    HVM_CONTEXT,
+    HVM_PARAMS,
+    TOOLSTACK,
+    X86_PV_VCPU_MSRS,
+    VERIFY,
+    CHECKPOINT,
+    CHECKPOINT_DIRTY_PFN_LIST,
+    STATIC_DATA_END,
+    X86_CPUID_POLICY,
+    X86_MSR_POLICY,
+) = range(0x13)
+LIBXC_RECORD_NAMES = dict(
+    enumerate(
+        (
+            "END",
+            "PAGE_DATA",
+            "X86_PV_INFO",
+            "X86_PV_P2M_FRAMES",
+            "X86_PV_VCPU_BASIC",
+            "X86_PV_VCPU_EXTENDED",
+            "X86_PV_VCPU_XSAVE",
+            "SHARED_INFO",
+            "X86_TSC_INFO",
+            "HVM_CONTEXT",
+            "HVM_PARAMS",
+            "TOOLSTACK",
+            "X86_PV_VCPU_MSRS",
+            "VERIFY",
+            "CHECKPOINT",
+            "CHECKPOINT_DIRTY_PFN_LIST",
+            "STATIC_DATA_END",
+            "X86_CPUID_POLICY",
+            "X86_MSR_POLICY",
+        )
+    )
+)
 LIBXC_EMPTY_RECORDS = {END, VERIFY, CHECKPOINT, STATIC_DATA_END}
 LIBXC_V3_RECORDS = {STATIC_DATA_END, X86_CPUID_POLICY, X86_MSR_POLICY}
 
 # libxl record types
-(LIBXL_END, LIBXC_CONTEXT, EMULATOR_XENSTORE_DATA, EMULATOR_CONTEXT, CHECKPOINT_END,
- CHECKPOINT_STATE) = range(6)
-LIBXL_RECORD_NAMES = dict(enumerate((
-    "END", "LIBXC_CONTEXT", "EMULATOR_XENSTORE_DATA", "EMULATOR_CONTEXT", "CHECKPOINT_END",
-    "CHECKPOINT_STATE")))
+(LIBXL_END, LIBXC_CONTEXT, EMULATOR_XENSTORE_DATA, EMULATOR_CONTEXT, CHECKPOINT_END, CHECKPOINT_STATE) = range(6)
+LIBXL_RECORD_NAMES = dict(
+    enumerate(
+        ("END", "LIBXC_CONTEXT", "EMULATOR_XENSTORE_DATA", "EMULATOR_CONTEXT", "CHECKPOINT_END", "CHECKPOINT_STATE")
+    )
+)
 LIBXL_EMPTY_RECORDS = {LIBXL_END, LIBXC_CONTEXT, CHECKPOINT_END}
 
 # PAGE_DATA pfn entries: bits 63-60 XEN_DOMCTL_PFINFO_* type, 59-52 reserved, 51-0 pfn
 PFN_MASK = (1 << 52) - 1
 PFN_RESERVED_MASK = ((1 << 60) - 1) & ~PFN_MASK
 TYPE_SHIFT = 60
-PFINFO_TYPES = {0x0: "NOTAB", 0x1: "L1TAB", 0x2: "L2TAB", 0x3: "L3TAB", 0x4: "L4TAB",
-                0x9: "L1TAB_PIN", 0xA: "L2TAB_PIN", 0xB: "L3TAB_PIN", 0xC: "L4TAB_PIN",
-                0xD: "BROKEN", 0xE: "XALLOC", 0xF: "XTAB"}
-INVALID_TYPES = (0x5, 0x6, 0x7, 0x8)      # reserved in the spec
+PFINFO_TYPES = {
+    0x0: "NOTAB",
+    0x1: "L1TAB",
+    0x2: "L2TAB",
+    0x3: "L3TAB",
+    0x4: "L4TAB",
+    0x9: "L1TAB_PIN",
+    0xA: "L2TAB_PIN",
+    0xB: "L3TAB_PIN",
+    0xC: "L4TAB_PIN",
+    0xD: "BROKEN",
+    0xE: "XALLOC",
+    0xF: "XTAB",
+}
+INVALID_TYPES = (0x5, 0x6, 0x7, 0x8)  # reserved in the spec
 
 
 def carries_data(types: np.ndarray) -> np.ndarray:
     """Entries followed by page contents: NOTAB, L1-L4TAB and their pinned variants."""
     return (types & 0x7) <= 0x4
 
+
 # skeleton items
-ITEM_HEADER = struct.Struct("<IIQ")       # kind, reserved, length
+ITEM_HEADER = struct.Struct("<IIQ")  # kind, reserved, length
 ITEM_BYTES, ITEM_PAGE_DATA = 1, 2
 
 # limits of this tool (not of the formats)
-RECORD_LIMIT = 256 << 20      # a non-page record held in memory
-PFN_LIMIT = 1 << 26           # pfn space of a guest: 256 GiB (the writer keeps ~25 bytes per pfn)
+RECORD_LIMIT = 256 << 20  # a non-page record held in memory
+PFN_LIMIT = 1 << 26  # pfn space of a guest: 256 GiB (the writer keeps ~25 bytes per pfn)
 BYTES_ITEM_TARGET = 16 << 20  # verbatim bytes gathered into one skeleton item
-READ_PAGES = 1024             # pages read at once when feeding the image
+READ_PAGES = 1024  # pages read at once when feeding the image
 
 
 @dataclasses.dataclass
 class ScanResult:
     """What the first pass learned; ``skeleton`` is an open scratch file, rewound."""
-    form: str                     # "xl/libxl", "xl/libxc", "libxl" or "libxc"
+
+    form: str  # "xl/libxl", "xl/libxc", "libxl" or "libxc"
     libxc_version: int
     domain_type: str
-    num_pfns: int                 # highest pfn in any PAGE_DATA entry + 1 (0: none)
-    last_entry: np.ndarray        # per pfn: index of its last PAGE_DATA entry, -1 if never sent
-    data_offsets: list[int]       # per PAGE_DATA record: file offset of its first page
-    data_entries: int             # entries carrying page contents, over all records
-    resent: bool                  # some pfn has more than one entry
+    num_pfns: int  # highest pfn in any PAGE_DATA entry + 1 (0: none)
+    last_entry: np.ndarray  # per pfn: index of its last PAGE_DATA entry, -1 if never sent
+    data_offsets: list[int]  # per PAGE_DATA record: file offset of its first page
+    data_entries: int  # entries carrying page contents, over all records
+    resent: bool  # some pfn has more than one entry
     checkpoints: int
     skeleton: BinaryIO
-    length: int                   # bytes of the stream
-    last_end: np.ndarray | None = None   # per pfn: stream offset where its winning copy's data
-                                         # ends, -1 if its last entry carries none (spec/hints.md §3)
+    length: int  # bytes of the stream
+    last_end: np.ndarray | None = None  # per pfn: stream offset where its winning copy's data
+    # ends, -1 if its last entry carries none (spec/hints.md §3)
 
 
 # ---------------------------------------------------------------------------- skeleton file (first pass)
+
 
 class _Skeleton:
     """Writes skeleton items to a scratch file, gathering verbatim bytes into large items."""
@@ -186,6 +238,7 @@ def _padding(length: int) -> bytes:
 
 # ---------------------------------------------------------------------------- first pass
 
+
 def scan(f: BinaryIO, directory=None) -> ScanResult:
     """Check the whole stream in the seekable file ``f`` and build its skeleton."""
     scanner = _Scanner(Cursor.over_file(f, structure="stream"), _Skeleton(directory))
@@ -203,7 +256,7 @@ class _Scanner:
         self.version = 0
         self.domain_type = ""
         self.libxc_index = 0
-        self.libxc_state = "not started"     # running, checkpoint, ended
+        self.libxc_state = "not started"  # running, checkpoint, ended
         self.embedded = False
         self.last_entry = np.full(0, -1, np.int64)
         self.last_end_offset = np.full(0, -1, np.int64)
@@ -225,14 +278,21 @@ class _Scanner:
             self._libxc_stream()
         inp.structure = "after END"
         if not inp.at_end():
-            raise inp.error(f"expected end of input after the final END record, got "
-                            f"{inp.remaining()} more bytes")
-        return ScanResult(form="/".join(self.form), libxc_version=self.version,
-                          domain_type=self.domain_type, num_pfns=self.num_pfns,
-                          last_entry=self.last_entry[:self.num_pfns], data_offsets=self.data_offsets,
-                          data_entries=self.data_entries, resent=self.resent,
-                          checkpoints=self.checkpoints, skeleton=self.skeleton.finish(),
-                          length=inp.size, last_end=self.last_end_offset[:self.num_pfns])
+            raise inp.error(f"expected end of input after the final END record, got {inp.remaining()} more bytes")
+        return ScanResult(
+            form="/".join(self.form),
+            libxc_version=self.version,
+            domain_type=self.domain_type,
+            num_pfns=self.num_pfns,
+            last_entry=self.last_entry[: self.num_pfns],
+            data_offsets=self.data_offsets,
+            data_entries=self.data_entries,
+            resent=self.resent,
+            checkpoints=self.checkpoints,
+            skeleton=self.skeleton.finish(),
+            length=inp.size,
+            last_end=self.last_end_offset[: self.num_pfns],
+        )
 
     # --- xl -------------------------------------------------------------------------
 
@@ -242,8 +302,7 @@ class _Scanner:
         raw = inp.take(XL_HEADER.size, "the xl header")
         _, byteorder, mandatory, optional, optlen = XL_HEADER.unpack(raw)
         if byteorder == XL_BYTEORDER_SWAPPED:
-            raise inp.unsupported("big-endian xl save file (byte-order marker 0x04030201) "
-                                  "is not supported", at=32)
+            raise inp.unsupported("big-endian xl save file (byte-order marker 0x04030201) is not supported", at=32)
         if byteorder != XL_BYTEORDER:
             raise inp.error(f"expected byte-order marker {XL_BYTEORDER:#010x}, got {byteorder:#010x}", at=32)
         unknown = mandatory & ~XL_KNOWN_MANDATORY
@@ -265,12 +324,15 @@ class _Scanner:
         if not optdata:
             return
         if len(optdata) < 4:
-            raise self.inp.error(f"expected the u4 config length in the xl optional data, got "
-                                 f"{len(optdata)} bytes", back=len(optdata))
+            raise self.inp.error(
+                f"expected the u4 config length in the xl optional data, got {len(optdata)} bytes", back=len(optdata)
+            )
         (config_len,) = struct.unpack_from("<I", optdata)
         if config_len > len(optdata) - 4:
-            raise self.inp.error(f"xl config of {config_len} bytes does not fit the "
-                                 f"{len(optdata)} bytes of optional data", back=len(optdata))
+            raise self.inp.error(
+                f"xl config of {config_len} bytes does not fit the {len(optdata)} bytes of optional data",
+                back=len(optdata),
+            )
 
     # --- libxl ----------------------------------------------------------------------
 
@@ -281,8 +343,7 @@ class _Scanner:
         raw = inp.take(LIBXL_HEADER.size, "the libxl header")
         ident, version, options = LIBXL_HEADER.unpack(raw)
         if ident != LIBXL_IDENT:
-            raise inp.error(f"expected libxl ident {LIBXL_IDENT:#018x} (\"LibxlFmt\"), got {ident:#018x}",
-                            at=start)
+            raise inp.error(f'expected libxl ident {LIBXL_IDENT:#018x} ("LibxlFmt"), got {ident:#018x}', at=start)
         if version != LIBXL_VERSION:
             raise inp.error(f"expected libxl stream version {LIBXL_VERSION}, got {version}", at=start + 8)
         if options & LIBXL_OPT_BIG_ENDIAN:
@@ -326,33 +387,35 @@ class _Scanner:
         raw = inp.take(LIBXC_IMAGE_HEADER.size, "the libxc image header")
         marker, ident, version, options, reserved1, reserved2 = LIBXC_IMAGE_HEADER.unpack(raw)
         if marker != LIBXC_MARKER:
-            raise inp.error(f"expected libxc marker {LIBXC_MARKER:#018x}, got {marker:#018x} (not a "
-                            f"Xen save stream, or a legacy pre-4.6 one)", at=start)
+            raise inp.error(
+                f"expected libxc marker {LIBXC_MARKER:#018x}, got {marker:#018x} (not a "
+                f"Xen save stream, or a legacy pre-4.6 one)",
+                at=start,
+            )
         if ident != LIBXC_IDENT:
-            raise inp.error(f"expected libxc ident {LIBXC_IDENT:#010x} (\"XENF\"), got {ident:#010x}",
-                            at=start + 8)
+            raise inp.error(f'expected libxc ident {LIBXC_IDENT:#010x} ("XENF"), got {ident:#010x}', at=start + 8)
         if version not in LIBXC_VERSIONS:
             raise inp.error(f"expected libxc stream version 2 or 3, got {version}", at=start + 12)
         if options & LIBXC_OPT_BIG_ENDIAN:
             raise inp.unsupported("big-endian libxc stream (options bit 0) is not supported", at=start + 16)
         if options & ~LIBXC_OPT_BIG_ENDIAN:
-            raise inp.error(f"reserved bits set in the libxc image options: "
-                            f"{options & ~LIBXC_OPT_BIG_ENDIAN:#x}", at=start + 16)
+            raise inp.error(
+                f"reserved bits set in the libxc image options: {options & ~LIBXC_OPT_BIG_ENDIAN:#x}", at=start + 16
+            )
         if reserved1 or reserved2:
-            raise inp.error(f"reserved fields of the libxc image header not zero: "
-                            f"{reserved1:#06x}:{reserved2:#010x}", at=start + 18)
+            raise inp.error(
+                f"reserved fields of the libxc image header not zero: {reserved1:#06x}:{reserved2:#010x}", at=start + 18
+            )
         self.version = version
         inp.structure = "libxc domain header"
         domain = inp.take(LIBXC_DOMAIN_HEADER.size, "the libxc domain header")
         gtype, page_shift, reserved, _, _ = LIBXC_DOMAIN_HEADER.unpack(domain)
         if gtype not in DOMAIN_TYPES:
-            raise inp.unsupported(f"domain type {gtype:#x} (only 1 x86 PV and 2 x86 HVM are supported)",
-                                  at=start + 24)
+            raise inp.unsupported(f"domain type {gtype:#x} (only 1 x86 PV and 2 x86 HVM are supported)", at=start + 24)
         if page_shift != PAGE_SHIFT:
             raise inp.unsupported(f"page shift {page_shift} (only 12, 4096-byte pages)", at=start + 28)
         if reserved:
-            raise inp.error(f"reserved field of the libxc domain header not zero: {reserved:#06x}",
-                            at=start + 30)
+            raise inp.error(f"reserved field of the libxc domain header not zero: {reserved:#06x}", at=start + 30)
         self.domain_type = DOMAIN_TYPES[gtype]
         self.skeleton.verbatim(raw, domain)
         self.form.append("libxc")
@@ -386,8 +449,7 @@ class _Scanner:
             return rtype
         self._record(start, head, LIBXC_RECORD_NAMES, LIBXC_EMPTY_RECORDS, "libxc")
         if rtype in LIBXC_V3_RECORDS and self.version < 3:
-            raise inp.error(f"{LIBXC_RECORD_NAMES[rtype]} record in a version {self.version} stream",
-                            at=start)
+            raise inp.error(f"{LIBXC_RECORD_NAMES[rtype]} record in a version {self.version} stream", at=start)
         return rtype
 
     def _record(self, start: int, head: bytes, names: dict, empty: set, layer: str) -> bytes:
@@ -398,8 +460,7 @@ class _Scanner:
         if rtype not in names and not rtype & OPTIONAL_RECORD:
             raise inp.unsupported(f"unknown mandatory {layer} record type {rtype:#010x}", at=start)
         if rtype in empty and length:
-            raise inp.error(f"expected an empty {names[rtype]} record, got body_length {length}",
-                            at=start + 4)
+            raise inp.error(f"expected an empty {names[rtype]} record, got body_length {length}", at=start + 4)
         if length > RECORD_LIMIT:
             inp.need(length, "the record body")
             raise inp.unsupported(f"record body of {length} bytes exceeds {RECORD_LIMIT}", at=start + 4)
@@ -423,8 +484,9 @@ class _Scanner:
         if reserved:
             raise inp.error(f"reserved field of PAGE_DATA not zero: {reserved:#010x}", at=start + 12)
         if 8 + 8 * count > length:
-            raise inp.error(f"PAGE_DATA count {count} needs {8 + 8 * count} bytes of pfns, the record "
-                            f"has {length}", at=start + 8)
+            raise inp.error(
+                f"PAGE_DATA count {count} needs {8 + 8 * count} bytes of pfns, the record has {length}", at=start + 8
+            )
         raw = inp.take(8 * count, "the PAGE_DATA pfn array")
         entries = np.frombuffer(raw, "<u8")
         self._check_entries(entries, start + 16)
@@ -433,8 +495,11 @@ class _Scanner:
         with_data = int(np.count_nonzero(data_mask))
         expected = 8 + 8 * count + PAGE_SIZE * with_data
         if length != expected:
-            raise inp.error(f"PAGE_DATA of {count} entries ({with_data} with page contents) must be "
-                            f"{expected} bytes, body_length is {length}", at=start + 4)
+            raise inp.error(
+                f"PAGE_DATA of {count} entries ({with_data} with page contents) must be "
+                f"{expected} bytes, body_length is {length}",
+                at=start + 4,
+            )
         self.data_offsets.append(inp.offset)
         ends = inp.offset + PAGE_SIZE * np.cumsum(data_mask, dtype=np.int64)
         inp.skip(PAGE_SIZE * with_data, "PAGE_DATA page contents")
@@ -452,13 +517,15 @@ class _Scanner:
         bad = np.flatnonzero(np.isin(types, INVALID_TYPES))
         if len(bad):
             i = int(bad[0])
-            raise self.inp.error(f"invalid page type {int(types[i]):#x} in pfn[{i}]: {int(entries[i]):#018x}",
-                                 at=offset + 8 * i)
+            raise self.inp.error(
+                f"invalid page type {int(types[i]):#x} in pfn[{i}]: {int(entries[i]):#018x}", at=offset + 8 * i
+            )
         pfns = entries & np.uint64(PFN_MASK)
         top = int(pfns.max())
         if top >= PFN_LIMIT:
-            raise self.inp.unsupported(f"pfn {top:#x} beyond this tool's limit of {PFN_LIMIT:#x} pfns",
-                                       at=offset + 8 * int(pfns.argmax()))
+            raise self.inp.unsupported(
+                f"pfn {top:#x} beyond this tool's limit of {PFN_LIMIT:#x} pfns", at=offset + 8 * int(pfns.argmax())
+            )
 
     def _note_entries(self, pfns: np.ndarray) -> None:
         """Remember each pfn's latest entry: the copy that wins when pages are re-sent."""
@@ -485,7 +552,7 @@ class _Scanner:
         does not fit in this process's memory (a pfn near PFN_LIMIT in a small stream)."""
         with fits_in_memory(f"a table of {size} pfns ({8 * size} bytes)", self.inp.structure):
             grown = np.full(size, -1, np.int64)
-        grown[:len(table)] = table
+        grown[: len(table)] = table
         return grown
 
 
@@ -496,6 +563,7 @@ def _name(names: dict, rtype: int) -> str:
 
 
 # ---------------------------------------------------------------------------- skeleton
+
 
 def iter_items(f: BinaryIO, limit: int = RECORD_LIMIT) -> Iterator[tuple[int, bytes]]:
     """(kind, payload) of every skeleton item read from ``f``; raises on a malformed one."""
@@ -508,11 +576,15 @@ def iter_items(f: BinaryIO, limit: int = RECORD_LIMIT) -> Iterator[tuple[int, by
             raise SourceFormatError("truncated skeleton item header", offset=offset, structure="xen skeleton")
         kind, reserved, length = ITEM_HEADER.unpack(head)
         if kind not in (ITEM_BYTES, ITEM_PAGE_DATA) or reserved:
-            raise SourceFormatError(f"expected item kind 1 or 2 with reserved 0, got {kind}, {reserved}",
-                                    offset=offset, structure="xen skeleton")
+            raise SourceFormatError(
+                f"expected item kind 1 or 2 with reserved 0, got {kind}, {reserved}",
+                offset=offset,
+                structure="xen skeleton",
+            )
         if length > limit or (kind == ITEM_PAGE_DATA and (length == 0 or length % 8)):
-            raise SourceFormatError(f"skeleton item of kind {kind} with length {length}",
-                                    offset=offset, structure="xen skeleton")
+            raise SourceFormatError(
+                f"skeleton item of kind {kind} with length {length}", offset=offset, structure="xen skeleton"
+            )
         payload = _read_exact(f, length + (-length % 8))
         if len(payload) != length + (-length % 8):
             raise SourceFormatError("truncated skeleton item", offset=offset, structure="xen skeleton")
@@ -534,8 +606,8 @@ def _read_exact(f: BinaryIO, n: int) -> bytes:
 
 # ---------------------------------------------------------------------------- second pass
 
-def feed_pages(f: BinaryIO, result: ScanResult, put_data: Callable[[int, bytes], None],
-               progress=None) -> None:
+
+def feed_pages(f: BinaryIO, result: ScanResult, put_data: Callable[[int, bytes], None], progress=None) -> None:
     """Hand the winning copy of every page to ``put_data(first_pfn, data)``, in runs of
     consecutive pfns; ``f`` is the stream ``scan`` read."""
     entry = 0
@@ -582,8 +654,10 @@ def spool_to_file(source: BinaryIO, directory=None) -> BinaryIO:
 
 # ---------------------------------------------------------------------------- writing
 
-def write_stream(out: BinaryIO, items: Iterator[tuple[int, bytes]],
-                 read_pages: Callable[[int, int], bytes], num_pfns: int) -> int:
+
+def write_stream(
+    out: BinaryIO, items: Iterator[tuple[int, bytes]], read_pages: Callable[[int, int], bytes], num_pfns: int
+) -> int:
     """Rebuild the stream from skeleton items; ``read_pages(first_pfn, count)`` returns the
     contents of consecutive pfns. Returns the number of bytes written."""
     written = 0
@@ -602,8 +676,10 @@ def _write_page_data(out: BinaryIO, raw: bytes, read_pages, num_pfns: int) -> in
     with_data = carries_data((entries >> np.uint64(TYPE_SHIFT)).astype(np.uint8))
     data_pfns = pfns[with_data]
     if len(data_pfns) and int(data_pfns.max()) >= num_pfns:
-        raise SourceFormatError(f"skeleton PAGE_DATA names pfn {int(data_pfns.max()):#x}, the region has "
-                                f"{num_pfns} pages", structure="xen skeleton")
+        raise SourceFormatError(
+            f"skeleton PAGE_DATA names pfn {int(data_pfns.max()):#x}, the region has {num_pfns} pages",
+            structure="xen skeleton",
+        )
     length = PAGE_DATA_HEADER.size + len(raw) + PAGE_SIZE * len(data_pfns)
     out.write(RECORD_HEADER.pack(PAGE_DATA, length) + PAGE_DATA_HEADER.pack(len(entries), 0) + raw)
     breaks = np.flatnonzero(np.diff(data_pfns) != 1) + 1
@@ -621,10 +697,10 @@ def describe(items: Iterator[tuple[int, bytes]]) -> str:
     if first.startswith(XL_MAGIC):
         layers.append("xl save file")
         pos = XL_HEADER.size + XL_HEADER.unpack_from(first)[4]
-    if first[pos:pos + 8] == LIBXL_MAGIC:
+    if first[pos : pos + 8] == LIBXL_MAGIC:
         layers.append("libxl v2")
-        pos += LIBXL_HEADER.size + RECORD_HEADER.size      # the LIBXC_CONTEXT record
-    if first[pos:pos + 8] == b"\xff" * 8 and len(first) >= pos + LIBXC_IMAGE_HEADER.size + 4:
+        pos += LIBXL_HEADER.size + RECORD_HEADER.size  # the LIBXC_CONTEXT record
+    if first[pos : pos + 8] == b"\xff" * 8 and len(first) >= pos + LIBXC_IMAGE_HEADER.size + 4:
         version = LIBXC_IMAGE_HEADER.unpack_from(first, pos)[2]
         gtype = LIBXC_DOMAIN_HEADER.unpack_from(first, pos + LIBXC_IMAGE_HEADER.size)[0]
         layers.append(f"libxc v{version}, {DOMAIN_TYPES.get(gtype, hex(gtype))}")

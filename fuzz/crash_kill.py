@@ -70,8 +70,16 @@ def prepare(work: Path) -> dict:
     decompress(SAMPLE / "vm.save.zst", work / "vm.save")
     decompress(SAMPLE / "disk.img.zst", work / "disk.img")
     run("convert", work / "vm.save", "-o", work / "parent.lean")
-    run("convert", work / "vm.save", "-o", work / "child.lean", "--parent", work / "parent.lean",
-        "--disk", f"vda={work / 'disk.img'}")
+    run(
+        "convert",
+        work / "vm.save",
+        "-o",
+        work / "child.lean",
+        "--parent",
+        work / "parent.lean",
+        "--disk",
+        f"vda={work / 'disk.img'}",
+    )
     run("restore", work / "parent.lean", "--to", "raw", "-o", work / "memory.raw")
     out = work / "out"
     out.mkdir()
@@ -91,10 +99,14 @@ def prepare(work: Path) -> dict:
         durations[name] = time.perf_counter() - start
         for leftover in out.iterdir():
             leftover.unlink()
-    return dict(work=work, out=out, commands=commands, durations=durations,
-                inputs={p: sha256(p) for p in (work / "vm.save", work / "disk.img", work / "parent.lean",
-                                               work / "child.lean")},
-                references={"raw": sha256(work / "memory.raw"), "save": sha256(work / "vm.save")})
+    return dict(
+        work=work,
+        out=out,
+        commands=commands,
+        durations=durations,
+        inputs={p: sha256(p) for p in (work / "vm.save", work / "disk.img", work / "parent.lean", work / "child.lean")},
+        references={"raw": sha256(work / "memory.raw"), "save": sha256(work / "vm.save")},
+    )
 
 
 def check_output(setup: dict, args: list, kind: str, counts: Counter, problems: list) -> None:
@@ -104,7 +116,7 @@ def check_output(setup: dict, args: list, kind: str, counts: Counter, problems: 
         counts["output absent"] += 1
         return
     if kind == "image":
-        disk = args[args.index("--disk"):args.index("--disk") + 2] if "--disk" in args else []
+        disk = args[args.index("--disk") : args.index("--disk") + 2] if "--disk" in args else []
         valid = run("validate", output, *disk, check=False)
         raw = setup["out"] / "check.raw"
         restored = run("restore", output, "--to", "raw", "-o", raw, *disk, check=False)
@@ -169,8 +181,13 @@ def full_disk(setup: dict, counts: Counter, problems: list) -> None:
             proc = run(*args, check=False)
             err = proc.stderr.decode(errors="replace").strip()
             left = os.listdir(small)
-            clean = proc.returncode == 1 and len(err.splitlines()) == 1 and err.startswith("leanimg: error:") \
-                and "No space left" in err and not left
+            clean = (
+                proc.returncode == 1
+                and len(err.splitlines()) == 1
+                and err.startswith("leanimg: error:")
+                and "No space left" in err
+                and not left
+            )
             counts["ENOSPC: clean error, nothing left" if clean else "ENOSPC: NOT CLEAN"] += 1
             if not clean:
                 problems.append(f"ENOSPC {name}: exit {proc.returncode}, left {left}: {err[-300:]}")

@@ -33,8 +33,19 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 with atheris.instrument_imports(include=["leanimg"]):
-    from leanimg.hints import (CHECKSUM, HEADER, MAGIC, RECORD_HEAD, Guest, HintError, HintReader, check_against,
-                               check_hints, read_hints, resolve)
+    from leanimg.hints import (
+        CHECKSUM,
+        HEADER,
+        MAGIC,
+        RECORD_HEAD,
+        Guest,
+        HintError,
+        HintReader,
+        check_against,
+        check_hints,
+        read_hints,
+        resolve,
+    )
 
 import numpy as np  # noqa: E402
 import xxhash  # noqa: E402
@@ -42,10 +53,17 @@ import xxhash  # noqa: E402
 import harness  # noqa: E402  (not instrumented: fuzzing machinery)
 
 VECTORS = os.path.join(os.path.dirname(HERE), "tests", "vectors", "hints")
-GUESTS = [Guest(page_size=4096, source="qemu", regions={"pc.ram": 32768}, stream_length=1 << 20,
-                disks={"vda": 64 << 20}, parent_uuid=b"\x11" * 16),
-          Guest(page_size=4096, source="xen", regions={"xen-pfn": 4096}, stream_length=None, disks=None,
-                parent_known=False)]
+GUESTS = [
+    Guest(
+        page_size=4096,
+        source="qemu",
+        regions={"pc.ram": 32768},
+        stream_length=1 << 20,
+        disks={"vda": 64 << 20},
+        parent_uuid=b"\x11" * 16,
+    ),
+    Guest(page_size=4096, source="xen", regions={"xen-pfn": 4096}, stream_length=None, disks=None, parent_known=False),
+]
 
 
 class TrickleInput(io.RawIOBase):
@@ -60,7 +78,7 @@ class TrickleInput(io.RawIOBase):
 
     def readinto(self, buffer) -> int:
         n = min(len(buffer), self.step, len(self.data) - self.pos)
-        buffer[:n] = self.data[self.pos:self.pos + n]
+        buffer[:n] = self.data[self.pos : self.pos + n]
         self.pos += n
         return n
 
@@ -81,7 +99,7 @@ def with_checksums(data: bytes) -> bytes:
         end = at + RECORD_HEAD.size + length
         if end + CHECKSUM.size > len(out):
             break
-        out[end:end + CHECKSUM.size] = CHECKSUM.pack(xxhash.xxh3_64_intdigest(bytes(out[at:end])))
+        out[end : end + CHECKSUM.size] = CHECKSUM.pack(xxhash.xxh3_64_intdigest(bytes(out[at:end])))
         at = end + CHECKSUM.size
     return bytes(out)
 

@@ -74,7 +74,7 @@ def check(data: bytes) -> None:
     assert by_pipe[0] != "error", f"the pipe refused what the file accepted: {by_pipe}"
     assert by_pipe[0] == header, "file and pipe read different headers"
     assert as_file.tell() == header.payload_offset
-    assert data[:header.payload_offset] == header.raw
+    assert data[: header.payload_offset] == header.raw
     domain = libvirt.domain_of(header.xml)
     libvirt.details(header)
     assert "\n" not in libvirt.describe(header, domain), "describe is not one line"
@@ -89,9 +89,9 @@ def check(data: bytes) -> None:
         assert header.compression != libvirt.Compression.RAW, "a raw payload cannot fail to read"
         return
     if header.compression == libvirt.Compression.RAW:
-        assert rest == data[header.payload_offset:]
+        assert rest == data[header.payload_offset :]
     elif rest is None:
-        return                      # a decompression bomb: convert streams it, the harness does not
+        return  # a decompression bomb: convert streams it, the harness does not
     if harness.thorough(data, 64):
         check_convert(data, header)
 
@@ -123,33 +123,43 @@ def check_convert(data: bytes, header) -> None:
     out = io.BytesIO()
     with LeanImage.open(dest) as image:
         restore_libvirt(image, out)
-    assert out.getvalue()[:header.payload_offset] == header.raw, "restore changed libvirt's header"
-    if header.compression == libvirt.Compression.RAW:     # a compressed one starts with its program's magic
-        assert out.getvalue()[header.payload_offset:header.payload_offset + 4] == b"QEVM"
+    assert out.getvalue()[: header.payload_offset] == header.raw, "restore changed libvirt's header"
+    if header.compression == libvirt.Compression.RAW:  # a compressed one starts with its program's magic
+        assert out.getvalue()[header.payload_offset : header.payload_offset + 4] == b"QEVM"
     else:
         assert len(out.getvalue()) > header.payload_offset, "restore wrote no payload"
 
 
-def libvirt_file(payload: bytes, *, fmt: int = 0, was_running: int = 1, cookie: bool = True,
-                 padding: int = 64) -> bytes:
-    xml = (b"<domain type='qemu'><name>d</name><uuid>4dea22b3-1d52-d8f3-2516-782e98ab3fa0</uuid>"
-           b"<memory unit='KiB'>4</memory><os><type machine='pc-i440fx-7.2'>hvm</type></os>"
-           b"<devices><disk type='file' device='disk'><source file='/d.img'/><target dev='vda'/></disk>"
-           b"</devices></domain>\0")
+def libvirt_file(
+    payload: bytes, *, fmt: int = 0, was_running: int = 1, cookie: bool = True, padding: int = 64
+) -> bytes:
+    xml = (
+        b"<domain type='qemu'><name>d</name><uuid>4dea22b3-1d52-d8f3-2516-782e98ab3fa0</uuid>"
+        b"<memory unit='KiB'>4</memory><os><type machine='pc-i440fx-7.2'>hvm</type></os>"
+        b"<devices><disk type='file' device='disk'><source file='/d.img'/><target dev='vda'/></disk>"
+        b"</devices></domain>\0"
+    )
     data = xml + (b"<qemu-save-cookie/>\0" if cookie else b"") + bytes(padding)
-    return struct.pack("<16s5I56s", libvirt.MAGIC, 2, len(data), was_running, fmt,
-                       len(xml) if cookie else 0, bytes(56)) + data + payload
+    return (
+        struct.pack("<16s5I56s", libvirt.MAGIC, 2, len(data), was_running, fmt, len(xml) if cookie else 0, bytes(56))
+        + data
+        + payload
+    )
 
 
 def make_seeds(directory: str) -> list[str]:
     """A few small files: the smallest synthetic QEMU stream in raw, gzip and xz payloads."""
     import gzip
     import lzma
+
     stream = make_stream_corpus.qemu_seeds(real=False)["synthetic"]
-    seeds = {"raw": libvirt_file(stream), "paused_nocookie": libvirt_file(stream, was_running=0, cookie=False),
-             "gzip": libvirt_file(gzip.compress(stream, mtime=0), fmt=1),
-             "xz": libvirt_file(lzma.compress(stream, preset=3), fmt=3),
-             "partial": libvirt_file(stream).replace(libvirt.MAGIC, libvirt.PARTIAL_MAGIC, 1)}
+    seeds = {
+        "raw": libvirt_file(stream),
+        "paused_nocookie": libvirt_file(stream, was_running=0, cookie=False),
+        "gzip": libvirt_file(gzip.compress(stream, mtime=0), fmt=1),
+        "xz": libvirt_file(lzma.compress(stream, preset=3), fmt=3),
+        "partial": libvirt_file(stream).replace(libvirt.MAGIC, libvirt.PARTIAL_MAGIC, 1),
+    }
     return make_stream_corpus.write_seeds(seeds, directory, "libvirt")
 
 

@@ -59,8 +59,8 @@ import make_stream_corpus  # noqa: E402  (not instrumented: seed builder only)
 
 harness.small_refills()
 
-DIFF_RAM_MAX = 16 << 20     # restore differential only for guests with at most this much RAM
-MAPPED_RESTORE_MAX = 40 << 20   # restore to a mapped-ram BytesIO only when it is at most this large
+DIFF_RAM_MAX = 16 << 20  # restore differential only for guests with at most this much RAM
+MAPPED_RESTORE_MAX = 40 << 20  # restore to a mapped-ram BytesIO only when it is at most this large
 WRITER = {"threads": 1}
 
 SCRATCH = harness.work_dir("qemu")
@@ -97,15 +97,18 @@ def read_pages(stream, batch: bool):
 def expected_ram(pages: dict, state: qemu.StreamState) -> dict:
     """Digest of every page of every block: the last copy sent, zeros for pages never sent."""
     zero = _digest(bytes(state.page_size))
-    return {(b.name, off): pages.get((b.name, off), zero)
-            for b in state.ram_blocks for off in range(0, b.length, state.page_size)}
+    return {
+        (b.name, off): pages.get((b.name, off), zero)
+        for b in state.ram_blocks
+        for off in range(0, b.length, state.page_size)
+    }
 
 
 def check_load_stream(data: bytes, outcome) -> None:
     try:
         state, ram = qemu.load_stream(io.BytesIO(data), RUN)
     except LimitError:
-        return      # more RAM than this process may spool: a limit of the tool, not of the reader
+        return  # more RAM than this process may spool: a limit of the tool, not of the reader
     except LeanImageError as exc:
         assert outcome[0] == "error", f"load_stream refused what the reader accepted: {exc}"
         return
@@ -117,8 +120,9 @@ def check_load_stream(data: bytes, outcome) -> None:
             for block in state.ram_blocks:
                 content = ram.read(block.name)
                 for off in range(0, block.length, ps):
-                    assert _digest(content[off:off + ps]) == outcome[2][block.name, off], \
+                    assert _digest(content[off : off + ps]) == outcome[2][block.name, off], (
                         f"load_stream page {block.name!r}+{off:#x} differs"
+                    )
 
 
 def _ram_bytes(state: qemu.StreamState) -> int:
@@ -154,8 +158,9 @@ def is_mapped_ram(state: qemu.StreamState) -> bool:
 def mapped_file_size(state: qemu.StreamState) -> int:
     """At least the size of the mapped-ram file of ``state``'s blocks (each block's pages
     begin on the next 1 MiB boundary after its header and bitmap)."""
-    return sum(mapped_ram.ALIGNMENT + mapped_ram.bitmap_size(b.length // state.page_size) + b.length
-               for b in state.ram_blocks)
+    return sum(
+        mapped_ram.ALIGNMENT + mapped_ram.bitmap_size(b.length // state.page_size) + b.length for b in state.ram_blocks
+    )
 
 
 def check(data: bytes) -> None:
@@ -184,8 +189,9 @@ def check(data: bytes) -> None:
     if thorough:
         pipe = convert(io.BufferedReader(harness.Pipe(data)), "pipe.lean", refusals, spool=True)
         if mapped:
-            assert pipe is None and refusals["pipe.lean"] is UnsupportedError, \
+            assert pipe is None and refusals["pipe.lean"] is UnsupportedError, (
                 f"a mapped-ram file from a pipe: expected UnsupportedError, got {pipe or refusals['pipe.lean']}"
+            )
         else:
             images.append(pipe)
     if mapped:
@@ -215,16 +221,16 @@ def check_restore(images: list[str], state: qemu.StreamState, expected: dict, to
     check_restored(pages, back, state, expected, mapped=True)
 
 
-def check_restored(pages: dict, back: qemu.StreamState, state: qemu.StreamState, expected: dict,
-                   mapped: bool) -> None:
+def check_restored(pages: dict, back: qemu.StreamState, state: qemu.StreamState, expected: dict, mapped: bool) -> None:
     what = "restored mapped-ram file" if mapped else "restored stream"
     assert expected_ram(pages, back) == expected, f"{what}'s pages differ from the input's"
     assert back.devices == state.devices and back.vmdesc == state.vmdesc, f"{what}'s device state differs"
     assert back.ram_blocks == state.ram_blocks, f"{what}'s RAM blocks differ"
     assert is_mapped_ram(back) == mapped, f"{what}: capabilities {back.capabilities}"
     others = [c for c in back.capabilities if c != mapped_ram.CAPABILITY]
-    assert others == [c for c in state.capabilities if c != mapped_ram.CAPABILITY], \
+    assert others == [c for c in state.capabilities if c != mapped_ram.CAPABILITY], (
         f"{what}: capabilities {back.capabilities}, the input's {state.capabilities}"
+    )
 
 
 def make_seeds(directory: str) -> list[str]:

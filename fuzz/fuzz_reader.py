@@ -37,8 +37,15 @@ with atheris.instrument_imports(include=["leanimg"]):
     from leanimg.disks import open_disk
     from leanimg.errors import LeanImageError
     from leanimg.format import (
-    FOOTER, HEADER, HEADER_LENGTH_MAX, HEADER_MAGIC, RECORD_BODY_MAX, RECORD, align8, checksum64,
-)
+        FOOTER,
+        HEADER,
+        HEADER_LENGTH_MAX,
+        HEADER_MAGIC,
+        RECORD_BODY_MAX,
+        RECORD,
+        align8,
+        checksum64,
+    )
     from leanimg.inspect import summarize
     from leanimg.reader import LeanImage
     from leanimg.validate import validate
@@ -50,9 +57,8 @@ import xxhash  # noqa: E402
 
 DEFAULT_RUNS = 2000
 MEM_MB = 3072
-PAGES_READ_MAX = 4096        # read every page of images up to this size, sample bigger ones
+PAGES_READ_MAX = 4096  # read every page of images up to this size, sample bigger ones
 PAGES_SAMPLED = 64
-
 
 
 def _work_dir() -> str:
@@ -138,7 +144,7 @@ def fix_checksums(data: bytes) -> bytes:
     end = len(b) - FOOTER.size
     if length % 8 or not HEADER.size <= length <= min(HEADER_LENGTH_MAX, end):
         return data
-    b[HEADER.offset("header_checksum"):HEADER.offset("header_checksum") + 8] = bytes(8)
+    b[HEADER.offset("header_checksum") : HEADER.offset("header_checksum") + 8] = bytes(8)
     struct.pack_into("<Q", b, HEADER.offset("header_checksum"), checksum64(bytes(b[:length])))
     offset = length
     while offset + RECORD.struct.size <= end:
@@ -146,10 +152,10 @@ def fix_checksums(data: bytes) -> bytes:
         size = RECORD.struct.size + align8(body_length) + 8
         if body_length > RECORD_BODY_MAX or offset + size > end:
             break
-        struct.pack_into("<Q", b, offset + size - 8, checksum64(bytes(b[offset:offset + size - 8])))
+        struct.pack_into("<Q", b, offset + size - 8, checksum64(bytes(b[offset : offset + size - 8])))
         offset += size
     struct.pack_into("<Q16s", b, end + 16, len(b), xxhash.xxh3_128_digest(bytes(b[:end])))
-    struct.pack_into("<Q", b, end + 40, checksum64(bytes(b[end:end + 40])))
+    struct.pack_into("<Q", b, end + 40, checksum64(bytes(b[end : end + 40])))
     return bytes(b)
 
 
@@ -184,8 +190,10 @@ def _record(exc: Exception, data: bytes, fixed: bool) -> None:
     with open(base + ".input", "wb") as f:
         f.write(data)
     with open(base + ".txt", "w") as f:
-        f.write(f"signature: {sig}\nchecksums fixed by the harness: {fixed}\n"
-                f"replay: python fuzz/fuzz_reader.py --replay {base}.input\n\n")
+        f.write(
+            f"signature: {sig}\nchecksums fixed by the harness: {fixed}\n"
+            f"replay: python fuzz/fuzz_reader.py --replay {base}.input\n\n"
+        )
         f.write("".join(traceback.format_exception(exc)))
     print(f"\n*** new crash {sig} -> {base}.input", file=sys.stderr)
 

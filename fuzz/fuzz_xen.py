@@ -38,9 +38,20 @@ sys.path.insert(0, HERE)
 # keeps the operands of instrumented comparisons alive, and their numpy comparisons of whole page
 # tables piled up until a process reached its 3 GiB cap within 20,000 executions (the lean reader
 # has a harness of its own, fuzz_reader.py).
-LEAN_CORE = ["leanimg.format", "leanimg.incremental", "leanimg.reader", "leanimg.pages", "leanimg.checks",
-             "leanimg.digests", "leanimg.tables", "leanimg.frames", "leanimg.delta", "leanimg.parents",
-             "leanimg.writer", "leanimg.compression"]
+LEAN_CORE = [
+    "leanimg.format",
+    "leanimg.incremental",
+    "leanimg.reader",
+    "leanimg.pages",
+    "leanimg.checks",
+    "leanimg.digests",
+    "leanimg.tables",
+    "leanimg.frames",
+    "leanimg.delta",
+    "leanimg.parents",
+    "leanimg.writer",
+    "leanimg.compression",
+]
 
 with atheris.instrument_imports(include=["leanimg"], exclude=LEAN_CORE):
     from leanimg.converters import xen
@@ -74,7 +85,7 @@ def read_stream(path: str):
     def put(first: int, data) -> None:
         view = memoryview(data)
         for k in range(len(view) // xen.PAGE_SIZE):
-            pages[first + k] = xxhash.xxh3_128_digest(view[k * xen.PAGE_SIZE:(k + 1) * xen.PAGE_SIZE])
+            pages[first + k] = xxhash.xxh3_128_digest(view[k * xen.PAGE_SIZE : (k + 1) * xen.PAGE_SIZE])
 
     with open(path, "rb") as f:
         try:
@@ -93,7 +104,7 @@ def convert(source, name: str) -> str | None:
         convert_file(source, dest, source_format="xen", writer_options=WRITER)
     except LeanImageError as exc:
         assert not os.path.exists(dest), "a refused conversion left its output"
-        refusals.append((type(exc), str(exc)))    # not the exception: its traceback holds the scan's tables
+        refusals.append((type(exc), str(exc)))  # not the exception: its traceback holds the scan's tables
         return None
     return dest
 
@@ -125,8 +136,9 @@ def check(data: bytes) -> None:
     if original is None:
         assert not converted[0], "conversion accepted what scan refused"
     elif not converted[0]:
-        assert all(issubclass(kind, LimitError) for kind, _ in refusals), \
-            f"conversion refused what scan read: {refusals[0][1]}"    # a resource limit is no format error
+        assert all(issubclass(kind, LimitError) for kind, _ in refusals), (
+            f"conversion refused what scan read: {refusals[0][1]}"
+        )  # a resource limit is no format error
     else:
         check_restore(images, data, *original)
 

@@ -30,7 +30,7 @@ from typing import Callable
 
 DEFAULT_RUNS = 2000
 MEM_MB = 3072
-TIMEOUT_S = 60          # libFuzzer -timeout: one input running longer is a hang
+TIMEOUT_S = 60  # libFuzzer -timeout: one input running longer is a hang
 
 
 def work_dir(tag: str) -> str:
@@ -41,7 +41,7 @@ def work_dir(tag: str) -> str:
     base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
     prefix = f"leanimg-fuzz-{tag}-"
     for name in os.listdir(base):
-        pid = name[len(prefix):]
+        pid = name[len(prefix) :]
         if name.startswith(prefix) and pid.isdigit():
             try:
                 os.kill(int(pid), 0)
@@ -69,6 +69,7 @@ def small_refills(chunk: int = 64 << 10) -> None:
     4 MiB buffer per input dominated the cost of small inputs, and small refills put buffer
     boundaries inside the inputs, where the batch reader's runs must stop and resume."""
     from leanimg.converters.cursor import Cursor
+
     Cursor.__init__.__kwdefaults__["chunk"] = chunk
 
 
@@ -155,12 +156,14 @@ class Fuzzer:
                 bugs += 1
                 print(f"=== {path}", file=sys.stderr)
                 traceback.print_exc()
-        print(f"{len(paths)} inputs, {bugs} raised something other than LeanImageError "
-              "or failed a check", file=sys.stderr)
+        print(
+            f"{len(paths)} inputs, {bugs} raised something other than LeanImageError or failed a check", file=sys.stderr
+        )
         return 1 if bugs else 0
 
     def main(self, argv: list[str], scratch: str) -> int:
         import atheris
+
         mb = limit_memory()
         if len(argv) > 1 and argv[1] == "--replay":
             return self.replay(argv[2:])

@@ -58,7 +58,7 @@ def build_fixtures(directory: str) -> tuple[str, str]:
 def _parent_link(parent_path: str) -> ParentLink:
     with open(parent_path, "rb") as f:
         data = f.read()
-    return ParentLink(PARENT_UUID, data[-48 + 24:-48 + 40])   # footer image_digest
+    return ParentLink(PARENT_UUID, data[-48 + 24 : -48 + 40])  # footer image_digest
 
 
 def seeds(parent_path: str) -> dict[str, callable]:
@@ -85,10 +85,10 @@ def seeds(parent_path: str) -> dict[str, callable]:
     def with_disk(path):
         disk = disk_bytes()
         with LeanImageWriter(path, threads=1, image_uuid=b"\x02" * 16) as w:
-            d = w.add_disk(DISK_NAME, len(disk), disk_fingerprint(lambda o, n: disk[o:o + n], len(disk)))
+            d = w.add_disk(DISK_NAME, len(disk), disk_fingerprint(lambda o, n: disk[o : o + n], len(disk)))
             r = w.add_region("ram", 5 * PS)
             for page, disk_page in ((0, 3), (1, 4), (3, 0)):
-                content = disk[disk_page * PS:(disk_page + 1) * PS]
+                content = disk[disk_page * PS : (disk_page + 1) * PS]
                 w.put_disk(r, page, d, disk_page * PS // DISK_SECTOR_SIZE, page_digest(content))
             w.put_pages(r, 2, _text_page(rng, 6))
             w.put_free(r, 4)
@@ -100,7 +100,7 @@ def seeds(parent_path: str) -> dict[str, callable]:
             w.put_parent(r, 0, b"".join(page_digest(p) for p in pages[:4]))
             for k in range(4, 8):
                 new = bytearray(pages[k])
-                new[8 * k:8 * k + 8] = b"changed!"
+                new[8 * k : 8 * k + 8] = b"changed!"
                 w.put_changed(r, k, pages[k], bytes(new))
             w.put_pages(r, 8, rng.bytes(PS) + bytes(PS))
             w.put_parent(r, 10, b"".join(page_digest(p) for p in pages[10:12]))
@@ -111,8 +111,7 @@ def seeds(parent_path: str) -> dict[str, callable]:
             w.put_pages(r, 0, bytes(16384) + rng.bytes(16384))
             w.put_free(r, 2)
 
-    return dict(plain=plain, regions_and_state=regions_and_state, with_disk=with_disk, child=child,
-                big_page=big_page)
+    return dict(plain=plain, regions_and_state=regions_and_state, with_disk=with_disk, child=child, big_page=big_page)
 
 
 def make_corpus(directory: str) -> list[str]:

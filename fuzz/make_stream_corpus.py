@@ -53,6 +53,7 @@ MAPPED_SEED_MAX = 64 << 10
 
 # ---------------------------------------------------------------------------- QEMU
 
+
 def _pages(seed: int, count: int, page_size: int = PS) -> bytes:
     """Pages of mixed content: zeros, small integers (compressible), random bytes."""
     rng = np.random.default_rng(seed)
@@ -69,8 +70,13 @@ def _pages(seed: int, count: int, page_size: int = PS) -> bytes:
 
 
 def _prologue(machine: bytes = b"pc-i440fx-7.2", subsections: bytes = b"") -> bytes:
-    return struct.pack(">II", q.QEVM_MAGIC, q.QEVM_VERSION) + bytes([q.CONFIGURATION]) + \
-        struct.pack(">I", len(machine)) + machine + subsections
+    return (
+        struct.pack(">II", q.QEVM_MAGIC, q.QEVM_VERSION)
+        + bytes([q.CONFIGURATION])
+        + struct.pack(">I", len(machine))
+        + machine
+        + subsections
+    )
 
 
 def _subsection(name: str, version: int, body: bytes) -> bytes:
@@ -78,13 +84,23 @@ def _subsection(name: str, version: int, body: bytes) -> bytes:
 
 
 def _synthetic_state(blocks, *, prologue=None, page_size=PS, vmdesc=True, capabilities=()):
-    devices = [q.DeviceSection(q.FULL, q.SectionHeader(3, "timer", 0, 2), b"\x01" * 24),
-               q.DeviceSection(q.FULL, q.SectionHeader(4, "cpu", 0, 5), bytes(range(64)) + b"\x7e\0\0\0\x04")]
+    devices = [
+        q.DeviceSection(q.FULL, q.SectionHeader(3, "timer", 0, 2), b"\x01" * 24),
+        q.DeviceSection(q.FULL, q.SectionHeader(4, "cpu", 0, 5), bytes(range(64)) + b"\x7e\0\0\0\x04"),
+    ]
     desc = {"page_size": page_size, "devices": [{"name": d.header.idstr, "instance_id": 0} for d in devices]}
-    return q.StreamState(prologue=prologue or _prologue(), machine="pc-i440fx-7.2", page_size=page_size,
-                         capabilities=capabilities, ram=q.SectionHeader(2, "ram", 0, 4), ram_blocks=tuple(blocks),
-                         ram_plan=[], footers=True, devices=devices,
-                         vmdesc=json.dumps(desc).encode() if vmdesc else None)
+    return q.StreamState(
+        prologue=prologue or _prologue(),
+        machine="pc-i440fx-7.2",
+        page_size=page_size,
+        capabilities=capabilities,
+        ram=q.SectionHeader(2, "ram", 0, 4),
+        ram_blocks=tuple(blocks),
+        ram_plan=[],
+        footers=True,
+        devices=devices,
+        vmdesc=json.dumps(desc).encode() if vmdesc else None,
+    )
 
 
 def _write(state: q.StreamState, contents: dict[str, bytes]) -> bytes:
@@ -97,17 +113,20 @@ def synthetic_save(ram: bytes, *, vmdesc=True, page_size=PS, extra_blocks=()) ->
     """Our writer's save of ``ram`` in "pc.ram" plus ``extra_blocks`` ((name, bytes), ...)."""
     contents = {"pc.ram": ram, **dict(extra_blocks)}
     blocks = [q.RamBlock(name, len(data)) for name, data in contents.items()]
-    prologue = _prologue(subsections=_subsection("configuration/target-page-bits", 1,
-                                                 struct.pack(">I", page_size.bit_length() - 1))
-                         if page_size != PS else b"")
+    prologue = _prologue(
+        subsections=_subsection("configuration/target-page-bits", 1, struct.pack(">I", page_size.bit_length() - 1))
+        if page_size != PS
+        else b""
+    )
     return _write(_synthetic_state(blocks, prologue=prologue, page_size=page_size, vmdesc=vmdesc), contents)
 
 
 def ignore_shared_save() -> bytes:
-    caps = _subsection("configuration/capabilities", 1,
-                       struct.pack(">I", 1) + bytes([len("x-ignore-shared")]) + b"x-ignore-shared")
+    caps = _subsection(
+        "configuration/capabilities", 1, struct.pack(">I", 1) + bytes([len("x-ignore-shared")]) + b"x-ignore-shared"
+    )
     contents = {"pc.ram": _pages(5, 6), "vga.vram": _pages(6, 2)}
-    blocks = [q.RamBlock("pc.ram", 6 * PS, 0x7f0000000000), q.RamBlock("vga.vram", 2 * PS, 0x7f1000000000)]
+    blocks = [q.RamBlock("pc.ram", 6 * PS, 0x7F0000000000), q.RamBlock("vga.vram", 2 * PS, 0x7F1000000000)]
     state = _synthetic_state(blocks, prologue=_prologue(subsections=caps), capabilities=("x-ignore-shared",))
     return _write(state, contents)
 
@@ -131,11 +150,17 @@ def live_save(*, xbzrle: bool = False) -> bytes:
     out += struct.pack(">Q", q.F_EOS) + bytes([q.FOOTER]) + struct.pack(">I", 2)
 
     def part(entries: bytes) -> bytes:
-        return bytes([q.PART]) + struct.pack(">I", 2) + entries + struct.pack(">Q", q.F_EOS) + \
-            bytes([q.FOOTER]) + struct.pack(">I", 2)
+        return (
+            bytes([q.PART])
+            + struct.pack(">I", 2)
+            + entries
+            + struct.pack(">Q", q.F_EOS)
+            + bytes([q.FOOTER])
+            + struct.pack(">I", 2)
+        )
 
     first = _entry(0, q.F_PAGE, "pc.ram", pages[:PS])
-    first += b"".join(_entry(k * PS, q.F_PAGE, None, pages[k * PS:(k + 1) * PS]) for k in range(1, 6))
+    first += b"".join(_entry(k * PS, q.F_PAGE, None, pages[k * PS : (k + 1) * PS]) for k in range(1, 6))
     first += _entry(0, q.F_ZERO, "pc.bios", b"\x5a") + _entry(PS, q.F_ZERO, None, b"\0")
     again = _entry(2 * PS, q.F_PAGE, "pc.ram", _pages(10, 1)) + _entry(3 * PS, q.F_ZERO, None, b"\0")
     if xbzrle:
@@ -143,8 +168,14 @@ def live_save(*, xbzrle: bool = False) -> bytes:
     else:
         again += _entry(4 * PS, q.F_PAGE, None, _pages(11, 1))
     out += part(first) + part(again)
-    out += bytes([q.END]) + struct.pack(">I", 2) + _entry(7 * PS, q.F_PAGE, "pc.ram", pages[7 * PS:]) + \
-        struct.pack(">Q", q.F_EOS) + bytes([q.FOOTER]) + struct.pack(">I", 2)
+    out += (
+        bytes([q.END])
+        + struct.pack(">I", 2)
+        + _entry(7 * PS, q.F_PAGE, "pc.ram", pages[7 * PS :])
+        + struct.pack(">Q", q.F_EOS)
+        + bytes([q.FOOTER])
+        + struct.pack(">I", 2)
+    )
     state = _synthetic_state([])
     for device in state.devices:
         out += device.to_bytes(True)
@@ -164,8 +195,14 @@ def _compact_slots(page_size: int):
         mapped_ram.ALIGNMENT = saved
 
 
-def mapped_ram_save(contents: dict[str, bytes], *, page_size: int = PS, addrs: dict[str, int] | None = None,
-                    plan=None, empty_last: bool = False) -> bytes:
+def mapped_ram_save(
+    contents: dict[str, bytes],
+    *,
+    page_size: int = PS,
+    addrs: dict[str, int] | None = None,
+    plan=None,
+    empty_last: bool = False,
+) -> bytes:
     """A mapped-ram file of ``contents`` (block name -> bytes) written by our writer
     (write_qemu_stream(mapped=True)), compact. ``addrs``: the blocks' addresses, with the
     capability x-ignore-shared; ``plan``: the RAM sections and commands after START (EOS only);
@@ -178,8 +215,9 @@ def mapped_ram_save(contents: dict[str, bytes], *, page_size: int = PS, addrs: d
     caps = ("x-ignore-shared",) if addrs else ()
     if caps:
         subsections += _subsection("configuration/capabilities", 1, struct.pack(">I", 1) + _name(caps[0]))
-    state = _synthetic_state(blocks, prologue=_prologue(subsections=subsections), page_size=page_size,
-                             capabilities=caps)
+    state = _synthetic_state(
+        blocks, prologue=_prologue(subsections=subsections), page_size=page_size, capabilities=caps
+    )
     if plan is not None:
         state = dataclasses.replace(state, ram_plan=[(q.START, 0), *plan])
     out = io.BytesIO()
@@ -188,14 +226,19 @@ def mapped_ram_save(contents: dict[str, bytes], *, page_size: int = PS, addrs: d
         data = out.getvalue()
         if empty_last:
             last = blocks[-1]
-            entry = _name(last.name) + struct.pack(">Q", last.length) + \
-                (struct.pack(">Q", last.addr or 0) if addrs else b"")
+            entry = (
+                _name(last.name)
+                + struct.pack(">Q", last.length)
+                + (struct.pack(">Q", last.addr or 0) if addrs else b"")
+            )
             header_at = data.index(entry) + len(entry)
             layout = mapped_ram.layout_at(last.name, last.length, page_size, header_at)
-            data = data[:header_at] + mapped_ram.HEADER.pack(mapped_ram.VERSION, page_size, 0, 0) + data[layout.end:]
+            data = data[:header_at] + mapped_ram.HEADER.pack(mapped_ram.VERSION, page_size, 0, 0) + data[layout.end :]
     if len(data) >= MAPPED_SEED_MAX:
-        raise AssertionError(f"a mapped-ram seed of {len(data)} bytes: did the writer stop using "
-                             "mapped_ram.ALIGNMENT? (seeds are to stay compact)")
+        raise AssertionError(
+            f"a mapped-ram seed of {len(data)} bytes: did the writer stop using "
+            "mapped_ram.ALIGNMENT? (seeds are to stay compact)"
+        )
     return data
 
 
@@ -204,17 +247,21 @@ def _name(name: str) -> bytes:
 
 
 def mapped_ram_seeds() -> dict[str, bytes]:
-    ram = _pages(21, 4)                       # zero, small integers, random, zero
-    ram = ram[:3 * PS] + bytes(PS)
+    ram = _pages(21, 4)  # zero, small integers, random, zero
+    ram = ram[: 3 * PS] + bytes(PS)
     return {
         "mapped_ram": mapped_ram_save({"pc.ram": ram, "vga.vram": _pages(22, 2)[::-1], "pc.bios": bytes(PS)}),
         "mapped_ram_ignore_shared": mapped_ram_save(
             {"pc.ram": _pages(23, 3), "vga.vram": bytes(2 * PS)},
-            addrs={"pc.ram": 0x7f0000000000, "vga.vram": 0x7f1000000000}, empty_last=True),
-        "mapped_ram_16k_pages": mapped_ram_save({"pc.ram": _pages(24, 2, 16384)[16384:] + bytes(16384)},
-                                                page_size=16384),
-        "mapped_ram_sections": mapped_ram_save({"pc.ram": _pages(25, 3)},
-                                               plan=[(q.PART, 0), (q.COMMAND, q.CMD_SWITCHOVER_START), (q.END, 0)]),
+            addrs={"pc.ram": 0x7F0000000000, "vga.vram": 0x7F1000000000},
+            empty_last=True,
+        ),
+        "mapped_ram_16k_pages": mapped_ram_save(
+            {"pc.ram": _pages(24, 2, 16384)[16384:] + bytes(16384)}, page_size=16384
+        ),
+        "mapped_ram_sections": mapped_ram_save(
+            {"pc.ram": _pages(25, 3)}, plan=[(q.PART, 0), (q.COMMAND, q.CMD_SWITCHOVER_START), (q.END, 0)]
+        ),
     }
 
 
@@ -255,8 +302,9 @@ def qemu_seeds(real: bool = True) -> dict[str, bytes]:
     seeds = {
         "synthetic": synthetic_save(_pages(1, 6)),
         "synthetic_no_vmdesc": synthetic_save(_pages(2, 3), vmdesc=False),
-        "synthetic_blocks": synthetic_save(_pages(3, 5), extra_blocks=(("vga.vram", _pages(4, 3)),
-                                                                     ("pc.bios", bytes(PS)))),
+        "synthetic_blocks": synthetic_save(
+            _pages(3, 5), extra_blocks=(("vga.vram", _pages(4, 3)), ("pc.bios", bytes(PS)))
+        ),
         "synthetic_16k_pages": synthetic_save(_pages(12, 2, 16384), page_size=16384),
         "ignore_shared": ignore_shared_save(),
         "live_resend": live_save(),
@@ -274,6 +322,7 @@ def qemu_seeds(real: bool = True) -> dict[str, bytes]:
 
 # ---------------------------------------------------------------------------- Xen
 
+
 def _xen_streams_module():
     sys.path.insert(0, str(ROOT / "tests"))
     try:
@@ -289,8 +338,15 @@ def xen_seeds() -> dict[str, bytes]:
     for domain, dname in ((xs.HVM, "hvm"), (xs.PV, "pv")):
         for version in (2, 3):
             for checkpoints in (0, 2):
-                guest = xs.make_guest(domain, num_pfns=16, seed=version * 10 + checkpoints, holes=((6, 8),),
-                                      checkpoints=checkpoints, batch=4, version=version)
+                guest = xs.make_guest(
+                    domain,
+                    num_pfns=16,
+                    seed=version * 10 + checkpoints,
+                    holes=((6, 8),),
+                    checkpoints=checkpoints,
+                    batch=4,
+                    version=version,
+                )
                 for form in ("xl", "xl-libxc", "libxl", "libxc"):
                     name = f"{form}_{dname}_v{version}" + (f"_ckpt{checkpoints}" if checkpoints else "")
                     seeds[name] = xs.build_stream(guest, xs.StreamOptions(form=form))

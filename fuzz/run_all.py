@@ -37,23 +37,28 @@ sys.path.insert(0, str(HERE))
 
 def _reader_seeds(directory: str) -> None:
     import make_corpus
+
     make_corpus.make_corpus(directory)
 
 
 def _stream_seeds(kind: str):
     def write(directory: str) -> None:
         import make_stream_corpus
+
         make_stream_corpus.make_corpus(kind, directory)
+
     return write
 
 
 def _hint_seeds(directory: str) -> None:
     import fuzz_hints
+
     fuzz_hints.make_seeds(directory)
 
 
 def _libvirt_seeds(directory: str) -> None:
     import fuzz_libvirt
+
     fuzz_libvirt.make_seeds(directory)
 
 
@@ -70,8 +75,9 @@ STAT = re.compile(r"^stat::(\w+):\s+(\d+)")
 DONE = re.compile(r"^Done (\d+) (?:runs )?in (\d+) second")
 
 
-def start(name: str, runs: int, workdir: Path, seed: int, extra: list[str],
-          segment: int = 0) -> tuple[subprocess.Popen, Path]:
+def start(
+    name: str, runs: int, workdir: Path, seed: int, extra: list[str], segment: int = 0
+) -> tuple[subprocess.Popen, Path]:
     script, write_seeds = HARNESSES[name]
     base = workdir / name
     corpus, crashes = base / "corpus", base / "crashes"
@@ -80,8 +86,19 @@ def start(name: str, runs: int, workdir: Path, seed: int, extra: list[str],
         write_seeds(str(corpus))
     log = base / (f"fuzz-{segment}.log" if segment else "fuzz.log")
     env = dict(os.environ, LEANIMG_FUZZ_CRASH_DIR=str(crashes))
-    cmd = ["nice", "-n", "19", sys.executable, str(HERE / script), str(corpus), f"-atheris_runs={runs}",
-           f"-seed={seed}", "-print_final_stats=1", f"-artifact_prefix={crashes}/", *extra]
+    cmd = [
+        "nice",
+        "-n",
+        "19",
+        sys.executable,
+        str(HERE / script),
+        str(corpus),
+        f"-atheris_runs={runs}",
+        f"-seed={seed}",
+        "-print_final_stats=1",
+        f"-artifact_prefix={crashes}/",
+        *extra,
+    ]
     with open(log, "w") as out:
         out.write(" ".join(cmd) + "\n")
         out.flush()
@@ -100,19 +117,31 @@ def summarize(name: str, returncode: int, log: Path, seconds: float, workdir: Pa
             done = int(m.group(1))
     crashes = sorted(p.stem for p in (workdir / name / "crashes").glob("*.input"))
     executions = stats.get("number_of_executed_units", done or (int(status.group(1)) if status else 0))
-    return dict(name=name, executions=executions, seconds=seconds,
-                rate=stats.get("average_exec_per_sec", executions / seconds if seconds else 0.0),
-                cov=int(status.group(2)) if status else None, ft=int(status.group(3)) if status else None,
-                corpus=int(status.group(4)) if status else None, crashes=crashes,
-                finished=returncode == 0 and done is not None, returncode=returncode, log=log)
+    return dict(
+        name=name,
+        executions=executions,
+        seconds=seconds,
+        rate=stats.get("average_exec_per_sec", executions / seconds if seconds else 0.0),
+        cov=int(status.group(2)) if status else None,
+        ft=int(status.group(3)) if status else None,
+        corpus=int(status.group(4)) if status else None,
+        crashes=crashes,
+        finished=returncode == 0 and done is not None,
+        returncode=returncode,
+        log=log,
+    )
 
 
 def report(results: list[dict]) -> None:
-    print(f"{'harness':8} {'executions':>11} {'seconds':>8} {'exec/s':>7} {'cov':>6} {'ft':>7} {'corpus':>6} {'crashes':>7}  finished")
+    print(
+        f"{'harness':8} {'executions':>11} {'seconds':>8} {'exec/s':>7} {'cov':>6} {'ft':>7} {'corpus':>6} {'crashes':>7}  finished"
+    )
     for r in results:
-        print(f"{r['name']:8} {r['executions']:>11} {r['seconds']:>8.0f} {r['rate']:>7.1f} {r['cov'] or '-':>6} {r['ft'] or '-':>7} "
-              f"{r['corpus'] or '-':>6} {len(r['crashes']):>7}  "
-              f"{'yes' if r['finished'] else 'NO (exit %d, see %s)' % (r['returncode'], r['log'])}")
+        print(
+            f"{r['name']:8} {r['executions']:>11} {r['seconds']:>8.0f} {r['rate']:>7.1f} {r['cov'] or '-':>6} {r['ft'] or '-':>7} "
+            f"{r['corpus'] or '-':>6} {len(r['crashes']):>7}  "
+            f"{'yes' if r['finished'] else 'NO (exit %d, see %s)' % (r['returncode'], r['log'])}"
+        )
         for crash in r["crashes"]:
             print(f"    crash: {crash}")
 
@@ -124,8 +153,14 @@ def run_harness(name: str, options) -> dict:
     parts, done, k = [], 0, 0
     while done < options.runs:
         runs = min(options.segment or options.runs, options.runs - done)
-        proc, log = start(name, runs, options.workdir, options.seed + k, options.libfuzzer,
-                          segment=k + 1 if options.segment and options.segment < options.runs else 0)
+        proc, log = start(
+            name,
+            runs,
+            options.workdir,
+            options.seed + k,
+            options.libfuzzer,
+            segment=k + 1 if options.segment and options.segment < options.runs else 0,
+        )
         part = _finish(name, proc, log, time.monotonic(), options.workdir)
         parts.append(part)
         if not part["finished"] or part["executions"] == 0:
@@ -139,25 +174,37 @@ def _combined(parts: list[dict]) -> dict:
     last = parts[-1]
     executions = sum(p["executions"] for p in parts)
     seconds = sum(p["seconds"] for p in parts)
-    return dict(last, executions=executions, seconds=seconds, rate=executions / seconds if seconds else 0.0,
-                finished=all(p["finished"] for p in parts), segments=len(parts))
+    return dict(
+        last,
+        executions=executions,
+        seconds=seconds,
+        rate=executions / seconds if seconds else 0.0,
+        finished=all(p["finished"] for p in parts),
+        segments=len(parts),
+    )
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=1_000_000, help="executions per harness")
-    parser.add_argument("--harness", action="append", choices=sorted(HARNESSES),
-                        help="run only these (repeatable); default: all")
+    parser.add_argument(
+        "--harness", action="append", choices=sorted(HARNESSES), help="run only these (repeatable); default: all"
+    )
     parser.add_argument("--workdir", type=Path, default=Path("/var/tmp/leanimg-fuzz"))
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--parallel", action="store_true", help="run the harnesses at the same time")
-    parser.add_argument("--segment", type=int, default=200_000,
-                        help="executions per fuzzer process (default 200000; 0: one process for all --runs)")
+    parser.add_argument(
+        "--segment",
+        type=int,
+        default=200_000,
+        help="executions per fuzzer process (default 200000; 0: one process for all --runs)",
+    )
     parser.add_argument("libfuzzer", nargs="*", help="extra libFuzzer flags, after --")
     options = parser.parse_args()
     names = options.harness or list(HARNESSES)
     if options.parallel:
         from concurrent.futures import ThreadPoolExecutor
+
         with ThreadPoolExecutor(max_workers=len(names)) as pool:
             results = list(pool.map(lambda name: run_harness(name, options), names))
     else:

@@ -15,7 +15,7 @@ def joined(tables: list[np.ndarray]) -> np.ndarray:
     span = _adjacent_span(tables)
     if span is not None:
         return span
-    if sum(t.nbytes for t in tables) < SMALL_TABLES_BYTES:     # a view of each costs more than copying twice
+    if sum(t.nbytes for t in tables) < SMALL_TABLES_BYTES:  # a view of each costs more than copying twice
         return np.frombuffer(b"".join([t.tobytes() for t in tables]), tables[0].dtype)
     return np.concatenate([np.ascontiguousarray(t).view(np.uint8) for t in tables]).view(tables[0].dtype)
 
@@ -26,18 +26,18 @@ SMALL_TABLES_BYTES = 64 << 10
 def _adjacent_span(tables: list[np.ndarray]) -> np.ndarray | None:
     """A read-only view of the bytes ``tables`` cover, if they are contiguous views of one
     array, each starting where the one before ends; else None."""
-    dtype, tables = tables[0].dtype, [t for t in tables if len(t)]      # an empty slice may point anywhere
+    dtype, tables = tables[0].dtype, [t for t in tables if len(t)]  # an empty slice may point anywhere
     owner = tables[0].base if tables else None
     if owner is None or not isinstance(owner, np.ndarray) or not owner.flags.c_contiguous:
         return None
-    at = owner.ctypes.data            # (a structured array's __array_interface__ costs ~5 us to build)
+    at = owner.ctypes.data  # (a structured array's __array_interface__ costs ~5 us to build)
     end = tables[0].ctypes.data
     start = end
     for t in tables:
         if t.base is not owner or not t.flags.c_contiguous or t.dtype != dtype or t.ctypes.data != end:
             return None
         end += t.nbytes
-    span = owner.reshape(-1).view(np.uint8)[start - at:end - at].view(dtype)
+    span = owner.reshape(-1).view(np.uint8)[start - at : end - at].view(dtype)
     span.flags.writeable = False
     return span
 

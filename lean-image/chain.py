@@ -24,36 +24,50 @@ from .delta import parse_index_lists
 from .digests import verify_rows
 from .errors import ChainError, LeanImageError
 from .format import (
-    CHAIN_DEPTH_MAX, DELTA_FRAME_BODY, DIGEST_SIZE, FRAME_PAGES_MAX_BYTES, IS_CONCRETE, NO_KEY, RECORD,
-    RECORD_BODY_MAX, RECORD_TRAILER,
-    PageClass, RecordType, align8, checksum64, page_items, record_size, row_digests, zero_page_digest,
+    CHAIN_DEPTH_MAX,
+    DELTA_FRAME_BODY,
+    DIGEST_SIZE,
+    FRAME_PAGES_MAX_BYTES,
+    IS_CONCRETE,
+    NO_KEY,
+    RECORD,
+    RECORD_BODY_MAX,
+    RECORD_TRAILER,
+    PageClass,
+    RecordType,
+    align8,
+    checksum64,
+    page_items,
+    record_size,
+    row_digests,
+    zero_page_digest,
 )
 from .frames import FrameBuffers
 from . import pages as page_module
 from .rules import implements
 
-from .native import backend as _native      # the fold in one pass over the extents (None: numpy)
+from .native import backend as _native  # the fold in one pass over the extents (None: numpy)
 
 
 @dataclass
 class Resolution:
-    links: list                 # [link 0, link 1, ...] LeanImage objects
-    regions: list               # the region of the same name in each link (None past its end)
-    base_link: np.ndarray       # per page: index of the link holding the base bytes
-    base_class: np.ndarray      # per page: class of the base (STORED, ZERO, FREE, DISK)
-    base_slot: np.ndarray       # per page: slot of the base in its link
-    delta_pages: np.ndarray     # delta entries to apply, sorted by page then deepest link first
+    links: list  # [link 0, link 1, ...] LeanImage objects
+    regions: list  # the region of the same name in each link (None past its end)
+    base_link: np.ndarray  # per page: index of the link holding the base bytes
+    base_class: np.ndarray  # per page: class of the base (STORED, ZERO, FREE, DISK)
+    base_slot: np.ndarray  # per page: slot of the base in its link
+    delta_pages: np.ndarray  # delta entries to apply, sorted by page then deepest link first
     delta_links: np.ndarray
     delta_slots: np.ndarray
-    digest_link: np.ndarray     # per page: the nearest link whose own digest is the page's (spec §10.2)
-    base_frame: np.ndarray      # per page: the PAGE_FRAME of its base link holding it (-1: base not STORED)
-    delta_frames: np.ndarray    # per delta entry: the DELTA_FRAME of its link holding it
-    digest_class: np.ndarray    # per page: its class in its digest link
-    digest_rank: np.ndarray     # per page: the rank of its digest in its digest link's DIGESTS (-1: none)
+    digest_link: np.ndarray  # per page: the nearest link whose own digest is the page's (spec §10.2)
+    base_frame: np.ndarray  # per page: the PAGE_FRAME of its base link holding it (-1: base not STORED)
+    delta_frames: np.ndarray  # per delta entry: the DELTA_FRAME of its link holding it
+    digest_class: np.ndarray  # per page: its class in its digest link
+    digest_rank: np.ndarray  # per page: the rank of its digest in its digest link's DIGESTS (-1: none)
     _stored: "_StoredPages | None" = field(default=None, repr=False)
     _patches: "_DeltaPatches | None" = field(default=None, repr=False)
     _chain_patches: "_ChainPatches | None" = field(default=None, repr=False)
-    deltas_ahead: dict | None = field(default=None, repr=False)     # parse_deltas_ahead's, until used
+    deltas_ahead: dict | None = field(default=None, repr=False)  # parse_deltas_ahead's, until used
 
     def delta_patches(self) -> "_DeltaPatches":
         """The deltas that apply, as word patches per DELTA_FRAME (built on first use)."""
@@ -74,7 +88,7 @@ class Resolution:
         return self._stored
 
 
-FOLD_ENTRIES = 1 << 22       # own pages laid end to end at once (~50 bytes each while folded)
+FOLD_ENTRIES = 1 << 22  # own pages laid end to end at once (~50 bytes each while folded)
 
 
 @implements("LI-CHN-004")
@@ -97,22 +111,39 @@ def resolve(image, region) -> Resolution:
     fold_own = _fold_own_pages_numpy if _native is None else _fold_own_pages_native
     delta_pages, delta_links, delta_slots = fold_own(fold, extents, inherits)
     for d in present:
-        if not inherits[d]:                           # 1.0: every page has its own digest
+        if not inherits[d]:  # 1.0: every page has its own digest
             fold.take_whole(d, regions[d])
     base_link, base_class, base_slot = fold.result("base")
     unresolved = np.flatnonzero(base_link < 0)
     if len(unresolved):
         page = int(unresolved[0])
-        raise ChainError(f"region {region.name!r} page {page} has no base in any link of the chain "
-                         f"({len(links)} links)", rule="LI-CHN-004", structure=f"region[{region.region_id}]")
+        raise ChainError(
+            f"region {region.name!r} page {page} has no base in any link of the chain ({len(links)} links)",
+            rule="LI-CHN-004",
+            structure=f"region[{region.region_id}]",
+        )
     base_frame = np.full(n, -1, np.int64)
     stored = np.flatnonzero(base_class == PageClass.STORED)
-    base_frame[stored] = _frames_of([links[d].frames.page_frames for d in present], present,
-                                    base_link[stored], base_slot[stored])
+    base_frame[stored] = _frames_of(
+        [links[d].frames.page_frames for d in present], present, base_link[stored], base_slot[stored]
+    )
     digest_link, digest_class, digest_rank = fold.result("digest")
     dframes = _frames_of([links[d].frames.delta_frames for d in present], present, delta_links, delta_slots)
-    return Resolution(links, regions, base_link, base_class, base_slot, delta_pages, delta_links, delta_slots,
-                      digest_link, base_frame, dframes, digest_class, digest_rank)
+    return Resolution(
+        links,
+        regions,
+        base_link,
+        base_class,
+        base_slot,
+        delta_pages,
+        delta_links,
+        delta_slots,
+        digest_link,
+        base_frame,
+        dframes,
+        digest_class,
+        digest_rank,
+    )
 
 
 def _fold_own_pages_numpy(fold: "_Fold", extents: tuple, inherits: np.ndarray) -> tuple:
@@ -126,10 +157,12 @@ def _fold_own_pages_numpy(fold: "_Fold", extents: tuple, inherits: np.ndarray) -
         fold.take("digest", inherits[depths], pages, depths, classes, ranks)
         delta = classes == PageClass.DELTA
         deltas.append((pages[delta], depths[delta], slots[delta]))
-    pages, depths, slots = (np.concatenate([d[k] for d in deltas] or [np.zeros(0, dtype)])
-                            for k, dtype in enumerate((np.int64, np.int32, np.int64)))
+    pages, depths, slots = (
+        np.concatenate([d[k] for d in deltas] or [np.zeros(0, dtype)])
+        for k, dtype in enumerate((np.int64, np.int32, np.int64))
+    )
     base_link = fold.arrays["base"][0]
-    delta = np.flatnonzero(depths < base_link[pages])               # above the base
+    delta = np.flatnonzero(depths < base_link[pages])  # above the base
     # by page, deepest link first (one entry per page and link: the keys are distinct)
     delta = delta[np.argsort((pages[delta] << 12) | (CHAIN_DEPTH_MAX - 1 - depths[delta].astype(np.int64)))]
     return pages[delta], depths[delta], slots[delta]
@@ -141,11 +174,29 @@ def _fold_own_pages_native(fold: "_Fold", extents: tuple, inherits: np.ndarray) 
     starts, classes, counts, slots, bearing, rank0, depths = extents
     room = int(counts[classes == PageClass.DELTA].sum())
     out = np.zeros(room, np.int64), np.zeros(room, np.int32), np.zeros(room, np.int64)
-    (base_link, base_class, base_slot), (digest_link, digest_class, digest_rank) = \
-        fold.arrays["base"], fold.arrays["digest"]
-    found = _native.fold_own_pages(starts, counts, classes, slots, bearing.view(np.uint8), rank0, depths,
-                                   inherits.view(np.uint8), IS_CONCRETE.view(np.uint8), int(PageClass.DELTA),
-                                   base_link, base_class, base_slot, digest_link, digest_class, digest_rank, *out)
+    (base_link, base_class, base_slot), (digest_link, digest_class, digest_rank) = (
+        fold.arrays["base"],
+        fold.arrays["digest"],
+    )
+    found = _native.fold_own_pages(
+        starts,
+        counts,
+        classes,
+        slots,
+        bearing.view(np.uint8),
+        rank0,
+        depths,
+        inherits.view(np.uint8),
+        IS_CONCRETE.view(np.uint8),
+        int(PageClass.DELTA),
+        base_link,
+        base_class,
+        base_slot,
+        digest_link,
+        digest_class,
+        digest_rank,
+        *out,
+    )
     return tuple(a[:found] for a in out)
 
 
@@ -159,23 +210,41 @@ def _own_extents(regions: list, depths: list[int], limit: int) -> tuple:
     classes = np.concatenate([r.extents["page_class"] for r in regions])
     mine = np.flatnonzero((classes != PageClass.PARENT) & (starts < limit))
     starts = starts[mine]
-    counts = np.minimum(np.concatenate([r.extents["num_pages"] for r in regions])[mine].astype(np.int64),
-                        limit - starts)
-    return (starts, classes[mine].astype(np.uint8), counts,
-            np.concatenate([r.extents["first_slot"] for r in regions])[mine].astype(np.int64),
-            np.concatenate([r.digest_bearing for r in regions])[mine],
-            np.concatenate([r.digest_rank0 for r in regions])[mine].astype(np.int64),
-            np.repeat(np.array(depths, np.int32), lengths)[mine])
+    counts = np.minimum(
+        np.concatenate([r.extents["num_pages"] for r in regions])[mine].astype(np.int64), limit - starts
+    )
+    return (
+        starts,
+        classes[mine].astype(np.uint8),
+        counts,
+        np.concatenate([r.extents["first_slot"] for r in regions])[mine].astype(np.int64),
+        np.concatenate([r.digest_bearing for r in regions])[mine],
+        np.concatenate([r.digest_rank0 for r in regions])[mine].astype(np.int64),
+        np.repeat(np.array(depths, np.int32), lengths)[mine],
+    )
 
 
 def _own_extents_native(regions: list, depths: list[int], limit: int) -> tuple:
     """_own_extents in one pass (leanimg._native), each link's extents read where they are."""
     total = sum(len(r.extents) for r in regions)
-    out = (np.empty(total, np.int64), np.empty(total, np.int64), np.empty(total, np.uint8), np.empty(total, np.int64),
-           np.empty(total, np.uint8), np.empty(total, np.int64), np.empty(total, np.int32))
-    found = _native.own_extents([r.extents for r in regions], [r.digest_bearing for r in regions],
-                                [r.digest_rank0 for r in regions], np.array(depths, np.int32), limit,
-                                int(PageClass.PARENT), *out)
+    out = (
+        np.empty(total, np.int64),
+        np.empty(total, np.int64),
+        np.empty(total, np.uint8),
+        np.empty(total, np.int64),
+        np.empty(total, np.uint8),
+        np.empty(total, np.int64),
+        np.empty(total, np.int32),
+    )
+    found = _native.own_extents(
+        [r.extents for r in regions],
+        [r.digest_bearing for r in regions],
+        [r.digest_rank0 for r in regions],
+        np.array(depths, np.int32),
+        limit,
+        int(PageClass.PARENT),
+        *out,
+    )
     starts, counts, classes, slots, bearing, rank0, links = (a[:found] for a in out)
     return starts, classes, counts, slots, bearing.view(bool), rank0, links
 
@@ -194,8 +263,8 @@ def _parts(counts: np.ndarray, most: int):
 def _expand(extents: tuple, lo: int, hi: int):
     """(page, link, class, slot, digest rank or -1) of every page of extents [lo, hi)."""
     starts, classes, counts, first_slots, bearing, rank0, links = (a[lo:hi] for a in extents)
-    before = np.cumsum(counts) - counts                 # each extent's first entry
-    at = np.arange(int(counts.sum()))                   # entry k is page (start - before) + k of its extent
+    before = np.cumsum(counts) - counts  # each extent's first entry
+    at = np.arange(int(counts.sum()))  # entry k is page (start - before) + k of its extent
     pages = np.repeat(starts - before, counts) + at
     slots = np.repeat(first_slots - before, counts) + at
     ranks = np.where(np.repeat(bearing, counts), np.repeat(rank0 - before, counts) + at, -1)
@@ -209,21 +278,27 @@ class _Fold:
 
     def __init__(self, n: int):
         self.n = n
-        self.arrays = {kind: (np.full(n, CHAIN_DEPTH_MAX, np.int32), np.zeros(n, np.uint8),
-                              np.full(n, -1 if kind == "digest" else 0, np.int64)) for kind in ("base", "digest")}
+        self.arrays = {
+            kind: (
+                np.full(n, CHAIN_DEPTH_MAX, np.int32),
+                np.zeros(n, np.uint8),
+                np.full(n, -1 if kind == "digest" else 0, np.int64),
+            )
+            for kind in ("base", "digest")
+        }
 
     def take(self, kind: str, offered: np.ndarray, pages, depths, classes, values) -> None:
         """The entries where ``offered`` (a mask over them), each (page, link, class, value)."""
         nearest, cls, value = self.arrays[kind]
         here = np.full(self.n, CHAIN_DEPTH_MAX, np.int32)
         np.minimum.at(here, pages, np.where(offered, depths, CHAIN_DEPTH_MAX).astype(np.int32))
-        win = np.flatnonzero(offered & (depths == here[pages]) & (depths < nearest[pages]))   # one entry per page
+        win = np.flatnonzero(offered & (depths == here[pages]) & (depths < nearest[pages]))  # one entry per page
         nearest[pages[win]], cls[pages[win]], value[pages[win]] = depths[win], classes[win], values[win]
 
     def take_whole(self, depth: int, r) -> None:
         """Every page of region ``r`` of 1.0 link ``depth``, nearer than what was taken."""
         nearest, cls, value = self.arrays["digest"]
-        pages = np.flatnonzero(nearest[:min(self.n, r.num_pages)] > depth)
+        pages = np.flatnonzero(nearest[: min(self.n, r.num_pages)] > depth)
         i = np.searchsorted(r.starts, pages, side="right") - 1
         nearest[pages], cls[pages] = depth, r.extents["page_class"][i]
         value[pages] = np.where(r.digest_bearing[i], r.digest_rank0[i] + pages - r.starts[i], -1)
@@ -263,9 +338,16 @@ def _same_region(link, region):
     return None
 
 
-def fill(resolution: Resolution, out: np.ndarray, first_page: int, count: int,
-         want: np.ndarray | None = None, window: "_FrameWindow | None" = None, held: dict | None = None,
-         forward: bool = False) -> None:
+def fill(
+    resolution: Resolution,
+    out: np.ndarray,
+    first_page: int,
+    count: int,
+    want: np.ndarray | None = None,
+    window: "_FrameWindow | None" = None,
+    held: dict | None = None,
+    forward: bool = False,
+) -> None:
     """Write pages [first_page, first_page+count) of the resolved region into ``out``; with
     ``want`` (a mask over the range; it must include every page with deltas) only those;
     ``held``: frames already decompressed, (link, frame) -> content; ``forward``: the call is
@@ -274,10 +356,13 @@ def fill(resolution: Resolution, out: np.ndarray, first_page: int, count: int,
     classes = resolution.base_class[first_page:stop]
     want = np.ones(count, bool) if want is None else want
     if window is None:
-        window = _FrameWindow(resolution.links[0].frames.pool, fill_frames(resolution, first_page, count, want)
-                              + fill_delta_frames(resolution, first_page, count))
-    resolution.stored_pages().copy(out, first_page, count, np.flatnonzero(want & (classes == PageClass.STORED)),
-                                   window, held or {})
+        window = _FrameWindow(
+            resolution.links[0].frames.pool,
+            fill_frames(resolution, first_page, count, want) + fill_delta_frames(resolution, first_page, count),
+        )
+    resolution.stored_pages().copy(
+        out, first_page, count, np.flatnonzero(want & (classes == PageClass.STORED)), window, held or {}
+    )
     _fill_disk(resolution, out, first_page, count, np.flatnonzero(want & (classes == PageClass.DISK)))
     if forward:
         resolution.chain_patches().apply(out, first_page, stop)
@@ -287,12 +372,13 @@ def fill(resolution: Resolution, out: np.ndarray, first_page: int, count: int,
 
 def _fill_disk(resolution: Resolution, out: np.ndarray, first_page: int, count: int, rows: np.ndarray) -> None:
     """Rows ``rows`` of the range, whose bases are DISK pages, read from each base link's disks."""
-    links = resolution.base_link[first_page:first_page + count][rows]
-    slots = resolution.base_slot[first_page:first_page + count][rows]
+    links = resolution.base_link[first_page : first_page + count][rows]
+    slots = resolution.base_slot[first_page : first_page + count][rows]
     for link_index in distinct(links).tolist():
         mine = links == link_index
-        resolution.links[link_index].fill_disk_pages(resolution.regions[link_index], first_page, out, rows[mine],
-                                                     slots[mine].astype(np.int64))
+        resolution.links[link_index].fill_disk_pages(
+            resolution.regions[link_index], first_page, out, rows[mine], slots[mine].astype(np.int64)
+        )
 
 
 def _delta_groups(resolution: Resolution, first_page: int, stop: int) -> list[tuple[int, int]]:
@@ -324,7 +410,7 @@ class _DeltaPatches:
     def __init__(self, resolution: Resolution):
         self.resolution = resolution
         keys = _frame_keys(resolution.delta_links, resolution.delta_frames)
-        self.order = np.argsort(keys, kind="stable")      # pages ascend within a frame
+        self.order = np.argsort(keys, kind="stable")  # pages ascend within a frame
         self.keys, starts = np.unique(keys[self.order], return_index=True)
         self.bounds = np.append(starts, len(keys))
         self.patches: dict = {}
@@ -342,22 +428,25 @@ class _DeltaPatches:
         out.view("<u8")[(word_pages[lo:hi] - first_page) * (ps // 8) + word_at[lo:hi]] = values[lo:hi]
         lo, hi = (int(x) for x in np.searchsorted(slow_pages, [first_page, stop]))
         if hi > lo:
-            _apply_checked(self.resolution.links[link_index], frame, out, slow_pages[lo:hi] - first_page,
-                           slow_entries[lo:hi], ps)
-        if last_page < stop:                 # no later range of a forward pass needs it
+            _apply_checked(
+                self.resolution.links[link_index], frame, out, slow_pages[lo:hi] - first_page, slow_entries[lo:hi], ps
+            )
+        if last_page < stop:  # no later range of a forward pass needs it
             del self.patches[key]
 
     def _build(self, link_index: int, frame: int):
         group = int(np.searchsorted(self.keys, (link_index << 32) | frame))
-        entries = self.order[self.bounds[group]:self.bounds[group + 1]]
+        entries = self.order[self.bounds[group] : self.bounds[group + 1]]
         pages = self.resolution.delta_pages[entries]
-        first, _, _, (simple, word_start, num_words, positions, values) = \
-            self.resolution.links[link_index].frames.delta_frame_parsed(frame)
+        first, _, _, (simple, word_start, num_words, positions, values) = self.resolution.links[
+            link_index
+        ].frames.delta_frame_parsed(frame)
         k = self.resolution.delta_slots[entries] - first
         fast = simple[k]
         counts = num_words[k[fast]]
-        at = np.repeat(word_start[k[fast]] - np.concatenate(([0], np.cumsum(counts)[:-1])), counts) + \
-            np.arange(int(counts.sum()))
+        at = np.repeat(word_start[k[fast]] - np.concatenate(([0], np.cumsum(counts)[:-1])), counts) + np.arange(
+            int(counts.sum())
+        )
         return np.repeat(pages[fast], counts), positions[at], values[at], pages[~fast], k[~fast], int(pages[-1])
 
 
@@ -372,7 +461,7 @@ class _ChainPatches:
     Pages with any entry other than a plain INDEX_LIST go entry by entry, deepest link first,
     all their entries through the fully checked path (_apply_checked), as _DeltaPatches does."""
 
-    BATCH_ENTRIES = 1 << 14      # entries a worker reads and folds at once
+    BATCH_ENTRIES = 1 << 14  # entries a worker reads and folds at once
 
     def __init__(self, resolution: Resolution):
         """Starts the batches on the workers; without workers the first ``apply`` runs them."""
@@ -381,8 +470,9 @@ class _ChainPatches:
         self.of_frame, frames, sizes = _frames_in_use(r)
         cuts = _batch_cuts(sizes)
         # each frame's rows in their order: a radix sort where the frames fit 16 bits
-        by_frame = np.argsort(self.of_frame.astype(np.uint16) if len(frames) <= 1 << 16 else self.of_frame,
-                              kind="stable")
+        by_frame = np.argsort(
+            self.of_frame.astype(np.uint16) if len(frames) <= 1 << 16 else self.of_frame, kind="stable"
+        )
         row_cuts = np.searchsorted(self.of_frame[by_frame], cuts).tolist()
         pool, ps = r.links[0].frames.pool, r.links[0].page_size
         self.batches = []
@@ -398,8 +488,10 @@ class _ChainPatches:
         """The batches' folds (waiting for the workers), deepest first; the rows of pages
         that go the checked path."""
         r = self.resolution
-        results = [(rows, future.result() if future is not None else _gather_and_fold(*job))
-                   for rows, job, future in self.batches]
+        results = [
+            (rows, future.result() if future is not None else _gather_and_fold(*job))
+            for rows, job, future in self.batches
+        ]
         self.batches = []
         firsts = np.concatenate([result[0] for _, result in results] or [np.zeros(0, np.int64)])
         self.entry_in_frame = r.delta_slots - firsts[self.of_frame]
@@ -409,9 +501,12 @@ class _ChainPatches:
         slow_pages = distinct(r.delta_pages[~plain])
         self.slow_rows = np.flatnonzero(np.isin(r.delta_pages, slow_pages))
         folds = [(flat, values) for _, (_, flat, values, _) in reversed(results)]
-        if len(slow_pages):              # their words come from the checked path, in its order
-            folds = [(flat[keep], values[keep]) for flat, values in folds
-                     for keep in [~np.isin(flat // self.words_per_page, slow_pages)]]
+        if len(slow_pages):  # their words come from the checked path, in its order
+            folds = [
+                (flat[keep], values[keep])
+                for flat, values in folds
+                for keep in [~np.isin(flat // self.words_per_page, slow_pages)]
+            ]
         self.folds = folds
 
     def apply(self, out: np.ndarray, first_page: int, stop: int) -> None:
@@ -424,9 +519,14 @@ class _ChainPatches:
         r = self.resolution
         lo, hi = (int(x) for x in np.searchsorted(r.delta_pages[self.slow_rows], [first_page, stop]))
         for row in self.slow_rows[lo:hi].tolist():
-            _apply_checked(r.links[int(r.delta_links[row])], int(r.delta_frames[row]), out,
-                           np.array([int(r.delta_pages[row]) - first_page]), self.entry_in_frame[row:row + 1],
-                           r.links[0].page_size)
+            _apply_checked(
+                r.links[int(r.delta_links[row])],
+                int(r.delta_frames[row]),
+                out,
+                np.array([int(r.delta_pages[row]) - first_page]),
+                self.entry_in_frame[row : row + 1],
+                r.links[0].page_size,
+            )
 
 
 def _frames_in_use(r: Resolution) -> tuple[np.ndarray, list, np.ndarray]:
@@ -446,13 +546,27 @@ def _frames_in_use(r: Resolution) -> tuple[np.ndarray, list, np.ndarray]:
     return (np.cumsum(used) - 1)[numbered], frames, sizes
 
 
-def _gather_and_fold(frames: list, first_frame: int, rows: np.ndarray, of_frame: np.ndarray, slots: np.ndarray,
-                     pages: np.ndarray, page_size: int, parsed=None):
+def _gather_and_fold(
+    frames: list,
+    first_frame: int,
+    rows: np.ndarray,
+    of_frame: np.ndarray,
+    slots: np.ndarray,
+    pages: np.ndarray,
+    page_size: int,
+    parsed=None,
+):
     """_fold_delta_batch of the delta entries ``rows`` (their frame, ``of_frame``, counted from
     ``first_frame``; slot; page), gathered here, on the worker: numpy gathers without the GIL.
     ``parsed``: the future of the batch's _parse_delta_batch, begun ahead (parse_deltas_ahead)."""
-    return _fold_delta_batch(frames, of_frame[rows] - first_frame, slots[rows], pages[rows], page_size,
-                             parsed.result() if parsed is not None else None)
+    return _fold_delta_batch(
+        frames,
+        of_frame[rows] - first_frame,
+        slots[rows],
+        pages[rows],
+        page_size,
+        parsed.result() if parsed is not None else None,
+    )
 
 
 def parse_deltas_ahead(image) -> dict | None:
@@ -461,7 +575,8 @@ def parse_deltas_ahead(image) -> dict | None:
     every frame is in use (a chain restored whole): batch key (_batch_key) -> the future of
     its _parse_delta_batch; a batch _ChainPatches makes otherwise is read there, as before.
     None without workers or DELTA_FRAMEs. A frame's finding is raised only where a batch that uses it is folded."""
-    from concurrent.futures import Future          # (the read-ahead workers imported it)
+    from concurrent.futures import Future  # (the read-ahead workers imported it)
+
     links = image.chain()
     pool = links[0].frames.pool
     if pool is None or len(links) < 2:
@@ -472,7 +587,7 @@ def parse_deltas_ahead(image) -> dict | None:
     sizes = np.concatenate([link.frames.delta_frames.counts for link in links]).astype(np.int64)
     cuts = _batch_cuts(sizes)
     batches = [(frames[lo:hi], Future()) for lo, hi in zip(cuts, cuts[1:])]
-    pool.submit(_parse_in_turn, batches, image.page_size)       # one worker: the caller resolves meanwhile
+    pool.submit(_parse_in_turn, batches, image.page_size)  # one worker: the caller resolves meanwhile
     return {_batch_key(batch): future for batch, future in batches}
 
 
@@ -497,8 +612,9 @@ def _batch_key(frames: list) -> tuple:
     return tuple((id(link), frame) for link, frame in frames)
 
 
-def _fold_delta_batch(frames: list, frame_of_row: np.ndarray, slots: np.ndarray, pages: np.ndarray,
-                      page_size: int, parsed=None):
+def _fold_delta_batch(
+    frames: list, frame_of_row: np.ndarray, slots: np.ndarray, pages: np.ndarray, page_size: int, parsed=None
+):
     """Runs on a read-ahead worker: DELTA_FRAMEs ``frames`` ((link, frame), nearest link first)
     read, checked, decompressed and parsed as one, and the entries that apply (rows: their
     frame's index in ``frames``, slot and page) folded: (first delta per frame, the words set
@@ -507,8 +623,11 @@ def _fold_delta_batch(frames: list, frame_of_row: np.ndarray, slots: np.ndarray,
     nearest link's value is kept. ``parsed``: the batch's _parse_delta_batch, if done already."""
     firsts, counts, (simple, word_start, _, positions, values) = parsed or _parse_delta_batch(frames, page_size)
     entries = (np.cumsum(counts) - counts)[frame_of_row] + slots - firsts[frame_of_row]
-    folded = _fold_words_native(simple, word_start, positions, values, entries, pages, page_size) \
-        if _native is not None else None
+    folded = (
+        _fold_words_native(simple, word_start, positions, values, entries, pages, page_size)
+        if _native is not None
+        else None
+    )
     if folded is not None:
         return (firsts, *folded)
     return (firsts, *_fold_words(simple, word_start, positions, values, entries, pages, page_size))
@@ -518,11 +637,19 @@ def _fold_words_native(simple, word_start, positions, values, entries, pages, pa
     """_fold_words in one call of leanimg._native.fold_words (None: an input it does not take)."""
     plain = np.zeros(len(entries), bool)
     flat, flat_values = np.empty(len(positions), np.int64), np.empty(len(positions), "<u8")
-    count = _native.fold_words(simple.view(np.uint8), np.ascontiguousarray(word_start, np.int64),
-                               np.ascontiguousarray(positions, np.int64), np.ascontiguousarray(values, "<u8"),
-                               np.ascontiguousarray(entries, np.int64), np.ascontiguousarray(pages, np.int64),
-                               page_size // 8, int(pages.max()) + 1 if len(pages) else 0,
-                               plain.view(np.uint8), flat, flat_values)
+    count = _native.fold_words(
+        simple.view(np.uint8),
+        np.ascontiguousarray(word_start, np.int64),
+        np.ascontiguousarray(positions, np.int64),
+        np.ascontiguousarray(values, "<u8"),
+        np.ascontiguousarray(entries, np.int64),
+        np.ascontiguousarray(pages, np.int64),
+        page_size // 8,
+        int(pages.max()) + 1 if len(pages) else 0,
+        plain.view(np.uint8),
+        flat,
+        flat_values,
+    )
     return None if count < 0 else (flat[:count], flat_values[:count], plain)
 
 
@@ -537,7 +664,7 @@ def _fold_words(simple, word_start, positions, values, entries, pages, page_size
     word_page = np.repeat(page_of_entry, np.diff(word_start, append=len(positions)))
     kept = np.flatnonzero(word_page >= 0)
     flat = word_page[kept] * (page_size // 8) + positions[kept]
-    order = np.argsort(flat, kind="stable")          # equal words keep the nearest link first
+    order = np.argsort(flat, kind="stable")  # equal words keep the nearest link first
     flat, values = flat[order], values[kept][order]
     first = np.ones(len(flat), bool)
     first[1:] = flat[1:] != flat[:-1]
@@ -559,15 +686,21 @@ def _read_delta_batch(frames: list) -> tuple:
     """(content, entry offsets, first delta per frame, entries per frame) of DELTA_FRAMEs
     ``frames`` laid end to end, each read by _quick_delta_frame or, failing that, by the frame
     store's checked path (which raises its finding)."""
-    decompressor = zstandard.ZstdDecompressor()            # one per batch: a batch runs on one thread
-    read = [_quick_delta_frame(link, frame, decompressor) or link.frames._read_delta_frame(frame)
-            for link, frame in frames]
+    decompressor = zstandard.ZstdDecompressor()  # one per batch: a batch runs on one thread
+    read = [
+        _quick_delta_frame(link, frame, decompressor) or link.frames._read_delta_frame(frame) for link, frame in frames
+    ]
     byte_base = np.cumsum([0] + [len(content) for content, _, _ in read])
-    offsets = np.concatenate([np.asarray(offsets[:-1], np.int64) + base for (_, offsets, _), base
-                              in zip(read, byte_base.tolist())] + [byte_base[-1:].astype(np.int64)])
-    return (b"".join(content for content, _, _ in read), offsets,
-            np.array([first for _, _, first in read], np.int64),
-            np.array([len(offsets) - 1 for _, offsets, _ in read], np.int64))
+    offsets = np.concatenate(
+        [np.asarray(offsets[:-1], np.int64) + base for (_, offsets, _), base in zip(read, byte_base.tolist())]
+        + [byte_base[-1:].astype(np.int64)]
+    )
+    return (
+        b"".join(content for content, _, _ in read),
+        offsets,
+        np.array([first for _, _, first in read], np.int64),
+        np.array([len(offsets) - 1 for _, offsets, _ in read], np.int64),
+    )
 
 
 # what one native call reads of a batch's records, at most (past it, they are read one by one)
@@ -588,12 +721,17 @@ def _read_delta_batch_native(frames: list, page_size: int) -> tuple | None:
         position = int(tables.delta_frames.positions[frame])
         offset, kind, key, first, num = tables.entries[position].item()
         length = tables.listed_end(position) - offset
-        if kind != RecordType.DELTA_FRAME or key != NO_KEY or not 0 < num <= 0xFFFF_FFFF or first >= 1 << 63 or \
-                offset + length > tables.file.size:
+        if (
+            kind != RecordType.DELTA_FRAME
+            or key != NO_KEY
+            or not 0 < num <= 0xFFFF_FFFF
+            or first >= 1 << 63
+            or offset + length > tables.file.size
+        ):
             return None
         try:
             fds.append(tables.file.fileobj.fileno())
-        except (OSError, ValueError):                # an object in a store: read through its pread
+        except (OSError, ValueError):  # an object in a store: read through its pread
             return None
         offsets.append(offset)
         lengths.append(length)
@@ -601,10 +739,15 @@ def _read_delta_batch_native(frames: list, page_size: int) -> tuple | None:
         nums.append(num)
     if sum(lengths) > NATIVE_BATCH_BYTES_MAX:
         return None
-    most = sum(nums) * 2 * page_size          # an entry of any encoding is shorter than two pages (spec §7.2)
-    read = _native.read_delta_frames(np.array(fds, np.int32), np.array(offsets, np.int64),
-                                     np.array(lengths, np.int64), np.array(firsts, np.int64),
-                                     np.array(nums, np.int64), most)
+    most = sum(nums) * 2 * page_size  # an entry of any encoding is shorter than two pages (spec §7.2)
+    read = _native.read_delta_frames(
+        np.array(fds, np.int32),
+        np.array(offsets, np.int64),
+        np.array(lengths, np.int64),
+        np.array(firsts, np.int64),
+        np.array(nums, np.int64),
+        most,
+    )
     if read is None:
         return None
     content, entry_offsets = read
@@ -626,7 +769,7 @@ def _quick_delta_frame(link, frame: int, decompressor=None):
     leanimg._native.read_delta_frames tests the same (keep them alike)."""
     tables = link.tables
     position = int(tables.delta_frames.positions[frame])
-    _, *listed = tables.entries[position].item()        # record_type, key, first, count
+    _, *listed = tables.entries[position].item()  # record_type, key, first, count
     raw = tables.listed_bytes(position, record_size(RECORD_BODY_MAX))
     if raw is None or len(raw) < _DELTA_RECORD.size + 4 + RECORD_TRAILER.size:
         return None
@@ -634,20 +777,31 @@ def _quick_delta_frame(link, frame: int, decompressor=None):
     body = RECORD.size
     table_end = body + DELTA_FRAME_BODY.size + 4 * (num + 1)
     frame_start = body + align8(DELTA_FRAME_BODY.size + 4 * (num + 1))
-    trailer = int.from_bytes(raw[-RECORD_TRAILER.size:], "little")
-    if kind != RecordType.DELTA_FRAME or flags or reserved or num < 1 or \
-            len(raw) != record_size(body_length) or frame_start > body + body_length or \
-            listed != [RecordType.DELTA_FRAME, NO_KEY, first, num] or \
-            any(raw[body + body_length:-RECORD_TRAILER.size]) or any(raw[table_end:frame_start]) or \
-            checksum64(memoryview(raw)[:-RECORD_TRAILER.size]) != trailer:
+    trailer = int.from_bytes(raw[-RECORD_TRAILER.size :], "little")
+    if (
+        kind != RecordType.DELTA_FRAME
+        or flags
+        or reserved
+        or num < 1
+        or len(raw) != record_size(body_length)
+        or frame_start > body + body_length
+        or listed != [RecordType.DELTA_FRAME, NO_KEY, first, num]
+        or any(raw[body + body_length : -RECORD_TRAILER.size])
+        or any(raw[table_end:frame_start])
+        or checksum64(memoryview(raw)[: -RECORD_TRAILER.size]) != trailer
+    ):
         return None
     offsets = np.frombuffer(raw, "<u4", num + 1, body + DELTA_FRAME_BODY.size).astype(np.int64)
     size = int(offsets[-1])
     if offsets[0] != 0 or size > FRAME_PAGES_MAX_BYTES or (offsets[1:] < offsets[:-1]).any():
         return None
     try:
-        content = decompress_exact(memoryview(raw)[frame_start:body + body_length], expected=size,
-                                   limit=FRAME_PAGES_MAX_BYTES, decompressor=decompressor)
+        content = decompress_exact(
+            memoryview(raw)[frame_start : body + body_length],
+            expected=size,
+            limit=FRAME_PAGES_MAX_BYTES,
+            decompressor=decompressor,
+        )
     except FrameError:
         return None
     return content, offsets, first
@@ -657,18 +811,23 @@ def _apply_checked(link, frame: int, out: np.ndarray, rows: np.ndarray, entry_in
     """Entries other than plain INDEX_LISTs, one page at a time through delta.apply, which
     decodes them and reports any broken rule."""
     from .delta import apply as apply_delta
+
     _, content, offsets, _ = link.frames.delta_frame_parsed(frame)
     offset, path = link.frames.delta_frame_location(frame)
     for row, entry_index in zip(rows.tolist(), entry_indexes.tolist()):
-        entry = content[offsets[entry_index]:offsets[entry_index + 1]]
+        entry = content[offsets[entry_index] : offsets[entry_index + 1]]
         try:
-            page = apply_delta(entry, out[row * ps:(row + 1) * ps].tobytes(), offset=offset,
-                               structure=f"{path}.entries[{entry_index}]")
+            page = apply_delta(
+                entry,
+                out[row * ps : (row + 1) * ps].tobytes(),
+                offset=offset,
+                structure=f"{path}.entries[{entry_index}]",
+            )
         except LeanImageError as exc:
             exc.path = exc.path or link.path
             exc.args = (str(exc),)
             raise
-        out[row * ps:(row + 1) * ps] = np.frombuffer(page, np.uint8)
+        out[row * ps : (row + 1) * ps] = np.frombuffer(page, np.uint8)
 
 
 def _frame_keys(links: np.ndarray, frames: np.ndarray) -> np.ndarray:
@@ -691,20 +850,20 @@ class _StoredPages:
         self.resolution = resolution
         pages = np.flatnonzero(resolution.base_frame >= 0)
         keys = _frame_keys(resolution.base_link[pages], resolution.base_frame[pages])
-        order = np.argsort(keys, kind="stable")           # pages ascend within a frame
+        order = np.argsort(keys, kind="stable")  # pages ascend within a frame
         self.pages = pages[order]
         self.keys, starts = np.unique(keys[order], return_index=True)
         self.bounds = np.append(starts, len(order))
-        self.first = self.pages[starts] if len(starts) else starts             # per frame: lowest page
+        self.first = self.pages[starts] if len(starts) else starts  # per frame: lowest page
         self.last = self.pages[self.bounds[1:] - 1] if len(starts) else starts  # and highest
         self.group_of = np.full(len(resolution.base_frame), -1, np.int64)
         self.group_of[self.pages] = np.repeat(np.arange(len(self.keys)), np.diff(self.bounds))
-        self.opened = np.zeros(len(self.keys), bool)     # decompressed in this forward pass
-        self.carried: list = []                           # (pages ascending, their bytes as page items)
+        self.opened = np.zeros(len(self.keys), bool)  # decompressed in this forward pass
+        self.carried: list = []  # (pages ascending, their bytes as page items)
         self.next_page = 0
-        self.buffers = FrameBuffers()                     # frames of a forward pass decompress into these
-        self.handed_out: list = []                        # frames the last pieces call's views are of
-        self.out = None                                   # see buffer
+        self.buffers = FrameBuffers()  # frames of a forward pass decompress into these
+        self.handed_out: list = []  # frames the last pieces call's views are of
+        self.out = None  # see buffer
 
     def continues(self, first_page: int) -> bool:
         """Whether a call at ``first_page`` is (or starts) a forward pass."""
@@ -767,12 +926,12 @@ class _StoredPages:
                 window.step()
                 loaded = link.frames.frame(frame, keep=not forward)[0]
                 content = np.frombuffer(loaded, page_items(ps))
-            pages = self.pages[self.bounds[group]:self.bounds[group + 1]]
+            pages = self.pages[self.bounds[group] : self.bounds[group + 1]]
             ordinals = self.resolution.base_slot[pages] - int(link.frames.page_frames.starts[frame])
             lo, hi = (int(x) for x in np.searchsorted(pages, [first_page, stop]))
             _copy_rows(items, pages[lo:hi] - first_page, content, ordinals[lo:hi])
             if forward and hi < len(pages):
-                self.carried.append((pages[hi:], content[ordinals[hi:]]))       # copies
+                self.carried.append((pages[hi:], content[ordinals[hi:]]))  # copies
             if forward and loaded is not None:
                 del content
                 self.buffers.give(loaded)
@@ -806,8 +965,9 @@ def _copy_rows(dst: np.ndarray, dst_rows: np.ndarray, src: np.ndarray, src_rows:
     if _native is None:
         dst[dst_rows] = src[src_rows]
     else:
-        _native.copy_rows(src, np.ascontiguousarray(src_rows, np.int64), dst,
-                          np.ascontiguousarray(dst_rows, np.int64), dst.itemsize)
+        _native.copy_rows(
+            src, np.ascontiguousarray(src_rows, np.int64), dst, np.ascontiguousarray(dst_rows, np.int64), dst.itemsize
+        )
 
 
 class _FrameWindow:
@@ -836,22 +996,24 @@ class _FrameWindow:
             count -= 1
 
 
-DELTAS = "deltas"       # a _FrameWindow item that is a DELTA_FRAME, parsed ahead
+DELTAS = "deltas"  # a _FrameWindow item that is a DELTA_FRAME, parsed ahead
 
 
 def fill_delta_frames(resolution: Resolution, first_page: int, count: int) -> list:
     """The DELTA_FRAMEs fill applies for a range, in its order (deepest link first)."""
     patches = resolution.delta_patches()
-    return [(resolution.links[link_index], frame, DELTAS)
-            for link_index, frame in _delta_groups(resolution, first_page, first_page + count)
-            if not patches.built(link_index, frame)]
+    return [
+        (resolution.links[link_index], frame, DELTAS)
+        for link_index, frame in _delta_groups(resolution, first_page, first_page + count)
+        if not patches.built(link_index, frame)
+    ]
 
 
 def fill_frames(resolution: Resolution, first_page: int, count: int, want: np.ndarray, held=()) -> list:
     """The STORED frames fill decompresses for the wanted pages of a range, in its order
     (those in ``held`` are decompressed already)."""
     stored = resolution.stored_pages()
-    rows = np.flatnonzero(want & (resolution.base_class[first_page:first_page + count] == PageClass.STORED))
+    rows = np.flatnonzero(want & (resolution.base_class[first_page : first_page + count] == PageClass.STORED))
     order = []
     for group in stored.to_open(first_page, rows).tolist():
         link_index, frame = stored.frame_of(group)
@@ -873,7 +1035,7 @@ def pieces(image, region, resolution: Resolution, first_page: int, count: int) -
     stored = resolution.stored_pages()
     stored.take_back()
     if len(resolution.delta_pages):
-        resolution.chain_patches()          # the workers read the DELTA_FRAMEs meanwhile
+        resolution.chain_patches()  # the workers read the DELTA_FRAMEs meanwhile
     links = resolution.base_link[first_page:stop]
     classes = resolution.base_class[first_page:stop]
     slots = resolution.base_slot[first_page:stop]
@@ -891,50 +1053,58 @@ def pieces(image, region, resolution: Resolution, first_page: int, count: int) -
     order = [(resolution.links[li], f, False) for li, f in direct_frames]
     if built.any():
         order += fill_frames(resolution, first_page, count, built, set(direct_frames))
-    window = _FrameWindow(resolution.links[0].frames.pool, order,
-                          stored.buffers if stored.continues(first_page) else None)
-    held = _hold_direct_frames(image, region, resolution, window, first_page, links, frames, slots,
-                               checked, expected)
+    window = _FrameWindow(
+        resolution.links[0].frames.pool, order, stored.buffers if stored.continues(first_page) else None
+    )
+    held = _hold_direct_frames(image, region, resolution, window, first_page, links, frames, slots, checked, expected)
     stored.handed_out = [content for content, _ in held.values()]
     out = None
     if built.any():
         out = stored.buffer(count * ps)
         blank_base = built & ((classes == PageClass.ZERO) | (classes == PageClass.FREE))
-        out.reshape(-1, ps)[np.flatnonzero(blank_base)] = 0        # deltas apply over zeros
-        fill(resolution, out, first_page, count, want=built, window=window,
-             held={key: content for key, (content, _) in held.items()}, forward=True)
+        out.reshape(-1, ps)[np.flatnonzero(blank_base)] = 0  # deltas apply over zeros
+        fill(
+            resolution,
+            out,
+            first_page,
+            count,
+            want=built,
+            window=window,
+            held={key: content for key, (content, _) in held.items()},
+            forward=True,
+        )
         check_built(image, region, first_page, out, np.flatnonzero(built & checked), expected)
     else:
         resolution.stored_pages().skip(first_page, count)
-    if stop >= len(resolution.base_link):      # the forward pass is over: its folded deltas go
+    if stop >= len(resolution.base_link):  # the forward pass is over: its folded deltas go
         resolution._chain_patches = None
     kind = np.where(blank, 0, np.where(direct, 1, 2))
     starts = np.ones(count, bool)
-    starts[1:] = (kind[1:] != kind[:-1]) | (direct[1:] & (
-        (links[1:] != links[:-1]) | (frames[1:] != frames[:-1]) | (slots[1:] != slots[:-1] + 1)))
+    starts[1:] = (kind[1:] != kind[:-1]) | (
+        direct[1:] & ((links[1:] != links[:-1]) | (frames[1:] != frames[:-1]) | (slots[1:] != slots[:-1] + 1))
+    )
     bounds = [*np.flatnonzero(starts).tolist(), count]
     result = []
     for lo, hi in zip(bounds, bounds[1:]):
         if kind[lo] == 0:
             result.append((hi - lo, None))
         elif kind[lo] == 2:
-            result.append((hi - lo, memoryview(out)[lo * ps:hi * ps]))
+            result.append((hi - lo, memoryview(out)[lo * ps : hi * ps]))
         else:
             content, first_ordinal = held[(int(links[lo]), int(frames[lo]))]
             start = int(slots[lo]) - first_ordinal
-            result.append((hi - lo, content[start * ps:(start + hi - lo) * ps]))
+            result.append((hi - lo, content[start * ps : (start + hi - lo) * ps]))
     return result
 
 
-def _hold_direct_frames(image, region, resolution, window, first_page, links, frames, slots, checked,
-                        expected) -> dict:
+def _hold_direct_frames(image, region, resolution, window, first_page, links, frames, slots, checked, expected) -> dict:
     """Decompress the direct frames (in the order the pages need them) and check the direct
     pages' digests (only theirs: a frame's superseded pages are not read) against link 0's;
     (link, frame) -> (content view, first ordinal)."""
     ps = image.page_size
     rows = np.flatnonzero((frames >= 0) & checked)
     keys = _frame_keys(links[rows], frames[rows])
-    by_frame = np.argsort(keys, kind="stable")          # each frame's rows found by bisection
+    by_frame = np.argsort(keys, kind="stable")  # each frame's rows found by bisection
     keys = keys[by_frame]
     got = np.zeros((len(links), DIGEST_SIZE), np.uint8)
     held = {}
@@ -959,16 +1129,16 @@ def _direct_frames(resolution: Resolution, first_page: int, count: int, candidat
     at most DIRECT_FRAMES_MAX of them, those with the most pages. A direct frame's pages
     with deltas are built from the same decompressed frame."""
     stored = resolution.stored_pages()
-    groups = stored.group_of[first_page:first_page + count]
+    groups = stored.group_of[first_page : first_page + count]
     sizes = np.diff(stored.bounds)
     tally = np.bincount(groups[candidate], minlength=len(sizes))
     eligible = (tally > 0) & stored.local(first_page, first_page + count)
     if eligible.sum() > page_module.DIRECT_FRAMES_MAX:
-        best = np.flatnonzero(eligible)[np.argsort(-sizes[eligible], kind="stable")[:page_module.DIRECT_FRAMES_MAX]]
+        best = np.flatnonzero(eligible)[np.argsort(-sizes[eligible], kind="stable")[: page_module.DIRECT_FRAMES_MAX]]
         eligible[:] = False
         eligible[best] = True
     frames = np.full(count, -1, np.int64)
-    chosen = np.flatnonzero(candidate)                  # STORED: every one has a frame
+    chosen = np.flatnonzero(candidate)  # STORED: every one has a frame
     chosen = chosen[eligible[groups[chosen]]]
     frames[chosen] = resolution.base_frame[first_page + chosen]
     return frames
@@ -989,8 +1159,7 @@ def _check_blank(image, region, first_page: int, rows: np.ndarray, expected: np.
         verify_rows(region, first_page, rows, zero, expected)
 
 
-def check_built(image, region, first_page: int, out: np.ndarray, rows: np.ndarray,
-                expected: np.ndarray) -> None:
+def check_built(image, region, first_page: int, out: np.ndarray, rows: np.ndarray, expected: np.ndarray) -> None:
     """Rows ``rows`` of ``out`` (pages first_page + row) against ``expected`` digests; the
     first that differs raises LI-DIG-002."""
     if not len(rows):

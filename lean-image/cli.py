@@ -35,27 +35,41 @@ class LeanGroup(click.Group):
             hint = _hint(exc)
             if hint:
                 click.echo(f"leanimg: hint: {hint}", err=True)
-            ui.error(exc.message, EXIT_INVALID, kind="invalid", offset=exc.offset, structure=exc.structure,
-                         rule=exc.rule, path=exc.path, hint=hint)
+            ui.error(
+                exc.message,
+                EXIT_INVALID,
+                kind="invalid",
+                offset=exc.offset,
+                structure=exc.structure,
+                rule=exc.rule,
+                path=exc.path,
+                hint=hint,
+            )
             ctx.exit(EXIT_INVALID)
-        except click.ClickException as exc:     # usage errors: click prints them
+        except click.ClickException as exc:  # usage errors: click prints them
             ui.error(exc.format_message(), exc.exit_code, kind="usage")
             raise
         except (click.exceptions.Exit, click.Abort):
             raise
         except BrokenPipeError:
             ctx.exit(EXIT_INVALID)
-        except MemoryError as exc:   # the environment too: an input larger than this process may hold
-            message = (f"out of memory{': ' + str(exc) if str(exc) else ''} "
-                       "(the input needs more memory than this process may use)")
+        except MemoryError as exc:  # the environment too: an input larger than this process may hold
+            message = (
+                f"out of memory{': ' + str(exc) if str(exc) else ''} "
+                "(the input needs more memory than this process may use)"
+            )
             click.echo(f"leanimg: error: {message}", err=True)
             ui.error(message, EXIT_INVALID, kind="environment")
             ctx.exit(EXIT_INVALID)
-        except OSError as exc:    # the environment (a full disk, a permission), not a bug
+        except OSError as exc:  # the environment (a full disk, a permission), not a bug
             where = f"{exc.filename}: " if exc.filename else ""
             click.echo(f"leanimg: error: {where}{exc.strerror or exc}", err=True)
-            ui.error(str(exc.strerror or exc), EXIT_INVALID, kind="environment",
-                         path=os.fspath(exc.filename) if exc.filename else None)
+            ui.error(
+                str(exc.strerror or exc),
+                EXIT_INVALID,
+                kind="environment",
+                path=os.fspath(exc.filename) if exc.filename else None,
+            )
             ctx.exit(EXIT_INVALID)
         except Exception as exc:  # a bug in leanimg, not bad input
             click.echo(f"leanimg: internal error: {type(exc).__name__}: {exc}", err=True)
@@ -70,6 +84,7 @@ class LeanGroup(click.Group):
 def _hint(exc: LeanImageError) -> str | None:
     if exc.rule == "LI-HDR-001" and exc.path and os.path.exists(exc.path):
         from .plugins import HEAD_BYTES, find_source
+
         with open(exc.path, "rb") as f:
             source = find_source(f.read(HEAD_BYTES))
         if source is not None:
@@ -98,6 +113,7 @@ def _open_disks(paths: dict, *, name_from_file: bool = False) -> dict:
     """The parsed --disk values opened as disk sources by NAME; where it was left out, under
     None (the image's only disk) or, with ``name_from_file``, the file name's stem."""
     from .disks import open_disk
+
     sources = {}
     try:
         for name, path in paths.items():
@@ -132,6 +148,7 @@ def _disk_sources(paths: dict, **options):
 def _open_image(image, parents, disks, check_disk_identity: bool = True):
     """IMAGE with its chain and the --disk sources attached."""
     from .reader import LeanImage
+
     paths = _parse_disks(disks)
     with LeanImage.open(image, parents=parents) as img, _disk_sources(paths) as sources:
         img.attach_disks(sources, check_identity=check_disk_identity)
@@ -141,11 +158,13 @@ def _open_image(image, parents, disks, check_disk_identity: bool = True):
 class _ImageLocation(click.ParamType):
     """An image: an existing file, or an object in S3-compatible storage (s3://BUCKET/KEY),
     looked up when opened."""
+
     name = "image"
 
     def convert(self, value, param, ctx):
         if isinstance(value, str) and value.startswith("s3://"):
             from .s3 import StoreError, split
+
             try:
                 split(value)
             except StoreError as exc:
@@ -156,16 +175,27 @@ class _ImageLocation(click.ParamType):
 
 IMAGE = _ImageLocation()
 
-disk_option = click.option("--disk", "disks", multiple=True, metavar="[NAME=]PATH",
-                           help="A disk of the image's disk table, raw or qcow2 (repeatable; NAME may be "
-                           "left out when the image has one disk).")
-parent_option = click.option("--parent", "parents", multiple=True, type=IMAGE,
-                             metavar="IMG", help="An image of the parent chain (repeatable; matched by UUID; "
-                             "images beside IMAGE are found without it).")
+disk_option = click.option(
+    "--disk",
+    "disks",
+    multiple=True,
+    metavar="[NAME=]PATH",
+    help="A disk of the image's disk table, raw or qcow2 (repeatable; NAME may be "
+    "left out when the image has one disk).",
+)
+parent_option = click.option(
+    "--parent",
+    "parents",
+    multiple=True,
+    type=IMAGE,
+    metavar="IMG",
+    help="An image of the parent chain (repeatable; matched by UUID; images beside IMAGE are found without it).",
+)
 
 
-force_option = click.option("-f", "--force", is_flag=True,
-                            help="Replace an existing output file (an input of the command never is).")
+force_option = click.option(
+    "-f", "--force", is_flag=True, help="Replace an existing output file (an input of the command never is)."
+)
 
 
 def _guard_output(output, inputs, force: bool, object_ok: bool = False) -> None:
@@ -173,11 +203,15 @@ def _guard_output(output, inputs, force: bool, object_ok: bool = False) -> None:
     an object by bucket and key), an existing file or object without --force, or binary output
     to a terminal without --force. An object (s3://) only where ``object_ok``."""
     from .fileutil import OutputRefused, check_output
+
     if output.startswith("s3://"):
         if not object_ok:
-            raise click.UsageError(f"cannot write {output}: this command writes a local file or - (only "
-                                   "images are written to object storage)")
+            raise click.UsageError(
+                f"cannot write {output}: this command writes a local file or - (only "
+                "images are written to object storage)"
+            )
         from .locations import check_object_output
+
         try:
             check_object_output(output, [os.fspath(p) for p in inputs], force=force)
         except OutputRefused as exc:
@@ -198,6 +232,7 @@ def _guard_output(output, inputs, force: bool, object_ok: bool = False) -> None:
 
 def _exists(name) -> bool:
     from .locations import exists
+
     return exists(name)
 
 
@@ -240,6 +275,7 @@ def main():
 def _raise_open_file_limit() -> None:
     """Each link of a chain keeps its file open; chains may be 4096 deep (spec §9.1)."""
     import resource
+
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     wanted = 8192 if hard == resource.RLIM_INFINITY else min(hard, 8192)
     if soft != resource.RLIM_INFINITY and soft < wanted:
@@ -250,29 +286,42 @@ def _raise_open_file_limit() -> None:
 @click.argument("image", type=IMAGE)
 @json_option
 @verbosity_options
-@click.option("--map", "map_path", type=click.Path(dir_okay=False), metavar="FILE.png|FILE.svg",
-              help="Draw guest memory coloured by page class: PNG (needs Pillow: pip install 'leanimg[map]') "
-              "or, for a name ending in .svg, SVG.")
-@click.option("--files", "with_files", is_flag=True,
-              help="Name the files (ext2/3/4, via debugfs) the DISK pages came from; needs --disk.")
+@click.option(
+    "--map",
+    "map_path",
+    type=click.Path(dir_okay=False),
+    metavar="FILE.png|FILE.svg",
+    help="Draw guest memory coloured by page class: PNG (needs Pillow: pip install 'leanimg[map]') "
+    "or, for a name ending in .svg, SVG.",
+)
+@click.option(
+    "--files",
+    "with_files",
+    is_flag=True,
+    help="Name the files (ext2/3/4, via debugfs) the DISK pages came from; needs --disk.",
+)
 @parent_option
 @disk_option
 @force_option
 def inspect(image, as_json, map_path, with_files, parents, disks, force):
     """Header, regions, disks, chain and a per-class breakdown of IMAGE."""
     from .inspect import render_text, summarize
+
     with _open_image(image, parents, disks) as img:
         if map_path:
             _guard_output(map_path, _inputs_of(img, disks), force)
         summary = summarize(img)
         if with_files:
             from .inspect import disk_files
+
             summary["disk_files"] = disk_files(img)
         if map_path:
             from .memory_picture import render_map
+
             render_map(img, map_path)
             summary["map"] = map_path
     from .s3 import take_fetched
+
     if fetched := take_fetched():
         summary["fetched"] = fetched
     if as_json:
@@ -285,8 +334,9 @@ def inspect(image, as_json, map_path, with_files, parents, disks, force):
 @click.argument("image", type=IMAGE)
 @json_option
 @verbosity_options
-@click.option("--chain", "whole_chain", is_flag=True, help="Validate every link of IMAGE's chain, each "
-              "against its own parent.")
+@click.option(
+    "--chain", "whole_chain", is_flag=True, help="Validate every link of IMAGE's chain, each against its own parent."
+)
 @parent_option
 @disk_option
 def validate(image, as_json, whole_chain, parents, disks):
@@ -294,9 +344,11 @@ def validate(image, as_json, whole_chain, parents, disks):
     not checked (a parent or disk not given)."""
     from .validate import validate as run
     from .validate import work_bytes
+
     links = _chain_paths(image, parents) if whole_chain else [image]
     paths = _parse_disks(disks)
     from .s3 import take_fetched
+
     reports = []
     take_fetched()
     for link in links:
@@ -332,12 +384,14 @@ def _validate_status(reports) -> int:
 def _chain_paths(image, parents) -> list[str]:
     """IMAGE and the paths of its ancestors, child first."""
     from .reader import LeanImage
+
     with LeanImage.open(image, parents=parents) as img:
         return [link.path for link in img.chain()]
 
 
 def _print_report(report) -> None:
     from .rules import describe
+
     for finding in report.findings:
         click.echo(str(finding))
         click.echo(f"    rule: {describe(finding.rule)}")
@@ -347,6 +401,7 @@ def _print_report(report) -> None:
         click.echo(f"not checked: {note}")
     if report.fetched:
         from .s3 import fetched_lines
+
         ui.note("\n".join(line.strip() for line in fetched_lines(report.fetched)))
     checked = ", ".join(f"{v} {k}" for k, v in sorted(report.checked.items()))
     verdict = _verdict(report)
@@ -355,23 +410,36 @@ def _print_report(report) -> None:
 
 @main.command()
 @click.argument("image", type=IMAGE)
-@click.option("--to", "target", default="raw", show_default=True, metavar="raw|qemu|qemu-mapped-ram|libvirt|xen|PLUGIN",
-              callback=lambda ctx, param, value: _installed_plugin("leanimg.targets", param, value),
-              help="raw: flat guest memory; qemu: a migration stream for `qemu -incoming`; "
-              "qemu-mapped-ram: a QEMU mapped-ram file (QEMU >= 9.0, needs -o FILE); "
-              "libvirt: libvirt's save image the image came from (virsh restore / virsh start); "
-              "xen: the Xen save file (xl, libxl or libxc stream) the image came from; "
-              "or an installed target plugin's name (leanimg plugins).")
+@click.option(
+    "--to",
+    "target",
+    default="raw",
+    show_default=True,
+    metavar="raw|qemu|qemu-mapped-ram|libvirt|xen|PLUGIN",
+    callback=lambda ctx, param, value: _installed_plugin("leanimg.targets", param, value),
+    help="raw: flat guest memory; qemu: a migration stream for `qemu -incoming`; "
+    "qemu-mapped-ram: a QEMU mapped-ram file (QEMU >= 9.0, needs -o FILE); "
+    "libvirt: libvirt's save image the image came from (virsh restore / virsh start); "
+    "xen: the Xen save file (xl, libxl or libxc stream) the image came from; "
+    "or an installed target plugin's name (leanimg plugins).",
+)
 @click.option("-o", "--output", required=True, metavar="FILE|-", help="Output file, or - for stdout.")
 @json_option
 @verbosity_options
 @parent_option
 @disk_option
-@click.option("--sort-blocks/--no-sort-blocks", default=True, show_default=True,
-              help="Read disk blocks in ascending physical order, coalesced (off: one read per page).")
-@click.option("--any-disk-identity", is_flag=True,
-              help="Accept a disk whose size or fingerprint differs from the disk table (a copy made "
-              "another way, a disk known to have changed elsewhere); every block is still checked.")
+@click.option(
+    "--sort-blocks/--no-sort-blocks",
+    default=True,
+    show_default=True,
+    help="Read disk blocks in ascending physical order, coalesced (off: one read per page).",
+)
+@click.option(
+    "--any-disk-identity",
+    is_flag=True,
+    help="Accept a disk whose size or fingerprint differs from the disk table (a copy made "
+    "another way, a disk known to have changed elsewhere); every block is still checked.",
+)
 @force_option
 def restore(image, target, output, as_json, parents, disks, sort_blocks, any_disk_identity, force):
     """Rebuild guest memory from IMAGE, every page checked against its digest.
@@ -390,6 +458,7 @@ def restore(image, target, output, as_json, parents, disks, sort_blocks, any_dis
     from .fileutil import write_atomically
     from .plugins import target as restore_target
     from .results import restore_line, restore_result
+
     if output == "-":
         ui.stdout_is_data()
     produce = restore_target(target).restore
@@ -416,68 +485,140 @@ def restore(image, target, output, as_json, parents, disks, sort_blocks, any_dis
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="The lean image to write.")
 @json_option
 @verbosity_options
-@click.option("--from", "source_format", metavar="qemu|libvirt|xen|PLUGIN",
-              callback=lambda ctx, param, value: _installed_plugin("leanimg.sources", param, value),
-              help="Force the source format (an installed source plugin's name: leanimg plugins).")
-@click.option("--spool/--no-spool", default=None,
-              help="Assemble RAM in scratch files first, as a live save read from a pipe needs (default: only "
-              "where needed, e.g. with --disk; a live save in a file is re-read instead).")
-@click.option("--level", default=3, show_default=True, type=click.IntRange(1, 22),
-              help="zstd level of stored pages (1-22).")
-@click.option("--frame-pages", type=click.IntRange(1, 4096),
-              help="Pages per zstd frame, at most 16 MiB of them (default: 2 MiB worth).")
-@click.option("--parent", "parents", multiple=True, type=IMAGE,
-              metavar="PREV.lean", help="Write an incremental image against PREV (the first --parent); "
-              "more --parent options name PREV's ancestors (also found beside PREV).")
-@click.option("--delta/--no-delta", default=True, show_default=True,
-              help="Encode changed pages as 8-byte-word deltas when smaller (with --parent).")
-@click.option("--disk", "disks", multiple=True, metavar="[NAME=]PATH|NAME",
-              help="A disk of the VM (raw or qcow2; repeatable): pages found on it become verified disk "
-              "references. NAME (the guest's device name, e.g. vda) defaults to the file name's stem. NAME "
-              "alone: the file the save names for it (a libvirt save's domain XML).")
-@click.option("--all-phases", is_flag=True,
-              help="Scan every 512-byte phase of each disk, not only the partitions' own.")
-@click.option("--hints", "hints_path", type=click.Path(exists=True, dir_okay=False), metavar="FILE",
-              help="Hints to apply (spec/hints.md): FREE by the stream-offset rule, DISK verified against "
-              "--disk, UNCHANGED against --parent.")
-@click.option("--trust-dirty-log", is_flag=True,
-              help="With --hints: pages hinted UNCHANGED that the stream never sends are taken from the parent.")
-@click.option("--disk-scan/--no-disk-scan", default=None,
-              help="Scan the --disk disks for pages (default: yes, unless the hints have DISK hints).")
+@click.option(
+    "--from",
+    "source_format",
+    metavar="qemu|libvirt|xen|PLUGIN",
+    callback=lambda ctx, param, value: _installed_plugin("leanimg.sources", param, value),
+    help="Force the source format (an installed source plugin's name: leanimg plugins).",
+)
+@click.option(
+    "--spool/--no-spool",
+    default=None,
+    help="Assemble RAM in scratch files first, as a live save read from a pipe needs (default: only "
+    "where needed, e.g. with --disk; a live save in a file is re-read instead).",
+)
+@click.option(
+    "--level", default=3, show_default=True, type=click.IntRange(1, 22), help="zstd level of stored pages (1-22)."
+)
+@click.option(
+    "--frame-pages",
+    type=click.IntRange(1, 4096),
+    help="Pages per zstd frame, at most 16 MiB of them (default: 2 MiB worth).",
+)
+@click.option(
+    "--parent",
+    "parents",
+    multiple=True,
+    type=IMAGE,
+    metavar="PREV.lean",
+    help="Write an incremental image against PREV (the first --parent); "
+    "more --parent options name PREV's ancestors (also found beside PREV).",
+)
+@click.option(
+    "--delta/--no-delta",
+    default=True,
+    show_default=True,
+    help="Encode changed pages as 8-byte-word deltas when smaller (with --parent).",
+)
+@click.option(
+    "--disk",
+    "disks",
+    multiple=True,
+    metavar="[NAME=]PATH|NAME",
+    help="A disk of the VM (raw or qcow2; repeatable): pages found on it become verified disk "
+    "references. NAME (the guest's device name, e.g. vda) defaults to the file name's stem. NAME "
+    "alone: the file the save names for it (a libvirt save's domain XML).",
+)
+@click.option(
+    "--all-phases", is_flag=True, help="Scan every 512-byte phase of each disk, not only the partitions' own."
+)
+@click.option(
+    "--hints",
+    "hints_path",
+    type=click.Path(exists=True, dir_okay=False),
+    metavar="FILE",
+    help="Hints to apply (spec/hints.md): FREE by the stream-offset rule, DISK verified against "
+    "--disk, UNCHANGED against --parent.",
+)
+@click.option(
+    "--trust-dirty-log",
+    is_flag=True,
+    help="With --hints: pages hinted UNCHANGED that the stream never sends are taken from the parent.",
+)
+@click.option(
+    "--disk-scan/--no-disk-scan",
+    default=None,
+    help="Scan the --disk disks for pages (default: yes, unless the hints have DISK hints).",
+)
 @force_option
-def convert(save, output, as_json, source_format, spool, level, frame_pages, parents, delta, disks, all_phases, hints_path,
-            trust_dirty_log, disk_scan, force):
+def convert(
+    save,
+    output,
+    as_json,
+    source_format,
+    spool,
+    level,
+    frame_pages,
+    parents,
+    delta,
+    disks,
+    all_phases,
+    hints_path,
+    trust_dirty_log,
+    disk_scan,
+    force,
+):
     """Convert a hypervisor save file (QEMU migration stream, libvirt save image, Xen xl/libxl/libxc stream) into a lean image."""
     import time
 
     from .disks.partitions import scan_bytes
     from .results import convert_line, convert_result, written_image
+
     started, save_name = time.monotonic(), save
     # the parent's chain is opened to name its links only when OUTPUT exists: it could be one
     chain = _chain_paths(parents[0], parents) if parents and _exists(output) else []
     disk_paths = _disks_named_by_save(save, source_format, _parse_disks(disks))
-    _guard_output(output, [save, *parents, *chain, *disk_paths.values(), *filter(None, [hints_path])], force,
-                  object_ok=True)
+    _guard_output(
+        output, [save, *parents, *chain, *disk_paths.values(), *filter(None, [hints_path])], force, object_ok=True
+    )
     hinting = _hint_options(hints_path, trust_dirty_log, disk_scan)
     with _disk_sources(disk_paths, name_from_file=True) as sources:
-        if sources:        # the bar follows the disk scan, the part whose length depends on the disk
+        if sources:  # the bar follows the disk scan, the part whose length depends on the disk
             total = sum(scan_bytes(d, 4096, all_phases) for d in sources.values())
             label = "scan disks"
         else:
             total, label = (os.path.getsize(save) if _plain_file(save) else 0), "convert"
         with ui.progress(total, label) as advance:
             source, save = _save_source(save, source_format)
-            ui.detail(f"converting {'standard input' if save_name == '-' else save_name} as {source.name}"
-                      f"{' against ' + parents[0] if parents else ''} into {output}")
-            summary = source.convert(save, output, spool=spool,
-                                     writer_options=dict(level=level, frame_pages=frame_pages),
-                                     progress=None if sources else advance, parents=parents, allow_delta=delta,
-                                     disks=sources, all_phases=all_phases, disk_progress=advance, **hinting)
+            ui.detail(
+                f"converting {'standard input' if save_name == '-' else save_name} as {source.name}"
+                f"{' against ' + parents[0] if parents else ''} into {output}"
+            )
+            summary = source.convert(
+                save,
+                output,
+                spool=spool,
+                writer_options=dict(level=level, frame_pages=frame_pages),
+                progress=None if sources else advance,
+                parents=parents,
+                allow_delta=delta,
+                disks=sources,
+                all_phases=all_phases,
+                disk_progress=advance,
+                **hinting,
+            )
     if summary:
         _report_disk_pages(sources, summary)
     _report_hints(hinting)
-    result = convert_result(save_name, written_image(output, parents), source.name, summary,
-                            hinting.get("hint_report"), time.monotonic() - started)
+    result = convert_result(
+        save_name,
+        written_image(output, parents),
+        source.name,
+        summary,
+        hinting.get("hint_report"),
+        time.monotonic() - started,
+    )
     if as_json:
         ui.emit_json(result)
     ui.summary(convert_line(result))
@@ -490,6 +631,7 @@ def _disks_named_by_save(save: str, source_format: str | None, paths: dict) -> d
     if not bare:
         return paths
     from . import plugins
+
     source = None
     if source_format:
         source = plugins.source(source_format)
@@ -505,8 +647,9 @@ def _disks_named_by_save(save: str, source_format: str | None, paths: dict) -> d
             continue
         if path not in found:
             known = ", ".join(f"{k}={v}" for k, v in found.items()) or "none"
-            raise click.BadParameter(f"{path} is not a file, and the save names no disk {path} "
-                                     f"(it names: {known})", param_hint="--disk")
+            raise click.BadParameter(
+                f"{path} is not a file, and the save names no disk {path} (it names: {known})", param_hint="--disk"
+            )
         if path in paths:
             raise click.BadParameter(f"disk {path} given twice", param_hint="--disk")
         resolved[path] = found[path]
@@ -518,6 +661,7 @@ def _plain_file(save: str) -> bool:
     if save == "-" or not os.path.isfile(save):
         return False
     from .compressed_input import MAGIC_BYTES, compression_of
+
     with open(save, "rb") as f:
         return compression_of(f.read(MAGIC_BYTES)) is None
 
@@ -530,6 +674,7 @@ def _hint_options(path, trust_dirty_log: bool, disk_scan) -> dict:
             raise click.UsageError("--trust-dirty-log needs --hints")
         return {"disk_scan": disk_scan} if disk_scan is not None else {}
     from .hints import read_hints
+
     return dict(hints=read_hints(path), trust_dirty_log=trust_dirty_log, disk_scan=disk_scan, hint_report={})
 
 
@@ -549,6 +694,7 @@ def validate_hints(hints_file, save, image, as_json):
     some rules not checked (no --save or --image)."""
     from .rules import describe
     from .validate_hints import validate_hints as run
+
     if save and image:
         raise click.UsageError("give --save or --image, not both")
     report = run(hints_file, save=save, image=image)
@@ -573,6 +719,7 @@ def _save_source(save: str, source_format: str | None):
     to convert (opened when it had to be read for that)."""
     from . import plugins
     from .fileutil import peek_input
+
     if source_format:
         return plugins.source(source_format), save
     head, opened = peek_input(save, plugins.HEAD_BYTES)
@@ -588,8 +735,10 @@ def _report_disk_pages(sources: dict, summary) -> None:
     for name in sources:
         pages = summary.pages.get(name, 0)
         ui.note(f"disk {name}: {pages} pages ({pages * summary.page_size / 2**20:.1f} MiB) are disk references")
-    ui.note(f"disks scanned: {summary.scanned_bytes / 2**20:.1f} MiB of data; "
-            f"{summary.indexed_pages} non-zero guest pages looked up")
+    ui.note(
+        f"disks scanned: {summary.scanned_bytes / 2**20:.1f} MiB of data; "
+        f"{summary.indexed_pages} non-zero guest pages looked up"
+    )
 
 
 @main.command()
@@ -603,6 +752,7 @@ def _report_disk_pages(sources: dict, summary) -> None:
 def flatten(image, output, as_json, parents, disks, force):
     """Write IMAGE as a self-contained image: no parent, same memory, same source state."""
     from .incremental import rebase
+
     with _open_image(image, parents, disks) as img:
         _guard_output(output, _inputs_of(img, disks), force, object_ok=True)
         ui.detail(f"flattening the {len(img.chain())} link(s) of {image} into {output}")
@@ -627,6 +777,7 @@ def merge(image, output, as_json, delta, parents, disks, force):
     """
     from .errors import ChainError
     from .incremental import rebase
+
     with _open_image(image, parents, disks) as img:
         if img.parent is None:
             raise ChainError("the image has no parent to merge into; use flatten")
@@ -640,6 +791,7 @@ def merge(image, output, as_json, delta, parents, disks, force):
 
 def _report_rebase(output, as_json: bool, parents=()) -> None:
     from .results import image_line, written_image
+
     result = written_image(output, parents)
     if as_json:
         ui.emit_json(result)
@@ -650,9 +802,11 @@ def _report_rebase(output, as_json: bool, parents=()) -> None:
 def _installed_plugin(group: str, param, value):
     """A --to/--from value that names an installed plugin of ``group`` (a usage error otherwise)."""
     from .plugins import is_installed, names
+
     if value is not None and not is_installed(group, value):
-        raise click.BadParameter(f"{value!r} is not an installed plugin (installed: {', '.join(names(group))})",
-                                 param=param)
+        raise click.BadParameter(
+            f"{value!r} is not an installed plugin (installed: {', '.join(names(group))})", param=param
+        )
     return value
 
 
@@ -664,6 +818,7 @@ def plugins_command(as_json):
     provides each; a plugin that cannot be loaded is listed as BROKEN with the reason."""
     from .plugin_list import render_text
     from .plugins import installed
+
     found = installed()
     if as_json:
         ui.emit_json([p.to_json() for p in found])
@@ -674,30 +829,68 @@ def plugins_command(as_json):
 # -- serve: lazy restore (restore/postcopy.py, spec/guides/lazy-restore.md) -----------------
 @main.command()
 @click.argument("image", type=IMAGE)
-@click.option("--postcopy", is_flag=True, required=True,
-              help="Speak the source side of QEMU 7.2's post-copy migration: the stream on stdout, "
-              "QEMU's return path on stdin (for -incoming \"exec:leanimg serve IMG --postcopy\").")
-@click.option("--prepage", type=click.Choice(["none", "sequential", "bubble", "disk-sorted"]),
-              default="sequential", show_default=True,
-              help="The order pages are pushed in while the guest runs (none: only on demand).")
-@click.option("--stats", "stats_path", type=click.Path(dir_okay=False), metavar="FILE",
-              help="Also write the counts (pages on demand, pushed, ...) to FILE as JSON.")
-@click.option("--working-set", type=click.Path(exists=True, dir_okay=False), metavar="FILE",
-              help="Send the pages of this working-set file (e.g. from --record-faults) before the guest "
-              "runs, in its order (at most 8192; every page still checked).")
-@click.option("--record-faults", type=click.Path(dir_okay=False), metavar="FILE",
-              help="Write the pages the destination asked for, in order, to FILE as a working set.")
-@click.option("--precopy-seconds", type=click.FloatRange(0, 60), default=0.15, show_default=True,
-              help="Send pages in the --prepage order for this long before the guest runs (after the "
-              "working set); 0: only after.")
+@click.option(
+    "--postcopy",
+    is_flag=True,
+    required=True,
+    help="Speak the source side of QEMU 7.2's post-copy migration: the stream on stdout, "
+    'QEMU\'s return path on stdin (for -incoming "exec:leanimg serve IMG --postcopy").',
+)
+@click.option(
+    "--prepage",
+    type=click.Choice(["none", "sequential", "bubble", "disk-sorted"]),
+    default="sequential",
+    show_default=True,
+    help="The order pages are pushed in while the guest runs (none: only on demand).",
+)
+@click.option(
+    "--stats",
+    "stats_path",
+    type=click.Path(dir_okay=False),
+    metavar="FILE",
+    help="Also write the counts (pages on demand, pushed, ...) to FILE as JSON.",
+)
+@click.option(
+    "--working-set",
+    type=click.Path(exists=True, dir_okay=False),
+    metavar="FILE",
+    help="Send the pages of this working-set file (e.g. from --record-faults) before the guest "
+    "runs, in its order (at most 8192; every page still checked).",
+)
+@click.option(
+    "--record-faults",
+    type=click.Path(dir_okay=False),
+    metavar="FILE",
+    help="Write the pages the destination asked for, in order, to FILE as a working set.",
+)
+@click.option(
+    "--precopy-seconds",
+    type=click.FloatRange(0, 60),
+    default=0.15,
+    show_default=True,
+    help="Send pages in the --prepage order for this long before the guest runs (after the "
+    "working set); 0: only after.",
+)
 @json_option
 @verbosity_options
 @parent_option
 @disk_option
 @click.option("--any-disk-identity", is_flag=True, help="As for restore: every block is still checked.")
 @force_option
-def serve(image, postcopy, prepage, stats_path, working_set, record_faults, precopy_seconds, as_json, parents,
-          disks, any_disk_identity, force):
+def serve(
+    image,
+    postcopy,
+    prepage,
+    stats_path,
+    working_set,
+    record_faults,
+    precopy_seconds,
+    as_json,
+    parents,
+    disks,
+    any_disk_identity,
+    force,
+):
     """Serve IMAGE to a QEMU destination that runs the guest before its memory has arrived.
 
     qemu-system-x86_64 ... -global migration.x-postcopy-ram=on
@@ -708,6 +901,7 @@ def serve(image, postcopy, prepage, stats_path, working_set, record_faults, prec
     from dataclasses import asdict
 
     from .plugins import target as restore_target
+
     ui.stdout_is_data()
     if not postcopy:
         raise click.UsageError("serve needs --postcopy (the only protocol it speaks)")
@@ -719,13 +913,22 @@ def serve(image, postcopy, prepage, stats_path, working_set, record_faults, prec
                 _guard_output(path, _inputs_of(img, disks) + ([working_set] if working_set else []), force)
         from .format import PageClass
         from .inspect import class_counts
+
         counts = class_counts(img)
         travelling = sum(counts.values()) - counts[PageClass.ZERO] - counts[PageClass.FREE]
         with ui.progress(travelling, "serve (pages)") as advance:
-            stats = restore_target("qemu").serve(img, sys.stdout.buffer, sys.stdin.buffer, strategy=prepage,
-                                                 stats_path=stats_path, log=_serve_log, progress=advance,
-                                                 working_set=working_set, record_faults=record_faults,
-                                                 precopy_seconds=precopy_seconds)
+            stats = restore_target("qemu").serve(
+                img,
+                sys.stdout.buffer,
+                sys.stdin.buffer,
+                strategy=prepage,
+                stats_path=stats_path,
+                log=_serve_log,
+                progress=advance,
+                working_set=working_set,
+                record_faults=record_faults,
+                precopy_seconds=precopy_seconds,
+            )
     if as_json:
         ui.emit_json(dict(asdict(stats), image=image))
 
@@ -741,14 +944,21 @@ def _serve_log(message: str) -> None:
 def demo(workdir):
     """Convert, inspect, validate, restore and verify the bundled real QEMU save."""
     from .demo import run_demo
+
     sys.exit(0 if run_demo(workdir) else EXIT_INVALID)
 
 
 # -- map and dump: extents and structures as qemu-img map and crit decode give them -----------
 @main.command("map")
 @click.argument("image", type=IMAGE)
-@click.option("--output", "output_format", type=click.Choice(["human", "json"]), default="human",
-              show_default=True, help="human: one line per extent; json: as lean-image/schemas/map.schema.json.")
+@click.option(
+    "--output",
+    "output_format",
+    type=click.Choice(["human", "json"]),
+    default="human",
+    show_default=True,
+    help="human: one line per extent; json: as lean-image/schemas/map.schema.json.",
+)
 @json_option
 @verbosity_options
 @parent_option
@@ -758,6 +968,7 @@ def map_command(image, output_format, as_json, parents, disks):
     address where the region has one), pages, class and where the bytes are (a frame of this
     file, the parent image, a disk sector, a delta frame)."""
     from .extent_map import write_human, write_json
+
     paths = _parse_disks(disks)
     with _open_image(image, parents, ()) as img:
         if None in paths and len(img.disks) == 1:
@@ -767,59 +978,130 @@ def map_command(image, output_format, as_json, parents, disks):
 
 @main.command("dump")
 @click.argument("image", type=IMAGE)
-@click.option("--payloads", is_flag=True, help="Give every byte string in full (default: those over 64 "
-              "bytes, such as compressed frames, as their length and first 16 bytes).")
+@click.option(
+    "--payloads",
+    is_flag=True,
+    help="Give every byte string in full (default: those over 64 "
+    "bytes, such as compressed frames, as their length and first 16 bytes).",
+)
 @json_option
 @verbosity_options
 def dump_command(image, payloads, as_json):
     """Every structure of IMAGE as JSON: header, records in file order with their fields, footer
     (lean-image/schemas/dump.schema.json)."""
     from .structure_dump import write_dump
+
     write_dump(image, sys.stdout, payloads)
 
 
 # -- checkpoint (converters/checkpoint.py, reached as a plugin) -----------------------------
 @main.command()
-@click.option("--qmp", "qmp_socket", required=True, metavar="SOCKET",
-              help="QEMU's QMP unix socket (-qmp unix:SOCKET,server=on,wait=off); QEMU serves one "
-              "client per socket, so give leanimg its own.")
+@click.option(
+    "--qmp",
+    "qmp_socket",
+    required=True,
+    metavar="SOCKET",
+    help="QEMU's QMP unix socket (-qmp unix:SOCKET,server=on,wait=off); QEMU serves one "
+    "client per socket, so give leanimg its own.",
+)
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="The lean image to write.")
 @json_option
 @verbosity_options
-@click.option("--live", "mode", flag_value="live", help="Precopy while the guest runs; the migration's final "
-              "pause is the checkpoint instant.")
-@click.option("--background", "mode", flag_value="background", help="QEMU's background-snapshot: the guest "
-              "runs on, every page is sent once as of the instant the snapshot starts.")
-@click.option("--then", "then", type=click.Choice(["continue", "stop", "quit"]), default="continue",
-              show_default=True, help="Afterwards: the guest runs on (if it ran), stays paused, or QEMU quits.")
-@click.option("--disk", "disks", multiple=True, metavar="NAME=PATH",
-              help="A file of the guest's disk (repeatable): pages found on it become disk references. "
-              "With --then continue the disk is frozen at the checkpoint instant (the guest writes to a new "
-              "qcow2 overlay beside it from then on).")
-@click.option("--parent", "parents", multiple=True, type=IMAGE,
-              metavar="PREV.lean", help="Write an incremental image against PREV (more: PREV's ancestors).")
+@click.option(
+    "--live",
+    "mode",
+    flag_value="live",
+    help="Precopy while the guest runs; the migration's final pause is the checkpoint instant.",
+)
+@click.option(
+    "--background",
+    "mode",
+    flag_value="background",
+    help="QEMU's background-snapshot: the guest "
+    "runs on, every page is sent once as of the instant the snapshot starts.",
+)
+@click.option(
+    "--then",
+    "then",
+    type=click.Choice(["continue", "stop", "quit"]),
+    default="continue",
+    show_default=True,
+    help="Afterwards: the guest runs on (if it ran), stays paused, or QEMU quits.",
+)
+@click.option(
+    "--disk",
+    "disks",
+    multiple=True,
+    metavar="NAME=PATH",
+    help="A file of the guest's disk (repeatable): pages found on it become disk references. "
+    "With --then continue the disk is frozen at the checkpoint instant (the guest writes to a new "
+    "qcow2 overlay beside it from then on).",
+)
+@click.option(
+    "--parent",
+    "parents",
+    multiple=True,
+    type=IMAGE,
+    metavar="PREV.lean",
+    help="Write an incremental image against PREV (more: PREV's ancestors).",
+)
 @click.option("--delta/--no-delta", default=True, show_default=True, help="8-byte-word deltas (with --parent).")
 @click.option("--level", default=3, show_default=True, type=click.IntRange(1, 22), help="zstd level.")
-@click.option("--max-bandwidth", type=click.IntRange(1), metavar="MIB/S",
-              help="Limit the migration (default: as fast as leanimg reads).")
-@click.option("--balloon-inflate", type=click.IntRange(1), metavar="MIB",
-              help="Inflate the guest's virtio-balloon by MIB first (its pages save as zeros) and deflate it "
-              "afterwards; the image records the size before (restored guests: QMP balloon value=BEFORE).")
-@click.option("--keep-stream", type=click.Path(dir_okay=False), metavar="FILE",
-              help="Also write QEMU's raw migration stream to FILE (for debugging: a full-size file).")
-@click.option("--guest-free", metavar="SOCKET", help="With --live: ask the guest's free-list helper "
-              "(leanimg-guest-free, on the virtio-serial port org.leanimg.free.0 that QEMU connects to SOCKET) for "
-              "its free pages while the precopy runs; pages not sent again after its answer become FREE.")
-@click.option("--keep-hints", type=click.Path(dir_okay=False), metavar="FILE",
-              help="With --guest-free: also write the FREE hints taken from the guest to FILE (spec/hints.md).")
+@click.option(
+    "--max-bandwidth",
+    type=click.IntRange(1),
+    metavar="MIB/S",
+    help="Limit the migration (default: as fast as leanimg reads).",
+)
+@click.option(
+    "--balloon-inflate",
+    type=click.IntRange(1),
+    metavar="MIB",
+    help="Inflate the guest's virtio-balloon by MIB first (its pages save as zeros) and deflate it "
+    "afterwards; the image records the size before (restored guests: QMP balloon value=BEFORE).",
+)
+@click.option(
+    "--keep-stream",
+    type=click.Path(dir_okay=False),
+    metavar="FILE",
+    help="Also write QEMU's raw migration stream to FILE (for debugging: a full-size file).",
+)
+@click.option(
+    "--guest-free",
+    metavar="SOCKET",
+    help="With --live: ask the guest's free-list helper "
+    "(leanimg-guest-free, on the virtio-serial port org.leanimg.free.0 that QEMU connects to SOCKET) for "
+    "its free pages while the precopy runs; pages not sent again after its answer become FREE.",
+)
+@click.option(
+    "--keep-hints",
+    type=click.Path(dir_okay=False),
+    metavar="FILE",
+    help="With --guest-free: also write the FREE hints taken from the guest to FILE (spec/hints.md).",
+)
 @force_option
-def checkpoint(qmp_socket, output, as_json, mode, then, disks, parents, delta, level, max_bandwidth, balloon_inflate,
-               keep_stream, guest_free, keep_hints, force):
+def checkpoint(
+    qmp_socket,
+    output,
+    as_json,
+    mode,
+    then,
+    disks,
+    parents,
+    delta,
+    level,
+    max_bandwidth,
+    balloon_inflate,
+    keep_stream,
+    guest_free,
+    keep_hints,
+    force,
+):
     """Checkpoint a running QEMU 7.2 over QMP straight into a lean image (no save file)."""
     from .errors import CheckpointInterrupted
     from .plugins import checkpointer
-    paths = {name or os.path.splitext(os.path.basename(path))[0]: path
-             for name, path in _parse_disks(disks).items()}
+
+    paths = {name or os.path.splitext(os.path.basename(path))[0]: path for name, path in _parse_disks(disks).items()}
     for path in paths.values():
         if not os.path.isfile(path):
             raise click.BadParameter(f"{path} is not a file", param_hint="--disk")
@@ -829,18 +1111,31 @@ def checkpoint(qmp_socket, output, as_json, mode, then, disks, parents, delta, l
     if keep_stream:
         _guard_output(keep_stream, [*inputs, output], force)
     if guest_free and mode != "live":
-        raise click.UsageError("--guest-free needs --live: in a stop-and-save or a background snapshot a page the "
-                               "guest writes after its answer is not sent again (spec/hints.md §3.1)")
+        raise click.UsageError(
+            "--guest-free needs --live: in a stop-and-save or a background snapshot a page the "
+            "guest writes after its answer is not sent again (spec/hints.md §3.1)"
+        )
     if keep_hints and not guest_free:
         raise click.UsageError("--keep-hints needs --guest-free")
     if keep_hints:
         _guard_output(keep_hints, [*inputs, output], force)
     writer = checkpointer("qemu")
-    request = writer.Request(qmp=qmp_socket, output=output, mode=mode or "stop", then=then, disks=paths,
-                             parents=parents, allow_delta=delta, writer_options=dict(level=level),
-                             max_bandwidth=max_bandwidth and max_bandwidth << 20, keep_stream=keep_stream,
-                             balloon_inflate=(balloon_inflate or 0) << 20,
-                             guest_free=guest_free, keep_hints=keep_hints, progress=ui.show_progress())
+    request = writer.Request(
+        qmp=qmp_socket,
+        output=output,
+        mode=mode or "stop",
+        then=then,
+        disks=paths,
+        parents=parents,
+        allow_delta=delta,
+        writer_options=dict(level=level),
+        max_bandwidth=max_bandwidth and max_bandwidth << 20,
+        keep_stream=keep_stream,
+        balloon_inflate=(balloon_inflate or 0) << 20,
+        guest_free=guest_free,
+        keep_hints=keep_hints,
+        progress=ui.show_progress(),
+    )
     try:
         result = writer.checkpoint(request)
     except CheckpointInterrupted as exc:
@@ -869,7 +1164,8 @@ def uploads(location, abort, as_json):
     (AbortIncompleteMultipartUpload) does the same in stores that support one.
     """
     from . import s3
-    if not location.startswith(s3.SCHEME) or not location[len(s3.SCHEME):].partition("/")[0]:
+
+    if not location.startswith(s3.SCHEME) or not location[len(s3.SCHEME) :].partition("/")[0]:
         raise click.BadParameter(f"expected s3://BUCKET[/PREFIX], got {location!r}", param_hint="LOCATION")
     found = s3.incomplete_uploads(location)
     if abort:
@@ -878,15 +1174,16 @@ def uploads(location, abort, as_json):
     if as_json:
         ui.emit_json({"uploads": found, "aborted": abort})
     for upload in [] if as_json else found:
-        click.echo(f"{upload['initiated']}  {upload['location']}  {upload['upload_id']}"
-                   + ("  aborted" if abort else ""))
+        click.echo(
+            f"{upload['initiated']}  {upload['location']}  {upload['upload_id']}" + ("  aborted" if abort else "")
+        )
     ui.summary(f"{len(found)} incomplete upload(s) under {location}" + (", aborted" if abort and found else ""))
 
 
 def run() -> None:
     """The console script: the command, then a quick exit (_exit_quickly)."""
     try:
-        main()                          # click's standalone mode ends with SystemExit
+        main()  # click's standalone mode ends with SystemExit
     except SystemExit as exc:
         code = exc.code
     else:
@@ -911,7 +1208,7 @@ def _fail_a_waiting_destination(argv: list[str]) -> None:
     try:
         if stat.S_ISFIFO(os.fstat(1).st_mode) or stat.S_ISSOCK(os.fstat(1).st_mode):
             os.write(1, STREAM_FAILED)
-    except OSError:                           # the reader has gone: nobody waits
+    except OSError:  # the reader has gone: nobody waits
         pass
 
 
@@ -933,9 +1230,9 @@ def _option(argv: list[str], short: str | None, long: str) -> str | None:
         if a in (short, long):
             value = b
         elif a.startswith(long + "="):
-            value = a[len(long) + 1:]
+            value = a[len(long) + 1 :]
         elif short and a.startswith(short) and len(a) > len(short) and not a.startswith("--"):
-            value = a[len(short):]
+            value = a[len(short) :]
     return value
 
 
@@ -948,14 +1245,15 @@ def _exit_quickly(code) -> None:
     flushed (a failed flush exits 120, as Python does)."""
     import atexit
     import threading
+
     if code is None:
         code = 0
-    elif not isinstance(code, int):           # sys.exit("message"): printed, status 1
+    elif not isinstance(code, int):  # sys.exit("message"): printed, status 1
         print(code, file=sys.stderr)
         code = 1
     shutdown = getattr(threading, "_shutdown", None)
     run_exit_handlers = getattr(atexit, "_run_exitfuncs", None)
-    if shutdown is None or run_exit_handlers is None:     # not CPython 3.x as we know it: exit as usual
+    if shutdown is None or run_exit_handlers is None:  # not CPython 3.x as we know it: exit as usual
         sys.exit(code)
     shutdown()
     run_exit_handlers()

@@ -15,8 +15,12 @@ from typing import BinaryIO
 from .errors import SourceFormatError
 
 # how compressed files start (RFC 8878, RFC 1952, the xz and bzip2 file formats): name, the pipe
-COMPRESSED = {b"\x28\xb5\x2f\xfd": ("zstd", "zstd -dc"), b"\x1f\x8b": ("gzip", "gzip -dc"),
-              b"\xfd7zXZ\x00": ("xz", "xz -dc"), b"BZh": ("bzip2", "bzip2 -dc")}
+COMPRESSED = {
+    b"\x28\xb5\x2f\xfd": ("zstd", "zstd -dc"),
+    b"\x1f\x8b": ("gzip", "gzip -dc"),
+    b"\xfd7zXZ\x00": ("xz", "xz -dc"),
+    b"BZh": ("bzip2", "bzip2 -dc"),
+}
 MAGIC_BYTES = max(len(magic) for magic in COMPRESSED)
 
 
@@ -29,6 +33,7 @@ def decompressing(stream: BinaryIO, close_stream: bool = True) -> BinaryIO:
     """``stream`` itself when it is not compressed (rewound, or, when it cannot seek, with its
     first bytes given again), else a buffered reader of its decompressed bytes that cannot seek."""
     from .fileutil import PrefixedInput
+
     head = _read_head(stream)
     if stream.seekable():
         stream.seek(-len(head), io.SEEK_CUR)
@@ -54,15 +59,20 @@ def _read_head(stream: BinaryIO) -> bytes:
 def _decoder(raw: BinaryIO, kind: str) -> BinaryIO:
     if kind == "zstd":
         import zstandard
-        return zstandard.ZstdDecompressor().stream_reader(raw, read_size=1 << 20, read_across_frames=True,
-                                                          closefd=False)
+
+        return zstandard.ZstdDecompressor().stream_reader(
+            raw, read_size=1 << 20, read_across_frames=True, closefd=False
+        )
     if kind == "gzip":
         import gzip
+
         return gzip.GzipFile(fileobj=raw, mode="rb")
     if kind == "xz":
         import lzma
+
         return lzma.LZMAFile(raw, "rb")
     import bz2
+
     return bz2.BZ2File(raw, "rb")
 
 
@@ -71,6 +81,7 @@ def _decoder_errors() -> tuple:
     import zlib
 
     import zstandard
+
     return (zstandard.ZstdError, lzma.LZMAError, zlib.error, EOFError, OSError)
 
 
@@ -94,10 +105,14 @@ class Decompressing(io.RawIOBase):
             n = self.decoder.readinto(buffer)
         except self.errors as exc:
             raise self._error(exc) from None
-        except MemoryError:        # the decoder's own tables, sized by the stream (an xz dictionary)
+        except MemoryError:  # the decoder's own tables, sized by the stream (an xz dictionary)
             from .errors import LimitError
-            raise LimitError(f"the {self.kind} decoder needs more memory than this process may use (after "
-                             f"{self.delivered} decompressed bytes)", structure=f"{self.kind} stream") from None
+
+            raise LimitError(
+                f"the {self.kind} decoder needs more memory than this process may use (after "
+                f"{self.delivered} decompressed bytes)",
+                structure=f"{self.kind} stream",
+            ) from None
         self.delivered += n
         return n
 
@@ -110,8 +125,11 @@ class Decompressing(io.RawIOBase):
         what = str(exc) or type(exc).__name__
         if isinstance(exc, EOFError):
             what = f"the compressed data ends early ({what})"
-        return SourceFormatError(f"cannot decompress: {what} (after {self.delivered} decompressed bytes)",
-                                 offset=offset, structure=f"{self.kind} stream")
+        return SourceFormatError(
+            f"cannot decompress: {what} (after {self.delivered} decompressed bytes)",
+            offset=offset,
+            structure=f"{self.kind} stream",
+        )
 
     def close(self) -> None:
         if not self.closed:

@@ -10,12 +10,12 @@ from __future__ import annotations
 import zstandard
 
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
-BLOCK_HEADER = 3                   # zstd block header: last-block bit, type (2 bits), size (21 bits)
+BLOCK_HEADER = 3  # zstd block header: last-block bit, type (2 bits), size (21 bits)
 RLE_BLOCK, RESERVED_BLOCK = 1, 3
 
-NOT_A_FRAME = "not-a-frame"        # no zstd frame header, or a damaged one
-SIZE = "size"                      # no declared content size, or the wrong one, or over the limit
-CORRUPT = "corrupt"                # the frame does not decompress, or leaves bytes after it
+NOT_A_FRAME = "not-a-frame"  # no zstd frame header, or a damaged one
+SIZE = "size"  # no declared content size, or the wrong one, or over the limit
+CORRUPT = "corrupt"  # the frame does not decompress, or leaves bytes after it
 
 
 class FrameError(Exception):
@@ -52,7 +52,8 @@ def decompress_exact(data, *, expected: int | None = None, limit: int, decompres
         raise FrameError(SIZE, f"the zstd frame declares {size} bytes, limit {limit}")
     try:
         content = (decompressor or zstandard.ZstdDecompressor()).decompress(
-            data, max_output_size=size, allow_extra_data=False)
+            data, max_output_size=size, allow_extra_data=False
+        )
     except zstandard.ZstdError as exc:
         raise FrameError(CORRUPT, f"zstd frame does not decompress: {exc}") from None
     if len(content) != size:
@@ -69,7 +70,7 @@ def decompress_into(data, out, *, expected: int | None = None, limit: int, decom
     raises the same FrameError as always."""
     size = _required_size(data)
     if expected is not None and size != expected or size > limit:
-        return _checked_copy(data, out, expected, limit, decompressor)      # raises its FrameError
+        return _checked_copy(data, out, expected, limit, decompressor)  # raises its FrameError
     if size > len(out):
         raise ValueError(f"a buffer of {len(out)} bytes cannot hold the frame's {size}")
     view = memoryview(out)[:size]
@@ -101,13 +102,13 @@ def _frame_length(data) -> int:
         return 0
     at, end = zstandard.frame_header_size(data), len(view)
     while at + BLOCK_HEADER <= end:
-        header = int.from_bytes(view[at:at + BLOCK_HEADER], "little")
+        header = int.from_bytes(view[at : at + BLOCK_HEADER], "little")
         kind = (header >> 1) & 3
         if kind == RESERVED_BLOCK:
             return 0
         at += BLOCK_HEADER + (1 if kind == RLE_BLOCK else header >> 3)
         if header & 1:
-            return at + (4 if view[4] & 0x04 else 0)        # the content checksum, when flagged
+            return at + (4 if view[4] & 0x04 else 0)  # the content checksum, when flagged
     return 0
 
 
@@ -115,7 +116,7 @@ def _checked_copy(data, out, expected: int | None, limit: int, decompressor) -> 
     """A frame decompress_into did not take straight: decompress_exact judges it (and raises
     its FrameError); one it accepts after all is copied into ``out``."""
     content = decompress_exact(data, expected=expected, limit=limit, decompressor=decompressor)
-    view = memoryview(out)[:len(content)]
+    view = memoryview(out)[: len(content)]
     view[:] = content
     return view
 

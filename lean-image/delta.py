@@ -15,7 +15,7 @@ from .format import DELTA_ENTRY, DELTA_RUN, WORD_SIZE, DeltaEncoding
 from .rules import implements
 from .structures import reserved_problems
 
-from .native import backend as _native      # parse_index_lists in one pass, without the GIL (None: numpy)
+from .native import backend as _native  # parse_index_lists in one pass, without the GIL (None: numpy)
 
 _HEAD = DELTA_ENTRY.size
 _NUM_RUNS = DELTA_ENTRY.field("num_runs").struct
@@ -77,23 +77,29 @@ def _fail(rule: str, message: str, offset: int | None, structure: str) -> Format
 
 
 @implements("LI-DLT-002", "LI-DLT-003", "LI-DLT-004")
-def decode_positions(entry, page_size: int, *, offset: int | None = None,
-                     structure: str = "delta_entry") -> tuple[np.ndarray, np.ndarray]:
+def decode_positions(
+    entry, page_size: int, *, offset: int | None = None, structure: str = "delta_entry"
+) -> tuple[np.ndarray, np.ndarray]:
     """Word positions and new values of a delta entry, checking every rule of §7."""
     entry = memoryview(entry)
     if len(entry) < _HEAD:
         raise _fail("LI-DLT-002", f"expected at least {_HEAD} bytes, got {len(entry)}", offset, structure)
     if len(entry) >= page_size:
-        raise _fail("LI-DLT-004", f"expected an entry smaller than {page_size} bytes, got {len(entry)}",
-                    offset, structure)
+        raise _fail(
+            "LI-DLT-004", f"expected an entry smaller than {page_size} bytes, got {len(entry)}", offset, structure
+        )
     encoding, reserved, num_words = DELTA_ENTRY.unpack(entry)
     words_per_page = page_size // WORD_SIZE
     for problem in reserved_problems(DELTA_ENTRY, {"reserved": reserved}, None, structure):
-        problem.offset = offset            # inside a frame's content: the frame record's offset
+        problem.offset = offset  # inside a frame's content: the frame record's offset
         raise problem
     if encoding not in DeltaEncoding.__members__.values() or num_words == 0:
-        raise _fail("LI-DLT-002", f"expected encoding 1-3 and num_words >= 1, got encoding "
-                    f"{encoding}, num_words {num_words}", offset, structure)
+        raise _fail(
+            "LI-DLT-002",
+            f"expected encoding 1-3 and num_words >= 1, got encoding {encoding}, num_words {num_words}",
+            offset,
+            structure,
+        )
     body = entry[_HEAD:]
     if encoding == DeltaEncoding.INDEX_LIST:
         positions_len = 2 * num_words
@@ -105,8 +111,7 @@ def decode_positions(entry, page_size: int, *, offset: int | None = None,
         bits = np.unpackbits(np.frombuffer(body[:positions_len], dtype=np.uint8), bitorder="little")
         positions = np.flatnonzero(bits)
         if len(positions) != num_words:
-            raise _fail("LI-DLT-002", f"expected {num_words} bits set, got {len(positions)}",
-                        offset, structure)
+            raise _fail("LI-DLT-002", f"expected {num_words} bits set, got {len(positions)}", offset, structure)
     else:
         positions, positions_len = _run_positions(body, num_words, offset, structure)
     _check_ascending(positions, words_per_page, offset, structure)
@@ -116,8 +121,9 @@ def decode_positions(entry, page_size: int, *, offset: int | None = None,
 
 def _expect_length(body, expected: int, offset, structure) -> None:
     if len(body) != expected:
-        raise _fail("LI-DLT-002", f"expected {expected + _HEAD} entry bytes, got {len(body) + _HEAD}",
-                    offset, structure)
+        raise _fail(
+            "LI-DLT-002", f"expected {expected + _HEAD} entry bytes, got {len(body) + _HEAD}", offset, structure
+        )
 
 
 def _run_positions(body, num_words: int, offset, structure):
@@ -131,12 +137,12 @@ def _run_positions(body, num_words: int, offset, structure):
     if num_runs == 0 or (lengths == 0).any():
         raise _fail("LI-DLT-003", "expected at least one run, each of length >= 1", offset, structure)
     if int(lengths.sum()) != num_words:
-        raise _fail("LI-DLT-002", f"expected runs totalling {num_words} words, got {int(lengths.sum())}",
-                    offset, structure)
+        raise _fail(
+            "LI-DLT-002", f"expected runs totalling {num_words} words, got {int(lengths.sum())}", offset, structure
+        )
     if (starts[1:] <= starts[:-1] + lengths[:-1]).any():
         raise _fail("LI-DLT-003", "expected runs ascending and not touching", offset, structure)
-    positions = np.repeat(starts - np.cumsum(np.concatenate(([0], lengths[:-1]))), lengths) \
-        + np.arange(num_words)
+    positions = np.repeat(starts - np.cumsum(np.concatenate(([0], lengths[:-1]))), lengths) + np.arange(num_words)
     return positions, positions_len
 
 
@@ -144,8 +150,9 @@ def _check_ascending(positions: np.ndarray, words_per_page: int, offset, structu
     if (np.diff(positions) <= 0).any():
         raise _fail("LI-DLT-003", "expected strictly ascending word indexes", offset, structure)
     if len(positions) and positions[-1] >= words_per_page:
-        raise _fail("LI-DLT-003", f"expected word indexes below {words_per_page}, got {int(positions[-1])}",
-                    offset, structure)
+        raise _fail(
+            "LI-DLT-003", f"expected word indexes below {words_per_page}, got {int(positions[-1])}", offset, structure
+        )
 
 
 FAST_WORDS = 32
@@ -170,13 +177,17 @@ def small_index_list(entry, page_size: int) -> tuple[tuple, bytes] | None:
     if len(entry) < _HEAD or len(entry) >= page_size:
         return None
     encoding, reserved, num_words = DELTA_ENTRY.unpack(entry)
-    if encoding != DeltaEncoding.INDEX_LIST or reserved or not 0 < num_words <= FAST_WORDS \
-            or len(entry) != _HEAD + 10 * num_words:
+    if (
+        encoding != DeltaEncoding.INDEX_LIST
+        or reserved
+        or not 0 < num_words <= FAST_WORDS
+        or len(entry) != _HEAD + 10 * num_words
+    ):
         return None
     positions = struct.unpack_from(f"<{num_words}H", entry, _HEAD)
     if any(b <= a for a, b in zip(positions, positions[1:])) or positions[-1] >= page_size // WORD_SIZE:
         return None
-    return positions, entry[_HEAD + 2 * num_words:]
+    return positions, entry[_HEAD + 2 * num_words :]
 
 
 def _apply_small_index_list(entry, parent_page) -> bytes | None:
@@ -186,7 +197,7 @@ def _apply_small_index_list(entry, parent_page) -> bytes | None:
     positions, values = parsed
     page = bytearray(parent_page)
     for i, word in enumerate(positions):
-        page[word * 8:word * 8 + 8] = values[8 * i:8 * i + 8]
+        page[word * 8 : word * 8 + 8] = values[8 * i : 8 * i + 8]
     return bytes(page)
 
 
@@ -220,17 +231,23 @@ def parse_index_lists(content: bytes, offsets: np.ndarray, page_size: int):
 def _parse_index_lists_numpy(content: bytes, offsets: np.ndarray, page_size: int):
     """parse_index_lists with numpy (where leanimg._native was not built)."""
     c = np.frombuffer(content, np.uint8)
-    if len(c) < _HEAD:                 # no entry has a head: read one of zeros
+    if len(c) < _HEAD:  # no entry has a head: read one of zeros
         c = np.zeros(_HEAD, np.uint8)
     starts, lengths = offsets[:-1], np.diff(offsets)
     safe = np.where(lengths >= _HEAD, starts, 0)
     encoding, reserved = c[safe], c[safe + 1]
     num_words = np.where(lengths >= _HEAD, c[safe + 2].astype(np.int64) | (c[safe + 3].astype(np.int64) << 8), 0)
-    simple = (lengths >= _HEAD) & (encoding == DeltaEncoding.INDEX_LIST) & (reserved == 0) & \
-        (num_words > 0) & (lengths == _HEAD + 10 * num_words) & (lengths < page_size)
+    simple = (
+        (lengths >= _HEAD)
+        & (encoding == DeltaEncoding.INDEX_LIST)
+        & (reserved == 0)
+        & (num_words > 0)
+        & (lengths == _HEAD + 10 * num_words)
+        & (lengths < page_size)
+    )
     counts = np.where(simple, num_words, 0)
     word_start = np.concatenate(([0], np.cumsum(counts)[:-1])) if len(counts) else counts
-    k = np.arange(int(counts.sum()))          # word k is word k - word_start[e] of its entry e
+    k = np.arange(int(counts.sum()))  # word k is word k - word_start[e] of its entry e
     positions = _at_every_byte(c, "<u2")[np.repeat(starts + _HEAD - 2 * word_start, counts) + 2 * k]
     values = _at_every_byte(c, "<u8")[np.repeat(starts + _HEAD + 2 * num_words - 8 * word_start, counts) + 8 * k]
     positions = positions.astype(np.int64)
@@ -239,6 +256,6 @@ def _parse_index_lists_numpy(content: bytes, offsets: np.ndarray, page_size: int
     bad_word = positions >= page_size // WORD_SIZE
     bad_word[1:] |= ~first_word[1:] & (positions[1:] <= positions[:-1])
     bad = np.flatnonzero(bad_word)
-    if len(bad):                  # their entries: the last whose words start at or before them
+    if len(bad):  # their entries: the last whose words start at or before them
         simple[np.searchsorted(word_start, bad, side="right") - 1] = False
     return simple, word_start, num_words, positions, values

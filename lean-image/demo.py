@@ -36,8 +36,8 @@ SAMPLE_PACKAGE = "leanimg.sample"
 SAMPLE_SAVE = "vm.save.zst"
 SAMPLE_DISK = "disk.img.zst"
 DISK_NAME = "vda"
-FREE_BLOCK = 2 << 20          # FREE hints name whole free 2 MiB blocks (what free-page reporting reports)
-SEED = 17                     # the second save's changes are the same in every run
+FREE_BLOCK = 2 << 20  # FREE hints name whole free 2 MiB blocks (what free-page reporting reports)
+SEED = 17  # the second save's changes are the same in every run
 TICKED_PAGES, TICKED_WORDS, REWRITTEN_PAGES = 220, 4, 20
 MIB = 1 << 20
 
@@ -77,12 +77,14 @@ def _mib(n: int) -> str:
 
 def _classes_line(image: LeanImage) -> str:
     counts = class_counts(image)
-    return ", ".join(f"{cls.name} {counts[cls]} ({_mib(counts[cls] * image.page_size)})"
-                     for cls in PageClass if counts[cls])
+    return ", ".join(
+        f"{cls.name} {counts[cls]} ({_mib(counts[cls] * image.page_size)})" for cls in PageClass if counts[cls]
+    )
 
 
 def _disks(path: str) -> dict:
     from .disks import open_disk
+
     return {DISK_NAME: open_disk(path, DISK_NAME)}
 
 
@@ -91,7 +93,7 @@ class Demo:
 
     def __init__(self, workdir: str):
         self.dir = workdir
-        self.sizes: list[tuple[str, int, str]] = []        # (label, bytes, the save it stands for)
+        self.sizes: list[tuple[str, int, str]] = []  # (label, bytes, the save it stands for)
         self.zstd: dict[str, int] = {}
         self.ok = True
 
@@ -102,8 +104,10 @@ class Demo:
         self.sizes.append((label, os.path.getsize(path), save))
         save_size, zstd = os.path.getsize(self.path(save)), self.zstd[save]
         size = os.path.getsize(path)
-        click.echo(f"   {os.path.basename(path)}: {_mib(size)}: {save_size / size:.2f}x smaller than {save}, "
-                   f"{size / zstd:.0%} of zstd -3 of {save} ({_mib(zstd)})")
+        click.echo(
+            f"   {os.path.basename(path)}: {_mib(size)}: {save_size / size:.2f}x smaller than {save}, "
+            f"{size / zstd:.0%} of zstd -3 of {save} ({_mib(zstd)})"
+        )
 
     # -- the steps ----------------------------------------------------------------------------
     def unpack(self) -> None:
@@ -111,9 +115,13 @@ class Demo:
         _decompress(sample_path(SAMPLE_SAVE), self.path("vm.save"))
         _decompress(sample_path(SAMPLE_DISK), self.path("disk.img"))
         self.zstd["vm.save"] = zstd_size(self.path("vm.save"))
-        click.echo(f"   vm.save: {_mib(os.path.getsize(self.path('vm.save')))} (`migrate exec:cat > vm.save`); "
-                   f"disk.img: {_mib(os.path.getsize(self.path('disk.img')))}, the guest's ext4 virtio disk")
-        click.echo(f"   zstd -3 of vm.save: {_mib(self.zstd['vm.save'])} (the baseline every size below is set against)")
+        click.echo(
+            f"   vm.save: {_mib(os.path.getsize(self.path('vm.save')))} (`migrate exec:cat > vm.save`); "
+            f"disk.img: {_mib(os.path.getsize(self.path('disk.img')))}, the guest's ext4 virtio disk"
+        )
+        click.echo(
+            f"   zstd -3 of vm.save: {_mib(self.zstd['vm.save'])} (the baseline every size below is set against)"
+        )
         _done(t)
 
     def convert_inline(self) -> None:
@@ -133,15 +141,21 @@ class Demo:
             whole = len(classes) // per_block * per_block
             blocks = np.flatnonzero((classes[:whole].reshape(-1, per_block) == PageClass.ZERO).all(axis=1))
         with open(self.path("vm.hnt"), "wb") as out, HintWriter(out, page_size=image.page_size) as hints:
-            hints.free([(int(b) * per_block, per_block) for b in blocks], region="pc.ram",
-                       stream_offset=os.path.getsize(self.path("vm.save")), source=FreeSource.UNSPECIFIED)
-        click.echo(f"   FREE: the {len(blocks)} whole 2 MiB blocks of pc.ram ({len(blocks) * per_block} pages) that "
-                   "the save holds as zero pages.\n"
-                   "   This guest zeroes the memory it frees (init_on_free=1), and whole free 2 MiB blocks are what\n"
-                   "   virtio-balloon free-page reporting hands to the host, so these blocks are very probably free;\n"
-                   "   the demo cannot read the guest's free lists, which is where a real producer takes FREE hints\n"
-                   "   from (or from the balloon). The hints are taken as a host would with the guest paused after\n"
-                   "   the last byte of the stream (stream_offset = its length), so the offset rule admits them all.")
+            hints.free(
+                [(int(b) * per_block, per_block) for b in blocks],
+                region="pc.ram",
+                stream_offset=os.path.getsize(self.path("vm.save")),
+                source=FreeSource.UNSPECIFIED,
+            )
+        click.echo(
+            f"   FREE: the {len(blocks)} whole 2 MiB blocks of pc.ram ({len(blocks) * per_block} pages) that "
+            "the save holds as zero pages.\n"
+            "   This guest zeroes the memory it frees (init_on_free=1), and whole free 2 MiB blocks are what\n"
+            "   virtio-balloon free-page reporting hands to the host, so these blocks are very probably free;\n"
+            "   the demo cannot read the guest's free lists, which is where a real producer takes FREE hints\n"
+            "   from (or from the balloon). The hints are taken as a host would with the guest paused after\n"
+            "   the last byte of the stream (stream_offset = its length), so the offset rule admits them all."
+        )
         _done(t)
         return len(blocks) * per_block
 
@@ -150,21 +164,31 @@ class Demo:
         report: dict = {}
         disks = _disks(self.path("disk.img"))
         try:
-            summary = source("qemu").convert(self.path("vm.save"), self.path("vm.lean"), disks=disks,
-                                             hints=self.path("vm.hnt"), hint_report=report, disk_scan=True)
+            summary = source("qemu").convert(
+                self.path("vm.save"),
+                self.path("vm.lean"),
+                disks=disks,
+                hints=self.path("vm.hnt"),
+                hint_report=report,
+                disk_scan=True,
+            )
         finally:
             for disk in disks.values():
                 disk.close()
         with LeanImage.open(self.path("vm.lean")) as image:
             click.echo(f"   {_classes_line(image)}")
             counts = class_counts(image)
-        click.echo(f"   DISK: {counts[PageClass.DISK]} pages equal a 4 KiB block of disk.img (found by scanning "
-                   f"{summary.scanned_bytes / MIB:.1f} MiB of its data, each confirmed byte for byte): the image keeps "
-                   "the sector and a digest, restore reads the block and checks it")
+        click.echo(
+            f"   DISK: {counts[PageClass.DISK]} pages equal a 4 KiB block of disk.img (found by scanning "
+            f"{summary.scanned_bytes / MIB:.1f} MiB of its data, each confirmed byte for byte): the image keeps "
+            "the sector and a digest, restore reads the block and checks it"
+        )
         applied = report.get("FREE", {}).get("applied", 0)
-        click.echo(f"   FREE: {applied} of the {free_pages} hinted pages applied; ZERO: the other zero pages. Neither "
-                   "costs bytes in the image; FREE pages need not be restored at all (serve --postcopy never sends "
-                   "them), a ZERO page must read as zeros")
+        click.echo(
+            f"   FREE: {applied} of the {free_pages} hinted pages applied; ZERO: the other zero pages. Neither "
+            "costs bytes in the image; FREE pages need not be restored at all (serve --postcopy never sends "
+            "them), a ZERO page must read as zeros"
+        )
         self.measure("vm.lean: +DISK +FREE", self.path("vm.lean"), "vm.save")
         _done(t)
 
@@ -178,7 +202,7 @@ class Demo:
                     click.echo(f"   {name}: {row['mib']:6.2f} MiB {row['pages']:6d} pages  {row['path']}")
                 if len(rows) > 8:
                     click.echo(f"   {name}: ... {len(rows) - 8} more")
-        except LeanImageError as exc:      # debugfs (e2fsprogs) is not installed
+        except LeanImageError as exc:  # debugfs (e2fsprogs) is not installed
             click.echo(f"   skipped: {exc}")
         _done(t)
 
@@ -190,10 +214,12 @@ class Demo:
             write_atomically(self.path("vm2.save"), lambda out: target("qemu").restore(image, out))
         os.remove(self.path("changed.lean"))
         self.zstd["vm2.save"] = zstd_size(self.path("vm2.save"))
-        click.echo(f"   {changed}: 1 to {TICKED_WORDS} 8-byte words of {TICKED_PAGES} pages each incremented (counters, "
-                   f"timestamps) and {REWRITTEN_PAGES} pages rewritten entirely, pages picked with seed {SEED} among the "
-                   "non-zero pages of pc.ram.\n   The stream is rebuilt by leanimg's QEMU stream writer around vm.save's "
-                   "device state: the same layout, other page contents (a QEMU 7.2 stream).")
+        click.echo(
+            f"   {changed}: 1 to {TICKED_WORDS} 8-byte words of {TICKED_PAGES} pages each incremented (counters, "
+            f"timestamps) and {REWRITTEN_PAGES} pages rewritten entirely, pages picked with seed {SEED} among the "
+            "non-zero pages of pc.ram.\n   The stream is rebuilt by leanimg's QEMU stream writer around vm.save's "
+            "device state: the same layout, other page contents (a QEMU 7.2 stream)."
+        )
         click.echo(f"   zstd -3 of vm2.save: {_mib(self.zstd['vm2.save'])}")
         _done(t)
 
@@ -201,20 +227,24 @@ class Demo:
         t = _step("leanimg convert vm2.save -o vm2.lean --parent vm.lean --disk vda=disk.img")
         disks = _disks(self.path("disk.img"))
         try:
-            source("qemu").convert(self.path("vm2.save"), self.path("vm2.lean"), parents=[self.path("vm.lean")],
-                                   disks=disks)
+            source("qemu").convert(
+                self.path("vm2.save"), self.path("vm2.lean"), parents=[self.path("vm.lean")], disks=disks
+            )
         finally:
             for disk in disks.values():
                 disk.close()
         with LeanImage.open(self.path("vm2.lean"), parents=[self.path("vm.lean")]) as image:
             click.echo(f"   {_classes_line(image)}")
-        click.echo("   PARENT: unchanged pages, found in vm.lean by digest; DELTA: changed pages as their changed "
-                   "words; STORED: the rewritten ones")
+        click.echo(
+            "   PARENT: unchanged pages, found in vm.lean by digest; DELTA: changed pages as their changed "
+            "words; STORED: the rewritten ones"
+        )
         self.measure("vm2.lean: incremental", self.path("vm2.lean"), "vm2.save")
         _done(t)
 
     def show_map(self) -> None:
         from .extent_map import _breaks_by_class, describe_place, extent_entries
+
         t = _step("leanimg map vm2.lean   # where the bytes of each extent are (first extents of each class)")
         with LeanImage.open(self.path("vm2.lean"), parents=[self.path("vm.lean")]) as image:
             shown: dict[str, int] = {}
@@ -222,13 +252,16 @@ class Demo:
             for e in extent_entries(image, image.region("pc.ram"), None, breaks):
                 if shown.get(e["page_class"], 0) < 2:
                     shown[e["page_class"]] = shown.get(e["page_class"], 0) + 1
-                    click.echo(f"   pc.ram {e['start']:#10x} {e['pages']:5d} pages {e['page_class']:<6} "
-                               f"{describe_place(e['page_class'], e['where'])}")
+                    click.echo(
+                        f"   pc.ram {e['start']:#10x} {e['pages']:5d} pages {e['page_class']:<6} "
+                        f"{describe_place(e['page_class'], e['where'])}"
+                    )
             picture = self.path("memory.png")
             try:
                 from .memory_picture import render_map
+
                 render_map(image, picture)
-            except LeanImageError:         # no Pillow: the SVG needs nothing
+            except LeanImageError:  # no Pillow: the SVG needs nothing
                 picture = self.path("memory.svg")
                 render_map(image, picture)
         click.echo(f"   the picture: {picture} (leanimg inspect vm2.lean --map {os.path.basename(picture)})")
@@ -245,39 +278,53 @@ class Demo:
                     disk.close()
             for finding in report.findings:
                 click.echo(f"   {finding}")
-            verdict = "valid" if report.valid and report.complete else "INVALID" if not report.valid else \
-                "not every rule checked"
+            verdict = (
+                "valid"
+                if report.valid and report.complete
+                else "INVALID"
+                if not report.valid
+                else "not every rule checked"
+            )
             click.echo(f"   {name}: {verdict}: " + ", ".join(f"{v} {k}" for k, v in sorted(report.checked.items())))
             self.ok &= report.valid and report.complete
         _done(t)
 
     def restore_both(self) -> None:
-        for name, save, rebuilt, parents in (("vm.lean", "vm.save", "rebuilt.save", []),
-                                             ("vm2.lean", "vm2.save", "rebuilt2.save", [self.path("vm.lean")])):
+        for name, save, rebuilt, parents in (
+            ("vm.lean", "vm.save", "rebuilt.save", []),
+            ("vm2.lean", "vm2.save", "rebuilt2.save", [self.path("vm.lean")]),
+        ):
             t = _step(f"leanimg restore {name} --to qemu --disk vda=disk.img -o {rebuilt}")
             with LeanImage.open(self.path(name), parents=parents, disks=_disks(self.path("disk.img"))) as image:
                 write_atomically(self.path(rebuilt), lambda out: target("qemu").restore(image, out))
             original, again = sha256_file(self.path(save)), sha256_file(self.path(rebuilt))
             same = original == again
             self.ok &= same
-            click.echo(f"   sha256 {save} {original[:16]}…  {rebuilt} {again[:16]}…  "
-                       f"{'IDENTICAL' if same else 'DIFFERENT'}: every page checked against its xxh3-128 digest, "
-                       "DISK pages read from disk.img")
-            _done(t, f"(qemu-system-x86_64 <the sample's machine> -incoming \"exec:cat {rebuilt}\")")
+            click.echo(
+                f"   sha256 {save} {original[:16]}…  {rebuilt} {again[:16]}…  "
+                f"{'IDENTICAL' if same else 'DIFFERENT'}: every page checked against its xxh3-128 digest, "
+                "DISK pages read from disk.img"
+            )
+            _done(t, f'(qemu-system-x86_64 <the sample\'s machine> -incoming "exec:cat {rebuilt}")')
 
     def summary(self) -> None:
-        click.secho("\nsizes (each against the save it was converted from, and zstd -3 of that save, this run):",
-                    bold=True)
+        click.secho(
+            "\nsizes (each against the save it was converted from, and zstd -3 of that save, this run):", bold=True
+        )
         click.echo(f"   {'':<28} {'bytes':>12} {'MiB':>9} {'vs save':>10} {'vs zstd -3':>11}")
         for save in ("vm.save", "vm2.save"):
             size = os.path.getsize(self.path(save))
             click.echo(f"   {save + ' (QEMU 7.2 stream)':<28} {size:>12,} {size / MIB:>9.2f} {'1.00x':>10}")
-            click.echo(f"   {'zstd -3 of ' + save:<28} {self.zstd[save]:>12,} {self.zstd[save] / MIB:>9.2f} "
-                       f"{size / self.zstd[save]:>9.2f}x {'100%':>11}")
+            click.echo(
+                f"   {'zstd -3 of ' + save:<28} {self.zstd[save]:>12,} {self.zstd[save] / MIB:>9.2f} "
+                f"{size / self.zstd[save]:>9.2f}x {'100%':>11}"
+            )
             for label, nbytes, of in self.sizes:
                 if of == save:
-                    click.echo(f"   {label:<28} {nbytes:>12,} {nbytes / MIB:>9.2f} "
-                               f"{size / nbytes:>9.2f}x {nbytes / self.zstd[save]:>11.1%}")
+                    click.echo(
+                        f"   {label:<28} {nbytes:>12,} {nbytes / MIB:>9.2f} "
+                        f"{size / nbytes:>9.2f}x {nbytes / self.zstd[save]:>11.1%}"
+                    )
 
 
 def _write_changed_copy(image: LeanImage, path: str) -> str:
@@ -322,10 +369,14 @@ def run_demo(workdir: str | None = None, keep: bool = False) -> bool:
         demo.validate_both()
         demo.restore_both()
         demo.summary()
-        verdict = "OK: both images valid, both restored bit-exact" if demo.ok else \
-            "FAILED: an image is not valid or a restore differs from its save (see above)"
-        click.secho(f"\n{verdict} ({time.perf_counter() - start:.1f} s in all).", bold=True,
-                    fg="green" if demo.ok else "red")
+        verdict = (
+            "OK: both images valid, both restored bit-exact"
+            if demo.ok
+            else "FAILED: an image is not valid or a restore differs from its save (see above)"
+        )
+        click.secho(
+            f"\n{verdict} ({time.perf_counter() - start:.1f} s in all).", bold=True, fg="green" if demo.ok else "red"
+        )
         return demo.ok
     finally:
         if owned and not keep:

@@ -17,8 +17,19 @@ from .arrays import gather_rows, joined, scatter_rows
 from .checks import first_problem
 from .errors import ChainError, LeanImageError
 from .format import (
-    DIGEST_SIZE, DIGESTS_BODY, RECORD, RECORD_BODY_MAX, RECORD_TRAILER, PageClass, RecordType, checksum64,
-    digest_class_table, inherits_digests, page_digest, record_size, zero_page_digest,
+    DIGEST_SIZE,
+    DIGESTS_BODY,
+    RECORD,
+    RECORD_BODY_MAX,
+    RECORD_TRAILER,
+    PageClass,
+    RecordType,
+    checksum64,
+    digest_class_table,
+    inherits_digests,
+    page_digest,
+    record_size,
+    zero_page_digest,
 )
 from .tables import ImageTables, Region
 
@@ -42,10 +53,18 @@ class DigestStore:
         if region.region_id not in self._tables:
             try:
                 records = self.tables.digest_records(region)
-                first_problem(checks.digest_count_problems(region.extents, [
-                    (r.parsed["first_page"], r.parsed["num_pages"], r.parsed["num_digests"], r, r.offset)
-                    for r in records], self._bearing_classes, (region.digest_bearing, region.digest_rank0)))
-            except LeanImageError as exc:      # in a chain, say which link's DIGESTS
+                first_problem(
+                    checks.digest_count_problems(
+                        region.extents,
+                        [
+                            (r.parsed["first_page"], r.parsed["num_pages"], r.parsed["num_digests"], r, r.offset)
+                            for r in records
+                        ],
+                        self._bearing_classes,
+                        (region.digest_bearing, region.digest_rank0),
+                    )
+                )
+            except LeanImageError as exc:  # in a chain, say which link's DIGESTS
                 exc.path = exc.path or self.tables.file.name
                 exc.args = (str(exc),)
                 raise
@@ -68,10 +87,14 @@ class DigestStore:
         e = region.extents[lo:hi]
         sizes = e["num_pages"].astype(np.int64)
         skip = first_page - int(region.starts[lo])
-        classes = np.repeat(e["page_class"].astype(np.uint8), sizes)[skip:skip + count]
-        within = np.arange(count) + skip - np.repeat(np.concatenate(([0], np.cumsum(sizes)[:-1])), sizes)[skip:skip + count]
-        ranks = np.repeat(region.digest_rank0[lo:hi], sizes)[skip:skip + count] + within
-        bearing = np.repeat(region.digest_bearing[lo:hi], sizes)[skip:skip + count]
+        classes = np.repeat(e["page_class"].astype(np.uint8), sizes)[skip : skip + count]
+        within = (
+            np.arange(count)
+            + skip
+            - np.repeat(np.concatenate(([0], np.cumsum(sizes)[:-1])), sizes)[skip : skip + count]
+        )
+        ranks = np.repeat(region.digest_rank0[lo:hi], sizes)[skip : skip + count] + within
+        bearing = np.repeat(region.digest_bearing[lo:hi], sizes)[skip : skip + count]
         expected = np.zeros((count, DIGEST_SIZE), np.uint8)
         scatter_rows(expected, bearing, gather_rows(self.table(region), ranks[bearing]))
         expected[classes == PageClass.ZERO] = np.frombuffer(zero_page_digest(self.page_size), np.uint8)
@@ -81,15 +104,20 @@ class DigestStore:
         """The inherited digests of PARENT pages ``pages`` (ascending): each from its digest link."""
         image = self._image() if self._image is not None else None
         if image is None or image.parent is None:
-            raise ChainError(f"region {region.name!r} page {int(pages[0])} is PARENT and inherits its digest "
-                             "(format 1.1): it can be checked only with the parent chain (--parent)",
-                             structure=f"region[{region.region_id}].page[{int(pages[0])}]")
+            raise ChainError(
+                f"region {region.name!r} page {int(pages[0])} is PARENT and inherits its digest "
+                "(format 1.1): it can be checked only with the parent chain (--parent)",
+                structure=f"region[{region.region_id}].page[{int(pages[0])}]",
+            )
         table, free_in = self._inherited_table(region, image)
         depths = free_in[pages]
         if (depths >= 0).any():
-            depth = int(depths[depths >= 0].min())          # the nearest link where one is FREE
-            first_problem(checks.inherited_digest_problems(region.region_id, region.name, pages[depths == depth],
-                                                           image.resolution(region).links[depth].path))
+            depth = int(depths[depths >= 0].min())  # the nearest link where one is FREE
+            first_problem(
+                checks.inherited_digest_problems(
+                    region.region_id, region.name, pages[depths == depth], image.resolution(region).links[depth].path
+                )
+            )
         return gather_rows(table, pages)
 
     def _inherited_table(self, region: Region, image) -> tuple[np.ndarray, np.ndarray]:
@@ -105,12 +133,14 @@ class DigestStore:
             pages = np.flatnonzero(links > 0)
             if len(pages):
                 depth_of = links[pages]
-                depths = np.flatnonzero(np.bincount(depth_of))           # the digest links, ascending
-                stored, bases = read_tables([resolution.links[d].digests for d in depths.tolist()],
-                                            [resolution.regions[d] for d in depths.tolist()])
+                depths = np.flatnonzero(np.bincount(depth_of))  # the digest links, ascending
+                stored, bases = read_tables(
+                    [resolution.links[d].digests for d in depths.tolist()],
+                    [resolution.regions[d] for d in depths.tolist()],
+                )
                 ranks, classes = resolution.digest_rank[pages], resolution.digest_class[pages]
                 bearing = ranks >= 0
-                base_of = np.zeros(int(depths[-1]) + 1, np.int64)       # digest link -> its first row in stored
+                base_of = np.zeros(int(depths[-1]) + 1, np.int64)  # digest link -> its first row in stored
                 base_of[depths] = bases
                 scatter_rows(table, pages[bearing], gather_rows(stored, base_of[depth_of[bearing]] + ranks[bearing]))
                 table[pages[classes == PageClass.ZERO]] = np.frombuffer(zero_page_digest(self.page_size), np.uint8)
@@ -125,8 +155,9 @@ class DigestStore:
         return None if classes[0] == PageClass.FREE else expected[0].tobytes()
 
 
-def verify_rows(region: Region, first_page: int, rows: np.ndarray | None, got: np.ndarray, expected: np.ndarray,
-                where: str = "") -> None:
+def verify_rows(
+    region: Region, first_page: int, rows: np.ndarray | None, got: np.ndarray, expected: np.ndarray, where: str = ""
+) -> None:
     """Raise LI-DIG-002 for the first of pages ``first_page + rows`` whose digest (``got``)
     is not the one ``expected`` (both (n, 16), indexed by row; ``rows`` None: every row).
     The common case, all equal, costs one numpy comparison."""
@@ -135,8 +166,9 @@ def verify_rows(region: Region, first_page: int, rows: np.ndarray | None, got: n
             return
         rows = np.arange(len(got))
     rows = np.asarray(rows, np.int64)
-    first_problem(checks.digest_problems(region.region_id, region.name, first_page + rows, got[rows],
-                                         expected[rows], where))
+    first_problem(
+        checks.digest_problems(region.region_id, region.name, first_page + rows, got[rows], expected[rows], where)
+    )
 
 
 def verify_page(region: Region, page: int, data, expected: bytes | None) -> None:
@@ -159,8 +191,13 @@ def read_tables(stores: list[DigestStore], regions: list[Region]) -> tuple[np.nd
     its finding (the same as when each was read alone)."""
     for k, parts in enumerate(_records_pass(stores, regions)):
         if parts is not None and regions[k].region_id not in stores[k]._tables:
-            stores[k]._tables[regions[k].region_id] = parts[0] if len(parts) == 1 else \
-                np.concatenate(parts) if parts else np.zeros((0, DIGEST_SIZE), np.uint8)
+            stores[k]._tables[regions[k].region_id] = (
+                parts[0]
+                if len(parts) == 1
+                else np.concatenate(parts)
+                if parts
+                else np.zeros((0, DIGEST_SIZE), np.uint8)
+            )
     tables = [store.table(region) for store, region in zip(stores, regions)]
     lengths = np.array([len(t) for t in tables], np.int64)
     return np.concatenate(tables), np.cumsum(lengths) - lengths
@@ -175,35 +212,43 @@ def _records_pass(stores: list[DigestStore], regions: list[Region]) -> list:
     usable = np.ones(len(stores), bool)
     for k, (store, region) in enumerate(zip(stores, regions)):
         if region.region_id in store._tables:
-            continue                        # read before: table() has it
+            continue  # read before: table() has it
         tables = store.tables
         for position in tables.digest_positions.get(region.region_id, []):
             raw = tables.listed_bytes(position, record_size(RECORD_BODY_MAX))
             if raw is None or len(raw) < RECORD.size + DIGESTS_BODY.size + RECORD_TRAILER.size:
-                usable[k] = False               # read alone, which raises its finding
+                usable[k] = False  # read alone, which raises its finding
                 continue
             raws.append(raw)
             owner.append(k)
-            entries.append(tables.entries[position:position + 1])
+            entries.append(tables.entries[position : position + 1])
     if not raws:
         return [[] if ok else None for ok in usable]
     owner = np.array(owner, np.int64)
-    head = np.frombuffer(b"".join(raw[:_DIGESTS_HEAD.itemsize] for raw in raws), _DIGESTS_HEAD)
+    head = np.frombuffer(b"".join(raw[: _DIGESTS_HEAD.itemsize] for raw in raws), _DIGESTS_HEAD)
     sizes = np.array([len(raw) for raw in raws], np.int64)
     entry = joined(entries)
     body = head["body_length"].astype(np.int64)
     num_pages = head["num_pages"].astype(np.int64)
     first_page = head["first_page"].astype(np.int64)
     limits = np.array([r.num_pages for r in regions], np.int64)[owner]
-    ok = (head["record_type"] == RecordType.DIGESTS) & (head["flags"] == 0) & \
-        (body == DIGESTS_BODY.size + DIGEST_SIZE * head["num_digests"].astype(np.int64)) & \
-        (sizes == RECORD.size + body + RECORD_TRAILER.size) & \
-        (num_pages >= 1) & (head["num_digests"] <= head["num_pages"]) & \
-        (entry["record_type"] == RecordType.DIGESTS) & (entry["key"] == head["region_id"]) & \
-        (entry["first"] == head["first_page"]) & (entry["count"] == head["num_pages"]) & \
-        (head["first_page"] < limits) & (head["num_pages"] <= limits) & (first_page + num_pages <= limits)
-    trailers = np.frombuffer(b"".join(raw[-RECORD_TRAILER.size:] for raw in raws), "<u8")
-    sums = np.array([checksum64(memoryview(raw)[:-RECORD_TRAILER.size]) for raw in raws], np.uint64)
+    ok = (
+        (head["record_type"] == RecordType.DIGESTS)
+        & (head["flags"] == 0)
+        & (body == DIGESTS_BODY.size + DIGEST_SIZE * head["num_digests"].astype(np.int64))
+        & (sizes == RECORD.size + body + RECORD_TRAILER.size)
+        & (num_pages >= 1)
+        & (head["num_digests"] <= head["num_pages"])
+        & (entry["record_type"] == RecordType.DIGESTS)
+        & (entry["key"] == head["region_id"])
+        & (entry["first"] == head["first_page"])
+        & (entry["count"] == head["num_pages"])
+        & (head["first_page"] < limits)
+        & (head["num_pages"] <= limits)
+        & (first_page + num_pages <= limits)
+    )
+    trailers = np.frombuffer(b"".join(raw[-RECORD_TRAILER.size :] for raw in raws), "<u8")
+    sums = np.array([checksum64(memoryview(raw)[: -RECORD_TRAILER.size]) for raw in raws], np.uint64)
     ok &= trailers == sums
     ok &= _bearing_between(regions, owner, first_page, first_page + num_pages, ok) == head["num_digests"]
     usable &= np.bincount(owner[~ok], minlength=len(stores)) == 0
@@ -215,13 +260,21 @@ def _records_pass(stores: list[DigestStore], regions: list[Region]) -> list:
     return [p if ok_k else None for p, ok_k in zip(parts, usable.tolist())]
 
 
-def _bearing_between(regions: list[Region], owner: np.ndarray, starts: np.ndarray, ends: np.ndarray,
-                     ok: np.ndarray) -> np.ndarray:
+def _bearing_between(
+    regions: list[Region], owner: np.ndarray, starts: np.ndarray, ends: np.ndarray, ok: np.ndarray
+) -> np.ndarray:
     """Per DIGESTS record (of region regions[owner]): the pages with stored digests in
     [start, end) (checks.digests_before), where ``ok`` (elsewhere: -1). A record covering its
     whole region, the usual case, takes the region's total without a search."""
-    totals = np.array([int(r.digest_rank0[-1]) + (int(r.extents["num_pages"][-1]) if r.digest_bearing[-1] else 0)
-                       if len(r.extents) else 0 for r in regions], np.int64)
+    totals = np.array(
+        [
+            int(r.digest_rank0[-1]) + (int(r.extents["num_pages"][-1]) if r.digest_bearing[-1] else 0)
+            if len(r.extents)
+            else 0
+            for r in regions
+        ],
+        np.int64,
+    )
     pages = np.array([r.num_pages for r in regions], np.int64)
     counts = np.where(ok & (starts == 0) & (ends == pages[owner]), totals[owner], -1)
     for k in np.flatnonzero(ok & (counts < 0)).tolist():

@@ -13,9 +13,15 @@ class LeanImageError(Exception):
     rule id (e.g. ``LI-REC-003``) when the error is a conformance violation.
     """
 
-    def __init__(self, message: str, *, offset: int | None = None,
-                 structure: str | None = None, rule: str | None = None,
-                 path: str | None = None):
+    def __init__(
+        self,
+        message: str,
+        *,
+        offset: int | None = None,
+        structure: str | None = None,
+        rule: str | None = None,
+        path: str | None = None,
+    ):
         self.message = message
         self.offset = offset
         self.structure = structure

@@ -57,7 +57,7 @@ def writev_all(fd: int, buffers: list) -> int:
     place: no joined copy."""
     written, i = 0, 0
     while i < len(buffers):
-        batch = buffers[i:i + IOV_MAX]
+        batch = buffers[i : i + IOV_MAX]
         done = os.writev(fd, batch)
         written += done
         if done == sum(map(len, batch)):
@@ -68,7 +68,7 @@ def writev_all(fd: int, buffers: list) -> int:
             done -= len(batch[k])
             k += 1
         i += k
-        if done:                                    # the k-th buffer went out in part
+        if done:  # the k-th buffer went out in part
             buffers[i] = memoryview(buffers[i]).cast("B")[done:]
     return written
 
@@ -136,7 +136,7 @@ def check_output(output, inputs, *, force: bool = False) -> None:
     try:
         target = os.stat(output)
     except OSError:
-        return                                     # nothing there yet: nothing to lose
+        return  # nothing there yet: nothing to lose
     for path in inputs:
         try:
             source = os.stat(path)
@@ -167,7 +167,7 @@ def temporary_beside(path: str) -> str:
 def create_temporary(path: str, buffering: int = -1) -> tuple[str, BinaryIO]:
     """A new temporary file for the output ``path``: (its name, open for writing)."""
     temp = temporary_beside(path)
-    _TEMPORARIES.add(temp)                # before it exists: no moment when it is not tracked
+    _TEMPORARIES.add(temp)  # before it exists: no moment when it is not tracked
     try:
         return temp, open(temp, "xb", buffering=buffering)
     except OSError:
@@ -235,6 +235,7 @@ def open_input(src) -> BinaryIO:
     one compressed with zstd, gzip, xz or bzip2 is decompressed as it is read, and then cannot
     seek (leanimg.compressed_input)."""
     from .compressed_input import decompressing
+
     if src == "-":
         return decompressing(sys.stdin.buffer, close_stream=False)
     if not isinstance(src, (str, os.PathLike)):
@@ -281,7 +282,7 @@ class PrefixedInput(io.RawIOBase):
             self.head = self.head[n:]
             return n
         data = self.rest.read(len(buffer))
-        buffer[:len(data)] = data
+        buffer[: len(data)] = data
         return len(data)
 
     def close(self) -> None:

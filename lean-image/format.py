@@ -24,13 +24,13 @@ _native_span_checksums = _backend.span_checksums if _backend is not None else No
 
 # Field types as the spec's tables write them; a name ending in [] is a variable-length array.
 _SCALARS = {"u1": "B", "u2": "H", "u4": "I", "u8": "Q", "b[8]": "8s", "uuid": "16s", "digest": "16s"}
-_NUMPY = {"u1": "<u1", "u2": "<u2", "u4": "<u4", "u8": "<u8", "b[8]": "S8", "uuid": ("u1", 16),
-          "digest": ("u1", 16)}
+_NUMPY = {"u1": "<u1", "u2": "<u2", "u4": "<u4", "u8": "<u8", "b[8]": "S8", "uuid": ("u1", 16), "digest": ("u1", 16)}
 
 
 class Values(tuple):
     """The head fields of one structure as a tuple that also answers by name (a namedtuple
     without the cost of building one class per structure when the module is imported)."""
+
     __slots__ = ()
     _fields: tuple = ()
     _index: dict = {}
@@ -74,7 +74,7 @@ class Structure:
     after the first variable-length one (names, arrays, frames) are parsed by their users."""
 
     def __init__(self, name: str, fields: list[tuple[str, str]], zero: tuple[str, ...] = ()):
-        self.name = name                       # the type's name in ksy/leanimg.ksy
+        self.name = name  # the type's name in ksy/leanimg.ksy
         self.fields = [Field(*f) for f in fields]
         # head fields that must be zero (rule LI-REC-008): the reserved ones, and any named here
         self.zero_fields = [f.name for f in self.fields if f.name == "reserved" or f.name in zero]
@@ -91,8 +91,15 @@ class Structure:
         for f in head:
             self.offsets[f.name] = at
             at += f.struct.size
-        self.Values = type(f"{name}_values", (Values,), {"__slots__": (), "_fields": tuple(f.name for f in head),
-                                                         "_index": {f.name: k for k, f in enumerate(head)}})
+        self.Values = type(
+            f"{name}_values",
+            (Values,),
+            {
+                "__slots__": (),
+                "_fields": tuple(f.name for f in head),
+                "_index": {f.name: k for k, f in enumerate(head)},
+            },
+        )
 
     def field(self, name: str) -> Field:
         return next(f for f in self.fields if f.name == name)
@@ -111,8 +118,9 @@ class Structure:
         unknown = set(values) - set(self.offsets)
         if unknown:
             raise TypeError(f"{self.name} has no field {sorted(unknown)[0]!r}")
-        return self.struct.pack(*[values.get(f.name, b"" if f.type in ("b[8]", "uuid", "digest") else 0)
-                                  for f in self.head])
+        return self.struct.pack(
+            *[values.get(f.name, b"" if f.type in ("b[8]", "uuid", "digest") else 0) for f in self.head]
+        )
 
     def unpack(self, buffer, offset: int = 0):
         """The head's fields as a named tuple."""
@@ -120,16 +128,30 @@ class Structure:
 
 
 FORMAT_MAJOR = 1
-FORMAT_MINOR = 1          # this toolkit reads and writes 1.1
-FORMAT_MINOR_PLAIN = 0    # the minor of an image that sets no bit defined in 1.1: a 1.0 image
+FORMAT_MINOR = 1  # this toolkit reads and writes 1.1
+FORMAT_MINOR_PLAIN = 0  # the minor of an image that sets no bit defined in 1.1: a 1.0 image
 
 # --- header (spec §3) --------------------------------------------------------
 HEADER_MAGIC = b"\x89LEANIMG"
-HEADER = Structure("header", [
-    ("magic", "b[8]"), ("major_version", "u2"), ("minor_version", "u2"), ("header_length", "u4"),
-    ("incompatible_features", "u8"), ("compatible_features", "u8"), ("autoclear_features", "u8"),
-    ("image_uuid", "uuid"), ("parent_uuid", "uuid"), ("parent_digest", "digest"), ("page_size", "u4"),
-    ("reserved", "u4"), ("header_checksum", "u8"), ("extension", "b[]")])
+HEADER = Structure(
+    "header",
+    [
+        ("magic", "b[8]"),
+        ("major_version", "u2"),
+        ("minor_version", "u2"),
+        ("header_length", "u4"),
+        ("incompatible_features", "u8"),
+        ("compatible_features", "u8"),
+        ("autoclear_features", "u8"),
+        ("image_uuid", "uuid"),
+        ("parent_uuid", "uuid"),
+        ("parent_digest", "digest"),
+        ("page_size", "u4"),
+        ("reserved", "u4"),
+        ("header_checksum", "u8"),
+        ("extension", "b[]"),
+    ],
+)
 HEADER_LENGTH_MAX = 4096
 PAGE_SIZE_MIN = 4096
 PAGE_SIZE_MAX = 65536
@@ -137,14 +159,16 @@ PAGE_SIZE_MAX = 65536
 
 class IncompatFeature(enum.IntFlag):
     """A reader MUST refuse an image with an incompatible bit it does not know."""
-    PARENT = 1 << 0       # PARENT or DELTA pages: the image needs its parent
-    DISK = 1 << 1         # DISK pages: restore needs the disks of the disk table
-    DELTA = 1 << 2        # DELTA pages present
-    INHERITED_DIGESTS = 1 << 3   # (1.1) PARENT pages carry no stored digest: the parent chain gives it
+
+    PARENT = 1 << 0  # PARENT or DELTA pages: the image needs its parent
+    DISK = 1 << 1  # DISK pages: restore needs the disks of the disk table
+    DELTA = 1 << 2  # DELTA pages present
+    INHERITED_DIGESTS = 1 << 3  # (1.1) PARENT pages carry no stored digest: the parent chain gives it
 
 
 class CompatFeature(enum.IntFlag):
     """A reader MAY ignore compatible bits it does not know."""
+
     SOURCE_STATE = 1 << 0  # SOURCE_STATE records present: a save file can be rebuilt
 
 
@@ -152,14 +176,23 @@ class AutoclearFeature(enum.IntFlag):
     """A writer that modifies an image MUST clear autoclear bits it does not know."""
 
 
-KNOWN_INCOMPAT = int(IncompatFeature.PARENT | IncompatFeature.DISK | IncompatFeature.DELTA
-                     | IncompatFeature.INHERITED_DIGESTS)
+KNOWN_INCOMPAT = int(
+    IncompatFeature.PARENT | IncompatFeature.DISK | IncompatFeature.DELTA | IncompatFeature.INHERITED_DIGESTS
+)
 KNOWN_COMPAT = int(CompatFeature.SOURCE_STATE)
 
 # --- records (spec §4) -------------------------------------------------------
-RECORD = Structure("record", [
-    ("record_type", "u4"), ("flags", "u4"), ("body_length", "u8"), ("body", "b[]"), ("padding", "b[]"),
-    ("record_checksum", "u8")])
+RECORD = Structure(
+    "record",
+    [
+        ("record_type", "u4"),
+        ("flags", "u4"),
+        ("body_length", "u8"),
+        ("body", "b[]"),
+        ("padding", "b[]"),
+        ("record_checksum", "u8"),
+    ],
+)
 RECORD_TRAILER = RECORD.field("record_checksum").struct
 RECORD_ALIGN = 8
 RECORD_OPTIONAL_BIT = 0x8000_0000
@@ -177,24 +210,45 @@ class RecordType(enum.IntEnum):
     SOURCE_STATE = 0x8000_0003
 
 
-REGION_BODY = Structure("region_body", [
-    ("region_id", "u4"), ("flags", "u4"), ("guest_phys_base", "u8"), ("size_bytes", "u8"),
-    ("name_length", "u4"), ("reserved", "u4"), ("name", "b[]")])
+REGION_BODY = Structure(
+    "region_body",
+    [
+        ("region_id", "u4"),
+        ("flags", "u4"),
+        ("guest_phys_base", "u8"),
+        ("size_bytes", "u8"),
+        ("name_length", "u4"),
+        ("reserved", "u4"),
+        ("name", "b[]"),
+    ],
+)
 REGION_FLAG_HAS_GPA = 1 << 0
 REGION_NAME_MAX = 255
 
-DISK_BODY = Structure("disk_body", [
-    ("disk_id", "u4"), ("flags", "u4"), ("size_bytes", "u8"), ("sector_size", "u4"),
-    ("fingerprint_method", "u4"), ("fingerprint", "digest"), ("name_length", "u4"), ("reserved", "u4"),
-    ("name", "b[]")], zero=("flags",))
+DISK_BODY = Structure(
+    "disk_body",
+    [
+        ("disk_id", "u4"),
+        ("flags", "u4"),
+        ("size_bytes", "u8"),
+        ("sector_size", "u4"),
+        ("fingerprint_method", "u4"),
+        ("fingerprint", "digest"),
+        ("name_length", "u4"),
+        ("reserved", "u4"),
+        ("name", "b[]"),
+    ],
+    zero=("flags",),
+)
 DISK_SECTOR_SIZE = 512
 DISK_NAME_MAX = 255
 FINGERPRINT_SAMPLED_XXH3 = 1
 FINGERPRINT_SAMPLES = 64
 FINGERPRINT_SAMPLE_SIZE = 4096
 
-SOURCE_STATE_BODY = Structure("source_state_body", [
-    ("source_format", "u4"), ("tag", "u4"), ("sequence", "u8"), ("data", "b[]")])
+SOURCE_STATE_BODY = Structure(
+    "source_state_body", [("source_format", "u4"), ("tag", "u4"), ("sequence", "u8"), ("data", "b[]")]
+)
 
 
 class SourceFormat(enum.IntEnum):
@@ -202,29 +256,41 @@ class SourceFormat(enum.IntEnum):
     XEN = 2
 
 
-PRIVATE_SOURCE_FORMATS = 0x8000_0000     # source_format values from here up: private use (spec §5.4)
+PRIVATE_SOURCE_FORMATS = 0x8000_0000  # source_format values from here up: private use (spec §5.4)
 
 
-PAGE_FRAME_BODY = Structure("page_frame_body", [
-    ("first_ordinal", "u8"), ("num_pages", "u4"), ("reserved", "u4"), ("frame", "b[]")])
-DELTA_FRAME_BODY = Structure("delta_frame_body", [
-    ("first_delta", "u8"), ("num_deltas", "u4"), ("reserved", "u4"), ("entry_offsets", "u4[]"),
-    ("padding", "b[]"), ("frame", "b[]")])
-DISK_REFS_BODY = Structure("disk_refs_body", [
-    ("first_ref", "u8"), ("num_refs", "u4"), ("reserved", "u4"), ("refs", "disk_ref[]")])
+PAGE_FRAME_BODY = Structure(
+    "page_frame_body", [("first_ordinal", "u8"), ("num_pages", "u4"), ("reserved", "u4"), ("frame", "b[]")]
+)
+DELTA_FRAME_BODY = Structure(
+    "delta_frame_body",
+    [
+        ("first_delta", "u8"),
+        ("num_deltas", "u4"),
+        ("reserved", "u4"),
+        ("entry_offsets", "u4[]"),
+        ("padding", "b[]"),
+        ("frame", "b[]"),
+    ],
+)
+DISK_REFS_BODY = Structure(
+    "disk_refs_body", [("first_ref", "u8"), ("num_refs", "u4"), ("reserved", "u4"), ("refs", "disk_ref[]")]
+)
 DISK_REF = Structure("disk_ref", [("disk_id", "u4"), ("reserved", "u4"), ("sector", "u8")])
-PAGE_MAP_BODY = Structure("page_map_body", [
-    ("region_id", "u4"), ("num_extents", "u4"), ("extents", "extent[]")])
-EXTENT = Structure("extent", [
-    ("first_page", "u8"), ("num_pages", "u4"), ("page_class", "u2"), ("reserved", "u2"),
-    ("first_slot", "u8")])
-DIGESTS_BODY = Structure("digests_body", [
-    ("region_id", "u4"), ("num_digests", "u4"), ("first_page", "u8"), ("num_pages", "u8"),
-    ("digests", "digest[]")])
+PAGE_MAP_BODY = Structure("page_map_body", [("region_id", "u4"), ("num_extents", "u4"), ("extents", "extent[]")])
+EXTENT = Structure(
+    "extent",
+    [("first_page", "u8"), ("num_pages", "u4"), ("page_class", "u2"), ("reserved", "u2"), ("first_slot", "u8")],
+)
+DIGESTS_BODY = Structure(
+    "digests_body",
+    [("region_id", "u4"), ("num_digests", "u4"), ("first_page", "u8"), ("num_pages", "u8"), ("digests", "digest[]")],
+)
 DIGEST_SIZE = 16
 INDEX_BODY = Structure("index_body", [("num_entries", "u4"), ("reserved", "u4"), ("entries", "index_entry[]")])
-INDEX_ENTRY = Structure("index_entry", [
-    ("record_offset", "u8"), ("record_type", "u4"), ("key", "u4"), ("first", "u8"), ("count", "u8")])
+INDEX_ENTRY = Structure(
+    "index_entry", [("record_offset", "u8"), ("record_type", "u4"), ("key", "u4"), ("first", "u8"), ("count", "u8")]
+)
 NO_KEY = 0xFFFF_FFFF
 
 
@@ -262,7 +328,7 @@ IS_CONCRETE = _class_table(CONCRETE_CLASSES)
 
 def inherits_digests(incompatible_features: int) -> bool:
     """Whether an image's PARENT pages take their digests from the parent chain (format 1.1)."""
-    return bool(incompatible_features & _INHERITED_DIGESTS)     # an int: IntFlag's & costs ~3 us
+    return bool(incompatible_features & _INHERITED_DIGESTS)  # an int: IntFlag's & costs ~3 us
 
 
 _INHERITED_DIGESTS = int(IncompatFeature.INHERITED_DIGESTS)
@@ -272,10 +338,21 @@ def digest_class_table(incompatible_features: int) -> np.ndarray:
     """HAS_DIGEST or HAS_OWN_DIGEST: the digest-bearing classes of an image with these bits."""
     return HAS_OWN_DIGEST if inherits_digests(incompatible_features) else HAS_DIGEST
 
+
 # --- delta entries (spec §6) -------------------------------------------------
-DELTA_ENTRY = Structure("delta_entry", [
-    ("encoding", "u1"), ("reserved", "u1"), ("num_words", "u2"), ("word_indexes", "u2[]"),
-    ("bitmap", "b[]"), ("num_runs", "u2"), ("runs", "delta_run[]"), ("values", "u8[]")])
+DELTA_ENTRY = Structure(
+    "delta_entry",
+    [
+        ("encoding", "u1"),
+        ("reserved", "u1"),
+        ("num_words", "u2"),
+        ("word_indexes", "u2[]"),
+        ("bitmap", "b[]"),
+        ("num_runs", "u2"),
+        ("runs", "delta_run[]"),
+        ("values", "u8[]"),
+    ],
+)
 DELTA_RUN = Structure("delta_run", [("start_word", "u2"), ("run_length", "u2")])
 WORD_SIZE = 8
 
@@ -288,19 +365,26 @@ class DeltaEncoding(enum.IntEnum):
 
 # --- footer (spec §8) --------------------------------------------------------
 FOOTER_MAGIC = b"\x89LEANEND"
-FOOTER = Structure("footer", [
-    ("magic", "b[8]"), ("index_offset", "u8"), ("file_length", "u8"), ("image_digest", "digest"),
-    ("footer_checksum", "u8")])
+FOOTER = Structure(
+    "footer",
+    [
+        ("magic", "b[8]"),
+        ("index_offset", "u8"),
+        ("file_length", "u8"),
+        ("image_digest", "digest"),
+        ("footer_checksum", "u8"),
+    ],
+)
 
 # --- resource limits a reader MAY enforce (spec §9) ---------------------------
-FRAME_PAGES_MAX_BYTES = 16 * 1024 * 1024     # decompressed size of one frame, writers MUST NOT exceed
-RECORD_BODY_MAX = 256 * 1024 * 1024          # reference reader limit on one record body
+FRAME_PAGES_MAX_BYTES = 16 * 1024 * 1024  # decompressed size of one frame, writers MUST NOT exceed
+RECORD_BODY_MAX = 256 * 1024 * 1024  # reference reader limit on one record body
 REGIONS_MAX = 4096
 DISKS_MAX = 256
 REGION_SIZE_MAX = 1 << 48
 CHAIN_DEPTH_MAX = 4096
 
-DEFAULT_FRAME_BYTES = 2 * 1024 * 1024   # reference writer: 512 pages of 4 KiB per frame
+DEFAULT_FRAME_BYTES = 2 * 1024 * 1024  # reference writer: 512 pages of 4 KiB per frame
 DEFAULT_ZSTD_LEVEL = 3
 DIGEST_CHUNK_PAGES = 1 << 16
 EXTENT_CHUNK = 1 << 16
@@ -338,7 +422,7 @@ def span_checksums(buffers: list, offsets, lengths) -> np.ndarray:
         view = memoryview(buffer).cast("B")
         if at < 0 or length < 0 or at + length > len(view):
             raise ValueError(f"span_checksums: span {k} is outside its buffer")
-        out[k] = checksum64(view[at:at + length])
+        out[k] = checksum64(view[at : at + length])
     return out
 
 
@@ -352,8 +436,7 @@ def page_digests(data, page_size: int) -> np.ndarray:
     view = memoryview(data).cast("B")
     if _native_digests is not None and len(view) % page_size == 0:
         return _digest_rows_native(view, page_size, np.arange(len(view) // page_size, dtype=np.int64))
-    joined = b"".join([xxhash.xxh3_128_digest(view[k:k + page_size])
-                       for k in range(0, len(view), page_size)])
+    joined = b"".join([xxhash.xxh3_128_digest(view[k : k + page_size]) for k in range(0, len(view), page_size)])
     return np.frombuffer(joined, np.uint8).reshape(-1, DIGEST_SIZE)
 
 
@@ -389,14 +472,37 @@ def is_mandatory(record_type: int) -> bool:
     return not record_type & RECORD_OPTIONAL_BIT
 
 
-STRUCTURES = {s.name: s for s in (
-    HEADER, RECORD, REGION_BODY, DISK_BODY, SOURCE_STATE_BODY, PAGE_FRAME_BODY, DELTA_FRAME_BODY,
-    DISK_REFS_BODY, DISK_REF, PAGE_MAP_BODY, EXTENT, DIGESTS_BODY, INDEX_BODY, INDEX_ENTRY, FOOTER,
-    DELTA_ENTRY, DELTA_RUN)}
+STRUCTURES = {
+    s.name: s
+    for s in (
+        HEADER,
+        RECORD,
+        REGION_BODY,
+        DISK_BODY,
+        SOURCE_STATE_BODY,
+        PAGE_FRAME_BODY,
+        DELTA_FRAME_BODY,
+        DISK_REFS_BODY,
+        DISK_REF,
+        PAGE_MAP_BODY,
+        EXTENT,
+        DIGESTS_BODY,
+        INDEX_BODY,
+        INDEX_ENTRY,
+        FOOTER,
+        DELTA_ENTRY,
+        DELTA_RUN,
+    )
+}
 
 BODY_OF = {
-    RecordType.REGION: REGION_BODY, RecordType.DISK: DISK_BODY, RecordType.SOURCE_STATE: SOURCE_STATE_BODY,
-    RecordType.PAGE_FRAME: PAGE_FRAME_BODY, RecordType.DELTA_FRAME: DELTA_FRAME_BODY,
-    RecordType.DISK_REFS: DISK_REFS_BODY, RecordType.PAGE_MAP: PAGE_MAP_BODY, RecordType.DIGESTS: DIGESTS_BODY,
+    RecordType.REGION: REGION_BODY,
+    RecordType.DISK: DISK_BODY,
+    RecordType.SOURCE_STATE: SOURCE_STATE_BODY,
+    RecordType.PAGE_FRAME: PAGE_FRAME_BODY,
+    RecordType.DELTA_FRAME: DELTA_FRAME_BODY,
+    RecordType.DISK_REFS: DISK_REFS_BODY,
+    RecordType.PAGE_MAP: PAGE_MAP_BODY,
+    RecordType.DIGESTS: DIGESTS_BODY,
     RecordType.INDEX: INDEX_BODY,
 }

@@ -33,8 +33,9 @@ def decompress_frame(decompressor, data, expected: int, offset: int, structure: 
     is returned)."""
     try:
         if into is not None:
-            return decompress_into(data, into, expected=expected, limit=FRAME_PAGES_MAX_BYTES,
-                                   decompressor=decompressor)
+            return decompress_into(
+                data, into, expected=expected, limit=FRAME_PAGES_MAX_BYTES, decompressor=decompressor
+            )
         return decompress_exact(data, expected=expected, limit=FRAME_PAGES_MAX_BYTES, decompressor=decompressor)
     except FrameError as exc:
         rule = "LI-FRM-003" if exc.kind == SIZE else "LI-FRM-002"
@@ -52,12 +53,12 @@ class FrameBuffers:
     lends a buffer; ``give`` takes back the content of a frame loaded into one once nothing
     refers to it any more (anything else given is ignored)."""
 
-    KEEP = 32                     # free buffers kept
-    GRAIN = 1 << 20               # sizes rounded up to this: frames of a few pages more or less share buffers
+    KEEP = 32  # free buffers kept
+    GRAIN = 1 << 20  # sizes rounded up to this: frames of a few pages more or less share buffers
 
     def __init__(self):
         self._free: list = []
-        self._lent = weakref.WeakValueDictionary()     # id -> buffer lent (one never given back just goes)
+        self._lent = weakref.WeakValueDictionary()  # id -> buffer lent (one never given back just goes)
         self._lock = threading.Lock()
 
     def take(self, size: int) -> bytearray:
@@ -85,20 +86,21 @@ class FrameStore:
         self.page_size = tables.page_size
         self.page_frames: FrameTable = tables.page_frames
         self.delta_frames: FrameTable = tables.delta_frames
-        self.pool = None                                  # read-ahead workers, see enable_read_ahead
+        self.pool = None  # read-ahead workers, see enable_read_ahead
         self._depth = 0
         self._cache: OrderedDict = OrderedDict()
-        self.cache_frames = FRAME_CACHE_SIZE              # frames kept decompressed (see keep_decompressed)
-        self.jump_queue = False     # a frame asked for whose prefetch has not begun is loaded at once
+        self.cache_frames = FRAME_CACHE_SIZE  # frames kept decompressed (see keep_decompressed)
+        self.jump_queue = False  # a frame asked for whose prefetch has not begun is loaded at once
         self._ahead: dict[int, object] = {}
-        self._ahead_deltas: dict[int, object] = {}         # DELTA_FRAME -> its parse on a worker
+        self._ahead_deltas: dict[int, object] = {}  # DELTA_FRAME -> its parse on a worker
 
     def enable_read_ahead(self, threads: int = 2, depth: int = 4) -> None:
         """Decompress the next frames on worker threads while the caller reads sequentially."""
-        from concurrent.futures import ThreadPoolExecutor      # a restore's only use of threads
+        from concurrent.futures import ThreadPoolExecutor  # a restore's only use of threads
+
         self.pool = ThreadPoolExecutor(max_workers=threads)
         self._depth = depth
-        try:            # frames are read in file order: let the kernel read further ahead
+        try:  # frames are read in file order: let the kernel read further ahead
             os.posix_fadvise(self.tables.file.fileobj.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
         except (AttributeError, OSError, ValueError):
             pass
@@ -122,7 +124,7 @@ class FrameStore:
         if key in self._cache:
             self._cache.move_to_end(key)
             content, digests = self._cache[key]
-        elif frame in self._ahead:                   # asked for ahead of time (prefetch)
+        elif frame in self._ahead:  # asked for ahead of time (prefetch)
             future = self._ahead.pop(frame)
             if self.jump_queue and future.cancel():  # not begun: here, rather than behind the others
                 content, digests = self._load(frame), None
@@ -138,7 +140,7 @@ class FrameStore:
         if with_digests and digests is None:
             digests = page_digests(content, self.page_size)
         if keep:
-            if isinstance(content, memoryview):       # a lent buffer (prefetched for a forward pass)
+            if isinstance(content, memoryview):  # a lent buffer (prefetched for a forward pass)
                 content = bytes(content)
             self._keep(key, (content, digests))
         return content, digests
@@ -169,7 +171,7 @@ class FrameStore:
 
     def stored_page(self, ordinal: int) -> bytes:
         for data, _, start, _ in self.stored_spans(ordinal, 1, with_digests=False):
-            return data[start * self.page_size:(start + 1) * self.page_size]
+            return data[start * self.page_size : (start + 1) * self.page_size]
 
     def frames_touched(self, ordinals: np.ndarray) -> int:
         return len(distinct(self.page_frames.frame_of(ordinals)))
@@ -186,8 +188,9 @@ class FrameStore:
             record = self.tables.frame_record(self.page_frames, frame)
             size = record.parsed["num_pages"] * self.page_size
             into = buffers.take(size) if buffers is not None else None
-            return decompress_frame(zstandard.ZstdDecompressor(), record.parsed["frame"], size, record.offset,
-                                    record.path("frame"), into)
+            return decompress_frame(
+                zstandard.ZstdDecompressor(), record.parsed["frame"], size, record.offset, record.path("frame"), into
+            )
 
     @contextmanager
     def _naming_the_file(self):
@@ -207,7 +210,7 @@ class FrameStore:
         for frame, slot in zip(frames.tolist(), np.asarray(slots).tolist()):
             content, offsets, first = self._delta_frame(frame)
             k = slot - first
-            out.append(content[offsets[k]:offsets[k + 1]])
+            out.append(content[offsets[k] : offsets[k + 1]])
         return out
 
     def delta_frame_location(self, frame: int) -> tuple[int, str]:
@@ -247,8 +250,13 @@ class FrameStore:
         with self._naming_the_file():
             record = self.tables.frame_record(self.delta_frames, frame)
             p = record.parsed
-            content = decompress_frame(zstandard.ZstdDecompressor(), p["frame"], int(p["entry_offsets"][-1]),
-                                       record.offset, record.path("frame"))
+            content = decompress_frame(
+                zstandard.ZstdDecompressor(),
+                p["frame"],
+                int(p["entry_offsets"][-1]),
+                record.offset,
+                record.path("frame"),
+            )
         return content, p["entry_offsets"].tolist(), p["first_delta"]
 
     def _keep(self, key, value) -> None:

@@ -27,16 +27,17 @@ from .rules import implements
 
 MAGIC = b"\x89LEANHNT"
 MAJOR, MINOR = 1, 0
-HEADER = struct.Struct("<8sHHIHHIQ")            # magic, major, minor, page_size, address_map, flags, reserved, checksum
-RECORD_HEAD = struct.Struct("<HHI")             # type, flags, payload_length
+HEADER = struct.Struct("<8sHHIHHIQ")  # magic, major, minor, page_size, address_map, flags, reserved, checksum
+RECORD_HEAD = struct.Struct("<HHI")  # type, flags, payload_length
 CHECKSUM = struct.Struct("<Q")
-NAME_HEAD = struct.Struct("<HHI")               # id, name_length, reserved
-PARENT_BODY = struct.Struct("<16sQ")            # image_uuid, reserved
-RANGE_HEAD = struct.Struct("<QHHHHII")          # stream_offset, addressing, region_id, source, reserved, count, reserved
+NAME_HEAD = struct.Struct("<HHI")  # id, name_length, reserved
+PARENT_BODY = struct.Struct("<16sQ")  # image_uuid, reserved
+RANGE_HEAD = struct.Struct("<QHHHHII")  # stream_offset, addressing, region_id, source, reserved, count, reserved
 END_BODY = struct.Struct("<Q")
 RANGE = np.dtype([("first", "<u8"), ("num_pages", "<u8")])
-DISK_RUN = np.dtype([("first", "<u8"), ("num_pages", "<u4"), ("disk_id", "<u2"), ("reserved", "<u2"),
-                     ("sector", "<u8")])
+DISK_RUN = np.dtype(
+    [("first", "<u8"), ("num_pages", "<u4"), ("disk_id", "<u2"), ("reserved", "<u2"), ("sector", "<u8")]
+)
 
 OPTIONAL = 0x8000
 MAX_PAYLOAD = 1 << 20
@@ -70,9 +71,9 @@ class Addressing(IntEnum):
 
 class FreeSource(IntEnum):
     UNSPECIFIED = 0
-    GUEST = 1            # the guest's own free lists
-    BALLOON = 2          # pages a balloon holds
-    HYPERVISOR = 3       # pages the hypervisor skipped under free-page hinting
+    GUEST = 1  # the guest's own free lists
+    BALLOON = 2  # pages a balloon holds
+    HYPERVISOR = 3  # pages the hypervisor skipped under free-page hinting
 
 
 RANGE_KINDS = {RecordType.FREE: RANGE, RecordType.UNCHANGED: RANGE, RecordType.DISK: DISK_RUN}
@@ -85,14 +86,15 @@ class HintError(LeanImageError):
 @dataclass
 class RangeRecord:
     """A FREE, DISK or UNCHANGED record: ``entries`` is an array of RANGE or DISK_RUN."""
+
     kind: RecordType
     stream_offset: int
     addressing: int
     region_id: int
     source: int
     entries: np.ndarray
-    offset: int                 # of the record in the hints
-    index: int                  # record number
+    offset: int  # of the record in the hints
+    index: int  # record number
 
     @property
     def structure(self) -> str:
@@ -103,10 +105,10 @@ class RangeRecord:
 class Hints:
     page_size: int
     address_map: int
-    disks: dict = field(default_factory=dict)          # id -> name
-    regions: dict = field(default_factory=dict)        # id -> name
+    disks: dict = field(default_factory=dict)  # id -> name
+    regions: dict = field(default_factory=dict)  # id -> name
     parent_uuid: bytes | None = None
-    records: list = field(default_factory=list)        # RangeRecords in file order
+    records: list = field(default_factory=list)  # RangeRecords in file order
     length: int = 0
 
     def of_kind(self, kind: RecordType) -> list[RangeRecord]:
@@ -114,6 +116,7 @@ class Hints:
 
 
 # ---------------------------------------------------------------------------- reading
+
 
 class _Input:
     """Exact reads from a binary stream, knowing the offset; short only at end of input."""
@@ -158,33 +161,58 @@ class _Scanner:
     @implements("LI-HNT-001", "LI-HNT-002", "LI-HNT-003", "LI-HNT-004")
     def _header(self):
         raw = self.inp.read(HEADER.size)
-        if len(raw) < len(MAGIC) or raw[:len(MAGIC)] != MAGIC:
-            yield HintError(f"expected magic {MAGIC.hex(' ')}, got {raw[:8].hex(' ') or 'end of input'}",
-                            offset=0, structure="header.magic", rule="LI-HNT-001")
+        if len(raw) < len(MAGIC) or raw[: len(MAGIC)] != MAGIC:
+            yield HintError(
+                f"expected magic {MAGIC.hex(' ')}, got {raw[:8].hex(' ') or 'end of input'}",
+                offset=0,
+                structure="header.magic",
+                rule="LI-HNT-001",
+            )
             return True
         if len(raw) < HEADER.size:
-            yield HintError(f"truncated header: {len(raw)} of {HEADER.size} bytes", offset=len(raw),
-                            structure="header", rule="LI-HNT-005")
+            yield HintError(
+                f"truncated header: {len(raw)} of {HEADER.size} bytes",
+                offset=len(raw),
+                structure="header",
+                rule="LI-HNT-005",
+            )
             return True
         _, major, _, page_size, address_map, flags, reserved, checksum = HEADER.unpack(raw)
         if major != MAJOR:
-            yield HintError(f"expected major_version 1, got {major}", offset=8, structure="header.major_version",
-                            rule="LI-HNT-002")
+            yield HintError(
+                f"expected major_version 1, got {major}", offset=8, structure="header.major_version", rule="LI-HNT-002"
+            )
             return True
         want = xxhash.xxh3_64_intdigest(raw[:24])
         if checksum != want:
-            yield HintError(f"header_checksum {checksum:#018x}, the header's xxh3-64 is {want:#018x}", offset=24,
-                            structure="header.header_checksum", rule="LI-HNT-003")
+            yield HintError(
+                f"header_checksum {checksum:#018x}, the header's xxh3-64 is {want:#018x}",
+                offset=24,
+                structure="header.header_checksum",
+                rule="LI-HNT-003",
+            )
         if not (4096 <= page_size <= 65536 and page_size & (page_size - 1) == 0):
-            yield HintError(f"page_size {page_size} is not a power of two in 4096..65536", offset=12,
-                            structure="header.page_size", rule="LI-HNT-004")
+            yield HintError(
+                f"page_size {page_size} is not a power of two in 4096..65536",
+                offset=12,
+                structure="header.page_size",
+                rule="LI-HNT-004",
+            )
             page_size = 4096
         if address_map not in set(AddressMap) or (address_map == AddressMap.XEN and page_size != 4096):
-            yield HintError(f"address_map {address_map} unknown (0 none, 1 QEMU pc, 2 Xen with 4096-byte "
-                            "pages)", offset=16, structure="header.address_map", rule="LI-HNT-004")
+            yield HintError(
+                f"address_map {address_map} unknown (0 none, 1 QEMU pc, 2 Xen with 4096-byte pages)",
+                offset=16,
+                structure="header.address_map",
+                rule="LI-HNT-004",
+            )
         if flags or reserved:
-            yield HintError(f"flags {flags:#x} and reserved {reserved:#x} must be zero", offset=18,
-                            structure="header.flags", rule="LI-HNT-004")
+            yield HintError(
+                f"flags {flags:#x} and reserved {reserved:#x} must be zero",
+                offset=18,
+                structure="header.flags",
+                rule="LI-HNT-004",
+            )
         self.hints = Hints(page_size, address_map)
         return False
 
@@ -194,19 +222,32 @@ class _Scanner:
         where = f"record[{index}]"
         head = self.inp.read(RECORD_HEAD.size)
         if len(head) < RECORD_HEAD.size:
-            yield HintError("input ended without an END record (truncated hints)" if not head else
-                            f"truncated record header: {len(head)} of {RECORD_HEAD.size} bytes",
-                            offset=start, structure=where, rule="LI-HNT-005")
+            yield HintError(
+                "input ended without an END record (truncated hints)"
+                if not head
+                else f"truncated record header: {len(head)} of {RECORD_HEAD.size} bytes",
+                offset=start,
+                structure=where,
+                rule="LI-HNT-005",
+            )
             return True
         rtype, flags, length = RECORD_HEAD.unpack(head)
         if length > MAX_PAYLOAD:
-            yield HintError(f"payload_length {length} exceeds the limit of {MAX_PAYLOAD} bytes", offset=start + 4,
-                            structure=f"{where}.payload_length", rule="LI-HNT-006")
+            yield HintError(
+                f"payload_length {length} exceeds the limit of {MAX_PAYLOAD} bytes",
+                offset=start + 4,
+                structure=f"{where}.payload_length",
+                rule="LI-HNT-006",
+            )
             return True
         body = self.inp.read(length + CHECKSUM.size)
         if len(body) < length + CHECKSUM.size:
-            yield HintError(f"truncated record: {len(body)} of {length + CHECKSUM.size} bytes after its header",
-                            offset=start, structure=where, rule="LI-HNT-005")
+            yield HintError(
+                f"truncated record: {len(body)} of {length + CHECKSUM.size} bytes after its header",
+                offset=start,
+                structure=where,
+                rule="LI-HNT-005",
+            )
             return True
         self.count += 1
         if self.count > MAX_RECORDS:
@@ -215,13 +256,21 @@ class _Scanner:
         payload, (checksum,) = body[:length], CHECKSUM.unpack(body[length:])
         want = xxhash.xxh3_64_intdigest(head + payload)
         if checksum != want:
-            yield HintError(f"record_checksum {checksum:#018x}, the record's xxh3-64 is {want:#018x}",
-                            offset=start + 8 + length, structure=f"{where}.record_checksum", rule="LI-HNT-007")
+            yield HintError(
+                f"record_checksum {checksum:#018x}, the record's xxh3-64 is {want:#018x}",
+                offset=start + 8 + length,
+                structure=f"{where}.record_checksum",
+                rule="LI-HNT-007",
+            )
             return False
         known = rtype in set(RecordType)
         if flags or (not known and not rtype & OPTIONAL):
-            yield HintError(f"record type {rtype:#x} (flags {flags:#x}) is not a known type with zero flags",
-                            offset=start, structure=f"{where}.type", rule="LI-HNT-008")
+            yield HintError(
+                f"record type {rtype:#x} (flags {flags:#x}) is not a known type with zero flags",
+                offset=start,
+                structure=f"{where}.type",
+                rule="LI-HNT-008",
+            )
             return False
         if not known:
             return False
@@ -239,8 +288,9 @@ class _Scanner:
             if record is not None:
                 self.ranges += len(record.entries)
                 if self.ranges > MAX_RANGES:
-                    yield HintError(f"more than {MAX_RANGES} ranges in all", offset=start, structure=where,
-                                    rule="LI-HNT-014")
+                    yield HintError(
+                        f"more than {MAX_RANGES} ranges in all", offset=start, structure=where, rule="LI-HNT-014"
+                    )
                     return True
                 self.hints.records.append(record)
                 yield record
@@ -253,8 +303,12 @@ class _Scanner:
             return
         (count,) = END_BODY.unpack(payload)
         if count != index:
-            yield HintError(f"record_count {count}, {index} records precede END", offset=start + 8,
-                            structure=f"{where}.record_count", rule="LI-HNT-011")
+            yield HintError(
+                f"record_count {count}, {index} records precede END",
+                offset=start + 8,
+                structure=f"{where}.record_count",
+                rule="LI-HNT-011",
+            )
 
     def _after_end(self):
         self.hints.length = self.inp.offset
@@ -269,16 +323,21 @@ class _Scanner:
     @implements("LI-HNT-009")
     def _sized(self, payload: bytes, expected: int, start: int, where: str):
         if len(payload) != expected:
-            yield HintError(f"payload of {len(payload)} bytes, the structure needs {expected}", offset=start + 4,
-                            structure=f"{where}.payload_length", rule="LI-HNT-009")
+            yield HintError(
+                f"payload of {len(payload)} bytes, the structure needs {expected}",
+                offset=start + 4,
+                structure=f"{where}.payload_length",
+                rule="LI-HNT-009",
+            )
             return False
         return True
 
     @implements("LI-HNT-010")
     def _reserved(self, value: int, offset: int, where: str):
         if value:
-            yield HintError(f"reserved field is {value:#x}, must be zero", offset=offset, structure=where,
-                            rule="LI-HNT-010")
+            yield HintError(
+                f"reserved field is {value:#x}, must be zero", offset=offset, structure=where, rule="LI-HNT-010"
+            )
 
     @implements("LI-HNT-012")
     def _name(self, kind: RecordType, payload: bytes, start: int, where: str):
@@ -291,15 +350,22 @@ class _Scanner:
             return
         yield from self._reserved(reserved, start + 8 + 4, f"{where}.reserved")
         table = self.hints.disks if kind == RecordType.DISK_NAME else self.hints.regions
-        raw = payload[NAME_HEAD.size:]
+        raw = payload[NAME_HEAD.size :]
         try:
             name = raw.decode("utf-8")
         except UnicodeDecodeError:
             name = None
-        problem = ("id must be below 256" if ident >= MAX_IDS else
-                   f"id {ident} declared twice" if ident in table else
-                   "name must be 1-255 bytes of UTF-8" if name is None or not 1 <= length <= 255 else
-                   f"name {name!r} declared twice" if name in table.values() else None)
+        problem = (
+            "id must be below 256"
+            if ident >= MAX_IDS
+            else f"id {ident} declared twice"
+            if ident in table
+            else "name must be 1-255 bytes of UTF-8"
+            if name is None or not 1 <= length <= 255
+            else f"name {name!r} declared twice"
+            if name in table.values()
+            else None
+        )
         if problem:
             yield HintError(problem, offset=start + 8, structure=where, rule="LI-HNT-012")
             return
@@ -313,8 +379,9 @@ class _Scanner:
         image_uuid, reserved = PARENT_BODY.unpack(payload)
         yield from self._reserved(reserved, start + 8 + 16, f"{where}.reserved")
         if self.hints.parent_uuid is not None:
-            yield HintError("a second PARENT record (one parent per hints)", offset=start, structure=where,
-                            rule="LI-HNT-015")
+            yield HintError(
+                "a second PARENT record (one parent per hints)", offset=start, structure=where, rule="LI-HNT-015"
+            )
             return
         if self.hints.of_kind(RecordType.UNCHANGED):
             yield HintError("PARENT after an UNCHANGED record", offset=start, structure=where, rule="LI-HNT-015")
@@ -335,10 +402,17 @@ class _Scanner:
         entries = np.frombuffer(payload, dtype, count, RANGE_HEAD.size)
         if kind == RecordType.DISK:
             yield from self._reserved(int(entries["reserved"].any()), body + RANGE_HEAD.size, f"{where}.runs")
-        if addressing not in set(Addressing) or (kind == RecordType.FREE and source not in set(FreeSource)) or \
-                (kind != RecordType.FREE and source):
-            yield HintError(f"addressing {addressing} (1 or 2) or source {source} (FREE: 0-3, else 0) unknown",
-                            offset=body + 10, structure=f"{where}.addressing", rule="LI-HNT-016")
+        if (
+            addressing not in set(Addressing)
+            or (kind == RecordType.FREE and source not in set(FreeSource))
+            or (kind != RecordType.FREE and source)
+        ):
+            yield HintError(
+                f"addressing {addressing} (1 or 2) or source {source} (FREE: 0-3, else 0) unknown",
+                offset=body + 10,
+                structure=f"{where}.addressing",
+                rule="LI-HNT-016",
+            )
             return None
         record = RangeRecord(kind, offset, addressing, region_id, source, entries, start, index)
         fine = yield from self._check_ranges(record, body + RANGE_HEAD.size)
@@ -368,11 +442,17 @@ class _Scanner:
             problem, i = "guest-physical ranges need an address map (header address_map 0)", 0
         elif bad.any():
             i = int(np.flatnonzero(bad)[0])
-            problem = (f"range {i}: first {int(first[i]):#x}, num_pages {int(num[i])}: empty, overflowing, not "
-                       "page-aligned, or not after the previous range (ranges are sorted and disjoint)")
+            problem = (
+                f"range {i}: first {int(first[i]):#x}, num_pages {int(num[i])}: empty, overflowing, not "
+                "page-aligned, or not after the previous range (ranges are sorted and disjoint)"
+            )
         if problem:
-            yield HintError(problem, offset=at + i * e.dtype.itemsize, structure=f"{record.structure}.ranges[{i}]",
-                            rule="LI-HNT-013")
+            yield HintError(
+                problem,
+                offset=at + i * e.dtype.itemsize,
+                structure=f"{record.structure}.ranges[{i}]",
+                rule="LI-HNT-013",
+            )
             return False
         return True
 
@@ -391,13 +471,21 @@ class _Scanner:
 
 
 def _undeclared(record: RangeRecord, missing: list) -> HintError:
-    return HintError(f"{', '.join(missing)} not declared before use", offset=record.offset,
-                     structure=record.structure, rule="LI-HNT-012")
+    return HintError(
+        f"{', '.join(missing)} not declared before use",
+        offset=record.offset,
+        structure=record.structure,
+        rule="LI-HNT-012",
+    )
 
 
 def _parent_missing(record: RangeRecord) -> HintError:
-    return HintError("an UNCHANGED record without a PARENT record before it", offset=record.offset,
-                     structure=record.structure, rule="LI-HNT-015")
+    return HintError(
+        "an UNCHANGED record without a PARENT record before it",
+        offset=record.offset,
+        structure=record.structure,
+        rule="LI-HNT-015",
+    )
 
 
 def _end_error(message: str, offset: int) -> HintError:
@@ -466,26 +554,29 @@ def iter_records(stream: BinaryIO) -> Iterator[RangeRecord]:
 
 # ---------------------------------------------------------------------------- against a save
 
+
 @dataclass
 class Guest:
     """The save (or image) hints are for: what the rules 017-021 are checked against."""
+
     page_size: int
-    source: str                                  # "qemu" or "xen"
-    regions: dict                                # region name -> number of pages
-    stream_length: int | None = None             # bytes of the save stream (None: not known)
-    disks: dict | None = None                    # disk name -> size in bytes (None: not known)
-    parent_uuid: bytes | None = None             # the writer's parent image
-    parent_known: bool = True                    # False: whether there is a parent is not known
+    source: str  # "qemu" or "xen"
+    regions: dict  # region name -> number of pages
+    stream_length: int | None = None  # bytes of the save stream (None: not known)
+    disks: dict | None = None  # disk name -> size in bytes (None: not known)
+    parent_uuid: bytes | None = None  # the writer's parent image
+    parent_known: bool = True  # False: whether there is a parent is not known
 
 
 @dataclass
 class Resolved:
     """One range record in pages of a region of the guest."""
+
     record: RangeRecord
     region: str
-    first: np.ndarray            # int64 first page of each range
-    count: np.ndarray            # int64 pages of each range
-    disks: list | None = None    # DISK: the disk name of each run
+    first: np.ndarray  # int64 first page of each range
+    count: np.ndarray  # int64 pages of each range
+    disks: list | None = None  # DISK: the disk name of each run
     sectors: np.ndarray | None = None
 
     @property
@@ -527,31 +618,48 @@ def _map_pages(record: RangeRecord, hints: Hints, guest: Guest):
 @implements("LI-HNT-017")
 def _check_fit(hints: Hints, guest: Guest):
     if hints.page_size != guest.page_size:
-        yield HintError(f"page_size {hints.page_size}, the save's pages are {guest.page_size} bytes", offset=12,
-                        structure="header.page_size", rule="LI-HNT-017")
-    fits = {AddressMap.NONE: True, AddressMap.QEMU_PC: guest.source == "qemu" and "pc.ram" in guest.regions,
-            AddressMap.XEN: guest.source == "xen"}
+        yield HintError(
+            f"page_size {hints.page_size}, the save's pages are {guest.page_size} bytes",
+            offset=12,
+            structure="header.page_size",
+            rule="LI-HNT-017",
+        )
+    fits = {
+        AddressMap.NONE: True,
+        AddressMap.QEMU_PC: guest.source == "qemu" and "pc.ram" in guest.regions,
+        AddressMap.XEN: guest.source == "xen",
+    }
     if not fits.get(hints.address_map, False):
-        yield HintError(f"address_map {AddressMap(hints.address_map).name} does not fit a {guest.source} save with "
-                        f"regions {', '.join(guest.regions)}", offset=16, structure="header.address_map",
-                        rule="LI-HNT-017")
+        yield HintError(
+            f"address_map {AddressMap(hints.address_map).name} does not fit a {guest.source} save with "
+            f"regions {', '.join(guest.regions)}",
+            offset=16,
+            structure="header.address_map",
+            rule="LI-HNT-017",
+        )
 
 
 @implements("LI-HNT-018")
 def _check_within(hints: Hints, guest: Guest):
     for record in hints.records:
         if record.addressing == Addressing.REGION and hints.regions[record.region_id] not in guest.regions:
-            yield HintError(f"region {hints.regions[record.region_id]!r} is not in the save (regions "
-                            f"{', '.join(guest.regions)})", offset=record.offset, structure=record.structure,
-                            rule="LI-HNT-018")
+            yield HintError(
+                f"region {hints.regions[record.region_id]!r} is not in the save (regions {', '.join(guest.regions)})",
+                offset=record.offset,
+                structure=record.structure,
+                rule="LI-HNT-018",
+            )
             continue
         name, first, num, outside = _map_pages(record, hints, guest)
         if outside.any():
             i = int(np.flatnonzero(outside)[0])
-            yield HintError(f"range {i} (first {int(record.entries['first'][i]):#x}, {int(num[i])} pages) lies "
-                            f"outside guest memory (region {name!r} of {guest.regions.get(name, 0)} pages)",
-                            offset=record.offset + RECORD_HEAD.size + RANGE_HEAD.size + i * record.entries.itemsize,
-                            structure=f"{record.structure}.ranges[{i}]", rule="LI-HNT-018")
+            yield HintError(
+                f"range {i} (first {int(record.entries['first'][i]):#x}, {int(num[i])} pages) lies "
+                f"outside guest memory (region {name!r} of {guest.regions.get(name, 0)} pages)",
+                offset=record.offset + RECORD_HEAD.size + RANGE_HEAD.size + i * record.entries.itemsize,
+                structure=f"{record.structure}.ranges[{i}]",
+                rule="LI-HNT-018",
+            )
 
 
 @implements("LI-HNT-019")
@@ -560,10 +668,13 @@ def _check_offsets(hints: Hints, guest: Guest):
         return
     for record in hints.records:
         if record.stream_offset > guest.stream_length:
-            yield HintError(f"stream_offset {record.stream_offset} is past the end of the save stream "
-                            f"({guest.stream_length} bytes): a hint requested after the save ended",
-                            offset=record.offset + RECORD_HEAD.size, structure=f"{record.structure}.stream_offset",
-                            rule="LI-HNT-019")
+            yield HintError(
+                f"stream_offset {record.stream_offset} is past the end of the save stream "
+                f"({guest.stream_length} bytes): a hint requested after the save ended",
+                offset=record.offset + RECORD_HEAD.size,
+                structure=f"{record.structure}.stream_offset",
+                rule="LI-HNT-019",
+            )
 
 
 @implements("LI-HNT-020")
@@ -575,16 +686,24 @@ def _check_disks(hints: Hints, guest: Guest):
         for disk_id in distinct(runs["disk_id"]).tolist():
             name = hints.disks[disk_id]
             if name not in guest.disks:
-                yield HintError(f"DISK hints name disk {name!r}, which is not given (give it with --disk "
-                                f"{name}=PATH)", offset=record.offset, structure=record.structure, rule="LI-HNT-020")
+                yield HintError(
+                    f"DISK hints name disk {name!r}, which is not given (give it with --disk {name}=PATH)",
+                    offset=record.offset,
+                    structure=record.structure,
+                    rule="LI-HNT-020",
+                )
                 continue
             mine = runs[runs["disk_id"] == disk_id]
             ends = mine["sector"].astype(np.float64) * SECTOR + mine["num_pages"].astype(np.float64) * hints.page_size
             if (ends > guest.disks[name]).any():
                 k = int(np.flatnonzero(ends > guest.disks[name])[0])
-                yield HintError(f"a run at sector {int(mine['sector'][k])} of {int(mine['num_pages'][k])} pages "
-                                f"runs past the end of disk {name!r} ({guest.disks[name]} bytes)",
-                                offset=record.offset, structure=record.structure, rule="LI-HNT-020")
+                yield HintError(
+                    f"a run at sector {int(mine['sector'][k])} of {int(mine['num_pages'][k])} pages "
+                    f"runs past the end of disk {name!r} ({guest.disks[name]} bytes)",
+                    offset=record.offset,
+                    structure=record.structure,
+                    rule="LI-HNT-020",
+                )
 
 
 @implements("LI-HNT-021")
@@ -592,12 +711,20 @@ def _check_parent(hints: Hints, guest: Guest):
     if not guest.parent_known or not hints.of_kind(RecordType.UNCHANGED):
         return
     if guest.parent_uuid is None:
-        yield HintError(f"UNCHANGED hints are against parent image {hints.parent_uuid.hex()}: give it with --parent",
-                        offset=HEADER.size, structure="PARENT", rule="LI-HNT-021")
+        yield HintError(
+            f"UNCHANGED hints are against parent image {hints.parent_uuid.hex()}: give it with --parent",
+            offset=HEADER.size,
+            structure="PARENT",
+            rule="LI-HNT-021",
+        )
     elif guest.parent_uuid != hints.parent_uuid:
-        yield HintError(f"UNCHANGED hints are against image {hints.parent_uuid.hex()}, the parent given is "
-                        f"{guest.parent_uuid.hex()}", offset=HEADER.size, structure="PARENT.image_uuid",
-                        rule="LI-HNT-021")
+        yield HintError(
+            f"UNCHANGED hints are against image {hints.parent_uuid.hex()}, the parent given is "
+            f"{guest.parent_uuid.hex()}",
+            offset=HEADER.size,
+            structure="PARENT.image_uuid",
+            rule="LI-HNT-021",
+        )
 
 
 def check_against(hints: Hints, guest: Guest) -> Iterator[HintError]:
@@ -629,6 +756,7 @@ def resolve(hints: Hints, guest: Guest) -> list[Resolved]:
 
 
 # ---------------------------------------------------------------------------- writing
+
 
 class CountingReader(io.RawIOBase):
     """A binary stream that counts the bytes it has handed out: put it between a save stream
@@ -745,7 +873,7 @@ class HintWriter:
         region_id = self.region(region) if region is not None else 0
         per_record = (MAX_PAYLOAD - RANGE_HEAD.size) // entries.itemsize
         for lo in range(0, len(entries), per_record):
-            part = entries[lo:lo + per_record]
+            part = entries[lo : lo + per_record]
             head = RANGE_HEAD.pack(stream_offset, addressing, region_id, source, 0, len(part), 0)
             self._record(kind, head + part.tobytes())
 
@@ -762,7 +890,7 @@ def _merged(ranges, unit: int) -> np.ndarray:
     rows = rows[rows[:, 1] > 0]
     if not len(rows):
         return np.zeros(0, RANGE)
-    if (rows[:, 0].astype(np.float64) + rows[:, 1].astype(np.float64) * unit >= 2.0 ** 64).any():
+    if (rows[:, 0].astype(np.float64) + rows[:, 1].astype(np.float64) * unit >= 2.0**64).any():
         raise ValueError("a range runs past 2^64")
     rows = rows[np.argsort(rows[:, 0], kind="stable")]
     starts, ends = rows[:, 0], rows[:, 0] + rows[:, 1] * np.uint64(unit)

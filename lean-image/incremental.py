@@ -29,7 +29,7 @@ class AgainstParent:
         self.counts: Counter = Counter()
         self._parent_regions = {r.name: r for r in parent.regions} if parent else {}
 
-    @implements("LI-HNT-025")   # a page becomes PARENT only when its digest equals the parent's
+    @implements("LI-HNT-025")  # a page becomes PARENT only when its digest equals the parent's
     def put_pages(self, region_id: int, region_name: str, first_page: int, data) -> None:
         data = memoryview(data).cast("B")
         ps = self.writer.page_size
@@ -43,12 +43,13 @@ class AgainstParent:
         nonzero = words.any(axis=1)
         digests = np.zeros((count, DIGEST_SIZE), np.uint8)
         for i in np.flatnonzero(nonzero).tolist():
-            digests[i] = np.frombuffer(page_digest(data[i * ps:(i + 1) * ps]), np.uint8)
+            digests[i] = np.frombuffer(page_digest(data[i * ps : (i + 1) * ps]), np.uint8)
         same = np.zeros(count, bool)
         if within:
             parent_classes, expected = self.parent.digests.expected_range(parent_region, first_page, within)
-            same[:within] = nonzero[:within] & (parent_classes != PageClass.FREE) & \
-                (digests[:within] == expected).all(axis=1)
+            same[:within] = (
+                nonzero[:within] & (parent_classes != PageClass.FREE) & (digests[:within] == expected).all(axis=1)
+            )
         for start, stop, kind in _runs(same, nonzero):
             if kind == "parent":
                 self.writer.put_parent(region_id, first_page + start, digests[start:stop].tobytes())
@@ -63,7 +64,7 @@ class AgainstParent:
         ps = self.writer.page_size
         for i in range(start, stop):
             page = first_page + i
-            new = bytes(data[i * ps:(i + 1) * ps])
+            new = bytes(data[i * ps : (i + 1) * ps])
             if i < within and self.writer.allow_delta:
                 cls = self.writer.put_changed(region_id, page, self.parent.read_page(parent_region, page), new)
             else:
@@ -82,8 +83,9 @@ def _runs(same: np.ndarray, nonzero: np.ndarray):
         yield a, b, names[int(kind[a])]
 
 
-def rebase(image: LeanImage, dest, onto: LeanImage | None, *, allow_delta: bool = True,
-           chunk_pages: int = 1024, progress=None) -> Counter:
+def rebase(
+    image: LeanImage, dest, onto: LeanImage | None, *, allow_delta: bool = True, chunk_pages: int = 1024, progress=None
+) -> Counter:
     """Write ``image``'s memory as a new image whose parent is ``onto`` (None: self-contained).
 
     flatten = rebase onto None; merge = rebase onto the grandparent. Source state is kept, and
@@ -93,9 +95,8 @@ def rebase(image: LeanImage, dest, onto: LeanImage | None, *, allow_delta: bool 
     memory done, chunk by chunk.
     """
     link = parent_link(onto) if onto is not None else None
-    folded = image.chain()[:len(image.chain()) - (len(onto.chain()) if onto is not None else 0)]
-    writer = LeanImageWriter(dest, page_size=image.page_size, parent=link,
-                             allow_delta=allow_delta and onto is not None)
+    folded = image.chain()[: len(image.chain()) - (len(onto.chain()) if onto is not None else 0)]
+    writer = LeanImageWriter(dest, page_size=image.page_size, parent=link, allow_delta=allow_delta and onto is not None)
     with writer:
         disk_ids = _declare_disks(writer, folded)
         if image.source_states:
@@ -115,8 +116,9 @@ def rebase(image: LeanImage, dest, onto: LeanImage | None, *, allow_delta: bool 
                     elif cls == PageClass.DISK:
                         on_disk.copy(writer, region_id, first + a, b - a)
                     else:
-                        feeder.put_pages(region_id, region.name, first + a,
-                                         image.region_bytes(region, first + a, b - a))
+                        feeder.put_pages(
+                            region_id, region.name, first + a, image.region_bytes(region, first + a, b - a)
+                        )
                         continue
                     feeder.counts[PageClass(cls)] += b - a
                 if progress is not None:
@@ -128,7 +130,7 @@ def _declare_disks(writer: LeanImageWriter, links: list) -> dict:
     """Declare the disks of ``links`` in ``writer``, once per name: {(depth, disk id): new id}.
     A disk whose name an earlier link gave to a disk of another size or fingerprint is left
     out (a disk table names each disk once): its pages are read instead."""
-    known: dict = {}                      # name -> (size, fingerprint, new id)
+    known: dict = {}  # name -> (size, fingerprint, new id)
     ids: dict = {}
     for depth, link in enumerate(links):
         for d in link.disks:
@@ -168,7 +170,7 @@ class DiskBases:
 
     def classes(self, first: int, classes: np.ndarray) -> np.ndarray:
         """``classes`` of pages [first, first+len) with DISK where the bytes are a disk's."""
-        on_disk = self.link[first:first + len(classes)] >= 0
+        on_disk = self.link[first : first + len(classes)] >= 0
         return np.where(on_disk, PageClass.DISK, classes).astype(classes.dtype)
 
     def copy(self, writer: LeanImageWriter, region_id: int, first: int, count: int) -> None:

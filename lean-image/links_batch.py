@@ -16,8 +16,22 @@ import os
 import numpy as np
 
 from .format import (
-    FOOTER, FOOTER_MAGIC, FORMAT_MAJOR, HEADER, HEADER_MAGIC, INDEX_BODY, INDEX_ENTRY, KNOWN_INCOMPAT, PAGE_SIZE_MAX,
-    PAGE_SIZE_MIN, RECORD, RECORD_BODY_MAX, RECORD_TRAILER, IncompatFeature, RecordType, span_checksums,
+    FOOTER,
+    FOOTER_MAGIC,
+    FORMAT_MAJOR,
+    HEADER,
+    HEADER_MAGIC,
+    INDEX_BODY,
+    INDEX_ENTRY,
+    KNOWN_INCOMPAT,
+    PAGE_SIZE_MAX,
+    PAGE_SIZE_MIN,
+    RECORD,
+    RECORD_BODY_MAX,
+    RECORD_TRAILER,
+    IncompatFeature,
+    RecordType,
+    span_checksums,
 )
 from .locations import LocalFile, is_remote
 from .structures import Footer, Header, ImageFile, Record
@@ -36,7 +50,7 @@ def open_links(paths: list[str], whole_below: int, kept: dict | None = None) -> 
     (parents._image_uuids); those of ``paths`` are taken from it (and removed)."""
     kept = {} if kept is None else kept
     read = [_taken(kept, path, whole_below) or _read_whole(path, whole_below) for path in paths]
-    files = [(path, *got) for path, got in zip(paths, read) if got is not None]      # (path, fd, bytes)
+    files = [(path, *got) for path, got in zip(paths, read) if got is not None]  # (path, fd, bytes)
     if not files:
         return {}
     ok, index_at, num_entries = _tables_hold([data for _, _, data in files])
@@ -48,15 +62,21 @@ def open_links(paths: list[str], whole_below: int, kept: dict | None = None) -> 
         else:
             os.close(fd)
     at, counts = index_at[chosen], num_entries[chosen]
-    flat = np.frombuffer(b"".join([files[j][2][a:a + n * INDEX_ENTRY.size] for j, a, n in
-                                   zip(chosen, (at + _INDEX_HEAD.itemsize).tolist(), counts.tolist())]),
-                         INDEX_ENTRY.dtype)
+    flat = np.frombuffer(
+        b"".join(
+            [
+                files[j][2][a : a + n * INDEX_ENTRY.size]
+                for j, a, n in zip(chosen, (at + _INDEX_HEAD.itemsize).tolist(), counts.tolist())
+            ]
+        ),
+        INDEX_ENTRY.dtype,
+    )
     bounds = np.concatenate(([0], np.cumsum(counts))).tolist()
     frames = _frame_tables(flat, counts)
     opened = {}
     for k, j in enumerate(chosen):
         path, fd, data = files[j]
-        opened[path] = (*_assembled(path, fd, data, int(at[k]), flat[bounds[k]:bounds[k + 1]]), frames[k])
+        opened[path] = (*_assembled(path, fd, data, int(at[k]), flat[bounds[k] : bounds[k + 1]]), frames[k])
     return opened
 
 
@@ -74,8 +94,9 @@ def _frame_tables(flat: np.ndarray, lengths: np.ndarray) -> list[tuple[FrameTabl
         starts, counts = flat["first"][at].astype(np.int64), flat["count"][at].astype(np.int64)
         positions = at - first[lid[at]]
         bounds = np.searchsorted(lid[at], np.arange(len(lengths) + 1)).tolist()
-        tables.append([FrameTable(starts[lo:hi], counts[lo:hi], positions[lo:hi])
-                       for lo, hi in zip(bounds[:-1], bounds[1:])])
+        tables.append(
+            [FrameTable(starts[lo:hi], counts[lo:hi], positions[lo:hi]) for lo, hi in zip(bounds[:-1], bounds[1:])]
+        )
     return list(zip(*tables))
 
 
@@ -120,23 +141,29 @@ def _tables_hold(datas: list[bytes]) -> tuple[np.ndarray, np.ndarray, np.ndarray
     """Per file: whether its header, footer and INDEX record pass every test open_link
     makes (in their plain case), the INDEX's offset and its num_entries."""
     sizes = np.array([len(d) for d in datas], np.int64)
-    h = np.frombuffer(b"".join([d[:HEADER.size] for d in datas]), HEADER.dtype)
-    f = np.frombuffer(b"".join([d[-FOOTER.size:] for d in datas]), FOOTER.dtype)
+    h = np.frombuffer(b"".join([d[: HEADER.size] for d in datas]), HEADER.dtype)
+    f = np.frombuffer(b"".join([d[-FOOTER.size :] for d in datas]), FOOTER.dtype)
     ok = _headers_hold(h, datas) & _footers_hold(f, sizes, datas)
     footer_at = sizes - FOOTER.size
     index_at = np.where(ok, f["index_offset"], 0).astype(np.int64)
-    heads = np.frombuffer(b"".join([d[at:at + _INDEX_HEAD.itemsize] for d, at in zip(datas, index_at.tolist())]),
-                          _INDEX_HEAD)
+    heads = np.frombuffer(
+        b"".join([d[at : at + _INDEX_HEAD.itemsize] for d, at in zip(datas, index_at.tolist())]), _INDEX_HEAD
+    )
     body = heads["body_length"].astype(np.uint64)
-    ok &= (heads["record_type"] == RecordType.INDEX) & (heads["flags"] == 0) & (heads["reserved"] == 0) & \
-        (body <= RECORD_BODY_MAX) & \
-        (body == INDEX_BODY.size + INDEX_ENTRY.size * heads["num_entries"].astype(np.uint64)) & \
-        (index_at + RECORD.size + body.astype(np.int64) + RECORD_TRAILER.size == footer_at)
-    held = np.flatnonzero(ok)                       # the INDEX's checksum (its padding is empty)
+    ok &= (
+        (heads["record_type"] == RecordType.INDEX)
+        & (heads["flags"] == 0)
+        & (heads["reserved"] == 0)
+        & (body <= RECORD_BODY_MAX)
+        & (body == INDEX_BODY.size + INDEX_ENTRY.size * heads["num_entries"].astype(np.uint64))
+        & (index_at + RECORD.size + body.astype(np.int64) + RECORD_TRAILER.size == footer_at)
+    )
+    held = np.flatnonzero(ok)  # the INDEX's checksum (its padding is empty)
     if len(held):
         ends = footer_at[held] - RECORD_TRAILER.size
-        stored = np.frombuffer(b"".join([datas[k][end:end + RECORD_TRAILER.size] for k, end in
-                                         zip(held.tolist(), ends.tolist())]), "<u8")
+        stored = np.frombuffer(
+            b"".join([datas[k][end : end + RECORD_TRAILER.size] for k, end in zip(held.tolist(), ends.tolist())]), "<u8"
+        )
         ok[held] = span_checksums([datas[k] for k in held.tolist()], index_at[held], ends - index_at[held]) == stored
     return ok, index_at, heads["num_entries"].astype(np.int64)
 
@@ -147,12 +174,20 @@ def _headers_hold(h: np.ndarray, datas: list[bytes]) -> np.ndarray:
     page_size = h["page_size"].astype(np.int64)
     has_uuid, has_digest = h["parent_uuid"].any(axis=1), h["parent_digest"].any(axis=1)
     has_bit = (bits & np.uint64(IncompatFeature.PARENT)) != 0
-    ok = (h["magic"] == HEADER_MAGIC) & (h["major_version"] == FORMAT_MAJOR) & (h["header_length"] == HEADER.size) & \
-        ((bits & np.uint64(~KNOWN_INCOMPAT & (2**64 - 1))) == 0) & ((page_size & (page_size - 1)) == 0) & \
-        (page_size >= PAGE_SIZE_MIN) & (page_size <= PAGE_SIZE_MAX) & (h["reserved"] == 0) & \
-        (has_uuid == has_digest) & (has_digest == has_bit) & \
-        (((bits & np.uint64(IncompatFeature.INHERITED_DIGESTS)) == 0) | has_bit)
-    zeroed = h.copy()                                # header_checksum: of the header with its field zero
+    ok = (
+        (h["magic"] == HEADER_MAGIC)
+        & (h["major_version"] == FORMAT_MAJOR)
+        & (h["header_length"] == HEADER.size)
+        & ((bits & np.uint64(~KNOWN_INCOMPAT & (2**64 - 1))) == 0)
+        & ((page_size & (page_size - 1)) == 0)
+        & (page_size >= PAGE_SIZE_MIN)
+        & (page_size <= PAGE_SIZE_MAX)
+        & (h["reserved"] == 0)
+        & (has_uuid == has_digest)
+        & (has_digest == has_bit)
+        & (((bits & np.uint64(IncompatFeature.INHERITED_DIGESTS)) == 0) | has_bit)
+    )
+    zeroed = h.copy()  # header_checksum: of the header with its field zero
     zeroed["header_checksum"] = 0
     return ok & (_row_checksums(zeroed, HEADER.size) == h["header_checksum"])
 
@@ -161,16 +196,24 @@ def _footers_hold(f: np.ndarray, sizes: np.ndarray, datas: list[bytes]) -> np.nd
     """read_footer (LI-FTR-001..003, 005) for a header of HEADER.size bytes."""
     footer_at = sizes - FOOTER.size
     index_at = f["index_offset"]
-    ok = (f["magic"] == FOOTER_MAGIC) & (f["file_length"] == sizes.astype(np.uint64)) & \
-        (index_at >= HEADER.size) & (index_at < footer_at.astype(np.uint64)) & (index_at % 8 == 0)
+    ok = (
+        (f["magic"] == FOOTER_MAGIC)
+        & (f["file_length"] == sizes.astype(np.uint64))
+        & (index_at >= HEADER.size)
+        & (index_at < footer_at.astype(np.uint64))
+        & (index_at % 8 == 0)
+    )
     return ok & (_row_checksums(f, FOOTER.offset("footer_checksum")) == f["footer_checksum"])
 
 
 def _row_checksums(rows: np.ndarray, length: int) -> np.ndarray:
     """checksum64 of the first ``length`` bytes of each row of a structured array."""
     laid = np.ascontiguousarray(rows).view(np.uint8)
-    return span_checksums([laid] * len(rows), np.arange(len(rows), dtype=np.int64) * rows.dtype.itemsize,
-                          np.full(len(rows), length, np.int64))
+    return span_checksums(
+        [laid] * len(rows),
+        np.arange(len(rows), dtype=np.int64) * rows.dtype.itemsize,
+        np.full(len(rows), length, np.int64),
+    )
 
 
 def _assembled(path: str, fd: int, data: bytes, index_at: int, entries: np.ndarray) -> tuple:
@@ -178,12 +221,12 @@ def _assembled(path: str, fd: int, data: bytes, index_at: int, entries: np.ndarr
     ``entries`` parsed already (with the batch's)."""
     fileobj = LocalFile(fd, "r")
     file = ImageFile.holding(fileobj, path, data)
-    header = Header(data[:HEADER.size])
+    header = Header(data[: HEADER.size])
     footer_at = len(data) - FOOTER.size
     footer = Footer(data[footer_at:], footer_at)
     trailer_at = footer_at - RECORD_TRAILER.size
-    body = memoryview(data[index_at + RECORD.size:trailer_at])
+    body = memoryview(data[index_at + RECORD.size : trailer_at])
     (stored,) = RECORD_TRAILER.unpack_from(data, trailer_at)
     index = Record(index_at, int(RecordType.INDEX), 0, trailer_at - index_at - RECORD.size, stored, body)
-    index.parsed = {"num_entries": len(entries), "reserved": 0, "entries": entries}   # as parse_body gives
+    index.parsed = {"num_entries": len(entries), "reserved": 0, "entries": entries}  # as parse_body gives
     return fileobj, file, header, footer, index

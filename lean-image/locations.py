@@ -98,6 +98,7 @@ def check_object_output(output: str, inputs, *, force: bool = False) -> None:
     """check_output for an object: refuse one of ``inputs`` (same bucket and key) even with
     ``force``, and an existing object unless ``force``."""
     from .fileutil import OutputRefused
+
     s3.check_bucket(output)
     for name in inputs:
         if same_location(name, output):

@@ -26,12 +26,12 @@ from .errors import UnsupportedError
 from .fileutil import write_atomically
 from .format import PageClass
 
-MAX_ROWS = 2048           # cell rows of all bands together, before pages are bucketed
-MAX_BANDS_HEIGHT = 760    # small maps take the biggest cell that keeps their bands below this
+MAX_ROWS = 2048  # cell rows of all bands together, before pages are bucketed
+MAX_BANDS_HEIGHT = 760  # small maps take the biggest cell that keeps their bands below this
 CELL_SIZES = (16, 8, 4, 2)
-BAND_WIDTH = 1024         # pixels of cells in a row (columns x cell, a power of two)
+BAND_WIDTH = 1024  # pixels of cells in a row (columns x cell, a power of two)
 MARGIN = 24
-GUTTER = 96               # left of the bands: the offset scale
+GUTTER = 96  # left of the bands: the offset scale
 TITLE_SIZE, TEXT_SIZE, SMALL_SIZE = 20, 14, 12
 LINE = TEXT_SIZE + 6
 LABELLED_REGIONS_MAX = 64  # more regions than this: bands without labels
@@ -43,18 +43,18 @@ LEGEND_CELLS = ((SWATCH + 8, "l"), (SWATCH + 200, "r"), (SWATCH + 300, "r"), (SW
 # Okabe-Ito colours (distinguishable with the common colour-vision deficiencies),
 # and a light grey for ZERO pages, which hold nothing.
 CLASS_COLOURS = {
-    PageClass.STORED: (0x00, 0x72, 0xB2),   # blue
-    PageClass.ZERO: (0xD9, 0xD9, 0xD9),     # light grey
-    PageClass.FREE: (0x00, 0x9E, 0x73),     # bluish green
-    PageClass.DISK: (0x56, 0xB4, 0xE9),     # sky blue
-    PageClass.PARENT: (0xCC, 0x79, 0xA7),   # reddish purple
-    PageClass.DELTA: (0xE6, 0x9F, 0x00),    # orange
+    PageClass.STORED: (0x00, 0x72, 0xB2),  # blue
+    PageClass.ZERO: (0xD9, 0xD9, 0xD9),  # light grey
+    PageClass.FREE: (0x00, 0x9E, 0x73),  # bluish green
+    PageClass.DISK: (0x56, 0xB4, 0xE9),  # sky blue
+    PageClass.PARENT: (0xCC, 0x79, 0xA7),  # reddish purple
+    PageClass.DELTA: (0xE6, 0x9F, 0x00),  # orange
 }
 BACKGROUND = (0xFF, 0xFF, 0xFF)
 INK = (0x22, 0x22, 0x22)
 MUTED = (0x66, 0x66, 0x66)
 RULE = (0xBB, 0xBB, 0xBB)
-UNKNOWN = (0x00, 0x00, 0x00)             # a class id outside the spec (the reader rejects those)
+UNKNOWN = (0x00, 0x00, 0x00)  # a class id outside the spec (the reader rejects those)
 MIB = 1 << 20
 
 
@@ -62,19 +62,19 @@ MIB = 1 << 20
 @dataclass
 class Band:
     region: object
-    label_y: int | None     # top of the label line, None when labels are off
-    y: int                  # top pixel row of the band
-    rows: int               # cell rows
-    cells: int              # cells in use (the rest of the last row is background)
-    tick_rows: int          # the offset scale labels every tick_rows rows
+    label_y: int | None  # top of the label line, None when labels are off
+    y: int  # top pixel row of the band
+    rows: int  # cell rows
+    cells: int  # cells in use (the rest of the last row is background)
+    tick_rows: int  # the offset scale labels every tick_rows rows
 
 
 @dataclass
 class Layout:
     width: int
     height: int
-    cell: int               # cell edge in pixels
-    columns: int            # cells per row
+    cell: int  # cell edge in pixels
+    columns: int  # cells per row
     pages_per_cell: int
     bands: list
     title_y: int
@@ -116,7 +116,7 @@ def layout(image) -> Layout:
     bands = []
     for k, region in enumerate(image.regions):
         if k:
-            y += 14                                  # a rule between bands, space around it
+            y += 14  # a rule between bands, space around it
         label_y = None
         if labels:
             label_y, y = y, y + LINE
@@ -166,7 +166,7 @@ def cell_classes(extents: np.ndarray, num_pages: int, per_cell: int) -> np.ndarr
 def band_grid(lay: Layout, band: Band) -> np.ndarray:
     """(rows, columns) class ids of a band's cells; 0 where the last row has no cell."""
     grid = np.zeros(band.rows * lay.columns, np.uint8)
-    grid[:band.cells] = cell_classes(band.region.extents, band.region.num_pages, lay.pages_per_cell)
+    grid[: band.cells] = cell_classes(band.region.extents, band.region.num_pages, lay.pages_per_cell)
     return grid.reshape(band.rows, lay.columns)
 
 
@@ -184,8 +184,9 @@ def class_totals(image) -> np.ndarray:
     for region in image.regions:
         cls = region.extents["page_class"].astype(np.int64)
         known = cls <= max(PageClass)
-        totals += np.bincount(cls[known], weights=region.extents["num_pages"][known].astype(np.float64),
-                              minlength=7).astype(np.int64)
+        totals += np.bincount(
+            cls[known], weights=region.extents["num_pages"][known].astype(np.float64), minlength=7
+        ).astype(np.int64)
     return totals
 
 
@@ -208,8 +209,10 @@ def _texts(image, lay: Layout) -> dict:
     else:
         unit = f"1 pixel = {lay.pages_per_cell} pages of {_size(image.page_size)} (the class most of them have)"
     row_bytes = lay.columns * lay.pages_per_cell * image.page_size
-    subtitle = (f"{_size(total_bytes)} in {len(regions)} region{'s' if len(regions) != 1 else ''}; {unit}; "
-                f"a row is {_size(row_bytes)}; left: byte offset in the region")
+    subtitle = (
+        f"{_size(total_bytes)} in {len(regions)} region{'s' if len(regions) != 1 else ''}; {unit}; "
+        f"a row is {_size(row_bytes)}; left: byte offset in the region"
+    )
     labels = []
     for band in lay.bands:
         region = band.region
@@ -220,8 +223,18 @@ def _texts(image, lay: Layout) -> dict:
         labels.append((label, shares))
     totals = class_totals(image)
     pages = int(totals.sum()) or 1
-    legend = [(cls, (cls.name, f"{int(totals[cls]):,} pages", _size(int(totals[cls]) * image.page_size),
-                     f"{100.0 * totals[cls] / pages:.1f}%")) for cls in PageClass]
+    legend = [
+        (
+            cls,
+            (
+                cls.name,
+                f"{int(totals[cls]):,} pages",
+                _size(int(totals[cls]) * image.page_size),
+                f"{100.0 * totals[cls] / pages:.1f}%",
+            ),
+        )
+        for cls in PageClass
+    ]
     return dict(title=title, subtitle=subtitle, labels=labels, legend=legend, row_bytes=row_bytes)
 
 
@@ -247,15 +260,17 @@ def _pillow():
     try:
         from PIL import Image, ImageDraw, ImageFont
     except ImportError:
-        raise UnsupportedError("drawing a PNG map needs Pillow: pip install 'leanimg[map]' "
-                               "(or write an SVG: --map FILE.svg)", structure="--map") from None
+        raise UnsupportedError(
+            "drawing a PNG map needs Pillow: pip install 'leanimg[map]' (or write an SVG: --map FILE.svg)",
+            structure="--map",
+        ) from None
     return Image, ImageDraw, ImageFont
 
 
 def _font(ImageFont, size: int):
     try:
         return ImageFont.load_default(size=size)
-    except TypeError:          # Pillow < 10.1: one small bitmap font
+    except TypeError:  # Pillow < 10.1: one small bitmap font
         return ImageFont.load_default()
 
 
@@ -273,10 +288,10 @@ def render_pixels(image) -> tuple[np.ndarray, Layout]:
         if s > 1:
             rgb = np.broadcast_to(rgb[:, None, :, None, :], (band.rows, s, lay.columns, s, 3))
             rgb = rgb.reshape(band.rows * s, lay.columns * s, 3).copy()
-            if s >= 4:   # a 1-pixel gap between cells
-                rgb[s - 1::s, :] = BACKGROUND
-                rgb[:, s - 1::s] = BACKGROUND
-        canvas[band.y:band.y + rgb.shape[0], lay.band_x:lay.band_x + rgb.shape[1]] = rgb
+            if s >= 4:  # a 1-pixel gap between cells
+                rgb[s - 1 :: s, :] = BACKGROUND
+                rgb[:, s - 1 :: s] = BACKGROUND
+        canvas[band.y : band.y + rgb.shape[0], lay.band_x : lay.band_x + rgb.shape[1]] = rgb
     picture = Image.fromarray(canvas, "RGB")
     draw = ImageDraw.Draw(picture)
     fonts = {size: _font(ImageFont, size) for size in (TITLE_SIZE, TEXT_SIZE, SMALL_SIZE)}
@@ -311,6 +326,7 @@ def _legend_origin(lay: Layout, k: int) -> tuple[int, int]:
 def encode_png(rgb: np.ndarray) -> bytes:
     Image = _pillow()[0]
     import io
+
     out = io.BytesIO()
     Image.fromarray(rgb, "RGB").save(out, format="PNG", optimize=True)
     return out.getvalue()
@@ -322,12 +338,14 @@ def render_svg(image) -> str:
     lay = layout(image)
     texts = _texts(image, lay)
     style = "".join(f".{cls.name}{{fill:#{'%02x%02x%02x' % CLASS_COLOURS[cls]}}}" for cls in PageClass)
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{lay.width}" height="{lay.height}" '
-           f'viewBox="0 0 {lay.width} {lay.height}" font-family="DejaVu Sans, Helvetica, Arial, sans-serif">',
-           f"<style>{style} text{{fill:#222}} .muted{{fill:#666}}</style>",
-           f'<rect width="{lay.width}" height="{lay.height}" fill="#fff"/>',
-           _svg_text(MARGIN, lay.title_y + TITLE_SIZE, texts["title"], TITLE_SIZE),
-           _svg_text(MARGIN, lay.subtitle_y + TEXT_SIZE, texts["subtitle"], TEXT_SIZE, "muted")]
+    out = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{lay.width}" height="{lay.height}" '
+        f'viewBox="0 0 {lay.width} {lay.height}" font-family="DejaVu Sans, Helvetica, Arial, sans-serif">',
+        f"<style>{style} text{{fill:#222}} .muted{{fill:#666}}</style>",
+        f'<rect width="{lay.width}" height="{lay.height}" fill="#fff"/>',
+        _svg_text(MARGIN, lay.title_y + TITLE_SIZE, texts["title"], TITLE_SIZE),
+        _svg_text(MARGIN, lay.subtitle_y + TEXT_SIZE, texts["subtitle"], TEXT_SIZE, "muted"),
+    ]
     right = lay.band_x + lay.columns * lay.cell
     for k, (band, (label, shares)) in enumerate(zip(lay.bands, texts["labels"])):
         out.append(f'<g class="region" data-name="{escape(str(band.region.name), {chr(34): "&quot;"})}">')
@@ -336,14 +354,23 @@ def render_svg(image) -> str:
             out.append(f'<line x1="{MARGIN}" y1="{top}" x2="{right}" y2="{top}" stroke="#bbb"/>')
         if band.label_y is not None:
             out.append(_svg_text(lay.band_x, band.label_y + TEXT_SIZE, label, TEXT_SIZE))
-            out.append(_svg_text(lay.band_x + 0.6 * TEXT_SIZE * len(label) + 16, band.label_y + TEXT_SIZE, shares,
-                                 SMALL_SIZE, "muted"))
+            out.append(
+                _svg_text(
+                    lay.band_x + 0.6 * TEXT_SIZE * len(label) + 16,
+                    band.label_y + TEXT_SIZE,
+                    shares,
+                    SMALL_SIZE,
+                    "muted",
+                )
+            )
         out.extend(_svg_cells(lay, band))
         for y, text in _ticks(lay, band, texts["row_bytes"]):
             out.append(f'<line x1="{lay.band_x - 6}" y1="{y}" x2="{lay.band_x - 2}" y2="{y}" stroke="#666"/>')
             out.append(_svg_text(lay.band_x - 9, y + SMALL_SIZE // 3, text, SMALL_SIZE, "muted", anchor="end"))
         out.append("</g>")
-    out.append(f'<g class="legend">{_svg_text(MARGIN, lay.legend_y + TEXT_SIZE, "page classes (all regions)", TEXT_SIZE)}')
+    out.append(
+        f'<g class="legend">{_svg_text(MARGIN, lay.legend_y + TEXT_SIZE, "page classes (all regions)", TEXT_SIZE)}'
+    )
     for k, (cls, cells) in enumerate(texts["legend"]):
         x, y = _legend_origin(lay, k)
         out.append(f'<rect class="{cls.name}" x="{x}" y="{y}" width="{SWATCH}" height="{SWATCH}" stroke="#222"/>')
@@ -372,9 +399,10 @@ def _svg_cells(lay: Layout, band: Band) -> list[str]:
     cls = grid.reshape(-1)[at]
     keep = cls != 0
     s = lay.cell
-    return [f'<rect class="{_class_name(c)}" x="{lay.band_x + x * s}" y="{band.y + r * s}" width="{n * s}" '
-            f'height="{s}"/>'
-            for c, r, x, n in zip(cls[keep].tolist(), row[keep].tolist(), column[keep].tolist(), length[keep].tolist())]
+    return [
+        f'<rect class="{_class_name(c)}" x="{lay.band_x + x * s}" y="{band.y + r * s}" width="{n * s}" height="{s}"/>'
+        for c, r, x, n in zip(cls[keep].tolist(), row[keep].tolist(), column[keep].tolist(), length[keep].tolist())
+    ]
 
 
 def _class_name(cls: int) -> str:

@@ -33,23 +33,47 @@ class Backend(Protocol):
     def span_checksums(self, buffers: list, offsets: np.ndarray, lengths: np.ndarray, out: np.ndarray) -> None:
         """xxh3-64 of ``buffers[k][offsets[k]:offsets[k] + lengths[k]]`` into ``out`` (format.span_checksums)."""
 
-    def index_list_heads(self, content, offsets: np.ndarray, page_size: int, simple: np.ndarray,
-                         word_start: np.ndarray, num_words: np.ndarray) -> int:
+    def index_list_heads(
+        self,
+        content,
+        offsets: np.ndarray,
+        page_size: int,
+        simple: np.ndarray,
+        word_start: np.ndarray,
+        num_words: np.ndarray,
+    ) -> int:
         """The heads of the INDEX_LIST entries of a DELTA_FRAME (delta.parse_index_lists)."""
 
-    def index_list_words(self, content, offsets: np.ndarray, page_size: int, simple: np.ndarray,
-                         word_start: np.ndarray, positions: np.ndarray, values: np.ndarray) -> None:
+    def index_list_words(
+        self,
+        content,
+        offsets: np.ndarray,
+        page_size: int,
+        simple: np.ndarray,
+        word_start: np.ndarray,
+        positions: np.ndarray,
+        values: np.ndarray,
+    ) -> None:
         """Their words (delta.parse_index_lists)."""
 
     def copy_rows(self, src, src_rows: np.ndarray, dst, dst_rows: np.ndarray, row_size: int) -> None:
         """``dst[dst_rows] = src[src_rows]``, rows of ``row_size`` bytes (chain._copy_rows)."""
 
-    def read_delta_frames(self, fds: np.ndarray, offsets: np.ndarray, lengths: np.ndarray, firsts: np.ndarray,
-                          nums: np.ndarray, most: int) -> tuple[bytes, bytes] | None:
+    def read_delta_frames(
+        self, fds: np.ndarray, offsets: np.ndarray, lengths: np.ndarray, firsts: np.ndarray, nums: np.ndarray, most: int
+    ) -> tuple[bytes, bytes] | None:
         """DELTA_FRAME records read, tested and decompressed (chain._read_delta_batch_native)."""
 
-    def page_map_extents(self, extents: np.ndarray, lengths: np.ndarray, is_page_class: np.ndarray,
-                         has_slot: np.ndarray, ok: np.ndarray, pages: np.ndarray, firsts: np.ndarray) -> None:
+    def page_map_extents(
+        self,
+        extents: np.ndarray,
+        lengths: np.ndarray,
+        is_page_class: np.ndarray,
+        has_slot: np.ndarray,
+        ok: np.ndarray,
+        pages: np.ndarray,
+        firsts: np.ndarray,
+    ) -> None:
         """Each extent's own rules (tables_batch._extents_alone_native)."""
 
     def extents_hold(self, *arrays) -> None:
@@ -78,8 +102,10 @@ def _chosen() -> Backend | None:
         from . import _native
     except ImportError as exc:
         if mode == "1":
-            raise ImportError(f"LEANIMG_NATIVE=1, but leanimg._native was not built ({exc}): gcc, python3-dev, "
-                              "libxxhash-dev and libzstd-dev are needed when pip installs leanimg") from None
+            raise ImportError(
+                f"LEANIMG_NATIVE=1, but leanimg._native was not built ({exc}): gcc, python3-dev, "
+                "libxxhash-dev and libzstd-dev are needed when pip installs leanimg"
+            ) from None
         return None
     return _native
 

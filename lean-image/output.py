@@ -33,23 +33,40 @@ def _remember(key: str):
         if value:
             ctx.meta[key] = value
         return value
+
     return callback
 
 
 def verbosity_options(function):
     """-q/--quiet and -v/--verbose, taken by the group and by every command (either place works)."""
-    function = click.option("-v", "--verbose", count=True, expose_value=False, callback=_remember(_VERBOSE),
-                            help="Say more on standard error: what is being read and written.")(function)
-    return click.option("-q", "--quiet", is_flag=True, expose_value=False, callback=_remember(_QUIET),
-                        help="Print only errors and results (a report, --json output): no summary line, "
-                        "notes or progress bar.")(function)
+    function = click.option(
+        "-v",
+        "--verbose",
+        count=True,
+        expose_value=False,
+        callback=_remember(_VERBOSE),
+        help="Say more on standard error: what is being read and written.",
+    )(function)
+    return click.option(
+        "-q",
+        "--quiet",
+        is_flag=True,
+        expose_value=False,
+        callback=_remember(_QUIET),
+        help="Print only errors and results (a report, --json output): no summary line, notes or progress bar.",
+    )(function)
 
 
 def json_option(function):
     """``--json``, passed to the command as ``as_json`` and remembered for the error report."""
-    return click.option("--json", "as_json", is_flag=True, callback=_remember(_JSON),
-                        help="Print the result as one JSON document (schema: leanimg/schemas/; fields: "
-                        "spec/guides/json.md); errors too.")(function)
+    return click.option(
+        "--json",
+        "as_json",
+        is_flag=True,
+        callback=_remember(_JSON),
+        help="Print the result as one JSON document (schema: leanimg/schemas/; fields: "
+        "spec/guides/json.md); errors too.",
+    )(function)
 
 
 def quiet() -> bool:
@@ -110,8 +127,7 @@ class progress:
     Used as ``with progress(total, label) as advance:``; ``advance`` is None when silent."""
 
     def __init__(self, total: int, label: str):
-        self.bar = click.progressbar(length=total, label=label, file=sys.stderr) \
-            if show_progress() and total else None
+        self.bar = click.progressbar(length=total, label=label, file=sys.stderr) if show_progress() and total else None
 
     def __enter__(self):
         if self.bar is None:
@@ -125,19 +141,41 @@ class progress:
         return False
 
 
-def error(message: str, exit_code: int, *, kind: str, offset: int | None = None, structure: str | None = None,
-          rule: str | None = None, path: str | None = None, hint: str | None = None) -> None:
+def error(
+    message: str,
+    exit_code: int,
+    *,
+    kind: str,
+    offset: int | None = None,
+    structure: str | None = None,
+    rule: str | None = None,
+    path: str | None = None,
+    hint: str | None = None,
+) -> None:
     """An error as JSON (``--json`` given), in the shape of schemas/error.schema.json."""
     if wants_json():
-        emit_json({"error": dict(kind=kind, message=message, path=path, offset=offset, structure=structure,
-                                 rule=rule, hint=hint, exit_code=exit_code)})
+        emit_json(
+            {
+                "error": dict(
+                    kind=kind,
+                    message=message,
+                    path=path,
+                    offset=offset,
+                    structure=structure,
+                    rule=rule,
+                    hint=hint,
+                    exit_code=exit_code,
+                )
+            }
+        )
 
 
 def schema_names() -> list[str]:
     """The commands (and ``error``) that have a JSON Schema shipped with the package."""
     folder = resources.files("leanimg").joinpath(SCHEMA_DIR)
-    return sorted(entry.name[:-len(".schema.json")] for entry in folder.iterdir()
-                  if entry.name.endswith(".schema.json"))
+    return sorted(
+        entry.name[: -len(".schema.json")] for entry in folder.iterdir() if entry.name.endswith(".schema.json")
+    )
 
 
 def schema(name: str) -> dict:

@@ -41,7 +41,7 @@ def classes(region: Region, first_page: int = 0, count: int | None = None) -> np
     e = region.extents[lo:hi]
     full = np.repeat(e["page_class"].astype(np.uint8), e["num_pages"].astype(np.int64))
     skip = first_page - int(region.starts[lo])
-    return full[skip:skip + count]
+    return full[skip : skip + count]
 
 
 def page_slots(region: Region, first_page: int, count: int) -> np.ndarray:
@@ -54,7 +54,7 @@ def page_slots(region: Region, first_page: int, count: int) -> np.ndarray:
     sizes = e["num_pages"].astype(np.int64)
     skip = first_page - int(region.starts[lo])
     starts = np.repeat(e["first_slot"].astype(np.int64) - e["first_page"].astype(np.int64), sizes)
-    return starts[skip:skip + count] + first_page + np.arange(count)
+    return starts[skip : skip + count] + first_page + np.arange(count)
 
 
 def read_page(image, region: Region, page: int) -> bytes:
@@ -107,6 +107,7 @@ def _runs(rows: np.ndarray, slots: np.ndarray):
 def _chained_region_bytes(image, region: Region, first_page: int, count: int) -> memoryview:
     """Through the chain resolved once per region (chain.py): work per page independent of depth."""
     from .chain import check_built, fill
+
     out = np.zeros(count * image.page_size, np.uint8)
     fill(image.resolution(region), out, first_page, count)
     cls, expected = image.digests.expected_range(region, first_page, count)
@@ -119,9 +120,9 @@ def _copy_stored(image, out: np.ndarray, got: np.ndarray | None, row: int, ordin
     """Copy STORED pages into ``out`` from row ``row``; with ``got``, their digests too."""
     ps = image.page_size
     for data, digests, start, n in image.frames.stored_spans(ordinal, count, with_digests=got is not None):
-        out[row * ps:(row + n) * ps] = np.frombuffer(data, np.uint8, n * ps, start * ps)
+        out[row * ps : (row + n) * ps] = np.frombuffer(data, np.uint8, n * ps, start * ps)
         if got is not None:
-            got[row:row + n] = digests[start:start + n]
+            got[row : row + n] = digests[start : start + n]
         row += n
 
 
@@ -133,6 +134,7 @@ def region_pieces(image, region: Region, first_page: int, count: int) -> list[tu
     next call on the same image (a chain builds its ranges in memory used again)."""
     if image.parent is not None:
         from .chain import pieces
+
         return pieces(image, region, image.resolution(region, deltas_ahead=first_page == 0), first_page, count)
     cls, expected = image.digests.expected_range(region, first_page, count)
     blank = (cls == PageClass.ZERO) | (cls == PageClass.FREE)
@@ -151,8 +153,8 @@ def region_pieces(image, region: Region, first_page: int, count: int) -> list[tu
             continue
         row = lo
         for data, digests, start, n in image.frames.stored_spans(int(slots[lo]), hi - lo):
-            verify_rows(region, first_page + row, None, digests[start:start + n], expected[row:row + n])
-            pieces.append((n, memoryview(data)[start * image.page_size:(start + n) * image.page_size]))
+            verify_rows(region, first_page + row, None, digests[start : start + n], expected[row : row + n])
+            pieces.append((n, memoryview(data)[start * image.page_size : (start + n) * image.page_size]))
             row += n
     return pieces
 
@@ -161,11 +163,12 @@ def _split_pieces(image, data: memoryview, blank: np.ndarray) -> list[tuple[int,
     edges = np.flatnonzero(blank[1:] != blank[:-1]) + 1
     bounds = [0, *edges.tolist(), len(blank)]
     ps = image.page_size
-    return [(hi - lo, None if blank[lo] else data[lo * ps:hi * ps]) for lo, hi in zip(bounds, bounds[1:])]
+    return [(hi - lo, None if blank[lo] else data[lo * ps : hi * ps]) for lo, hi in zip(bounds, bounds[1:])]
 
 
-def fill_disk_pages(image, region: Region, first_page: int, out: np.ndarray, rows: np.ndarray,
-                    slots: np.ndarray) -> None:
+def fill_disk_pages(
+    image, region: Region, first_page: int, out: np.ndarray, rows: np.ndarray, slots: np.ndarray
+) -> None:
     """Pages ``first_page + rows`` (DISK, references ``slots``) into ``out``, each checked
     against its digest; with sort_blocks every disk's blocks are read in ascending physical
     order, neighbours coalesced, else one read per page in page order."""
@@ -178,17 +181,27 @@ def fill_disk_pages(image, region: Region, first_page: int, out: np.ndarray, row
         mine = np.flatnonzero(ids == disk_id)
         source = _disk_source(image, region, first_page + int(rows[mine[0]]), disk_id)
         source.read_runs(sectors[mine] * DISK_SECTOR_SIZE, ps, sort=image.sort_blocks, out=pages, rows=rows[mine])
-        first_problem(checks.disk_content_problems(region.region_id, region.name, first_page + rows[mine],
-                                                   row_digests(pages, rows[mine]), expected[rows[mine]],
-                                                   source.name, sectors[mine]))
+        first_problem(
+            checks.disk_content_problems(
+                region.region_id,
+                region.name,
+                first_page + rows[mine],
+                row_digests(pages, rows[mine]),
+                expected[rows[mine]],
+                source.name,
+                sectors[mine],
+            )
+        )
 
 
 def _disk_source(image, region: Region, page: int, disk_id: int):
     source = image.disk_sources.get(disk_id)
     if source is None:
         info = next(d for d in image.disks if d.disk_id == disk_id)
-        raise DiskNotGiven(f"region {region.name!r} page {page} is on disk {info.name!r}: pass --disk {info.name}=PATH",
-                           structure=f"disk {info.name!r}")
+        raise DiskNotGiven(
+            f"region {region.name!r} page {page} is on disk {info.name!r}: pass --disk {info.name}=PATH",
+            structure=f"disk {info.name!r}",
+        )
     return source
 
 

@@ -19,14 +19,14 @@ from .format import CHAIN_DEPTH_MAX, HEADER
 from .locations import is_remote
 from .rules import implements
 
-from .native import backend as _native      # the files beside an image read on a thread of their own
+from .native import backend as _native  # the files beside an image read on a thread of their own
 
 SIBLINGS_MAX = 100_000
 
 
-CHECK_BATCH = 64           # links whose tables check_links checks together: the first batch,
-CHECK_BATCH_LATER = 128    # and each one after it (the first small: a cold chain's checks start early;
-CHECK_BATCH_BYTES = 64 << 20   # the later large: a batch costs ~0.7 ms however small), of at most these bytes
+CHECK_BATCH = 64  # links whose tables check_links checks together: the first batch,
+CHECK_BATCH_LATER = 128  # and each one after it (the first small: a cold chain's checks start early;
+CHECK_BATCH_BYTES = 64 << 20  # the later large: a batch costs ~0.7 ms however small), of at most these bytes
 
 
 @implements("LI-CHN-001", "LI-CHN-005")
@@ -67,7 +67,7 @@ def attach_chain(image, parents: list, open_link, check_links=None, open_links=N
 def _walk(image, parents: list, open_link, pending: list, check_links, ahead: "_Ahead", search: "_Search") -> None:
     seen = {image.header.image_uuid}
     link = image
-    batches, held = 0, 0            # checked so far; bytes of the pending links' files read whole
+    batches, held = 0, 0  # checked so far; bytes of the pending links' files read whole
     while link.header.has_parent:
         wanted = link.header.parent_uuid
         where = dict(offset=HEADER.offset("parent_uuid"), structure="header.parent_uuid", path=link.path)
@@ -77,10 +77,14 @@ def _walk(image, parents: list, open_link, pending: list, check_links, ahead: "_
             raise ChainError(f"chain deeper than {CHAIN_DEPTH_MAX}", rule="LI-CHN-005", **where)
         candidate = _find_candidate(wanted, parents, search) or _find_sibling(wanted, link.path, search)
         if candidate is None:
-            raise ChainError(f"parent image {_uuid(wanted)} not found among {len(parents)} candidate(s) "
-                             "and the files beside the image; pass it with --parent", rule="LI-CHN-001", **where)
+            raise ChainError(
+                f"parent image {_uuid(wanted)} not found among {len(parents)} candidate(s) "
+                "and the files beside the image; pass it with --parent",
+                rule="LI-CHN-001",
+                **where,
+            )
         if not isinstance(candidate, str):
-            link.parent = candidate                  # an open image brings its own chain
+            link.parent = candidate  # an open image brings its own chain
             break
         link.parent = ahead.take(candidate, search) or open_link(candidate)
         seen.add(link.parent.header.image_uuid)
@@ -99,14 +103,22 @@ def _walk(image, parents: list, open_link, pending: list, check_links, ahead: "_
 def parent_problems(child, parent):
     """The parent is the image the child was made against: its digest and page size."""
     if parent.footer.image_digest != child.header.parent_digest:
-        yield ChainError(f"parent {parent.path} has image_digest {parent.footer.image_digest.hex()}, "
-                         f"expected {child.header.parent_digest.hex()} (parent modified or replaced)",
-                         offset=HEADER.offset("parent_digest"), structure="header.parent_digest",
-                         rule="LI-CHN-002", path=child.path)
+        yield ChainError(
+            f"parent {parent.path} has image_digest {parent.footer.image_digest.hex()}, "
+            f"expected {child.header.parent_digest.hex()} (parent modified or replaced)",
+            offset=HEADER.offset("parent_digest"),
+            structure="header.parent_digest",
+            rule="LI-CHN-002",
+            path=child.path,
+        )
     if parent.page_size != child.page_size:
-        yield ChainError(f"parent page_size {parent.page_size}, expected {child.page_size}",
-                         offset=HEADER.offset("page_size"), structure="header.page_size", rule="LI-CHN-003",
-                         path=child.path)
+        yield ChainError(
+            f"parent page_size {parent.page_size}, expected {child.page_size}",
+            offset=HEADER.offset("page_size"),
+            structure="header.page_size",
+            rule="LI-CHN-003",
+            path=child.path,
+        )
 
 
 class _Ahead:
@@ -139,6 +151,7 @@ def _expected_links(first: str, search: "_Search", most: int) -> list[str]:
     whole), as the walk's batches end: each file's parent_uuid, as _image_uuids read it,
     looked up among the files read."""
     from .reader import WHOLE_READ_BELOW
+
     run, seen = [first], {first}
     held = search.kept.get(first, (None, WHOLE_READ_BELOW))[1]
     while len(run) < most and held < CHECK_BATCH_BYTES:
@@ -164,8 +177,8 @@ class _Search:
 
     def __init__(self):
         self.uuid_of: dict = {}
-        self.by_uuid: dict = {}          # UUID -> first path read with it: O(1) per link
-        self.parent_of: dict = {}        # path -> its header's parent_uuid
+        self.by_uuid: dict = {}  # UUID -> first path read with it: O(1) per link
+        self.parent_of: dict = {}  # path -> its header's parent_uuid
         self.kept: dict = {}
         self.listed: set = set()
         self.scan: _Scan | None = None
@@ -236,7 +249,7 @@ def _read_uuids(paths: list[str], search: _Search) -> None:
             search.note(path, head and _uuids_of(head))
         paths = [path for path in paths if not is_remote(path)]
     if len(paths) >= SCAN_THREAD_MIN and _native is not None:
-        search.finish()                  # paths are taken in in the order they are named
+        search.finish()  # paths are taken in in the order they are named
         search.scan = _Scan(paths, _kept_most() - len(search.kept))
     elif paths:
         for path, found in zip(paths, _image_uuids(paths, search.kept)):
@@ -250,28 +263,34 @@ def _siblings(path: str, search: _Search) -> list[str]:
     share is taken from the first in this order. An object's are those of its prefix."""
     if is_remote(path):
         directory, own = path.rpartition("/")[::2]
-        names = [name.rpartition("/")[2] for name in s3.list_beside(path, ".lean", SIBLINGS_MAX)] \
-            if directory not in search.listed else []
+        names = (
+            [name.rpartition("/")[2] for name in s3.list_beside(path, ".lean", SIBLINGS_MAX)]
+            if directory not in search.listed
+            else []
+        )
     else:
         directory, own = os.path.dirname(os.path.abspath(path)), os.path.basename(path)
         try:
-            names = [] if directory in search.listed else \
-                sorted(n for n in os.listdir(directory) if n.endswith(".lean"))[:SIBLINGS_MAX]
+            names = (
+                []
+                if directory in search.listed
+                else sorted(n for n in os.listdir(directory) if n.endswith(".lean"))[:SIBLINGS_MAX]
+            )
         except OSError:
             names = []
     search.listed.add(directory)
     at = bisect.bisect_left(names, own)
-    after = at + 1 if at < len(names) and names[at] == own else at        # the image itself is open already
+    after = at + 1 if at < len(names) and names[at] == own else at  # the image itself is open already
     join = (lambda name: f"{directory}/{name}") if is_remote(path) else (lambda name: os.path.join(directory, name))
     return [join(n) for n in names[:at][::-1] + names[after:]]
 
 
-READ_AHEAD_FILES = 256              # files open at once while their UUIDs are read
-READ_AHEAD_BYTES = 256 << 20        # small files handed to the kernel's read-ahead, at most
-KEPT_FILES_MAX = 4096               # small files kept open for open_links (and a quarter of the open-file limit)
-SCAN_THREAD_MIN = 16                # files from which their UUIDs are read on a thread of their own,
-SCAN_GROUP = 64                     # this many opened and asked for at once (a walk waits for the first
-                                    # group: 1000 warm files take 5.7 ms in groups of 64, 10 ms of 256)
+READ_AHEAD_FILES = 256  # files open at once while their UUIDs are read
+READ_AHEAD_BYTES = 256 << 20  # small files handed to the kernel's read-ahead, at most
+KEPT_FILES_MAX = 4096  # small files kept open for open_links (and a quarter of the open-file limit)
+SCAN_THREAD_MIN = 16  # files from which their UUIDs are read on a thread of their own,
+SCAN_GROUP = 64  # this many opened and asked for at once (a walk waits for the first
+# group: 1000 warm files take 5.7 ms in groups of 64, 10 ms of 256)
 _UUIDS_AT, _UUIDS_END = HEADER.offset("image_uuid"), HEADER.offset("parent_uuid") + 16
 
 
@@ -283,11 +302,12 @@ def _image_uuids(paths: list[str], kept: dict) -> list[tuple[bytes, bytes] | Non
     not one after another (cold, 1000 small links: 310 -> 130 ms). Those stay open, path ->
     (fd, size) in ``kept`` (KEPT_FILES_MAX at most), for links_batch.open_links to read whole."""
     from .reader import WHOLE_READ_BELOW
+
     budget = [READ_AHEAD_BYTES]
     most = _kept_most()
     found = []
     for lo in range(0, len(paths), READ_AHEAD_FILES):
-        batch = paths[lo:lo + READ_AHEAD_FILES]
+        batch = paths[lo : lo + READ_AHEAD_FILES]
         for path, (fd, small) in zip(batch, [_open_ahead(path, WHOLE_READ_BELOW, budget) for path in batch]):
             if fd is None:
                 found.append(None)
@@ -309,8 +329,8 @@ def _uuids_of(raw: bytes) -> tuple[bytes, bytes | None] | None:
     (a file too short for its parent_uuid, or with none (zero), has None there)."""
     if len(raw) < _UUIDS_AT + 16:
         return None
-    parent = bytes(raw[_UUIDS_END - 16:]) if len(raw) == _UUIDS_END else None
-    return bytes(raw[_UUIDS_AT:_UUIDS_AT + 16]), parent if parent is None or any(parent) else None
+    parent = bytes(raw[_UUIDS_END - 16 :]) if len(raw) == _UUIDS_END else None
+    return bytes(raw[_UUIDS_AT : _UUIDS_AT + 16]), parent if parent is None or any(parent) else None
 
 
 class _Scan:
@@ -319,10 +339,11 @@ class _Scan:
     walk checks the links found so far: cold, the reads of depth 1000's headers take ~35 ms
     the walk no longer waits for. The same files are kept open, the same read ahead."""
 
-    POLL = 50e-6                    # seconds between looks at the progress while waiting for it
+    POLL = 50e-6  # seconds between looks at the progress while waiting for it
 
     def __init__(self, paths: list[str], keep_most: int):
         from .reader import WHOLE_READ_BELOW
+
         names = [os.fsencode(path) + b"\0" for path in paths]
         starts = np.zeros(len(names) + 1, np.int64)
         np.cumsum([len(name) for name in names], out=starts[1:])
@@ -330,8 +351,19 @@ class _Scan:
         self.fds, self.sizes = np.full(len(paths), -2, np.int32), np.zeros(len(paths), np.int64)
         self.got, self.heads = np.full(len(paths), -1, np.int64), np.zeros((len(paths), _UUIDS_END), np.uint8)
         self.progress = np.zeros(1, np.int64)
-        args = (b"".join(names), starts, WHOLE_READ_BELOW, READ_AHEAD_BYTES, max(keep_most, 0), SCAN_GROUP,
-                self.fds, self.sizes, self.got, self.heads, self.progress)
+        args = (
+            b"".join(names),
+            starts,
+            WHOLE_READ_BELOW,
+            READ_AHEAD_BYTES,
+            max(keep_most, 0),
+            SCAN_GROUP,
+            self.fds,
+            self.sizes,
+            self.got,
+            self.heads,
+            self.progress,
+        )
         self.thread = threading.Thread(target=_native.scan_files, args=args, name="leanimg-scan", daemon=True)
         self.thread.start()
 
@@ -351,16 +383,25 @@ class _Scan:
             if ready < len(self.paths) and ready == self.taken:
                 return self._read_here()
         lo, self.taken = self.taken, ready
-        return [(self.paths[k], None if got < 0 else _uuids_of(self.heads[k, :got].tobytes()),
-                 (fd, size) if fd >= 0 else None)
-                for k, got, fd, size in zip(range(lo, ready), self.got[lo:ready].tolist(),
-                                            self.fds[lo:ready].tolist(), self.sizes[lo:ready].tolist())]
+        return [
+            (
+                self.paths[k],
+                None if got < 0 else _uuids_of(self.heads[k, :got].tobytes()),
+                (fd, size) if fd >= 0 else None,
+            )
+            for k, got, fd, size in zip(
+                range(lo, ready),
+                self.got[lo:ready].tolist(),
+                self.fds[lo:ready].tolist(),
+                self.sizes[lo:ready].tolist(),
+            )
+        ]
 
     def _ready(self) -> int:
         return int(self.progress[0])
 
     def _read_here(self) -> list[tuple]:
-        rest, kept = self.paths[self.taken:], {}
+        rest, kept = self.paths[self.taken :], {}
         self.taken = len(self.paths)
         return [(path, found, kept.get(path)) for path, found in zip(rest, _image_uuids(rest, kept))]
 
@@ -370,6 +411,7 @@ def _kept_most() -> int:
     this process's open-file limit (the chain's links keep theirs open too)."""
     try:
         import resource
+
         soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
     except (ImportError, OSError, ValueError):
         return 0
@@ -390,7 +432,7 @@ def _open_ahead(path: str, small: int, budget: list) -> tuple[int | None, int]:
             budget[0] -= size
             try:
                 os.posix_fadvise(fd, 0, size, os.POSIX_FADV_WILLNEED)
-            except (OSError, AttributeError):        # no fadvise here: the reads simply come later
+            except (OSError, AttributeError):  # no fadvise here: the reads simply come later
                 pass
             return fd, size
     except OSError:

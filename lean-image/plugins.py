@@ -28,8 +28,8 @@ from .errors import SourceFormatError, UnsupportedError
 
 SOURCES = "leanimg.sources"
 TARGETS = "leanimg.targets"
-CHECKPOINTS = "leanimg.checkpoints"      # writers on a running hypervisor: `leanimg checkpoint`
-HEAD_BYTES = 16                 # how much of a file Source.detect is shown
+CHECKPOINTS = "leanimg.checkpoints"  # writers on a running hypervisor: `leanimg checkpoint`
+HEAD_BYTES = 16  # how much of a file Source.detect is shown
 
 
 class Source(Protocol):
@@ -39,9 +39,9 @@ class Source(Protocol):
     instance, not a class) with these attributes.
     """
 
-    name: str                   # as `convert --from` names it
-    description: str            # what a file of the format is: "a QEMU migration stream"
-    signature: str              # how such a file starts, for messages: "magic 51 45 56 4d"
+    name: str  # as `convert --from` names it
+    description: str  # what a file of the format is: "a QEMU migration stream"
+    signature: str  # how such a file starts, for messages: "magic 51 45 56 4d"
 
     def detect(self, head: bytes) -> bool:
         """Whether a file starting with ``head`` (its first HEAD_BYTES bytes, fewer when the
@@ -97,7 +97,7 @@ class Source(Protocol):
 class Target(Protocol):
     """A form a lean image restores to (entry point group leanimg.targets)."""
 
-    name: str                   # as `restore --to` names it
+    name: str  # as `restore --to` names it
     description: str
 
     def restore(self, image, out: BinaryIO, progress=None) -> int:
@@ -112,9 +112,11 @@ class Target(Protocol):
         """What the image's SOURCE_STATE records rebuild in this target's form, if they are its."""
 
 
-REQUIRED = {SOURCES: ("name", "description", "signature", "detect", "convert"),
-            TARGETS: ("name", "description", "restore", "describe"),
-            CHECKPOINTS: ("name", "description", "Request", "checkpoint")}
+REQUIRED = {
+    SOURCES: ("name", "description", "signature", "detect", "convert"),
+    TARGETS: ("name", "description", "restore", "describe"),
+    CHECKPOINTS: ("name", "description", "Request", "checkpoint"),
+}
 METHODS = {"detect", "convert", "restore", "describe", "checkpoint"}
 
 
@@ -161,18 +163,25 @@ def is_installed(group: str, name: str) -> bool:
 class Installed:
     """An installed plugin as `leanimg plugins` lists it; ``problem`` says why it is broken."""
 
-    kind: str                   # "source" or "target"
+    kind: str  # "source" or "target"
     name: str
-    entry_point: str            # module:attribute
+    entry_point: str  # module:attribute
     distribution: str | None
     version: str | None
     description: str | None
     problem: str | None = None
 
     def to_json(self) -> dict:
-        return dict(kind=self.kind, name=self.name, status="broken" if self.problem else "ok",
-                    description=self.description, distribution=self.distribution, version=self.version,
-                    entry_point=self.entry_point, problem=self.problem)
+        return dict(
+            kind=self.kind,
+            name=self.name,
+            status="broken" if self.problem else "ok",
+            description=self.description,
+            distribution=self.distribution,
+            version=self.version,
+            entry_point=self.entry_point,
+            problem=self.problem,
+        )
 
 
 def installed() -> list[Installed]:
@@ -186,8 +195,17 @@ def installed() -> list[Installed]:
                 problem = f"leanimg's own {kind} {entry.name!r} takes precedence: this one is never used"
             dist = getattr(entry, "dist", None)
             description = getattr(plugin, "description", None) if problem is None else None
-            found.append(Installed(kind, entry.name, entry.value, dist.name if dist else None,
-                                   dist.version if dist else None, description, problem))
+            found.append(
+                Installed(
+                    kind,
+                    entry.name,
+                    entry.value,
+                    dist.name if dist else None,
+                    dist.version if dist else None,
+                    description,
+                    problem,
+                )
+            )
     return found
 
 
@@ -198,12 +216,14 @@ def source_targets(image) -> list[str]:
     the formats of its SOURCE_STATE records, in source_format order, then, for a private-use
     format (a plugin's, spec §5.4), every other installed target whose ``describe`` claims it."""
     from .format import PRIVATE_SOURCE_FORMATS, SourceFormat
+
     formats = {s.source_format for s in image.source_states}
     names = [SourceFormat(f).name.lower() for f in sorted(formats & {int(f) for f in SourceFormat})]
     states = {(s.source_format, s.tag) for s in image.source_states}
-    if states - {(f, 1) for f in formats}:      # a record beyond each format's first tag: a target for it?
-        names = [t.name for t in targets() if t.name not in names
-                 and states & set(getattr(t, "source_states", ()))] + names
+    if states - {(f, 1) for f in formats}:  # a record beyond each format's first tag: a target for it?
+        names = [
+            t.name for t in targets() if t.name not in names and states & set(getattr(t, "source_states", ()))
+        ] + names
     if max(formats, default=0) >= PRIVATE_SOURCE_FORMATS:
         names += [t.name for t in targets() if t.name not in names and _describes(t, image)]
     return names
@@ -212,7 +232,7 @@ def source_targets(image) -> list[str]:
 def _describes(plugin: Target, image) -> bool:
     try:
         return bool(plugin.describe(image))
-    except Exception:                   # noqa: BLE001 - a third party's bug must not break another command
+    except Exception:  # noqa: BLE001 - a third party's bug must not break another command
         return False
 
 
@@ -228,8 +248,11 @@ def detect_source(head: bytes) -> Source:
         expected = " or ".join(f"{s.description} ({s.signature})" for s in sources())
         broken = [f"{entry.name} ({problem})" for entry, _, problem in _loaded(SOURCES) if problem]
         unloaded = f"; source plugins that could not be loaded: {', '.join(broken)}" if broken else ""
-        raise SourceFormatError(f"expected {expected}, got {head[:8].hex(' ')}{_compressed_hint(head)}{unloaded}",
-                                offset=0, structure="magic")
+        raise SourceFormatError(
+            f"expected {expected}, got {head[:8].hex(' ')}{_compressed_hint(head)}{unloaded}",
+            offset=0,
+            structure="magic",
+        )
     return found
 
 
@@ -237,16 +260,19 @@ def _compressed_hint(head: bytes) -> str:
     """convert decompresses what it is given (leanimg.compressed_input); anyone handing
     detect_source a file's raw head learns what the file is."""
     from .compressed_input import COMPRESSED
+
     for magic, (name, command) in COMPRESSED.items():
         if head.startswith(magic):
-            return f": this is a {name}-compressed file (`leanimg convert` reads it as it is; " \
-                   f"elsewhere: {command} FILE)"
+            return (
+                f": this is a {name}-compressed file (`leanimg convert` reads it as it is; elsewhere: {command} FILE)"
+            )
     return ""
 
 
 @cache
 def _entry_points(group: str) -> list:
     from importlib.metadata import entry_points
+
     return sorted(entry_points(group=group), key=lambda entry: entry.name)
 
 
@@ -257,17 +283,19 @@ def _own_entry_points(group: str) -> list:
     Any other plugin is found through importlib.metadata (``_entry_points``), also one whose
     distribution's name starts with leanimg (leanimg_toyvm-0.1.0.dist-info is not leanimg's)."""
     import configparser
+
     for directory in sys.path:
         try:
             entries = os.listdir(directory or ".")
         except OSError:
             continue
         for name in entries:
-            if name.endswith(".dist-info") and name[:-len(".dist-info")].rpartition("-")[0].lower() == "leanimg":
+            if name.endswith(".dist-info") and name[: -len(".dist-info")].rpartition("-")[0].lower() == "leanimg":
                 parser = configparser.ConfigParser(delimiters=("=",))
                 parser.read(os.path.join(directory or ".", name, "entry_points.txt"))
-                return [_EntryPoint(key, value) for key, value in parser.items(group)] \
-                    if parser.has_section(group) else []
+                return (
+                    [_EntryPoint(key, value) for key, value in parser.items(group)] if parser.has_section(group) else []
+                )
     return []
 
 
@@ -298,8 +326,10 @@ def _load(group: str, name: str):
             if problem:
                 dist = getattr(entry, "dist", None)
                 provider = f" of distribution {dist.name} {dist.version}" if dist else ""
-                raise UnsupportedError(f"the {KINDS[group]} plugin {name!r} ({entry.value}{provider}) cannot be "
-                                       f"used: {problem}", structure=group)
+                raise UnsupportedError(
+                    f"the {KINDS[group]} plugin {name!r} ({entry.value}{provider}) cannot be used: {problem}",
+                    structure=group,
+                )
             return plugin
     known = ", ".join(names(group)) or "none"
     raise UnsupportedError(f"no {KINDS[group]} {name!r} is installed (installed: {known})", structure=group)
@@ -324,12 +354,15 @@ def _check(group: str, entry) -> tuple:
     (None, why not) — a plugin's import may fail in any way, so any exception counts."""
     try:
         plugin = entry.load()
-    except BaseException as exc:        # noqa: BLE001 - SystemExit or worse from a plugin's import
+    except BaseException as exc:  # noqa: BLE001 - SystemExit or worse from a plugin's import
         if isinstance(exc, KeyboardInterrupt):
             raise
         return None, f"cannot be loaded: {type(exc).__name__}: {exc}"
-    missing = [attribute for attribute in REQUIRED[group] if not hasattr(plugin, attribute)
-               or (attribute in METHODS and not callable(getattr(plugin, attribute)))]
+    missing = [
+        attribute
+        for attribute in REQUIRED[group]
+        if not hasattr(plugin, attribute) or (attribute in METHODS and not callable(getattr(plugin, attribute)))
+    ]
     if missing:
         return None, f"{entry.value} lacks {', '.join(missing)} of the {KINDS[group]} protocol (leanimg.plugins)"
     if plugin.name != entry.name:

@@ -31,7 +31,7 @@ from .tables import DiskInfo, ImageTables, Region, SourceState
 # a link file smaller than this is read whole when opened: the tables opening checks are then
 # one read, not one per record (a cold chain of 1000 small links paid ~1 ms per link for them)
 WHOLE_READ_BELOW = 1 << 20
-KEPT_DIGESTS_MOST = 16 << 10      # a link's DIGESTS record kept from its whole read, if no larger
+KEPT_DIGESTS_MOST = 16 << 10  # a link's DIGESTS record kept from its whole read, if no larger
 
 __all__ = ["LeanImage", "Region", "DiskInfo", "SourceState", "decompress_frame"]
 
@@ -57,10 +57,10 @@ class LeanImage:
         self.source_states: list[SourceState] = tables.source_states
         self.frames = FrameStore(tables)
         self.digests = DigestStore(tables, self)
-        self.disk_sources: dict[int, object] = {}      # disk id -> attached disk source
+        self.disk_sources: dict[int, object] = {}  # disk id -> attached disk source
         self.parent: LeanImage | None = None
-        self.sort_blocks = True                        # DISK pages read in ascending physical order
-        self._resolutions: dict = {}                   # region id -> chain.Resolution
+        self.sort_blocks = True  # DISK pages read in ascending physical order
+        self._resolutions: dict = {}  # region id -> chain.Resolution
 
     # -- opening -----------------------------------------------------------------
     @classmethod
@@ -72,8 +72,9 @@ class LeanImage:
         compared with the disk table (every block read is still checked against its page's digest)."""
         image = cls.open_link(path)
         try:
-            attach_chain(image, list(parents), lambda link: cls.open_link(link, check=False), cls.check_links,
-                         cls.open_links)
+            attach_chain(
+                image, list(parents), lambda link: cls.open_link(link, check=False), cls.check_links, cls.open_links
+            )
             image.attach_disks(disks or {}, check_identity=check_disk_identity)
         except BaseException:
             image.close()
@@ -108,18 +109,23 @@ class LeanImage:
         header, footer and INDEX pass the tests links_batch makes of many files at once; the
         others are not opened (open_link then raises the finding). ``kept``: as links_batch's."""
         from .links_batch import open_links
-        return {path: cls(path, fileobj, ImageTables(file, header, footer, index, load=False, frames=frames))
-                for path, (fileobj, file, header, footer, index, frames)
-                in open_links(paths, WHOLE_READ_BELOW, kept).items()}
+
+        return {
+            path: cls(path, fileobj, ImageTables(file, header, footer, index, load=False, frames=frames))
+            for path, (fileobj, file, header, footer, index, frames) in open_links(
+                paths, WHOLE_READ_BELOW, kept
+            ).items()
+        }
 
     @staticmethod
     def check_links(links: list["LeanImage"]) -> None:
         """Load and check the tables of links opened with check=False, together
         (tables_batch.load_tables): the first link in order with a finding raises it."""
         from .tables_batch import load_tables
+
         try:
             load_tables([link.tables for link in links], on_error=lambda exc, tables: _name(exc, tables.file.name))
-            for link in links:           # a restore reads the DIGESTS of most links of a 1.1 chain
+            for link in links:  # a restore reads the DIGESTS of most links of a 1.1 chain
                 if link.digests.inherits:
                     for positions in link.tables.digest_positions.values():
                         link.tables.keep_listed(positions, KEPT_DIGESTS_MOST)
@@ -133,12 +139,15 @@ class LeanImage:
         Each is first checked to be that disk, size and fingerprint (LI-DSK-004), unless not
         ``check_identity``. The image closes the sources attached to it when it closes."""
         from .disks import check_identity as check_disk
+
         disks = dict(disks)
         if None in disks:
             names = sorted({d.name for link in self.chain() for d in link.disks})
             if len(names) != 1:
-                raise DiskError(f"--disk PATH without a NAME needs an image with one disk; this one has "
-                                f"{', '.join(names) or 'none'}: give NAME=PATH")
+                raise DiskError(
+                    f"--disk PATH without a NAME needs an image with one disk; this one has "
+                    f"{', '.join(names) or 'none'}: give NAME=PATH"
+                )
             disks[names[0]] = disks.pop(None)
             disks[names[0]].name = names[0]
         for name in disks:
@@ -193,10 +202,11 @@ class LeanImage:
         forward pass begins: its DELTA_FRAMEs are read and parsed on the read-ahead workers
         while the chain is folded (chain.parse_deltas_ahead)."""
         from .chain import parse_deltas_ahead, resolve
+
         if region.region_id not in self._resolutions:
             ahead = parse_deltas_ahead(self) if deltas_ahead else None
             resolution = resolve(self, region)
-            if len(resolution.delta_pages):      # else no fold takes the parses (nor holds them)
+            if len(resolution.delta_pages):  # else no fold takes the parses (nor holds them)
                 resolution.deltas_ahead = ahead
             self._resolutions[region.region_id] = resolution
         return self._resolutions[region.region_id]
@@ -226,8 +236,9 @@ class LeanImage:
     def region_pieces(self, region: Region, first_page: int, count: int) -> list[tuple[int, memoryview | None]]:
         return pages.region_pieces(self, region, first_page, count)
 
-    def fill_disk_pages(self, region: Region, first_page: int, out: np.ndarray, rows: np.ndarray,
-                        slots: np.ndarray) -> None:
+    def fill_disk_pages(
+        self, region: Region, first_page: int, out: np.ndarray, rows: np.ndarray, slots: np.ndarray
+    ) -> None:
         pages.fill_disk_pages(self, region, first_page, out, rows, slots)
 
     def enable_read_ahead(self, threads: int = 2, depth: int = 4) -> None:

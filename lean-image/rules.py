@@ -21,11 +21,11 @@ RULES = {
     "LI-HDR-005": "no incompatible feature bit unknown to the reader is set",
     "LI-HDR-006": "page_size is a power of two between 4096 and 65536",
     "LI-HDR-007": "the reserved header field is zero, and so are header bytes past offset 104 "
-                  "when minor_version is 0 or 1 (later minors append fields a 1.1 reader ignores)",
+    "when minor_version is 0 or 1 (later minors append fields a 1.1 reader ignores)",
     "LI-HDR-008": "parent_uuid and parent_digest are both zero or both non-zero, "
-                  "and the PARENT incompatible bit is set exactly when they are non-zero",
+    "and the PARENT incompatible bit is set exactly when they are non-zero",
     "LI-HDR-009": "the DISK (DELTA) incompatible bit is set when any DISK (DELTA) page exists; "
-                  "a writer MAY set it without such pages (the header is written first)",
+    "a writer MAY set it without such pages (the header is written first)",
     "LI-HDR-010": "the INHERITED_DIGESTS incompatible bit is set only with the PARENT bit",
     # records (spec §4)
     "LI-REC-001": "records follow each other from header_length to the footer without gap",
@@ -65,12 +65,12 @@ RULES = {
     # digests (spec §6)
     "LI-DIG-001": "each region's digests are given exactly once, in page order",
     "LI-DIG-002": "a page's content has the xxh3-128 digest its table gives "
-                  "(a ZERO page's digest is that of page_size zero bytes)",
+    "(a ZERO page's digest is that of page_size zero bytes)",
     "LI-DIG-003": "num_digests equals the number of digest-bearing pages in the range: STORED, DISK, "
-                  "DELTA, and PARENT unless INHERITED_DIGESTS is set",
+    "DELTA, and PARENT unless INHERITED_DIGESTS is set",
     # index and footer (spec §8)
     "LI-IDX-001": "the INDEX is the last record and lists every other record, in file order, "
-                  "with matching offset, type, key, first and count",
+    "with matching offset, type, key, first and count",
     "LI-FTR-001": "the file ends with a footer starting with 89 4C 45 41 4E 45 4E 44",
     "LI-FTR-002": "footer_checksum is the xxh3-64 of the footer's first 40 bytes",
     "LI-FTR-003": "file_length equals the file size",
@@ -83,7 +83,7 @@ RULES = {
     "LI-CHN-004": "a PARENT or DELTA page lies within a parent region of the same name",
     "LI-CHN-005": "a chain has no cycle and is at most 4096 links deep",
     "LI-CHN-006": "in an image with INHERITED_DIGESTS, a PARENT page's page in the parent, followed down "
-                  "the chain through inherited PARENT pages, is not FREE",
+    "the chain through inherited PARENT pages, is not FREE",
     # source state (spec §5)
     "LI-SRC-001": "SOURCE_STATE sequence numbers count up from 0 without gaps",
     "LI-SRC-002": "source_format is 1 (QEMU), 2 (Xen) or private use (0x80000000 and above)",
@@ -96,8 +96,7 @@ HINT_RULES = {
     "LI-HNT-001": "the hints start with the magic 89 4C 45 41 4E 48 4E 54",
     "LI-HNT-002": "major_version is 1",
     "LI-HNT-003": "header_checksum is the xxh3-64 of the header's first 24 bytes",
-    "LI-HNT-004": "page_size is a power of two 4096-65536, address_map 0-2 (2 only with 4096), "
-                  "flags and reserved zero",
+    "LI-HNT-004": "page_size is a power of two 4096-65536, address_map 0-2 (2 only with 4096), flags and reserved zero",
     "LI-HNT-005": "a record lies wholly within the input",
     "LI-HNT-006": "payload_length is at most 1 MiB",
     "LI-HNT-007": "record_checksum is the xxh3-64 of the record's header and payload",
@@ -107,7 +106,7 @@ HINT_RULES = {
     "LI-HNT-011": "the hints end with END, its record_count equals the records before it, nothing follows",
     "LI-HNT-012": "name ids unique and below 256, names unique and 1-255 bytes of UTF-8, declared before use",
     "LI-HNT-013": "ranges non-empty, without overflow, page-aligned (guest-physical, with an address map), "
-                  "sorted and disjoint within a record",
+    "sorted and disjoint within a record",
     "LI-HNT-014": "at most 65536 records and 2^22 ranges in all",
     "LI-HNT-015": "at most one PARENT record, before every UNCHANGED record, which need it",
     "LI-HNT-016": "addressing is 1 or 2; a FREE source is 0-3",
@@ -121,7 +120,7 @@ HINT_RULES = {
     "LI-HNT-024": "a DISK hint makes a DISK reference only if the page equals the disk block byte for byte",
     "LI-HNT-025": "a page hinted UNCHANGED and sent becomes PARENT only if its digest equals the parent's",
     "LI-HNT-026": "FREE hints from a guest's snapshot come only from a precopy save, from a snapshot taken after "
-                  "their stream_offset and before the checkpoint instant",
+    "their stream_offset and before the checkpoint instant",
 }
 HINT_IMPLEMENTATIONS: dict = {}
 
@@ -143,14 +142,23 @@ def describe(rule: str) -> str:
 
 def implements(*rules: str):
     """Register the decorated function as the one implementation of ``rules``."""
+
     def register(function):
         for rule in rules:
-            registry = (IMPLEMENTATIONS if rule in RULES else HINT_IMPLEMENTATIONS if rule in HINT_RULES
-                        else WORKING_SET_IMPLEMENTATIONS if rule in WORKING_SET_RULES else None)
+            registry = (
+                IMPLEMENTATIONS
+                if rule in RULES
+                else HINT_IMPLEMENTATIONS
+                if rule in HINT_RULES
+                else WORKING_SET_IMPLEMENTATIONS
+                if rule in WORKING_SET_RULES
+                else None
+            )
             if registry is None:
                 raise ValueError(f"{function.__qualname__}: unknown rule {rule}")
             if rule in registry:
                 raise ValueError(f"{rule} is implemented by {registry[rule].__qualname__} already")
             registry[rule] = function
         return function
+
     return register

@@ -23,12 +23,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from .errors import LeanImageError
 
 SCHEME = "s3://"
-BLOCK = 1 << 20                 # the unit of reads and of the cache
-GET_BLOCKS_MOST = 8             # blocks one GET asks for at most (nearby blocks coalesced)
-AHEAD_BLOCKS = 32               # blocks read ahead of a reader that goes forward
-CACHE_BLOCKS = 96               # blocks kept (LRU): memory is bounded whatever the object's size
+BLOCK = 1 << 20  # the unit of reads and of the cache
+GET_BLOCKS_MOST = 8  # blocks one GET asks for at most (nearby blocks coalesced)
+AHEAD_BLOCKS = 32  # blocks read ahead of a reader that goes forward
+CACHE_BLOCKS = 96  # blocks kept (LRU): memory is bounded whatever the object's size
 FETCH_THREADS = 8
-PART_SIZE = 8 << 20             # multipart upload parts (S3: at least 5 MiB but the last)
+PART_SIZE = 8 << 20  # multipart upload parts (S3: at least 5 MiB but the last)
 PARTS_IN_FLIGHT = 4
 LIST_PAGE = 1000
 
@@ -43,7 +43,7 @@ def is_s3(name) -> bool:
 
 def split(name: str) -> tuple[str, str]:
     """(bucket, key) of ``s3://BUCKET/KEY``."""
-    bucket, _, key = name[len(SCHEME):].partition("/")
+    bucket, _, key = name[len(SCHEME) :].partition("/")
     if not bucket or not key or key.endswith("/"):
         raise StoreError(f"expected s3://BUCKET/KEY, got {name!r}", path=name)
     return bucket, key
@@ -68,8 +68,13 @@ def client():
         if _client is None:
             import boto3
             from botocore.config import Config
-            config = Config(retries={"mode": os.environ.get("AWS_RETRY_MODE", "standard"), "max_attempts": _attempts()},
-                            max_pool_connections=2 * FETCH_THREADS, connect_timeout=10, read_timeout=60)
+
+            config = Config(
+                retries={"mode": os.environ.get("AWS_RETRY_MODE", "standard"), "max_attempts": _attempts()},
+                max_pool_connections=2 * FETCH_THREADS,
+                connect_timeout=10,
+                read_timeout=60,
+            )
             _client = boto3.session.Session().client("s3", config=config)
         return _client
 
@@ -83,12 +88,19 @@ def reader(bucket: str):
     Credentials from the environment; without AWS_ACCESS_KEY_ID, from boto3's chain (profiles,
     SSO, roles)."""
     endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or ""
-    key = (bucket, endpoint, os.environ.get("AWS_ACCESS_KEY_ID"), os.environ.get("AWS_SECRET_ACCESS_KEY"),
-           os.environ.get("AWS_PROFILE"), os.environ.get("AWS_MAX_ATTEMPTS"))
+    key = (
+        bucket,
+        endpoint,
+        os.environ.get("AWS_ACCESS_KEY_ID"),
+        os.environ.get("AWS_SECRET_ACCESS_KEY"),
+        os.environ.get("AWS_PROFILE"),
+        os.environ.get("AWS_MAX_ATTEMPTS"),
+    )
     with _lock:
         if key not in _stores:
             from datetime import timedelta
             from obstore.store import S3Store
+
             options = {"connect_timeout": "10s", "timeout": "60s", "allow_http": endpoint.startswith("http://")}
             retry = {"max_retries": max(_attempts() - 1, 0), "retry_timeout": timedelta(seconds=60)}
             extra = {} if os.environ.get("AWS_ACCESS_KEY_ID") else {"credential_provider": _ProfileCredentials()}
@@ -102,23 +114,31 @@ class _ProfileCredentials:
 
     def __init__(self):
         import boto3
+
         session = boto3.session.Session()
         self.credentials = session.get_credentials()
         if self.credentials is None:
-            raise StoreError("no credentials for the store (set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, "
-                             "or AWS_PROFILE)")
+            raise StoreError(
+                "no credentials for the store (set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE)"
+            )
         self.config = {"region": session.region_name} if session.region_name else {}
 
     def __call__(self) -> dict:
         from datetime import datetime, timedelta, timezone
+
         frozen = self.credentials.get_frozen_credentials()
-        return {"access_key_id": frozen.access_key, "secret_access_key": frozen.secret_key,
-                "token": frozen.token, "expires_at": datetime.now(timezone.utc) + timedelta(minutes=5)}
+        return {
+            "access_key_id": frozen.access_key,
+            "secret_access_key": frozen.secret_key,
+            "token": frozen.token,
+            "expires_at": datetime.now(timezone.utc) + timedelta(minutes=5),
+        }
 
 
 def read_failure(exc: Exception, name: str, doing: str) -> StoreError:
     """A clear StoreError for what obstore raised while ``doing`` something to ``name``."""
     from obstore import exceptions as oe
+
     message = str(exc).split("\n", 1)[0]
     if isinstance(exc, StoreError):
         exc.path = exc.path or name
@@ -127,8 +147,11 @@ def read_failure(exc: Exception, name: str, doing: str) -> StoreError:
     if isinstance(exc, FileNotFoundError):
         return StoreError(f"{doing}: no such object (or its bucket does not exist)", path=name)
     if isinstance(exc, (oe.PermissionDeniedError, oe.UnauthenticatedError)):
-        return StoreError(f"{doing}: the store refused the credentials; check AWS_ACCESS_KEY_ID, "
-                          "AWS_SECRET_ACCESS_KEY or the profile", path=name)
+        return StoreError(
+            f"{doing}: the store refused the credentials; check AWS_ACCESS_KEY_ID, "
+            "AWS_SECRET_ACCESS_KEY or the profile",
+            path=name,
+        )
     if "error sending request" in message or "connect" in message.lower():
         return StoreError(f"{doing}: cannot reach the store ({message})", path=name)
     return StoreError(f"{doing}: {message}", path=name)
@@ -136,6 +159,7 @@ def read_failure(exc: Exception, name: str, doing: str) -> StoreError:
 
 def _read_errors():
     from obstore.exceptions import BaseError
+
     return (StoreError, BaseError, OSError, ValueError, RuntimeError)
 
 
@@ -150,22 +174,29 @@ def pool() -> ThreadPoolExecutor:
 def failure(exc: Exception, name: str, doing: str) -> StoreError:
     """A clear StoreError for what boto3 raised while ``doing`` something to ``name``."""
     from botocore import exceptions as bce
+
     if isinstance(exc, bce.ClientError):
         error = exc.response.get("Error", {})
         code, status = str(error.get("Code", "")), exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
         if code == "NoSuchBucket":
-            bucket = name[len(SCHEME):].partition("/")[0] if is_s3(name) else name
+            bucket = name[len(SCHEME) :].partition("/")[0] if is_s3(name) else name
             return StoreError(f"{doing}: bucket {bucket!r} does not exist", path=name)
         if code in ("NoSuchKey", "404", "NotFound"):
             return StoreError(f"{doing}: no such object (or its bucket does not exist)", path=name)
         if code in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "403", "Forbidden"):
-            return StoreError(f"{doing}: the store refused the credentials ({code}); check AWS_ACCESS_KEY_ID, "
-                              "AWS_SECRET_ACCESS_KEY or the profile", path=name)
-        return StoreError(f"{doing}: the store answered {status} {code}: {error.get('Message', '')}".rstrip(": "),
-                          path=name)
+            return StoreError(
+                f"{doing}: the store refused the credentials ({code}); check AWS_ACCESS_KEY_ID, "
+                "AWS_SECRET_ACCESS_KEY or the profile",
+                path=name,
+            )
+        return StoreError(
+            f"{doing}: the store answered {status} {code}: {error.get('Message', '')}".rstrip(": "), path=name
+        )
     if isinstance(exc, bce.NoCredentialsError):
-        return StoreError(f"{doing}: no credentials for the store (set AWS_ACCESS_KEY_ID and "
-                          "AWS_SECRET_ACCESS_KEY, or AWS_PROFILE)", path=name)
+        return StoreError(
+            f"{doing}: no credentials for the store (set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE)",
+            path=name,
+        )
     if isinstance(exc, (bce.EndpointConnectionError, bce.ConnectionClosedError, bce.ConnectTimeoutError)):
         return StoreError(f"{doing}: cannot reach the store ({exc})", path=name)
     if isinstance(exc, bce.BotoCoreError):
@@ -176,6 +207,7 @@ def failure(exc: Exception, name: str, doing: str) -> StoreError:
 def _boto_errors():
     from botocore import exceptions as bce
     from urllib3 import exceptions as u3
+
     return (bce.BotoCoreError, bce.ClientError, u3.HTTPError, OSError)
 
 
@@ -194,8 +226,12 @@ class Fetched:
             self.requests += 1
 
     def as_dict(self) -> dict:
-        return {"location": self.name, "object_bytes": self.size, "fetched_bytes": self.bytes,
-                "requests": self.requests}
+        return {
+            "location": self.name,
+            "object_bytes": self.size,
+            "fetched_bytes": self.bytes,
+            "requests": self.requests,
+        }
 
 
 FETCHED: dict[str, Fetched] = {}
@@ -216,8 +252,11 @@ def take_fetched() -> list[dict]:
 
 
 def fetched_lines(fetched: list[dict]) -> list[str]:
-    return [f"  fetched {f['fetched_bytes'] / 2**20:.2f} MiB of {f['object_bytes'] / 2**20:.2f} MiB in "
-            f"{f['requests']} ranged GETs: {f['location']}" for f in fetched]
+    return [
+        f"  fetched {f['fetched_bytes'] / 2**20:.2f} MiB of {f['object_bytes'] / 2**20:.2f} MiB in "
+        f"{f['requests']} ranged GETs: {f['location']}"
+        for f in fetched
+    ]
 
 
 # -- reading -------------------------------------------------------------------------
@@ -228,7 +267,7 @@ class _Blocks:
     parent twice fetches a block once while it is kept."""
 
     def __init__(self):
-        self.lock = threading.RLock()          # a GET that ended already runs its callback at once
+        self.lock = threading.RLock()  # a GET that ended already runs its callback at once
         self.held: OrderedDict[tuple, bytes] = OrderedDict()
         self.pending: dict[tuple, Future] = {}
 
@@ -249,19 +288,23 @@ class S3Object(io.RawIOBase):
         self.bucket, self.key = split(name)
         try:
             import obstore
+
             head = obstore.head(reader(self.bucket), self.key)
         except _read_errors() as exc:
             raise read_failure(exc, name, "cannot open") from None
         self.size, self.etag = int(head["size"]), head.get("e_tag")
         if not self.etag:
-            raise StoreError("cannot open: the store gave no ETag, so the object cannot be pinned against "
-                             "replacement while it is read", path=name)
+            raise StoreError(
+                "cannot open: the store gave no ETag, so the object cannot be pinned against "
+                "replacement while it is read",
+                path=name,
+            )
         self.fetched = FETCHED.setdefault(name, Fetched(name, self.size))
         self.fetched.size = self.size
         self._pos = 0
         self._id = (self.bucket, self.key, self.etag)
-        self._next_block = -1                   # the block after the last read: reading on from there reads ahead
-        self._window = 0                        # blocks read ahead: grows while the reader goes on
+        self._next_block = -1  # the block after the last read: reading on from there reads ahead
+        self._window = 0  # blocks read ahead: grows while the reader goes on
 
     # file protocol
     def readable(self) -> bool:
@@ -283,10 +326,9 @@ class S3Object(io.RawIOBase):
 
     def readinto(self, buffer) -> int:
         data = self.pread(len(buffer), self._pos)
-        buffer[:len(data)] = data
+        buffer[: len(data)] = data
         self._pos += len(data)
         return len(data)
-
 
     def pread(self, length: int, offset: int) -> bytes:
         """``length`` bytes at ``offset`` (fewer at the object's end), as os.pread."""
@@ -307,17 +349,19 @@ class S3Object(io.RawIOBase):
             self._next_block = last + 1
         lo = offset - first * BLOCK
         if first == last:
-            return self._block(first)[lo:lo + end - offset]
+            return self._block(first)[lo : lo + end - offset]
         data = b"".join([self._block(b) for b in range(first, last + 1)])
-        return data[lo:lo + end - offset]
+        return data[lo : lo + end - offset]
 
     def _blocks_in_object(self) -> int:
         return -(-self.size // BLOCK)
 
     def _ask(self, lo: int, hi: int) -> None:
         """GETs for the blocks of [lo, hi) neither held nor asked for; called under the lock."""
+
         def missing(k):
             return (*self._id, k) not in _BLOCKS.held and (*self._id, k) not in _BLOCKS.pending
+
         b = lo
         while b < hi:
             if not missing(b):
@@ -343,7 +387,7 @@ class S3Object(io.RawIOBase):
                 if not failed:
                     lo, data = future.result()
                     k = key[-1] - lo
-                    _BLOCKS.held[key] = data[k * BLOCK:(k + 1) * BLOCK]
+                    _BLOCKS.held[key] = data[k * BLOCK : (k + 1) * BLOCK]
             while len(_BLOCKS.held) > CACHE_BLOCKS:
                 _BLOCKS.held.popitem(last=False)
 
@@ -351,15 +395,15 @@ class S3Object(io.RawIOBase):
         key = (*self._id, b)
         with _BLOCKS.lock:
             if key not in _BLOCKS.held and key not in _BLOCKS.pending:
-                self._ask(b, b + 1)                 # evicted since asked for (or never asked): ask again
+                self._ask(b, b + 1)  # evicted since asked for (or never asked): ask again
             if key in _BLOCKS.held:
                 _BLOCKS.held.move_to_end(key)
                 return _BLOCKS.held[key]
             future = _BLOCKS.pending.get(key)
-        if future is None:                          # its GET failed at once: here, to raise its error
+        if future is None:  # its GET failed at once: here, to raise its error
             return self._get(b, b + 1)[1]
         lo, data = future.result()
-        return data[(b - lo) * BLOCK:(b - lo + 1) * BLOCK]
+        return data[(b - lo) * BLOCK : (b - lo + 1) * BLOCK]
 
     def _get(self, lo: int, hi: int) -> tuple[int, bytes]:
         cache = disk_cache()
@@ -374,22 +418,30 @@ class S3Object(io.RawIOBase):
     def _fetch(self, lo: int, hi: int) -> tuple[int, bytes]:
         import obstore
         from obstore.exceptions import PreconditionError
+
         start, end = lo * BLOCK, min(hi * BLOCK, self.size)
         doing = f"reading bytes {start}-{end - 1}"
         try:
-            data = bytes(obstore.get(reader(self.bucket), self.key,
-                                     options={"range": (start, end), "if_match": self.etag}).bytes())
+            data = bytes(
+                obstore.get(
+                    reader(self.bucket), self.key, options={"range": (start, end), "if_match": self.etag}
+                ).bytes()
+            )
         except PreconditionError:
-            raise StoreError(f"{doing}: the object was replaced since it was opened (its ETag was "
-                             f"{self.etag}); refused rather than mixing two versions", path=self.name) from None
+            raise StoreError(
+                f"{doing}: the object was replaced since it was opened (its ETag was "
+                f"{self.etag}); refused rather than mixing two versions",
+                path=self.name,
+            ) from None
         except _read_errors() as exc:
             if isinstance(exc, FileNotFoundError):
                 raise StoreError(f"{doing}: the object was deleted since it was opened", path=self.name) from None
             raise read_failure(exc, self.name, doing) from None
         self.fetched.add(len(data))
         if len(data) != end - start:
-            raise StoreError(f"{doing}: got {len(data)} bytes, expected {end - start} (object changed?)",
-                             path=self.name)
+            raise StoreError(
+                f"{doing}: got {len(data)} bytes, expected {end - start} (object changed?)", path=self.name
+            )
         return lo, data
 
 
@@ -408,12 +460,14 @@ class DiskCache:
 
     def _path(self, object_id: tuple, block: int) -> str:
         import hashlib
+
         name = hashlib.sha256("\0".join(object_id).encode()).hexdigest()[:32]
         return os.path.join(self.directory, name, str(block))
 
     def get_run(self, object_id: tuple, lo: int, hi: int) -> bytes | None:
         """Blocks [lo, hi) joined, if every one is here and intact."""
         import xxhash
+
         parts = []
         for block in range(lo, hi):
             try:
@@ -425,7 +479,7 @@ class DiskCache:
                 self._drop(self._path(object_id, block))
                 return None
             parts.append(raw[8:])
-        for block in range(lo, hi):            # recently used: kept longest
+        for block in range(lo, hi):  # recently used: kept longest
             try:
                 os.utime(self._path(object_id, block))
             except OSError:
@@ -434,9 +488,10 @@ class DiskCache:
 
     def put_run(self, object_id: tuple, lo: int, data: bytes) -> None:
         import xxhash
+
         added = 0
         for k in range(-(-len(data) // BLOCK)):
-            block = data[k * BLOCK:(k + 1) * BLOCK]
+            block = data[k * BLOCK : (k + 1) * BLOCK]
             path = self._path(object_id, lo + k)
             try:
                 os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -446,7 +501,7 @@ class DiskCache:
                 os.replace(temp, path)
                 added += len(block) + 8
             except OSError:
-                return                          # a full or read-only cache costs fetches, never a failure
+                return  # a full or read-only cache costs fetches, never a failure
         with self.lock:
             if self.used is None:
                 self.used = sum(size for _, size, _ in self._files())
@@ -512,6 +567,7 @@ def check_bucket(name: str) -> None:
     """Refuse to write ``name`` into a bucket that does not exist (some stores, SeaweedFS
     among them, would create it on the first write)."""
     from botocore.exceptions import ClientError
+
     bucket = split(name)[0]
     try:
         client().head_bucket(Bucket=bucket)
@@ -533,6 +589,7 @@ def read_heads(names: list[str], length: int) -> list[bytes | None]:
             return bytes(obstore.get(reader(bucket), key, options={"range": (0, length)}).bytes())
         except (StoreError, *_read_errors()):
             return None
+
     return list(pool().map(head, names))
 
 
@@ -540,15 +597,16 @@ def list_beside(name: str, suffix: str, most: int) -> list[str]:
     """The objects beside ``name`` (same prefix up to its last '/') whose keys end in
     ``suffix``, sorted, at most ``most``."""
     import obstore
+
     bucket, key = split(name)
-    prefix = key[:key.rfind("/") + 1]
+    prefix = key[: key.rfind("/") + 1]
     found: list[str] = []
     listed = 0
-    try:                  # listed LIST_PAGE keys at a time, ``most`` at most (deeper keys counted too)
+    try:  # listed LIST_PAGE keys at a time, ``most`` at most (deeper keys counted too)
         for page in obstore.list(reader(bucket), prefix=prefix.rstrip("/") or None, chunk_size=LIST_PAGE):
             keys = [item["path"] for item in page]
             listed += len(keys)
-            found.extend(k for k in keys if k.endswith(suffix) and "/" not in k[len(prefix):])
+            found.extend(k for k in keys if k.endswith(suffix) and "/" not in k[len(prefix) :])
             if listed >= most:
                 break
     except _read_errors() as exc:
@@ -604,8 +662,9 @@ class S3Upload(io.RawIOBase):
 
     def _upload_part(self, number: int, data: bytes) -> dict:
         try:
-            response = client().upload_part(Bucket=self.bucket, Key=self.key, UploadId=self._upload_id,
-                                            PartNumber=number, Body=data)
+            response = client().upload_part(
+                Bucket=self.bucket, Key=self.key, UploadId=self._upload_id, PartNumber=number, Body=data
+            )
         except _boto_errors() as exc:
             raise failure(exc, self.name, f"cannot upload part {number}") from None
         return {"PartNumber": number, "ETag": response["ETag"]}
@@ -619,8 +678,9 @@ class S3Upload(io.RawIOBase):
                 if self._buffer:
                     self._send(bytes(self._buffer))
                 parts = [part.result() for part in self._parts]
-                client().complete_multipart_upload(Bucket=self.bucket, Key=self.key, UploadId=self._upload_id,
-                                                   MultipartUpload={"Parts": parts})
+                client().complete_multipart_upload(
+                    Bucket=self.bucket, Key=self.key, UploadId=self._upload_id, MultipartUpload={"Parts": parts}
+                )
         except _boto_errors() as exc:
             self.discard()
             raise failure(exc, self.name, "cannot complete the upload") from None
@@ -647,7 +707,7 @@ class S3Upload(io.RawIOBase):
             try:
                 client().abort_multipart_upload(Bucket=self.bucket, Key=self.key, UploadId=upload_id)
             except _boto_errors():
-                pass                     # `leanimg uploads --abort` finds it
+                pass  # `leanimg uploads --abort` finds it
         super().close()
 
 
@@ -660,12 +720,18 @@ def _abort_leftover_uploads() -> None:
 def incomplete_uploads(prefix_name: str) -> list[dict]:
     """The multipart uploads under ``s3://BUCKET[/PREFIX]`` never completed nor aborted
     (a writer killed with SIGKILL leaves one): key, upload id, when it began."""
-    bucket, _, prefix = prefix_name[len(SCHEME):].partition("/")
+    bucket, _, prefix = prefix_name[len(SCHEME) :].partition("/")
     found = []
     try:
         for page in client().get_paginator("list_multipart_uploads").paginate(Bucket=bucket, Prefix=prefix):
-            found.extend({"location": join(bucket, u["Key"]), "upload_id": u["UploadId"],
-                          "initiated": u["Initiated"].isoformat()} for u in page.get("Uploads", ()))
+            found.extend(
+                {
+                    "location": join(bucket, u["Key"]),
+                    "upload_id": u["UploadId"],
+                    "initiated": u["Initiated"].isoformat(),
+                }
+                for u in page.get("Uploads", ())
+            )
     except _boto_errors() as exc:
         raise failure(exc, prefix_name, "cannot list the uploads") from None
     return found

@@ -17,7 +17,7 @@ from .format import HEADER, RecordType
 from .locations import display, open_image
 from .structures import ImageFile, dump_record, parse_body, read_footer, read_header, scan_records
 
-DUMP_FORMAT = 1          # version of the JSON layout (lean-image/schemas/dump.schema.json)
+DUMP_FORMAT = 1  # version of the JSON layout (lean-image/schemas/dump.schema.json)
 PAYLOAD_INLINE = 64
 PAYLOAD_HEAD = 16
 
@@ -57,8 +57,11 @@ def write_dump(path, out, payloads: bool = False) -> int:
             raise
         for _ in _records(image, header, footer, path):
             pass
-        head = dict(dump_format=DUMP_FORMAT, image=display(path),
-                    header=plain(dict(header.fields(), extension=bytes(header.raw[HEADER.size:])), payloads))
+        head = dict(
+            dump_format=DUMP_FORMAT,
+            image=display(path),
+            header=plain(dict(header.fields(), extension=bytes(header.raw[HEADER.size :])), payloads),
+        )
         text = json.dumps(head, indent=2)
         out.write(text[:-2] + ',\n  "records": [')
         count = 0

@@ -15,14 +15,47 @@ import xxhash
 from .compression import FrameError, declared_size
 from .errors import FormatError, LeanImageError, LimitError, TruncatedError
 from .format import (
-    BODY_OF, DELTA_FRAME_BODY, DIGEST_SIZE, DIGESTS_BODY, DISK_REF, DISK_REFS_BODY,
-    DISK_SECTOR_SIZE, EXTENT, FINGERPRINT_SAMPLED_XXH3, FOOTER, FOOTER_MAGIC, FORMAT_MAJOR,
-    FORMAT_MINOR, FRAME_PAGES_MAX_BYTES, HEADER, HEADER_LENGTH_MAX, HEADER_MAGIC, INDEX_BODY, INDEX_ENTRY, KNOWN_INCOMPAT,
-    PAGE_FRAME_BODY, PAGE_MAP_BODY, PAGE_SIZE_MAX, PAGE_SIZE_MIN, RECORD, RECORD_BODY_MAX,
-    RECORD_OPTIONAL_BIT, RECORD_TRAILER, REGION_FLAG_HAS_GPA,
-    REGION_SIZE_MAX, HAS_SLOT, IS_PAGE_CLASS, PRIVATE_SOURCE_FORMATS, SOURCE_STATE_BODY, IncompatFeature,
-    RecordType, SourceFormat,
-    align8, checksum64, record_size, valid_page_size,
+    BODY_OF,
+    DELTA_FRAME_BODY,
+    DIGEST_SIZE,
+    DIGESTS_BODY,
+    DISK_REF,
+    DISK_REFS_BODY,
+    DISK_SECTOR_SIZE,
+    EXTENT,
+    FINGERPRINT_SAMPLED_XXH3,
+    FOOTER,
+    FOOTER_MAGIC,
+    FORMAT_MAJOR,
+    FORMAT_MINOR,
+    FRAME_PAGES_MAX_BYTES,
+    HEADER,
+    HEADER_LENGTH_MAX,
+    HEADER_MAGIC,
+    INDEX_BODY,
+    INDEX_ENTRY,
+    KNOWN_INCOMPAT,
+    PAGE_FRAME_BODY,
+    PAGE_MAP_BODY,
+    PAGE_SIZE_MAX,
+    PAGE_SIZE_MIN,
+    RECORD,
+    RECORD_BODY_MAX,
+    RECORD_OPTIONAL_BIT,
+    RECORD_TRAILER,
+    REGION_FLAG_HAS_GPA,
+    REGION_SIZE_MAX,
+    HAS_SLOT,
+    IS_PAGE_CLASS,
+    PRIVATE_SOURCE_FORMATS,
+    SOURCE_STATE_BODY,
+    IncompatFeature,
+    RecordType,
+    SourceFormat,
+    align8,
+    checksum64,
+    record_size,
+    valid_page_size,
 )
 from .rules import implements
 
@@ -67,16 +100,18 @@ class ImageFile:
         ``view``: of a file held whole, a memoryview of its bytes rather than a copy (for a
         caller that copies what it keeps)."""
         if offset < 0 or length < 0 or offset + length > self.size:
-            raise TruncatedError(f"expected {length} bytes, file ends at {self.size:#x}",
-                                 offset=offset, structure=_named(structure))
+            raise TruncatedError(
+                f"expected {length} bytes, file ends at {self.size:#x}", offset=offset, structure=_named(structure)
+            )
         whole = self._whole
         if whole is not None:
-            data = memoryview(whole)[offset:offset + length] if view else whole[offset:offset + length]
+            data = memoryview(whole)[offset : offset + length] if view else whole[offset : offset + length]
         else:
             data = self.pread(length, offset)
         if len(data) != length:
-            raise TruncatedError(f"expected {length} bytes, got {len(data)}", offset=offset,
-                                 structure=_named(structure))
+            raise TruncatedError(
+                f"expected {length} bytes, got {len(data)}", offset=offset, structure=_named(structure)
+            )
         return data
 
 
@@ -93,7 +128,7 @@ class Header:
     """The header's fields (named as HEADER declares them) and its raw bytes."""
 
     def __init__(self, raw: bytes):
-        self.__dict__.update(zip(_HEADER_FIELDS, HEADER.struct.unpack_from(raw)))     # (a deep chain makes many)
+        self.__dict__.update(zip(_HEADER_FIELDS, HEADER.struct.unpack_from(raw)))  # (a deep chain makes many)
         self.raw = raw
 
     @property
@@ -113,22 +148,33 @@ def read_header(image: ImageFile) -> Header:
     """Read and check the fixed part; raise on what makes the rest unreadable."""
     raw = image.read_exact(0, min(HEADER.size, image.size), "header")
     if len(raw) < len(HEADER_MAGIC):
-        raise _header_error("magic", f"expected magic {HEADER_MAGIC.hex(' ')}, the file has only {len(raw)} "
-                            "bytes", "LI-HDR-001", TruncatedError)
-    if raw[:len(HEADER_MAGIC)] != HEADER_MAGIC:
-        raise _header_error("magic", f"expected magic {HEADER_MAGIC.hex(' ')}, got {raw[:8].hex(' ')}",
-                            "LI-HDR-001")
+        raise _header_error(
+            "magic",
+            f"expected magic {HEADER_MAGIC.hex(' ')}, the file has only {len(raw)} bytes",
+            "LI-HDR-001",
+            TruncatedError,
+        )
+    if raw[: len(HEADER_MAGIC)] != HEADER_MAGIC:
+        raise _header_error("magic", f"expected magic {HEADER_MAGIC.hex(' ')}, got {raw[:8].hex(' ')}", "LI-HDR-001")
     if len(raw) < HEADER.size:
-        raise TruncatedError(f"expected a {HEADER.size}-byte header, file has {len(raw)} bytes",
-                             offset=0, structure="header", rule="LI-HDR-003")
+        raise TruncatedError(
+            f"expected a {HEADER.size}-byte header, file has {len(raw)} bytes",
+            offset=0,
+            structure="header",
+            rule="LI-HDR-003",
+        )
     header = Header(raw)
     if header.major_version != FORMAT_MAJOR:
-        raise _header_error("major_version", f"expected major_version {FORMAT_MAJOR}, got "
-                            f"{header.major_version}", "LI-HDR-002")
+        raise _header_error(
+            "major_version", f"expected major_version {FORMAT_MAJOR}, got {header.major_version}", "LI-HDR-002"
+        )
     length = header.header_length
     if length % 8 or not HEADER.size <= length <= HEADER_LENGTH_MAX:
-        raise _header_error("header_length", f"expected header_length a multiple of 8 in {HEADER.size}.."
-                            f"{HEADER_LENGTH_MAX}, got {length}", "LI-HDR-003")
+        raise _header_error(
+            "header_length",
+            f"expected header_length a multiple of 8 in {HEADER.size}..{HEADER_LENGTH_MAX}, got {length}",
+            "LI-HDR-003",
+        )
     header.raw = image.read_exact(0, length, "header")
     return header
 
@@ -136,33 +182,45 @@ def read_header(image: ImageFile) -> Header:
 def header_checksum(raw: bytes) -> int:
     """xxh3-64 of the header with its checksum field zeroed (spec §3.6)."""
     at = HEADER.offset("header_checksum")
-    return checksum64(bytes(raw[:at]) + bytes(8) + bytes(raw[at + 8:]))
+    return checksum64(bytes(raw[:at]) + bytes(8) + bytes(raw[at + 8 :]))
 
 
 @implements("LI-HDR-004", "LI-HDR-005", "LI-HDR-006", "LI-HDR-007", "LI-HDR-008", "LI-HDR-010")
 def header_problems(header: Header) -> Iterator[FormatError]:
     computed = header_checksum(header.raw)
     if computed != header.header_checksum:
-        yield _header_error("header_checksum", f"expected header_checksum {computed:#018x}, got "
-                            f"{header.header_checksum:#018x}", "LI-HDR-004")
+        yield _header_error(
+            "header_checksum",
+            f"expected header_checksum {computed:#018x}, got {header.header_checksum:#018x}",
+            "LI-HDR-004",
+        )
     unknown = header.incompatible_features & ~KNOWN_INCOMPAT
     if unknown:
-        yield _header_error("incompatible_features", f"unknown incompatible feature bits {unknown:#x}",
-                            "LI-HDR-005")
+        yield _header_error("incompatible_features", f"unknown incompatible feature bits {unknown:#x}", "LI-HDR-005")
     if not valid_page_size(header.page_size):
-        yield _header_error("page_size", f"expected page_size a power of two in {PAGE_SIZE_MIN}.."
-                            f"{PAGE_SIZE_MAX}, got {header.page_size}", "LI-HDR-006")
-    if header.reserved or (header.minor_version <= FORMAT_MINOR and any(header.raw[HEADER.size:])):
+        yield _header_error(
+            "page_size",
+            f"expected page_size a power of two in {PAGE_SIZE_MIN}..{PAGE_SIZE_MAX}, got {header.page_size}",
+            "LI-HDR-006",
+        )
+    if header.reserved or (header.minor_version <= FORMAT_MINOR and any(header.raw[HEADER.size :])):
         yield _header_error("reserved", "expected reserved header bytes zero", "LI-HDR-007")
     has_uuid, has_digest = header.parent_uuid != bytes(16), header.parent_digest != bytes(16)
     has_bit = bool(header.incompatible_features & IncompatFeature.PARENT)
     if not has_uuid == has_digest == has_bit:
-        yield _header_error("parent_uuid", f"parent_uuid {'set' if has_uuid else 'zero'}, parent_digest "
-                            f"{'set' if has_digest else 'zero'}, PARENT bit {'set' if has_bit else 'clear'}: "
-                            "expected all three to agree", "LI-HDR-008")
+        yield _header_error(
+            "parent_uuid",
+            f"parent_uuid {'set' if has_uuid else 'zero'}, parent_digest "
+            f"{'set' if has_digest else 'zero'}, PARENT bit {'set' if has_bit else 'clear'}: "
+            "expected all three to agree",
+            "LI-HDR-008",
+        )
     if header.incompatible_features & IncompatFeature.INHERITED_DIGESTS and not has_bit:
-        yield _header_error("incompatible_features", "INHERITED_DIGESTS bit set without the PARENT bit: an "
-                            "image without a parent has no digests to inherit", "LI-HDR-010")
+        yield _header_error(
+            "incompatible_features",
+            "INHERITED_DIGESTS bit set without the PARENT bit: an image without a parent has no digests to inherit",
+            "LI-HDR-010",
+        )
 
 
 # --- footer --------------------------------------------------------------------
@@ -178,7 +236,7 @@ class Footer:
 
 
 def footer_checksum(raw: bytes) -> int:
-    return checksum64(bytes(raw[:FOOTER.offset("footer_checksum")]))
+    return checksum64(bytes(raw[: FOOTER.offset("footer_checksum")]))
 
 
 @implements("LI-FTR-001", "LI-FTR-002", "LI-FTR-003")
@@ -189,18 +247,28 @@ def read_footer(image: ImageFile, header_length: int) -> Footer:
         return error(message, offset=offset + FOOTER.offset(field), structure=f"footer.{field}", rule=rule)
 
     if offset < header_length:
-        raise TruncatedError(f"expected a {FOOTER.size}-byte footer after the header, file has "
-                             f"{image.size} bytes (incomplete image)", offset=max(offset, 0),
-                             structure="footer", rule="LI-FTR-001")
+        raise TruncatedError(
+            f"expected a {FOOTER.size}-byte footer after the header, file has {image.size} bytes (incomplete image)",
+            offset=max(offset, 0),
+            structure="footer",
+            rule="LI-FTR-001",
+        )
     raw = image.read_exact(offset, FOOTER.size, "footer")
     footer = Footer(raw, offset)
     if footer.magic != FOOTER_MAGIC:
-        raise fail("magic", f"expected footer magic {FOOTER_MAGIC.hex(' ')}, got {footer.magic.hex(' ')} "
-                   "(incomplete or truncated image)", "LI-FTR-001")
+        raise fail(
+            "magic",
+            f"expected footer magic {FOOTER_MAGIC.hex(' ')}, got {footer.magic.hex(' ')} "
+            "(incomplete or truncated image)",
+            "LI-FTR-001",
+        )
     computed = footer_checksum(raw)
     if computed != footer.footer_checksum:
-        raise fail("footer_checksum", f"expected footer_checksum {computed:#018x}, got "
-                   f"{footer.footer_checksum:#018x}", "LI-FTR-002")
+        raise fail(
+            "footer_checksum",
+            f"expected footer_checksum {computed:#018x}, got {footer.footer_checksum:#018x}",
+            "LI-FTR-002",
+        )
     if footer.file_length != image.size:
         raise fail("file_length", f"expected file_length {image.size}, got {footer.file_length}", "LI-FTR-003")
     for problem in index_location_problems(footer, header_length):
@@ -221,29 +289,46 @@ def image_digest_problems(image: ImageFile, footer: Footer) -> Iterator[FormatEr
         hasher.update(chunk)
         remaining -= len(chunk)
     if hasher.digest() != footer.image_digest:
-        yield FormatError(f"expected image_digest {hasher.digest().hex()}, got {footer.image_digest.hex()}",
-                          offset=footer.offset + FOOTER.offset("image_digest"), structure="footer.image_digest",
-                          rule="LI-FTR-004")
+        yield FormatError(
+            f"expected image_digest {hasher.digest().hex()}, got {footer.image_digest.hex()}",
+            offset=footer.offset + FOOTER.offset("image_digest"),
+            structure="footer.image_digest",
+            rule="LI-FTR-004",
+        )
 
 
 @implements("LI-FTR-005")
-def index_location_problems(footer: Footer, header_length: int, index: Record | None = None,
-                            scanned_index: Record | None = None) -> Iterator[FormatError]:
+def index_location_problems(
+    footer: Footer, header_length: int, index: Record | None = None, scanned_index: Record | None = None
+) -> Iterator[FormatError]:
     """index_offset is an aligned offset between header and footer; with ``index`` (the record
     read there) it is the INDEX record ending at the footer; with ``scanned_index`` (the INDEX
     a sequential scan found) it is that one."""
     field_offset = footer.offset + FOOTER.offset("index_offset")
     where = "footer.index_offset"
     if not header_length <= footer.index_offset < footer.offset or footer.index_offset % 8:
-        yield FormatError(f"expected index_offset an aligned offset in {header_length:#x}..{footer.offset:#x}, "
-                          f"got {footer.index_offset:#x}", offset=field_offset, structure=where, rule="LI-FTR-005")
+        yield FormatError(
+            f"expected index_offset an aligned offset in {header_length:#x}..{footer.offset:#x}, "
+            f"got {footer.index_offset:#x}",
+            offset=field_offset,
+            structure=where,
+            rule="LI-FTR-005",
+        )
     elif index is not None and (index.record_type != RecordType.INDEX or index.end != footer.offset):
-        yield FormatError(f"expected the INDEX record ending at the footer {footer.offset:#x}, got "
-                          f"{index.name} ending at {index.end:#x}", offset=footer.index_offset,
-                          structure=where, rule="LI-FTR-005")
+        yield FormatError(
+            f"expected the INDEX record ending at the footer {footer.offset:#x}, got "
+            f"{index.name} ending at {index.end:#x}",
+            offset=footer.index_offset,
+            structure=where,
+            rule="LI-FTR-005",
+        )
     elif scanned_index is not None and scanned_index.offset != footer.index_offset:
-        yield FormatError(f"expected index_offset {scanned_index.offset:#x}, got {footer.index_offset:#x}",
-                          offset=field_offset, structure=where, rule="LI-FTR-005")
+        yield FormatError(
+            f"expected index_offset {scanned_index.offset:#x}, got {footer.index_offset:#x}",
+            offset=field_offset,
+            structure=where,
+            rule="LI-FTR-005",
+        )
 
 
 # --- records -------------------------------------------------------------------
@@ -255,7 +340,7 @@ class Record:
     body_length: int
     record_checksum: int
     body: memoryview
-    index: int | None = None                  # position in file order, for structure paths
+    index: int | None = None  # position in file order, for structure paths
     parsed: dict | None = None
 
     @property
@@ -290,8 +375,9 @@ def record_type_name(record_type: int) -> str:
         return f"type_{record_type:#010x}"
 
 
-def record_path(index: int | None, record: Record | None = None, field: str = "", *,
-                record_type: int | None = None) -> str:
+def record_path(
+    index: int | None, record: Record | None = None, field: str = "", *, record_type: int | None = None
+) -> str:
     """``record[3].page_map.extents``: position, type (of ``record`` or ``record_type``), field."""
     kind = record.record_type if record is not None else record_type
     name = record_type_name(kind) if kind is not None else "record"
@@ -304,15 +390,19 @@ def read_record_header(image: ImageFile, offset: int, limit: int, index: int | N
     head = RECORD.unpack(image.read_exact(offset, RECORD.size, lambda: record_path(index)))
     end = offset + record_size(head.body_length)
     if end > limit:
-        raise TruncatedError(f"record of {end - offset} bytes runs past {limit:#x}",
-                             offset=offset + RECORD.offset("body_length"),
-                             structure=record_path(index, record_type=head.record_type) + ".body_length",
-                             rule="LI-REC-002")
+        raise TruncatedError(
+            f"record of {end - offset} bytes runs past {limit:#x}",
+            offset=offset + RECORD.offset("body_length"),
+            structure=record_path(index, record_type=head.record_type) + ".body_length",
+            rule="LI-REC-002",
+        )
     if head.body_length > RECORD_BODY_MAX:
-        raise LimitError(f"body_length {head.body_length} exceeds this reader's limit {RECORD_BODY_MAX} "
-                         "(spec §9.2): the image may be valid but is not readable here",
-                         offset=offset + RECORD.offset("body_length"),
-                         structure=record_path(index, record_type=head.record_type) + ".body_length")
+        raise LimitError(
+            f"body_length {head.body_length} exceeds this reader's limit {RECORD_BODY_MAX} "
+            "(spec §9.2): the image may be valid but is not readable here",
+            offset=offset + RECORD.offset("body_length"),
+            structure=record_path(index, record_type=head.record_type) + ".body_length",
+        )
     return head.record_type, head.flags, head.body_length
 
 
@@ -323,19 +413,27 @@ def read_record(image: ImageFile, offset: int, limit: int, index: int | None = N
     raw = image.read_exact(offset, record_size(body_length), lambda: record_path(index))
     trailer_at = len(raw) - RECORD_TRAILER.size
     (stored,) = RECORD_TRAILER.unpack_from(raw, trailer_at)
-    body = memoryview(raw)[RECORD.size:RECORD.size + body_length]      # a view: frame bodies are large
+    body = memoryview(raw)[RECORD.size : RECORD.size + body_length]  # a view: frame bodies are large
     record = Record(offset, record_type, flags, body_length, stored, body, index)
     computed = checksum64(memoryview(raw)[:trailer_at])
     if computed != stored:
-        raise FormatError(f"expected record_checksum {computed:#018x}, got {stored:#018x}",
-                          offset=offset + trailer_at, structure=record.path("record_checksum"),
-                          rule="LI-REC-003")
-    for problem in padding_problems(raw[RECORD.size + body_length:trailer_at], offset + RECORD.size + body_length,
-                                    lambda: record.path("padding")):
+        raise FormatError(
+            f"expected record_checksum {computed:#018x}, got {stored:#018x}",
+            offset=offset + trailer_at,
+            structure=record.path("record_checksum"),
+            rule="LI-REC-003",
+        )
+    for problem in padding_problems(
+        raw[RECORD.size + body_length : trailer_at], offset + RECORD.size + body_length, lambda: record.path("padding")
+    ):
         raise problem
     if flags:
-        raise FormatError(f"expected flags 0, got {flags:#x}", offset=offset + RECORD.offset("flags"),
-                          structure=record.path("flags"), rule="LI-REC-005")
+        raise FormatError(
+            f"expected flags 0, got {flags:#x}",
+            offset=offset + RECORD.offset("flags"),
+            structure=record.path("flags"),
+            rule="LI-REC-005",
+        )
     return record
 
 
@@ -356,17 +454,25 @@ def scan_records(image: ImageFile, start: int, limit: int, listed=()) -> Iterato
     listed = sorted(listed)
     while offset < limit:
         if limit - offset < RECORD.size + RECORD_TRAILER.size:
-            yield FormatError(f"{limit - offset} bytes before {limit:#x} cannot hold a record",
-                              offset=offset, structure=record_path(i), rule="LI-REC-001")
+            yield FormatError(
+                f"{limit - offset} bytes before {limit:#x} cannot hold a record",
+                offset=offset,
+                structure=record_path(i),
+                rule="LI-REC-001",
+            )
             return
         try:
             record = read_record(image, offset, limit, i)
         except LeanImageError as exc:
             following = [o for o in listed if o > offset]
             if listed and offset not in listed and following:
-                yield FormatError(f"bytes {offset:#x}..{following[0]:#x} belong to no record: the index "
-                                  f"lists the next record at {following[0]:#x}", offset=offset,
-                                  structure=record_path(i), rule="LI-REC-001")
+                yield FormatError(
+                    f"bytes {offset:#x}..{following[0]:#x} belong to no record: the index "
+                    f"lists the next record at {following[0]:#x}",
+                    offset=offset,
+                    structure=record_path(i),
+                    rule="LI-REC-001",
+                )
                 offset = following[0]
                 continue
             yield exc
@@ -390,8 +496,9 @@ class _Body:
         self.base = record.body_offset
 
     def fail(self, rule: str, message: str, at: int = 0, field: str = "") -> FormatError:
-        return FormatError(message, offset=self.base + at, rule=rule,
-                           structure=record_path(self.index, self.record, field))
+        return FormatError(
+            message, offset=self.base + at, rule=rule, structure=record_path(self.index, self.record, field)
+        )
 
     def fail_at(self, rule: str, message: str, field: str) -> FormatError:
         """An error about a head field of the body, at that field's offset."""
@@ -404,7 +511,7 @@ class _Body:
     def name(self, values: dict) -> str:
         """The name (checked by the region and disk table rules, checks.py), decoded leniently."""
         start = self.structure.size
-        return bytes(self.record.body[start:start + values["name_length"]]).decode("utf-8", "replace")
+        return bytes(self.record.body[start : start + values["name_length"]]).decode("utf-8", "replace")
 
 
 def _first(problems) -> None:
@@ -418,26 +525,41 @@ def body_length_problems(record: Record, head: dict | None) -> Iterator[FormatEr
     body is shorter than the structure's fixed part."""
     structure = BODY_OF[record.record_type]
     if head is None:
-        yield record.error("LI-REC-007", f"expected a body of at least {structure.size} bytes, "
-                           f"got {record.body_length}", 0, "body_length")
+        yield record.error(
+            "LI-REC-007",
+            f"expected a body of at least {structure.size} bytes, got {record.body_length}",
+            0,
+            "body_length",
+        )
         return
     kind = record.record_type
     if kind == RecordType.DELTA_FRAME:
         needed = align8(DELTA_FRAME_BODY.size + 4 * (head["num_deltas"] + 1))
         if record.body_length < needed:
-            yield record.error("LI-REC-007", f"expected {head['num_deltas'] + 1} entry offsets, body has "
-                               f"{record.body_length} bytes", structure.offset("num_deltas"), "num_deltas")
+            yield record.error(
+                "LI-REC-007",
+                f"expected {head['num_deltas'] + 1} entry offsets, body has {record.body_length} bytes",
+                structure.offset("num_deltas"),
+                "num_deltas",
+            )
         return
     exact = _exact_body_length(kind, head)
     if exact is not None and record.body_length != exact:
-        yield record.error("LI-REC-007", f"expected body_length {exact}, got {record.body_length}",
-                           RECORD.offset("body_length") - RECORD.size, "body_length")
+        yield record.error(
+            "LI-REC-007",
+            f"expected body_length {exact}, got {record.body_length}",
+            RECORD.offset("body_length") - RECORD.size,
+            "body_length",
+        )
     elif kind == RecordType.DISK_REFS and head["num_refs"] == 0:
         yield record.error("LI-REC-007", "expected num_refs >= 1, got 0", structure.offset("num_refs"), "num_refs")
     elif kind == RecordType.DIGESTS and (head["num_pages"] == 0 or head["num_digests"] > head["num_pages"]):
-        yield record.error("LI-REC-007", f"expected num_pages >= 1 and num_digests <= num_pages, got "
-                           f"{head['num_pages']} and {head['num_digests']}", structure.offset("num_pages"),
-                           "num_pages")
+        yield record.error(
+            "LI-REC-007",
+            f"expected num_pages >= 1 and num_digests <= num_pages, got {head['num_pages']} and {head['num_digests']}",
+            structure.offset("num_pages"),
+            "num_pages",
+        )
 
 
 def _exact_body_length(kind: int, head: dict) -> int | None:
@@ -464,13 +586,19 @@ def reserved_problems(structure, values, at: int | None, path: str) -> Iterator[
             bad = np.flatnonzero(column)
             if len(bad):
                 k = int(bad[0])
-                yield FormatError(f"expected {field} of element {k} 0, got {int(column[k]):#x}",
-                                  offset=at + structure.size * k + structure.offset(field),
-                                  structure=f"{path}[{k}].{field}", rule="LI-REC-008")
+                yield FormatError(
+                    f"expected {field} of element {k} 0, got {int(column[k]):#x}",
+                    offset=at + structure.size * k + structure.offset(field),
+                    structure=f"{path}[{k}].{field}",
+                    rule="LI-REC-008",
+                )
         elif column:
-            yield FormatError(f"expected {field} 0, got {column:#x}",
-                              offset=None if at is None else at + structure.offset(field),
-                              structure=f"{path}.{field}" if path else field, rule="LI-REC-008")
+            yield FormatError(
+                f"expected {field} 0, got {column:#x}",
+                offset=None if at is None else at + structure.offset(field),
+                structure=f"{path}.{field}" if path else field,
+                rule="LI-REC-008",
+            )
 
 
 def _parse_region(b: _Body, p: dict) -> dict:
@@ -484,20 +612,21 @@ def _parse_disk(b: _Body, p: dict) -> dict:
 
 
 def _parse_source_state(b: _Body, p: dict) -> dict:
-    p["data"] = b.record.body[SOURCE_STATE_BODY.size:]
+    p["data"] = b.record.body[SOURCE_STATE_BODY.size :]
     return p
 
 
 def _parse_page_frame(b: _Body, p: dict) -> dict:
-    p["frame"] = b.record.body[PAGE_FRAME_BODY.size:]
+    p["frame"] = b.record.body[PAGE_FRAME_BODY.size :]
     return p
 
 
 def _parse_delta_frame(b: _Body, p: dict) -> dict:
     table_end = DELTA_FRAME_BODY.size + 4 * (p["num_deltas"] + 1)
     frame_start = align8(table_end)
-    p["entry_offsets"] = np.frombuffer(b.record.body, dtype="<u4", count=p["num_deltas"] + 1,
-                                       offset=DELTA_FRAME_BODY.size)
+    p["entry_offsets"] = np.frombuffer(
+        b.record.body, dtype="<u4", count=p["num_deltas"] + 1, offset=DELTA_FRAME_BODY.size
+    )
     p["padding"] = bytes(b.record.body[table_end:frame_start])
     _first(padding_problems(p["padding"], b.base + table_end, b.record.path("padding")))
     p["frame"] = b.record.body[frame_start:]
@@ -517,8 +646,7 @@ def _parse_page_map(b: _Body, p: dict) -> dict:
 
 
 def _parse_digests(b: _Body, p: dict) -> dict:
-    p["digests"] = np.frombuffer(b.record.body, dtype=np.uint8,
-                                 offset=DIGESTS_BODY.size).reshape(-1, DIGEST_SIZE)
+    p["digests"] = np.frombuffer(b.record.body, dtype=np.uint8, offset=DIGESTS_BODY.size).reshape(-1, DIGEST_SIZE)
     return p
 
 
@@ -550,8 +678,12 @@ def parse_body(record: Record, index: int | None = None) -> dict:
         if record.record_type & RECORD_OPTIONAL_BIT:
             record.parsed = {}
             return record.parsed
-        raise FormatError(f"unknown mandatory record type {record.record_type:#010x}",
-                          offset=record.offset, structure=record.path("record_type"), rule="LI-REC-006")
+        raise FormatError(
+            f"unknown mandatory record type {record.record_type:#010x}",
+            offset=record.offset,
+            structure=record.path("record_type"),
+            rule="LI-REC-006",
+        )
     b = _Body(record, record.index)
     structure = b.structure
     head = structure.unpack(record.body)._asdict() if record.body_length >= structure.size else None
@@ -580,44 +712,63 @@ def body_problems(record: Record, index: int | None, page_size: int) -> Iterator
 def _region_values(p: dict, b: _Body, page_size: int) -> Iterator[FormatError]:
     has_gpa = p["flags"] & REGION_FLAG_HAS_GPA
     if p["flags"] & ~REGION_FLAG_HAS_GPA or (not has_gpa and p["guest_phys_base"]):
-        yield b.fail_at("LI-REG-003", f"flags {p['flags']:#x} with guest_phys_base {p['guest_phys_base']:#x}",
-                        "flags")
+        yield b.fail_at("LI-REG-003", f"flags {p['flags']:#x} with guest_phys_base {p['guest_phys_base']:#x}", "flags")
     size = p["size_bytes"]
     if size == 0 or size % page_size or size > REGION_SIZE_MAX:
-        yield b.fail_at("LI-REG-002", f"expected size_bytes a non-zero multiple of {page_size} "
-                        f"at most 2^48, got {size}", "size_bytes")
+        yield b.fail_at(
+            "LI-REG-002",
+            f"expected size_bytes a non-zero multiple of {page_size} at most 2^48, got {size}",
+            "size_bytes",
+        )
 
 
 @implements("LI-DSK-002")
 def _disk_values(p: dict, b: _Body, page_size: int) -> Iterator[FormatError]:
-    if p["sector_size"] != DISK_SECTOR_SIZE or p["fingerprint_method"] != FINGERPRINT_SAMPLED_XXH3 \
-            or p["size_bytes"] == 0:
-        yield b.fail_at("LI-DSK-002", f"expected sector_size 512, fingerprint_method 1, size > 0; got "
-                        f"{p['sector_size']}, {p['fingerprint_method']}, {p['size_bytes']}", "size_bytes")
+    if (
+        p["sector_size"] != DISK_SECTOR_SIZE
+        or p["fingerprint_method"] != FINGERPRINT_SAMPLED_XXH3
+        or p["size_bytes"] == 0
+    ):
+        yield b.fail_at(
+            "LI-DSK-002",
+            f"expected sector_size 512, fingerprint_method 1, size > 0; got "
+            f"{p['sector_size']}, {p['fingerprint_method']}, {p['size_bytes']}",
+            "size_bytes",
+        )
 
 
 @implements("LI-SRC-002")
 def _source_state_values(p: dict, b: _Body, page_size: int) -> Iterator[FormatError]:
     if p["source_format"] not in {int(s) for s in SourceFormat} and p["source_format"] < PRIVATE_SOURCE_FORMATS:
-        yield b.fail_at("LI-SRC-002", f"expected source_format 1, 2 or at least {PRIVATE_SOURCE_FORMATS:#x} "
-                        f"(private use), got {p['source_format']:#x}",
-                        "source_format")
+        yield b.fail_at(
+            "LI-SRC-002",
+            f"expected source_format 1, 2 or at least {PRIVATE_SOURCE_FORMATS:#x} "
+            f"(private use), got {p['source_format']:#x}",
+            "source_format",
+        )
 
 
 @implements("LI-FRM-004")
-def frame_size_problems(record_type: int, amount: int, page_size: int, offset: int,
-                        path: str) -> Iterator[FormatError]:
+def frame_size_problems(record_type: int, amount: int, page_size: int, offset: int, path: str) -> Iterator[FormatError]:
     """A PAGE_FRAME holds 1 page or more and at most 16 MiB of them (``amount``: num_pages);
     a DELTA_FRAME at most 16 MiB of entries (``amount``: their bytes). ``offset``: the
     record's body."""
     if record_type == RecordType.PAGE_FRAME:
         most = FRAME_PAGES_MAX_BYTES // page_size
         if not 1 <= amount <= most:
-            yield FormatError(f"expected 1..{most} pages, got {amount}", rule="LI-FRM-004",
-                              offset=offset + PAGE_FRAME_BODY.offset("num_pages"), structure=f"{path}.num_pages")
+            yield FormatError(
+                f"expected 1..{most} pages, got {amount}",
+                rule="LI-FRM-004",
+                offset=offset + PAGE_FRAME_BODY.offset("num_pages"),
+                structure=f"{path}.num_pages",
+            )
     elif amount > FRAME_PAGES_MAX_BYTES:
-        yield FormatError(f"entries of {amount} bytes exceed {FRAME_PAGES_MAX_BYTES} bytes", rule="LI-FRM-004",
-                          offset=offset + DELTA_FRAME_BODY.size, structure=f"{path}.entry_offsets")
+        yield FormatError(
+            f"entries of {amount} bytes exceed {FRAME_PAGES_MAX_BYTES} bytes",
+            rule="LI-FRM-004",
+            offset=offset + DELTA_FRAME_BODY.size,
+            structure=f"{path}.entry_offsets",
+        )
 
 
 def _page_frame_values(p: dict, b: _Body, page_size: int) -> Iterator[FormatError]:
@@ -629,22 +780,31 @@ def _delta_offsets(p: dict, b: _Body, page_size: int) -> Iterator[FormatError]:
     """entry_offsets start at 0, never decrease and end at the size the zstd frame declares."""
     offsets = p["entry_offsets"].astype(np.int64)
     if p["num_deltas"] == 0 or offsets[0] != 0 or (np.diff(offsets) < 0).any():
-        yield b.fail("LI-DLT-001", "expected entry_offsets from 0, never decreasing, and num_deltas >= 1",
-                     DELTA_FRAME_BODY.size, "entry_offsets")
+        yield b.fail(
+            "LI-DLT-001",
+            "expected entry_offsets from 0, never decreasing, and num_deltas >= 1",
+            DELTA_FRAME_BODY.size,
+            "entry_offsets",
+        )
         return
     try:
         declared = declared_size(p["frame"])
     except FrameError:
-        return                                  # not a zstd frame: LI-FRM-002 when it is read
+        return  # not a zstd frame: LI-FRM-002 when it is read
     if declared is not None and declared != int(offsets[-1]):
-        yield b.fail("LI-DLT-001", f"last entry offset {int(offsets[-1])}, zstd frame declares {declared} bytes",
-                     DELTA_FRAME_BODY.size + 4 * (len(offsets) - 1), "entry_offsets")
+        yield b.fail(
+            "LI-DLT-001",
+            f"last entry offset {int(offsets[-1])}, zstd frame declares {declared} bytes",
+            DELTA_FRAME_BODY.size + 4 * (len(offsets) - 1),
+            "entry_offsets",
+        )
 
 
 def _delta_frame_values(p: dict, b: _Body, page_size: int) -> Iterator[FormatError]:
     yield from _delta_offsets(p, b, page_size)
-    yield from frame_size_problems(RecordType.DELTA_FRAME, int(p["entry_offsets"][-1]), page_size, b.base,
-                                   b.record.path())
+    yield from frame_size_problems(
+        RecordType.DELTA_FRAME, int(p["entry_offsets"][-1]), page_size, b.base, b.record.path()
+    )
 
 
 @implements("LI-MAP-002", "LI-MAP-003")
@@ -653,17 +813,26 @@ def _page_map_values(p: dict, b: _Body, page_size: int) -> Iterator[FormatError]
     bad = np.flatnonzero(~IS_PAGE_CLASS[e["page_class"]] | (e["num_pages"] == 0))
     if p["num_extents"] == 0 or len(bad):
         i = int(bad[0]) if len(bad) else 0
-        yield b.fail("LI-MAP-002", "expected page_class 1..6 and num_pages >= 1 in every extent"
-                     + (f", extent {i} has class {int(e['page_class'][i])}, {int(e['num_pages'][i])} pages"
-                        if len(bad) else ", got no extents"),
-                     PAGE_MAP_BODY.size + EXTENT.size * i, f"extents[{i}]")
+        yield b.fail(
+            "LI-MAP-002",
+            "expected page_class 1..6 and num_pages >= 1 in every extent"
+            + (
+                f", extent {i} has class {int(e['page_class'][i])}, {int(e['num_pages'][i])} pages"
+                if len(bad)
+                else ", got no extents"
+            ),
+            PAGE_MAP_BODY.size + EXTENT.size * i,
+            f"extents[{i}]",
+        )
     no_slot = ~HAS_SLOT[e["page_class"]] & (e["first_slot"] != 0)
     if no_slot.any():
         i = int(np.flatnonzero(no_slot)[0])
-        yield b.fail("LI-MAP-003", f"expected first_slot 0 for class {int(e['page_class'][i])}, "
-                     f"got {int(e['first_slot'][i])}",
-                     PAGE_MAP_BODY.size + EXTENT.size * i + EXTENT.offset("first_slot"),
-                     f"extents[{i}].first_slot")
+        yield b.fail(
+            "LI-MAP-003",
+            f"expected first_slot 0 for class {int(e['page_class'][i])}, got {int(e['first_slot'][i])}",
+            PAGE_MAP_BODY.size + EXTENT.size * i + EXTENT.offset("first_slot"),
+            f"extents[{i}].first_slot",
+        )
 
 
 BODY_CHECKS = {
@@ -700,6 +869,7 @@ def dump_structure(path) -> dict:
     """Every structure of an image with every field its declaration (format.py) names, as plain
     Python values: the names the spec's tables and the .ksy use."""
     from .locations import display, open_image
+
     with open_image(path) as fileobj:
         image = ImageFile(fileobj, display(path))
         header = read_header(image)
@@ -709,14 +879,18 @@ def dump_structure(path) -> dict:
             if isinstance(item, LeanImageError):
                 raise item
             records.append(dump_record(item, parse_body(item)))
-    header_dump = dict(header.fields(), extension=bytes(header.raw[HEADER.size:]))
+    header_dump = dict(header.fields(), extension=bytes(header.raw[HEADER.size :]))
     return dict(header=header_dump, records=records, footer=footer.fields())
 
 
 def dump_record(record: Record, body: dict) -> dict:
     structure = BODY_OF.get(record.record_type)
-    return dict(offset=record.offset, record_type=record.record_type, flags=record.flags,
-                body_length=record.body_length,
-                body=dump_fields(structure, body) if structure else bytes(record.body),
-                padding=bytes(align8(record.body_length) - record.body_length),
-                record_checksum=record.record_checksum)
+    return dict(
+        offset=record.offset,
+        record_type=record.record_type,
+        flags=record.flags,
+        body_length=record.body_length,
+        body=dump_fields(structure, body) if structure else bytes(record.body),
+        padding=bytes(align8(record.body_length) - record.body_length),
+        record_checksum=record.record_checksum,
+    )

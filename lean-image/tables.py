@@ -14,10 +14,23 @@ from . import checks
 from .checks import first_problem
 from .errors import FormatError, LeanImageError
 from .format import (
-    FRAME_PAGES_MAX_BYTES, RECORD, digest_class_table, RECORD_OPTIONAL_BIT, REGION_FLAG_HAS_GPA, SOURCE_STATE_BODY, RecordType,
+    FRAME_PAGES_MAX_BYTES,
+    RECORD,
+    digest_class_table,
+    RECORD_OPTIONAL_BIT,
+    REGION_FLAG_HAS_GPA,
+    SOURCE_STATE_BODY,
+    RecordType,
 )
 from .structures import (
-    Footer, Header, ImageFile, Record, body_problems, frame_size_problems, index_location_problems, parse_body,
+    Footer,
+    Header,
+    ImageFile,
+    Record,
+    body_problems,
+    frame_size_problems,
+    index_location_problems,
+    parse_body,
     read_record,
 )
 
@@ -30,9 +43,9 @@ class Region:
     guest_phys_base: int | None
     page_size: int
     extents: np.ndarray = field(default=None, repr=False)
-    starts: np.ndarray = field(default=None, repr=False)          # per extent: its first page
+    starts: np.ndarray = field(default=None, repr=False)  # per extent: its first page
     digest_bearing: np.ndarray = field(default=None, repr=False)  # per extent: digests stored
-    digest_rank0: np.ndarray = field(default=None, repr=False)    # per extent: digests before it
+    digest_rank0: np.ndarray = field(default=None, repr=False)  # per extent: digests before it
 
     @property
     def num_pages(self) -> int:
@@ -65,7 +78,7 @@ class SourceState:
     tag: int
     sequence: int
     data: bytes
-    offset: int | None = None        # file offset of ``data``, for errors about its content
+    offset: int | None = None  # file offset of ``data``, for errors about its content
 
 
 class FrameTable:
@@ -109,20 +122,26 @@ class DiskRefs:
         return len(self.sectors)
 
 
-_PAGE_FRAME, _DELTA_FRAME = int(RecordType.PAGE_FRAME), int(RecordType.DELTA_FRAME)   # plain ints: faster
-SMALL_RECORDS = [RecordType.REGION, RecordType.DISK, RecordType.SOURCE_STATE, RecordType.PAGE_MAP,
-                 RecordType.DISK_REFS]
+_PAGE_FRAME, _DELTA_FRAME = int(RecordType.PAGE_FRAME), int(RecordType.DELTA_FRAME)  # plain ints: faster
+SMALL_RECORDS = [RecordType.REGION, RecordType.DISK, RecordType.SOURCE_STATE, RecordType.PAGE_MAP, RecordType.DISK_REFS]
 SMALL_RECORD_TYPES = frozenset(int(t) for t in SMALL_RECORDS)
 
 
-_NO_DISK_IDS, _NO_SECTORS = np.zeros(0, np.uint32), np.zeros(0, np.uint64)     # empty: shared
+_NO_DISK_IDS, _NO_SECTORS = np.zeros(0, np.uint32), np.zeros(0, np.uint64)  # empty: shared
 
 
 class ImageTables:
     """The tables of one image, read and checked when it is opened."""
 
-    def __init__(self, file: ImageFile, header: Header, footer: Footer, index: Record, load: bool = True,
-                 frames: tuple[FrameTable, FrameTable] | None = None):
+    def __init__(
+        self,
+        file: ImageFile,
+        header: Header,
+        footer: Footer,
+        index: Record,
+        load: bool = True,
+        frames: tuple[FrameTable, FrameTable] | None = None,
+    ):
         """``load=False``: the INDEX only; ``load`` (or tables_batch.load_tables, for many
         images at once) must follow before anything else is used. ``frames``: the PAGE_FRAME
         and DELTA_FRAME tables FrameTable.of gives, if the caller has them (links_batch)."""
@@ -138,7 +157,7 @@ class ImageTables:
         self.page_frames, self.delta_frames = frames
         self.disk_refs = DiskRefs(_NO_DISK_IDS, _NO_SECTORS)
         self.digest_positions: dict[int, list[int]] = {}
-        self.kept_listed: dict[int, bytes] = {}        # entry position -> its listed bytes (keep_listed)
+        self.kept_listed: dict[int, bytes] = {}  # entry position -> its listed bytes (keep_listed)
         if load:
             self.load()
 
@@ -191,8 +210,14 @@ class ImageTables:
         return record
 
     # -- loading -----------------------------------------------------------------
-    def adopt_region(self, region: Region, extents: np.ndarray, digest_bearing: np.ndarray,
-                     digest_rank0: np.ndarray, digest_positions: list[int]) -> None:
+    def adopt_region(
+        self,
+        region: Region,
+        extents: np.ndarray,
+        digest_bearing: np.ndarray,
+        digest_rank0: np.ndarray,
+        digest_positions: list[int],
+    ) -> None:
         """The one region of an image whose tables tables_batch checked: the state ``load``
         would have left."""
         region.extents, region.starts = extents, extents["first_page"].astype(np.int64)
@@ -206,7 +231,7 @@ class ImageTables:
         first_problem(checks.index_problems(self.index, entries, [], header_length=self.header.header_length))
         types = entries["record_type"].tolist()
         unknown = [i for i, t in enumerate(types) if not _known_or_optional(t)]
-        if unknown:                                  # refused without reading it (spec §4.2)
+        if unknown:  # refused without reading it (spec §4.2)
             self.record(unknown[0])
         small = [self.record(i) for i, t in enumerate(types) if t in SMALL_RECORD_TYPES]
         by_type = {kind: [r for r in small if r.record_type == kind] for kind in SMALL_RECORDS}
@@ -234,14 +259,22 @@ class ImageTables:
         digests = np.flatnonzero(self.entries["record_type"] == RecordType.DIGESTS)
         for region in self.regions:
             parts = [m.parsed["extents"] for m in maps if m.parsed["region_id"] == region.region_id]
-            extents = np.concatenate(parts) if len(parts) > 1 else parts[0] if parts else \
-                np.zeros(0, [("first_page", "<u8")])
+            extents = (
+                np.concatenate(parts) if len(parts) > 1 else parts[0] if parts else np.zeros(0, [("first_page", "<u8")])
+            )
             first_problem(checks.coverage_problems(region.region_id, region.name, region.num_pages, extents))
             region.set_extents(extents, digest_class_table(self.header.incompatible_features))
             positions = digests[self.entries["key"][digests] == region.region_id].tolist()
             self.digest_positions[region.region_id] = positions
-            ranges = [(int(self.entries["first"][i]), int(self.entries["count"][i]), None,
-                       int(self.entries["record_offset"][i])) for i in positions]
+            ranges = [
+                (
+                    int(self.entries["first"][i]),
+                    int(self.entries["count"][i]),
+                    None,
+                    int(self.entries["record_offset"][i]),
+                )
+                for i in positions
+            ]
             first_problem(checks.digest_coverage_problems(region.region_id, region.name, region.num_pages, ranges))
 
     def _load_disks(self, records: list[Record], refs: list[Record]) -> None:
@@ -250,32 +283,55 @@ class ImageTables:
             self.disks.append(DiskInfo(p["disk_id"], p["name"], p["size_bytes"], p["fingerprint"]))
         sizes = {d.disk_id: d.size_bytes for d in self.disks}
         for record in refs:
-            first_problem(checks.disk_ref_problems(sizes, record.parsed["refs"], self.page_size, record.offset,
-                                                   record.path()))
+            first_problem(
+                checks.disk_ref_problems(sizes, record.parsed["refs"], self.page_size, record.offset, record.path())
+            )
         if refs:
-            self.disk_refs = DiskRefs(np.concatenate([r.parsed["refs"]["disk_id"] for r in refs]),
-                                      np.concatenate([r.parsed["refs"]["sector"] for r in refs]))
+            self.disk_refs = DiskRefs(
+                np.concatenate([r.parsed["refs"]["disk_id"] for r in refs]),
+                np.concatenate([r.parsed["refs"]["sector"] for r in refs]),
+            )
 
     def _load_source_states(self, records: list[Record]) -> None:
         first_problem(checks.source_sequence_problems([(r.parsed["sequence"], r) for r in records]))
         for record in records:
             p = record.parsed
-            self.source_states.append(SourceState(p["source_format"], p["tag"], p["sequence"], bytes(p["data"]),
-                                                  record.body_offset + SOURCE_STATE_BODY.size))
+            self.source_states.append(
+                SourceState(
+                    p["source_format"],
+                    p["tag"],
+                    p["sequence"],
+                    bytes(p["data"]),
+                    record.body_offset + SOURCE_STATE_BODY.size,
+                )
+            )
 
     def _check_frames(self, refs: list[Record]) -> None:
         offsets = self.entries["record_offset"].astype(np.int64)
         frames = self.page_frames
         for k in np.flatnonzero((frames.counts == 0) | (frames.counts * self.page_size > FRAME_PAGES_MAX_BYTES))[:1]:
-            position = int(frames.positions[k])       # the index says so; the record is read only when used
-            first_problem(frame_size_problems(RecordType.PAGE_FRAME, int(frames.counts[k]), self.page_size,
-                                              int(offsets[position]) + RECORD.size,
-                                              f"record[{position}].page_frame"))
+            position = int(frames.positions[k])  # the index says so; the record is read only when used
+            first_problem(
+                frame_size_problems(
+                    RecordType.PAGE_FRAME,
+                    int(frames.counts[k]),
+                    self.page_size,
+                    int(offsets[position]) + RECORD.size,
+                    f"record[{position}].page_frame",
+                )
+            )
         for name, table in (("page_frame", self.page_frames), ("delta_frame", self.delta_frames)):
             first_problem(checks.numbering_problems(name, table.starts, table.counts, offsets[table.positions]))
-        first_problem(checks.slot_problems([r.extents for r in self.regions], self.page_frames.total,
-                                           self.delta_frames.total, [r.parsed["first_ref"] for r in refs],
-                                           [r.parsed["num_refs"] for r in refs], [r.offset for r in refs]))
+        first_problem(
+            checks.slot_problems(
+                [r.extents for r in self.regions],
+                self.page_frames.total,
+                self.delta_frames.total,
+                [r.parsed["first_ref"] for r in refs],
+                [r.parsed["num_refs"] for r in refs],
+                [r.offset for r in refs],
+            )
+        )
 
     def frame_record(self, table: FrameTable, frame: int) -> Record:
         """The PAGE_FRAME or DELTA_FRAME record of frame ``frame`` of ``table``."""

@@ -25,14 +25,31 @@ from . import checks
 from .arrays import joined
 from .errors import LeanImageError
 from .format import (
-    EXTENT, FRAME_PAGES_MAX_BYTES, HAS_DIGEST, HAS_OWN_DIGEST, HAS_SLOT, IS_PAGE_CLASS, PAGE_MAP_BODY, RECORD,
-    RECORD_BODY_MAX, RECORD_TRAILER, REGION_BODY, REGION_FLAG_HAS_GPA, REGION_NAME_MAX, IncompatFeature, PageClass,
-    RecordType, inherits_digests, record_size, span_checksums,
+    EXTENT,
+    FRAME_PAGES_MAX_BYTES,
+    HAS_DIGEST,
+    HAS_OWN_DIGEST,
+    HAS_SLOT,
+    IS_PAGE_CLASS,
+    PAGE_MAP_BODY,
+    RECORD,
+    RECORD_BODY_MAX,
+    RECORD_TRAILER,
+    REGION_BODY,
+    REGION_FLAG_HAS_GPA,
+    REGION_NAME_MAX,
+    IncompatFeature,
+    PageClass,
+    RecordType,
+    inherits_digests,
+    record_size,
+    span_checksums,
 )
 from .tables import ImageTables, Region
 
-from .native import backend as _native      # the page maps' rules in one pass (None: numpy)
-if sys.byteorder != "little":                  # it reads extents as a little-endian host
+from .native import backend as _native  # the page maps' rules in one pass (None: numpy)
+
+if sys.byteorder != "little":  # it reads extents as a little-endian host
     _native = None
 
 # without leanimg._native the batch's work per extent is ~3x that of ImageTables.load, its work
@@ -40,8 +57,10 @@ if sys.byteorder != "little":                  # it reads extents as a little-en
 # its work per extent is no more than load's. The bound keeps a batch's extents, laid end to end
 # with their temporaries, to ~100 MB (CHECK_BATCH links of 1.5 MiB of extents at most)
 BATCH_EXTENTS_MAX = 2048 if _native is None else 1 << 16
-SHAPE_TYPES = frozenset(int(t) for t in (RecordType.REGION, RecordType.PAGE_MAP, RecordType.DIGESTS,
-                                          RecordType.PAGE_FRAME, RecordType.DELTA_FRAME))
+SHAPE_TYPES = frozenset(
+    int(t)
+    for t in (RecordType.REGION, RecordType.PAGE_MAP, RecordType.DIGESTS, RecordType.PAGE_FRAME, RecordType.DELTA_FRAME)
+)
 
 
 def load_tables(all_tables: list[ImageTables], on_error=None) -> None:
@@ -73,8 +92,10 @@ def _prepare_all(all_tables: list[ImageTables]) -> list:
     one checked before in the batch (a chain's links repeat the same REGION) is not checked
     again: the rules are functions of exactly these."""
     shapes = [_shape(t) for t in all_tables]
-    maps = _page_maps_pass([t for t, shape in zip(all_tables, shapes) if shape is not None],
-                           [shape[1] for shape in shapes if shape is not None])
+    maps = _page_maps_pass(
+        [t for t, shape in zip(all_tables, shapes) if shape is not None],
+        [shape[1] for shape in shapes if shape is not None],
+    )
     regions: dict = {}
     prepared = []
     for t, shape in zip(all_tables, shapes):
@@ -89,7 +110,7 @@ def _shape(t: ImageTables) -> tuple[int, int] | None:
         return None
     map_at = types.index(RecordType.PAGE_MAP)
     if t.listed_end(map_at) - int(t.entries["record_offset"][map_at]) > BATCH_EXTENTS_MAX * EXTENT.size:
-        return None                    # a link with many extents costs less checked alone
+        return None  # a link with many extents costs less checked alone
     return types.index(RecordType.REGION), map_at
 
 
@@ -110,7 +131,7 @@ def _prepare(t: ImageTables, region_at: int, map_at: int, extents, regions: dict
             extents = t.record(map_at).parsed["extents"]
     except LeanImageError:
         return None
-    if int(t.entries["key"][map_at]) != p["region_id"]:       # the PAGE_MAP's region_id (its entry holds it)
+    if int(t.entries["key"][map_at]) != p["region_id"]:  # the PAGE_MAP's region_id (its entry holds it)
         return None
     gpa = p["guest_phys_base"] if p["flags"] & REGION_FLAG_HAS_GPA else None
     region = Region(p["region_id"], p["name"], p["size_bytes"], gpa, t.page_size)
@@ -128,8 +149,9 @@ def _record_key(t: ImageTables, position: int) -> tuple | None:
 
 
 REGION_RECORD_MAX = record_size(REGION_BODY.size + REGION_NAME_MAX)
-_MAP_HEAD = np.dtype([("record_type", "<u4"), ("flags", "<u4"), ("body_length", "<u8"), ("region_id", "<u4"),
-                      ("num_extents", "<u4")])
+_MAP_HEAD = np.dtype(
+    [("record_type", "<u4"), ("flags", "<u4"), ("body_length", "<u8"), ("region_id", "<u4"), ("num_extents", "<u4")]
+)
 
 
 def _page_maps_pass(all_tables: list[ImageTables], positions: list[int]) -> list:
@@ -140,30 +162,45 @@ def _page_maps_pass(all_tables: list[ImageTables], positions: list[int]) -> list
     raws = []
     shortest = RECORD.size + PAGE_MAP_BODY.size + EXTENT.size + RECORD_TRAILER.size
     for t, position in zip(all_tables, positions):
-        raw = t.listed_bytes(position, record_size(RECORD_BODY_MAX), view=True)     # the extents are copied below
+        raw = t.listed_bytes(position, record_size(RECORD_BODY_MAX), view=True)  # the extents are copied below
         raws.append(raw if raw is not None and len(raw) >= shortest else None)
     kept = [k for k, raw in enumerate(raws) if raw is not None]
     if not kept:
         return [None] * len(raws)
-    head = np.frombuffer(b"".join(raws[k][:_MAP_HEAD.itemsize] for k in kept), _MAP_HEAD)
+    head = np.frombuffer(b"".join(raws[k][: _MAP_HEAD.itemsize] for k in kept), _MAP_HEAD)
     sizes = np.array([len(raws[k]) for k in kept], np.int64)
     body = head["body_length"].astype(np.int64)
     num = head["num_extents"].astype(np.int64)
-    ok = (head["record_type"] == RecordType.PAGE_MAP) & (head["flags"] == 0) & (num >= 1) & \
-        (body == PAGE_MAP_BODY.size + EXTENT.size * num) & (sizes == RECORD.size + body + RECORD_TRAILER.size)
-    trailers = np.frombuffer(b"".join(raws[k][-RECORD_TRAILER.size:] for k in kept), "<u8")
-    ok &= trailers == span_checksums([raws[k] for k in kept], np.zeros(len(kept), np.int64), sizes - RECORD_TRAILER.size)
+    ok = (
+        (head["record_type"] == RecordType.PAGE_MAP)
+        & (head["flags"] == 0)
+        & (num >= 1)
+        & (body == PAGE_MAP_BODY.size + EXTENT.size * num)
+        & (sizes == RECORD.size + body + RECORD_TRAILER.size)
+    )
+    trailers = np.frombuffer(b"".join(raws[k][-RECORD_TRAILER.size :] for k in kept), "<u8")
+    ok &= trailers == span_checksums(
+        [raws[k] for k in kept], np.zeros(len(kept), np.int64), sizes - RECORD_TRAILER.size
+    )
     num = np.where(ok, num, 0)
     start = RECORD.size + PAGE_MAP_BODY.size
     first = np.cumsum(num) - num
-    e = joined([np.frombuffer(raws[k], EXTENT.dtype, int(n), start) for k, n in zip(kept, num.tolist())]) \
-        if num.any() else np.zeros(0, EXTENT.dtype)
-    e.flags.writeable = False              # the links' page maps, as read from their files
-    extents = [e[lo:lo + n] for lo, n in zip(first.tolist(), num.tolist())]     # views: the files' bytes can go
+    e = (
+        joined([np.frombuffer(raws[k], EXTENT.dtype, int(n), start) for k, n in zip(kept, num.tolist())])
+        if num.any()
+        else np.zeros(0, EXTENT.dtype)
+    )
+    e.flags.writeable = False  # the links' page maps, as read from their files
+    extents = [e[lo : lo + n] for lo, n in zip(first.tolist(), num.tolist())]  # views: the files' bytes can go
     extents_ok, pages, firsts = (_extents_alone_numpy if _native is None else _extents_alone_native)(e, num)
-    entries = joined([all_tables[k].entries[positions[k]:positions[k] + 1] for k in kept])
-    ok &= extents_ok & (entries["record_type"] == RecordType.PAGE_MAP) & (entries["key"] == head["region_id"]) & \
-        (entries["first"] == firsts) & (entries["count"] == pages)
+    entries = joined([all_tables[k].entries[positions[k] : positions[k] + 1] for k in kept])
+    ok &= (
+        extents_ok
+        & (entries["record_type"] == RecordType.PAGE_MAP)
+        & (entries["key"] == head["region_id"])
+        & (entries["first"] == firsts)
+        & (entries["count"] == pages)
+    )
     result = [None] * len(raws)
     for j, k in enumerate(kept):
         if ok[j]:
@@ -177,8 +214,9 @@ def _extents_alone_native(e: np.ndarray, num: np.ndarray) -> tuple:
     class without slots: LI-MAP-002/003), its pages in all and its first extent's first_page
     (u8). One pass (leanimg._native)."""
     ok, pages, firsts = np.zeros(len(num), np.uint8), np.zeros(len(num), np.uint64), np.zeros(len(num), np.uint64)
-    _native.page_map_extents(e, num.astype(np.int64), IS_PAGE_CLASS.view(np.uint8), HAS_SLOT.view(np.uint8),
-                             ok, pages, firsts)
+    _native.page_map_extents(
+        e, num.astype(np.int64), IS_PAGE_CLASS.view(np.uint8), HAS_SLOT.view(np.uint8), ok, pages, firsts
+    )
     return ok.view(bool), pages, firsts
 
 
@@ -186,8 +224,12 @@ def _extents_alone_numpy(e: np.ndarray, num: np.ndarray) -> tuple:
     """_extents_alone_native with numpy (where leanimg._native was not built)."""
     lid, first = _link_ids(num)
     classes = e["page_class"]
-    bad = (e["reserved"] != 0) | ~IS_PAGE_CLASS[classes] | (e["num_pages"] == 0) | \
-        (~HAS_SLOT[classes] & (e["first_slot"] != 0))
+    bad = (
+        (e["reserved"] != 0)
+        | ~IS_PAGE_CLASS[classes]
+        | (e["num_pages"] == 0)
+        | (~HAS_SLOT[classes] & (e["first_slot"] != 0))
+    )
     ok = np.bincount(lid[bad], minlength=len(num)) == 0
     pages = np.zeros(len(num), np.uint64)
     np.add.at(pages, lid, e["num_pages"].astype(np.uint64))
@@ -245,9 +287,9 @@ def _frames_hold(all_tables) -> tuple[np.ndarray, dict]:
         lid, first = _link_ids(lengths)
         starts = np.concatenate([f.starts for f in tables])
         counts = np.concatenate([f.counts for f in tables])
-        running = np.concatenate(([0], np.cumsum(counts)))           # the counts before each frame, in all
+        running = np.concatenate(([0], np.cumsum(counts)))  # the counts before each frame, in all
         totals[kind] = running[first + lengths] - running[first]
-        bad = starts != running[:-1] - running[first][lid]            # _exclusive_sums, from the same sums
+        bad = starts != running[:-1] - running[first][lid]  # _exclusive_sums, from the same sums
         if kind == "page_frames":
             most = np.repeat(np.array([FRAME_PAGES_MAX_BYTES // t.page_size for t in all_tables]), lengths)
             bad |= (counts < 1) | (counts > most)
@@ -260,8 +302,8 @@ def _extents_hold(all_tables, prepared, totals: dict) -> np.ndarray:
     LI-MAP-005 feature bits; sets each prepared entry's digest ranks. ``totals``: _frames_hold's."""
     n = len(all_tables)
     extents = [p[1] for p in prepared]
-    bounds = np.cumsum([0] + [len(e) for e in extents]).tolist()     # each image's extents laid end to end
-    if not bounds[-1]:                 # no image has extents (LI-MAP-002): load reports it
+    bounds = np.cumsum([0] + [len(e) for e in extents]).tolist()  # each image's extents laid end to end
+    if not bounds[-1]:  # no image has extents (LI-MAP-002): load reports it
         for k, p in enumerate(prepared):
             prepared[k] = (*p[:2], np.zeros(0, bool), np.zeros(0, np.int64), p[2], p[3])
         return np.zeros(n, bool)
@@ -292,9 +334,20 @@ def _extents_rules_native(extents: list, pages: np.ndarray, available: np.ndarra
     laid = joined(extents)
     ok, present = np.zeros(len(extents), np.uint8), np.zeros(len(extents), np.uint64)
     bearing, rank0 = np.zeros(len(laid), np.uint8), np.zeros(len(laid), np.int64)
-    _native.extents_hold(laid, np.array([len(e) for e in extents], np.int64), pages, available,
-                         own.astype(np.uint8), HAS_OWN_DIGEST.view(np.uint8), HAS_DIGEST.view(np.uint8),
-                         np.array(_SLOT_CLASSES, np.int64), ok, present, bearing, rank0)
+    _native.extents_hold(
+        laid,
+        np.array([len(e) for e in extents], np.int64),
+        pages,
+        available,
+        own.astype(np.uint8),
+        HAS_OWN_DIGEST.view(np.uint8),
+        HAS_DIGEST.view(np.uint8),
+        np.array(_SLOT_CLASSES, np.int64),
+        ok,
+        present,
+        bearing,
+        rank0,
+    )
     classes = (present[:, None] >> np.arange(16, dtype=np.uint64)) & np.uint64(1) != 0
     return ok.view(bool), classes, bearing.view(bool), rank0
 
@@ -303,8 +356,10 @@ def _extents_rules_numpy(extents: list, pages: np.ndarray, available: np.ndarray
     """_extents_rules_native with numpy (where leanimg._native was not built)."""
     n = len(extents)
     lid, first = _link_ids([len(e) for e in extents])
-    firsts, num, classes, slots = (np.concatenate([e[name] for e in extents]).astype(np.int64)
-                                   for name in ("first_page", "num_pages", "page_class", "first_slot"))
+    firsts, num, classes, slots = (
+        np.concatenate([e[name] for e in extents]).astype(np.int64)
+        for name in ("first_page", "num_pages", "page_class", "first_slot")
+    )
     ends = firsts + num
     last = np.append(first[1:], len(lid)) - 1
     ok = np.array([len(e) > 0 for e in extents])
@@ -337,13 +392,19 @@ def _digests_cover(all_tables, prepared) -> np.ndarray:
     keys = flat["key"][digests].astype(np.int64)
     firsts, counts = flat["first"][digests].astype(np.int64), flat["count"][digests].astype(np.int64)
     covered = _exclusive_sums(counts, d_lid, np.searchsorted(d_lid, np.arange(n)))
-    bad = (keys != np.array([p[0].region_id for p in prepared], np.int64)[d_lid]) | (firsts != covered) | \
-        (firsts < 0) | (counts < 0) | (at <= region_at[d_lid])
+    bad = (
+        (keys != np.array([p[0].region_id for p in prepared], np.int64)[d_lid])
+        | (firsts != covered)
+        | (firsts < 0)
+        | (counts < 0)
+        | (at <= region_at[d_lid])
+    )
     ok = np.bincount(d_lid[bad], minlength=n) == 0
-    ok &= np.bincount(d_lid, weights=counts.astype(np.float64), minlength=n) == \
-        np.array([p[0].num_pages for p in prepared], np.float64)
+    ok &= np.bincount(d_lid, weights=counts.astype(np.float64), minlength=n) == np.array(
+        [p[0].num_pages for p in prepared], np.float64
+    )
     ok &= region_at < np.array([p[5] for p in prepared], np.int64)
     bounds = np.searchsorted(d_lid, np.arange(n + 1))
     for k, p in enumerate(prepared):
-        prepared[k] = (*p[:4], at[bounds[k]:bounds[k + 1]].tolist())
+        prepared[k] = (*p[:4], at[bounds[k] : bounds[k + 1]].tolist())
     return ok

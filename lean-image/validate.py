@@ -20,16 +20,30 @@ from . import delta as deltacodec
 from .arrays import distinct
 from .errors import InputMissing, LeanImageError, LimitError
 from .format import (
-    DIGEST_SIZE, PAGE_SIZE_MIN, PageClass, RecordType, digest_class_table, inherits_digests, page_digests,
+    DIGEST_SIZE,
+    PAGE_SIZE_MIN,
+    PageClass,
+    RecordType,
+    digest_class_table,
+    inherits_digests,
+    page_digests,
     valid_page_size,
 )
 from .locations import display, is_remote, open_image
 from .s3 import StoreError
 from .reader import LeanImage, decompress_frame
 from .structures import (
-    ImageFile, Record, body_problems, header_problems, image_digest_problems, index_location_problems, parse_body,
+    ImageFile,
+    Record,
+    body_problems,
+    header_problems,
+    image_digest_problems,
+    index_location_problems,
+    parse_body,
     read_footer,
-    read_header, read_record, scan_records,
+    read_header,
+    read_record,
+    scan_records,
 )
 
 FINDINGS_PER_RULE = 20
@@ -52,14 +66,18 @@ RULE_MENTION = re.compile(r"\b(LI-[A-Z]{3}-)(\d{3})(?:\.\.(\d{3}))?\b")
 
 def rule_ids_in(text: str) -> list[str]:
     """The rule ids a sentence names, a range ``LI-CHN-001..005`` spelled out."""
-    return [f"{prefix}{k:03d}" for prefix, first, last in RULE_MENTION.findall(text)
-            for k in range(int(first), int(last or first) + 1)]
+    return [
+        f"{prefix}{k:03d}"
+        for prefix, first, last in RULE_MENTION.findall(text)
+        for k in range(int(first), int(last or first) + 1)
+    ]
 
 
 @dataclass
 class Verdict:
     """What a check of one file found (``validate``, ``validate-hints``): valid when nothing was
     found, complete when no rule is listed as not checked (CLI exit 0, 1 or 4)."""
+
     path: str
     findings: list = field(default_factory=list)
     suppressed: Counter = field(default_factory=Counter)
@@ -91,17 +109,23 @@ class Verdict:
 
     def verdict_json(self) -> dict:
         """The fields every check report shares (spec/guides/json.md)."""
-        return dict(path=self.path, valid=self.valid, complete=self.complete,
-                    findings=[dict(rule=f.rule, offset=f.offset, structure=f.structure, message=f.message)
-                              for f in self.findings],
-                    suppressed=dict(self.suppressed), not_checked=self.not_checked,
-                    not_checked_reasons=self.not_checked_reasons)
+        return dict(
+            path=self.path,
+            valid=self.valid,
+            complete=self.complete,
+            findings=[
+                dict(rule=f.rule, offset=f.offset, structure=f.structure, message=f.message) for f in self.findings
+            ],
+            suppressed=dict(self.suppressed),
+            not_checked=self.not_checked,
+            not_checked_reasons=self.not_checked_reasons,
+        )
 
 
 @dataclass
 class Report(Verdict):
     checked: Counter = field(default_factory=Counter)
-    fetched: list = field(default_factory=list)       # s3.take_fetched(): objects read from a store
+    fetched: list = field(default_factory=list)  # s3.take_fetched(): objects read from a store
     # checks an input missing at run time prevented: structure -> (count, first message)
     unavailable: dict = field(default_factory=dict)
 
@@ -110,9 +134,9 @@ class Report(Verdict):
             self.add(problem)
 
     def add(self, error: LeanImageError) -> None:
-        if isinstance(error, StoreError):             # the store failed, not the image: no verdict
+        if isinstance(error, StoreError):  # the store failed, not the image: no verdict
             raise error
-        if isinstance(error, InputMissing):          # not a fault of the image: not checked
+        if isinstance(error, InputMissing):  # not a fault of the image: not checked
             count, first = self.unavailable.get(error.structure, (0, error.message))
             self.unavailable[error.structure] = (count + 1, first)
             return
@@ -130,19 +154,20 @@ class Report(Verdict):
 @dataclass
 class _Scan:
     """What the sequential pass collected: small records whole, frames without their frame."""
-    found: list = field(default_factory=list)            # per record before the INDEX: (entry or None, end)
-    references: list = field(default_factory=list)       # (type, position, offset, ids) in file order
-    regions: list = field(default_factory=list)          # REGION records
-    disks: list = field(default_factory=list)            # DISK records
-    maps: dict = field(default_factory=dict)             # region_id -> [extents]
-    digests: dict = field(default_factory=dict)          # region_id -> [DIGESTS records]
-    refs: list = field(default_factory=list)             # DISK_REFS records
-    frames: list = field(default_factory=list)           # (position, offset, parsed fields but the frame)
+
+    found: list = field(default_factory=list)  # per record before the INDEX: (entry or None, end)
+    references: list = field(default_factory=list)  # (type, position, offset, ids) in file order
+    regions: list = field(default_factory=list)  # REGION records
+    disks: list = field(default_factory=list)  # DISK records
+    maps: dict = field(default_factory=dict)  # region_id -> [extents]
+    digests: dict = field(default_factory=dict)  # region_id -> [DIGESTS records]
+    refs: list = field(default_factory=list)  # DISK_REFS records
+    frames: list = field(default_factory=list)  # (position, offset, parsed fields but the frame)
     delta_frames: list = field(default_factory=list)
-    sequences: list = field(default_factory=list)        # (sequence, SOURCE_STATE record)
+    sequences: list = field(default_factory=list)  # (sequence, SOURCE_STATE record)
     index: Record | None = None
     after_index: list = field(default_factory=list)
-    complete_maps: dict = field(default_factory=dict)    # region_id -> extents covering it exactly
+    complete_maps: dict = field(default_factory=dict)  # region_id -> extents covering it exactly
 
 
 def validate(path, *, disks: dict | None = None, parents=(), progress=None) -> Report:
@@ -162,8 +187,10 @@ def validate(path, *, disks: dict | None = None, parents=(), progress=None) -> R
     with fileobj:
         _validate_file(ImageFile(fileobj, path), report, disks or {}, list(parents), progress)
     for structure, (count, first) in report.unavailable.items():
-        report.skip(f"LI-DIG-002 of {count} page(s) whose bytes are on {structure} (through "
-                    f"the chain), which was not given; the first: {first}")
+        report.skip(
+            f"LI-DIG-002 of {count} page(s) whose bytes are on {structure} (through "
+            f"the chain), which was not given; the first: {first}"
+        )
     return report
 
 
@@ -194,12 +221,12 @@ def work_bytes(path, *, disks: dict | None = None, parents=()) -> int:
     try:
         with LeanImage.open_link(path) as link:
             records = link.footer.offset - link.header.header_length
-            wanted = ({PageClass.DISK} if disks else set()) | \
-                ({PageClass.PARENT, PageClass.DELTA} if link.header.has_parent and parents else set())
-            pages = sum(int(e["num_pages"]) for r in link.regions for e in r.extents
-                        if int(e["page_class"]) in wanted)
+            wanted = ({PageClass.DISK} if disks else set()) | (
+                {PageClass.PARENT, PageClass.DELTA} if link.header.has_parent and parents else set()
+            )
+            pages = sum(int(e["num_pages"]) for r in link.regions for e in r.extents if int(e["page_class"]) in wanted)
             return records + pages * link.page_size
-    except LeanImageError:           # validate will say what is wrong
+    except LeanImageError:  # validate will say what is wrong
         return 0 if is_remote(path) else os.path.getsize(path)
 
 
@@ -216,8 +243,9 @@ def _listed_offsets(image: ImageFile, footer) -> list[int]:
     return sorted({int(o) for o in entries["record_offset"]} | {footer.index_offset}) if len(entries) else []
 
 
-def _scan(image: ImageFile, start: int, limit: int, page_size: int, report: Report, listed: list[int],
-          progress=None) -> _Scan:
+def _scan(
+    image: ImageFile, start: int, limit: int, page_size: int, report: Report, listed: list[int], progress=None
+) -> _Scan:
     scan = _Scan()
     done = start
     for item in scan_records(image, start, limit, listed):
@@ -275,9 +303,16 @@ def _check_footer(image: ImageFile, footer, header, scan: _Scan, report: Report)
     report.add_all(image_digest_problems(image, footer))
     if scan.index is not None:
         report.add_all(index_location_problems(footer, header.header_length, scanned_index=scan.index))
-    report.add_all(checks.index_problems(scan.index, scan.index.parsed["entries"] if scan.index else None,
-                                         scan.found, complete=True, after_index=scan.after_index,
-                                         footer_offset=footer.offset))
+    report.add_all(
+        checks.index_problems(
+            scan.index,
+            scan.index.parsed["entries"] if scan.index else None,
+            scan.found,
+            complete=True,
+            after_index=scan.after_index,
+            footer_offset=footer.offset,
+        )
+    )
 
 
 # --- cross-record tables ---------------------------------------------------------------
@@ -289,15 +324,26 @@ def _check_tables(header, scan: _Scan, page_size: int, report: Report) -> None:
     for region in scan.regions:
         _check_region_tables(region.parsed, scan, page_size, report, bearing_classes)
     report.checked["pages"] = sum(int(e["num_pages"].astype(np.int64).sum()) for e in scan.complete_maps.values())
-    if len(scan.complete_maps) == len(scan.regions):   # slot use is only meaningful over complete page maps
-        report.add_all(checks.slot_problems(
-            list(scan.complete_maps.values()), sum(f[2]["num_pages"] for f in scan.frames),
-            sum(f[2]["num_deltas"] for f in scan.delta_frames), [r.parsed["first_ref"] for r in scan.refs],
-            [r.parsed["num_refs"] for r in scan.refs], [r.offset for r in scan.refs]))
-    for name, frames, first, count in (("page_frame", scan.frames, "first_ordinal", "num_pages"),
-                                       ("delta_frame", scan.delta_frames, "first_delta", "num_deltas")):
-        report.add_all(checks.numbering_problems(name, [f[2][first] for f in frames], [f[2][count] for f in frames],
-                                                 [f[1] for f in frames]))
+    if len(scan.complete_maps) == len(scan.regions):  # slot use is only meaningful over complete page maps
+        report.add_all(
+            checks.slot_problems(
+                list(scan.complete_maps.values()),
+                sum(f[2]["num_pages"] for f in scan.frames),
+                sum(f[2]["num_deltas"] for f in scan.delta_frames),
+                [r.parsed["first_ref"] for r in scan.refs],
+                [r.parsed["num_refs"] for r in scan.refs],
+                [r.offset for r in scan.refs],
+            )
+        )
+    for name, frames, first, count in (
+        ("page_frame", scan.frames, "first_ordinal", "num_pages"),
+        ("delta_frame", scan.delta_frames, "first_delta", "num_deltas"),
+    ):
+        report.add_all(
+            checks.numbering_problems(
+                name, [f[2][first] for f in frames], [f[2][count] for f in frames], [f[1] for f in frames]
+            )
+        )
     report.add_all(checks.feature_problems(header, checks.class_counts(list(scan.complete_maps.values()))))
     sizes = {d.parsed["disk_id"]: d.parsed["size_bytes"] for d in scan.disks}
     for record in scan.refs:
@@ -305,8 +351,9 @@ def _check_tables(header, scan: _Scan, page_size: int, report: Report) -> None:
     report.add_all(checks.source_sequence_problems(scan.sequences))
 
 
-def _check_region_tables(region: dict, scan: _Scan, page_size: int, report: Report,
-                         bearing_classes: np.ndarray) -> None:
+def _check_region_tables(
+    region: dict, scan: _Scan, page_size: int, report: Report, bearing_classes: np.ndarray
+) -> None:
     region_id, name, num_pages = region["region_id"], region["name"], region["size_bytes"] // page_size
     parts = scan.maps.get(region_id, [])
     extents = np.concatenate(parts) if parts else np.zeros(0, dtype=[("first_page", "<u8")])
@@ -319,14 +366,19 @@ def _check_region_tables(region: dict, scan: _Scan, page_size: int, report: Repo
     if not coverage:
         scan.complete_maps[region_id] = extents
         if not order:
-            report.add_all(checks.digest_count_problems(
-                extents, [(first, count, r.parsed["num_digests"], r, r.offset) for first, count, r, _ in ranges],
-                bearing_classes))
+            report.add_all(
+                checks.digest_count_problems(
+                    extents,
+                    [(first, count, r.parsed["num_digests"], r, r.offset) for first, count, r, _ in ranges],
+                    bearing_classes,
+                )
+            )
 
 
 # --- content: frames, deltas, disks, parent ------------------------------------------------
-def _check_content(image: ImageFile, header, scan: _Scan, page_size: int, report: Report,
-                   disks: dict, parents: list, progress=None) -> None:
+def _check_content(
+    image: ImageFile, header, scan: _Scan, page_size: int, report: Report, disks: dict, parents: list, progress=None
+) -> None:
     tables = _digest_lookup(scan, digest_class_table(header.incompatible_features))
     if tables is None:
         return
@@ -369,12 +421,19 @@ def _stored_owners(tables: dict):
         stored = np.flatnonzero(e["page_class"] == PageClass.STORED)
         counts = e["num_pages"][stored].astype(np.int64)
         within = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
-        parts.append((np.repeat(e["first_slot"][stored].astype(np.int64), counts) + within,
-                      table[np.repeat(rank0[stored], counts) + within],
-                      np.full(len(within), region["region_id"]),
-                      np.repeat(e["first_page"][stored].astype(np.int64), counts) + within))
-    ordinals, digests, region_of, page_of = (np.concatenate(column) for column in zip(*parts)) if parts else \
-        (np.zeros(0, np.int64), np.zeros((0, DIGEST_SIZE), np.uint8), np.zeros(0, np.int64), np.zeros(0, np.int64))
+        parts.append(
+            (
+                np.repeat(e["first_slot"][stored].astype(np.int64), counts) + within,
+                table[np.repeat(rank0[stored], counts) + within],
+                np.full(len(within), region["region_id"]),
+                np.repeat(e["first_page"][stored].astype(np.int64), counts) + within,
+            )
+        )
+    ordinals, digests, region_of, page_of = (
+        (np.concatenate(column) for column in zip(*parts))
+        if parts
+        else (np.zeros(0, np.int64), np.zeros((0, DIGEST_SIZE), np.uint8), np.zeros(0, np.int64), np.zeros(0, np.int64))
+    )
     order = np.argsort(ordinals, kind="stable")
     return ordinals[order], digests[order], region_of[order], page_of[order]
 
@@ -385,24 +444,32 @@ def _check_frames(image: ImageFile, scan: _Scan, page_size: int, tables: dict, r
     decompressor = zstandard.ZstdDecompressor()
     for i, offset, p, bad_body in scan.frames:
         if bad_body:
-            continue                         # its size or count is already reported
+            continue  # its size or count is already reported
         record = read_record(image, offset, image.size, i)
         try:
-            content = decompress_frame(decompressor, parse_body(record, i)["frame"], p["num_pages"] * page_size,
-                                       offset, record.path("frame"))
+            content = decompress_frame(
+                decompressor, parse_body(record, i)["frame"], p["num_pages"] * page_size, offset, record.path("frame")
+            )
         except LeanImageError as exc:
             report.add(exc)
             continue
         report.checked["stored_pages"] += p["num_pages"]
         got = page_digests(content, page_size)
-        first = min(p["first_ordinal"], 1 << 62)       # a lying u8 must not overflow the search
+        first = min(p["first_ordinal"], 1 << 62)  # a lying u8 must not overflow the search
         lo, hi = np.searchsorted(ordinals, [first, first + len(got)])
         rows = ordinals[lo:hi] - first
         for region_id in distinct(region_of[lo:hi]).tolist():
             mine = np.flatnonzero(region_of[lo:hi] == region_id)
-            report.add_all(checks.digest_problems(region_id, names[region_id], page_of[lo:hi][mine],
-                                                  got[rows[mine]], expected[lo:hi][mine],
-                                                  where=f" (in {record.path()})"))
+            report.add_all(
+                checks.digest_problems(
+                    region_id,
+                    names[region_id],
+                    page_of[lo:hi][mine],
+                    got[rows[mine]],
+                    expected[lo:hi][mine],
+                    where=f" (in {record.path()})",
+                )
+            )
 
 
 def _check_delta_structure(image: ImageFile, scan: _Scan, page_size: int, report: Report) -> None:
@@ -414,15 +481,20 @@ def _check_delta_structure(image: ImageFile, scan: _Scan, page_size: int, report
         record = read_record(image, offset, image.size, i)
         offsets = p["entry_offsets"].astype(np.int64)
         try:
-            content = decompress_frame(decompressor, parse_body(record, i)["frame"], int(offsets[-1]), offset,
-                                       record.path("frame"))
+            content = decompress_frame(
+                decompressor, parse_body(record, i)["frame"], int(offsets[-1]), offset, record.path("frame")
+            )
         except LeanImageError as exc:
             report.add(exc)
             continue
         for k in range(len(offsets) - 1):
             try:
-                deltacodec.decode_positions(content[offsets[k]:offsets[k + 1]], page_size, offset=offset,
-                                            structure=record.path(f"entries[{k}]"))
+                deltacodec.decode_positions(
+                    content[offsets[k] : offsets[k + 1]],
+                    page_size,
+                    offset=offset,
+                    structure=record.path(f"entries[{k}]"),
+                )
             except LeanImageError as exc:
                 report.add(exc)
 
@@ -433,10 +505,14 @@ def _note_unchecked(header, scan: _Scan, disks: dict, parents: list, report: Rep
     if missing and scan.refs:
         report.skip(f"LI-DSK-004, LI-DSK-005 and DISK page digests (LI-DIG-002): no --disk for {', '.join(missing)}")
     if header.has_parent and not parents:
-        inherited = ", LI-CHN-006 (PARENT pages inherit their digests from the parent)" \
-            if inherits_digests(header.incompatible_features) else ""
-        report.skip(f"LI-CHN-001..005{inherited}, PARENT and DELTA page digests (LI-DIG-002) and "
-                    "delta application: no --parent")
+        inherited = (
+            ", LI-CHN-006 (PARENT pages inherit their digests from the parent)"
+            if inherits_digests(header.incompatible_features)
+            else ""
+        )
+        report.skip(
+            f"LI-CHN-001..005{inherited}, PARENT and DELTA page digests (LI-DIG-002) and delta application: no --parent"
+        )
 
 
 def _open_for_chain(path: str, header, disks: dict, parents: list, report: Report):

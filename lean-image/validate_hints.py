@@ -45,8 +45,7 @@ def validate_hints(path: str, *, save: str | None = None, image: str | None = No
         report.skip("LI-HNT-017..021: give --save or --image to check the hints against the guest")
     else:
         if guest.stream_length is None:
-            report.skip("LI-HNT-019: stream offsets need --save (an image does not record the "
-                        "stream's length)")
+            report.skip("LI-HNT-019: stream offsets need --save (an image does not record the stream's length)")
         for finding in check_against(hints, guest):
             report.add(finding)
     return report
@@ -55,12 +54,16 @@ def validate_hints(path: str, *, save: str | None = None, image: str | None = No
 def _guest(save: str | None, image: str | None) -> Guest:
     if save:
         from .plugins import HEAD_BYTES, detect_source
+
         with open(save, "rb") as f:
             source = detect_source(f.read(HEAD_BYTES))
-        describe = getattr(source, "guest", None)       # optional: a plugin may not offer it
+        describe = getattr(source, "guest", None)  # optional: a plugin may not offer it
         if describe is None:
-            raise UnsupportedError(f"the {source.name} source plugin cannot describe its saves for hint checks: "
-                                   "convert the save and give --image", structure="--save")
+            raise UnsupportedError(
+                f"the {source.name} source plugin cannot describe its saves for hint checks: "
+                "convert the save and give --image",
+                structure="--save",
+            )
         return describe(save)
     return guest_of_image(image)
 
@@ -69,9 +72,16 @@ def guest_of_image(path: str) -> Guest:
     """What hints are checked against, from an image converted from the save they are for."""
     from .format import SourceFormat
     from .reader import LeanImage
+
     with LeanImage.open_link(path) as img:
         formats = {s.source_format for s in img.source_states}
         source = "xen" if SourceFormat.XEN in formats else "qemu"
         parent = img.header.parent_uuid if any(img.header.parent_uuid) else None
-        return Guest(img.page_size, source, {r.name: r.num_pages for r in img.regions}, None,
-                     {d.name: d.size_bytes for d in img.disks}, parent)
+        return Guest(
+            img.page_size,
+            source,
+            {r.name: r.num_pages for r in img.regions},
+            None,
+            {d.name: d.size_bytes for d in img.disks},
+            parent,
+        )

@@ -27,14 +27,52 @@ from .arrays import distinct
 from .errors import LimitError, fits_in_memory
 from .locations import Output
 from .format import (
-    DEFAULT_FRAME_BYTES, DEFAULT_ZSTD_LEVEL, DELTA_FRAME_BODY, DIGEST_CHUNK_PAGES, DIGEST_SIZE, HAS_SLOT,
-    DIGESTS_BODY, DISK_BODY, DISK_REF, DISK_REF_CHUNK, DISK_REFS_BODY, DISK_SECTOR_SIZE, EXTENT, EXTENT_CHUNK,
-    FINGERPRINT_SAMPLE_SIZE, FINGERPRINT_SAMPLED_XXH3, FINGERPRINT_SAMPLES, FOOTER, FOOTER_MAGIC, FORMAT_MAJOR,
-    FORMAT_MINOR, FORMAT_MINOR_PLAIN, FRAME_PAGES_MAX_BYTES, HEADER, HEADER_MAGIC, INDEX_BODY, INDEX_ENTRY, NO_KEY,
-    PAGE_FRAME_BODY, PAGE_MAP_BODY, RECORD, RECORD_TRAILER, REGION_BODY, REGION_FLAG_HAS_GPA, REGION_NAME_MAX,
+    DEFAULT_FRAME_BYTES,
+    DEFAULT_ZSTD_LEVEL,
+    DELTA_FRAME_BODY,
+    DIGEST_CHUNK_PAGES,
+    DIGEST_SIZE,
+    HAS_SLOT,
+    DIGESTS_BODY,
+    DISK_BODY,
+    DISK_REF,
+    DISK_REF_CHUNK,
+    DISK_REFS_BODY,
+    DISK_SECTOR_SIZE,
+    EXTENT,
+    EXTENT_CHUNK,
+    FINGERPRINT_SAMPLE_SIZE,
+    FINGERPRINT_SAMPLED_XXH3,
+    FINGERPRINT_SAMPLES,
+    FOOTER,
+    FOOTER_MAGIC,
+    FORMAT_MAJOR,
+    FORMAT_MINOR,
+    FORMAT_MINOR_PLAIN,
+    FRAME_PAGES_MAX_BYTES,
+    HEADER,
+    HEADER_MAGIC,
+    INDEX_BODY,
+    INDEX_ENTRY,
+    NO_KEY,
+    PAGE_FRAME_BODY,
+    PAGE_MAP_BODY,
+    RECORD,
+    RECORD_TRAILER,
+    REGION_BODY,
+    REGION_FLAG_HAS_GPA,
+    REGION_NAME_MAX,
     REGION_SIZE_MAX,
-    SOURCE_STATE_BODY, CompatFeature, IncompatFeature, PageClass, RecordType, align8, page_digest,
-    digest_class_table, page_digests, valid_page_size,
+    SOURCE_STATE_BODY,
+    CompatFeature,
+    IncompatFeature,
+    PageClass,
+    RecordType,
+    align8,
+    page_digest,
+    digest_class_table,
+    page_digests,
+    valid_page_size,
 )
 from .structures import footer_checksum, header_checksum
 
@@ -94,7 +132,8 @@ class _ParallelCompressor:
         compressor = getattr(self.local, "compressor", None)
         if compressor is None:
             compressor = self.local.compressor = zstandard.ZstdCompressor(
-                level=self.level, write_content_size=True, write_checksum=False)
+                level=self.level, write_content_size=True, write_checksum=False
+            )
         return compressor.compress(data)
 
     def _compress_pages(self, data) -> tuple[bytes, np.ndarray]:
@@ -138,10 +177,19 @@ def disk_fingerprint(read_at, size_bytes: int) -> bytes:
 class LeanImageWriter:
     """Write one lean image. Use as a context manager; ``finish`` runs on a clean exit."""
 
-    def __init__(self, dest, *, page_size: int = 4096, parent: ParentLink | None = None,
-                 frame_pages: int | None = None, level: int = DEFAULT_ZSTD_LEVEL,
-                 threads: int | None = None, image_uuid: bytes | None = None,
-                 allow_delta: bool | None = None, inherit_digests: bool | None = None):
+    def __init__(
+        self,
+        dest,
+        *,
+        page_size: int = 4096,
+        parent: ParentLink | None = None,
+        frame_pages: int | None = None,
+        level: int = DEFAULT_ZSTD_LEVEL,
+        threads: int | None = None,
+        image_uuid: bytes | None = None,
+        allow_delta: bool | None = None,
+        inherit_digests: bool | None = None,
+    ):
         """``inherit_digests`` (default: with a parent) writes format 1.1: PARENT pages get no
         stored digest, readers take it from the parent (spec §3.4 INHERITED_DIGESTS); False
         writes a child as format 1.0 does."""
@@ -169,7 +217,7 @@ class LeanImageWriter:
         self._frame = np.empty((frame_pages, page_size), np.uint8)
         self._frame_fill = 0
         self._frame_first_ordinal = 0
-        self._stored_digests: list[np.ndarray] = []       # per frame, in ordinal order
+        self._stored_digests: list[np.ndarray] = []  # per frame, in ordinal order
         self._next_ordinal = 0
         self._next_frame_ordinal = 0
         self._delta_entries: list[bytes] = []
@@ -178,7 +226,7 @@ class LeanImageWriter:
         self._delta_first = 0
         self._disk_refs: list[tuple[int, int]] = []
         self._pending_disks: list[bytes] = []
-        self._disk_sizes: list[int] = []                  # by disk id
+        self._disk_sizes: list[int] = []  # by disk id
         self._source_sequence = 0
         self._has_source_state = False
         self._finished = False
@@ -225,10 +273,18 @@ class LeanImageWriter:
         compat = CompatFeature.SOURCE_STATE if self._has_source_state else 0
         parent_uuid = self.parent.uuid if self.parent else bytes(16)
         parent_digest = self.parent.digest if self.parent else bytes(16)
-        fields = dict(magic=HEADER_MAGIC, major_version=FORMAT_MAJOR, minor_version=self._minor_version(incompat),
-                      header_length=HEADER.size, incompatible_features=int(incompat),
-                      compatible_features=int(compat), image_uuid=self.image_uuid, parent_uuid=parent_uuid,
-                      parent_digest=parent_digest, page_size=self.page_size)
+        fields = dict(
+            magic=HEADER_MAGIC,
+            major_version=FORMAT_MAJOR,
+            minor_version=self._minor_version(incompat),
+            header_length=HEADER.size,
+            incompatible_features=int(incompat),
+            compatible_features=int(compat),
+            image_uuid=self.image_uuid,
+            parent_uuid=parent_uuid,
+            parent_digest=parent_digest,
+            page_size=self.page_size,
+        )
         header = HEADER.pack(**fields)
         self._sink.write(HEADER.pack(**fields, header_checksum=header_checksum(header)))
         self._header_written = True
@@ -266,10 +322,17 @@ class LeanImageWriter:
             raise WriterUsageError(f"disk {name!r}: size {size_bytes} is not positive")
         disk_id = len(self._disks)
         self._disks[disk_id] = name
-        self._pending_disks.append(DISK_BODY.pack(
-            disk_id=disk_id, size_bytes=size_bytes, sector_size=DISK_SECTOR_SIZE,
-            fingerprint_method=FINGERPRINT_SAMPLED_XXH3, fingerprint=fingerprint,
-            name_length=len(encoded)) + encoded)
+        self._pending_disks.append(
+            DISK_BODY.pack(
+                disk_id=disk_id,
+                size_bytes=size_bytes,
+                sector_size=DISK_SECTOR_SIZE,
+                fingerprint_method=FINGERPRINT_SAMPLED_XXH3,
+                fingerprint=fingerprint,
+                name_length=len(encoded),
+            )
+            + encoded
+        )
         self._disk_sizes.append(size_bytes)
         return disk_id
 
@@ -281,8 +344,7 @@ class LeanImageWriter:
 
     def _flush_disks(self) -> None:
         for disk_id, body in enumerate(self._pending_disks):
-            self._write_record(RecordType.DISK, [body], disk_id, 0,
-                               self._disk_sizes[disk_id] // DISK_SECTOR_SIZE)
+            self._write_record(RecordType.DISK, [body], disk_id, 0, self._disk_sizes[disk_id] // DISK_SECTOR_SIZE)
         self._pending_disks = []
 
     def declare_source_state(self) -> None:
@@ -298,10 +360,13 @@ class LeanImageWriter:
             self._flush_disks()
         elif not self._has_source_state:
             raise WriterUsageError("call declare_source_state() before the first record")
-        self._write_record(RecordType.SOURCE_STATE,
-                           [SOURCE_STATE_BODY.pack(source_format=source_format, tag=tag,
-                                                   sequence=self._source_sequence), data],
-                           tag, self._source_sequence, len(data))
+        self._write_record(
+            RecordType.SOURCE_STATE,
+            [SOURCE_STATE_BODY.pack(source_format=source_format, tag=tag, sequence=self._source_sequence), data],
+            tag,
+            self._source_sequence,
+            len(data),
+        )
         self._source_sequence += 1
 
     def add_region(self, name: str, size_bytes: int, guest_phys_base: int | None = None) -> int:
@@ -309,11 +374,14 @@ class LeanImageWriter:
         if any(r.name == name for r in self._regions.values()):
             raise WriterUsageError(f"region name {name!r} declared twice")
         if size_bytes <= 0 or size_bytes % self.page_size:
-            raise WriterUsageError(f"region {name!r}: size {size_bytes} is not a non-zero multiple "
-                                   f"of page_size {self.page_size}")
+            raise WriterUsageError(
+                f"region {name!r}: size {size_bytes} is not a non-zero multiple of page_size {self.page_size}"
+            )
         if size_bytes > REGION_SIZE_MAX:
-            raise LimitError(f"{size_bytes} bytes, more than a lean image holds "
-                             f"({REGION_SIZE_MAX} bytes, LI-REG-002)", structure=f"region {name!r}")
+            raise LimitError(
+                f"{size_bytes} bytes, more than a lean image holds ({REGION_SIZE_MAX} bytes, LI-REG-002)",
+                structure=f"region {name!r}",
+            )
         tables = _region_tables(name, size_bytes // self.page_size)
         if not self._header_written:
             self._write_header()
@@ -321,8 +389,13 @@ class LeanImageWriter:
         region_id = len(self._regions)
         num_pages = size_bytes // self.page_size
         flags = REGION_FLAG_HAS_GPA if guest_phys_base is not None else 0
-        body = REGION_BODY.pack(region_id=region_id, flags=flags, guest_phys_base=guest_phys_base or 0,
-                                size_bytes=size_bytes, name_length=len(encoded))
+        body = REGION_BODY.pack(
+            region_id=region_id,
+            flags=flags,
+            guest_phys_base=guest_phys_base or 0,
+            size_bytes=size_bytes,
+            name_length=len(encoded),
+        )
         self._write_record(RecordType.REGION, [body, encoded], region_id, 0, num_pages)
         self._regions[region_id] = _Region(region_id, name, num_pages, *tables)
         return region_id
@@ -333,9 +406,8 @@ class LeanImageWriter:
         if region is None:
             raise WriterUsageError(f"unknown region id {region_id}")
         if first_page < 0 or count < 0 or first_page + count > region.num_pages:
-            raise WriterUsageError(f"region {region.name!r}: pages {first_page}+{count} outside "
-                                   f"0..{region.num_pages}")
-        taken = np.flatnonzero(region.classes[first_page:first_page + count])
+            raise WriterUsageError(f"region {region.name!r}: pages {first_page}+{count} outside 0..{region.num_pages}")
+        taken = np.flatnonzero(region.classes[first_page : first_page + count])
         if len(taken):
             raise PageGivenTwice(f"region {region.name!r}: page {first_page + int(taken[0])} given twice")
         return region
@@ -351,7 +423,7 @@ class LeanImageWriter:
         count = len(rows)
         region = self._claim(region_id, first_page, count)
         stored = np.flatnonzero(rows.view(np.uint64).any(axis=1))
-        region.classes[first_page:first_page + count] = PageClass.ZERO
+        region.classes[first_page : first_page + count] = PageClass.ZERO
         if not len(stored):
             return
         pages = first_page + stored
@@ -364,8 +436,10 @@ class LeanImageWriter:
         ps = self.page_size
         if isinstance(data, np.ndarray) and data.ndim == 2:
             if data.dtype != np.uint8 or data.shape[1] != ps or data.strides[1] != 1:
-                raise WriterUsageError(f"page rows must be uint8 ({ps} contiguous bytes each), "
-                                       f"got {data.dtype} {data.shape} strides {data.strides}")
+                raise WriterUsageError(
+                    f"page rows must be uint8 ({ps} contiguous bytes each), "
+                    f"got {data.dtype} {data.shape} strides {data.strides}"
+                )
             return data
         data = memoryview(data).cast("B")
         if len(data) % ps:
@@ -375,7 +449,7 @@ class LeanImageWriter:
     def _append_to_frames(self, rows: np.ndarray) -> None:
         while len(rows):
             n = min(len(rows), self.frame_pages - self._frame_fill)
-            self._frame[self._frame_fill:self._frame_fill + n] = rows[:n]
+            self._frame[self._frame_fill : self._frame_fill + n] = rows[:n]
             self._frame_fill += n
             rows = rows[n:]
             if self._frame_fill == self.frame_pages:
@@ -383,34 +457,43 @@ class LeanImageWriter:
 
     def put_zero(self, region_id: int, first_page: int, count: int = 1) -> None:
         region = self._claim(region_id, first_page, count)
-        region.classes[first_page:first_page + count] = PageClass.ZERO
+        region.classes[first_page : first_page + count] = PageClass.ZERO
 
     def put_free(self, region_id: int, first_page: int, count: int = 1) -> None:
         region = self._claim(region_id, first_page, count)
-        region.classes[first_page:first_page + count] = PageClass.FREE
+        region.classes[first_page : first_page + count] = PageClass.FREE
 
     def put_disk(self, region_id: int, page: int, disk_id: int, sector: int, digest: bytes) -> None:
-        self.put_disks(region_id, np.array([page]), np.array([disk_id]), np.array([sector]),
-                       np.frombuffer(digest, np.uint8).reshape(1, DIGEST_SIZE))
+        self.put_disks(
+            region_id,
+            np.array([page]),
+            np.array([disk_id]),
+            np.array([sector]),
+            np.frombuffer(digest, np.uint8).reshape(1, DIGEST_SIZE),
+        )
 
-    def put_disks(self, region_id: int, pages: np.ndarray, disk_ids: np.ndarray, sectors: np.ndarray,
-                  digests: np.ndarray) -> None:
+    def put_disks(
+        self, region_id: int, pages: np.ndarray, disk_ids: np.ndarray, sectors: np.ndarray, digests: np.ndarray
+    ) -> None:
         """DISK pages: page ``pages[k]`` is at ``sectors[k]`` of disk ``disk_ids[k]`` and has
         digest ``digests[k]`` (a (n, 16) uint8 array)."""
         if not len(pages):
             return
         if not len(pages) == len(disk_ids) == len(sectors) == len(digests):
-            raise WriterUsageError(f"put_disks: {len(pages)} pages, {len(disk_ids)} disk ids, {len(sectors)} "
-                                   f"sectors and {len(digests)} digests: expected one of each per page")
+            raise WriterUsageError(
+                f"put_disks: {len(pages)} pages, {len(disk_ids)} disk ids, {len(sectors)} "
+                f"sectors and {len(digests)} digests: expected one of each per page"
+            )
         unknown = set(distinct(disk_ids).tolist()) - set(self._disks)
         if unknown:
             raise WriterUsageError(f"unknown disk id {min(unknown)}")
         sizes = np.array(self._disk_sizes, np.float64)[np.asarray(disk_ids, np.int64)]
-        ends = np.asarray(sectors, np.float64) * DISK_SECTOR_SIZE + self.page_size      # no u64 overflow
+        ends = np.asarray(sectors, np.float64) * DISK_SECTOR_SIZE + self.page_size  # no u64 overflow
         if (ends > sizes).any():
             k = int(np.flatnonzero(ends > sizes)[0])
-            raise WriterUsageError(f"page at sector {int(sectors[k])} runs past the end of disk "
-                                   f"{self._disks[int(disk_ids[k])]!r}")
+            raise WriterUsageError(
+                f"page at sector {int(sectors[k])} runs past the end of disk {self._disks[int(disk_ids[k])]!r}"
+            )
         region = self._regions.get(region_id)
         if region is None:
             raise WriterUsageError(f"unknown region id {region_id}")
@@ -431,8 +514,8 @@ class LeanImageWriter:
             raise WriterUsageError("PARENT pages need a parent")
         digests = np.frombuffer(digests, np.uint8).reshape(-1, DIGEST_SIZE)
         region = self._claim(region_id, first_page, len(digests))
-        region.classes[first_page:first_page + len(digests)] = PageClass.PARENT
-        region.digests[first_page:first_page + len(digests)] = digests
+        region.classes[first_page : first_page + len(digests)] = PageClass.PARENT
+        region.digests[first_page : first_page + len(digests)] = digests
 
     def put_changed(self, region_id: int, page: int, parent_page, new_page) -> PageClass:
         """A page that differs from the parent's: DELTA when smaller, else by content."""
@@ -463,7 +546,7 @@ class LeanImageWriter:
             return
         context = (self._frame_first_ordinal, num_pages)
         self._frame_first_ordinal += num_pages
-        data = memoryview(self._frame[:num_pages]).cast("B")     # handed over, not copied
+        data = memoryview(self._frame[:num_pages]).cast("B")  # handed over, not copied
         self._frame, self._frame_fill = np.empty_like(self._frame), 0
         for ctx, result in self._compressor.submit(data, context):
             self._write_page_frame(ctx, result)
@@ -472,9 +555,13 @@ class LeanImageWriter:
         first, num_pages = context
         compressed, digests = result
         self._stored_digests.append(digests)
-        self._write_record(RecordType.PAGE_FRAME,
-                           [PAGE_FRAME_BODY.pack(first_ordinal=first, num_pages=num_pages), compressed],
-                           NO_KEY, first, num_pages)
+        self._write_record(
+            RecordType.PAGE_FRAME,
+            [PAGE_FRAME_BODY.pack(first_ordinal=first, num_pages=num_pages), compressed],
+            NO_KEY,
+            first,
+            num_pages,
+        )
 
     def _flush_deltas(self) -> None:
         if not self._delta_entries:
@@ -485,8 +572,9 @@ class LeanImageWriter:
         table = offsets.tobytes()
         table += bytes(align8(len(head) + len(table)) - len(head) - len(table))
         compressed = self._compressor._compress(b"".join(self._delta_entries))
-        self._write_record(RecordType.DELTA_FRAME, [head, table, compressed],
-                           NO_KEY, self._delta_first, len(self._delta_entries))
+        self._write_record(
+            RecordType.DELTA_FRAME, [head, table, compressed], NO_KEY, self._delta_first, len(self._delta_entries)
+        )
         self._delta_first += len(self._delta_entries)
         self._delta_entries, self._delta_bytes = [], 0
 
@@ -531,7 +619,7 @@ class LeanImageWriter:
     def missing_runs(self, region_id: int) -> list[tuple[int, int]]:
         """(first_page, count) of every run of pages not given yet."""
         missing = self.missing_pages(region_id)
-        edge = np.zeros(1, np.int8)      # int8 throughout: a byte a page, not 8 (2^26-page regions)
+        edge = np.zeros(1, np.int8)  # int8 throughout: a byte a page, not 8 (2^26-page regions)
         edges = np.flatnonzero(np.diff(np.concatenate((edge, missing.view(np.int8), edge))))
         return [(int(a), int(b - a)) for a, b in zip(edges[::2], edges[1::2])]
 
@@ -539,27 +627,31 @@ class LeanImageWriter:
         for region in self._regions.values():
             missing = np.flatnonzero(region.classes == 0)
             if len(missing):
-                raise WriterUsageError(f"region {region.name!r}: {len(missing)} pages never given, "
-                                       f"first is page {int(missing[0])}")
+                raise WriterUsageError(
+                    f"region {region.name!r}: {len(missing)} pages never given, first is page {int(missing[0])}"
+                )
 
     def _write_disk_refs(self) -> None:
         refs = np.zeros(len(self._disk_refs), dtype=DISK_REF.dtype)
         if len(refs):
             refs["disk_id"], refs["sector"] = zip(*self._disk_refs)
         for first in range(0, len(refs), DISK_REF_CHUNK):
-            chunk = refs[first:first + DISK_REF_CHUNK]
+            chunk = refs[first : first + DISK_REF_CHUNK]
             head = DISK_REFS_BODY.pack(first_ref=first, num_refs=len(chunk))
             self._write_record(RecordType.DISK_REFS, [head, chunk.tobytes()], NO_KEY, first, len(chunk))
 
     def _write_page_map(self, region: _Region) -> None:
         extents = build_extents(region.classes, region.slots)
         for first in range(0, len(extents), EXTENT_CHUNK):
-            chunk = extents[first:first + EXTENT_CHUNK]
+            chunk = extents[first : first + EXTENT_CHUNK]
             pages = int(chunk["num_pages"].sum())
-            self._write_record(RecordType.PAGE_MAP,
-                               [PAGE_MAP_BODY.pack(region_id=region.region_id, num_extents=len(chunk)),
-                                chunk.tobytes()],
-                               region.region_id, int(chunk["first_page"][0]), pages)
+            self._write_record(
+                RecordType.PAGE_MAP,
+                [PAGE_MAP_BODY.pack(region_id=region.region_id, num_extents=len(chunk)), chunk.tobytes()],
+                region.region_id,
+                int(chunk["first_page"][0]),
+                pages,
+            )
 
     def _fill_stored_digests(self) -> None:
         """STORED pages get the digests the workers computed for their ordinals."""
@@ -584,18 +676,30 @@ class LeanImageWriter:
         for first, stop in zip(bounds, bounds[1:]):
             count = stop - first
             chunk = region.digests[first:stop][bearing[first:stop]]
-            self._write_record(RecordType.DIGESTS,
-                               [DIGESTS_BODY.pack(region_id=region.region_id, num_digests=len(chunk),
-                                                  first_page=first, num_pages=count), chunk.tobytes()],
-                               region.region_id, first, count)
+            self._write_record(
+                RecordType.DIGESTS,
+                [
+                    DIGESTS_BODY.pack(
+                        region_id=region.region_id, num_digests=len(chunk), first_page=first, num_pages=count
+                    ),
+                    chunk.tobytes(),
+                ],
+                region.region_id,
+                first,
+                count,
+            )
 
     def _write_index_and_footer(self) -> bytes:
         entries = np.array(self._index, dtype=INDEX_ENTRY.dtype)
         index_offset = self._sink.offset
         self._write_record(RecordType.INDEX, [INDEX_BODY.pack(num_entries=len(entries)), entries.tobytes()])
         digest = self._sink.hasher.digest()
-        fields = dict(magic=FOOTER_MAGIC, index_offset=index_offset, file_length=self._sink.offset + FOOTER.size,
-                      image_digest=digest)
+        fields = dict(
+            magic=FOOTER_MAGIC,
+            index_offset=index_offset,
+            file_length=self._sink.offset + FOOTER.size,
+            image_digest=digest,
+        )
         footer = FOOTER.pack(**fields)
         self._sink.write(FOOTER.pack(**fields, footer_checksum=footer_checksum(footer)))
         return digest
@@ -611,8 +715,11 @@ def _region_tables(name: str, num_pages: int) -> tuple:
     """The writer's per-page tables of a region (class, slot, digest: 25 bytes a page), or a
     LimitError when they do not fit in this process's memory (a 1 TiB guest needs 6.25 GiB)."""
     with fits_in_memory(f"the page tables of {num_pages} pages ({25 * num_pages} bytes)", f"region {name!r}"):
-        return (np.zeros(num_pages, np.uint8), np.zeros(num_pages, np.uint64),
-                np.zeros((num_pages, DIGEST_SIZE), np.uint8))
+        return (
+            np.zeros(num_pages, np.uint8),
+            np.zeros(num_pages, np.uint64),
+            np.zeros((num_pages, DIGEST_SIZE), np.uint8),
+        )
 
 
 _EXTENT_SCAN_PAGES = 1 << 20
@@ -623,9 +730,9 @@ def build_extents(classes: np.ndarray, slots: np.ndarray) -> np.ndarray:
     n = len(classes)
     has_slot = HAS_SLOT[classes]
     starts_mask = np.ones(n, dtype=bool)
-    for lo in range(1, n, _EXTENT_SCAN_PAGES):     # in chunks: temporaries stay small
+    for lo in range(1, n, _EXTENT_SCAN_PAGES):  # in chunks: temporaries stay small
         hi = min(lo + _EXTENT_SCAN_PAGES, n)
-        c, s = classes[lo - 1:hi], slots[lo - 1:hi]
+        c, s = classes[lo - 1 : hi], slots[lo - 1 : hi]
         starts_mask[lo:hi] = (c[1:] != c[:-1]) | (has_slot[lo:hi] & (s[1:] != s[:-1] + 1))
     starts_mask[::_MAX_EXTENT_PAGES] = True
     starts = np.flatnonzero(starts_mask)

@@ -31,19 +31,25 @@ def saved_header(image: LeanImage, required: bool = True) -> libvirt.SaveHeader 
         if state.source_format == SourceFormat.QEMU and state.tag == QEMU_TAG_LIBVIRT_HEADER:
             return unpack_libvirt_header(state.data, state.offset)
     if required:
-        raise UnsupportedError("the image has no libvirt save header (SOURCE_STATE tag 3): it was not converted "
-                               f"from libvirt's save image; use {fitting_targets(image)}", structure="source_state")
+        raise UnsupportedError(
+            "the image has no libvirt save header (SOURCE_STATE tag 3): it was not converted "
+            f"from libvirt's save image; use {fitting_targets(image)}",
+            structure="source_state",
+        )
     return None
 
 
 def restore_libvirt(image: LeanImage, out: BinaryIO, progress=None) -> int:
     """Write the header and data, then the QEMU stream (compressed as the original was)."""
     header = saved_header(image)
-    stream_state(image)                    # an image without the stream state fails before writing
+    stream_state(image)  # an image without the stream state fails before writing
     argv = libvirt.COMPRESSORS.get(header.compression)
     if argv and shutil.which(argv[0]) is None:
-        raise UnsupportedError(f"the save's payload was {header.compression.label}-compressed and the {argv[0]} "
-                               f"program is not installed (Debian package {argv[0]})", structure="--to libvirt")
+        raise UnsupportedError(
+            f"the save's payload was {header.compression.label}-compressed and the {argv[0]} "
+            f"program is not installed (Debian package {argv[0]})",
+            structure="--to libvirt",
+        )
     out.write(header.raw)
     if argv is None:
         return len(header.raw) + restore_qemu(image, out, progress)
@@ -61,7 +67,7 @@ def _compressed(image: LeanImage, out: BinaryIO, progress, argv: list[str]) -> i
             while chunk := proc.stdout.read(1 << 20):
                 out.write(chunk)
                 written[0] += len(chunk)
-        except OSError as exc:          # the output's own failure, raised below
+        except OSError as exc:  # the output's own failure, raised below
             errors.append(exc)
             proc.kill()
 

@@ -72,18 +72,18 @@ CMD_OPEN_RETURN_PATH, CMD_PING, CMD_POSTCOPY_ADVISE, CMD_POSTCOPY_LISTEN, CMD_PO
 CMD_POSTCOPY_RAM_DISCARD, CMD_PACKAGED = 6, 7
 # the PING in the package, before RUN: QEMU's main thread answers it when it has loaded the devices
 PING_DEVICES_LOADED = 0x4C4F4144
-MAX_PACKAGED = 1 << 24          # MAX_VM_CMD_PACKAGED_SIZE
+MAX_PACKAGED = 1 << 24  # MAX_VM_CMD_PACKAGED_SIZE
 # return-path messages (migration.c enum mig_rp_message_type)
 RP_SHUT, RP_PONG, RP_REQ_PAGES_ID, RP_REQ_PAGES = 1, 2, 3, 4
 RP_NAMES = {1: "SHUT", 2: "PONG", 3: "REQ_PAGES_ID", 4: "REQ_PAGES", 5: "RECV_BITMAP", 6: "RESUME_ACK"}
 
 FIRST_REQUESTS = 256
-TIMELINE_EVERY = 4096          # pages that travel between two timeline marks
-PUSH_BATCH = 256               # pages of the prepaging order read and verified together
-CHUNK_PAGES = 16               # pages per pushed section: what a request may wait behind
-MERGE_GAP = 64                 # pages of a push this close are read in one go (the gap read along)
-LOW_WATER = PUSH_BATCH // CHUNK_PAGES    # queue the next push when fewer sections wait than this
-MAX_QUEUED = 4 * LOW_WATER     # a fault's own push is queued first only below this
+TIMELINE_EVERY = 4096  # pages that travel between two timeline marks
+PUSH_BATCH = 256  # pages of the prepaging order read and verified together
+CHUNK_PAGES = 16  # pages per pushed section: what a request may wait behind
+MERGE_GAP = 64  # pages of a push this close are read in one go (the gap read along)
+LOW_WATER = PUSH_BATCH // CHUNK_PAGES  # queue the next push when fewer sections wait than this
+MAX_QUEUED = 4 * LOW_WATER  # a fault's own push is queued first only below this
 # decompressed frames kept: a fault anywhere would otherwise decompress its whole frame again
 # (~4 ms for 2 MiB); every frame is read once by the pushes anyway
 FRAME_CACHE_BYTES = 256 << 20
@@ -101,26 +101,26 @@ class ServeError(LeanImageError):
 @dataclass
 class ServeStats:
     strategy: str
-    pages_total: int = 0            # pages of every RAM block
-    pages_to_send: int = 0          # those neither ZERO nor FREE
-    demand_pages: int = 0           # sent because the destination asked (faults served on demand)
-    demand_blank: int = 0           # of those, ZERO/FREE pages answered with a ZERO entry
-    pushed_pages: int = 0           # sent by prepaging before anyone asked
-    requests: int = 0               # REQ_PAGES(_ID) messages received
+    pages_total: int = 0  # pages of every RAM block
+    pages_to_send: int = 0  # those neither ZERO nor FREE
+    demand_pages: int = 0  # sent because the destination asked (faults served on demand)
+    demand_blank: int = 0  # of those, ZERO/FREE pages answered with a ZERO entry
+    pushed_pages: int = 0  # sent by prepaging before anyone asked
+    requests: int = 0  # REQ_PAGES(_ID) messages received
     requests_already_sent: int = 0  # asked for pages already on their way
     bytes_sent: int = 0
-    seconds_to_run: float = 0.0     # until POSTCOPY_RUN was written
-    seconds_to_complete: float | None = None   # until the last page that must travel was written
-    completed: bool = False         # END and EOF sent
-    shut: int | None = None         # the destination's SHUT value (0: it loaded everything)
+    seconds_to_run: float = 0.0  # until POSTCOPY_RUN was written
+    seconds_to_complete: float | None = None  # until the last page that must travel was written
+    completed: bool = False  # END and EOF sent
+    shut: int | None = None  # the destination's SHUT value (0: it loaded everything)
     error: str | None = None
     # (event, Unix time): where the time goes (process start, stream open, package sent, first
     # request, every TIMELINE_EVERY pages, last page, the destination's SHUT)
     timeline: list = field(default_factory=list)
-    working_set_pages: int = 0      # sent from --working-set before the guest ran (pre-copy)
-    pushed_before_run: int = 0      # of pushed_pages, those sent before the guest ran (--precopy-seconds)
-    recorded_faults: int | None = None   # pages written to --record-faults
-    demand_wait_max: float = 0.0     # longest time a request waited in our queue before its answer
+    working_set_pages: int = 0  # sent from --working-set before the guest ran (pre-copy)
+    pushed_before_run: int = 0  # of pushed_pages, those sent before the guest ran (--precopy-seconds)
+    recorded_faults: int | None = None  # pages written to --record-faults
+    demand_wait_max: float = 0.0  # longest time a request waited in our queue before its answer
     demand_wait_total: float = 0.0
     # the first FIRST_REQUESTS requests: (arrival, answer queued) as Unix times, block, first page
     first_requests: list = field(default_factory=list)
@@ -133,23 +133,32 @@ class ServeStats:
         self.timeline.append((event, time.time()))
 
     def summary(self) -> str:
-        done = (f"all {self.pages_to_send} pages that travel sent in {self.seconds_to_complete:.2f} s"
-                if self.completed else "stream not completed")
-        return (f"serve --postcopy ({self.strategy}): {self.demand_pages} pages on demand "
-                f"({self.demand_blank} of them zero), {self.pushed_pages} pushed, {self.requests} requests "
-                f"({self.requests_already_sent} for pages already sent); {done}; "
-                f"{self.bytes_sent / 2**20:.1f} MiB written{self._fetched_summary()}")
+        done = (
+            f"all {self.pages_to_send} pages that travel sent in {self.seconds_to_complete:.2f} s"
+            if self.completed
+            else "stream not completed"
+        )
+        return (
+            f"serve --postcopy ({self.strategy}): {self.demand_pages} pages on demand "
+            f"({self.demand_blank} of them zero), {self.pushed_pages} pushed, {self.requests} requests "
+            f"({self.requests_already_sent} for pages already sent); {done}; "
+            f"{self.bytes_sent / 2**20:.1f} MiB written{self._fetched_summary()}"
+        )
 
     def _fetched_summary(self) -> str:
         if not self.fetched:
             return ""
         fetched, size = sum(f["fetched_bytes"] for f in self.fetched), sum(f["object_bytes"] for f in self.fetched)
-        at_run = f", {self.fetched_at_run / 2**20:.1f} MiB of it before the guest ran" \
-            if self.fetched_at_run is not None else ""
+        at_run = (
+            f", {self.fetched_at_run / 2**20:.1f} MiB of it before the guest ran"
+            if self.fetched_at_run is not None
+            else ""
+        )
         return f"; fetched {fetched / 2**20:.1f} MiB of the {size / 2**20:.1f} MiB image from the store{at_run}"
 
 
 # ---------------------------------------------------------------------------- host check
+
 
 def check_userfaultfd() -> None:
     """Fail clearly when this user cannot create a userfaultfd the way QEMU 7.2 does
@@ -165,13 +174,16 @@ def check_userfaultfd() -> None:
     err = ctypes.get_errno()
     if err == errno.ENOSYS:
         raise ServeError("post-copy needs userfaultfd, which this kernel does not have (CONFIG_USERFAULTFD)")
-    raise ServeError(f"post-copy needs userfaultfd, refused to uid {os.getuid()}: {os.strerror(err)}. "
-                     "QEMU 7.2 calls the userfaultfd syscall itself: run it as root (or with "
-                     "CAP_SYS_PTRACE), or allow unprivileged users with `sysctl vm.unprivileged_userfaultfd=1` "
-                     "(/dev/userfaultfd is used only by QEMU 8.1 and later)")
+    raise ServeError(
+        f"post-copy needs userfaultfd, refused to uid {os.getuid()}: {os.strerror(err)}. "
+        "QEMU 7.2 calls the userfaultfd syscall itself: run it as root (or with "
+        "CAP_SYS_PTRACE), or allow unprivileged users with `sysctl vm.unprivileged_userfaultfd=1` "
+        "(/dev/userfaultfd is used only by QEMU 8.1 and later)"
+    )
 
 
 # ---------------------------------------------------------------------------- the stream
+
 
 def _command(cmd: int, data: bytes = b"") -> bytes:
     return bytes([qemu.COMMAND]) + _BE16.pack(cmd) + _BE16.pack(len(data)) + data
@@ -185,16 +197,23 @@ def _section_end(state: qemu.StreamState) -> bytes:
 def opening(state: qemu.StreamState, page_size: int) -> bytes:
     """Everything before the package: prologue, return path, advise, the RAM setup section."""
     if state.capabilities:
-        raise UnsupportedError(f"post-copy of a stream saved with capabilities {', '.join(state.capabilities)}",
-                               structure="source_state[QEMU tag 1]")
+        raise UnsupportedError(
+            f"post-copy of a stream saved with capabilities {', '.join(state.capabilities)}",
+            structure="source_state[QEMU tag 1]",
+        )
     ram = state.ram
     total = sum(b.length for b in state.ram_blocks)
     setup = [_BE64.pack(total | qemu.F_MEM_SIZE)]
     setup += [qemu._name_bytes(b.name) + _BE64.pack(b.length) for b in state.ram_blocks]
     start = qemu._section_header_bytes(qemu.START, ram) + b"".join(setup) + _section_end(state)
     advise = _BE64.pack(page_size) + _BE64.pack(page_size)
-    return (state.prologue + _command(CMD_OPEN_RETURN_PATH) + _command(CMD_POSTCOPY_ADVISE, advise)
-            + start + _discard_one_page(state.ram_blocks[0], page_size))
+    return (
+        state.prologue
+        + _command(CMD_OPEN_RETURN_PATH)
+        + _command(CMD_POSTCOPY_ADVISE, advise)
+        + start
+        + _discard_one_page(state.ram_blocks[0], page_size)
+    )
 
 
 def _discard_one_page(block: qemu.RamBlock, page_size: int) -> bytes:
@@ -221,11 +240,17 @@ def package(state: qemu.StreamState) -> bytes:
     for the PONG, which the main thread sends after the last device (what follows RUN in a
     package is never read)."""
     devices = b"".join(d.to_bytes(state.footers) for d in state.devices)
-    blob = (_command(CMD_POSTCOPY_LISTEN) + devices + _command(CMD_PING, _BE32.pack(PING_DEVICES_LOADED))
-            + _command(CMD_POSTCOPY_RUN))
+    blob = (
+        _command(CMD_POSTCOPY_LISTEN)
+        + devices
+        + _command(CMD_PING, _BE32.pack(PING_DEVICES_LOADED))
+        + _command(CMD_POSTCOPY_RUN)
+    )
     if len(blob) > MAX_PACKAGED:
-        raise UnsupportedError(f"device state of {len(blob)} bytes exceeds QEMU's packaged limit "
-                               f"of {MAX_PACKAGED}", structure="source_state[QEMU tag 1]")
+        raise UnsupportedError(
+            f"device state of {len(blob)} bytes exceeds QEMU's packaged limit of {MAX_PACKAGED}",
+            structure="source_state[QEMU tag 1]",
+        )
     return _command(CMD_PACKAGED, _BE32.pack(len(blob))) + blob
 
 
@@ -250,6 +275,7 @@ def page_entries(name: str, page_size: int, first: int, pages: np.ndarray | None
 
 
 # ---------------------------------------------------------------------------- the return path
+
 
 class ReturnPath:
     """Parses the destination's messages from file descriptor ``fd`` as they arrive (the
@@ -285,7 +311,7 @@ class ReturnPath:
             kind, length = _BE16.unpack_from(self.buf, at)[0], _BE16.unpack_from(self.buf, at + 2)[0]
             if len(self.buf) - at - 4 < length:
                 break
-            data = bytes(self.buf[at + 4:at + 4 + length])
+            data = bytes(self.buf[at + 4 : at + 4 + length])
             at += 4 + length
             events += self._event(kind, data, arrival)
         del self.buf[:at]
@@ -295,7 +321,7 @@ class ReturnPath:
         if kind in (RP_REQ_PAGES_ID, RP_REQ_PAGES) and len(data) >= 12:
             start, size = _BE64.unpack_from(data)[0], _BE32.unpack_from(data, 8)[0]
             if kind == RP_REQ_PAGES_ID:
-                self.block = data[13:13 + data[12]].decode(errors="replace") if len(data) > 12 else None
+                self.block = data[13 : 13 + data[12]].decode(errors="replace") if len(data) > 12 else None
             return [("req", self.block, start, size, arrival)]
         if kind == RP_SHUT and len(data) == 4:
             return [("shut", _BE32.unpack(data)[0])]
@@ -316,15 +342,17 @@ def _nonblocking(fd: int):
 
 # ---------------------------------------------------------------------------- the server
 
+
 @dataclass
 class Block:
     """One RAM block served: its region, which pages need sending, which were sent."""
+
     index: int
     name: str
     region: object
     classes: np.ndarray
-    blank: np.ndarray               # ZERO or FREE: never pushed
-    sent: np.ndarray = field(init=False)    # written or queued to be written
+    blank: np.ndarray  # ZERO or FREE: never pushed
+    sent: np.ndarray = field(init=False)  # written or queued to be written
 
     def __post_init__(self):
         self.sent = np.zeros(len(self.classes), bool)
@@ -333,10 +361,11 @@ class Block:
 @dataclass
 class Chunk:
     """One whole section (or the closing) queued for the stream, with the pages it carries."""
+
     data: bytes
     block: int = -1
     pages: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
-    last: bool = False              # the closing: END and EOF
+    last: bool = False  # the closing: END and EOF
 
 
 class PostcopyServer:
@@ -345,14 +374,24 @@ class PostcopyServer:
     requested page queued in a push moves that push to the front.  Pushes are read and
     verified PUSH_BATCH pages at a time and queued as sections of CHUNK_PAGES pages."""
 
-    def __init__(self, image: LeanImage, out, inp, strategy: str = "sequential", log=None, progress=None,
-                 working_set: str | None = None, precopy_seconds: float = 0.0):
+    def __init__(
+        self,
+        image: LeanImage,
+        out,
+        inp,
+        strategy: str = "sequential",
+        log=None,
+        progress=None,
+        working_set: str | None = None,
+        precopy_seconds: float = 0.0,
+    ):
         self.image, self.out, self.inp = image, out, inp
-        self.state = qemu.with_mapped_ram(stream_state(image), False)   # post-copy streams carry page entries
+        self.state = qemu.with_mapped_ram(stream_state(image), False)  # post-copy streams carry page entries
         self.ps = image.page_size
         if self.state.page_size != self.ps:
-            raise UnsupportedError(f"stream target page size {self.state.page_size} differs from the image's "
-                                   f"page size {self.ps}")
+            raise UnsupportedError(
+                f"stream target page size {self.state.page_size} differs from the image's page size {self.ps}"
+            )
         self.blocks = [self._block(i, b) for i, b in enumerate(self.state.ram_blocks)]
         self.by_name = {b.name: b for b in self.blocks}
         self.stats = ServeStats(strategy)
@@ -361,15 +400,15 @@ class PostcopyServer:
         self.strategy = make_strategy(strategy, image, self.blocks)
         self.log = log or (lambda msg: print(f"leanimg: {msg}", file=sys.stderr, flush=True))
         self.left = self.stats.pages_to_send
-        self.progress = progress          # called with the number of pages that travel, as they are queued
-        self.head: Chunk | None = None    # the section being written
-        self.head_written = 0             # bytes of it written
-        self.urgent: collections.deque[Chunk] = collections.deque()     # answers, pushes asked for
-        self.queue: collections.deque[Chunk] = collections.deque()      # pushes
-        self.fault_push = False           # the next push follows a fault: it goes first
+        self.progress = progress  # called with the number of pages that travel, as they are queued
+        self.head: Chunk | None = None  # the section being written
+        self.head_written = 0  # bytes of it written
+        self.urgent: collections.deque[Chunk] = collections.deque()  # answers, pushes asked for
+        self.queue: collections.deque[Chunk] = collections.deque()  # pushes
+        self.fault_push = False  # the next push follows a fault: it goes first
         self.closing_queued = False
-        self.devices_loaded = False       # the PONG to the package's PING came: END may go
-        self.faults: list[tuple[int, int]] = []     # (block, page) of every page asked for, in order
+        self.devices_loaded = False  # the PONG to the package's PING came: END may go
+        self.faults: list[tuple[int, int]] = []  # (block, page) of every page asked for, in order
         self.working_set = self._working_set(working_set) if working_set else []
         self.precopy_seconds = precopy_seconds
         self._decompress_ahead(image, self._working_set_frames())
@@ -395,8 +434,10 @@ class PostcopyServer:
     def _block(self, index: int, block: qemu.RamBlock) -> Block:
         region = self.image.region(block.name)
         if region.size_bytes != block.length:
-            raise LeanImageError(f"region {block.name!r} has {region.size_bytes} bytes, the stream state "
-                                 f"says {block.length}", structure=f"region[{region.region_id}]")
+            raise LeanImageError(
+                f"region {block.name!r} has {region.size_bytes} bytes, the stream state says {block.length}",
+                structure=f"region[{region.region_id}]",
+            )
         cls = self.image.classes(region)
         return Block(index, block.name, region, cls, (cls == PageClass.ZERO) | (cls == PageClass.FREE))
 
@@ -419,9 +460,10 @@ class PostcopyServer:
 
     def _working_set_frames(self) -> list[int]:
         """The frames of the working set's STORED pages, in the order it first needs them."""
-        ordinals = [self.image.page_slots(block.region, 0, len(block.classes))[pages[block.classes[pages] ==
-                                                                                     PageClass.STORED]]
-                    for block, pages in self.working_set]
+        ordinals = [
+            self.image.page_slots(block.region, 0, len(block.classes))[pages[block.classes[pages] == PageClass.STORED]]
+            for block, pages in self.working_set
+        ]
         if not ordinals:
             return []
         frames = self.image.frames.page_frames.frame_of(np.concatenate(ordinals))
@@ -473,7 +515,7 @@ class PostcopyServer:
             for lo, hi in _runs_of(blank):
                 pages = None if blank[lo] else data[lo:hi]
                 parts.append(page_entries(block.name, self.ps, first + lo, pages, hi - lo))
-        block.sent[first:first + count] = True
+        block.sent[first : first + count] = True
         self._account(int((~blank).sum()))
         return b"".join(parts)
 
@@ -498,8 +540,10 @@ class PostcopyServer:
                     except LeanImageError as one:
                         cause = one
                         break
-            error = ServeError(f"stopped before sending block {block.name!r} page {page} "
-                               f"(offset {page * self.ps:#x}), nothing more sent: {cause}")
+            error = ServeError(
+                f"stopped before sending block {block.name!r} page {page} "
+                f"(offset {page * self.ps:#x}), nothing more sent: {cause}"
+            )
             error.page = page
             raise error from None
         return np.frombuffer(data, np.uint8).reshape(count, self.ps)
@@ -518,13 +562,15 @@ class PostcopyServer:
             self.out.flush()
             self.stats.mark("package sent")
             self.stats.seconds_to_run = time.monotonic() - self.t0
-            total = s3.fetched_total()             # None: the image is not in a store
+            total = s3.fetched_total()  # None: the image is not in a store
             self.stats.fetched_at_run = total and total[0]
             self._loop()
         except BrokenPipeError:
-            self.stats.error = (f"the destination closed the migration stream after {self.stats.bytes_sent} bytes "
-                                "(its own error says why; is post-copy enabled on it: -global "
-                                "migration.x-postcopy-ram=on?)")
+            self.stats.error = (
+                f"the destination closed the migration stream after {self.stats.bytes_sent} bytes "
+                "(its own error says why; is post-copy enabled on it: -global "
+                "migration.x-postcopy-ram=on?)"
+            )
             raise ServeError(self.stats.error) from None
         except ServeError as exc:
             self.stats.error = str(exc)
@@ -541,7 +587,7 @@ class PostcopyServer:
         was verified); then nothing more."""
         try:
             if self.head is not None:
-                self._write(self.head.data[self.head_written:])
+                self._write(self.head.data[self.head_written :])
             for chunk in [*self.urgent, *self.queue]:
                 self._write(chunk.data)
             self.out.flush()
@@ -554,8 +600,9 @@ class PostcopyServer:
             while True:
                 pushing = self._queue_more()
                 waiting = self.head is not None or self.urgent or self.queue
-                readable, writable, _ = select.select([] if rp.ended else [rp.fd], [out] if waiting else [],
-                                                      [], 0 if pushing else None)
+                readable, writable, _ = select.select(
+                    [] if rp.ended else [rp.fd], [out] if waiting else [], [], 0 if pushing else None
+                )
                 if readable and self._answer(rp.read()):
                     return
                 if writable:
@@ -566,7 +613,7 @@ class PostcopyServer:
         pushes are to come without waiting for anything."""
         if self.closing_queued:
             return False
-        if self.left == 0:            # nothing more to push; the closing once the devices loaded
+        if self.left == 0:  # nothing more to push; the closing once the devices loaded
             if self.devices_loaded:
                 self.queue.append(Chunk(closing(self.state), last=True))
                 self.closing_queued = True
@@ -587,7 +634,7 @@ class PostcopyServer:
         if self.head is None:
             self.head, self.head_written = (self.urgent or self.queue).popleft(), 0
         try:
-            n = os.write(out, memoryview(self.head.data)[self.head_written:])
+            n = os.write(out, memoryview(self.head.data)[self.head_written :])
         except BlockingIOError:
             return
         self.stats.bytes_sent += n
@@ -625,7 +672,7 @@ class PostcopyServer:
             return gone
         if parts:
             self.urgent.append(Chunk(self._section_bytes(parts)))
-            self.fault_push = True            # the pages around a fault (bubble) come next
+            self.fault_push = True  # the pages around a fault (bubble) come next
         self.urgent.extend(promoted)
         self._answered(arrivals)
         return False
@@ -647,8 +694,9 @@ class PostcopyServer:
         self.stats.requests += 1
         block = self.by_name.get(name)
         if block is None or start % self.ps or size % self.ps or start + size > len(block.sent) * self.ps:
-            raise ServeError(f"the destination asked for {size} bytes at {start:#x} of block {name!r}, "
-                             "which the image does not have")
+            raise ServeError(
+                f"the destination asked for {size} bytes at {start:#x} of block {name!r}, which the image does not have"
+            )
         first, count = start // self.ps, size // self.ps
         if self.stats.completed:
             return b""
@@ -704,7 +752,7 @@ class PostcopyServer:
         try:
             first = int(pages[0])
             if int(pages[-1]) - first + 1 == len(pages) and (np.diff(pages) == 1).all():
-                return self._read(block, first, len(pages))          # one run: no copy
+                return self._read(block, first, len(pages))  # one run: no copy
             return self._read_spans(block, pages)
         except ServeError as exc:
             if queue_good:
@@ -726,7 +774,7 @@ class PostcopyServer:
     def _queue_before_failure(self, block: Block, pages: np.ndarray, failed: int) -> None:
         """Queue the pages of this push before the one that failed, in order (read again, each
         verified), so that the destination has every good page up to the failure."""
-        good = pages[:int(np.argmax(pages == failed))] if (pages == failed).any() else pages[pages < failed]
+        good = pages[: int(np.argmax(pages == failed))] if (pages == failed).any() else pages[pages < failed]
         for page in good.tolist():
             if not block.sent[page]:
                 data = self._read(block, page, 1)
@@ -746,7 +794,7 @@ class PostcopyServer:
         for lo in range(0, count, CHUNK_PAGES):
             hi = min(count, lo + CHUNK_PAGES)
             head = _BE64.pack(int(pages[lo]) * self.ps | qemu.F_PAGE) + name
-            body = [head, memoryview(rows[lo, 8:]), memoryview(rows[lo + 1:hi].reshape(-1))]    # joined once
+            body = [head, memoryview(rows[lo, 8:]), memoryview(rows[lo + 1 : hi].reshape(-1))]  # joined once
             chunks.append(Chunk(self._section_bytes(body), block.index, pages[lo:hi]))
         return chunks
 
@@ -773,9 +821,18 @@ def _process_start() -> float | None:
     return time.time() - uptime + ticks / os.sysconf("SC_CLK_TCK")
 
 
-def serve_postcopy(image: LeanImage, out, inp, strategy: str = "sequential", stats_path: str | None = None,
-                   log=None, progress=None, working_set: str | None = None,
-                   record_faults: str | None = None, precopy_seconds: float = 0.0) -> ServeStats:
+def serve_postcopy(
+    image: LeanImage,
+    out,
+    inp,
+    strategy: str = "sequential",
+    stats_path: str | None = None,
+    log=None,
+    progress=None,
+    working_set: str | None = None,
+    record_faults: str | None = None,
+    precopy_seconds: float = 0.0,
+) -> ServeStats:
     """Serve ``image`` on the binary file ``out`` (the stream) with the return path on ``inp``;
     report the counts on stderr (and as JSON in ``stats_path``).  ``working_set``: a file of
     pages sent before the guest runs; ``record_faults``: where to write the pages asked for;

@@ -23,7 +23,7 @@ from leanimg.arrays import distinct
 from leanimg.format import PageClass
 
 STRATEGIES = ("none", "sequential", "bubble", "disk-sorted")
-WINDOW = 4096                  # pages looked at per step when searching for unsent ones
+WINDOW = 4096  # pages looked at per step when searching for unsent ones
 
 
 def make_strategy(name: str, image, blocks):
@@ -69,7 +69,7 @@ class Ordered:
         want = limit
         while want and not self.exhausted:
             hi = min(len(self.page_of), self.cursor + WINDOW)
-            bs, ps = self.block_of[self.cursor:hi], self.page_of[self.cursor:hi]
+            bs, ps = self.block_of[self.cursor : hi], self.page_of[self.cursor : hi]
             unsent = np.ones(len(ps), bool)
             for index in distinct(bs).tolist():
                 mine = bs == index
@@ -112,9 +112,9 @@ class Bubble:
         moves both edges (by a window where there are none) and ends the bubble at both ends."""
         block = self.block
         todo = ~block.blank & ~block.sent
-        ahead = np.flatnonzero(todo[self.forward:self.forward + WINDOW])[:half] + self.forward
+        ahead = np.flatnonzero(todo[self.forward : self.forward + WINDOW])[:half] + self.forward
         lo = max(0, self.backward - WINDOW + 1)
-        behind = (np.flatnonzero(todo[lo:self.backward + 1])[::-1][:half] + lo)[::-1]
+        behind = (np.flatnonzero(todo[lo : self.backward + 1])[::-1][:half] + lo)[::-1]
         self.forward = int(ahead[-1]) + 1 if len(ahead) == half else self.forward + WINDOW
         self.backward = int(behind[0]) - 1 if len(behind) == half else lo - 1
         if self.forward >= len(todo) and self.backward < 0:

@@ -19,16 +19,21 @@ def stream_state(image: LeanImage) -> qemu.StreamState:
     for state in image.source_states:
         if state.source_format == SourceFormat.QEMU and state.tag == QEMU_TAG_STREAM_STATE:
             return unpack_stream_state(state.data, state.offset)
-    raise UnsupportedError("the image has no QEMU stream state (SOURCE_STATE tag 1): it was not "
-                           f"converted from a QEMU save; use {fitting_targets(image)}", structure="source_state")
+    raise UnsupportedError(
+        "the image has no QEMU stream state (SOURCE_STATE tag 1): it was not "
+        f"converted from a QEMU save; use {fitting_targets(image)}",
+        structure="source_state",
+    )
 
 
 def _page_source(image: LeanImage, progress):
     def source(block: qemu.RamBlock):
         region = image.region(block.name)
         if region.size_bytes != block.length:
-            raise FormatError(f"region {block.name!r} has {region.size_bytes} bytes, the stream state "
-                              f"says {block.length}", structure=f"region[{region.region_id}]")
+            raise FormatError(
+                f"region {block.name!r} has {region.size_bytes} bytes, the stream state says {block.length}",
+                structure=f"region[{region.region_id}]",
+            )
         ps = image.page_size
         step = image.gather_chunk_pages
         for first in range(0, region.num_pages, step):
@@ -37,6 +42,7 @@ def _page_source(image: LeanImage, progress):
                 yield qemu.Zeros(n * ps) if data is None else qemu.Pages(data)
             if progress:
                 progress(count * ps)
+
     return source
 
 

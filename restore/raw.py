@@ -38,4 +38,4 @@ def restore_raw(image: LeanImage, out, progress=None) -> int:
 
 
 def _zeros(length: int) -> list[memoryview]:
-    return [_ZERO_VIEW[:min(len(_ZERO_VIEW), length - at)] for at in range(0, length, len(_ZERO_VIEW))]
+    return [_ZERO_VIEW[: min(len(_ZERO_VIEW), length - at)] for at in range(0, length, len(_ZERO_VIEW))]

@@ -30,7 +30,7 @@ from leanimg.rules import implements
 MAGIC = b"\x89LEANWKS"
 HEADER = struct.Struct("<8sHHIII")
 ENTRY = np.dtype([("block", "<u4"), ("page", "<u4")])
-MAX_ENTRIES = 1 << 22           # 16 GiB of 4 KiB pages; the file is at most ~32 MiB
+MAX_ENTRIES = 1 << 22  # 16 GiB of 4 KiB pages; the file is at most ~32 MiB
 
 
 class WorkingSetError(LeanImageError):
@@ -67,24 +67,50 @@ def read_working_set(path: str, page_size: int, block_pages: dict[str, int]) -> 
 @implements("LI-WKS-001", "LI-WKS-002")
 def _check_header(head: bytes, page_size: int, path: str) -> None:
     if head[:8] != MAGIC:
-        raise WorkingSetError("not a working-set file (the magic 89 4C 45 41 4E 57 4B 53 is missing)",
-                              offset=0, structure="header.magic", rule="LI-WKS-001", path=path)
+        raise WorkingSetError(
+            "not a working-set file (the magic 89 4C 45 41 4E 57 4B 53 is missing)",
+            offset=0,
+            structure="header.magic",
+            rule="LI-WKS-001",
+            path=path,
+        )
     if len(head) < HEADER.size:
-        raise WorkingSetError(f"the header is cut short: {len(head)} of {HEADER.size} bytes", offset=len(head),
-                              structure="header", rule="LI-WKS-002", path=path)
+        raise WorkingSetError(
+            f"the header is cut short: {len(head)} of {HEADER.size} bytes",
+            offset=len(head),
+            structure="header",
+            rule="LI-WKS-002",
+            path=path,
+        )
     _, major, _, size, blocks, entries = HEADER.unpack(head)
     if major != 1:
-        raise WorkingSetError(f"major_version {major} is not 1", offset=8, structure="header.major_version",
-                              rule="LI-WKS-002", path=path)
+        raise WorkingSetError(
+            f"major_version {major} is not 1", offset=8, structure="header.major_version", rule="LI-WKS-002", path=path
+        )
     if size != page_size:
-        raise WorkingSetError(f"page_size {size} is not the image's {page_size}", offset=12,
-                              structure="header.page_size", rule="LI-WKS-002", path=path)
+        raise WorkingSetError(
+            f"page_size {size} is not the image's {page_size}",
+            offset=12,
+            structure="header.page_size",
+            rule="LI-WKS-002",
+            path=path,
+        )
     if not 1 <= blocks <= 255:
-        raise WorkingSetError(f"block_count {blocks} is not 1-255", offset=16, structure="header.block_count",
-                              rule="LI-WKS-002", path=path)
+        raise WorkingSetError(
+            f"block_count {blocks} is not 1-255",
+            offset=16,
+            structure="header.block_count",
+            rule="LI-WKS-002",
+            path=path,
+        )
     if entries > MAX_ENTRIES:
-        raise WorkingSetError(f"entry_count {entries} exceeds {MAX_ENTRIES}", offset=20,
-                              structure="header.entry_count", rule="LI-WKS-002", path=path)
+        raise WorkingSetError(
+            f"entry_count {entries} exceeds {MAX_ENTRIES}",
+            offset=20,
+            structure="header.entry_count",
+            rule="LI-WKS-002",
+            path=path,
+        )
 
 
 @implements("LI-WKS-003")
@@ -93,7 +119,7 @@ def _block_names(rest: bytes, count: int, block_pages: dict[str, int], path: str
     for index in range(count):
         where = dict(offset=HEADER.size + at, structure=f"blocks[{index}]", rule="LI-WKS-003", path=path)
         length = rest[at] if at < len(rest) else 0
-        raw = rest[at + 1:at + 1 + length]
+        raw = rest[at + 1 : at + 1 + length]
         if not length or len(raw) < length:
             raise WorkingSetError("the block name is empty or cut short", **where)
         try:
@@ -110,27 +136,38 @@ def _block_names(rest: bytes, count: int, block_pages: dict[str, int], path: str
 @implements("LI-WKS-004")
 def _check_length(table: bytes, count: int, offset: int, path: str) -> None:
     if len(table) != count * ENTRY.itemsize:
-        raise WorkingSetError(f"entry_count {count} needs {count * ENTRY.itemsize} bytes of entries, the file "
-                              f"has {len(table)}{'+' if len(table) > count * ENTRY.itemsize else ''}",
-                              offset=offset, structure="entries", rule="LI-WKS-004", path=path)
+        raise WorkingSetError(
+            f"entry_count {count} needs {count * ENTRY.itemsize} bytes of entries, the file "
+            f"has {len(table)}{'+' if len(table) > count * ENTRY.itemsize else ''}",
+            offset=offset,
+            structure="entries",
+            rule="LI-WKS-004",
+            path=path,
+        )
 
 
 @implements("LI-WKS-005")
-def _check_entries(entries: np.ndarray, names: list[str], block_pages: dict[str, int], offset: int,
-                   path: str) -> None:
+def _check_entries(entries: np.ndarray, names: list[str], block_pages: dict[str, int], offset: int, path: str) -> None:
     limits = np.array([block_pages[n] for n in names], np.int64)
     blocks = entries["block"].astype(np.int64)
     bad = blocks >= len(names)
     bad[~bad] = entries["page"][~bad] >= limits[blocks[~bad]]
     if bad.any():
         i = int(np.argmax(bad))
-        raise WorkingSetError(f"entry {i} names block {int(blocks[i])} page {int(entries['page'][i])}, which "
-                              "is not in the image", offset=offset + i * ENTRY.itemsize,
-                              structure=f"entries[{i}]", rule="LI-WKS-005", path=path)
+        raise WorkingSetError(
+            f"entry {i} names block {int(blocks[i])} page {int(entries['page'][i])}, which is not in the image",
+            offset=offset + i * ENTRY.itemsize,
+            structure=f"entries[{i}]",
+            rule="LI-WKS-005",
+            path=path,
+        )
 
 
 def _group(entries: np.ndarray, names: list[str]) -> list[tuple[str, np.ndarray]]:
     blocks = entries["block"]
     bounds = [0, *(np.flatnonzero(blocks[1:] != blocks[:-1]) + 1).tolist(), len(entries)]
-    return [(names[int(blocks[lo])], entries["page"][lo:hi].astype(np.int64)) for lo, hi in zip(bounds, bounds[1:])
-            if hi > lo]
+    return [
+        (names[int(blocks[lo])], entries["page"][lo:hi].astype(np.int64))
+        for lo, hi in zip(bounds, bounds[1:])
+        if hi > lo
+    ]

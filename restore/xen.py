@@ -15,8 +15,14 @@ from .targets import fitting_targets
 
 def _skeleton_state(image: LeanImage):
     """The SOURCE_STATE record (Xen tag 1) holding the stream's skeleton, or None."""
-    return next((state for state in image.source_states
-                 if state.source_format == SourceFormat.XEN and state.tag == XEN_TAG_SKELETON), None)
+    return next(
+        (
+            state
+            for state in image.source_states
+            if state.source_format == SourceFormat.XEN and state.tag == XEN_TAG_SKELETON
+        ),
+        None,
+    )
 
 
 def skeleton_items(image: LeanImage):
@@ -24,8 +30,11 @@ def skeleton_items(image: LeanImage):
     state = _skeleton_state(image)
     if state is not None:
         return unpack_skeleton(state.data, state.offset)
-    raise UnsupportedError("the image has no Xen stream skeleton (SOURCE_STATE Xen tag 1): it was "
-                           f"not converted from a Xen save; use {fitting_targets(image)}", structure="source_state")
+    raise UnsupportedError(
+        "the image has no Xen stream skeleton (SOURCE_STATE Xen tag 1): it was "
+        f"not converted from a Xen save; use {fitting_targets(image)}",
+        structure="source_state",
+    )
 
 
 def restore_xen(image: LeanImage, out: BinaryIO, progress=None) -> int:

@@ -28,6 +28,7 @@ def small_batches(monkeypatch):
     is larger), so that a test chain of 2 * CHECK_BATCH + 20 links makes three batches
     (test_chain_open.test_batches_grow_within_their_bytes checks the sizes as set)."""
     from leanimg import parents
+
     monkeypatch.setattr(parents, "CHECK_BATCH_LATER", parents.CHECK_BATCH)
 
 
@@ -35,6 +36,7 @@ def small_batches(monkeypatch):
 def s3store(tmp_path_factory):
     """A real S3-compatible store (SeaweedFS on loopback, tests/s3store.py) for the session."""
     from s3store import SeaweedFS, require_weed
+
     require_weed()
     store = SeaweedFS.start(tmp_path_factory.mktemp("seaweedfs"))
     yield store

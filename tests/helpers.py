@@ -26,9 +26,9 @@ def register_hypothesis_profiles(load: bool = True) -> None:
     """Register the profiles ``default``, ``ci`` and ``expensive``; load HYPOTHESIS_PROFILE."""
     global _REGISTERED
     from hypothesis import HealthCheck, settings
+
     if not _REGISTERED:
-        common = dict(suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-                      deadline=None)
+        common = dict(suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large], deadline=None)
         settings.register_profile("default", max_examples=100, **common)
         settings.register_profile("ci", max_examples=300, derandomize=True, print_blob=True, **common)
         settings.register_profile("expensive", max_examples=3000, **common)
@@ -40,6 +40,7 @@ def register_hypothesis_profiles(load: bool = True) -> None:
 def write_bytes(build, **writer_kwargs) -> bytes:
     """Run ``build(writer)`` on a LeanImageWriter writing to memory; the image bytes."""
     from leanimg.writer import LeanImageWriter
+
     out = io.BytesIO()
     writer_kwargs.setdefault("threads", 1)
     with LeanImageWriter(out, **writer_kwargs) as writer:
@@ -51,6 +52,7 @@ def write_bytes(build, **writer_kwargs) -> bytes:
 def disk_sources(paths=None):
     """``paths`` (disk name -> file) opened as disk sources for the block."""
     from leanimg.disks import open_disk
+
     sources = {}
     try:
         for name, path in (paths or {}).items():
@@ -64,6 +66,7 @@ def disk_sources(paths=None):
 def validate_with_disks(path, *, disks=None, **kw):
     """``validate`` with ``disks`` (disk name -> file) opened for it."""
     from leanimg.validate import validate
+
     with disk_sources(disks) as sources:
         return validate(path, disks=sources, **kw)
 
@@ -72,18 +75,19 @@ def restore_bytes(path, *, parents=(), disks=None) -> bytes:
     """Raw restore of ``path`` (regions in file order, concatenated) as bytes."""
     from leanimg.reader import LeanImage
     from leanimg.restore.raw import restore_raw
+
     out = io.BytesIO()
     with disk_sources(disks) as sources, LeanImage.open(path, parents=list(parents), disks=sources) as image:
         restore_raw(image, out)
     return out.getvalue()
 
 
-def roundtrip(data: bytes, expected: dict[str, bytes], *, page_size: int, tmpdir=None,
-              parents=(), disks=None) -> None:
+def roundtrip(data: bytes, expected: dict[str, bytes], *, page_size: int, tmpdir=None, parents=(), disks=None) -> None:
     """Check an image (bytes) reads back page-identical: ``expected`` maps region name to its
     full content in file order (FREE pages as zeros). Uses read_page on every page and restore_raw."""
     from leanimg.reader import LeanImage
     from leanimg.validate import validate
+
     with tempfile.TemporaryDirectory(dir=tmpdir) as d:
         path = os.path.join(d, "image.lean")
         with open(path, "wb") as f:
@@ -98,7 +102,7 @@ def roundtrip(data: bytes, expected: dict[str, bytes], *, page_size: int, tmpdir
                 assert region.size_bytes == len(content)
                 for p in range(region.num_pages):
                     got = image.read_page(region, p)
-                    assert got == content[p * page_size:(p + 1) * page_size], (region.name, p)
+                    assert got == content[p * page_size : (p + 1) * page_size], (region.name, p)
         assert restore_bytes(path, parents=parents, disks=disks) == b"".join(expected.values())
 
 
@@ -106,6 +110,7 @@ def make_vectors():
     """tests/vectors/make_vectors.py as a module (its Lean record model and mutation helpers)."""
     import importlib.util
     import sys
+
     name = "leanimg_test_make_vectors"
     if name not in sys.modules:
         spec = importlib.util.spec_from_file_location(name, VECTORS_DIR / "make_vectors.py")
@@ -130,24 +135,33 @@ def qemu_save(ram: bytes, *, vmdesc: bool = True, page_size: int = 4096) -> byte
     import json
     import struct
     from leanimg.converters import qemu as q
+
     machine = b"pc-i440fx-7.2"
-    prologue = struct.pack(">II", q.QEVM_MAGIC, 3) + bytes([q.CONFIGURATION]) + \
-        struct.pack(">I", len(machine)) + machine
+    prologue = (
+        struct.pack(">II", q.QEVM_MAGIC, 3) + bytes([q.CONFIGURATION]) + struct.pack(">I", len(machine)) + machine
+    )
     devices = [q.DeviceSection(q.FULL, q.SectionHeader(3, "timer", 0, 2), b"\x01" * 24)]
     desc = {"page_size": page_size, "devices": [{"name": "timer", "instance_id": 0}]}
-    state = q.StreamState(prologue=prologue, machine=machine.decode(), page_size=page_size,
-                          capabilities=(), ram=q.SectionHeader(2, "ram", 0, 4),
-                          ram_blocks=(q.RamBlock("pc.ram", len(ram)),),
-                          ram_plan=[(q.START, 0), (q.PART, len(ram) // page_size), (q.END, 0)], footers=True,
-                          devices=devices, vmdesc=json.dumps(desc).encode() if vmdesc else None)
+    state = q.StreamState(
+        prologue=prologue,
+        machine=machine.decode(),
+        page_size=page_size,
+        capabilities=(),
+        ram=q.SectionHeader(2, "ram", 0, 4),
+        ram_blocks=(q.RamBlock("pc.ram", len(ram)),),
+        ram_plan=[(q.START, 0), (q.PART, len(ram) // page_size), (q.END, 0)],
+        footers=True,
+        devices=devices,
+        vmdesc=json.dumps(desc).encode() if vmdesc else None,
+    )
     out = io.BytesIO()
     q.write_qemu_stream(out, state, None, lambda b: [ram])
     return out.getvalue()
 
 
-def assert_clean_failure(proc, outdir: Path, *,
-                         match: str = "", offset: int | None = None,
-                         structure: str | None = "") -> str:
+def assert_clean_failure(
+    proc, outdir: Path, *, match: str = "", offset: int | None = None, structure: str | None = ""
+) -> str:
     """Exit 1, exactly one stderr line 'leanimg: error: ...', nothing left in ``outdir``."""
     err = proc.stderr.decode(errors="replace")
     lines = err.strip().splitlines()
@@ -158,7 +172,7 @@ def assert_clean_failure(proc, outdir: Path, *,
     assert line.startswith("leanimg: error: "), line
     assert match in line, f"expected {match!r} in: {line}"
     if offset == -1:
-        pass               # the caller checks where the error points
+        pass  # the caller checks where the error points
     elif offset is not None:
         assert f"offset {offset:#x}" in line, f"expected offset {offset:#x} in: {line}"
     else:
@@ -174,10 +188,11 @@ def with_source_state_data(image: Path, out: Path, data: bytes) -> None:
     """``image`` with the data of its first SOURCE_STATE record replaced; every checksum, the
     index and the footer recomputed, so the blob's content is the only thing wrong."""
     from leanimg.format import SOURCE_STATE_BODY, RecordType
+
     mv = make_vectors()
     lean = mv.Lean.parse(image.read_bytes())
     k = next(i for i, r in enumerate(lean.records) if r.type == RecordType.SOURCE_STATE)
-    head = lean.records[k].body[:SOURCE_STATE_BODY.struct.size]
+    head = lean.records[k].body[: SOURCE_STATE_BODY.struct.size]
     lean.records[k].body = head + data
     lean.records[k].count = len(data)
     out.write_bytes(lean.build())
@@ -189,6 +204,7 @@ def make_record(record_type: int, body: bytes, *, offset: int = 0, index: int | 
     per-record and cross-record checks without writing a file)."""
     from leanimg.format import checksum64
     from leanimg.structures import Record, parse_body
+
     record = Record(offset, int(record_type), 0, len(body), checksum64(body), memoryview(bytes(body)), index)
     if parse:
         parse_body(record)
@@ -218,6 +234,7 @@ def write_two_link_chain(directory):
     import types
     from leanimg.format import PageClass, SourceFormat, page_digest
     from leanimg.writer import LeanImageWriter, ParentLink, disk_fingerprint
+
     directory = Path(directory)
     disk = _pages(50, 4)
     disk_path = directory / "disk0.raw"
@@ -225,7 +242,7 @@ def write_two_link_chain(directory):
     parent_uuid, child_uuid = bytes([0x11] * 16), bytes([0x22] * 16)
 
     ram = bytearray(_pages(51, 8))
-    ram[6 * PS:7 * PS] = bytes(PS)
+    ram[6 * PS : 7 * PS] = bytes(PS)
     rom = _pages(52, 2)
     parent_path = directory / "parent.lean"
     with LeanImageWriter(parent_path, frame_pages=1, threads=1, image_uuid=parent_uuid) as w:
@@ -236,19 +253,28 @@ def write_two_link_chain(directory):
     parent_digest = parent_path.read_bytes()[-24:-8]
 
     def page(data, k):
-        return bytes(data[k * PS:(k + 1) * PS])
+        return bytes(data[k * PS : (k + 1) * PS])
 
     def changed(k, words):
         new = np.frombuffer(page(ram, k), "<u8").copy()
         new[list(words)] ^= np.uint64(0x0123_4567_89AB_CDEF)
         return new.tobytes()
 
-    child_ram = [page(ram, 0), changed(1, [0, 5, 511]), _pages(53, 1), bytes(PS), bytes(PS),
-                 disk[PS:2 * PS], disk[:PS], changed(7, range(100, 140))]
+    child_ram = [
+        page(ram, 0),
+        changed(1, [0, 5, 511]),
+        _pages(53, 1),
+        bytes(PS),
+        bytes(PS),
+        disk[PS : 2 * PS],
+        disk[:PS],
+        changed(7, range(100, 140)),
+    ]
     child_path = directory / "child.lean"
-    with LeanImageWriter(child_path, frame_pages=2, threads=1, image_uuid=child_uuid,
-                         parent=ParentLink(parent_uuid, parent_digest)) as w:
-        disk_id = w.add_disk("disk0", len(disk), disk_fingerprint(lambda o, n: disk[o:o + n], len(disk)))
+    with LeanImageWriter(
+        child_path, frame_pages=2, threads=1, image_uuid=child_uuid, parent=ParentLink(parent_uuid, parent_digest)
+    ) as w:
+        disk_id = w.add_disk("disk0", len(disk), disk_fingerprint(lambda o, n: disk[o : o + n], len(disk)))
         w.add_source_state(SourceFormat.QEMU, 3, b"cpu state")
         w.add_source_state(SourceFormat.QEMU, 4, b"devices")
         r = w.add_region("ram", 8 * PS)
@@ -257,19 +283,31 @@ def write_two_link_chain(directory):
         w.put_pages(r, 2, child_ram[2])
         w.put_zero(r, 3)
         w.put_free(r, 4)
-        w.put_disks(r, np.array([5, 6]), np.array([disk_id, disk_id]), np.array([8, 0]),
-                    np.frombuffer(page_digest(child_ram[5]) + page_digest(child_ram[6]), np.uint8).reshape(2, 16))
+        w.put_disks(
+            r,
+            np.array([5, 6]),
+            np.array([disk_id, disk_id]),
+            np.array([8, 0]),
+            np.frombuffer(page_digest(child_ram[5]) + page_digest(child_ram[6]), np.uint8).reshape(2, 16),
+        )
         assert w.put_changed(r, 7, page(ram, 7), child_ram[7]) == PageClass.DELTA
         o = w.add_region("rom", 2 * PS, guest_phys_base=0xF0000)
         w.put_parent(o, 0, page_digest(page(rom, 0)) + page_digest(page(rom, 1)))
     return types.SimpleNamespace(
-        parent=parent_path, child=child_path, disk=disk_path, parent_uuid=parent_uuid, child_uuid=child_uuid,
-        parent_content={"ram": bytes(ram), "rom": rom}, child_content={"ram": b"".join(child_ram), "rom": rom})
+        parent=parent_path,
+        child=child_path,
+        disk=disk_path,
+        parent_uuid=parent_uuid,
+        child_uuid=child_uuid,
+        parent_content={"ram": bytes(ram), "rom": rom},
+        child_content={"ram": b"".join(child_ram), "rom": rom},
+    )
 
 
 def run_leanimg(*args, timeout: float, **kw) -> subprocess.CompletedProcess:
     """The leanimg command line with ``args`` (str() of each), output captured as text."""
     from leanimg.cli import command_line
+
     return subprocess.run([*command_line(), *map(str, args)], capture_output=True, text=True, timeout=timeout, **kw)
 
 
@@ -286,15 +324,23 @@ def tagged_page(tag: int, page_size: int = 4096) -> bytes:
     return np.full(page_size // 8, tag, np.uint64).tobytes()
 
 
-def write_every_class_chain(folder: Path, plan: list[str], *, disk_blocks: int, frame_pages: int | None = None,
-                            ram_base: int = 0, rom_pages: int = 2, rom_base: int | None = None
-                            ) -> tuple[Path, Path, Path]:
+def write_every_class_chain(
+    folder: Path,
+    plan: list[str],
+    *,
+    disk_blocks: int,
+    frame_pages: int | None = None,
+    ram_base: int = 0,
+    rom_pages: int = 2,
+    rom_base: int | None = None,
+) -> tuple[Path, Path, Path]:
     """A parent image and a child whose region "ram" has the classes ``plan`` gives page by page
     (STORED, ZERO, FREE, DISK<k> = block k of disk "vda", PARENT, DELTA), plus a region "rom"
     of ``rom_pages`` STORED pages. Returns (child, parent, disk file) in ``folder``."""
     from leanimg.format import DISK_SECTOR_SIZE, PageClass, page_digest
     from leanimg.reader import LeanImage
     from leanimg.writer import LeanImageWriter, ParentLink, disk_fingerprint
+
     n, ps = len(plan), 4096
     parent_pages = [tagged_page(100 + k) for k in range(n)]
     parent_path = folder / "parent.lean"
@@ -306,7 +352,7 @@ def write_every_class_chain(folder: Path, plan: list[str], *, disk_blocks: int, 
     (folder / "disk.img").write_bytes(disk)
     child_path = folder / "child.lean"
     with LeanImageWriter(child_path, parent=link, frame_pages=frame_pages) as w:
-        d = w.add_disk("vda", len(disk), disk_fingerprint(lambda o, k: disk[o:o + k], len(disk)))
+        d = w.add_disk("vda", len(disk), disk_fingerprint(lambda o, k: disk[o : o + k], len(disk)))
         ram = w.add_region("ram", n * ps, guest_phys_base=ram_base)
         rom = w.add_region("rom", rom_pages * ps, guest_phys_base=rom_base)
         w.put_pages(rom, 0, b"".join(tagged_page(1 + k) for k in range(rom_pages)))
@@ -319,7 +365,9 @@ def write_every_class_chain(folder: Path, plan: list[str], *, disk_blocks: int, 
                 w.put_free(ram, page)
             elif name.startswith("DISK"):
                 block = int(name[4:])
-                w.put_disk(ram, page, d, block * ps // DISK_SECTOR_SIZE, page_digest(disk[block * ps:(block + 1) * ps]))
+                w.put_disk(
+                    ram, page, d, block * ps // DISK_SECTOR_SIZE, page_digest(disk[block * ps : (block + 1) * ps])
+                )
             elif name == "PARENT":
                 w.put_parent(ram, page, page_digest(parent_pages[page]))
             else:

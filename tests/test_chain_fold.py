@@ -23,7 +23,15 @@ from leanimg import chain as chain_module
 from leanimg.chain import _quick_delta_frame, _read_delta_batch, _read_delta_batch_native, resolve
 from leanimg.errors import LeanImageError
 from leanimg.format import (
-    DIGEST_SIZE, INDEX_BODY, INDEX_ENTRY, IS_CONCRETE, RECORD, PageClass, RecordType, page_digest, zero_page_digest,
+    DIGEST_SIZE,
+    INDEX_BODY,
+    INDEX_ENTRY,
+    IS_CONCRETE,
+    RECORD,
+    PageClass,
+    RecordType,
+    page_digest,
+    zero_page_digest,
 )
 from leanimg.reader import LeanImage
 from leanimg.restore.raw import restore_raw
@@ -56,14 +64,19 @@ def reference_resolve(image, region) -> dict:
         if links[depth].digests.inherits:
             digest_link[pages] = depth
         else:
-            digest_link[:min(n, r.num_pages)] = depth
+            digest_link[: min(n, r.num_pages)] = depth
         delta = classes == PageClass.DELTA
         deltas += [(int(p), depth, int(s)) for p, s in zip(pages[delta], slots[delta])]
     applied = sorted(((p, d, s) for p, d, s in deltas if d < base_link[p]), key=lambda e: (e[0], -e[1]))
-    return dict(base_link=base_link, base_class=base_class, base_slot=base_slot, digest_link=digest_link,
-                delta_pages=np.array([e[0] for e in applied], np.int64),
-                delta_links=np.array([e[1] for e in applied], np.int64),
-                delta_slots=np.array([e[2] for e in applied], np.int64))
+    return dict(
+        base_link=base_link,
+        base_class=base_class,
+        base_slot=base_slot,
+        digest_link=digest_link,
+        delta_pages=np.array([e[0] for e in applied], np.int64),
+        delta_links=np.array([e[1] for e in applied], np.int64),
+        delta_slots=np.array([e[2] for e in applied], np.int64),
+    )
 
 
 def _own_pages(region, limit: int):
@@ -110,8 +123,13 @@ def write_chain(directory: Path, plan: list, seed: int) -> list[Path]:
     paths, parent, before = [], None, None
     for k, (as_1_0, kinds) in enumerate(plan):
         path = directory / f"link{k:02d}.lean"
-        w = LeanImageWriter(path, parent=parent, frame_pages=4, threads=1,
-                            inherit_digests=False if as_1_0 and parent is not None else None)
+        w = LeanImageWriter(
+            path,
+            parent=parent,
+            frame_pages=4,
+            threads=1,
+            inherit_digests=False if as_1_0 and parent is not None else None,
+        )
         region = w.add_region("pc.ram", PAGES * PS, 0)
         for page, kind in enumerate(kinds):
             if kind == "zero" or kind == "free":
@@ -130,8 +148,9 @@ def write_chain(directory: Path, plan: list, seed: int) -> list[Path]:
     return paths
 
 
-chain_plans = st.lists(st.tuples(st.booleans(), st.lists(st.sampled_from(KINDS), min_size=PAGES, max_size=PAGES)),
-                       min_size=2, max_size=7)
+chain_plans = st.lists(
+    st.tuples(st.booleans(), st.lists(st.sampled_from(KINDS), min_size=PAGES, max_size=PAGES)), min_size=2, max_size=7
+)
 
 
 def _outcome(compute):
@@ -204,8 +223,10 @@ def _one_byte_set(short_chain, tmp_path_factory, data, links, spans) -> tuple[li
     bad = data.draw(links, label="link")
     start, end = data.draw(st.sampled_from(spans(paths[bad])), label="record")
     head = min(RECORD.size + 24, end - start)
-    at = start + data.draw(st.one_of(st.integers(0, head - 1), st.integers(0, end - start - 1))
-                           .filter(lambda a: not 8 <= a < 16), label="offset")
+    at = start + data.draw(
+        st.one_of(st.integers(0, head - 1), st.integers(0, end - start - 1)).filter(lambda a: not 8 <= a < 16),
+        label="offset",
+    )
     spoiled = bytearray(paths[bad].read_bytes())
     spoiled[at] = data.draw(st.integers(0, 255), label="value")
     paths[bad].write_bytes(reseal(bytes(spoiled)))
@@ -234,8 +255,9 @@ def _delta_spans(path: Path) -> list[tuple[int, int]]:
         positions = np.flatnonzero(entries["record_type"] == RecordType.DELTA_FRAME).tolist()
         offsets = entries["record_offset"].tolist()
     data = path.read_bytes()
-    spans = [(offsets[k], offsets[k] + RECORD.size + struct.unpack_from("<Q", data, offsets[k] + 8)[0])
-             for k in positions]
+    spans = [
+        (offsets[k], offsets[k] + RECORD.size + struct.unpack_from("<Q", data, offsets[k] + 8)[0]) for k in positions
+    ]
     entry_at = index_at + RECORD.size + INDEX_BODY.size
     return spans + [(entry_at + k * INDEX_ENTRY.size, entry_at + (k + 1) * INDEX_ENTRY.size) for k in positions]
 
@@ -319,11 +341,11 @@ def test_a_lying_body_length_is_judged_quickly_as_alone(short_chain, tmp_path, r
     paths = [tmp_path / p.name for p in short_chain]
     for source, target in zip(short_chain, paths):
         target.write_bytes(source.read_bytes())
-    bad = LINKS - 2                     # link 1: the digest link of the last link's PARENT pages
+    bad = LINKS - 2  # link 1: the digest link of the last link's PARENT pages
     start = (_digests_spans if record == "digests" else _delta_spans)(paths[bad])[0][0]
     spoiled = bytearray(paths[bad].read_bytes())
-    length = int.from_bytes(spoiled[start + 8:start + 16], "little")
-    spoiled[start + 8:start + 16] = (length + lie if lie < 1 << 40 else lie).to_bytes(8, "little")
+    length = int.from_bytes(spoiled[start + 8 : start + 16], "little")
+    spoiled[start + 8 : start + 16] = (length + lie if lie < 1 << 40 else lie).to_bytes(8, "little")
     paths[bad].write_bytes(bytes(spoiled))
     relink(paths, bad + 1)
     if record == "digests":
@@ -351,7 +373,7 @@ def test_a_delta_frame_with_a_wrong_checksum_is_judged_quickly_as_alone(short_ch
     refuse the record, and the frame store gives the checksum's finding."""
     bad = LINKS - 2
     paths, start, spoiled = _copy_to_spoil_a_delta_frame(short_chain, tmp_path, bad)
-    table = start + RECORD.size + 16                # its entry offsets: the second moved by one
+    table = start + RECORD.size + 16  # its entry offsets: the second moved by one
     second, third = struct.unpack_from("<II", spoiled, table + 4)
     assert second + 1 < third, "the second entry should be longer than a byte"
     struct.pack_into("<I", spoiled, table + 4, second + 1)
@@ -372,13 +394,13 @@ def test_a_spoiled_delta_frame_is_refused_by_every_read_alike(short_chain, tmp_p
     num = struct.unpack_from("<I", spoiled, start + RECORD.size + 8)[0]
     table_end = start + RECORD.size + 16 + 4 * (num + 1)
     frame_at = start + RECORD.size + ((16 + 4 * (num + 1) + 7) & ~7)
-    assert spoiled[frame_at:frame_at + 4] == b"\x28\xb5\x2f\xfd"
+    assert spoiled[frame_at : frame_at + 4] == b"\x28\xb5\x2f\xfd"
     if spoil == "zstd magic":
         spoiled[frame_at] ^= 0xFF
     elif spoil == "declared size huge":
         struct.pack_into("<I", spoiled, table_end - 4, 0xFFFF_FFFF)
     elif spoil == "zstd content size":
-        spoiled[frame_at + 5] ^= 0x01                  # the content size that follows the frame header descriptor
+        spoiled[frame_at + 5] ^= 0x01  # the content size that follows the frame header descriptor
     paths[bad].write_bytes(reseal(bytes(spoiled)))
     relink(paths, bad + 1)
     checked = _delta_outcome(paths[-1], 1, _checked)
@@ -406,7 +428,7 @@ def test_a_batch_of_delta_frames_read_in_c_is_the_batch_read_in_python(short_cha
             assert a.dtype == b.dtype == np.int64 and np.array_equal(a, b)
     bad = LINKS - 3
     paths, start, spoiled = _copy_to_spoil_a_delta_frame(short_chain, tmp_path, bad)
-    spoiled[start + RECORD.size + 16] ^= 0x01           # the first entry offset: no longer 0
+    spoiled[start + RECORD.size + 16] ^= 0x01  # the first entry offset: no longer 0
     paths[bad].write_bytes(reseal(bytes(spoiled)))
     relink(paths, bad + 1)
     with LeanImage.open(paths[-1]) as image:
@@ -414,11 +436,11 @@ def test_a_batch_of_delta_frames_read_in_c_is_the_batch_read_in_python(short_cha
         assert _read_delta_batch_native(frames, PS) is None
         found, _ = _outcome(lambda: _read_delta_batch(frames))
         assert found is not None and found[4] == str(paths[bad])
-    with LeanImage.open(short_chain[-1]) as image:          # a file cut short after it was opened
+    with LeanImage.open(short_chain[-1]) as image:  # a file cut short after it was opened
         link = image.chain()[1]
         frames = [(image, 0), (link, 0)]
         cut = tmp_path / "cut.lean"
-        cut.write_bytes(short_chain[-2].read_bytes()[:_delta_spans(short_chain[-2])[0][0] + 8])
+        cut.write_bytes(short_chain[-2].read_bytes()[: _delta_spans(short_chain[-2])[0][0] + 8])
         link.tables.file.fileobj = open(cut, "rb")
         try:
             assert _read_delta_batch_native(frames, PS) is None
@@ -452,7 +474,7 @@ def deep_chain(tmp_path_factory):
             w.put_parent(region, 0, digests[:k].tobytes())
             w.put_changed(region, k, before, mem[k].tobytes())
             if k + 1 < DEEP:
-                w.put_parent(region, k + 1, digests[k + 1:].tobytes())
+                w.put_parent(region, k + 1, digests[k + 1 :].tobytes())
         parent = ParentLink(w.image_uuid, w.finish())
         paths.append(directory / f"deep{k:04d}.lean")
     return paths, mem.tobytes()
@@ -476,7 +498,7 @@ def test_a_wrong_digest_in_a_middle_link_of_a_deep_chain_is_found(deep_chain, tm
     paths = _deep_copy(deep_chain, tmp_path)
     start, _ = _digests_spans(paths[MIDDLE])[0]
     data = bytearray(paths[MIDDLE].read_bytes())
-    data[start + RECORD.size + 24] ^= 0xFF               # its one stored digest
+    data[start + RECORD.size + 24] ^= 0xFF  # its one stored digest
     paths[MIDDLE].write_bytes(reseal(bytes(data)))
     relink(paths, MIDDLE + 1)
     with LeanImage.open(paths[-1]) as image:
@@ -493,7 +515,7 @@ def test_a_bad_digests_record_in_a_middle_link_of_a_deep_chain_is_named(deep_cha
     paths = _deep_copy(deep_chain, tmp_path)
     start, _ = _digests_spans(paths[MIDDLE])[0]
     data = bytearray(paths[MIDDLE].read_bytes())
-    struct.pack_into("<I", data, start + RECORD.size + 4, 2)        # num_digests 1 -> 2
+    struct.pack_into("<I", data, start + RECORD.size + 4, 2)  # num_digests 1 -> 2
     paths[MIDDLE].write_bytes(reseal(bytes(data)))
     relink(paths, MIDDLE + 1)
     batched = _inherited_outcome(paths[-1], lambda image, region: image.digests._inherited_table(region, image))
@@ -519,15 +541,21 @@ def word_batches(draw):
     entries = draw(st.integers(0, 40))
     simple = np.array(draw(st.lists(st.booleans(), min_size=entries, max_size=entries)), bool)
     counts = [draw(st.integers(1, min(wpp, 6))) if s else 0 for s in simple]
-    positions = np.concatenate([np.sort(np.array(draw(st.lists(st.integers(0, wpp - 1), min_size=n, max_size=n,
-                                                                unique=True)), np.int64)) for n in counts] or
-                               [np.zeros(0, np.int64)]).astype(np.int64)
-    values = np.array(draw(st.lists(st.integers(0, 2**64 - 1), min_size=len(positions), max_size=len(positions))),
-                      "<u8")
+    positions = np.concatenate(
+        [
+            np.sort(np.array(draw(st.lists(st.integers(0, wpp - 1), min_size=n, max_size=n, unique=True)), np.int64))
+            for n in counts
+        ]
+        or [np.zeros(0, np.int64)]
+    ).astype(np.int64)
+    values = np.array(
+        draw(st.lists(st.integers(0, 2**64 - 1), min_size=len(positions), max_size=len(positions))), "<u8"
+    )
     word_start = (np.cumsum(counts) - counts).astype(np.int64) if entries else np.zeros(0, np.int64)
     rows = draw(st.lists(st.integers(0, entries - 1), max_size=60)) if entries else []
-    pages = np.array(draw(st.lists(st.sampled_from([0, 1, 2, 7, 300, 70_000]), min_size=len(rows),
-                                   max_size=len(rows))), np.int64)
+    pages = np.array(
+        draw(st.lists(st.sampled_from([0, 1, 2, 7, 300, 70_000]), min_size=len(rows), max_size=len(rows))), np.int64
+    )
     return simple, word_start, positions, values, np.array(rows, np.int64), pages, wpp * 8
 
 
@@ -545,8 +573,9 @@ def test_the_words_folded_in_c_are_the_words_numpy_folds(batch):
 
 
 @pytest.mark.skipif(chain_module._native is None, reason="leanimg._native not built")
-@pytest.mark.parametrize("spoil", ["entry out of range", "word out of its page", "word starts descending",
-                                   "negative page"])
+@pytest.mark.parametrize(
+    "spoil", ["entry out of range", "word out of its page", "word starts descending", "negative page"]
+)
 def test_inputs_the_c_fold_does_not_take_go_to_numpy(spoil):
     """fold_words answers -1 (the fold then runs in numpy, which fails as it always did, or
     folds) for inputs that are not as parse_index_lists and the resolution give them."""

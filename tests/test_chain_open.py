@@ -24,8 +24,19 @@ from leanimg import parents as parents_module
 from leanimg import reader as reader_module
 from leanimg.errors import LeanImageError
 from leanimg.format import (
-    EXTENT, FOOTER, HEADER, INDEX_BODY, INDEX_ENTRY, PAGE_MAP_BODY, RECORD, IncompatFeature, PageClass, RecordType,
-    align8, checksum64, page_digest,
+    EXTENT,
+    FOOTER,
+    HEADER,
+    INDEX_BODY,
+    INDEX_ENTRY,
+    PAGE_MAP_BODY,
+    RECORD,
+    IncompatFeature,
+    PageClass,
+    RecordType,
+    align8,
+    checksum64,
+    page_digest,
 )
 from leanimg.parents import CHECK_BATCH, attach_chain
 from leanimg.reader import LeanImage
@@ -34,7 +45,7 @@ from leanimg.writer import LeanImageWriter, ParentLink
 
 PS = 4096
 PAGES = 24
-LINKS = 2 * CHECK_BATCH + 20          # three batches (small_batches): a bad link can sit in any of them
+LINKS = 2 * CHECK_BATCH + 20  # three batches (small_batches): a bad link can sit in any of them
 pytestmark = pytest.mark.usefixtures("small_batches")
 
 
@@ -50,18 +61,22 @@ def reseal(data: bytes) -> bytes:
     while offset < end:
         (body_length,) = struct.unpack_from("<Q", b, offset + 8)
         size = RECORD.size + align8(body_length) + 8
-        struct.pack_into("<Q", b, offset + size - 8, checksum64(bytes(b[offset:offset + size - 8])))
+        struct.pack_into("<Q", b, offset + size - 8, checksum64(bytes(b[offset : offset + size - 8])))
         offset += size
     struct.pack_into("<16s", b, end + FOOTER.offset("image_digest"), xxhash.xxh3_128_digest(bytes(b[:end])))
-    struct.pack_into("<Q", b, end + FOOTER.offset("footer_checksum"),
-                     checksum64(bytes(b[end:end + FOOTER.offset("footer_checksum")])))
+    struct.pack_into(
+        "<Q",
+        b,
+        end + FOOTER.offset("footer_checksum"),
+        checksum64(bytes(b[end : end + FOOTER.offset("footer_checksum")])),
+    )
     return bytes(b)
 
 
 def image_digest(path: Path) -> bytes:
     data = path.read_bytes()
     at = len(data) - FOOTER.size + FOOTER.offset("image_digest")
-    return data[at:at + 16]
+    return data[at : at + 16]
 
 
 def _write_chain(directory: Path) -> tuple[list[Path], bytes]:
@@ -134,11 +149,13 @@ def _first_of(path: Path, record_type: int) -> int:
 
 def add_to_entry(record_type: int, field: str, amount: int | None, nth: int = 0):
     """An edit adding ``amount`` to a field of an INDEX entry (None: setting it to 0)."""
+
     def edit(path: Path, data: bytearray) -> None:
         positions = np.flatnonzero(_entries(path)[1]["record_type"] == record_type)
         at, fmt = _entry_field(path, int(positions[nth]), field)
         (value,) = struct.unpack_from(fmt, data, at)
         struct.pack_into(fmt, data, at, 0 if amount is None else (value + amount) % (1 << 8 * struct.calcsize(fmt)))
+
     return edit
 
 
@@ -146,7 +163,7 @@ def swap_last_offsets(path: Path, data: bytearray) -> None:
     n = len(_entries(path)[1])
     a, _ = _entry_field(path, n - 2, "record_offset")
     b, _ = _entry_field(path, n - 1, "record_offset")
-    data[a:a + 8], data[b:b + 8] = data[b:b + 8], data[a:a + 8]
+    data[a : a + 8], data[b : b + 8] = data[b : b + 8], data[a : a + 8]
 
 
 def edit_extent(field: str, amount: int, page_class: int | None = None):
@@ -159,6 +176,7 @@ def edit_extent(field: str, amount: int, page_class: int | None = None):
         fmt = "<" + {"u8": "Q", "u4": "I", "u2": "H"}[EXTENT.field(field).type]
         (value,) = struct.unpack_from(fmt, data, at)
         struct.pack_into(fmt, data, at, value + amount)
+
     return edit
 
 
@@ -167,6 +185,7 @@ def clear_feature(bit: int):
         at = HEADER.offset("incompatible_features")
         (value,) = struct.unpack_from("<Q", data, at)
         struct.pack_into("<Q", data, at, value & ~bit)
+
     return edit
 
 
@@ -174,6 +193,7 @@ def both(*edits):
     def edit(path: Path, data: bytearray) -> None:
         for one in edits:
             one(path, data)
+
     return edit
 
 
@@ -188,11 +208,11 @@ def relink(paths: list[Path], first: int) -> None:
     for k in range(first, len(paths)):
         data = bytearray(paths[k].read_bytes())
         at = HEADER.offset("parent_digest")
-        data[at:at + 16] = image_digest(paths[k - 1])
+        data[at : at + 16] = image_digest(paths[k - 1])
         paths[k].write_bytes(reseal(bytes(data)))
 
 
-EDITS = {        # name: (edit, the rule opening the link alone reports)
+EDITS = {  # name: (edit, the rule opening the link alone reports)
     "digests first": (add_to_entry(RecordType.DIGESTS, "first", 1), "LI-DIG-001"),
     "digests count": (add_to_entry(RecordType.DIGESTS, "count", -1), "LI-DIG-001"),
     "digests key": (add_to_entry(RecordType.DIGESTS, "key", 1), "LI-REC-009"),
@@ -203,8 +223,10 @@ EDITS = {        # name: (edit, the rule opening the link alone reports)
     "page map entry count": (add_to_entry(RecordType.PAGE_MAP, "count", 1), "LI-IDX-001"),
     "entries out of order": (swap_last_offsets, "LI-IDX-001"),
     "extent pages": (edit_extent("num_pages", 1), "LI-IDX-001"),
-    "extent pages, entry too": (both(edit_extent("num_pages", 1), add_to_entry(RecordType.PAGE_MAP, "count", 1)),
-                                "LI-MAP-001"),
+    "extent pages, entry too": (
+        both(edit_extent("num_pages", 1), add_to_entry(RecordType.PAGE_MAP, "count", 1)),
+        "LI-MAP-001",
+    ),
     "stored slot": (edit_extent("first_slot", 1, PageClass.STORED), "LI-MAP-004"),
     "delta slot": (edit_extent("first_slot", 1, PageClass.DELTA), "LI-MAP-004"),
     "extent class": (edit_extent("page_class", 40), "LI-MAP-002"),
@@ -224,8 +246,12 @@ def test_the_chain_opens_batched_and_alone_alike(chain):
                 assert got.dtype == want.dtype and np.array_equal(got, want), name
             assert a.tables.digest_positions == b.tables.digest_positions
             ia, ib = a.tables.index, b.tables.index
-            assert (ia.offset, ia.body_length, ia.record_checksum, bytes(ia.body)) == \
-                (ib.offset, ib.body_length, ib.record_checksum, bytes(ib.body))
+            assert (ia.offset, ia.body_length, ia.record_checksum, bytes(ia.body)) == (
+                ib.offset,
+                ib.body_length,
+                ib.record_checksum,
+                bytes(ib.body),
+            )
             assert ia.parsed.keys() == ib.parsed.keys() and ia.parsed["num_entries"] == ib.parsed["num_entries"]
             assert ia.parsed["entries"].dtype == ib.parsed["entries"].dtype
             assert ia.parsed["entries"].tobytes() == ib.parsed["entries"].tobytes()
@@ -242,12 +268,13 @@ def test_a_bad_link_is_refused_as_when_opened_alone(copy, monkeypatch, edit, rul
     spoil(paths[bad], edit)
     relink(paths, bad + 1)
     expected = finding(open_alone, paths[-1])
-    assert expected[1] == rule and expected[4] == str(paths[bad])       # the edit reaches its rule in link bad
+    assert expected[1] == rule and expected[4] == str(paths[bad])  # the edit reaches its rule in link bad
     assert finding(LeanImage.open, paths[-1]) == expected
 
 
 def _checksum_at(where: str):
     """Where a checksum field of a link file is: its header's, footer's, INDEX's or PAGE_MAP's."""
+
     def at(path: Path, data: bytearray) -> int:
         if where == "header":
             return HEADER.offset("header_checksum")
@@ -259,6 +286,7 @@ def _checksum_at(where: str):
         position = int(np.flatnonzero(entries["record_type"] == RecordType.PAGE_MAP)[0])
         ends = list(entries["record_offset"][1:]) + [index_offset]
         return int(ends[position]) - 8
+
     return at
 
 
@@ -286,7 +314,7 @@ def test_an_earlier_bad_link_is_reported_before_a_later_unreadable_one(copy):
     paths, _ = copy
     spoil(paths[LINKS - 10], add_to_entry(RecordType.DIGESTS, "first", 1))
     data = bytearray(paths[LINKS - 12].read_bytes())
-    data[0] ^= 0xFF                                                   # bad magic: refused at the header
+    data[0] ^= 0xFF  # bad magic: refused at the header
     paths[LINKS - 12].write_bytes(bytes(data))
     expected = finding(open_alone, paths[-1])
     assert expected[1] == "LI-DIG-001" and expected[4] == str(paths[LINKS - 10])
@@ -322,17 +350,24 @@ def _batches(sizes: list[int], first: int, later: int, most_bytes: int) -> list[
     return batches + [count] * bool(count)
 
 
-@pytest.mark.parametrize("later, most_bytes", [
-    (parents_module.CHECK_BATCH_LATER, parents_module.CHECK_BATCH_BYTES), (50, parents_module.CHECK_BATCH_BYTES),
-    (parents_module.CHECK_BATCH_LATER, 30), (50, 20), (parents_module.CHECK_BATCH_LATER, 1)],
-    ids=["as-set", "later-50", "30-links-of-bytes", "both", "one-byte"])
+@pytest.mark.parametrize(
+    "later, most_bytes",
+    [
+        (parents_module.CHECK_BATCH_LATER, parents_module.CHECK_BATCH_BYTES),
+        (50, parents_module.CHECK_BATCH_BYTES),
+        (parents_module.CHECK_BATCH_LATER, 30),
+        (50, 20),
+        (parents_module.CHECK_BATCH_LATER, 1),
+    ],
+    ids=["as-set", "later-50", "30-links-of-bytes", "both", "one-byte"],
+)
 def test_batches_grow_within_their_bytes(chain, monkeypatch, later, most_bytes):
     """The walk checks CHECK_BATCH links first (a cold chain's checks start early), then
     CHECK_BATCH_LATER at a time (each batch costs the same however small), a batch ending at
     the link whose file makes CHECK_BATCH_BYTES (of files read whole); the links opened ahead
     come in the same runs. (``most_bytes`` under 64: that many of the links' mean size.)"""
     paths, memory = chain
-    sizes = [p.stat().st_size for p in paths[-2::-1]]                      # the parents, in walk order
+    sizes = [p.stat().st_size for p in paths[-2::-1]]  # the parents, in walk order
     if most_bytes < 64:
         most_bytes = most_bytes * sum(sizes) // len(sizes)
     expected = _batches(sizes, CHECK_BATCH, later, most_bytes)
@@ -341,10 +376,14 @@ def test_batches_grow_within_their_bytes(chain, monkeypatch, later, most_bytes):
     monkeypatch.setattr(parents_module, "CHECK_BATCH_BYTES", most_bytes)
     checked, runs = [], []
     real_check, real_open = LeanImage.check_links, LeanImage.open_links
-    monkeypatch.setattr(LeanImage, "check_links", staticmethod(lambda links: checked.append(len(links)) or
-                                                               real_check(links)))
-    monkeypatch.setattr(LeanImage, "open_links", classmethod(lambda cls, run, kept=None: runs.append(len(run)) or
-                                                             real_open.__func__(cls, run, kept)))
+    monkeypatch.setattr(
+        LeanImage, "check_links", staticmethod(lambda links: checked.append(len(links)) or real_check(links))
+    )
+    monkeypatch.setattr(
+        LeanImage,
+        "open_links",
+        classmethod(lambda cls, run, kept=None: runs.append(len(run)) or real_open.__func__(cls, run, kept)),
+    )
     with LeanImage.open(paths[-1]) as image:
         assert len(image.chain()) == LINKS
     assert checked == expected and runs == expected
@@ -363,10 +402,12 @@ def _advised(monkeypatch) -> list:
     """(file size, offset, length) of every WILLNEED asked of the kernel from now on."""
     calls = []
     real = os.posix_fadvise
+
     def record(fd, offset, length, advice):
         if advice == os.POSIX_FADV_WILLNEED:
             calls.append((os.fstat(fd).st_size, offset, length))
         return real(fd, offset, length, advice)
+
     monkeypatch.setattr(os, "posix_fadvise", record)
     return calls
 
@@ -394,7 +435,7 @@ def test_the_links_beside_an_image_are_read_ahead_together(chain, monkeypatch, a
     monkeypatch.setattr(parents_module, "READ_AHEAD_FILES", at_once)
     advised = _advised(monkeypatch)
     LeanImage.open(paths[-1]).close()
-    assert sorted(advised) == sorted((p.stat().st_size, 0, p.stat().st_size) for p in paths[:-1])   # not the image
+    assert sorted(advised) == sorted((p.stat().st_size, 0, p.stat().st_size) for p in paths[:-1])  # not the image
 
 
 def test_read_ahead_stops_at_its_budget_and_skips_large_files(chain, tmp_path, monkeypatch):
@@ -427,9 +468,9 @@ def _odd_siblings(chain, directory: Path) -> list[str]:
     (directory / "dangling.lean").symlink_to(directory / "missing")
     (directory / "a-directory.lean").mkdir()
     (directory / "empty.lean").write_bytes(b"")
-    head = paths[5].read_bytes()[:HEADER.size]
-    (directory / "no-uuid.lean").write_bytes(head[:HEADER.offset("image_uuid") + 15])
-    (directory / "no-parent-uuid.lean").write_bytes(head[:HEADER.offset("parent_uuid") + 15])
+    head = paths[5].read_bytes()[: HEADER.size]
+    (directory / "no-uuid.lean").write_bytes(head[: HEADER.offset("image_uuid") + 15])
+    (directory / "no-parent-uuid.lean").write_bytes(head[: HEADER.offset("parent_uuid") + 15])
     (directory / "large.lean").write_bytes(head + bytes(reader_module.WHOLE_READ_BELOW))
     (directory / "root.lean").write_bytes(paths[0].read_bytes())
     return sorted(str(p) for p in directory.iterdir())
@@ -506,7 +547,7 @@ def test_a_uuid_two_files_share_is_taken_from_the_nearest_before_the_image(chain
     spoiled = bytearray(parent.read_bytes())
     spoiled[-FOOTER.size + FOOTER.offset("image_digest")] ^= 1
     (tmp_path / "link-028b.lean").write_bytes(bytes(spoiled))
-    (tmp_path / "link-000a.lean").write_bytes(bytes(spoiled))                 # far before: not taken
+    (tmp_path / "link-000a.lean").write_bytes(bytes(spoiled))  # far before: not taken
     with pytest.raises(LeanImageError) as caught:
         LeanImage.open(tmp_path / "link-029.lean").close()
     assert caught.value.path == str(tmp_path / "link-028b.lean")
@@ -519,6 +560,7 @@ def test_a_failed_walk_leaves_no_scan_or_file_open(copy, search_mode):
     """A parent missing deep down: the walk raises, the scan's thread has ended and every
     file it opened is closed."""
     import threading
+
     paths, _ = copy
     os.unlink(paths[40])
     before = fds_before()
@@ -539,17 +581,23 @@ def test_the_links_found_beside_the_image_are_not_opened_again(chain, monkeypatc
     opened, whole_reads = [], []
     real_open, real_pread = os.open, os.pread
     monkeypatch.setattr(os, "open", lambda path, *a, **k: opened.append(os.fspath(path)) or real_open(path, *a, **k))
-    monkeypatch.setattr(os, "pread", lambda fd, n, at: (n == os.fstat(fd).st_size and whole_reads.append(
-        os.readlink(f"/proc/self/fd/{fd}"))) or real_pread(fd, n, at))
+    monkeypatch.setattr(
+        os,
+        "pread",
+        lambda fd, n, at: (
+            (n == os.fstat(fd).st_size and whole_reads.append(os.readlink(f"/proc/self/fd/{fd}")))
+            or real_pread(fd, n, at)
+        ),
+    )
     before = fds_before()
     with LeanImage.open(paths[-1]) as image:
         assert [link.path for link in image.chain()][::-1] == [str(p) for p in paths]
-        assert open_fds() == before + len(paths)                     # one file open per link, nothing else
+        assert open_fds() == before + len(paths)  # one file open per link, nothing else
     assert open_fds() == before
     counts = [opened.count(str(p)) for p in paths[:-1]]
-    once = 0 if search_mode == "thread" else 1                       # the scan's own opens are not os.open's
+    once = 0 if search_mode == "thread" else 1  # the scan's own opens are not os.open's
     assert set(counts) <= {once, once + 1} and counts.count(once) == min(kept, len(counts))
-    assert sorted(whole_reads) == sorted(str(p) for p in paths)      # every link read whole once
+    assert sorted(whole_reads) == sorted(str(p) for p in paths)  # every link read whole once
 
 
 LOW_LIMIT_PROGRAM = """
@@ -567,6 +615,7 @@ def test_small_siblings_kept_open_stay_within_the_open_file_limit(chain, tmp_pat
     chain is still found and opened (keeping them all would leave no descriptor for it; the
     search opens READ_AHEAD_FILES, 256, at once, as it always did)."""
     import resource
+
     hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
     if hard != resource.RLIM_INFINITY and hard < 400:
         pytest.skip(f"the open-file limit's hard maximum here is {hard}")
@@ -577,8 +626,9 @@ def test_small_siblings_kept_open_stay_within_the_open_file_limit(chain, tmp_pat
     for path in paths[:12]:
         copies.append(tmp_path / f"zzz-{path.name}")
         copies[-1].write_bytes(path.read_bytes())
-    done = subprocess.run([sys.executable, "-c", LOW_LIMIT_PROGRAM, str(copies[-1])], capture_output=True, text=True,
-                          timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-c", LOW_LIMIT_PROGRAM, str(copies[-1])], capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0 and done.stdout.split() == ["12"], done.stderr
 
 
@@ -595,18 +645,19 @@ def test_a_restore_reads_the_digests_its_links_kept_when_opened(chain, tmp_path,
         digests_at[str(path)] = set(entries["record_offset"][entries["record_type"] == RecordType.DIGESTS].tolist())
     reads = []
     real_pread = os.pread
-    monkeypatch.setattr(os, "pread", lambda fd, n, at: reads.append((os.readlink(f"/proc/self/fd/{fd}"), at))
-                        or real_pread(fd, n, at))
+    monkeypatch.setattr(
+        os, "pread", lambda fd, n, at: reads.append((os.readlink(f"/proc/self/fd/{fd}"), at)) or real_pread(fd, n, at)
+    )
     out = tmp_path / "restored.raw"
     with LeanImage.open(paths[-1]) as image:
-        links = image.chain()[1:-1]                                   # the root inherits nothing
+        links = image.chain()[1:-1]  # the root inherits nothing
         assert all(link.digests.inherits for link in links)
         for link in links:
             kept = link.tables.kept_listed
             assert sorted(kept) == (sorted(link.tables.digest_positions[0]) if most else [])
             for position, raw in kept.items():
                 offset = int(link.tables.entries["record_offset"][position])
-                assert raw == Path(link.path).read_bytes()[offset:link.tables.listed_end(position)]
+                assert raw == Path(link.path).read_bytes()[offset : link.tables.listed_end(position)]
         del reads[:]
         with open(out, "wb") as f:
             restore_raw(image, f)
@@ -624,9 +675,10 @@ def test_a_truncated_digests_record_in_a_link_is_reported_by_the_restore(copy):
     def shorten(path: Path, data: bytearray) -> None:
         position = _first_of(path, RecordType.DIGESTS)
         offset = int(_entries(path)[1]["record_offset"][position])
-        at = offset + RECORD.size + 4                                     # digests_body.num_digests
+        at = offset + RECORD.size + 4  # digests_body.num_digests
         (value,) = struct.unpack_from("<I", data, at)
         struct.pack_into("<I", data, at, value - 1)
+
     spoil(paths[bad], shorten)
     relink(paths, bad + 1)
     found = []
@@ -651,6 +703,7 @@ def test_links_with_many_extents_are_checked_alone(chain, monkeypatch, most, alo
     BATCH_EXTENTS_MAX extents goes to ImageTables.load (here every link, with the limit 0)."""
     from leanimg import tables_batch
     from leanimg.tables import ImageTables
+
     paths, _ = chain
     if most is not None:
         monkeypatch.setattr(tables_batch, "BATCH_EXTENTS_MAX", most)
@@ -659,11 +712,11 @@ def test_links_with_many_extents_are_checked_alone(chain, monkeypatch, most, alo
     monkeypatch.setattr(ImageTables, "load", lambda self: loads.append(self.file.name) or real(self))
     with LeanImage.open(paths[-1]) as image:
         assert len(image.chain()) == LINKS
-    assert len(loads) == 1 + alone                     # the child itself is opened alone
+    assert len(loads) == 1 + alone  # the child itself is opened alone
 
 
 # --- any edit of the tables: the batch agrees with the one-link-at-a-time open ---------------
-SHORT = 4           # links of the chain the property test spoils (one batch)
+SHORT = 4  # links of the chain the property test spoils (one batch)
 
 
 def _record_spans(path: Path) -> list[tuple[int, int]]:
@@ -672,8 +725,10 @@ def _record_spans(path: Path) -> list[tuple[int, int]]:
     index_offset, entries = _entries(path)
     data = path.read_bytes()
     spans = []
-    for offset, record_type in [*zip(entries["record_offset"].tolist(), entries["record_type"].tolist()),
-                                (index_offset, int(RecordType.INDEX))]:
+    for offset, record_type in [
+        *zip(entries["record_offset"].tolist(), entries["record_type"].tolist()),
+        (index_offset, int(RecordType.INDEX)),
+    ]:
         (body_length,) = struct.unpack_from("<Q", data, offset + 8)
         tables = record_type in (RecordType.REGION, RecordType.PAGE_MAP, RecordType.DIGESTS, RecordType.INDEX)
         spans.append((offset, offset + (RECORD.size + align8(body_length) if tables else RECORD.size)))
@@ -687,8 +742,11 @@ def _outcome(open_image, path: Path):
     except LeanImageError as exc:
         return (type(exc).__name__, exc.rule, exc.offset, exc.structure, exc.path, exc.message), None
     with image:
-        return None, [(r.extents.tobytes(), r.starts.tobytes(), r.digest_bearing.tobytes(), r.digest_rank0.tobytes())
-                      for link in image.chain() for r in link.regions]
+        return None, [
+            (r.extents.tobytes(), r.starts.tobytes(), r.digest_bearing.tobytes(), r.digest_rank0.tobytes())
+            for link in image.chain()
+            for r in link.regions
+        ]
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -25,15 +25,16 @@ import leanimg.chain
 import leanimg.writer
 from test_chain import PAGES, PS, build_chain
 
-MARK = b"\xab" * PS                # the root's one stored page whose digest lies
+MARK = b"\xab" * PS  # the root's one stored page whose digest lies
 
 
 def _joined(image, region, ranges, read) -> bytes:
     parts = []
     for first, count in ranges:
         if read == "pieces":
-            parts += [bytes(n * PS) if data is None else bytes(data)
-                      for n, data in image.region_pieces(region, first, count)]
+            parts += [
+                bytes(n * PS) if data is None else bytes(data) for n, data in image.region_pieces(region, first, count)
+            ]
         else:
             parts.append(bytes(image.region_bytes(region, first, count)))
     return b"".join(parts)
@@ -73,8 +74,8 @@ def test_a_forward_pass_decompresses_each_frame_once(chain, counted_loads, read,
         assert _joined(image, image.regions[0], _forward(PAGES, step), read) == memories[-1]
         cached = [key for link in image.chain() for key in link.frames._cache if key[0] == "page"]
     assert counted_loads and max(counted_loads.values()) == 1, counted_loads
-    assert len({path for path, _ in counted_loads}) > 1        # the pass drew on several links
-    assert cached == []                                         # and holds no frame afterwards
+    assert len({path for path, _ in counted_loads}) > 1  # the pass drew on several links
+    assert cached == []  # and holds no frame afterwards
 
 
 def test_ranges_in_any_order_give_the_same_bytes(chain):
@@ -88,13 +89,13 @@ def test_ranges_in_any_order_give_the_same_bytes(chain):
         image.enable_read_ahead()
         region = image.regions[0]
         for first, count in ranges:
-            expected = memories[-1][first * PS:(first + count) * PS]
+            expected = memories[-1][first * PS : (first + count) * PS]
             assert _joined(image, region, [(first, count)], "pieces") == expected
             assert _joined(image, region, [(first, count)], "bytes") == expected
 
 
 # --- a later link superseding pages of every frame of an earlier one -----------------------------
-ROOT_PAGES, FRAME = 64, 4            # root: pages 0-3 on the disk, 4-63 STORED in frames of 4 pages
+ROOT_PAGES, FRAME = 64, 4  # root: pages 0-3 on the disk, 4-63 STORED in frames of 4 pages
 
 
 def _page(k: int) -> bytes:
@@ -103,7 +104,7 @@ def _page(k: int) -> bytes:
 
 def _changed(page: bytes, word: int, words: int = 1) -> bytes:
     out = bytearray(page)
-    out[word * 8:(word + words) * 8] = b"changed!" * words
+    out[word * 8 : (word + words) * 8] = b"changed!" * words
     return bytes(out)
 
 
@@ -135,10 +136,10 @@ def _supersede_chain(tmp_path, monkeypatch, mark_page: int):
     with monkeypatch.context() as patch:
         _lying_digests(patch)
         with LeanImageWriter(root, frame_pages=FRAME, threads=1) as w:
-            d = w.add_disk("vda", len(disk), disk_fingerprint(lambda o, k: disk[o:o + k], len(disk)))
+            d = w.add_disk("vda", len(disk), disk_fingerprint(lambda o, k: disk[o : o + k], len(disk)))
             rid = w.add_region("pc.ram", ROOT_PAGES * PS, 0)
             for p in range(4):
-                w.put_disk(rid, p, d, p * PS // 512, page_digest(disk[p * PS:(p + 1) * PS]))
+                w.put_disk(rid, p, d, p * PS // 512, page_digest(disk[p * PS : (p + 1) * PS]))
             w.put_pages(rid, 4, b"".join(root_mem[4:]))
     child_mem = list(root_mem)
     with LeanImage.open(root) as parent:
@@ -222,8 +223,12 @@ FOLD_PAGES = 16
 def _bad_index_list() -> bytes:
     """An INDEX_LIST entry whose word positions descend (LI-DLT-003): not a plain entry."""
     from leanimg.format import DELTA_ENTRY
-    return DELTA_ENTRY.pack(encoding=DeltaEncoding.INDEX_LIST, num_words=2) + \
-        np.array([9, 3], "<u2").tobytes() + np.array([1, 2], "<u8").tobytes()
+
+    return (
+        DELTA_ENTRY.pack(encoding=DeltaEncoding.INDEX_LIST, num_words=2)
+        + np.array([9, 3], "<u2").tobytes()
+        + np.array([1, 2], "<u8").tobytes()
+    )
 
 
 def _fold_chain(directory, links: int = 7, bad_link: int | None = None, runs_only: bool = False):
@@ -239,7 +244,7 @@ def _fold_chain(directory, links: int = 7, bad_link: int | None = None, runs_onl
     for k in range(links + 1):
         before = mem.copy()
         if k and runs_only:
-            mem[4, 100 + k:140 + k] = rng.integers(0, 2**63, 40, dtype=np.uint64)
+            mem[4, 100 + k : 140 + k] = rng.integers(0, 2**63, 40, dtype=np.uint64)
         elif k:
             mem[0:4, [1, 77, 300]] = rng.integers(0, 2**63, (4, 3), dtype=np.uint64)
             mem[4, 100:140] = rng.integers(0, 2**63, 40, dtype=np.uint64)
@@ -290,37 +295,52 @@ def test_a_forward_pass_folds_the_deltas_of_every_link(tmp_path, monkeypatch, st
 
 @pytest.mark.parametrize("batch_entries", [1, 3, 1 << 14])
 @pytest.mark.parametrize("ahead_entries", ["same", "other"], ids=["batches-as-folded", "other-batches"])
-def test_a_forward_pass_parses_the_delta_frames_while_the_chain_is_resolved(tmp_path, monkeypatch, batch_entries,
-                                                                            ahead_entries):
+def test_a_forward_pass_parses_the_delta_frames_while_the_chain_is_resolved(
+    tmp_path, monkeypatch, batch_entries, ahead_entries
+):
     """A forward pass begins reading and parsing the chain's DELTA_FRAMEs on the read-ahead
     workers before it resolves the chain (chain.parse_deltas_ahead), in the batches it will
     fold: each batch is parsed once. Batches other than the fold's (here: cut by another size,
     as when some frames are not in use) are parsed again by the fold; the memory is the same."""
     monkeypatch.setattr(leanimg.chain._ChainPatches, "BATCH_ENTRIES", batch_entries)
     parsed, real_parse = [], leanimg.chain._parse_delta_batch
-    monkeypatch.setattr(leanimg.chain, "_parse_delta_batch", lambda frames, page_size: parsed.append(
-        tuple((link.path, frame) for link, frame in frames)) or real_parse(frames, page_size))
+    monkeypatch.setattr(
+        leanimg.chain,
+        "_parse_delta_batch",
+        lambda frames, page_size: (
+            parsed.append(tuple((link.path, frame) for link, frame in frames)) or real_parse(frames, page_size)
+        ),
+    )
     real_ahead = leanimg.chain.parse_deltas_ahead
 
     def ahead(image):
-        if ahead_entries == "other":             # one batch of all where the fold's are small, else one a frame
+        if ahead_entries == "other":  # one batch of all where the fold's are small, else one a frame
             monkeypatch.setattr(leanimg.chain._ChainPatches, "BATCH_ENTRIES", 1 << 20 if batch_entries < 1 << 14 else 1)
         try:
             return real_ahead(image)
         finally:
             monkeypatch.setattr(leanimg.chain._ChainPatches, "BATCH_ENTRIES", batch_entries)
+
     monkeypatch.setattr(leanimg.chain, "parse_deltas_ahead", ahead)
     paths, memory = _fold_chain(tmp_path)
     with LeanImage.open(paths[-1]) as image:
         image.enable_read_ahead()
         frames = [(link.path, f) for link in image.chain() for f in range(len(link.frames.delta_frames))]
         assert _joined(image, image.regions[0], _forward(FOLD_PAGES, 5), "pieces") == memory
-        assert image.resolution(image.regions[0]).deltas_ahead is None      # taken by the fold, then let go
-    folded = [tuple(frames[lo:hi]) for lo, hi in zip(*(lambda cuts: (cuts, cuts[1:]))(leanimg.chain._batch_cuts(
-        np.concatenate([LeanImage.open_link(p).frames.delta_frames.counts for p in reversed(paths)]))))]
-    assert len(folded) > (batch_entries == 1)          # several batches where they are small
+        assert image.resolution(image.regions[0]).deltas_ahead is None  # taken by the fold, then let go
+    folded = [
+        tuple(frames[lo:hi])
+        for lo, hi in zip(
+            *(lambda cuts: (cuts, cuts[1:]))(
+                leanimg.chain._batch_cuts(
+                    np.concatenate([LeanImage.open_link(p).frames.delta_frames.counts for p in reversed(paths)])
+                )
+            )
+        )
+    ]
+    assert len(folded) > (batch_entries == 1)  # several batches where they are small
     if ahead_entries == "same":
-        assert sorted(parsed) == sorted(folded)            # each once: the fold used the parses begun ahead
+        assert sorted(parsed) == sorted(folded)  # each once: the fold used the parses begun ahead
     else:
         assert set(folded) <= set(parsed) and len(parsed) > len(folded)
 
@@ -335,10 +355,10 @@ def test_parses_begun_ahead_are_not_held_where_no_delta_applies(tmp_path):
         image.enable_read_ahead()
         region = image.regions[0]
         assert sum(len(link.frames.delta_frames) for link in image.chain()) == 1
-        first = _joined(image, region, [(0, 4)], "pieces")           # one frame's pages: served as its view
+        first = _joined(image, region, [(0, 4)], "pieces")  # one frame's pages: served as its view
         resolution = image.resolution(region)
         assert not len(resolution.delta_pages) and resolution.deltas_ahead is None
-        assert resolution._chain_patches is None                      # no fold was made
+        assert resolution._chain_patches is None  # no fold was made
         rest = _joined(image, region, _forward(FOLD_PAGES, 4)[1:], "pieces")
     with LeanImage.open(paths[2]) as image:
         assert _joined(image, image.regions[0], _forward(FOLD_PAGES, 5), "bytes") == first + rest
@@ -376,7 +396,7 @@ def _superseding_chain(directory, superseded: bool):
         offset = int(link.tables.entries["record_offset"][position])
     data = bytearray(paths[1].read_bytes())
     (body_length,) = struct.unpack_from("<Q", data, offset + 8)
-    data[offset + 16 + (body_length + 7) // 8 * 8] ^= 0xFF                 # the record's checksum
+    data[offset + 16 + (body_length + 7) // 8 * 8] ^= 0xFF  # the record's checksum
     paths[1].write_bytes(bytes(data))
     return paths, mem.tobytes()
 
@@ -459,18 +479,18 @@ def test_a_buffer_goes_back_only_from_the_one_it_was_lent_to():
     buffers = FrameBuffers()
     lent = buffers.take(4096)
     view = memoryview(lent)[:100]
-    buffers.give(memoryview(bytearray(4096)))             # never lent: ignored
+    buffers.give(memoryview(bytearray(4096)))  # never lent: ignored
     buffers.give(b"x" * 4096)
-    assert buffers.take(4096) is not lent                  # still lent: not handed out twice
+    assert buffers.take(4096) is not lent  # still lent: not handed out twice
     buffers.give(view)
-    buffers.give(view)                                     # twice: kept once
+    buffers.give(view)  # twice: kept once
     assert buffers.take(100) is lent
     assert buffers.take(100) is not lent
     buffers.give(memoryview(lent))
     big = buffers.take(len(lent) + 1)
-    assert big is not lent and len(big) > len(lent)        # one too small is not handed out
+    assert big is not lent and len(big) > len(lent)  # one too small is not handed out
     buffers.give(memoryview(big))
-    assert buffers.take(10) is lent and buffers.take(10) is big         # the smallest that fits first
+    assert buffers.take(10) is lent and buffers.take(10) is big  # the smallest that fits first
 
 
 def test_a_frame_asked_for_to_keep_is_not_a_lent_buffer(chain):
@@ -488,7 +508,7 @@ def test_a_frame_asked_for_to_keep_is_not_a_lent_buffer(chain):
         cached = root.frames.frame(0)[0]
         assert cached is content
         expected = bytes(content)
-        buffers.take(len(content))[:] = b"\x00" * len(content)        # the lent buffer, written over
+        buffers.take(len(content))[:] = b"\x00" * len(content)  # the lent buffer, written over
         assert root.frames.frame(0)[0] == expected
 
 
@@ -504,13 +524,13 @@ def _spoil(path, offset: int, size: int, how: str) -> None:
     checksum made right again (so the frame itself is refused)."""
     data = bytearray(path.read_bytes())
     if how == "truncated":
-        data = data[:offset + size // 2]
+        data = data[: offset + size // 2]
     elif how == "flipped":
         data[offset + size // 2] ^= 0xFF
     else:
         frame = data.index(b"\x28\xb5\x2f\xfd", offset)
-        data[frame + zstandard.frame_header_size(bytes(data[frame:frame + 18]))] |= 0b110
-        struct.pack_into("<Q", data, offset + size - 8, checksum64(bytes(data[offset:offset + size - 8])))
+        data[frame + zstandard.frame_header_size(bytes(data[frame : frame + 18]))] |= 0b110
+        struct.pack_into("<Q", data, offset + size - 8, checksum64(bytes(data[offset : offset + size - 8])))
     path.write_bytes(bytes(data))
 
 
@@ -544,5 +564,8 @@ def test_a_link_changed_while_read_ahead_gives_the_same_error(tmp_path, how):
             assert ahead == alone
             kind, rule, offset, structure, path, _ = ahead
             assert path == str(paths[0]) and offset is not None and structure.startswith("record["), ahead
-            assert (kind, rule) == {"truncated": ("TruncatedError", None), "flipped": ("FormatError", "LI-REC-003"),
-                                    "resealed": ("FormatError", "LI-FRM-002")}[how], ahead
+            assert (kind, rule) == {
+                "truncated": ("TruncatedError", None),
+                "flipped": ("FormatError", "LI-REC-003"),
+                "resealed": ("FormatError", "LI-FRM-002"),
+            }[how], ahead

@@ -27,7 +27,7 @@ PAGES = 64
 def _ram() -> bytes:
     rng = np.random.default_rng(5)
     ram = bytearray(rng.bytes(PAGES * 4096))
-    ram[8 * 4096:12 * 4096] = bytes(4 * 4096)          # zero pages, sent as ZERO entries
+    ram[8 * 4096 : 12 * 4096] = bytes(4 * 4096)  # zero pages, sent as ZERO entries
     return bytes(ram)
 
 
@@ -36,8 +36,8 @@ def test_pages_never_sent_become_free_and_the_rest_is_kept(tmp_path):
     state, spool = qemu.load_stream(io.BytesIO(qemu_save(ram)), tmp_path)
     with spool:
         seen = spool.seen["pc.ram"]
-        seen[20:30] = False                             # as if QEMU had skipped them
-        seen[PAGES - 2:] = False
+        seen[20:30] = False  # as if QEMU had skipped them
+        seen[PAGES - 2 :] = False
         out = tmp_path / "img.lean"
         with LeanImageWriter(out) as writer:
             write_spooled(writer, state, spool, unsent_free=True)
@@ -50,7 +50,7 @@ def test_pages_never_sent_become_free_and_the_rest_is_kept(tmp_path):
         got = np.frombuffer(bytes(image.region_bytes(region, 0, PAGES)), np.uint8).reshape(PAGES, 4096)
         want = np.frombuffer(ram, np.uint8).reshape(PAGES, 4096)
         assert np.array_equal(got[kept], want[kept])
-        assert not got[20:30].any()                     # FREE restores as zeros
+        assert not got[20:30].any()  # FREE restores as zeros
 
 
 def test_without_unsent_free_every_page_is_read_from_the_spool(tmp_path):
@@ -69,18 +69,21 @@ def test_pages_known_to_be_zero_are_never_read_back_from_the_spool(tmp_path, mon
     pages = 2048
     ram = bytearray(pages * 4096)
     for page in (1030, 1031, 1500, 1900):
-        ram[page * 4096:(page + 1) * 4096] = bytes([page % 251 + 1]) * 4096
+        ram[page * 4096 : (page + 1) * 4096] = bytes([page % 251 + 1]) * 4096
     state, spool = qemu.load_stream(io.BytesIO(qemu_save(bytes(ram))), tmp_path)
     reads = []
     read_pages = qemu.RamImage.read_pages
-    monkeypatch.setattr(qemu.RamImage, "read_pages",
-                        lambda self, block, first, stop: reads.append((first, stop)) or read_pages(self, block, first, stop))
+    monkeypatch.setattr(
+        qemu.RamImage,
+        "read_pages",
+        lambda self, block, first, stop: reads.append((first, stop)) or read_pages(self, block, first, stop),
+    )
     with spool:
         zero_entries = np.flatnonzero(spool.zero["pc.ram"])
         spans = spool.nonzero_spans(state.ram_blocks[0])
         with LeanImageWriter(tmp_path / "img.lean") as writer:
             write_spooled(writer, state, spool)
-    assert len(zero_entries) >= pages - 5          # our stream writer sends zero pages as ZERO entries
+    assert len(zero_entries) >= pages - 5  # our stream writer sends zero pages as ZERO entries
     assert reads == spans and spans[-1] == (1030, 1901)
     read = np.zeros(pages, bool)
     for first, stop in reads:
@@ -96,9 +99,9 @@ def test_a_page_s_last_copy_decides_whether_it_is_known_to_be_zero():
     blocks = qemu.RamBlocks((qemu.RamBlock("pc.ram", 8 * 4096),), 4096)
     with qemu.RamImage(blocks) as spool:
         data = np.full((2, 4096), 7, np.uint8)
-        spool.apply_run(qemu.PageRun("pc.ram", 0, 2, data))             # pages 0-1: data
-        spool.apply_run(qemu.PageRun("pc.ram", 4096, 2, None))          # pages 1-2: zeros (1 sent again)
-        spool.apply_run(qemu.PageRun("pc.ram", 3 * 4096, 1, None))      # page 3: zeros, then data
+        spool.apply_run(qemu.PageRun("pc.ram", 0, 2, data))  # pages 0-1: data
+        spool.apply_run(qemu.PageRun("pc.ram", 4096, 2, None))  # pages 1-2: zeros (1 sent again)
+        spool.apply_run(qemu.PageRun("pc.ram", 3 * 4096, 1, None))  # page 3: zeros, then data
         spool.apply_run(qemu.PageRun("pc.ram", 3 * 4096, 1, data[:1]))
         assert spool.zero["pc.ram"].tolist() == [False, True, True, False, True, True, True, True]
         assert spool.read_pages(blocks.blocks[0], 0, 4) == bytes([7]) * 4096 + bytes(8192) + bytes([7]) * 4096
@@ -106,6 +109,7 @@ def test_a_page_s_last_copy_decides_whether_it_is_known_to_be_zero():
 
 def test_the_image_s_temporary_file_is_named_like_every_output_s(tmp_path):
     from leanimg.converters.checkpoint import _temp_beside
+
     temp, out = _temp_beside(str(tmp_path / "vm.lean"))
     with out:
         name = os.path.basename(temp)
@@ -120,14 +124,27 @@ def test_the_scratch_files_are_deleted_from_the_start(tmp_path):
 
 
 def test_the_summary_names_sizes_classes_downtime_and_the_disk_file():
-    disk = FrozenDisk("vda", "/vm/disk.img", {"device": "virtio0"}, True, overlay="/vm/disk.img.after-x.qcow2",
-                      referenced=16 << 20)
-    result = CheckpointResult("x.lean", "live", "continue", 3 << 20, 4096,
-                              Counter({PageClass.STORED: 256, PageClass.DISK: 4096}), 12, None, 1.5, [disk], "running")
+    disk = FrozenDisk(
+        "vda", "/vm/disk.img", {"device": "virtio0"}, True, overlay="/vm/disk.img.after-x.qcow2", referenced=16 << 20
+    )
+    result = CheckpointResult(
+        "x.lean",
+        "live",
+        "continue",
+        3 << 20,
+        4096,
+        Counter({PageClass.STORED: 256, PageClass.DISK: 4096}),
+        12,
+        None,
+        1.5,
+        [disk],
+        "running",
+    )
     assert result.summary() == (
         "x.lean: 3.0 MiB, live checkpoint in 1.5 s, downtime 12 ms; MiB by class: STORED 1.0, DISK 16.0; "
         "guest running; disk vda: 16.0 MiB referenced in /vm/disk.img (frozen; the guest now writes to "
-        "/vm/disk.img.after-x.qcow2)")
+        "/vm/disk.img.after-x.qcow2)"
+    )
 
 
 class _ScriptedMonitor:
@@ -145,6 +162,7 @@ class _ScriptedMonitor:
 
 class _Flowing:
     """A stream reader still reading, without error."""
+
     error = None
 
     def is_alive(self) -> bool:
@@ -155,6 +173,7 @@ def test_a_live_checkpoint_leaves_the_pre_switchover_pause_once():
     """QEMU may report pre-switchover again right after migrate-continue (its migration thread
     has not moved on yet): a second freeze and migrate-continue would fail the checkpoint."""
     from leanimg.converters.checkpoint import CheckpointRequest, _Checkpoint, _Signals
+
     monitor = _ScriptedMonitor(["active", "pre-switchover", "pre-switchover", "device", "completed"])
     run = _Checkpoint(monitor, CheckpointRequest(qmp="unused", output="unused.lean", mode="live"), _Signals())
     run.spool = _Flowing()
@@ -178,10 +197,14 @@ class _VersionedMonitor:
 @pytest.mark.parametrize("major, minor", [(6, 2), (7, 1), (12, 0)])
 def test_a_qemu_it_does_not_read_is_refused_before_the_guest_is_touched(major, minor):
     from leanimg.converters.checkpoint import CheckpointRequest, _Checkpoint, _Signals
+
     monitor = _VersionedMonitor(major, minor)
     run = _Checkpoint(monitor, CheckpointRequest(qmp="unused", output="unused.lean"), _Signals())
-    with pytest.raises(CheckpointError, match=rf"this is QEMU {major}\.{minor}\.0; leanimg checkpoint reads the "
-                       r"migration streams of QEMU 7\.2 to 11\.x .*The guest was not touched"):
+    with pytest.raises(
+        CheckpointError,
+        match=rf"this is QEMU {major}\.{minor}\.0; leanimg checkpoint reads the "
+        r"migration streams of QEMU 7\.2 to 11\.x .*The guest was not touched",
+    ):
         run.run()
     assert monitor.sent == ["query-version"]
 
@@ -189,6 +212,7 @@ def test_a_qemu_it_does_not_read_is_refused_before_the_guest_is_touched(major, m
 @pytest.mark.parametrize("major, minor", [(7, 2), (8, 2), (10, 0), (11, 0)])
 def test_the_qemus_it_reads_pass_the_version_check(major, minor):
     from leanimg.converters.checkpoint import CheckpointRequest, _Checkpoint, _Signals
+
     monitor = _VersionedMonitor(major, minor)
     _Checkpoint(monitor, CheckpointRequest(qmp="unused", output="unused.lean"), _Signals())._check_version()
     assert monitor.sent == ["query-version"]

@@ -29,7 +29,7 @@ F_GETPIPE_SZ = 1032
 def _memory(pages: int, seed: int) -> bytearray:
     rng = np.random.default_rng(seed)
     mem = bytearray(rng.integers(0, 256, pages * PS, dtype=np.uint8).tobytes())
-    mem[PS * 4:PS * 12] = bytes(PS * 8)
+    mem[PS * 4 : PS * 12] = bytes(PS * 8)
     return mem
 
 
@@ -41,15 +41,15 @@ def images(tmp_path):
     with LeanImageWriter(parent, frame_pages=8) as w:
         w.put_pages(w.add_region("pc.ram", len(parent_mem), 0), 0, parent_mem)
     child_mem = bytearray(parent_mem)
-    child_mem[PS * 20 + 8:PS * 20 + 16] = b"changed!"
-    child_mem[PS * 30:PS * 31] = os.urandom(PS)
+    child_mem[PS * 20 + 8 : PS * 20 + 16] = b"changed!"
+    child_mem[PS * 30 : PS * 31] = os.urandom(PS)
     with LeanImage.open(parent) as p:
         link = ParentLink(p.header.image_uuid, p.footer.image_digest)
         child = tmp_path / "child.lean"
         with LeanImageWriter(child, parent=link) as w:
             r = w.add_region("pc.ram", len(child_mem), 0)
             for page in range(64):
-                old, new = parent_mem[page * PS:(page + 1) * PS], child_mem[page * PS:(page + 1) * PS]
+                old, new = parent_mem[page * PS : (page + 1) * PS], child_mem[page * PS : (page + 1) * PS]
                 if old == new:
                     w.put_parent(r, page, p.expected_digest(p.regions[0], page))
                 else:
@@ -81,8 +81,12 @@ def test_inspect_of_a_link_gives_the_chains_totals_beside_its_own(images):
     summary = json.loads(result.output)
     sizes = [images["child"].stat().st_size, images["parent"].stat().st_size]
     assert summary["stored_bytes"] == sizes[0]
-    assert summary["chain_totals"] == dict(links=2, logical_bytes=summary["logical_bytes"], stored_bytes=sum(sizes),
-                                           ratio=summary["logical_bytes"] / sum(sizes))
+    assert summary["chain_totals"] == dict(
+        links=2,
+        logical_bytes=summary["logical_bytes"],
+        stored_bytes=sum(sizes),
+        ratio=summary["logical_bytes"] / sum(sizes),
+    )
     text = run("inspect", images["child"], "--parent", images["parent"]).output
     assert f"stored {sum(sizes) / 2**20:.2f} MiB in all links" in text and "(this link alone)" in text
     flat = run("inspect", "--json", images["parent"])
@@ -134,6 +138,7 @@ def _read_fifo_in_background(fifo):
     def read():
         with open(fifo, "rb") as f:
             got["data"] = f.read()
+
     thread = threading.Thread(target=read, daemon=True)
     thread.start()
     return got, thread
@@ -177,7 +182,7 @@ def test_widen_pipe_gives_a_pipe_a_1_mib_buffer(tmp_path):
         os.close(read_end)
         os.close(write_end)
     with open(tmp_path / "f", "wb") as f:
-        widen_pipe(f.fileno())              # a regular file: left alone, no error
+        widen_pipe(f.fileno())  # a regular file: left alone, no error
 
 
 def test_restore_finds_the_parent_beside_the_image(images, tmp_path):
@@ -250,9 +255,13 @@ def test_the_quick_exit_does_what_a_normal_exit_must(tmp_path, code, status, mes
     """_exit_quickly joins the worker threads (one still writing), runs the atexit handlers
     (a temporary output removed), flushes stdout and stderr, and exits with the status
     sys.exit(code) would give."""
-    done = subprocess.run([sys.executable, "-c", QUICK_EXIT_PROGRAM, tmp_path / "out.raw", tmp_path / "late",
-                           repr(code)], capture_output=True, text=True, timeout=60,
-                          env={k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"})   # buffered, as usual
+    done = subprocess.run(
+        [sys.executable, "-c", QUICK_EXIT_PROGRAM, tmp_path / "out.raw", tmp_path / "late", repr(code)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"},
+    )  # buffered, as usual
     assert done.returncode == status, done.stderr
     assert done.stdout == "x" * 100 and done.stderr == "note" + (message + "\n" if message else "")
     assert sorted(os.listdir(tmp_path)) == ["late"] and (tmp_path / "late").read_text() == "done"
@@ -263,6 +272,10 @@ def test_a_closed_stdout_makes_the_console_script_exit_120_as_python_does(images
     read_end, write_end = os.pipe()
     os.close(read_end)
     with open(write_end, "wb") as closed:
-        done = subprocess.run([*command_line(), "inspect", str(images["child"]), "--parent", str(images["parent"])],
-                              stdout=closed, stderr=subprocess.PIPE, timeout=120)
+        done = subprocess.run(
+            [*command_line(), "inspect", str(images["child"]), "--parent", str(images["parent"])],
+            stdout=closed,
+            stderr=subprocess.PIPE,
+            timeout=120,
+        )
     assert done.returncode != 0

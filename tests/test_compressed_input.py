@@ -39,8 +39,7 @@ def run(*args, stdin=None) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def save(tmp_path_factory) -> bytes:
-    return zstandard.ZstdDecompressor().decompress((SAMPLE_DIR / "vm.save.zst").read_bytes(),
-                                                   max_output_size=1 << 28)
+    return zstandard.ZstdDecompressor().decompress((SAMPLE_DIR / "vm.save.zst").read_bytes(), max_output_size=1 << 28)
 
 
 @pytest.fixture(scope="module")
@@ -68,8 +67,9 @@ def test_a_compressed_sample_save_converts_and_restores_to_the_original(kind, co
 def test_a_compressed_save_on_stdin_converts(kind, compressed, tmp_path):
     image, rebuilt = tmp_path / "vm.lean", tmp_path / "rebuilt.save"
     with open(compressed[kind], "rb") as stdin:
-        proc = subprocess.run([*LEANIMG, "convert", "-", "-o", str(image)], stdin=stdin, capture_output=True,
-                              timeout=TIMEOUT)
+        proc = subprocess.run(
+            [*LEANIMG, "convert", "-", "-o", str(image)], stdin=stdin, capture_output=True, timeout=TIMEOUT
+        )
     assert proc.returncode == 0, proc.stderr.decode()
     assert run("restore", image, "--to", "qemu", "-o", rebuilt).returncode == 0
     assert sha256_file(rebuilt) == sha256_file(compressed[kind].parent / "vm.save")
@@ -78,8 +78,9 @@ def test_a_compressed_save_on_stdin_converts(kind, compressed, tmp_path):
 def test_a_compressed_save_converts_with_disk_references(compressed, tmp_path):
     """--disk spools the RAM, as for a pipe: the compressed save needs nothing else."""
     disk = tmp_path / "disk.img"
-    disk.write_bytes(zstandard.ZstdDecompressor().decompress((SAMPLE_DIR / "disk.img.zst").read_bytes(),
-                                                             max_output_size=1 << 28))
+    disk.write_bytes(
+        zstandard.ZstdDecompressor().decompress((SAMPLE_DIR / "disk.img.zst").read_bytes(), max_output_size=1 << 28)
+    )
     image = tmp_path / "vm.lean"
     proc = run("convert", compressed["gzip"], "-o", image, "--disk", f"vda={disk}")
     assert proc.returncode == 0, proc.stderr.decode()
@@ -93,7 +94,7 @@ def test_a_compressed_save_converts_with_disk_references(compressed, tmp_path):
 def test_a_truncated_compressed_save_fails_with_one_clear_line(kind, compressed, tmp_path):
     cut = tmp_path / f"cut.{kind}"
     data = compressed[kind].read_bytes()
-    cut.write_bytes(data[:len(data) // 2])
+    cut.write_bytes(data[: len(data) // 2])
     out = tmp_path / "out"
     out.mkdir()
     proc = run("convert", cut, "-o", out / "vm.lean")
@@ -156,6 +157,7 @@ def test_a_compressed_save_converts_through_the_spool(compressed, tmp_path):
 def test_a_compressed_xen_save_converts_and_restores(kind, tmp_path):
     """A Xen stream is read twice: decompressed, it is copied to a scratch file first, as from a pipe."""
     import xen_streams as xs
+
     stream = xs.build_stream(xs.make_guest(xs.HVM, 96, seed=5), xs.StreamOptions(form="xl"))
     save = tmp_path / f"dom.save.{kind}"
     save.write_bytes(COMPRESSORS[kind](stream))

@@ -11,8 +11,16 @@ import pytest
 import zstandard
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from leanimg.compression import (CORRUPT, NOT_A_FRAME, SIZE, FrameError, FrameReader, declared_size, decompress_exact,
-                                 decompress_into)
+from leanimg.compression import (
+    CORRUPT,
+    NOT_A_FRAME,
+    SIZE,
+    FrameError,
+    FrameReader,
+    declared_size,
+    decompress_exact,
+    decompress_into,
+)
 
 CONTENT = bytes(range(256)) * 40
 LIMIT = 1 << 20
@@ -47,7 +55,7 @@ def kind_of(data, **kw) -> str:
 
 def test_decompress_exact_gives_the_content():
     assert decompress_exact(frame(), expected=len(CONTENT), limit=LIMIT) == CONTENT
-    assert decompress_exact(frame(), limit=len(CONTENT)) == CONTENT          # no expectation, at the limit
+    assert decompress_exact(frame(), limit=len(CONTENT)) == CONTENT  # no expectation, at the limit
     spy = Spy()
     assert decompress_exact(frame(), limit=LIMIT, decompressor=spy) == CONTENT and spy.calls == 1
 
@@ -66,11 +74,14 @@ def test_not_a_frame(data):
     assert kind_of(data, limit=LIMIT) == NOT_A_FRAME
 
 
-@pytest.mark.parametrize("data,kw,match", [
-    (frame(content_size=False), {}, "does not declare its content size"),
-    (frame(), dict(expected=len(CONTENT) + 4096), f"expected a zstd frame declaring {len(CONTENT) + 4096} bytes"),
-    (frame(), dict(limit=len(CONTENT) - 1), f"declares {len(CONTENT)} bytes, limit {len(CONTENT) - 1}"),
-])
+@pytest.mark.parametrize(
+    "data,kw,match",
+    [
+        (frame(content_size=False), {}, "does not declare its content size"),
+        (frame(), dict(expected=len(CONTENT) + 4096), f"expected a zstd frame declaring {len(CONTENT) + 4096} bytes"),
+        (frame(), dict(limit=len(CONTENT) - 1), f"declares {len(CONTENT)} bytes, limit {len(CONTENT) - 1}"),
+    ],
+)
 def test_size(data, kw, match):
     kw = dict(dict(limit=LIMIT), **kw)
     with pytest.raises(FrameError, match=match) as info:
@@ -100,9 +111,9 @@ def test_trailing_bytes_are_corrupt():
 
 def test_a_damaged_block_is_corrupt():
     data = bytearray(frame())
-    at = 4 + 1 + 2                 # magic, descriptor (single segment, 2-byte content size): the first block header
+    at = 4 + 1 + 2  # magic, descriptor (single segment, 2-byte content size): the first block header
     assert data[4] == 0x60
-    data[at] |= 0b110              # block type 3: reserved
+    data[at] |= 0b110  # block type 3: reserved
     assert kind_of(bytes(data), expected=len(CONTENT), limit=LIMIT) == CORRUPT
 
 
@@ -141,9 +152,9 @@ def test_frame_reader_refuses_a_frame_without_its_size():
 
 def test_frame_reader_refuses_content_longer_than_declared():
     longer = bytearray(frame())
-    assert longer[4] == 0x60                      # single segment, 2-byte content size field
-    struct.pack_into("<H", longer, 5, len(CONTENT) - 256 - 100)    # declares 100 bytes fewer
-    assert stream_kind(bytes(longer)) in (SIZE, CORRUPT)          # our count, or zstd's own check
+    assert longer[4] == 0x60  # single segment, 2-byte content size field
+    struct.pack_into("<H", longer, 5, len(CONTENT) - 256 - 100)  # declares 100 bytes fewer
+    assert stream_kind(bytes(longer)) in (SIZE, CORRUPT)  # our count, or zstd's own check
 
 
 def test_frame_reader_refuses_content_shorter_than_declared():
@@ -175,7 +186,7 @@ def exact_or_error(data, **kw):
 def test_decompress_into_fills_the_callers_buffer():
     out = bytearray(LIMIT)
     view = decompress_into(frame(), out, expected=len(CONTENT), limit=LIMIT)
-    assert view.obj is out and len(view) == len(CONTENT) and bytes(out[:len(CONTENT)]) == CONTENT
+    assert view.obj is out and len(view) == len(CONTENT) and bytes(out[: len(CONTENT)]) == CONTENT
     assert bytes(decompress_into(frame(b""), out, limit=LIMIT)) == b""
 
 
@@ -185,18 +196,31 @@ def test_decompress_into_a_buffer_too_small_is_the_callers_error():
 
 
 CHECKSUMMED = zstandard.ZstdCompressor(level=3, write_checksum=True).compress(CONTENT)
-RAW_CONTENT = bytes(range(256)) + __import__("os").urandom(70000)       # stored in raw blocks
-ORIGINALS = [(frame(), len(CONTENT)), (CHECKSUMMED, len(CONTENT)),
-             (zstandard.ZstdCompressor(level=3).compress(RAW_CONTENT), len(RAW_CONTENT)), (frame(b"x" * 5000), 5000)]
+RAW_CONTENT = bytes(range(256)) + __import__("os").urandom(70000)  # stored in raw blocks
+ORIGINALS = [
+    (frame(), len(CONTENT)),
+    (CHECKSUMMED, len(CONTENT)),
+    (zstandard.ZstdCompressor(level=3).compress(RAW_CONTENT), len(RAW_CONTENT)),
+    (frame(b"x" * 5000), 5000),
+]
 
 
-@pytest.mark.parametrize("data,kw", [
-    (frame(content_size=False), {}), (frame(), dict(expected=len(CONTENT) + 4096)), (frame(), dict(limit=100)),
-    (frame() + frame(b"more"), {}), (frame() + b"\x00", {}), (frame()[:-4], {}), (declaring(4096), {}),
-    (b"not a zstd frame", {}), (CHECKSUMMED[:-1] + bytes([CHECKSUMMED[-1] ^ 1]), {}),
-    (frame() + zstandard.ZstdCompressor().compress(b""), {}),
-    (frame() + b"\x50\x2a\x4d\x18" + bytes(4), {}),            # a skippable frame after it
-])
+@pytest.mark.parametrize(
+    "data,kw",
+    [
+        (frame(content_size=False), {}),
+        (frame(), dict(expected=len(CONTENT) + 4096)),
+        (frame(), dict(limit=100)),
+        (frame() + frame(b"more"), {}),
+        (frame() + b"\x00", {}),
+        (frame()[:-4], {}),
+        (declaring(4096), {}),
+        (b"not a zstd frame", {}),
+        (CHECKSUMMED[:-1] + bytes([CHECKSUMMED[-1] ^ 1]), {}),
+        (frame() + zstandard.ZstdCompressor().compress(b""), {}),
+        (frame() + b"\x50\x2a\x4d\x18" + bytes(4), {}),  # a skippable frame after it
+    ],
+)
 def test_decompress_into_refuses_what_decompress_exact_refuses_alike(data, kw):
     kw = dict(dict(limit=LIMIT), **kw)
     refused = exact_or_error(data, **kw)
@@ -215,6 +239,6 @@ def test_decompress_into_agrees_with_decompress_exact_on_any_edit(which, data):
         at = data.draw(st.integers(0, len(edited) - 1))
         edited[at] = data.draw(st.integers(0, 255))
     cut = data.draw(st.integers(0, 8))
-    edited = edited[:len(edited) - cut] + data.draw(st.binary(max_size=8))
+    edited = edited[: len(edited) - cut] + data.draw(st.binary(max_size=8))
     kw = dict(expected=expected, limit=LIMIT)
     assert into_or_error(bytes(edited), bytearray(expected), **kw) == exact_or_error(bytes(edited), **kw)

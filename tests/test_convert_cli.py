@@ -40,15 +40,11 @@ LEANIMG = command_line()
 
 
 def run(*args, stdin: bytes | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([*LEANIMG, *map(str, args)], input=stdin, capture_output=True,
-                          timeout=TIMEOUT)
-
-
-
-
+    return subprocess.run([*LEANIMG, *map(str, args)], input=stdin, capture_output=True, timeout=TIMEOUT)
 
 
 # ------------------------------------------------------------------ the sample stream
+
 
 @pytest.fixture(scope="module")
 def sample_path(tmp_path_factory) -> Path:
@@ -74,8 +70,8 @@ class Layout:
         # machine type length + name; the sample has no configuration subsections
         n = struct.unpack_from(">I", data, pos + 1)[0]
         pos += 5 + n
-        self.sections = []          # (kind, offset, section id, first entry offset)
-        self.entries = []           # (offset, flags, block name or None, address)
+        self.sections = []  # (kind, offset, section id, first entry offset)
+        self.entries = []  # (offset, flags, block name or None, address)
         self.mem_size = None
         while data[pos] in (q.START, q.PART, q.END):
             kind, sid = data[pos], struct.unpack_from(">I", data, pos + 1)[0]
@@ -97,7 +93,7 @@ class Layout:
                     self.blocks = {}
                     while total < addr:
                         n = data[pos]
-                        name = data[pos + 1:pos + 1 + n].decode()
+                        name = data[pos + 1 : pos + 1 + n].decode()
                         length = struct.unpack_from(">Q", data, pos + 1 + n)[0]
                         self.blocks[name] = (pos, length)
                         pos += 1 + n + 8
@@ -106,13 +102,13 @@ class Layout:
                 name = None
                 if not flags & q.F_CONTINUE:
                     n = data[pos]
-                    name = data[pos + 1:pos + 1 + n].decode()
+                    name = data[pos + 1 : pos + 1 + n].decode()
                     pos += 1 + n
                 pos += PS if flags & q.F_PAGE else 1
                 self.entries.append((at, flags, name, addr))
             assert data[pos] == q.FOOTER
             pos += 5
-        self.tail = pos                          # first device section
+        self.tail = pos  # first device section
         assert data[pos] == q.FULL
         self.eof = data.rindex(bytes([q.EOF, q.VMDESCRIPTION]))
         self.vmdesc = self.eof + 1
@@ -139,8 +135,9 @@ def test_layout_walker_sees_the_sample(layout):
 
 # ------------------------------------------------------------------ bad streams → convert
 
+
 def _put(data: bytes, at: int, blob: bytes) -> bytes:
-    return data[:at] + blob + data[at + len(blob):]
+    return data[:at] + blob + data[at + len(blob) :]
 
 
 def bad_streams(data: bytes, L: Layout) -> dict[str, tuple[bytes, dict]]:
@@ -148,78 +145,108 @@ def bad_streams(data: bytes, L: Layout) -> dict[str, tuple[bytes, dict]]:
     out = {}
     # --- truncated at several points
     # (detection sees 3 bytes that are not the whole magic)
-    out["truncated-in-magic"] = data[:3], dict(match="got 51 45 56", offset=0,
-                                               structure="magic")
-    out["truncated-in-configuration"] = data[:L.config + 7], dict(
-        match="truncated", offset=L.config + 5, structure="configuration")
+    out["truncated-in-magic"] = data[:3], dict(match="got 51 45 56", offset=0, structure="magic")
+    out["truncated-in-configuration"] = (
+        data[: L.config + 7],
+        dict(match="truncated", offset=L.config + 5, structure="configuration"),
+    )
     mem_pos, _ = L.blocks["pc.ram"]
-    out["truncated-in-mem-size"] = data[:mem_pos + 4], dict(
-        match="truncated", offset=mem_pos + 1, structure=section_label(L, 0))
+    out["truncated-in-mem-size"] = (
+        data[: mem_pos + 4],
+        dict(match="truncated", offset=mem_pos + 1, structure=section_label(L, 0)),
+    )
     page = L.first_entry(q.F_PAGE, named=False)
     sec = max(i for i, s in enumerate(L.sections) if s[1] < page[0])
-    out["truncated-mid-page"] = data[:page[0] + 8 + 100], dict(
-        match="expected 4096 bytes of page data", offset=page[0] + 8,
-        structure=section_label(L, sec))
+    out["truncated-mid-page"] = (
+        data[: page[0] + 8 + 100],
+        dict(match="expected 4096 bytes of page data", offset=page[0] + 8, structure=section_label(L, sec)),
+    )
     nxt = L.sections[2][1]
-    out["truncated-at-section-boundary"] = data[:nxt], dict(
-        match="truncated", offset=nxt, structure="section[2]")
-    out["truncated-in-device-sections"] = data[:L.tail + 3000], dict(
-        match="truncated", structure="FULL")
-    out["truncated-in-vmdescription"] = data[:len(data) - 10], dict(
-        match="VMDESCRIPTION JSON", structure="vmdescription")
-    out["truncated-before-eof"] = data[:L.eof], dict(match="truncated", structure="section[")
+    out["truncated-at-section-boundary"] = data[:nxt], dict(match="truncated", offset=nxt, structure="section[2]")
+    out["truncated-in-device-sections"] = data[: L.tail + 3000], dict(match="truncated", structure="FULL")
+    out["truncated-in-vmdescription"] = (
+        data[: len(data) - 10],
+        dict(match="VMDESCRIPTION JSON", structure="vmdescription"),
+    )
+    out["truncated-before-eof"] = data[: L.eof], dict(match="truncated", structure="section[")
     # --- corrupt section id (of a PART) and section type
     part = L.sections[1][1]
     sid = L.sections[1][2]
-    out["corrupt-section-id"] = _put(data, part + 1, struct.pack(">I", sid + 40)), dict(
-        match=f"expected section id of 'ram' ({sid}), got {sid + 40}", offset=part + 1,
-        structure="section[1]")
-    out["corrupt-section-type"] = _put(data, part, b"\x42"), dict(
-        match="got 0x42", offset=part, structure="section[1]")
+    out["corrupt-section-id"] = (
+        _put(data, part + 1, struct.pack(">I", sid + 40)),
+        dict(match=f"expected section id of 'ram' ({sid}), got {sid + 40}", offset=part + 1, structure="section[1]"),
+    )
+    out["corrupt-section-type"] = _put(data, part, b"\x42"), dict(match="got 0x42", offset=part, structure="section[1]")
     # --- unknown page flag
     at = page[0]
     word = struct.unpack_from(">Q", data, at)[0]
-    out["unknown-page-flag"] = _put(data, at, struct.pack(">Q", word | 0x400)), dict(
-        match="RAM flags", offset=at, structure=section_label(L, sec))
+    out["unknown-page-flag"] = (
+        _put(data, at, struct.pack(">Q", word | 0x400)),
+        dict(match="RAM flags", offset=at, structure=section_label(L, sec)),
+    )
     # --- lying lengths
-    out["lying-block-length"] = _put(data, mem_pos + 7, struct.pack(">Q", L.blocks["pc.ram"][1]
-                                                                   + (1 << 20))), dict(
-        match="add up to MEM_SIZE", structure=section_label(L, 0))
-    out["lying-machine-type-length"] = _put(data, L.config + 1, struct.pack(">I", 1 << 30)), \
-        dict(match="truncated", offset=L.config + 5, structure="configuration")
+    out["lying-block-length"] = (
+        _put(data, mem_pos + 7, struct.pack(">Q", L.blocks["pc.ram"][1] + (1 << 20))),
+        dict(match="add up to MEM_SIZE", structure=section_label(L, 0)),
+    )
+    out["lying-machine-type-length"] = (
+        _put(data, L.config + 1, struct.pack(">I", 1 << 30)),
+        dict(match="truncated", offset=L.config + 5, structure="configuration"),
+    )
     n = struct.unpack_from(">I", data, L.vmdesc + 1)[0]
-    out["lying-vmdescription-length-long"] = _put(data, L.vmdesc + 1,
-                                                  struct.pack(">I", n + 100)), dict(
-        match="truncated", structure="vmdescription")
-    out["lying-vmdescription-length-short"] = _put(data, L.vmdesc + 1,
-                                                   struct.pack(">I", n - 100)), dict(
-        match="end of stream after VMDESCRIPTION", offset=L.vmdesc + 5 + n - 100,
-        structure="after vmdescription")
+    out["lying-vmdescription-length-long"] = (
+        _put(data, L.vmdesc + 1, struct.pack(">I", n + 100)),
+        dict(match="truncated", structure="vmdescription"),
+    )
+    out["lying-vmdescription-length-short"] = (
+        _put(data, L.vmdesc + 1, struct.pack(">I", n - 100)),
+        dict(match="end of stream after VMDESCRIPTION", offset=L.vmdesc + 5 + n - 100, structure="after vmdescription"),
+    )
     named = L.first_entry(q.F_PAGE, named=True)
-    out["lying-block-name-length"] = _put(data, named[0] + 8, bytes([data[named[0] + 8] - 1])), \
-        dict(match="missing from MEM_SIZE")
+    out["lying-block-name-length"] = (
+        _put(data, named[0] + 8, bytes([data[named[0] + 8] - 1])),
+        dict(match="missing from MEM_SIZE"),
+    )
     # --- a RAM block missing from MEM_SIZE
     name = named[2].encode()
     other = name[:-1] + bytes([name[-1] ^ 0x20])
-    out["ram-block-missing-from-mem-size"] = _put(data, named[0] + 9, other), dict(
-        match=f"got {other.decode()!r} (missing from MEM_SIZE)", offset=named[0] + 8)
+    out["ram-block-missing-from-mem-size"] = (
+        _put(data, named[0] + 9, other),
+        dict(match=f"got {other.decode()!r} (missing from MEM_SIZE)", offset=named[0] + 8),
+    )
     # --- garbage after EOF / after the trailer
-    out["garbage-after-vmdescription"] = data + b"garbage", dict(
-        match="end of stream after VMDESCRIPTION", offset=len(data),
-        structure="after vmdescription")
-    out["garbage-instead-of-vmdescription"] = data[:L.eof + 1] + b"\x99garbage", dict(
-        match="after QEMU_VM_EOF", offset=L.eof + 1, structure="after EOF")
+    out["garbage-after-vmdescription"] = (
+        data + b"garbage",
+        dict(match="end of stream after VMDESCRIPTION", offset=len(data), structure="after vmdescription"),
+    )
+    out["garbage-instead-of-vmdescription"] = (
+        data[: L.eof + 1] + b"\x99garbage",
+        dict(match="after QEMU_VM_EOF", offset=L.eof + 1, structure="after EOF"),
+    )
     return out
 
 
-BAD_NAMES = ["truncated-in-magic", "truncated-in-configuration", "truncated-in-mem-size",
-             "truncated-mid-page", "truncated-at-section-boundary",
-             "truncated-in-device-sections", "truncated-in-vmdescription",
-             "truncated-before-eof", "corrupt-section-id", "corrupt-section-type",
-             "unknown-page-flag", "lying-block-length", "lying-machine-type-length",
-             "lying-vmdescription-length-long", "lying-vmdescription-length-short",
-             "lying-block-name-length", "ram-block-missing-from-mem-size",
-             "garbage-after-vmdescription", "garbage-instead-of-vmdescription"]
+BAD_NAMES = [
+    "truncated-in-magic",
+    "truncated-in-configuration",
+    "truncated-in-mem-size",
+    "truncated-mid-page",
+    "truncated-at-section-boundary",
+    "truncated-in-device-sections",
+    "truncated-in-vmdescription",
+    "truncated-before-eof",
+    "corrupt-section-id",
+    "corrupt-section-type",
+    "unknown-page-flag",
+    "lying-block-length",
+    "lying-machine-type-length",
+    "lying-vmdescription-length-long",
+    "lying-vmdescription-length-short",
+    "lying-block-name-length",
+    "ram-block-missing-from-mem-size",
+    "garbage-after-vmdescription",
+    "garbage-instead-of-vmdescription",
+]
 
 
 @pytest.fixture(scope="module")
@@ -240,9 +267,17 @@ def test_bad_stream_from_file(name, bad, tmp_path):
     assert_clean_failure(proc, outdir, **expect)
 
 
-@pytest.mark.parametrize("name", ["truncated-mid-page", "corrupt-section-id",
-                                  "unknown-page-flag", "ram-block-missing-from-mem-size",
-                                  "garbage-after-vmdescription", "truncated-in-vmdescription"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "truncated-mid-page",
+        "corrupt-section-id",
+        "unknown-page-flag",
+        "ram-block-missing-from-mem-size",
+        "garbage-after-vmdescription",
+        "truncated-in-vmdescription",
+    ],
+)
 def test_bad_stream_from_pipe(name, bad, tmp_path):
     data, expect = bad[name]
     outdir = tmp_path / "out"
@@ -256,18 +291,23 @@ def test_not_a_stream(tmp_path):
     src.write_bytes(b"not a save file at all" * 10)
     outdir = tmp_path / "out"
     outdir.mkdir()
-    assert_clean_failure(run("convert", src, "-o", outdir / "vm.lean"), outdir,
-                         match="QEMU migration stream", offset=0, structure="magic")
+    assert_clean_failure(
+        run("convert", src, "-o", outdir / "vm.lean"),
+        outdir,
+        match="QEMU migration stream",
+        offset=0,
+        structure="magic",
+    )
 
 
 def test_empty_input_from_pipe(tmp_path):
     outdir = tmp_path / "out"
     outdir.mkdir()
-    assert_clean_failure(run("convert", "-", "-o", outdir / "vm.lean", stdin=b""), outdir,
-                         offset=0, structure="magic")
+    assert_clean_failure(run("convert", "-", "-o", outdir / "vm.lean", stdin=b""), outdir, offset=0, structure="magic")
 
 
 # ------------------------------------------------------------------ synthetic streams
+
 
 def synthetic(vmdesc: bool) -> bytes:
     return qemu_save(bytes(PS) + b"\xab" * PS + bytes(PS) + os.urandom(PS), vmdesc=vmdesc)
@@ -290,8 +330,7 @@ def test_synthetic_garbage_after_eof(vmdesc, tmp_path):
     outdir = tmp_path / "out"
     outdir.mkdir()
     match = "end of stream after VMDESCRIPTION" if vmdesc else "after QEMU_VM_EOF"
-    assert_clean_failure(run("convert", src, "-o", outdir / "vm.lean"), outdir,
-                         match=match, offset=len(data))
+    assert_clean_failure(run("convert", src, "-o", outdir / "vm.lean"), outdir, match=match, offset=len(data))
 
 
 def test_synthetic_truncated_everywhere(tmp_path):
@@ -307,6 +346,7 @@ def test_synthetic_truncated_everywhere(tmp_path):
 
 
 # ------------------------------------------------------------------ restore
+
 
 @pytest.fixture(scope="module")
 def sample_image(sample_path, tmp_path_factory) -> Path:
@@ -339,8 +379,7 @@ def test_restore_to_qemu_without_qemu_state(tmp_path):
 
 
 def _page_frame_in_the_middle(img: Path) -> dict:
-    frames = [r for r in dump_structure(img)["records"]
-              if r["record_type"] == RecordType.PAGE_FRAME]
+    frames = [r for r in dump_structure(img)["records"] if r["record_type"] == RecordType.PAGE_FRAME]
     assert len(frames) > 10
     return frames[len(frames) // 2]
 
@@ -360,16 +399,16 @@ def test_restore_corrupt_midway_leaves_nothing(target, fix_checksum, sample_imag
     data[at + 1] ^= 0xA5
     if fix_checksum:
         end = body_at + (rec["body_length"] + 7) // 8 * 8
-        data[end:end + 8] = struct.pack("<Q", checksum64(bytes(data[rec["offset"]:end])))
+        data[end : end + 8] = struct.pack("<Q", checksum64(bytes(data[rec["offset"] : end])))
     img = tmp_path / "bad.lean"
     img.write_bytes(bytes(data))
     outdir = tmp_path / "out"
     outdir.mkdir()
     proc = run("restore", img, "--to", target, "-o", outdir / "restored")
     line = assert_clean_failure(proc, outdir, offset=-1, structure=None)
-    if fix_checksum:   # caught by the page digest: names the page, not a file offset
+    if fix_checksum:  # caught by the page digest: names the page, not a file offset
         assert re.search(r"region\[0\]\.page\[\d+\]: \[LI-DIG-002\]", line), line
-    else:              # caught by the record checksum: names the record and its offset
+    else:  # caught by the record checksum: names the record and its offset
         assert re.search(r"offset 0x[0-9a-f]+", line) and "record" in line, line
 
 
@@ -383,6 +422,7 @@ def test_restore_sample_image_is_the_sample(sample_image, sample_path, tmp_path)
 
 # ------------------------------------------------------------------ demo
 
+
 def test_demo_workdir(tmp_path, sample_path):
     """The demo shows each lean feature on the real sample, with sizes measured in the run,
     and restores both images bit-exact."""
@@ -390,6 +430,7 @@ def test_demo_workdir(tmp_path, sample_path):
     from leanimg.format import PageClass
     from leanimg.inspect import class_counts
     import numpy as np
+
     workdir = tmp_path / "demo"
     proc = run("demo", "--workdir", workdir)
     out = proc.stdout.decode()
@@ -429,6 +470,7 @@ def test_demo_workdir(tmp_path, sample_path):
 
 # ------------------------------------------------------------------ interrupted runs
 
+
 def _partials(directory: Path) -> list[str]:
     return [n for n in os.listdir(directory) if "partial" in n]
 
@@ -439,14 +481,17 @@ def test_convert_interrupted_leaves_nothing(sig, sample, tmp_path):
     sending SIGTERM): no image and no `.leanimg-*.partial` temp file stays behind."""
     outdir = tmp_path / "out"
     outdir.mkdir()
-    proc = subprocess.Popen([*LEANIMG, "convert", "-", "-o", str(outdir / "vm.lean")],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [*LEANIMG, "convert", "-", "-o", str(outdir / "vm.lean")],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     try:
-        proc.stdin.write(sample[:len(sample) // 2])
+        proc.stdin.write(sample[: len(sample) // 2])
         proc.stdin.flush()
         deadline = time.monotonic() + 30
-        while not _partials(outdir):        # the writer has started its temp file
+        while not _partials(outdir):  # the writer has started its temp file
             assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
             time.sleep(0.01)
         time.sleep(0.3)
@@ -471,16 +516,18 @@ def test_restore_interrupted_leaves_nothing(sig, sample_image, tmp_path):
     outdir = tmp_path / "out"
     outdir.mkdir()
     for attempt in range(5):
-        proc = subprocess.Popen([*LEANIMG, "restore", str(sample_image), "--to", "qemu",
-                                 "-o", str(outdir / "vm.save")],
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        proc = subprocess.Popen(
+            [*LEANIMG, "restore", str(sample_image), "--to", "qemu", "-o", str(outdir / "vm.save")],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
         while proc.poll() is None and not _partials(outdir):
             time.sleep(0.001)
         if proc.poll() is None:
             proc.send_signal(sig)
             proc.wait(timeout=30)
             break
-        proc.wait()                 # finished before we caught it: try again
+        proc.wait()  # finished before we caught it: try again
         for name in os.listdir(outdir):
             os.unlink(outdir / name)
     else:
@@ -501,24 +548,22 @@ def test_restore_interrupted_leaves_nothing(sig, sample_image, tmp_path):
 # ------------------------------------------------------------------ a damaged QEMU state blob
 
 
-
 def _state_cases(blob: bytes) -> dict[str, bytes]:
     raw = zstandard.ZstdDecompressor().decompress(blob)
     flipped = bytearray(blob)
     flipped[len(flipped) // 2] ^= 0x04
     return {
-        "truncated": blob[:len(blob) // 2],
+        "truncated": blob[: len(blob) // 2],
         "wrong-magic": b"\x00" * 4 + blob[4:],
         "bit-flip": bytes(flipped),
         # a frame header: magic, single-segment with an 8-byte content size of 1 TiB, then garbage
         "declares-1TiB": b"\x28\xb5\x2f\xfd\xe0" + (1 << 40).to_bytes(8, "little") + b"\x01" * 16,
-        "state-truncated-inside": zstandard.ZstdCompressor(write_content_size=True).compress(raw[:len(raw) // 3]),
+        "state-truncated-inside": zstandard.ZstdCompressor(write_content_size=True).compress(raw[: len(raw) // 3]),
         "state-wrong-magic": zstandard.ZstdCompressor(write_content_size=True).compress(b"XXXX" + raw[4:]),
     }
 
 
-STATE_CASES = ["truncated", "wrong-magic", "bit-flip", "declares-1TiB", "state-truncated-inside",
-               "state-wrong-magic"]
+STATE_CASES = ["truncated", "wrong-magic", "bit-flip", "declares-1TiB", "state-truncated-inside", "state-wrong-magic"]
 
 
 @pytest.mark.parametrize("case", STATE_CASES)

@@ -69,12 +69,15 @@ def changed(old: bytes, positions) -> bytes:
 
 
 # --- encode -----------------------------------------------------------------------------------------
-@pytest.mark.parametrize("positions,encoding", [
-    ([7], IL),
-    (list(range(0, WORDS, 2)), BM),                          # 256 scattered words
-    (list(range(100, 200)), RU),                             # one run of 100
-    (list(range(0, 40)) + list(range(300, 340)), RU),
-])
+@pytest.mark.parametrize(
+    "positions,encoding",
+    [
+        ([7], IL),
+        (list(range(0, WORDS, 2)), BM),  # 256 scattered words
+        (list(range(100, 200)), RU),  # one run of 100
+        (list(range(0, 40)) + list(range(300, 340)), RU),
+    ],
+)
 def test_encode_picks_the_shortest_encoding(positions, encoding):
     old = page(1)
     got = delta.encode(old, changed(old, positions))
@@ -84,7 +87,7 @@ def test_encode_picks_the_shortest_encoding(positions, encoding):
 
 def test_encode_on_a_tie_gives_an_entry_of_the_shortest_length():
     old = page(2)
-    got = delta.encode(old, changed(old, range(10, 13)))      # 3 words in one run: INDEX_LIST and RUNS 34 bytes
+    got = delta.encode(old, changed(old, range(10, 13)))  # 3 words in one run: INDEX_LIST and RUNS 34 bytes
     sizes = delta.encoded_sizes(3, 1, PS)
     assert sizes[IL] == sizes[RU] == 34
     assert len(got) == 34 and got[0] in (IL, RU)
@@ -97,9 +100,9 @@ def test_encode_equal_pages_is_none():
 
 def test_encode_none_when_no_entry_is_smaller_than_a_page():
     old = page(4)
-    longest = delta.encode(old, changed(old, range(510)))     # RUNS: 6 + 4 + 8 * 510 = 4090 bytes
+    longest = delta.encode(old, changed(old, range(510)))  # RUNS: 6 + 4 + 8 * 510 = 4090 bytes
     assert longest[0] == RU and len(longest) == 4090
-    assert delta.encode(old, changed(old, range(511))) is None     # 4098 bytes: LI-DLT-004
+    assert delta.encode(old, changed(old, range(511))) is None  # 4098 bytes: LI-DLT-004
     assert delta.encode(old, changed(old, range(WORDS))) is None
 
 
@@ -189,8 +192,13 @@ def test_small_index_list_leaves_malformed_entries_to_the_checking_decoder(name)
 def test_parse_index_lists_takes_exactly_the_sound_index_lists(parser, monkeypatch):
     if parser == "numpy":
         monkeypatch.setattr(delta, "_native", None)
-    sound = [entry(IL, [3], [30]), entry(IL, list(range(0, 400, 10)), range(40)), entry(BM, [1, 2], [5, 6]),
-             entry(RU, [7, 8, 9], [1, 2, 3]), entry(IL, [WORDS - 1], [2**64 - 1])]
+    sound = [
+        entry(IL, [3], [30]),
+        entry(IL, list(range(0, 400, 10)), range(40)),
+        entry(BM, [1, 2], [5, 6]),
+        entry(RU, [7, 8, 9], [1, 2, 3]),
+        entry(IL, [WORDS - 1], [2**64 - 1]),
+    ]
     malformed = [MALFORMED[name][0] for name in sorted(MALFORMED)]
     content = sound + malformed
     offsets = np.concatenate(([0], np.cumsum([len(e) for e in content])))

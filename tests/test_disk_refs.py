@@ -28,8 +28,8 @@ from leanimg.reader import LeanImage
 PS = 4096
 SECTOR = 512
 DISK_BYTES = 16 << 20
-PART_A = (63, 4096 - 63)                     # (first sector, sectors): phase 7
-PART_B = (4096, DISK_BYTES // SECTOR - 4096)   # phase 0
+PART_A = (63, 4096 - 63)  # (first sector, sectors): phase 7
+PART_B = (4096, DISK_BYTES // SECTOR - 4096)  # phase 0
 LEANIMG = command_line()
 needs_qemu_img = pytest.mark.skipif(shutil.which("qemu-img") is None, reason="qemu-img is not installed")
 
@@ -72,18 +72,35 @@ def gpt_disk(size: int, partitions) -> bytearray:
     for k, (first, last) in enumerate(partitions):
         struct.pack_into("<16s16sQQ", entries, 128 * k, b"\x0f" * 16, bytes([k + 1]) * 16, first, last)
     header = bytearray(92)
-    struct.pack_into("<8sIIIIQQQQ16sQIII", header, 0, b"EFI PART", 0x10000, 92, 0, 0, 1, size // SECTOR - 1,
-                     34, size // SECTOR - 34, b"\x01" * 16, 2, 128, 128, zlib.crc32(entries))
+    struct.pack_into(
+        "<8sIIIIQQQQ16sQIII",
+        header,
+        0,
+        b"EFI PART",
+        0x10000,
+        92,
+        0,
+        0,
+        1,
+        size // SECTOR - 1,
+        34,
+        size // SECTOR - 34,
+        b"\x01" * 16,
+        2,
+        128,
+        128,
+        zlib.crc32(entries),
+    )
     struct.pack_into("<I", header, 16, zlib.crc32(header))
-    disk[SECTOR:SECTOR + 92] = header
-    disk[2 * SECTOR:2 * SECTOR + len(entries)] = entries
+    disk[SECTOR : SECTOR + 92] = header
+    disk[2 * SECTOR : 2 * SECTOR + len(entries)] = entries
     return disk
 
 
 def text_blocks(rng, count: int) -> bytes:
     """Compressible but distinct blocks (so `qemu-img convert -c` really compresses clusters)."""
     words = np.array([b"lean ", b"image ", b"page ", b"disk ", b"cache ", b"block "], object)
-    return b"".join(f"{k:08d} ".encode() + b"".join(rng.choice(words, 800))[:PS - 9] for k in range(count))
+    return b"".join(f"{k:08d} ".encode() + b"".join(rng.choice(words, 800))[: PS - 9] for k in range(count))
 
 
 class Scenario:
@@ -94,23 +111,23 @@ class Scenario:
         disk = bytearray(DISK_BYTES)
         disk[:SECTOR] = mbr([(0x83, *PART_A), (0x83, *PART_B)])
         a_start, b_start = PART_A[0] * SECTOR, PART_B[0] * SECTOR
-        disk[a_start:b_start] = text_blocks(rng, (b_start - a_start) // PS + 1)[:b_start - a_start]
-        disk[b_start:8 << 20] = rng.bytes((8 << 20) - b_start)      # the rest stays a hole
+        disk[a_start:b_start] = text_blocks(rng, (b_start - a_start) // PS + 1)[: b_start - a_start]
+        disk[b_start : 8 << 20] = rng.bytes((8 << 20) - b_start)  # the rest stays a hole
         self.disk = root / "disk.img"
-        self.disk.write_bytes(disk[:8 << 20])
+        self.disk.write_bytes(disk[: 8 << 20])
         with open(self.disk, "r+b") as f:
             f.truncate(DISK_BYTES)
         self.on_disk = [a_start + PS * k for k in range(0, 400, 3)] + [b_start + PS * k for k in range(0, 900, 2)]
-        self.odd_phase = a_start + 2 * SECTOR                # sector 65: found only with --all-phases
-        pages = [bytes(disk[o:o + PS]) for o in [*self.on_disk, self.odd_phase]]
+        self.odd_phase = a_start + 2 * SECTOR  # sector 65: found only with --all-phases
+        pages = [bytes(disk[o : o + PS]) for o in [*self.on_disk, self.odd_phase]]
         pages += [bytes(PS)] * 200 + [rng.bytes(PS) for _ in range(150)]
-        pages.append(pages[5])                               # a page twice in memory, same disk block
+        pages.append(pages[5])  # a page twice in memory, same disk block
         order = rng.permutation(len(pages))
         ram = b"".join(pages[i] for i in order)
         self.ram = ram + bytes(-len(ram) % (1 << 20))
         self.save = root / "vm.save"
         self.save.write_bytes(qemu_save(self.ram))
-        self.disk_pages = len(self.on_disk) + 1              # + the duplicate
+        self.disk_pages = len(self.on_disk) + 1  # + the duplicate
 
     def convert(self, out: Path, *extra) -> LeanImage:
         ok("convert", self.save, "-o", out, "--disk", f"vda={self.disk}", *extra)
@@ -136,10 +153,11 @@ def classes(path: Path, parents=()) -> np.ndarray:
 
 # ------------------------------------------------------------------ convert
 
+
 def test_convert_finds_every_page_on_the_disk_at_the_partitions_phase(scene, image):
     counts = np.bincount(classes(image), minlength=7)
     assert counts[PageClass.DISK] == scene.disk_pages
-    assert counts[PageClass.STORED] == 150 + 1               # random pages + the odd-phase page
+    assert counts[PageClass.STORED] == 150 + 1  # random pages + the odd-phase page
     with LeanImage.open(image) as img:
         assert [(d.name, d.size_bytes) for d in img.disks] == [("vda", DISK_BYTES)]
         sectors = set(int(s) for s in img.tables.disk_refs.sectors)
@@ -172,20 +190,21 @@ def test_disk_name_defaults_to_the_file_stem(scene, tmp_path):
 
 # ------------------------------------------------------------------ restore
 
+
 def test_restore_with_the_raw_disk_is_the_save_byte_for_byte(scene, image, tmp_path):
     for flag in ("--sort-blocks", "--no-sort-blocks"):
         out = tmp_path / f"r{flag}.save"
         ok("restore", image, "--to", "qemu", "-o", out, "--disk", f"vda={scene.disk}", flag)
         assert out.read_bytes() == scene.save.read_bytes()
     raw = tmp_path / "mem.raw"
-    ok("restore", image, "--to", "raw", "-o", raw, "--disk", str(scene.disk))      # NAME left out: one disk
+    ok("restore", image, "--to", "raw", "-o", raw, "--disk", str(scene.disk))  # NAME left out: one disk
     assert raw.read_bytes() == scene.ram
 
 
 def test_validate_checks_every_disk_page(scene, image):
     proc = ok("validate", image, "--disk", f"vda={scene.disk}")
     assert f"{scene.disk_pages} disk_pages" in proc.stdout.decode()
-    unchecked = run("validate", image)                   # no --disk: no violation, but not all checked
+    unchecked = run("validate", image)  # no --disk: no violation, but not all checked
     assert unchecked.returncode == 4 and "not checked" in unchecked.stdout.decode()
 
 
@@ -205,11 +224,14 @@ def make_qcow2(raw: Path, tmp: Path, kind: str) -> Path:
         data = raw.read_bytes()
         b_start = PART_B[0] * SECTOR
         base_raw.write_bytes(data[:b_start] + bytes(len(data) - b_start))
-        part_b.write_bytes(data[b_start:8 << 20])
+        part_b.write_bytes(data[b_start : 8 << 20])
         qemu_img("convert", "-O", "qcow2", base_raw, tmp / "base.qcow2")
         qemu_img("create", "-f", "qcow2", "-b", "base.qcow2", "-F", "qcow2", tmp / "top.qcow2")
-        subprocess.run(["qemu-io", "-f", "qcow2", "-c", f"write -s {part_b} {b_start} {(8 << 20) - b_start}",
-                        tmp / "top.qcow2"], check=True, capture_output=True)
+        subprocess.run(
+            ["qemu-io", "-f", "qcow2", "-c", f"write -s {part_b} {b_start} {(8 << 20) - b_start}", tmp / "top.qcow2"],
+            check=True,
+            capture_output=True,
+        )
         extents = qemu_img_map(tmp / "top.qcow2")
         assert {e["depth"] for e in extents if e["data"]} == {0, 1}, extents
         return tmp / "top.qcow2"
@@ -226,8 +248,10 @@ def qemu_img(*args) -> None:
 
 def qemu_img_map(path: Path) -> list:
     import json
-    return json.loads(subprocess.run(["qemu-img", "map", "--output=json", path], check=True,
-                                     capture_output=True).stdout)
+
+    return json.loads(
+        subprocess.run(["qemu-img", "map", "--output=json", path], check=True, capture_output=True).stdout
+    )
 
 
 def test_restore_through_a_chain_reads_the_childs_disk_pages(scene, image, tmp_path):
@@ -242,25 +266,34 @@ def test_restore_through_a_chain_reads_the_childs_disk_pages(scene, image, tmp_p
 
 # ------------------------------------------------------------------ bad disks
 
+
 def test_another_disk_is_refused_before_any_read(scene, image, tmp_path):
     other = tmp_path / "other.img"
     other.write_bytes(np.random.default_rng(9).bytes(DISK_BYTES))
-    fails(run("restore", image, "-o", tmp_path / "o.raw", "--disk", f"vda={other}"),
-          "LI-DSK-004", "another identity", left_out=tmp_path / "o.raw")
+    fails(
+        run("restore", image, "-o", tmp_path / "o.raw", "--disk", f"vda={other}"),
+        "LI-DSK-004",
+        "another identity",
+        left_out=tmp_path / "o.raw",
+    )
 
 
 def test_a_truncated_disk_is_refused(scene, image, tmp_path):
     short = tmp_path / "short.img"
-    short.write_bytes(scene.disk.read_bytes()[:DISK_BYTES // 2])
-    fails(run("restore", image, "-o", tmp_path / "o.raw", "--disk", f"vda={short}"),
-          "LI-DSK-004", f"{DISK_BYTES // 2} bytes", left_out=tmp_path / "o.raw")
+    short.write_bytes(scene.disk.read_bytes()[: DISK_BYTES // 2])
+    fails(
+        run("restore", image, "-o", tmp_path / "o.raw", "--disk", f"vda={short}"),
+        "LI-DSK-004",
+        f"{DISK_BYTES // 2} bytes",
+        left_out=tmp_path / "o.raw",
+    )
 
 
 @pytest.mark.parametrize("sort", ["--sort-blocks", "--no-sort-blocks"])
 def test_a_disk_changed_at_a_referenced_block_names_page_region_and_sector(scene, image, tmp_path, sort):
     changed = tmp_path / "changed.img"
     data = bytearray(scene.disk.read_bytes())
-    victim = scene.on_disk[-1]                    # far from the fingerprint's 64 samples
+    victim = scene.on_disk[-1]  # far from the fingerprint's 64 samples
     assert all(abs(victim - DISK_BYTES * k // 64) >= PS for k in range(64))
     data[victim + 100] ^= 0x01
     changed.write_bytes(data)
@@ -269,8 +302,14 @@ def test_a_disk_changed_at_a_referenced_block_names_page_region_and_sector(scene
         slot = int(np.flatnonzero(img.tables.disk_refs.sectors == victim // SECTOR)[0])
         disk_pages = np.flatnonzero(img.classes(region) == PageClass.DISK)
         page = int(disk_pages[img.page_slots(region, 0, region.num_pages)[disk_pages] == slot][0])
-    err = fails(run("restore", image, "-o", tmp_path / "o.raw", "--disk", f"vda={changed}", sort),
-                "LI-DSK-005", f"page {page}", "'pc.ram'", f"sector {victim // SECTOR}", left_out=tmp_path / "o.raw")
+    err = fails(
+        run("restore", image, "-o", tmp_path / "o.raw", "--disk", f"vda={changed}", sort),
+        "LI-DSK-005",
+        f"page {page}",
+        "'pc.ram'",
+        f"sector {victim // SECTOR}",
+        left_out=tmp_path / "o.raw",
+    )
     assert "disk changed" in err
     proc = run("validate", image, "--disk", f"vda={changed}")
     assert proc.returncode == 1 and "LI-DSK-005" in proc.stdout.decode() + proc.stderr.decode()
@@ -280,19 +319,27 @@ def test_a_disk_changed_at_a_referenced_block_names_page_region_and_sector(scene
 def test_qcow2_with_a_missing_backing_file(scene, image, tmp_path):
     top = make_qcow2(scene.disk, tmp_path, "backing-chain")
     (tmp_path / "base.qcow2").unlink()
-    fails(run("restore", image, "-o", tmp_path / "o.raw", "--disk", f"vda={top}"),
-          "qemu-img cannot read", "base.qcow2", left_out=tmp_path / "o.raw")
+    fails(
+        run("restore", image, "-o", tmp_path / "o.raw", "--disk", f"vda={top}"),
+        "qemu-img cannot read",
+        "base.qcow2",
+        left_out=tmp_path / "o.raw",
+    )
 
 
 @needs_qemu_img
 def test_a_truncated_or_damaged_qcow2_is_refused(scene, image, tmp_path):
     good = make_qcow2(scene.disk, tmp_path, "qcow2")
     data = good.read_bytes()
-    for name, bad in (("truncated", data[:len(data) // 3]), ("header-flip", data[:20] + bytes([data[20] ^ 0x40]) + data[21:])):
+    for name, bad in (
+        ("truncated", data[: len(data) // 3]),
+        ("header-flip", data[:20] + bytes([data[20] ^ 0x40]) + data[21:]),
+    ):
         path = tmp_path / f"{name}.qcow2"
         path.write_bytes(bad)
-        err = fails(run("restore", image, "-o", tmp_path / "o.raw", "--disk", f"vda={path}"),
-                    left_out=tmp_path / "o.raw")
+        err = fails(
+            run("restore", image, "-o", tmp_path / "o.raw", "--disk", f"vda={path}"), left_out=tmp_path / "o.raw"
+        )
         # refused by qemu-img, by the identity check (LI-DSK-004), or as a short read of the file
         # behind the disk, naming the disk, the path and the offset (an I/O failure, not a rule)
         assert "qemu-img cannot read" in err or "LI-DSK" in err or f"({path}): short read at" in err, err
@@ -300,22 +347,30 @@ def test_a_truncated_or_damaged_qcow2_is_refused(scene, image, tmp_path):
 
 def test_an_ext_superblock_that_lies_about_its_block_size_is_not_a_filesystem():
     from leanimg.disks.files import find_ext_filesystems
+
     disk = bytearray(1 << 20)
     struct.pack_into("<H", disk, 1024 + 56, 0xEF53)
     struct.pack_into("<I", disk, 1024 + 24, 2)
-    assert [fs.block_size for fs in find_ext_filesystems(lambda o, n: bytes(disk[o:o + n]), len(disk))] == [4096]
+    assert [fs.block_size for fs in find_ext_filesystems(lambda o, n: bytes(disk[o : o + n]), len(disk))] == [4096]
     struct.pack_into("<I", disk, 1024 + 24, 0xFFFFFFFF)
-    assert find_ext_filesystems(lambda o, n: bytes(disk[o:o + n]), len(disk)) == []
+    assert find_ext_filesystems(lambda o, n: bytes(disk[o : o + n]), len(disk)) == []
 
 
 def test_a_disk_name_that_matches_nothing(scene, image, tmp_path):
-    fails(run("restore", image, "-o", tmp_path / "o.raw", "--disk", f"sdz={scene.disk}"),
-          "no disk named 'sdz'", "vda", left_out=tmp_path / "o.raw")
+    fails(
+        run("restore", image, "-o", tmp_path / "o.raw", "--disk", f"sdz={scene.disk}"),
+        "no disk named 'sdz'",
+        "vda",
+        left_out=tmp_path / "o.raw",
+    )
 
 
 def test_a_missing_disk_file_fails_convert_cleanly(scene, tmp_path):
-    fails(run("convert", scene.save, "-o", tmp_path / "x.lean", "--disk", f"vda={tmp_path / 'none.img'}"),
-          "cannot open", left_out=tmp_path / "x.lean")
+    fails(
+        run("convert", scene.save, "-o", tmp_path / "x.lean", "--disk", f"vda={tmp_path / 'none.img'}"),
+        "cannot open",
+        left_out=tmp_path / "x.lean",
+    )
 
 
 def test_restore_without_the_disk_says_which_to_pass(image, tmp_path):
@@ -324,40 +379,44 @@ def test_restore_without_the_disk_says_which_to_pass(image, tmp_path):
 
 # ------------------------------------------------------------------ pieces
 
+
 def test_partition_tables():
     disk = bytearray(8 << 20)
     disk[:SECTOR] = mbr([(0x83, 63, 1000), (0x05, 2048, 8192)])
-    disk[2048 * SECTOR:2049 * SECTOR] = mbr([(0x83, 2, 100), (0x05, 200, 300)])        # EBR 1
-    disk[2248 * SECTOR:2249 * SECTOR] = mbr([(0x83, 7, 50), (0, 0, 0)])                # EBR 2
-    found = read_partitions(lambda o, n: bytes(disk[o:o + n]), len(disk))
-    assert found == [Partition(63 * SECTOR, 1000 * SECTOR), Partition(2050 * SECTOR, 100 * SECTOR),
-                     Partition(2255 * SECTOR, 50 * SECTOR)]
+    disk[2048 * SECTOR : 2049 * SECTOR] = mbr([(0x83, 2, 100), (0x05, 200, 300)])  # EBR 1
+    disk[2248 * SECTOR : 2249 * SECTOR] = mbr([(0x83, 7, 50), (0, 0, 0)])  # EBR 2
+    found = read_partitions(lambda o, n: bytes(disk[o : o + n]), len(disk))
+    assert found == [
+        Partition(63 * SECTOR, 1000 * SECTOR),
+        Partition(2050 * SECTOR, 100 * SECTOR),
+        Partition(2255 * SECTOR, 50 * SECTOR),
+    ]
     gpt = gpt_disk(8 << 20, [(34, 2047), (2049, 4095)])
-    found = read_partitions(lambda o, n: bytes(gpt[o:o + n]), len(gpt))
+    found = read_partitions(lambda o, n: bytes(gpt[o : o + n]), len(gpt))
     assert found == [Partition(34 * SECTOR, 2014 * SECTOR), Partition(2049 * SECTOR, 2047 * SECTOR)]
-    gpt[SECTOR + 40] ^= 1                         # header CRC now wrong: not trusted
-    assert read_partitions(lambda o, n: bytes(gpt[o:o + n]), len(gpt)) == []
+    gpt[SECTOR + 40] ^= 1  # header CRC now wrong: not trusted
+    assert read_partitions(lambda o, n: bytes(gpt[o : o + n]), len(gpt)) == []
     gpt[SECTOR + 40] ^= 1
-    for field, value in ((80, 1 << 31), (72, 1 << 40)):     # entry count, table LBA: beyond the disk
+    for field, value in ((80, 1 << 31), (72, 1 << 40)):  # entry count, table LBA: beyond the disk
         lying = bytearray(gpt)
         struct.pack_into("<Q" if field == 72 else "<I", lying, SECTOR + field, value)
         struct.pack_into("<I", lying, SECTOR + 16, 0)
-        struct.pack_into("<I", lying, SECTOR + 16, zlib.crc32(bytes(lying[SECTOR:SECTOR + 92])))
+        struct.pack_into("<I", lying, SECTOR + 16, zlib.crc32(bytes(lying[SECTOR : SECTOR + 92])))
         reads = []
-        assert read_partitions(lambda o, n: reads.append(n) or bytes(lying[o:o + n]), len(lying)) == []
+        assert read_partitions(lambda o, n: reads.append(n) or bytes(lying[o : o + n]), len(lying)) == []
         assert max(reads) <= SECTOR, "a lying GPT made the parser read its declared size"
-    assert read_partitions(lambda o, n: bytes(8 << 20)[o:o + n], 8 << 20) == []
+    assert read_partitions(lambda o, n: bytes(8 << 20)[o : o + n], 8 << 20) == []
 
 
 def test_a_looping_extended_chain_ends():
     disk = bytearray(4 << 20)
     disk[:SECTOR] = mbr([(0x05, 2048, 4096)])
-    disk[2048 * SECTOR:2049 * SECTOR] = mbr([(0x83, 1, 10), (0x05, 0x0, 1)])   # next = itself... at +0
-    disk[2048 * SECTOR + 446 + 16 + 8:2048 * SECTOR + 446 + 16 + 12] = struct.pack("<I", 0)
-    found = read_partitions(lambda o, n: bytes(disk[o:o + n]), len(disk))
+    disk[2048 * SECTOR : 2049 * SECTOR] = mbr([(0x83, 1, 10), (0x05, 0x0, 1)])  # next = itself... at +0
+    disk[2048 * SECTOR + 446 + 16 + 8 : 2048 * SECTOR + 446 + 16 + 12] = struct.pack("<I", 0)
+    found = read_partitions(lambda o, n: bytes(disk[o : o + n]), len(disk))
     assert found == [Partition(2049 * SECTOR, 10 * SECTOR)]
-    disk[2048 * SECTOR:2049 * SECTOR] = mbr([(0x83, 1, 10), (0x05, 5000, 1)])   # next beyond the disk
-    assert len(read_partitions(lambda o, n: bytes(disk[o:o + n]), len(disk))) == 1
+    disk[2048 * SECTOR : 2049 * SECTOR] = mbr([(0x83, 1, 10), (0x05, 5000, 1)])  # next beyond the disk
+    assert len(read_partitions(lambda o, n: bytes(disk[o : o + n]), len(disk))) == 1
 
 
 def test_scan_segments_follow_the_partitions(scene):
@@ -379,7 +438,7 @@ def test_sketch_is_equal_for_equal_pages_and_zero_only_for_zero_pages():
     assert s[3] == 0 and np.count_nonzero(s) == 63 and s[5] == s[7]
     assert len(np.unique(s)) == 63
     flipped = pages.copy()
-    flipped[:, 100] ^= 1                          # one unsampled word changed in every page
+    flipped[:, 100] ^= 1  # one unsampled word changed in every page
     assert not np.any(sketch(flipped)[np.arange(64) != 3] == s[np.arange(64) != 3])
 
 
@@ -399,15 +458,20 @@ def test_page_index_matches_only_identical_content():
 
 @needs_qemu_img
 def test_sorted_and_unsorted_reads_agree_on_every_disk_kind(scene, tmp_path):
-    offsets = np.array([PART_B[0] * SECTOR + PS * k for k in (900, 3, 50, 4, 2)] + [PART_A[0] * SECTOR + 7 * SECTOR,
-                        PART_B[0] * SECTOR + 2 * PS + SECTOR])   # the last one: same group, other phase
-    for path in (scene.disk, make_qcow2(scene.disk, tmp_path, "compressed"),
-                 make_qcow2(scene.disk, tmp_path, "backing-chain")):
+    offsets = np.array(
+        [PART_B[0] * SECTOR + PS * k for k in (900, 3, 50, 4, 2)]
+        + [PART_A[0] * SECTOR + 7 * SECTOR, PART_B[0] * SECTOR + 2 * PS + SECTOR]
+    )  # the last one: same group, other phase
+    for path in (
+        scene.disk,
+        make_qcow2(scene.disk, tmp_path, "compressed"),
+        make_qcow2(scene.disk, tmp_path, "backing-chain"),
+    ):
         disk = open_disk(str(path), "vda")
         try:
             sorted_reads = disk.read_runs(offsets, PS)
             assert np.array_equal(sorted_reads, disk.read_runs(offsets, PS, sort=False))
-            want = b"".join(scene.disk.read_bytes()[o:o + PS] for o in offsets.tolist())
+            want = b"".join(scene.disk.read_bytes()[o : o + PS] for o in offsets.tolist())
             assert sorted_reads.tobytes() == want
         finally:
             disk.close()
@@ -415,8 +479,10 @@ def test_sorted_and_unsorted_reads_agree_on_every_disk_kind(scene, tmp_path):
 
 # ------------------------------------------------------------------ inspect --files
 
-@pytest.mark.skipif(shutil.which("mkfs.ext4") is None or shutil.which("debugfs") is None,
-                    reason="e2fsprogs is not installed")
+
+@pytest.mark.skipif(
+    shutil.which("mkfs.ext4") is None or shutil.which("debugfs") is None, reason="e2fsprogs is not installed"
+)
 @pytest.mark.parametrize("disk_format", ["raw", "qcow2"])
 def test_inspect_files_names_the_files_of_the_disk_pages(tmp_path, disk_format):
     """An ext4 partition at sector 2048 of an MBR disk; memory caches 3 pages of one file,
@@ -433,8 +499,9 @@ def test_inspect_files_names_the_files_of_the_disk_pages(tmp_path, disk_format):
     subprocess.run(["mkfs.ext4", "-q", "-F", "-b", "4096", "-d", tree, fs, "8M"], check=True, capture_output=True)
     disk = tmp_path / "disk.img"
     disk.write_bytes(mbr([(0x83, 2048, 16384)]) + bytes(2048 * SECTOR - SECTOR) + fs.read_bytes())
-    cached = [files["a.bin"][k * PS:(k + 1) * PS] for k in (0, 3, 7)] + \
-        [files["dir/b.txt"][k * PS:(k + 1) * PS] for k in range(5)]
+    cached = [files["a.bin"][k * PS : (k + 1) * PS] for k in (0, 3, 7)] + [
+        files["dir/b.txt"][k * PS : (k + 1) * PS] for k in range(5)
+    ]
     ram = b"".join(cached) + rng.bytes(4 * PS)
     save = tmp_path / "vm.save"
     save.write_bytes(qemu_save(ram + bytes(-len(ram) % (1 << 20))))
@@ -443,6 +510,7 @@ def test_inspect_files_names_the_files_of_the_disk_pages(tmp_path, disk_format):
         subprocess.run(["qemu-img", "convert", "-O", "qcow2", disk, tmp_path / "disk.qcow2"], check=True)
         disk = tmp_path / "disk.qcow2"
     import json
+
     summary = json.loads(ok("inspect", tmp_path / "vm.lean", "--files", "--json", "--disk", f"vda={disk}").stdout)
     got = {f["path"]: f["pages"] for f in summary["disk_files"]["vda"]}
     assert got == {"/a.bin": 3, "/dir/b.txt": 5}
@@ -458,8 +526,8 @@ def test_any_disk_identity_accepts_a_changed_disk_but_still_checks_every_block(s
     """A disk changed away from every referenced block: refused by identity, accepted with
     --any-disk-identity (and restores exactly); changed at a referenced block: still refused."""
     data = bytearray(scene.disk.read_bytes())
-    last_sample = DISK_BYTES * 63 // 64             # fingerprint sample 63 (spec §5.3); no page there
-    data[last_sample:last_sample + PS] = b"\xee" * PS
+    last_sample = DISK_BYTES * 63 // 64  # fingerprint sample 63 (spec §5.3); no page there
+    data[last_sample : last_sample + PS] = b"\xee" * PS
     elsewhere = tmp_path / "elsewhere.img"
     elsewhere.write_bytes(data)
     out = tmp_path / "o.raw"
@@ -469,15 +537,19 @@ def test_any_disk_identity_accepts_a_changed_disk_but_still_checks_every_block(s
     out.unlink()
     data[scene.on_disk[0] + 7] ^= 0x40
     elsewhere.write_bytes(data)
-    fails(run("restore", image, "-o", out, "--disk", f"vda={elsewhere}", "--any-disk-identity"),
-          "LI-DSK-005", f"sector {scene.on_disk[0] // SECTOR}", left_out=out)
+    fails(
+        run("restore", image, "-o", out, "--disk", f"vda={elsewhere}", "--any-disk-identity"),
+        "LI-DSK-005",
+        f"sector {scene.on_disk[0] // SECTOR}",
+        left_out=out,
+    )
 
 
 def test_flatten_and_merge_keep_disk_references_without_reading_the_disk(scene, image, tmp_path):
     child = tmp_path / "child.lean"
     ok("convert", scene.save, "-o", child, "--parent", image, "--disk", f"vda={scene.disk}")
     for command, out in (("flatten", tmp_path / "flat.lean"), ("merge", tmp_path / "merged.lean")):
-        ok(command, child, "--parent", image, "-o", out)             # no --disk: refs are copied
+        ok(command, child, "--parent", image, "-o", out)  # no --disk: refs are copied
         counts = np.bincount(classes(out, [image]), minlength=7)
         assert counts[PageClass.DISK] == scene.disk_pages, (command, counts)
         assert "valid" in ok("validate", out, "--parent", image, "--disk", f"vda={scene.disk}").stdout.decode()
@@ -494,14 +566,15 @@ def test_flatten_keeps_the_parents_disk_references(scene, image, tmp_path):
     ok("convert", scene.save, "-o", child, "--parent", image)
     assert np.bincount(classes(child, [image]), minlength=7)[PageClass.DISK] == 0
     for command, out in (("flatten", tmp_path / "flat.lean"), ("merge", tmp_path / "merged.lean")):
-        ok(command, child, "--parent", image, "-o", out)                 # no --disk given
+        ok(command, child, "--parent", image, "-o", out)  # no --disk given
         counts = np.bincount(classes(out), minlength=7)
         assert counts[PageClass.DISK] == scene.disk_pages, (command, counts)
         assert counts[PageClass.STORED] == np.bincount(classes(image), minlength=7)[PageClass.STORED]
         with LeanImage.open(out) as flat, LeanImage.open(image) as parent:
             assert flat.header.has_parent is False
-            assert [(d.name, d.size_bytes, bytes(d.fingerprint)) for d in flat.disks] == \
-                [(d.name, d.size_bytes, bytes(d.fingerprint)) for d in parent.disks]
+            assert [(d.name, d.size_bytes, bytes(d.fingerprint)) for d in flat.disks] == [
+                (d.name, d.size_bytes, bytes(d.fingerprint)) for d in parent.disks
+            ]
         ok("validate", out, "--disk", f"vda={scene.disk}")
         raw = tmp_path / f"{command}.raw"
         ok("restore", out, "-o", raw, "--disk", f"vda={scene.disk}")
@@ -515,10 +588,10 @@ def test_an_incremental_reads_a_changed_page_that_was_on_the_parents_disk(tmp_pa
     rng = np.random.default_rng(3)
     ram = rng.integers(1, 2**63, 8 * 512, dtype=np.uint64).tobytes()
     disk = tmp_path / "vda.img"
-    disk.write_bytes(ram[:4 * PS] + bytes(4 * PS))
+    disk.write_bytes(ram[: 4 * PS] + bytes(4 * PS))
     (tmp_path / "one.save").write_bytes(qemu_save(ram))
     changed = bytearray(ram)
-    changed[PS + 16:PS + 24] = b"changed!"                  # page 1: on the disk in the parent
+    changed[PS + 16 : PS + 24] = b"changed!"  # page 1: on the disk in the parent
     (tmp_path / "two.save").write_bytes(qemu_save(bytes(changed)))
     ok = run("convert", tmp_path / "one.save", "-o", tmp_path / "one.lean", "--disk", f"vda={disk}")
     assert ok.returncode == 0, ok.stderr.decode()
@@ -526,8 +599,16 @@ def test_an_incremental_reads_a_changed_page_that_was_on_the_parents_disk(tmp_pa
         assert parent.classes(parent.regions[0], 0, 4).tolist() == [PageClass.DISK] * 4
     without = run("convert", tmp_path / "two.save", "-o", tmp_path / "bad.lean", "--parent", tmp_path / "one.lean")
     assert without.returncode == 1 and b"pass --disk vda=PATH" in without.stderr
-    proc = run("convert", tmp_path / "two.save", "-o", tmp_path / "two.lean", "--parent", tmp_path / "one.lean",
-               "--disk", f"vda={disk}")
+    proc = run(
+        "convert",
+        tmp_path / "two.save",
+        "-o",
+        tmp_path / "two.lean",
+        "--parent",
+        tmp_path / "one.lean",
+        "--disk",
+        f"vda={disk}",
+    )
     assert proc.returncode == 0, proc.stderr.decode()
     with LeanImage.open(tmp_path / "two.lean") as child:
         assert child.classes(child.regions[0], 1, 1).tolist() == [PageClass.DELTA]

@@ -69,8 +69,14 @@ def tutorial_run(tmp_path_factory):
     script = ["set -euo pipefail", "exec 2>&1"]
     for k, (text, _) in enumerate(blocks):
         script += [f"echo {BLOCK_MARK} {k}", text]
-    proc = subprocess.run(["bash", "-c", "\n".join(script)], cwd=folder, env=shell_environment(),
-                          capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        ["bash", "-c", "\n".join(script)],
+        cwd=folder,
+        env=shell_environment(),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:]
     outputs = re.split(rf"^{BLOCK_MARK} \d+\n", proc.stdout, flags=re.M)[1:]
     assert len(outputs) == len(blocks)
@@ -79,8 +85,13 @@ def tutorial_run(tmp_path_factory):
 
 def test_the_tutorial_has_the_steps_it_promises():
     commands = "\n".join(text for text, _ in shell_blocks())
-    for step in ("leanimg convert vm.save -o vm.lean --disk vda=disk.img", "leanimg inspect",
-                 "leanimg validate", "--parent vm.lean", "leanimg restore vm-2.lean --to qemu"):
+    for step in (
+        "leanimg convert vm.save -o vm.lean --disk vda=disk.img",
+        "leanimg inspect",
+        "leanimg validate",
+        "--parent vm.lean",
+        "leanimg restore vm-2.lean --to qemu",
+    ):
         assert step in commands, step
     qemu = [text for language, text in tutorial_blocks() if language == "bash" and text.startswith(QEMU)]
     assert len(qemu) == 1 and '-incoming "exec:leanimg restore vm-2.lean --to qemu -o -' in qemu[0]
@@ -94,8 +105,9 @@ def test_every_tutorial_command_runs_and_prints_what_the_page_shows(tutorial_run
             if not line.strip() or "..." in line or "…" in line:
                 continue
             pattern = expected_pattern(line)
-            assert any(pattern.fullmatch(actual) for actual in lines), \
+            assert any(pattern.fullmatch(actual) for actual in lines), (
                 f"the tutorial shows {line!r} after\n{text}\nbut the command printed:\n{output}"
+            )
     assert (folder / "restored.save").read_bytes() == (folder / "vm.save").read_bytes()
 
 
@@ -104,10 +116,16 @@ def test_the_tutorial_s_qemu_line_restores_the_guest(tutorial_run):
     if shutil.which(QEMU) is None:
         pytest.skip(f"{QEMU} is not installed")
     from guest.vm import QMP
+
     folder = tutorial_run[0]
     line = next(text for language, text in tutorial_blocks() if language == "bash" and text.startswith(QEMU))
-    qemu = subprocess.Popen(["bash", "-c", "exec " + line], cwd=folder, env=shell_environment(),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    qemu = subprocess.Popen(
+        ["bash", "-c", "exec " + line],
+        cwd=folder,
+        env=shell_environment(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     monitor = None
     try:
         _wait_for_socket(folder / "qmp.sock", qemu)
@@ -117,14 +135,14 @@ def test_the_tutorial_s_qemu_line_restores_the_guest(tutorial_run):
             status = (monitor.execute("query-migrate") or {}).get("status")
             time.sleep(0.5)
         assert status == "completed", status
-        assert monitor.execute("query-status")["status"] == "paused"     # as it was saved: stopped
+        assert monitor.execute("query-status")["status"] == "paused"  # as it was saved: stopped
         monitor.execute("cont")
         assert monitor.execute("query-status")["status"] == "running"
         monitor.execute("quit")
         assert qemu.wait(timeout=60) == 0
     finally:
         if monitor is not None:
-            monitor.close()     # QEMU has closed its end after quit: the helper expects that
+            monitor.close()  # QEMU has closed its end after quit: the helper expects that
         if qemu.poll() is None:
             qemu.kill()
             qemu.wait()
@@ -143,8 +161,13 @@ def _wait_for_socket(path: Path, process: subprocess.Popen) -> None:
 @pytest.fixture(scope="module")
 def site(tmp_path_factory):
     out = tmp_path_factory.mktemp("site")
-    proc = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(out)],
-                          cwd=REPO_DIR, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(out)],
+        cwd=REPO_DIR,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr
     return out
 
@@ -189,14 +212,14 @@ def test_the_cli_reference_lists_every_command_and_option(site):
 
 
 def test_help_texts_state_defaults_and_ranges():
-    no_default = (None, getattr(click.core, "UNSET", None))       # click >= 8.3 marks "no default" so
+    no_default = (None, getattr(click.core, "UNSET", None))  # click >= 8.3 marks "no default" so
     for name, command in {"": main, **_commands()}.items():
         for param in command.params:
             if not isinstance(param, click.Option) or param.hidden or param.count or param.multiple:
                 continue
             ctx = click.Context(command)
             help_text = param.get_help_record(ctx)[1]
-            on_off = param.is_flag and param.secondary_opts                  # --x/--no-x
+            on_off = param.is_flag and param.secondary_opts  # --x/--no-x
             if on_off or (not param.is_flag and param.get_default(ctx, call=False) not in no_default):
                 assert "default" in help_text.lower(), f"{name} {param.opts}: {help_text}"
             if isinstance(param.type, click.IntRange):
@@ -230,6 +253,7 @@ def test_the_ksy_diagram_is_up_to_date():
     sys.path.insert(0, str(REPO_DIR / "spec" / "tools"))
     import ksy_diagram
     from kaitai_support import KaitaiUnavailable
+
     if shutil.which("dot") is None or shutil.which("node") is None:
         if os.environ.get("CI", "").lower() in ("true", "1", "yes"):
             pytest.fail("CI=true but node or graphviz's dot is missing (.ci/install installs them)")

@@ -45,8 +45,24 @@ def schema(name: str) -> jsonschema.Draft202012Validator:
 
 
 # region "ram" of the child, page by page; DISK pages name the disk block in brackets
-CHILD_PLAN = ["STORED"] * 7 + ["ZERO", "ZERO", "FREE", "DISK0", "DISK1", "DISK2", "DISK5", "DISK6",
-                                "PARENT", "PARENT", "DELTA", "DELTA", "STORED", "ZERO", "FREE", "FREE"]
+CHILD_PLAN = ["STORED"] * 7 + [
+    "ZERO",
+    "ZERO",
+    "FREE",
+    "DISK0",
+    "DISK1",
+    "DISK2",
+    "DISK5",
+    "DISK6",
+    "PARENT",
+    "PARENT",
+    "DELTA",
+    "DELTA",
+    "STORED",
+    "ZERO",
+    "FREE",
+    "FREE",
+]
 
 
 @pytest.fixture
@@ -91,10 +107,10 @@ def _check_places(image_path, parents, disk_path, mapped: dict) -> None:
             if e["page_class"] == "STORED":
                 frame = _frame_pages(image_path, where["record_offset"])
                 first = where["first_page_in_frame"] * PS
-                assert frame[first:first + e["length"]] == memory
+                assert frame[first : first + e["length"]] == memory
             elif e["page_class"] == "DISK":
                 at = where["sector"] * DISK_SECTOR_SIZE
-                assert disk[at:at + e["length"]] == memory
+                assert disk[at : at + e["length"]] == memory
                 assert where["disk"] == "vda"
             elif e["page_class"] in ("PARENT", "DELTA"):
                 assert where["parent"] == image.parent.path
@@ -111,8 +127,19 @@ def test_every_extent_is_where_it_says(chain):
     ram = [e for e in mapped["extents"] if e["region"] == "ram"]
     # 7 STORED pages in frames of 3 (the rom's 2 pages fill frame 0 first): cut at each frame
     assert [(e["page_class"], e["pages"]) for e in ram] == [
-        ("STORED", 1), ("STORED", 3), ("STORED", 3), ("ZERO", 2), ("FREE", 1), ("DISK", 3), ("DISK", 2),
-        ("PARENT", 2), ("DELTA", 2), ("STORED", 1), ("ZERO", 1), ("FREE", 2)]
+        ("STORED", 1),
+        ("STORED", 3),
+        ("STORED", 3),
+        ("ZERO", 2),
+        ("FREE", 1),
+        ("DISK", 3),
+        ("DISK", 2),
+        ("PARENT", 2),
+        ("DELTA", 2),
+        ("STORED", 1),
+        ("ZERO", 1),
+        ("FREE", 2),
+    ]
     disk_runs = [e["where"] for e in ram if e["page_class"] == "DISK"]
     assert [w["sector"] for w in disk_runs] == [0, 5 * PS // 512] and disk_runs[0]["disk_path"] == str(disk)
 
@@ -125,8 +152,10 @@ def test_no_two_neighbouring_extents_could_be_one(chain):
             continue
         wa, wb = a["where"], b["where"]
         if a["page_class"] == "STORED":
-            assert wa["record_offset"] != wb["record_offset"] or \
-                wa["first_page_in_frame"] + a["pages"] != wb["first_page_in_frame"]
+            assert (
+                wa["record_offset"] != wb["record_offset"]
+                or wa["first_page_in_frame"] + a["pages"] != wb["first_page_in_frame"]
+            )
         elif a["page_class"] == "DISK":
             assert wa["sector"] + a["pages"] * PS // 512 != wb["sector"]
         else:
@@ -234,8 +263,9 @@ def test_dump_payloads_in_full(chain):
     full = json.loads(run("dump", child, "--payloads").stdout)
     schema("dump").validate(full)
     want = dump_structure(child)
-    frames = [(s, f, w) for s, f, w in zip(summary["records"], full["records"], want["records"])
-              if s["type"] == "PAGE_FRAME"]
+    frames = [
+        (s, f, w) for s, f, w in zip(summary["records"], full["records"], want["records"]) if s["type"] == "PAGE_FRAME"
+    ]
     assert frames
     for short, whole, expected in frames:
         frame = expected["body"]["frame"]
@@ -254,14 +284,14 @@ def test_dump_of_the_sample_validates(sample_image):
 def test_dump_of_a_broken_image_is_one_error_line(chain, tmp_path):
     child, _, _ = chain
     data = bytearray(child.read_bytes())
-    data[200] ^= 0xFF                          # inside the first records: a checksum breaks
+    data[200] ^= 0xFF  # inside the first records: a checksum breaks
     bad = tmp_path / "bad.lean"
     bad.write_bytes(bytes(data))
     proc = run("dump", bad)
     assert proc.returncode == 1
     lines = proc.stderr.decode().strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("leanimg: error: ") and "offset 0x" in lines[0], lines
-    assert proc.stdout == b""                  # no truncated JSON
+    assert proc.stdout == b""  # no truncated JSON
 
 
 def test_dump_json_of_a_broken_image_is_only_the_error(chain, tmp_path):
@@ -275,6 +305,6 @@ def test_dump_json_of_a_broken_image_is_only_the_error(chain, tmp_path):
     assert proc.returncode == 1
     error = json.loads(proc.stdout)["error"]
     assert error["path"] == str(bad) and error["offset"] is not None and error["rule"], error
-    bad.write_bytes(b"XXXX" + bytes(data[4:]))             # the header's magic
+    bad.write_bytes(b"XXXX" + bytes(data[4:]))  # the header's magic
     error = json.loads(run("dump", bad, "--json").stdout)["error"]
     assert (error["path"], error["offset"], error["rule"]) == (str(bad), 0, "LI-HDR-001"), error

@@ -36,8 +36,8 @@ SIZES = {"u1": 1, "u2": 2, "u4": 4, "u8": 8, "b[8]": 8, "uuid": 16, "digest": 16
 
 def _section(heading: str) -> str:
     start = SPEC.index(heading)
-    following = re.search(r"^#{2,3} ", SPEC[start + len(heading):], re.M)
-    return SPEC[start:start + len(heading) + (following.start() if following else len(SPEC))]
+    following = re.search(r"^#{2,3} ", SPEC[start + len(heading) :], re.M)
+    return SPEC[start : start + len(heading) + (following.start() if following else len(SPEC))]
 
 
 def _tables(text: str) -> list[list[dict]]:
@@ -71,14 +71,14 @@ def test_every_declaration_has_a_spec_table_and_a_ksy_type():
 @pytest.mark.parametrize("name", [n for names in SPEC_TABLES.values() for n in names])
 def test_declaration_matches_the_spec_table(name):
     structure = fmt.STRUCTURES[name]
-    rows = [r for r in _spec_rows(name) if r["type"]]          # delta entry: "(encoding)" has none
+    rows = [r for r in _spec_rows(name) if r["type"]]  # delta entry: "(encoding)" has none
     declared = structure.fields if name != "delta_entry" else structure.head
     assert [r["name"] for r in rows] == [f.name for f in declared]
     for row, field in zip(rows, declared):
         assert row["type"] == field.type, f"{name}.{field.name}"
         if field.is_fixed:
             assert int(row["size"]) == SIZES[field.type], f"{name}.{field.name}"
-        if field in structure.head:                            # after a variable field: an expression
+        if field in structure.head:  # after a variable field: an expression
             assert int(row["offset"]) == structure.offset(field.name), f"{name}.{field.name}"
 
 
@@ -87,7 +87,7 @@ def test_delta_entry_encodings_name_declared_fields():
     for heading in DELTA_ENCODING_SECTIONS:
         (rows,) = _tables(_section(heading))
         for row in rows:
-            if row["type"]:                                    # the "header" row restates §7.2
+            if row["type"]:  # the "header" row restates §7.2
                 assert entry.field(row["name"]).type == row["type"], f"{heading}: {row['name']}"
     runs = _section("### 7.5 Encoding 3")
     assert "u2 `start_word`, u2 `run_length`" in runs
@@ -122,8 +122,7 @@ def test_declaration_matches_the_ksy_type(name):
 def test_record_bodies_are_the_ksy_switch_cases():
     body = next(a for a in KSY["types"]["record"]["seq"] if a["id"] == "body")
     cases = body["type"]["cases"]
-    assert {k.split("::")[1]: v for k, v in cases.items()} == \
-        {t.name.lower(): s.name for t, s in fmt.BODY_OF.items()}
+    assert {k.split("::")[1]: v for k, v in cases.items()} == {t.name.lower(): s.name for t, s in fmt.BODY_OF.items()}
 
 
 @pytest.mark.parametrize("name", sorted(fmt.STRUCTURES))
@@ -137,8 +136,13 @@ def test_structures_are_little_endian_and_unpadded(name):
 def test_pack_and_unpack_by_field_name():
     raw = fmt.EXTENT.pack(first_page=7, num_pages=3, page_class=fmt.PageClass.DISK, first_slot=9)
     values = fmt.EXTENT.unpack(raw)
-    assert (values.first_page, values.num_pages, values.page_class, values.reserved, values.first_slot) == \
-        (7, 3, 4, 0, 9)
+    assert (values.first_page, values.num_pages, values.page_class, values.reserved, values.first_slot) == (
+        7,
+        3,
+        4,
+        0,
+        9,
+    )
     with pytest.raises(TypeError, match="no field 'pages'"):
         fmt.EXTENT.pack(pages=1)
 
@@ -147,5 +151,6 @@ def test_magics_and_constants_appear_in_spec():
     assert fmt.HEADER_MAGIC.hex(" ").upper() in SPEC.upper()
     assert fmt.FOOTER_MAGIC.hex(" ").upper() in SPEC.upper()
     for record_type in fmt.RecordType:
-        assert f"0x{int(record_type):08X}".lower() in SPEC.lower() or \
-            f"0x{int(record_type):x}" in SPEC.lower(), record_type.name
+        assert f"0x{int(record_type):08X}".lower() in SPEC.lower() or f"0x{int(record_type):x}" in SPEC.lower(), (
+            record_type.name
+        )

@@ -29,8 +29,9 @@ def _write(path, mem: bytes, parent: LeanImage | None = None, **kw) -> None:
 
 def _digest_bytes(path) -> int:
     """Bytes of the DIGESTS records of an image (record framing included)."""
-    return sum(record_size(r["body_length"]) for r in dump_structure(path)["records"]
-               if r["record_type"] == RecordType.DIGESTS)
+    return sum(
+        record_size(r["body_length"]) for r in dump_structure(path)["records"] if r["record_type"] == RecordType.DIGESTS
+    )
 
 
 def _child_digest_bytes(tmp_path, pages: int, changed: int, **kw) -> int:
@@ -38,7 +39,7 @@ def _child_digest_bytes(tmp_path, pages: int, changed: int, **kw) -> int:
     mem = bytearray(rng.bytes(pages * PS))
     _write(tmp_path / "base.lean", bytes(mem))
     for page in rng.choice(pages, changed, replace=False).tolist():
-        mem[page * PS] ^= 0xFF                                 # one byte: a DELTA page
+        mem[page * PS] ^= 0xFF  # one byte: a DELTA page
     child = tmp_path / f"child-{pages}-{changed}-{sorted(kw.items())}.lean"
     with LeanImage.open(tmp_path / "base.lean") as base:
         _write(child, bytes(mem), base, **kw)
@@ -52,19 +53,20 @@ def test_a_1_1_childs_digests_grow_with_the_changed_pages_not_the_guest(tmp_path
     small = _child_digest_bytes(tmp_path, pages=1024, changed=8)
     large = _child_digest_bytes(tmp_path, pages=16384, changed=8)
     more = _child_digest_bytes(tmp_path, pages=16384, changed=64)
-    overhead = record_size(DIGESTS_BODY.size)                      # one record without digests
+    overhead = record_size(DIGESTS_BODY.size)  # one record without digests
     assert small == large == overhead + 16 * 8
     assert more == overhead + 16 * 64
     as_1_0 = _child_digest_bytes(tmp_path, pages=16384, changed=8, inherit_digests=False)
-    assert as_1_0 >= 16 * 16384                                   # 1.0: one digest per PARENT page too
+    assert as_1_0 >= 16 * 16384  # 1.0: one digest per PARENT page too
 
 
 def test_a_1_0_reader_refuses_a_1_1_child_at_its_header(tmp_path, monkeypatch):
     """A reader that knows only the bits of 1.0 (0x7) refuses the INHERITED_DIGESTS bit (LI-HDR-005)
     before reading any record, and still reads the 1.0 parent."""
     paths, _ = build_chain(tmp_path, 1)
-    monkeypatch.setattr(leanimg.structures, "KNOWN_INCOMPAT", int(IncompatFeature.PARENT | IncompatFeature.DISK
-                                                                    | IncompatFeature.DELTA))
+    monkeypatch.setattr(
+        leanimg.structures, "KNOWN_INCOMPAT", int(IncompatFeature.PARENT | IncompatFeature.DISK | IncompatFeature.DELTA)
+    )
     with LeanImage.open(paths[0]) as parent:
         assert parent.header.minor_version == 0
     with pytest.raises(FormatError) as info:
@@ -120,6 +122,7 @@ def test_reading_an_inherited_digest_without_the_parent_says_so(tmp_path):
 
 def test_inspect_names_the_format_version_and_the_inherited_digests_bit(tmp_path):
     from leanimg.inspect import render_text, summarize
+
     paths, _ = build_chain(tmp_path, 1)
     with LeanImage.open(paths[0]) as parent, LeanImage.open(paths[1], parents=[paths[0]]) as child:
         assert summarize(parent)["format_version"] == "1.0"

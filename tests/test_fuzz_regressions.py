@@ -47,8 +47,9 @@ REPLAY_MEM_MB = 512
 
 
 def _stream_regressions():
-    return [(kind, path) for kind in STREAM_HARNESSES
-            for path in sorted((ROOT / "fuzz" / "regressions").glob(f"*.{kind}"))]
+    return [
+        (kind, path) for kind in STREAM_HARNESSES for path in sorted((ROOT / "fuzz" / "regressions").glob(f"*.{kind}"))
+    ]
 
 
 @pytest.mark.parametrize("kind,path", _stream_regressions(), ids=lambda v: getattr(v, "name", v))
@@ -57,7 +58,13 @@ def test_stream_regression_input_gives_only_lean_image_errors(kind, path, tmp_pa
         pytest.skip("atheris is not installed (the harness imports it)")
     env = dict(os.environ, LEANIMG_FUZZ_MEM_MB=str(REPLAY_MEM_MB))
     env.pop("LEANIMG_FUZZ_CRASH_DIR", None)
-    result = subprocess.run([sys.executable, str(ROOT / "fuzz" / STREAM_HARNESSES[kind]), "--replay", str(path)],
-                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "fuzz" / STREAM_HARNESSES[kind]), "--replay", str(path)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr[-4000:]
     assert "1 inputs, 0 raised" in result.stderr

@@ -23,10 +23,15 @@ def test_fuzz_reader_smoke(tmp_path):
             pytest.fail("atheris is not installed; the fuzz smoke test must run in CI")
         pytest.skip("atheris is not installed")
     env = dict(os.environ, LEANIMG_FUZZ_RUNS=str(SMOKE_RUNS))
-    env.pop("LEANIMG_FUZZ_CRASH_DIR", None)   # stop at the first bug
+    env.pop("LEANIMG_FUZZ_CRASH_DIR", None)  # stop at the first bug
     result = subprocess.run(
         [sys.executable, str(HARNESS), "-seed=1", f"-artifact_prefix={tmp_path}/"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     stderr = result.stderr or ""
     start = stderr.find("=== Uncaught Python exception")
     tail = stderr[start:] if start >= 0 else stderr[-4000:]
@@ -47,10 +52,15 @@ def test_fuzz_stream_harness_smoke(harness, tmp_path):
             pytest.fail("atheris is not installed; the fuzz smoke test must run in CI")
         pytest.skip("atheris is not installed")
     env = dict(os.environ, LEANIMG_FUZZ_RUNS=str(STREAM_SMOKE_RUNS))
-    env.pop("LEANIMG_FUZZ_CRASH_DIR", None)   # stop at the first bug
+    env.pop("LEANIMG_FUZZ_CRASH_DIR", None)  # stop at the first bug
     result = subprocess.run(
         [sys.executable, str(HARNESS.parent / harness), "-seed=1", f"-artifact_prefix={tmp_path}/"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     stderr = result.stderr or ""
     start = stderr.find("=== Uncaught Python exception")
     tail = stderr[start:] if start >= 0 else stderr[-4000:]

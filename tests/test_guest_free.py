@@ -33,7 +33,7 @@ def answer_bytes(nonce: str, ranges, page_size: int = 4096, end=None) -> bytes:
 def parse(nonce: str, data: bytes, chunk: int = 7) -> Answer:
     answer = Answer(nonce)
     for i in range(0, len(data), chunk):
-        answer.feed(data[i:i + chunk])
+        answer.feed(data[i : i + chunk])
     return answer
 
 
@@ -54,20 +54,26 @@ def test_an_empty_answer():
     assert answer.complete and answer.ranges.shape == (0, 2)
 
 
-@pytest.mark.parametrize("data,why", [
-    (answer_bytes("n", [(5, 2), (6, 1)]), "range 1: not ascending and disjoint"),
-    (answer_bytes("n", [(9, 1), (2, 1)]), "range 1: not ascending and disjoint"),
-    (answer_bytes("n", [(5, 0)]), "range 0: zero pages"),
-    (answer_bytes("n", [(1 << 52, 1)]), "beyond 2^52"),
-    (answer_bytes("n", [(5, 2)], end=(1, 3)), "the end line says 1 ranges of 3 pages; the answer has 1 ranges of 2"),
-    (answer_bytes("n", [(5, 2)], page_size=4097), "page size 4097"),
-    (b"begin n 4096\n00000000000000zz 0000000000000001\nend n 1 1 0\n", "not two 16-digit hex numbers"),
-    (b"begin n 4096\n5 2\nend n 1 2 0\n", "expected a range line"),
-    (b"begin n 4096\nend n 0 0\n", "expected 'end n RANGES PAGES MICROSECONDS'"),
-    (b"begin n\n", "expected 'begin n PAGE_SIZE'"),
-    (b"error n page poisoning is on\n", "the guest cannot answer: page poisoning is on"),
-    (b"begin n 4096\n" + b"x" * (MAX_LINE + 1), f"a line longer than {MAX_LINE} bytes"),
-])
+@pytest.mark.parametrize(
+    "data,why",
+    [
+        (answer_bytes("n", [(5, 2), (6, 1)]), "range 1: not ascending and disjoint"),
+        (answer_bytes("n", [(9, 1), (2, 1)]), "range 1: not ascending and disjoint"),
+        (answer_bytes("n", [(5, 0)]), "range 0: zero pages"),
+        (answer_bytes("n", [(1 << 52, 1)]), "beyond 2^52"),
+        (
+            answer_bytes("n", [(5, 2)], end=(1, 3)),
+            "the end line says 1 ranges of 3 pages; the answer has 1 ranges of 2",
+        ),
+        (answer_bytes("n", [(5, 2)], page_size=4097), "page size 4097"),
+        (b"begin n 4096\n00000000000000zz 0000000000000001\nend n 1 1 0\n", "not two 16-digit hex numbers"),
+        (b"begin n 4096\n5 2\nend n 1 2 0\n", "expected a range line"),
+        (b"begin n 4096\nend n 0 0\n", "expected 'end n RANGES PAGES MICROSECONDS'"),
+        (b"begin n\n", "expected 'begin n PAGE_SIZE'"),
+        (b"error n page poisoning is on\n", "the guest cannot answer: page poisoning is on"),
+        (b"begin n 4096\n" + b"x" * (MAX_LINE + 1), f"a line longer than {MAX_LINE} bytes"),
+    ],
+)
 def test_a_broken_answer_is_refused_with_its_line(data, why):
     with pytest.raises(GuestFreeError) as info:
         parse("n", data)
@@ -97,12 +103,12 @@ def test_the_link_keeps_the_latest_answer_and_the_offset_read_before_asking(tmp_
     def helper():
         conn, _ = server.accept()
         with conn, conn.makefile("rb") as requests, contextlib.suppress(ConnectionResetError):
-            for n, line in enumerate(requests):     # until leanimg hangs up (reset: its data unread)
+            for n, line in enumerate(requests):  # until leanimg hangs up (reset: its data unread)
                 nonce = line.split()[1].decode()
                 if n < 2:
                     conn.sendall(answer_bytes(nonce, [(n, 1)]))
                 else:
-                    conn.sendall(b"begin " + nonce.encode() + b" 4096\n")   # and nothing more
+                    conn.sendall(b"begin " + nonce.encode() + b" 4096\n")  # and nothing more
                     answered.set()
 
     thread = threading.Thread(target=helper, daemon=True)
@@ -152,7 +158,7 @@ def test_a_request_that_hears_nothing_back_is_made_again_over_a_new_connection(t
     assert [c for c, _ in nonces] == [0, 1] and len({n for _, n in nonces}) == 2
     assert (link.asked, link.answered) == (2, 1)
     assert snapshot.stream_offset == 200 and snapshot.ranges.tolist() == [[7, 3]]
-    assert not hung_up.wait(0.3)                # finish() stops asking, the connection stays
+    assert not hung_up.wait(0.3)  # finish() stops asking, the connection stays
     link.close()
     assert hung_up.wait(30)
     server.close()
@@ -169,8 +175,11 @@ def helper_binary(tmp_path_factory):
     if not shutil.which("gcc"):
         pytest.skip("gcc is not installed")
     binary = tmp_path_factory.mktemp("helper") / "leanimg-guest-free"
-    subprocess.run(["gcc", "-static", "-O2", "-Wall", "-Wextra", "-Werror", "-o", str(binary), str(HELPER)],
-                   check=True, capture_output=True)
+    subprocess.run(
+        ["gcc", "-static", "-O2", "-Wall", "-Wextra", "-Werror", "-o", str(binary), str(HELPER)],
+        check=True,
+        capture_output=True,
+    )
     return binary
 
 
@@ -195,8 +204,13 @@ def test_the_helper_refuses_arguments(helper_binary):
 def test_the_checkpoint_api_refuses_guest_free_hints_outside_a_precopy(tmp_path, mode):
     """LI-HNT-026: refused before QEMU is reached (the QMP socket here does not exist)."""
     from leanimg.converters.checkpoint import CheckpointRequest, run_checkpoint
-    request = CheckpointRequest(qmp=str(tmp_path / "qmp.sock"), output=str(tmp_path / "x.lean"), mode=mode,
-                                guest_free=str(tmp_path / "free.sock"))
+
+    request = CheckpointRequest(
+        qmp=str(tmp_path / "qmp.sock"),
+        output=str(tmp_path / "x.lean"),
+        mode=mode,
+        guest_free=str(tmp_path / "free.sock"),
+    )
     with pytest.raises(CheckpointError) as info:
         run_checkpoint(request)
     assert info.value.rule == "LI-HNT-026" and "needs --live" in str(info.value)

@@ -22,8 +22,19 @@ from leanimg.reader import LeanImage
 from leanimg.rules import HINT_RULES, RULES, WORKING_SET_RULES
 from helpers import VECTORS_DIR
 
-COMMANDS_WITH_JSON = {"inspect", "validate", "validate-hints", "plugins", "convert", "restore", "flatten", "merge",
-                      "serve", "checkpoint", "uploads"}
+COMMANDS_WITH_JSON = {
+    "inspect",
+    "validate",
+    "validate-hints",
+    "plugins",
+    "convert",
+    "restore",
+    "flatten",
+    "merge",
+    "serve",
+    "checkpoint",
+    "uploads",
+}
 RULE_IDS = set(RULES) | set(HINT_RULES) | set(WORKING_SET_RULES)
 
 
@@ -131,13 +142,31 @@ def test_validate_hints(sample):
 
 def test_plugins():
     out = checked("plugins", CliRunner().invoke(main, ["plugins", "--json"]).stdout)
-    assert {(p["kind"], p["name"]) for p in out} >= {("source", "qemu"), ("source", "xen"), ("target", "raw"),
-                                                     ("target", "qemu"), ("checkpoint", "qemu")}
+    assert {(p["kind"], p["name"]) for p in out} >= {
+        ("source", "qemu"),
+        ("source", "xen"),
+        ("target", "raw"),
+        ("target", "qemu"),
+        ("checkpoint", "qemu"),
+    }
 
 
 def test_convert(sample, tmp_path):
-    out = checked("convert", ok(sample, "convert", "vm.save", "-o", tmp_path / "c.lean", "--parent", "vm.lean",
-                                "--disk", "vda=disk.img", "--json").stdout)
+    out = checked(
+        "convert",
+        ok(
+            sample,
+            "convert",
+            "vm.save",
+            "-o",
+            tmp_path / "c.lean",
+            "--parent",
+            "vm.lean",
+            "--disk",
+            "vda=disk.img",
+            "--json",
+        ).stdout,
+    )
     assert out["classes"] == {"ZERO": 12638, "DISK": 1546, "PARENT": 14634}
     assert out["save"] == "vm.save" and out["source"] == "qemu" and out["save_bytes"] == 66679434
     assert out["file_bytes"] == (tmp_path / "c.lean").stat().st_size and out["parent"].endswith("vm.lean")
@@ -145,13 +174,21 @@ def test_convert(sample, tmp_path):
 
 
 def test_restore_to_a_file_and_to_stdout(sample, tmp_path):
-    out = checked("restore", ok(sample, "restore", "vm.lean", "--to", "raw", "-o", tmp_path / "m.raw",
-                                "--disk", "vda=disk.img", "--json").stdout)
+    out = checked(
+        "restore",
+        ok(
+            sample, "restore", "vm.lean", "--to", "raw", "-o", tmp_path / "m.raw", "--disk", "vda=disk.img", "--json"
+        ).stdout,
+    )
     assert out["output_bytes"] == out["logical_bytes"] == (tmp_path / "m.raw").stat().st_size
     assert out["classes"] == {"STORED": 14634, "ZERO": 12638, "DISK": 1546} and out["links"] == 1
     # -o -: standard output is the stream, so the JSON goes to standard error
-    proc = subprocess.run([*command_line(), "restore", "vm.lean", "--to", "qemu", "-o", "-", "--disk",
-                           "vda=disk.img", "--json"], cwd=sample, capture_output=True, check=True)
+    proc = subprocess.run(
+        [*command_line(), "restore", "vm.lean", "--to", "qemu", "-o", "-", "--disk", "vda=disk.img", "--json"],
+        cwd=sample,
+        capture_output=True,
+        check=True,
+    )
     assert proc.stdout == (sample / "vm.save").read_bytes()
     assert checked("restore", proc.stderr)["output"] == "-"
 
@@ -166,8 +203,12 @@ def test_flatten_and_merge(sample, tmp_path, command):
 
 def test_serve_puts_its_counts_on_stderr(sample):
     # the return path closed at once, as by a destination that went away: the stream is not completed
-    proc = subprocess.run([*command_line(), "serve", "vm.lean", "--postcopy", "--disk", "vda=disk.img", "--json"],
-                          cwd=sample, stdin=subprocess.DEVNULL, capture_output=True)
+    proc = subprocess.run(
+        [*command_line(), "serve", "vm.lean", "--postcopy", "--disk", "vda=disk.img", "--json"],
+        cwd=sample,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+    )
     if proc.returncode == 1 and b"userfaultfd" in proc.stderr:
         pytest.skip("userfaultfd is not available to this user")
     assert proc.returncode == 0, proc.stderr
@@ -179,17 +220,27 @@ def test_serve_puts_its_counts_on_stderr(sample):
 def test_checkpoint_result_shape():
     from leanimg.converters.checkpoint import Balloon, CheckpointResult, FrozenDisk
     from leanimg.format import PageClass
-    result = CheckpointResult(output="vm.lean", mode="live", then="continue", file_bytes=1 << 20, page_size=4096,
-                              classes=Counter({PageClass.STORED: 10, PageClass.ZERO: 5, PageClass.FREE: 0}),
-                              downtime_ms=12, paused_ms=None, seconds=1.5,
-                              disks=[FrozenDisk("vda", "/vm/disk.img", {"device": "vda"}, True,
-                                                "/vm/disk.img.after-vm.qcow2", 8192)],
-                              guest="running", balloon=Balloon(1 << 30, 1 << 29, 1 << 29, True))
+
+    result = CheckpointResult(
+        output="vm.lean",
+        mode="live",
+        then="continue",
+        file_bytes=1 << 20,
+        page_size=4096,
+        classes=Counter({PageClass.STORED: 10, PageClass.ZERO: 5, PageClass.FREE: 0}),
+        downtime_ms=12,
+        paused_ms=None,
+        seconds=1.5,
+        disks=[FrozenDisk("vda", "/vm/disk.img", {"device": "vda"}, True, "/vm/disk.img.after-vm.qcow2", 8192)],
+        guest="running",
+        balloon=Balloon(1 << 30, 1 << 29, 1 << 29, True),
+    )
     out = json.loads(json.dumps(result.to_json()))
     jsonschema.validate(out, schema("checkpoint"))
     assert out["classes"] == {"STORED": 10, "ZERO": 5}
-    assert out["disks"] == [dict(name="vda", file="/vm/disk.img", frozen=True,
-                                 overlay="/vm/disk.img.after-vm.qcow2", referenced_bytes=8192)]
+    assert out["disks"] == [
+        dict(name="vda", file="/vm/disk.img", frozen=True, overlay="/vm/disk.img.after-vm.qcow2", referenced_bytes=8192)
+    ]
 
 
 # --- errors -----------------------------------------------------------------------------------------
@@ -198,9 +249,9 @@ ERRORS = [
     (["inspect", "junk.lean"], 1, "LI-HDR-001"),
     (["restore", "junk.lean", "-o", "out.raw"], 1, "LI-HDR-001"),
     (["flatten", "junk.lean", "-o", "out.lean"], 1, "LI-HDR-001"),
-    (["merge", "vm.lean", "-o", "out.lean"], 1, None),                       # no parent to merge into
-    (["convert", "junk.lean", "-o", "out.lean"], 1, None),                   # not a save
-    (["restore", "vm.lean", "-o", "vm.lean", "-f"], 2, None),                # an input is never an output
+    (["merge", "vm.lean", "-o", "out.lean"], 1, None),  # no parent to merge into
+    (["convert", "junk.lean", "-o", "out.lean"], 1, None),  # not a save
+    (["restore", "vm.lean", "-o", "vm.lean", "-f"], 2, None),  # an input is never an output
     (["validate", "missing.lean"], 2, None),
     (["checkpoint", "--qmp", "missing.sock", "-o", "out.lean"], 1, None),
 ]
@@ -246,24 +297,28 @@ def test_every_writing_command_ends_with_one_summary_line(sample, tmp_path):
     for command, args in runs.items():
         result = invoke(sample, *args)
         lines = result.stdout.splitlines()
-        assert result.exit_code == 0 and len(lines) == 1 and lines[0].startswith(str(args[3]) + ": "), \
-            (command, result.output)
+        assert result.exit_code == 0 and len(lines) == 1 and lines[0].startswith(str(args[3]) + ": "), (
+            command,
+            result.output,
+        )
 
 
 def _on_a_terminal(folder, *args) -> tuple[subprocess.CompletedProcess, str]:
     """The command run with standard error on a pseudo-terminal: the process and what that terminal got."""
     import pty
+
     master, slave = pty.openpty()
     try:
-        proc = subprocess.run([*command_line(), *map(str, args)], cwd=folder, stdout=subprocess.PIPE,
-                              stderr=slave, timeout=600)
+        proc = subprocess.run(
+            [*command_line(), *map(str, args)], cwd=folder, stdout=subprocess.PIPE, stderr=slave, timeout=600
+        )
     finally:
         os.close(slave)
     seen = b""
     while True:
         try:
             chunk = os.read(master, 65536)
-        except OSError:                  # EIO: the terminal has no writer left
+        except OSError:  # EIO: the terminal has no writer left
             break
         if not chunk:
             break
@@ -272,30 +327,35 @@ def _on_a_terminal(folder, *args) -> tuple[subprocess.CompletedProcess, str]:
     return proc, seen.decode(errors="replace")
 
 
-@pytest.mark.parametrize("command,args", [
-    ("validate", ["vm.lean", "--disk", "vda=disk.img"]),
-    ("flatten", ["vm-2.lean", "-o", "{tmp}/f.lean"]),
-    ("merge", ["vm-2.lean", "-o", "{tmp}/m.lean"]),
-    ("restore", ["vm.lean", "-o", "{tmp}/m.raw", "--disk", "vda=disk.img"]),
-])
+@pytest.mark.parametrize(
+    "command,args",
+    [
+        ("validate", ["vm.lean", "--disk", "vda=disk.img"]),
+        ("flatten", ["vm-2.lean", "-o", "{tmp}/f.lean"]),
+        ("merge", ["vm-2.lean", "-o", "{tmp}/m.lean"]),
+        ("restore", ["vm.lean", "-o", "{tmp}/m.raw", "--disk", "vda=disk.img"]),
+    ],
+)
 def test_progress_is_drawn_on_a_terminal_only(sample, tmp_path, command, args):
     args = [a.format(tmp=tmp_path) for a in args]
     proc, terminal = _on_a_terminal(sample, command, *args, "-f" if command != "validate" else "-v")
     assert proc.returncode == 0 and f"{command}  [" in terminal and "100%" in terminal, terminal[-500:]
     quiet, terminal = _on_a_terminal(sample, command, *args, "-q", *(["-f"] if command != "validate" else []))
     assert quiet.returncode == 0 and "[" not in terminal and quiet.stdout == b"", terminal[-500:]
-    piped = subprocess.run([*command_line(), command, *args, *(["-f"] if command != "validate" else [])],
-                           cwd=sample, capture_output=True)
+    piped = subprocess.run(
+        [*command_line(), command, *args, *(["-f"] if command != "validate" else [])], cwd=sample, capture_output=True
+    )
     assert piped.returncode == 0 and b"[#" not in piped.stderr and b"%" not in piped.stderr
 
 
 def test_inspect_and_validate_of_an_object_say_what_was_fetched(sample, s3store, monkeypatch):
     """s3:// images: the bytes fetched and the requests, per object, in the schema's shape."""
     from leanimg import s3
+
     for name, value in s3store.env.items():
         monkeypatch.setenv(name, value)
     monkeypatch.setattr(s3, "_client", None)
-    monkeypatch.setattr(s3, "FETCHED", {})                   # what this process read before: not ours
+    monkeypatch.setattr(s3, "FETCHED", {})  # what this process read before: not ours
     client = s3store.client()
     for name in ("vm.lean", "vm-2.lean"):
         client.upload_file(str(sample / name), s3store.bucket, f"json/{name}")
@@ -305,7 +365,7 @@ def test_inspect_and_validate_of_an_object_say_what_was_fetched(sample, s3store,
     assert set(fetched) == {s3store.url("json/vm.lean"), s3store.url("json/vm-2.lean")}
     child = fetched[s3store.url("json/vm-2.lean")]
     assert child["object_bytes"] == size and 0 < child["fetched_bytes"] <= size and child["requests"] >= 1
-    monkeypatch.setattr(s3, "_BLOCKS", s3._Blocks())           # cold, as a new process is
+    monkeypatch.setattr(s3, "_BLOCKS", s3._Blocks())  # cold, as a new process is
     report = checked("validate", ok(sample, "validate", s3store.url("json/vm.lean"), "--json", code=4).stdout)
     (whole,) = report["fetched"]
     assert whole["fetched_bytes"] == whole["object_bytes"] == (sample / "vm.lean").stat().st_size
@@ -313,14 +373,16 @@ def test_inspect_and_validate_of_an_object_say_what_was_fetched(sample, s3store,
 
 def test_uploads_lists_and_aborts(s3store, tmp_path, monkeypatch):
     from leanimg import s3
+
     for name, value in s3store.env.items():
         monkeypatch.setenv(name, value)
     monkeypatch.setattr(s3, "_client", None)
     client = s3store.client()
     started = client.create_multipart_upload(Bucket=s3store.bucket, Key="uploads-json/left.lean")
     listed = checked("uploads", ok(tmp_path, "uploads", s3store.url("uploads-json/"), "--json").stdout)
-    assert [(u["location"], u["upload_id"]) for u in listed["uploads"]] == \
-        [(s3store.url("uploads-json/left.lean"), started["UploadId"])] and listed["aborted"] is False
+    assert [(u["location"], u["upload_id"]) for u in listed["uploads"]] == [
+        (s3store.url("uploads-json/left.lean"), started["UploadId"])
+    ] and listed["aborted"] is False
     aborted = checked("uploads", ok(tmp_path, "uploads", s3store.url("uploads-json/"), "--abort", "--json").stdout)
     assert aborted["aborted"] is True and len(aborted["uploads"]) == 1
     assert s3store.uploads("uploads-json/") == []

@@ -29,7 +29,14 @@ from kaitaistruct import KaitaiStream
 import kaitai_support as ks
 from leanimg import delta as deltacodec
 from leanimg.format import (
-    FOOTER, HEADER, RECORD, DeltaEncoding, PageClass, RecordType, SourceFormat, page_digest,
+    FOOTER,
+    HEADER,
+    RECORD,
+    DeltaEncoding,
+    PageClass,
+    RecordType,
+    SourceFormat,
+    page_digest,
 )
 from leanimg.structures import dump_structure
 from leanimg.writer import LeanImageWriter, ParentLink
@@ -52,6 +59,7 @@ def Leanimg(generated):
 
 # --- comparing the two parsers ------------------------------------------------
 
+
 def delta_positions(entry, page_size: int) -> list[int]:
     """Changed word positions of a Kaitai-parsed delta entry."""
     if entry.encoding == DeltaEncoding.INDEX_LIST:
@@ -72,7 +80,7 @@ def check_delta_entries(Leanimg, image, page_size: int) -> None:
         offsets = body.entry_offsets
         assert len(content) == offsets[-1]
         for i in range(body.num_deltas):
-            raw = content[offsets[i]:offsets[i + 1]]
+            raw = content[offsets[i] : offsets[i + 1]]
             entry = Leanimg.DeltaEntry(page_size, KaitaiStream(kaitaistruct.BytesIO(raw)))
             assert entry._io.is_eof(), f"delta entry {body.first_delta + i}: bytes left after parsing"
             page = np.zeros(page_size // 8, "<u8")
@@ -96,6 +104,7 @@ def check_image(Leanimg, path) -> None:
 
 
 # --- the compiler and the .ksy itself -------------------------------------------
+
 
 def test_ksy_compiles(generated):
     assert hasattr(generated, "Leanimg")
@@ -123,6 +132,7 @@ def test_ksy_style():
 
 # --- valid vectors ----------------------------------------------------------------
 
+
 def test_valid_vectors_present():
     assert VALID_VECTORS, "tests/vectors/valid/*.lean matched nothing"
 
@@ -133,6 +143,7 @@ def test_valid_vector(Leanimg, path):
 
 
 # --- writer-made images ------------------------------------------------------------
+
 
 def _pages(seed: int, count: int, page_size: int) -> bytes:
     rng = np.random.default_rng(seed)
@@ -173,8 +184,7 @@ def write_child(path, page_size=4096, inherit_digests=True):
     """A child with PARENT, DELTA and STORED pages: format 1.1 (inherited digests) or 1.0."""
     parent_pages = [_pages(10 + i, 1, page_size) for i in range(64)]
     link = ParentLink(uuid=bytes(range(16)), digest=bytes(range(16, 32)))
-    with LeanImageWriter(path, page_size=page_size, parent=link, frame_pages=8,
-                         inherit_digests=inherit_digests) as w:
+    with LeanImageWriter(path, page_size=page_size, parent=link, frame_pages=8, inherit_digests=inherit_digests) as w:
         w.declare_source_state()
         ram = w.add_region("pc.ram", 64 * page_size)
         w.add_source_state(SourceFormat.XEN, 7, b"xen record")
@@ -182,7 +192,7 @@ def write_child(path, page_size=4096, inherit_digests=True):
         for page in range(16, 48):
             new = bytearray(parent_pages[page])
             for word in CHANGED_WORDS[page % len(CHANGED_WORDS)]:
-                new[word * 8:(word + 1) * 8] = struct.pack("<Q", page * 1000 + word + 1)
+                new[word * 8 : (word + 1) * 8] = struct.pack("<Q", page * 1000 + word + 1)
             w.put_changed(ram, page, parent_pages[page], bytes(new))
         w.put_pages(ram, 48, _pages(99, 16, page_size))
 
@@ -242,6 +252,7 @@ def test_writer_random_layout(Leanimg, data):
 
 # --- what valid: must reject -------------------------------------------------------
 
+
 @pytest.fixture
 def image_bytes(tmp_path) -> bytes:
     path = tmp_path / "mixed.lean"
@@ -264,7 +275,7 @@ def test_rejects_wrong_header_magic(Leanimg, image_bytes):
 
 def test_rejects_wrong_footer_magic(Leanimg, image_bytes):
     end = len(image_bytes) - FOOTER.size
-    bad = image_bytes[:end] + b"\x89LEANENX" + image_bytes[end + 8:]
+    bad = image_bytes[:end] + b"\x89LEANENX" + image_bytes[end + 8 :]
     with pytest.raises(kaitaistruct.ValidationNotEqualError):
         Leanimg.from_bytes(bad)
 
@@ -272,17 +283,29 @@ def test_rejects_wrong_footer_magic(Leanimg, image_bytes):
 FIRST_RECORD = HEADER.size  # the writer writes a 104-byte header (1.0 and 1.1)
 
 
-@pytest.mark.parametrize("offset, fmt, value, error", [
-    (8, "<H", 2, kaitaistruct.ValidationNotEqualError),               # major_version
-    (12, "<I", 100, kaitaistruct.ValidationExprError),                # header_length too short
-    (12, "<I", 108, kaitaistruct.ValidationExprError),                # not a multiple of 8
-    (16, "<Q", 1 << 4, kaitaistruct.ValidationGreaterThanError),      # unknown incompatible bit (1.1 knows 0-3)
-    (88, "<I", 4097, kaitaistruct.ValidationNotAnyOfError),           # page_size
-    (92, "<I", 1, kaitaistruct.ValidationNotEqualError),              # reserved
-    (FIRST_RECORD, "<I", 0x99, kaitaistruct.ValidationExprError),     # unknown mandatory type
-    (FIRST_RECORD + 4, "<I", 1, kaitaistruct.ValidationNotEqualError),  # record flags
-], ids=["major", "header-length-short", "header-length-unaligned", "incompat-bit", "page-size",
-        "header-reserved", "unknown-mandatory-record", "record-flags"])
+@pytest.mark.parametrize(
+    "offset, fmt, value, error",
+    [
+        (8, "<H", 2, kaitaistruct.ValidationNotEqualError),  # major_version
+        (12, "<I", 100, kaitaistruct.ValidationExprError),  # header_length too short
+        (12, "<I", 108, kaitaistruct.ValidationExprError),  # not a multiple of 8
+        (16, "<Q", 1 << 4, kaitaistruct.ValidationGreaterThanError),  # unknown incompatible bit (1.1 knows 0-3)
+        (88, "<I", 4097, kaitaistruct.ValidationNotAnyOfError),  # page_size
+        (92, "<I", 1, kaitaistruct.ValidationNotEqualError),  # reserved
+        (FIRST_RECORD, "<I", 0x99, kaitaistruct.ValidationExprError),  # unknown mandatory type
+        (FIRST_RECORD + 4, "<I", 1, kaitaistruct.ValidationNotEqualError),  # record flags
+    ],
+    ids=[
+        "major",
+        "header-length-short",
+        "header-length-unaligned",
+        "incompat-bit",
+        "page-size",
+        "header-reserved",
+        "unknown-mandatory-record",
+        "record-flags",
+    ],
+)
 def test_rejects_invalid_field(Leanimg, image_bytes, offset, fmt, value, error):
     with pytest.raises(error):
         Leanimg.from_bytes(_mutated(image_bytes, offset, fmt, value))

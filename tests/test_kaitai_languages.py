@@ -60,8 +60,10 @@ def real_images(tmp_path_factory) -> dict[str, Path]:
     first, second = tmp / REAL_IMAGES[0], tmp / REAL_IMAGES[1]
     _convert(save, "-o", first, "--disk", f"vda={disk}")
     _convert(changed, "-o", second, "--parent", first)
-    for path, classes in ((first, {PageClass.STORED, PageClass.ZERO, PageClass.DISK}),
-                          (second, {PageClass.PARENT, PageClass.DELTA})):
+    for path, classes in (
+        (first, {PageClass.STORED, PageClass.ZERO, PageClass.DISK}),
+        (second, {PageClass.PARENT, PageClass.DELTA}),
+    ):
         with LeanImage.open_link(path) as image:
             counts = class_counts(image)
         assert all(counts[c] > 0 for c in classes), (path.name, counts)
@@ -87,7 +89,7 @@ class Parses:
         if language not in self.by_language:
             try:
                 self.by_language[language] = self._parse_all(language)
-            except BaseException as exc:    # a skip or a build failure: once, not per image
+            except BaseException as exc:  # a skip or a build failure: once, not per image
                 self.by_language[language] = exc
         parsed = self.by_language[language]
         if isinstance(parsed, BaseException):
@@ -140,7 +142,7 @@ def test_javascript_u8_fields_are_doubles(parses, images):
     to a double; the Java parser has it exactly."""
     name = REAL_IMAGES[0]
     exact = [rec.record_checksum for rec in parses.get("python", name).records]
-    big = [k for k, value in enumerate(exact) if value > 2 ** 53 and value != int(float(value))]
+    big = [k for k, value in enumerate(exact) if value > 2**53 and value != int(float(value))]
     assert big, "no record checksum of the sample is inexact as a double"
     js = [rec.record_checksum for rec in parses.get("javascript", name).records]
     java = [rec.record_checksum for rec in parses.get("java", name).records]

@@ -39,16 +39,34 @@ COOKIE = b"<qemu-save-cookie>\n</qemu-save-cookie>\n"
 COMPRESS = {1: ["gzip", "-c"], 2: ["bzip2", "-c"], 3: ["xz", "-c", "-3"], 4: ["lzop", "-c"], 5: ["zstd", "-c"]}
 
 
-def libvirt_save(payload: bytes, *, fmt: int = 0, magic: bytes = b"LibvirtQemudSave", version: int = 2,
-                 was_running: int = 1, xml: bytes = XML + b"\0", cookie: bytes | None = COOKIE + b"\0",
-                 padding: int = 4096, data_len: int | None = None, cookie_offset: int | None = None,
-                 endian: str = "<") -> bytes:
+def libvirt_save(
+    payload: bytes,
+    *,
+    fmt: int = 0,
+    magic: bytes = b"LibvirtQemudSave",
+    version: int = 2,
+    was_running: int = 1,
+    xml: bytes = XML + b"\0",
+    cookie: bytes | None = COOKIE + b"\0",
+    padding: int = 4096,
+    data_len: int | None = None,
+    cookie_offset: int | None = None,
+    endian: str = "<",
+) -> bytes:
     """A save image as libvirt's virQEMUSaveDataWrite lays it out, ``payload`` after it."""
     data = xml + (cookie or b"") + bytes(padding)
     if cookie_offset is None:
         cookie_offset = len(xml) if cookie else 0
-    header = struct.pack(f"{endian}16s5I56s", magic, version, len(data) if data_len is None else data_len,
-                         was_running, fmt, cookie_offset, bytes(56))
+    header = struct.pack(
+        f"{endian}16s5I56s",
+        magic,
+        version,
+        len(data) if data_len is None else data_len,
+        was_running,
+        fmt,
+        cookie_offset,
+        bytes(56),
+    )
     return header + data + payload
 
 
@@ -66,7 +84,7 @@ def ok(*args) -> subprocess.CompletedProcess:
 def stream() -> bytes:
     ram = bytearray(64 * 4096)
     for k in range(0, 64, 3):
-        ram[k * 4096:(k + 1) * 4096] = bytes([k + 1]) * 4096
+        ram[k * 4096 : (k + 1) * 4096] = bytes([k + 1]) * 4096
     return qemu_save(bytes(ram))
 
 
@@ -81,13 +99,18 @@ def test_header_layout():
     assert header.xml == XML and header.cookie == COOKIE and header.was_running
     assert header.payload_offset == 92 + len(XML) + 1 + len(COOKIE) + 1 + 4096
     domain = libvirt.domain_of(header.xml)
-    assert (domain.name, domain.uuid, domain.memory_bytes, domain.machine) == \
-        ("web1", "4dea22b3-1d52-d8f3-2516-782e98ab3fa0", 1 << 20, "pc-i440fx-7.2")
+    assert (domain.name, domain.uuid, domain.memory_bytes, domain.machine) == (
+        "web1",
+        "4dea22b3-1d52-d8f3-2516-782e98ab3fa0",
+        1 << 20,
+        "pc-i440fx-7.2",
+    )
     assert domain.disks == (("vda", "/var/lib/libvirt/images/web1.img"),)
 
 
 def _reader(data: bytes):
     import io
+
     return io.BytesIO(data)
 
 
@@ -126,6 +149,7 @@ def test_inspect_shows_the_domain(stream, tmp_path):
     assert details["disks"] == [{"target": "vda", "file": "/var/lib/libvirt/images/web1.img"}]
     import jsonschema
     from leanimg.output import schema
+
     jsonschema.validate(json.loads(ok("inspect", tmp_path / "web1.lean", "--json").stdout), schema("inspect"))
 
 
@@ -141,10 +165,12 @@ def test_compressed_payloads(fmt, stream, tmp_path):
     ok("restore", tmp_path / "c.lean", "--to", "libvirt", "-o", tmp_path / "back.save")
     back = (tmp_path / "back.save").read_bytes()
     header = libvirt.read_save_header(_reader(back), len(back))
-    assert back[:header.payload_offset] == save.read_bytes()[:header.payload_offset]
+    assert back[: header.payload_offset] == save.read_bytes()[: header.payload_offset]
     decompress = [argv[0], "-dc"]
-    assert subprocess.run(decompress, input=back[header.payload_offset:], capture_output=True,
-                          check=True).stdout == stream
+    assert (
+        subprocess.run(decompress, input=back[header.payload_offset :], capture_output=True, check=True).stdout
+        == stream
+    )
 
 
 def test_sample_xz_with_disk(sample, tmp_path):
@@ -153,11 +179,12 @@ def test_sample_xz_with_disk(sample, tmp_path):
     save = tmp_path / "vm.save"
     save.write_bytes(libvirt_save(payload, fmt=3))
     disk = tmp_path / "disk.img"
-    disk.write_bytes(zstandard.ZstdDecompressor().decompressobj().decompress(
-        (SAMPLE.parent / "disk.img.zst").read_bytes()))
+    disk.write_bytes(
+        zstandard.ZstdDecompressor().decompressobj().decompress((SAMPLE.parent / "disk.img.zst").read_bytes())
+    )
     ok("convert", save, "-o", tmp_path / "vm.lean", "--disk", f"vda={disk}")
     ok("restore", tmp_path / "vm.lean", "--to", "libvirt", "--disk", f"vda={disk}", "-o", tmp_path / "back.save")
-    assert (tmp_path / "back.save").read_bytes() == save.read_bytes()    # xz -3 of one version is deterministic
+    assert (tmp_path / "back.save").read_bytes() == save.read_bytes()  # xz -3 of one version is deterministic
 
 
 def test_restore_to_libvirt_needs_the_header(stream, tmp_path):
@@ -166,8 +193,9 @@ def test_restore_to_libvirt_needs_the_header(stream, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     proc = run("restore", tmp_path / "q.lean", "--to", "libvirt", "-o", out / "x.save")
-    assert_clean_failure(proc, out, match="no libvirt save header", offset=None if False else -1,
-                         structure="source_state")
+    assert_clean_failure(
+        proc, out, match="no libvirt save header", offset=None if False else -1, structure="source_state"
+    )
     assert "--to qemu" in proc.stderr.decode()
 
 
@@ -176,28 +204,47 @@ def _bad_inputs(stream: bytes) -> dict:
     good = libvirt_save(stream)
     xml_at = 92
     return {
-        "partial": (libvirt_save(stream, magic=b"LibvirtQemudPart"),
-                    dict(match="incomplete save", offset=0, structure="libvirt header.magic")),
-        "version-3": (libvirt_save(stream, version=3),
-                      dict(match="expected save image version 2, got 3", offset=16, structure="libvirt header.version")),
-        "big-endian": (libvirt_save(stream, endian=">"),
-                       dict(match="big-endian host", offset=16, structure="libvirt header.version")),
-        "data-len-beyond-file": (libvirt_save(stream, data_len=len(good)),
-                                 dict(match="goes beyond the file", offset=20, structure="libvirt header.data_len")),
-        "data-len-zero": (libvirt_save(stream, data_len=0),
-                          dict(match="data_len 0", offset=20, structure="libvirt header.data_len")),
-        "xml-without-nul": (libvirt_save(stream, xml=XML, cookie=None, padding=0, data_len=len(XML)),
-                            dict(match="no terminating NUL", offset=xml_at, structure="libvirt header data.xml")),
-        "cookie-offset-beyond": (libvirt_save(stream, cookie_offset=1 << 20),
-                                 dict(match="lies beyond data_len", offset=32,
-                                      structure="libvirt header.cookie_offset")),
-        "unknown-compression": (libvirt_save(stream, fmt=9),
-                                dict(match="unknown payload compression code 9", offset=28,
-                                     structure="libvirt header.format")),
+        "partial": (
+            libvirt_save(stream, magic=b"LibvirtQemudPart"),
+            dict(match="incomplete save", offset=0, structure="libvirt header.magic"),
+        ),
+        "version-3": (
+            libvirt_save(stream, version=3),
+            dict(match="expected save image version 2, got 3", offset=16, structure="libvirt header.version"),
+        ),
+        "big-endian": (
+            libvirt_save(stream, endian=">"),
+            dict(match="big-endian host", offset=16, structure="libvirt header.version"),
+        ),
+        "data-len-beyond-file": (
+            libvirt_save(stream, data_len=len(good)),
+            dict(match="goes beyond the file", offset=20, structure="libvirt header.data_len"),
+        ),
+        "data-len-zero": (
+            libvirt_save(stream, data_len=0),
+            dict(match="data_len 0", offset=20, structure="libvirt header.data_len"),
+        ),
+        "xml-without-nul": (
+            libvirt_save(stream, xml=XML, cookie=None, padding=0, data_len=len(XML)),
+            dict(match="no terminating NUL", offset=xml_at, structure="libvirt header data.xml"),
+        ),
+        "cookie-offset-beyond": (
+            libvirt_save(stream, cookie_offset=1 << 20),
+            dict(match="lies beyond data_len", offset=32, structure="libvirt header.cookie_offset"),
+        ),
+        "unknown-compression": (
+            libvirt_save(stream, fmt=9),
+            dict(match="unknown payload compression code 9", offset=28, structure="libvirt header.format"),
+        ),
         "sparse": (libvirt_save(stream, fmt=6), dict(match="mapped-ram", offset=28, structure="libvirt header.format")),
-        "not-a-qemu-stream": (libvirt_save(b"\x7fELF" + bytes(100)),
-                              dict(match="", offset=len(libvirt_save(b"")), structure="libvirt payload")),
-        "truncated-payload": (good[:len(good) - 2000], dict(match="truncated", offset=-1, structure="libvirt payload")),
+        "not-a-qemu-stream": (
+            libvirt_save(b"\x7fELF" + bytes(100)),
+            dict(match="", offset=len(libvirt_save(b"")), structure="libvirt payload"),
+        ),
+        "truncated-payload": (
+            good[: len(good) - 2000],
+            dict(match="truncated", offset=-1, structure="libvirt payload"),
+        ),
         "xz-not-xz": (libvirt_save(stream, fmt=3), dict(match="cannot decompress", offset=-1, structure="xz stream")),
         "truncated-header": (good[:50], dict(match="truncated", offset=-1, structure="libvirt header")),
     }
@@ -211,9 +258,8 @@ def test_bad_headers_fail_cleanly(name, stream, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     assert_clean_failure(run("convert", save, "-o", out / "x.lean"), out, **expect)
-    if name not in ("data-len-beyond-file",):       # a pipe has no length to check data_len against
-        assert_clean_failure(run("convert", "-", "-o", out / "x.lean", stdin=data), out,
-                             **dict(expect, offset=-1))
+    if name not in ("data-len-beyond-file",):  # a pipe has no length to check data_len against
+        assert_clean_failure(run("convert", "-", "-o", out / "x.lean", stdin=data), out, **dict(expect, offset=-1))
 
 
 def test_library_errors(stream):

@@ -47,8 +47,13 @@ pytestmark = pytest.mark.qemu
 
 QEMU_CONF = Path("/etc/libvirt/qemu.conf")
 # ENVIRONMENT.md: what libvirt 9.0 needs to run domains as root without systemd and cgroups
-SETTINGS = {"security_driver": '"none"', "cgroup_controllers": "[ ]", "user": '"root"', "group": '"root"',
-            "remember_owner": "0"}
+SETTINGS = {
+    "security_driver": '"none"',
+    "cgroup_controllers": "[ ]",
+    "user": '"root"',
+    "group": '"root"',
+    "remember_owner": "0",
+}
 MEM_MIB = 128
 URI = "qemu:///system"
 CLI_TIMEOUT = 300
@@ -174,7 +179,7 @@ class Domain:
     def __init__(self, name: str, workdir: Path, disk: Path, serial: Path):
         self.name, self.workdir, self.disk, self.serial_path = name, workdir, disk, serial
         self.serial: Serial | None = None
-        self.text = ""          # console output of earlier QEMU processes
+        self.text = ""  # console output of earlier QEMU processes
         self.consoles = 0
 
     def connect(self, timeout: float = 60) -> None:
@@ -207,8 +212,10 @@ class Domain:
             if self.heartbeat() > n:
                 return self.heartbeat()
             time.sleep(0.2)
-        raise GuestError(f"no 'HB idle n' with n > {n} within {timeout} s; console:\n"
-                         f"{(self.serial.text if self.serial else '')[-1500:]}")
+        raise GuestError(
+            f"no 'HB idle n' with n > {n} within {timeout} s; console:\n"
+            f"{(self.serial.text if self.serial else '')[-1500:]}"
+        )
 
 
 @pytest.fixture(scope="module")
@@ -321,7 +328,7 @@ def test_virsh_save_xz(domain, libvirtd):
         libvirtd.restart_libvirtd()
     with open(save, "rb") as f:
         head = f.read(92)
-    assert int.from_bytes(head[28:32], "little") == 3          # xz
+    assert int.from_bytes(head[28:32], "little") == 3  # xz
     with open(restored, "rb") as f:
         assert f.read(92) == head
     virsh("restore", restored)
@@ -337,7 +344,7 @@ def test_managedsave(domain):
     kept = domain.workdir / "managed.orig"
     shutil.copyfile(save, kept)
     image = domain.workdir / "managed.lean"
-    cli("convert", save, "-o", image)             # libvirt's defaults: the plain commands
+    cli("convert", save, "-o", image)  # libvirt's defaults: the plain commands
     cli("convert", save, "-o", domain.workdir / "managed-disk.lean", "--disk", f"vda={domain.disk}")
     cli("validate", image)
     cli("restore", image, "--to", "libvirt", "-o", save, "-f")
@@ -350,8 +357,15 @@ def test_managedsave(domain):
 def test_external_memory_snapshot(domain):
     truth, beat = _truth(domain, "snapshot")
     memory = domain.workdir / "snapshot.mem"
-    virsh("snapshot-create-as", domain.name, "s1", "--memspec", f"file={memory},snapshot=external",
-          "--diskspec", "vda,snapshot=no")
+    virsh(
+        "snapshot-create-as",
+        domain.name,
+        "s1",
+        "--memspec",
+        f"file={memory},snapshot=external",
+        "--diskspec",
+        "vda,snapshot=no",
+    )
     virsh("destroy", domain.name)
     domain.disconnect()
     restored = domain.workdir / "snapshot.restored"

@@ -46,11 +46,31 @@ def _tables(link: LeanImage) -> tuple:
     t = link.tables
     index = t.index
     parsed = {k: (v.tobytes() if isinstance(v, np.ndarray) else v) for k, v in index.parsed.items()}
-    return (link.path, t.file.name, t.file.size, t.file._whole, link.header.__dict__, link.footer.__dict__,
-            (index.offset, index.record_type, index.flags, index.body_length, index.record_checksum,
-             bytes(index.body), index.index), parsed, index.parsed["entries"].dtype,
-            [(a.dtype.str, a.tobytes()) for table in (t.page_frames, t.delta_frames)
-             for a in (table.starts, table.counts, table.positions)], type(link.fileobj))
+    return (
+        link.path,
+        t.file.name,
+        t.file.size,
+        t.file._whole,
+        link.header.__dict__,
+        link.footer.__dict__,
+        (
+            index.offset,
+            index.record_type,
+            index.flags,
+            index.body_length,
+            index.record_checksum,
+            bytes(index.body),
+            index.index,
+        ),
+        parsed,
+        index.parsed["entries"].dtype,
+        [
+            (a.dtype.str, a.tobytes())
+            for table in (t.page_frames, t.delta_frames)
+            for a in (table.starts, table.counts, table.positions)
+        ],
+        type(link.fileobj),
+    )
 
 
 def _sealed(data: bytes, index_offset: int) -> bytes:
@@ -59,8 +79,8 @@ def _sealed(data: bytes, index_offset: int) -> bytes:
     b = bytearray(data)
     at, end = HEADER.offset("header_checksum"), len(b) - FOOTER.size
     struct.pack_into("<Q", b, at, 0)
-    struct.pack_into("<Q", b, at, checksum64(bytes(b[:HEADER.size])))
-    struct.pack_into("<Q", b, end - 8, checksum64(bytes(b[index_offset:end - 8])))
+    struct.pack_into("<Q", b, at, checksum64(bytes(b[: HEADER.size])))
+    struct.pack_into("<Q", b, end - 8, checksum64(bytes(b[index_offset : end - 8])))
     at = end + FOOTER.offset("footer_checksum")
     struct.pack_into("<Q", b, at, checksum64(bytes(b[end:at])))
     return bytes(b)
@@ -98,7 +118,7 @@ def test_any_edit_is_accepted_ahead_only_as_open_link_accepts_it(chain, tmp_path
     target = tmp_path_factory.mktemp("edited") / source.name
     spoiled = bytearray(source.read_bytes())
     start, end = data.draw(st.sampled_from(_spans(source)), label="part")
-    at = data.draw(st.integers(start, end - 1) | st.integers(start, start + 31), label="offset")   # heads often
+    at = data.draw(st.integers(start, end - 1) | st.integers(start, start + 31), label="offset")  # heads often
     spoiled[at] = data.draw(st.integers(0, 255), label="value")
     sealed = data.draw(st.booleans(), label="resealed")
     target.write_bytes(_sealed(bytes(spoiled), _spans(source)[2][0]) if sealed else bytes(spoiled))
@@ -118,7 +138,7 @@ def test_any_edit_is_accepted_ahead_only_as_open_link_accepts_it(chain, tmp_path
 def test_files_open_link_would_not_read_whole_are_left_alone(chain, tmp_path):
     paths, _ = chain
     short = tmp_path / "short.lean"
-    short.write_bytes(paths[1].read_bytes()[:HEADER.size])
+    short.write_bytes(paths[1].read_bytes()[: HEADER.size])
     large = tmp_path / "large.lean"
     large.write_bytes(bytes(WHOLE_READ_BELOW))
     names = [str(short), str(large), str(tmp_path / "missing.lean"), str(paths[1])]
@@ -131,8 +151,9 @@ def test_a_deep_chain_is_opened_ahead(chain, monkeypatch):
     paths, memory = chain
     alone = []
     real = LeanImage.open_link.__func__
-    monkeypatch.setattr(LeanImage, "open_link",
-                        classmethod(lambda cls, path, **kw: alone.append(path) or real(cls, path, **kw)))
+    monkeypatch.setattr(
+        LeanImage, "open_link", classmethod(lambda cls, path, **kw: alone.append(path) or real(cls, path, **kw))
+    )
     with LeanImage.open(paths[-1]) as image:
         assert [link.path for link in image.chain()] == [str(p) for p in reversed(paths)]
     assert alone == [paths[-1]]
@@ -145,29 +166,35 @@ def test_links_opened_ahead_and_not_used_are_closed(chain, copy, tmp_path):
     copies, _ = copy
     before = fds_before()
     data = bytearray(copies[LINKS - 20].read_bytes())
-    data[HEADER.offset("page_size")] ^= 1                  # refused at the header, checksum made right
+    data[HEADER.offset("page_size")] ^= 1  # refused at the header, checksum made right
     copies[LINKS - 20].write_bytes(reseal(bytes(data)))
     expected = finding(open_alone, copies[-1])
     assert expected[1] == "LI-HDR-006" and expected[4] == str(copies[LINKS - 20])
     assert finding(LeanImage.open, copies[-1]) == expected
     assert open_fds() == before
-    given = LeanImage.open(paths[LINKS - 5])             # an open parent brings its own chain
+    given = LeanImage.open(paths[LINKS - 5])  # an open parent brings its own chain
     with LeanImage.open(paths[-1], parents=[given]) as image:
         assert image.chain()[4] is given and len(image.chain()) == LINKS
     assert open_fds() == before
 
 
-@pytest.mark.parametrize("field, value, rule", [
-    ("magic", b"\x89LEANIMX", "LI-HDR-001"), ("major_version", struct.pack("<H", 2), "LI-HDR-002"),
-    ("reserved", struct.pack("<I", 1), "LI-HDR-007"), ("page_size", struct.pack("<I", 2048), "LI-HDR-006"),
-    ("header_length", struct.pack("<I", HEADER.size + 8), "LI-HDR-004")])
+@pytest.mark.parametrize(
+    "field, value, rule",
+    [
+        ("magic", b"\x89LEANIMX", "LI-HDR-001"),
+        ("major_version", struct.pack("<H", 2), "LI-HDR-002"),
+        ("reserved", struct.pack("<I", 1), "LI-HDR-007"),
+        ("page_size", struct.pack("<I", 2048), "LI-HDR-006"),
+        ("header_length", struct.pack("<I", HEADER.size + 8), "LI-HDR-004"),
+    ],
+)
 @pytest.mark.parametrize("bad", [1, CHECK_BATCH - 1, CHECK_BATCH, LINKS - 2])
 def test_a_link_with_a_bad_header_is_refused_as_when_opened_alone(chain, copy, tmp_path, field, value, rule, bad):
     paths, _ = chain
     copies, _ = copy
     data = bytearray(copies[bad].read_bytes())
     at = HEADER.offset(field)
-    data[at:at + len(value)] = value
+    data[at : at + len(value)] = value
     copies[bad].write_bytes(_sealed(bytes(data), _spans(paths[bad])[2][0]) if field != "magic" else bytes(data))
     relink(copies, bad + 1)
     expected = finding(open_alone, copies[-1])
@@ -226,7 +253,7 @@ def _cut_by_one(data: bytes, index_at: int) -> bytes:
 
 
 def _cut_to_header(data: bytes, index_at: int) -> bytes:
-    return data[:HEADER.size]
+    return data[: HEADER.size]
 
 
 def _index_body_huge(data: bytes, index_at: int) -> bytes:

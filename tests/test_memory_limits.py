@@ -21,8 +21,9 @@ from xen_streams import NOTAB, build_stream, make_guest
 
 ROOT = Path(__file__).resolve().parent.parent
 LIMIT = 512 << 20
-HOSTILE_IMAGES = sorted((ROOT / "tests" / "vectors" / "invalid").glob("*.lean")) + \
-    sorted((ROOT / "fuzz" / "regressions").glob("*.lean"))
+HOSTILE_IMAGES = sorted((ROOT / "tests" / "vectors" / "invalid").glob("*.lean")) + sorted(
+    (ROOT / "fuzz" / "regressions").glob("*.lean")
+)
 
 # One child process under the limit runs every command through click, so the ~90 images cost
 # one interpreter start; each result is printed as one JSON line.
@@ -42,28 +43,47 @@ for line in sys.stdin:
 
 def _run_limited(cases: list[list[str]]) -> list[dict]:
     import json
-    proc = subprocess.run([sys.executable, "-c", RUNNER.format(limit=LIMIT)], capture_output=True, timeout=600,
-                          input="".join(json.dumps(c) + "\n" for c in cases).encode())
+
+    proc = subprocess.run(
+        [sys.executable, "-c", RUNNER.format(limit=LIMIT)],
+        capture_output=True,
+        timeout=600,
+        input="".join(json.dumps(c) + "\n" for c in cases).encode(),
+    )
     assert proc.returncode == 0, proc.stderr.decode()[-2000:]
     return [json.loads(line) for line in proc.stdout.decode().splitlines()]
 
 
 def _clean(result: dict) -> bool:
     text = result["output"]
-    return result["exit"] == 1 and "Traceback" not in text and "internal error" not in text \
-        and "MemoryError" not in text and "leanimg: error:" in text
+    return (
+        result["exit"] == 1
+        and "Traceback" not in text
+        and "internal error" not in text
+        and "MemoryError" not in text
+        and "leanimg: error:" in text
+    )
 
 
 def test_hostile_images_under_512_mib(tmp_path):
     cases = []
     for image in HOSTILE_IMAGES:
-        cases += [["validate", str(image)], ["inspect", str(image)],
-                  ["restore", str(image), "--to", "raw", "-o", str(tmp_path / "out.raw"), "-f"]]
+        cases += [
+            ["validate", str(image)],
+            ["inspect", str(image)],
+            ["restore", str(image), "--to", "raw", "-o", str(tmp_path / "out.raw"), "-f"],
+        ]
     results = _run_limited(cases)
     assert len(results) == len(cases)
     # whether each is refused (and by which rule) is tests/test_rules.py's; here: no crash
-    bad = [r for r in results if r["exit"] not in (0, 1, 4) or "Traceback" in r["output"]
-           or "internal error" in r["output"] or "MemoryError" in r["output"]]
+    bad = [
+        r
+        for r in results
+        if r["exit"] not in (0, 1, 4)
+        or "Traceback" in r["output"]
+        or "internal error" in r["output"]
+        or "MemoryError" in r["output"]
+    ]
     assert not bad, bad[:5]
     assert sum(r["exit"] == 1 for r in results) > len(results) // 2
 
@@ -73,9 +93,9 @@ def _qemu_save_declaring(size: int) -> bytes:
     ram = bytes(range(256)) * 16 * 64
     save = bytearray(qemu_save(ram))
     at = save.index(b"\x06pc.ram") + 7
-    save[at:at + 8] = struct.pack(">Q", size)
-    mem = save.index(struct.pack(">Q", len(ram) | 4))          # MEM_SIZE | the MEM_SIZE flag
-    save[mem:mem + 8] = struct.pack(">Q", size | 4)
+    save[at : at + 8] = struct.pack(">Q", size)
+    mem = save.index(struct.pack(">Q", len(ram) | 4))  # MEM_SIZE | the MEM_SIZE flag
+    save[mem : mem + 8] = struct.pack(">Q", size | 4)
     return bytes(save)
 
 
@@ -87,20 +107,24 @@ def _xen_save_with_pfn(pfn: int) -> bytes:
 
 @pytest.mark.parametrize("spool", [False, True], ids=["streamed", "spooled"])
 def test_saves_declaring_huge_guests_under_512_mib(tmp_path, spool):
-    saves = {"qemu-1tib": _qemu_save_declaring(1 << 40), "qemu-1pib": _qemu_save_declaring(1 << 50),
-             "xen-pfn-2^40": _xen_save_with_pfn(1 << 40)}
+    saves = {
+        "qemu-1tib": _qemu_save_declaring(1 << 40),
+        "qemu-1pib": _qemu_save_declaring(1 << 50),
+        "xen-pfn-2^40": _xen_save_with_pfn(1 << 40),
+    }
     cases = []
     for name, data in saves.items():
         (tmp_path / name).write_bytes(data)
-        cases.append(["convert", str(tmp_path / name), "-o", str(tmp_path / f"{name}.lean"),
-                      *(["--spool"] if spool else [])])
+        cases.append(
+            ["convert", str(tmp_path / name), "-o", str(tmp_path / f"{name}.lean"), *(["--spool"] if spool else [])]
+        )
     results = _run_limited(cases)
     assert [r["args"] for r in results] == cases
     for result in results:
         assert _clean(result), result
     assert "pc.ram" in results[0]["output"] and "fit in this process's memory" in results[0]["output"]
     assert "offset 0x" in results[1]["output"] and "RAM block" in results[1]["output"]
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(saves)        # nothing written
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(saves)  # nothing written
 
 
 def test_the_limit_is_real():

@@ -20,7 +20,14 @@ from leanimg.cli import main
 from leanimg.format import EXTENT, PageClass
 from leanimg.inspect import class_counts
 from leanimg.memory_picture import (
-    BACKGROUND, CLASS_COLOURS, MAX_ROWS, cell_classes, layout, render_map, render_pixels, render_svg,
+    BACKGROUND,
+    CLASS_COLOURS,
+    MAX_ROWS,
+    cell_classes,
+    layout,
+    render_map,
+    render_pixels,
+    render_svg,
 )
 from leanimg.reader import LeanImage
 
@@ -35,16 +42,31 @@ def decode_png(data: bytes) -> np.ndarray:
 
 
 # the page classes of region "ram" of the child image, page by page (DISK<k>: block k of the disk)
-CHILD_PLAN = ["STORED", "STORED", "ZERO", "ZERO", "FREE", "FREE", "DISK2", "DISK3",
-              "PARENT", "PARENT", "PARENT", "DELTA", "DELTA", "STORED", "ZERO", "FREE"]
+CHILD_PLAN = [
+    "STORED",
+    "STORED",
+    "ZERO",
+    "ZERO",
+    "FREE",
+    "FREE",
+    "DISK2",
+    "DISK3",
+    "PARENT",
+    "PARENT",
+    "PARENT",
+    "DELTA",
+    "DELTA",
+    "STORED",
+    "ZERO",
+    "FREE",
+]
 
 
 @pytest.fixture
 def chain(tmp_path):
     """A parent and a child image whose region 'ram' has every class at known pages,
     plus a second region 'rom' of the child holding only STORED pages."""
-    child, parent, _ = write_every_class_chain(tmp_path, CHILD_PLAN, disk_blocks=4, rom_pages=3,
-                                               rom_base=0xFFFC0000)
+    child, parent, _ = write_every_class_chain(tmp_path, CHILD_PLAN, disk_blocks=4, rom_pages=3, rom_base=0xFFFC0000)
     return child, parent
 
 
@@ -78,13 +100,13 @@ def test_legend_has_every_class_swatch_and_text(chain, tmp_path):
     child, parent = chain
     with LeanImage.open(child, parents=[parent]) as image:
         pixels, lay = render_pixels(image)
-    legend = pixels[lay.legend_y:]
+    legend = pixels[lay.legend_y :]
     assert (legend != BACKGROUND).any(axis=2).sum() > 500, "legend is empty"
     colours = {tuple(c) for c in legend.reshape(-1, 3).tolist()}
     for cls in PageClass:
         assert CLASS_COLOURS[cls] in colours, f"no {cls.name} swatch"
     # the header (title and scale) has text too
-    assert (pixels[:lay.bands[0].label_y] != BACKGROUND).any()
+    assert (pixels[: lay.bands[0].label_y] != BACKGROUND).any()
 
 
 def test_each_class_colour_covers_exactly_its_pages(chain, tmp_path):
@@ -111,6 +133,7 @@ def test_each_class_colour_covers_exactly_its_pages(chain, tmp_path):
 
 def test_legend_states_each_class_size(chain):
     from leanimg.memory_picture import _size, _texts
+
     child, parent = chain
     with LeanImage.open(child, parents=[parent]) as image:
         texts = _texts(image, layout(image))
@@ -121,7 +144,11 @@ def test_legend_states_each_class_size(chain):
         name, pages, mib, percent = rows[cls]
         assert name == cls.name and pages == f"{counts[cls]:,} pages"
         assert mib == _size(counts[cls] * PS) and percent == f"{100 * counts[cls] / total:.1f}%"
-    assert rows[PageClass.STORED][2] == f"{counts[PageClass.STORED] * 4} KiB" and _size(3 * 2**20 // 2) == "1.5 MiB" and _size(0) == "0 B"
+    assert (
+        rows[PageClass.STORED][2] == f"{counts[PageClass.STORED] * 4} KiB"
+        and _size(3 * 2**20 // 2) == "1.5 MiB"
+        and _size(0) == "0 B"
+    )
     assert texts["labels"][0][0].startswith("ram   64 KiB at 0x0")
 
 
@@ -167,7 +194,7 @@ def test_cli_inspect_map_svg(chain, tmp_path):
 
 def test_png_without_pillow_names_the_extra(chain, tmp_path, monkeypatch):
     child, parent = chain
-    monkeypatch.setitem(sys.modules, "PIL", None)          # import PIL raises ImportError
+    monkeypatch.setitem(sys.modules, "PIL", None)  # import PIL raises ImportError
     out = tmp_path / "map.png"
     result = CliRunner().invoke(main, ["inspect", str(child), "--parent", str(parent), "--map", str(out)])
     assert result.exit_code == 1
@@ -178,8 +205,8 @@ def _brute_force_cells(extents, num_pages, per_cell):
     classes = np.repeat(extents["page_class"], extents["num_pages"].astype(np.int64))
     cells = []
     for start in range(0, num_pages, per_cell):
-        counts = np.bincount(classes[start:start + per_cell], minlength=7)
-        cells.append(int(np.argmax(counts)))   # ties: lowest class id, as cell_classes
+        counts = np.bincount(classes[start : start + per_cell], minlength=7)
+        cells.append(int(np.argmax(counts)))  # ties: lowest class id, as cell_classes
     return np.array(cells, np.uint8)
 
 
@@ -206,8 +233,7 @@ def test_huge_region_is_bucketed_without_per_page_memory():
     """2^36 pages (256 TiB): the map stays within MAX_ROWS and is computed from the extents."""
     n = 1 << 36
     e = _extents([(n // 4, 2), (n // 4, 1), (n // 2 - 8, 3), (8, 1)])
-    region = SimpleNamespace(name="huge", region_id=0, num_pages=n, size_bytes=n * PS, guest_phys_base=None,
-                             extents=e)
+    region = SimpleNamespace(name="huge", region_id=0, num_pages=n, size_bytes=n * PS, guest_phys_base=None, extents=e)
     image = SimpleNamespace(regions=[region], page_size=PS)
     pixels, lay = render_pixels(image)
     band = lay.bands[0]
@@ -221,8 +247,7 @@ def test_cli_inspect_map(chain, tmp_path):
     child, parent = chain
     out = tmp_path / "maps" / "out.png"
     out.parent.mkdir()
-    result = CliRunner().invoke(main, ["inspect", str(child), "--parent", str(parent), "--map", str(out),
-                                       "--json"])
+    result = CliRunner().invoke(main, ["inspect", str(child), "--parent", str(parent), "--map", str(out), "--json"])
     assert result.exit_code == 0, result.output
     assert json.loads(result.output)["map"] == str(out)
     with LeanImage.open(child, parents=[parent]) as image:

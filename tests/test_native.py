@@ -23,12 +23,16 @@ def _reference(pages: np.ndarray, rows) -> bytes:
 
 
 @settings(max_examples=60, deadline=None)
-@given(page_shift=st.integers(9, 14), count=st.integers(1, 9), seed=st.integers(0, 2**32 - 1),
-       rows=st.lists(st.integers(0, 8), max_size=20))
+@given(
+    page_shift=st.integers(9, 14),
+    count=st.integers(1, 9),
+    seed=st.integers(0, 2**32 - 1),
+    rows=st.lists(st.integers(0, 8), max_size=20),
+)
 def test_native_digests_are_the_xxhash_digests(page_shift, count, seed, rows):
     page_size = 1 << page_shift
     pages = np.random.default_rng(seed).integers(0, 256, (count, page_size), np.uint8)
-    rows = [r % count for r in rows]              # any order, repeats allowed
+    rows = [r % count for r in rows]  # any order, repeats allowed
     out = np.full((len(rows), 16), 0xAA, np.uint8)
     _native.digest_rows(pages, page_size, np.array(rows, np.int64), out)
     assert out.tobytes() == _reference(pages, rows)
@@ -38,11 +42,17 @@ def test_format_uses_the_native_digests_and_falls_back_to_the_same(monkeypatch):
     pages = np.random.default_rng(7).integers(0, 256, (6, 4096), np.uint8)
     rows = np.array([5, 0, 3, 3], np.int64)
     assert fmt._native_digests is _native.digest_rows
-    native = (fmt.row_digests(pages, rows), fmt.page_digests(pages.tobytes(), 4096),
-              fmt.row_digests(pages[:, :2048], [1]))         # not contiguous: the xxhash module
+    native = (
+        fmt.row_digests(pages, rows),
+        fmt.page_digests(pages.tobytes(), 4096),
+        fmt.row_digests(pages[:, :2048], [1]),
+    )  # not contiguous: the xxhash module
     monkeypatch.setattr(fmt, "_native_digests", None)
-    fallback = (fmt.row_digests(pages, rows), fmt.page_digests(pages.tobytes(), 4096),
-                fmt.row_digests(pages[:, :2048], [1]))
+    fallback = (
+        fmt.row_digests(pages, rows),
+        fmt.page_digests(pages.tobytes(), 4096),
+        fmt.row_digests(pages[:, :2048], [1]),
+    )
     for a, b in zip(native, fallback):
         assert a.dtype == b.dtype == np.uint8 and np.array_equal(a, b)
     assert native[0].tobytes() == _reference(pages, rows.tolist())
@@ -50,25 +60,28 @@ def test_format_uses_the_native_digests_and_falls_back_to_the_same(monkeypatch):
     assert fmt.row_digests(pages, []).shape == (0, 16)
 
 
-@pytest.mark.parametrize("rows, out_rows, page_size", [
-    ([-1], 1, 4096),             # before the first page
-    ([4], 1, 4096),              # past the last
-    ([0, 1], 1, 4096),           # out too small
-    ([0], 1, 0),                 # no page size
-])
+@pytest.mark.parametrize(
+    "rows, out_rows, page_size",
+    [
+        ([-1], 1, 4096),  # before the first page
+        ([4], 1, 4096),  # past the last
+        ([0, 1], 1, 4096),  # out too small
+        ([0], 1, 0),  # no page size
+    ],
+)
 def test_native_digests_refuse_rows_outside_the_pages(rows, out_rows, page_size):
     pages = np.zeros((4, 4096), np.uint8)
     out = np.full((out_rows, 16), 0xAA, np.uint8)
     with pytest.raises(ValueError, match="outside the pages"):
         _native.digest_rows(pages, page_size, np.array(rows, np.int64), out)
-    assert (out == 0xAA).all()                     # nothing written
+    assert (out == 0xAA).all()  # nothing written
 
 
 def test_native_digests_refuse_a_rows_buffer_that_is_not_int64():
     with pytest.raises(ValueError):
         _native.digest_rows(bytes(8192), 4096, b"\0" * 7, bytearray(16))
     with pytest.raises(TypeError):
-        _native.digest_rows(bytes(8192), 4096, np.zeros(1, np.int64), bytes(16))   # out read-only
+        _native.digest_rows(bytes(8192), 4096, np.zeros(1, np.int64), bytes(16))  # out read-only
 
 
 def _frame(entries: list[bytes]) -> tuple[bytes, np.ndarray]:
@@ -89,13 +102,16 @@ def _delta_entries(draw):
             entries.append(draw(st.binary(max_size=40)))
             continue
         words = sorted(draw(st.sets(st.integers(0, page_size // 8 - 1), min_size=1, max_size=12)))
-        entry = bytearray(bytes([1, 0]) + len(words).to_bytes(2, "little") +
-                          b"".join(w.to_bytes(2, "little") for w in words) +
-                          b"".join(draw(st.binary(min_size=8, max_size=8)) for _ in words))
+        entry = bytearray(
+            bytes([1, 0])
+            + len(words).to_bytes(2, "little")
+            + b"".join(w.to_bytes(2, "little") for w in words)
+            + b"".join(draw(st.binary(min_size=8, max_size=8)) for _ in words)
+        )
         if kind == "damaged":
             entry[draw(st.integers(0, len(entry) - 1))] = draw(st.integers(0, 255))
         elif kind == "resized":
-            entry = entry[:draw(st.integers(0, len(entry) - 1))] if draw(st.booleans()) else entry + b"\0" * 10
+            entry = entry[: draw(st.integers(0, len(entry) - 1))] if draw(st.booleans()) else entry + b"\0" * 10
         entries.append(bytes(entry))
     return entries, page_size
 
@@ -117,11 +133,18 @@ def test_native_index_list_parse_refuses_offsets_outside_the_content():
     for offsets in ([0, 4, 9], [0, 5, 3], [-1, 2, 4]):
         with pytest.raises(ValueError, match="outside the content"):
             _native.index_list_heads(bytes(8), np.array(offsets, np.int64), 4096, *outputs)
-    simple = np.ones(1, bool)                   # said plain: its words must fit the outputs
+    simple = np.ones(1, bool)  # said plain: its words must fit the outputs
     entry = bytes([1, 0, 2, 0]) + bytes(20)
     with pytest.raises(ValueError, match="outputs too small"):
-        _native.index_list_words(entry, np.array([0, 24], np.int64), 4096, simple, np.zeros(1, np.int64),
-                                 np.zeros(1, np.int64), np.zeros(1, np.uint64))
+        _native.index_list_words(
+            entry,
+            np.array([0, 24], np.int64),
+            4096,
+            simple,
+            np.zeros(1, np.int64),
+            np.zeros(1, np.int64),
+            np.zeros(1, np.uint64),
+        )
 
 
 @st.composite
@@ -135,19 +158,22 @@ def _chain_extents(draw):
     fields = [[] for _ in range(7)]
     for depth in range(links):
         page, slots, rank = 0, {}, 0
-        while page < n + 3:                          # a region may reach past the pages folded
+        while page < n + 3:  # a region may reach past the pages folded
             count = draw(st.integers(1, 9))
             cls = draw(st.sampled_from(list(PageClass)))
             bearing = draw(st.booleans())
             if cls != PageClass.PARENT and page < n:
-                for values, value in zip(fields, (page, cls, min(count, n - page), slots.get(cls, 0), bearing,
-                                                  rank, depth)):
+                for values, value in zip(
+                    fields, (page, cls, min(count, n - page), slots.get(cls, 0), bearing, rank, depth)
+                ):
                     values.append(value)
             slots[cls] = slots.get(cls, 0) + count
             rank += count if bearing else 0
             page += count
-    extents = tuple(np.array(values, dtype) for values, dtype in
-                    zip(fields, (np.int64, np.uint8, np.int64, np.int64, bool, np.int64, np.int32)))
+    extents = tuple(
+        np.array(values, dtype)
+        for values, dtype in zip(fields, (np.int64, np.uint8, np.int64, np.int64, bool, np.int64, np.int32))
+    )
     return n, extents, np.array(draw(st.lists(st.booleans(), min_size=links, max_size=links)))
 
 
@@ -156,8 +182,10 @@ def _chain_extents(draw):
 def test_native_fold_is_the_numpy_fold(drawn):
     n, extents, inherits = drawn
     folds = chain._Fold(n), chain._Fold(n)
-    deltas = (chain._fold_own_pages_native(folds[0], extents, inherits),
-              chain._fold_own_pages_numpy(folds[1], extents, inherits))
+    deltas = (
+        chain._fold_own_pages_native(folds[0], extents, inherits),
+        chain._fold_own_pages_numpy(folds[1], extents, inherits),
+    )
     for got, want in zip(*deltas):
         assert got.dtype == want.dtype and got.tolist() == want.tolist()
     for kind in ("base", "digest"):
@@ -169,17 +197,27 @@ def test_native_fold_is_the_numpy_fold(drawn):
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.integers(0, 40), st.lists(st.tuples(st.lists(st.tuples(st.integers(1, 9), st.sampled_from(list(PageClass)),
-                                                         st.booleans()), max_size=8), st.integers(0, 9)),
-                                   min_size=1, max_size=5))
+@given(
+    st.integers(0, 40),
+    st.lists(
+        st.tuples(
+            st.lists(st.tuples(st.integers(1, 9), st.sampled_from(list(PageClass)), st.booleans()), max_size=8),
+            st.integers(0, 9),
+        ),
+        min_size=1,
+        max_size=5,
+    ),
+)
 def test_native_own_extents_are_the_numpy_ones(limit, links):
     """chain._own_extents_native lays out what chain._own_extents does: each link's extents
     (nearest first) but PARENT ones and those from ``limit`` on, counts cut at it."""
     regions, depths = [], []
     for rows, depth in links:
         firsts = np.cumsum([0] + [count for count, _, _ in rows])[:-1]
-        extents = np.array([(first, count, cls, 0, 7 * k) for k, (first, (count, cls, _)) in
-                            enumerate(zip(firsts.tolist(), rows))], EXTENT.dtype)
+        extents = np.array(
+            [(first, count, cls, 0, 7 * k) for k, (first, (count, cls, _)) in enumerate(zip(firsts.tolist(), rows))],
+            EXTENT.dtype,
+        )
         region = tables.Region(0, "r", int(firsts[-1] + rows[-1][0]) * 4096 if rows else 0, None, 4096)
         region.extents, region.starts = extents, extents["first_page"].astype(np.int64)
         region.digest_bearing = np.array([bears for _, _, bears in rows], bool)
@@ -193,40 +231,85 @@ def test_native_own_extents_are_the_numpy_ones(limit, links):
 
 def test_native_own_extents_refuse_items_that_do_not_match():
     extents = np.zeros(2, EXTENT.dtype)
-    outputs = [np.zeros(2, np.int64), np.zeros(2, np.int64), np.zeros(2, np.uint8), np.zeros(2, np.int64),
-               np.zeros(2, np.uint8), np.zeros(2, np.int64), np.zeros(2, np.int32)]
-    for bearing, rank0, depths in ([np.zeros(1, np.uint8)], [np.zeros(2, np.int64)], [0]), \
-            ([np.zeros(2, np.uint8)], [np.zeros(2, np.int32)], [0]), ([np.zeros(2, np.uint8)], [np.zeros(2, np.int64)], [0, 1]):
+    outputs = [
+        np.zeros(2, np.int64),
+        np.zeros(2, np.int64),
+        np.zeros(2, np.uint8),
+        np.zeros(2, np.int64),
+        np.zeros(2, np.uint8),
+        np.zeros(2, np.int64),
+        np.zeros(2, np.int32),
+    ]
+    for bearing, rank0, depths in (
+        ([np.zeros(1, np.uint8)], [np.zeros(2, np.int64)], [0]),
+        ([np.zeros(2, np.uint8)], [np.zeros(2, np.int32)], [0]),
+        ([np.zeros(2, np.uint8)], [np.zeros(2, np.int64)], [0, 1]),
+    ):
         with pytest.raises(ValueError):
-            _native.own_extents([extents], bearing, rank0, np.array(depths, np.int32), 8, int(PageClass.PARENT),
-                                *outputs)
-    with pytest.raises(ValueError):                  # an output too small
-        _native.own_extents([extents], [np.zeros(2, np.uint8)], [np.zeros(2, np.int64)], np.zeros(1, np.int32), 8,
-                            int(PageClass.PARENT), *outputs[:6], np.zeros(1, np.int32))
+            _native.own_extents(
+                [extents], bearing, rank0, np.array(depths, np.int32), 8, int(PageClass.PARENT), *outputs
+            )
+    with pytest.raises(ValueError):  # an output too small
+        _native.own_extents(
+            [extents],
+            [np.zeros(2, np.uint8)],
+            [np.zeros(2, np.int64)],
+            np.zeros(1, np.int32),
+            8,
+            int(PageClass.PARENT),
+            *outputs[:6],
+            np.zeros(1, np.int32),
+        )
 
 
 def _fold_arguments(n=8, starts=(0,), counts=(8,), classes=(PageClass.DELTA,), depths=(0,), room=8):
-    extents = [np.array(starts, np.int64), np.array(counts, np.int64), np.array(classes, np.uint8),
-               np.zeros(len(starts), np.int64), np.zeros(len(starts), np.uint8), np.zeros(len(starts), np.int64),
-               np.array(depths, np.int32), np.ones(2, np.uint8), IS_CONCRETE.view(np.uint8)]
-    outputs = [np.full(n, 4096, np.int32), np.zeros(n, np.uint8), np.zeros(n, np.int64),
-               np.full(n, 4096, np.int32), np.zeros(n, np.uint8), np.full(n, -1, np.int64),
-               np.zeros(room, np.int64), np.zeros(room, np.int32), np.zeros(room, np.int64)]
+    extents = [
+        np.array(starts, np.int64),
+        np.array(counts, np.int64),
+        np.array(classes, np.uint8),
+        np.zeros(len(starts), np.int64),
+        np.zeros(len(starts), np.uint8),
+        np.zeros(len(starts), np.int64),
+        np.array(depths, np.int32),
+        np.ones(2, np.uint8),
+        IS_CONCRETE.view(np.uint8),
+    ]
+    outputs = [
+        np.full(n, 4096, np.int32),
+        np.zeros(n, np.uint8),
+        np.zeros(n, np.int64),
+        np.full(n, 4096, np.int32),
+        np.zeros(n, np.uint8),
+        np.full(n, -1, np.int64),
+        np.zeros(room, np.int64),
+        np.zeros(room, np.int32),
+        np.zeros(room, np.int64),
+    ]
     return extents, outputs
 
 
-@pytest.mark.parametrize("change", [dict(starts=(1,)), dict(starts=(-1,), counts=(1,)), dict(counts=(9,)),
-                                    dict(depths=(2,)), dict(depths=(-1,)), dict(room=7), dict(classes=(255,)),
-                                    dict(n=0)])
+@pytest.mark.parametrize(
+    "change",
+    [
+        dict(starts=(1,)),
+        dict(starts=(-1,), counts=(1,)),
+        dict(counts=(9,)),
+        dict(depths=(2,)),
+        dict(depths=(-1,)),
+        dict(room=7),
+        dict(classes=(255,)),
+        dict(n=0),
+    ],
+)
 def test_native_fold_refuses_extents_outside_its_tables(change):
     extents, outputs = _fold_arguments(**change)
     if change.get("classes"):
-        extents[8] = extents[8][:200]               # a class table too short for the class
+        extents[8] = extents[8][:200]  # a class table too short for the class
     with pytest.raises(ValueError, match="outside"):
         _native.fold_own_pages(*extents, int(PageClass.DELTA), *outputs)
-    assert (outputs[0] == 4096).all() and (outputs[6] == 0).all()       # nothing written
+    assert (outputs[0] == 4096).all() and (outputs[6] == 0).all()  # nothing written
     extents, outputs = _fold_arguments()
-    assert _native.fold_own_pages(*extents, int(PageClass.DELTA), *outputs) == 8     # the same, sound
+    assert _native.fold_own_pages(*extents, int(PageClass.DELTA), *outputs) == 8  # the same, sound
 
 
 @st.composite
@@ -259,7 +342,7 @@ def _page_maps(draw):
 @given(_page_maps())
 def test_native_page_map_rules_are_the_numpy_rules(drawn):
     maps, pages, available, own = drawn
-    assume(sum(len(m) for m in maps))           # no extents at all: _extents_hold refuses them before either runs
+    assume(sum(len(m) for m in maps))  # no extents at all: _extents_hold refuses them before either runs
     native = tables_batch._extents_rules_native(maps, pages, available, own)
     numpy = tables_batch._extents_rules_numpy(maps, pages, available, own)
     for got, want, name in zip(native, numpy, ["ok", "present", "bearing", "rank0"]):
@@ -267,10 +350,22 @@ def test_native_page_map_rules_are_the_numpy_rules(drawn):
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.lists(st.lists(st.tuples(st.integers(0, 2**64 - 1), st.sampled_from([0, 1, 2, 7, 2**32 - 1]),
-                                   st.one_of(st.sampled_from(list(PageClass)), st.integers(0, 2**16 - 1)),
-                                   st.sampled_from([0, 0, 0, 1, 2**16 - 1]), st.sampled_from([0, 0, 3, 2**64 - 1])),
-                         max_size=6), min_size=1, max_size=5))
+@given(
+    st.lists(
+        st.lists(
+            st.tuples(
+                st.integers(0, 2**64 - 1),
+                st.sampled_from([0, 1, 2, 7, 2**32 - 1]),
+                st.one_of(st.sampled_from(list(PageClass)), st.integers(0, 2**16 - 1)),
+                st.sampled_from([0, 0, 0, 1, 2**16 - 1]),
+                st.sampled_from([0, 0, 3, 2**64 - 1]),
+            ),
+            max_size=6,
+        ),
+        min_size=1,
+        max_size=5,
+    )
+)
 def test_native_extent_rules_are_the_numpy_rules(links):
     """Each extent's own rules (reserved, class, a page at least, no slot for a class without
     slots), a link's pages in all and its first extent's first_page: the C pass and numpy's
@@ -288,10 +383,16 @@ def test_native_extent_rules_refuse_lengths_that_do_not_add_up():
     for lengths in ([2], [4], [-1, 4]):
         ok = np.full(len(lengths), 7, np.uint8)
         with pytest.raises(ValueError, match="do not add up"):
-            _native.page_map_extents(extents, np.array(lengths, np.int64), np.ones(1 << 16, np.uint8),
-                                     np.ones(1 << 16, np.uint8), ok, np.zeros(len(lengths), np.uint64),
-                                     np.zeros(len(lengths), np.uint64))
-        assert (ok == 7).all()                  # nothing written
+            _native.page_map_extents(
+                extents,
+                np.array(lengths, np.int64),
+                np.ones(1 << 16, np.uint8),
+                np.ones(1 << 16, np.uint8),
+                ok,
+                np.zeros(len(lengths), np.uint64),
+                np.zeros(len(lengths), np.uint64),
+            )
+        assert (ok == 7).all()  # nothing written
 
 
 def test_native_page_map_rules_refuse_lengths_that_do_not_add_up():
@@ -300,21 +401,42 @@ def test_native_page_map_rules_refuse_lengths_that_do_not_add_up():
     for lengths in ([2], [4], [-1, 4]):
         ok = np.full(len(lengths), 7, np.uint8)
         with pytest.raises(ValueError, match="do not add up"):
-            _native.extents_hold(extents, np.array(lengths, np.int64), np.zeros(len(lengths), np.int64),
-                                 np.zeros((len(lengths), 3), np.int64), np.zeros(len(lengths), np.uint8), *tables, ok,
-                                 np.zeros(len(lengths), np.uint64), np.zeros(3, np.uint8), np.zeros(3, np.int64))
-        assert (ok == 7).all()                  # nothing written
+            _native.extents_hold(
+                extents,
+                np.array(lengths, np.int64),
+                np.zeros(len(lengths), np.int64),
+                np.zeros((len(lengths), 3), np.int64),
+                np.zeros(len(lengths), np.uint8),
+                *tables,
+                ok,
+                np.zeros(len(lengths), np.uint64),
+                np.zeros(3, np.uint8),
+                np.zeros(3, np.int64),
+            )
+        assert (ok == 7).all()  # nothing written
 
 
-@pytest.mark.parametrize("change", [dict(fds=np.zeros(2, np.int32)), dict(nums=np.array([-1], np.int64)),
-                                    dict(lengths=np.array([-8], np.int64)), dict(fds=np.zeros(0, np.int32)),
-                                    dict(offsets=np.zeros(1, np.int32))],
-                         ids=["unequal", "negative-count", "negative-length", "empty", "offsets-not-int64"])
+@pytest.mark.parametrize(
+    "change",
+    [
+        dict(fds=np.zeros(2, np.int32)),
+        dict(nums=np.array([-1], np.int64)),
+        dict(lengths=np.array([-8], np.int64)),
+        dict(fds=np.zeros(0, np.int32)),
+        dict(offsets=np.zeros(1, np.int32)),
+    ],
+    ids=["unequal", "negative-count", "negative-length", "empty", "offsets-not-int64"],
+)
 def test_native_delta_frame_read_refuses_bad_arguments(change):
     """read_delta_frames is given its records' places by the caller: arrays that do not
     describe the same records raise ValueError, and nothing is read."""
-    args = dict(fds=np.zeros(1, np.int32), offsets=np.zeros(1, np.int64), lengths=np.full(1, 64, np.int64),
-                firsts=np.zeros(1, np.int64), nums=np.ones(1, np.int64))
+    args = dict(
+        fds=np.zeros(1, np.int32),
+        offsets=np.zeros(1, np.int64),
+        lengths=np.full(1, 64, np.int64),
+        firsts=np.zeros(1, np.int64),
+        nums=np.ones(1, np.int64),
+    )
     args.update(change)
     with pytest.raises(ValueError):
         _native.read_delta_frames(*args.values(), 1 << 20)
@@ -327,8 +449,9 @@ def test_native_copy_rows_is_numpy_fancy_assignment(rows, seed, data):
     item = np.dtype((np.void, 64))
     src = np.random.default_rng(seed).integers(0, 256, rows * 64, np.uint8).view(item)
     src_rows = np.array(data.draw(st.lists(st.integers(0, rows - 1), max_size=20)), np.int64)
-    dst_rows = np.array(data.draw(st.lists(st.integers(0, 7), min_size=len(src_rows), max_size=len(src_rows))),
-                        np.int64)
+    dst_rows = np.array(
+        data.draw(st.lists(st.integers(0, 7), min_size=len(src_rows), max_size=len(src_rows))), np.int64
+    )
     want, got = np.zeros(8, item), np.zeros(8, item)
     want[dst_rows] = src[src_rows]
     _native.copy_rows(src, src_rows, got, dst_rows, 64)
@@ -350,7 +473,7 @@ def test_native_span_checksums_are_the_xxhash_checksums(buffers, data):
     spans = [data.draw(st.tuples(st.integers(0, len(b)), st.integers(0, len(b)))) for b in buffers]
     offsets = [min(a, c) for a, c in spans]
     lengths = [abs(a - c) for a, c in spans]
-    expected = [xxhash.xxh3_64_intdigest(b[o:o + n]) for b, o, n in zip(buffers, offsets, lengths)]
+    expected = [xxhash.xxh3_64_intdigest(b[o : o + n]) for b, o, n in zip(buffers, offsets, lengths)]
     assert fmt.span_checksums(buffers, offsets, lengths).tolist() == expected
     with pytest.MonkeyPatch.context() as patched:
         patched.setattr(fmt, "_native_span_checksums", None)
@@ -378,12 +501,20 @@ def test_leanimg_native_chooses_the_backend(tmp_path):
     import subprocess
     import sys
     from helpers import run_leanimg
-    probe = ("from leanimg import native, chain, delta, format, parents, tables_batch; "
-             "print([m._native is native.backend for m in (chain, delta, parents, tables_batch)], "
-             "native.backend is None, format._native_digests is None)")
+
+    probe = (
+        "from leanimg import native, chain, delta, format, parents, tables_batch; "
+        "print([m._native is native.backend for m in (chain, delta, parents, tables_batch)], "
+        "native.backend is None, format._native_digests is None)"
+    )
     for mode, none in (("auto", False), ("1", False), ("0", True)):
-        out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True,
-                             env=dict(os.environ, LEANIMG_NATIVE=mode)).stdout.split("] ")
+        out = subprocess.run(
+            [sys.executable, "-c", probe],
+            capture_output=True,
+            text=True,
+            check=True,
+            env=dict(os.environ, LEANIMG_NATIVE=mode),
+        ).stdout.split("] ")
         assert out[0] == "[True, True, True, True" and out[1].split() == [str(none), str(none)], (mode, out)
     proc = run_leanimg("plugins", timeout=60, env=dict(os.environ, LEANIMG_NATIVE="yes"))
     assert proc.returncode == 2 and "LEANIMG_NATIVE must be one of auto, 0, 1, not 'yes'" in proc.stderr
@@ -392,9 +523,12 @@ def test_leanimg_native_chooses_the_backend(tmp_path):
 def test_only_the_native_module_imports_the_backend():
     import re
     from pathlib import Path
+
     root = Path(__file__).resolve().parents[1]
-    importers = [str(p.relative_to(root)) for folder in ("lean-image", "converters", "restore")
-                 for p in (root / folder).rglob("*.py")
-                 if re.search(r"^\s*(from \. import _native|from \._native import|import leanimg\._native)",
-                              p.read_text(), re.M)]
+    importers = [
+        str(p.relative_to(root))
+        for folder in ("lean-image", "converters", "restore")
+        for p in (root / folder).rglob("*.py")
+        if re.search(r"^\s*(from \. import _native|from \._native import|import leanimg\._native)", p.read_text(), re.M)
+    ]
     assert importers == ["lean-image/native.py"]

@@ -75,7 +75,7 @@ def test_an_image_command_never_writes_over_a_link_of_the_chain(chain, command, 
         (os.link if how == "hardlink" else os.symlink)(chain[victim], output)
     refused(run(command, chain["child"], "-o", output, "-f"), "is an input of this command")
     untouched(inputs, before)
-    with LeanImage.open(chain["child"]) as image:               # the chain still opens
+    with LeanImage.open(chain["child"]) as image:  # the chain still opens
         assert image.parent is not None
 
 
@@ -90,9 +90,19 @@ def test_restore_never_writes_over_a_disk(chain, tmp_path):
         w.add_disk("vda", 1 << 20, bytes(16))
         w.put_pages(w.add_region("pc.ram", PS, 0), 0, bytes(PS))
     before = {str(chain["disk"]): _digest(chain["disk"])}
-    refused(run("restore", tmp_path / "d.lean", "--disk", f"vda={chain['disk']}", "--any-disk-identity",
-                "-o", chain["disk"], "-f"),
-            "is an input of this command")
+    refused(
+        run(
+            "restore",
+            tmp_path / "d.lean",
+            "--disk",
+            f"vda={chain['disk']}",
+            "--any-disk-identity",
+            "-o",
+            chain["disk"],
+            "-f",
+        ),
+        "is an input of this command",
+    )
     untouched([chain["disk"]], before)
 
 
@@ -102,8 +112,9 @@ def test_convert_never_writes_over_its_save_nor_its_parent_chain(chain, tmp_path
     before = {str(p): _digest(p) for p in (save, chain["child"], chain["parent"])}
     refused(run("convert", save, "-o", save, "-f"), "is an input of this command")
     # the parent's own parent is found beside it: it is an input too
-    refused(run("convert", save, "-o", chain["parent"], "--parent", chain["child"], "-f"),
-            "is an input of this command")
+    refused(
+        run("convert", save, "-o", chain["parent"], "--parent", chain["child"], "-f"), "is an input of this command"
+    )
     untouched([save, chain["child"], chain["parent"]], before)
 
 
@@ -148,8 +159,9 @@ def test_output_into_a_missing_directory_is_a_usage_error(chain):
     refused(run("flatten", chain["child"], "-o", chain["dir"] / "no" / "out.lean"), "does not exist")
 
 
-@pytest.mark.parametrize("option", [["--level", "50"], ["--level", "0"], ["--frame-pages", "0"],
-                                    ["--frame-pages", "100000"]])
+@pytest.mark.parametrize(
+    "option", [["--level", "50"], ["--level", "0"], ["--frame-pages", "0"], ["--frame-pages", "100000"]]
+)
 def test_convert_options_out_of_range_are_usage_errors(chain, option):
     save = chain["dir"] / "vm.save"
     save.write_bytes(qemu_save(bytes(range(256)) * 64))
@@ -168,6 +180,7 @@ def test_every_command_names_its_temporary_file_alike(chain, command, tmp_path, 
     """One scheme for every output (issue 16 §2): .leanimg-<output name>-<random>.partial beside
     the output, seen here while the command writes."""
     from leanimg import fileutil
+
     seen = []
     original = fileutil.temporary_beside
 
@@ -175,6 +188,7 @@ def test_every_command_names_its_temporary_file_alike(chain, command, tmp_path, 
         name = original(path)
         seen.append((path, name))
         return name
+
     monkeypatch.setattr(fileutil, "temporary_beside", spy)
     out = tmp_path / "out.file"
     args = ["restore", chain["child"], "--to", "raw"] if command == "restore" else ["flatten", chain["child"]]
@@ -189,8 +203,7 @@ def test_every_command_names_its_temporary_file_alike(chain, command, tmp_path, 
 def test_serve_never_writes_its_side_files_over_an_input_nor_an_existing_file(chain, tmp_path, option):
     before = {str(p): _digest(p) for p in (chain["child"], chain["parent"])}
     for victim in ("child", "parent"):
-        refused(run("serve", chain["child"], "--postcopy", option, chain[victim], "-f"),
-                "is an input of this command")
+        refused(run("serve", chain["child"], "--postcopy", option, chain[victim], "-f"), "is an input of this command")
     side = tmp_path / "side.file"
     side.write_text("kept")
     refused(run("serve", chain["child"], "--postcopy", option, side), "exists; use -f/--force")
@@ -203,14 +216,49 @@ def test_checkpoint_never_writes_over_its_parent_chain_nor_a_disk(chain, tmp_pat
     before = {str(p): _digest(p) for p in (chain["child"], chain["parent"], chain["disk"])}
     qmp = tmp_path / "no-qmp.sock"
     # the parent's own parent is found beside it: it is an input too
-    refused(run("checkpoint", "--qmp", qmp, "-o", chain["parent"], "--parent", chain["child"], "-f"),
-            "is an input of this command")
-    refused(run("checkpoint", "--qmp", qmp, "-o", chain["disk"], "--disk", f"vda={chain['disk']}", "-f"),
-            "is an input of this command")
-    refused(run("checkpoint", "--qmp", qmp, "-o", tmp_path / "new.lean", "--keep-stream", chain["child"]),
-            "exists; use -f/--force")
-    refused(run("checkpoint", "--qmp", qmp, "-o", tmp_path / "new.lean", "--live", "--guest-free", qmp,
-                "--keep-hints", chain["child"]), "exists; use -f/--force")
-    refused(run("checkpoint", "--qmp", qmp, "-o", tmp_path / "new.lean", "--parent", chain["child"], "--live",
-                "--guest-free", qmp, "--keep-hints", chain["child"], "-f"), "is an input of this command")
+    refused(
+        run("checkpoint", "--qmp", qmp, "-o", chain["parent"], "--parent", chain["child"], "-f"),
+        "is an input of this command",
+    )
+    refused(
+        run("checkpoint", "--qmp", qmp, "-o", chain["disk"], "--disk", f"vda={chain['disk']}", "-f"),
+        "is an input of this command",
+    )
+    refused(
+        run("checkpoint", "--qmp", qmp, "-o", tmp_path / "new.lean", "--keep-stream", chain["child"]),
+        "exists; use -f/--force",
+    )
+    refused(
+        run(
+            "checkpoint",
+            "--qmp",
+            qmp,
+            "-o",
+            tmp_path / "new.lean",
+            "--live",
+            "--guest-free",
+            qmp,
+            "--keep-hints",
+            chain["child"],
+        ),
+        "exists; use -f/--force",
+    )
+    refused(
+        run(
+            "checkpoint",
+            "--qmp",
+            qmp,
+            "-o",
+            tmp_path / "new.lean",
+            "--parent",
+            chain["child"],
+            "--live",
+            "--guest-free",
+            qmp,
+            "--keep-hints",
+            chain["child"],
+            "-f",
+        ),
+        "is an input of this command",
+    )
     untouched([chain["child"], chain["parent"], chain["disk"]], before)

@@ -28,24 +28,30 @@ def test_the_built_in_plugins_are_registered():
         plugins.checkpointer("xen")
 
 
-@pytest.mark.parametrize("head,name", [
-    (b"QEVM\x00\x00\x00\x03" + bytes(8), "qemu"),
-    (b"Xen saved domain, xl format\n", "xen"),
-    (b"LibxlFmt\x00\x00\x00\x02", "xen"),
-    (b"\xff" * 8 + b"\x00\x00\x00\x00", "xen"),
-    (b"Xen sav", "xen"),                      # cut inside the magic: the Xen reader says truncated
-    (b"QEV", None),
-    (b"", None),
-    (b"\x89LEANIMG", None),
-])
+@pytest.mark.parametrize(
+    "head,name",
+    [
+        (b"QEVM\x00\x00\x00\x03" + bytes(8), "qemu"),
+        (b"Xen saved domain, xl format\n", "xen"),
+        (b"LibxlFmt\x00\x00\x00\x02", "xen"),
+        (b"\xff" * 8 + b"\x00\x00\x00\x00", "xen"),
+        (b"Xen sav", "xen"),  # cut inside the magic: the Xen reader says truncated
+        (b"QEV", None),
+        (b"", None),
+        (b"\x89LEANIMG", None),
+    ],
+)
 def test_source_detection(head, name):
     found = plugins.find_source(head)
     assert (found.name if found else None) == name
 
 
 def test_an_unknown_save_file_names_every_format():
-    with pytest.raises(SourceFormatError, match=r"expected a libvirt QEMU save image .*\(magic \"LibvirtQemudSave\"\) "
-                       r"or a QEMU migration stream \(magic 51 45 56 4d\) or a Xen save file .*, got 00 01 02"):
+    with pytest.raises(
+        SourceFormatError,
+        match=r"expected a libvirt QEMU save image .*\(magic \"LibvirtQemudSave\"\) "
+        r"or a QEMU migration stream \(magic 51 45 56 4d\) or a Xen save file .*, got 00 01 02",
+    ):
         plugins.detect_source(bytes(range(16)))
 
 
@@ -56,23 +62,28 @@ def imported_modules(path: Path):
         if isinstance(node, ast.Import):
             yield from (alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
-            base = package[:len(package) - node.level + 1] if node.level else []
+            base = package[: len(package) - node.level + 1] if node.level else []
             yield ".".join([*base, *([node.module] if node.module else [])])
 
 
 def test_core_imports_neither_converters_nor_restore():
-    offenders = [f"{path.relative_to(CORE)}: {module}" for path in CORE.rglob("*.py")
-                 for module in imported_modules(path)
-                 if module.startswith(("leanimg.converters", "leanimg.restore"))]
+    offenders = [
+        f"{path.relative_to(CORE)}: {module}"
+        for path in CORE.rglob("*.py")
+        for module in imported_modules(path)
+        if module.startswith(("leanimg.converters", "leanimg.restore"))
+    ]
     assert offenders == []
 
 
 def test_a_restore_imports_only_its_own_restorer(tmp_path):
-    script = ("import sys\nfrom leanimg.cli import main\n"
-              f"try:\n    main([\"restore\", \"-q\", {str(VECTORS_DIR / 'valid' / 'basic.lean')!r}, \"--to\", \"raw\", "
-              f"\"-o\", {str(tmp_path / 'out.raw')!r}])\nexcept SystemExit:\n    pass\n"
-              "print(' '.join(sorted(m for m in sys.modules if m.startswith(('leanimg.converters', "
-              "'leanimg.restore')))))\n")
+    script = (
+        "import sys\nfrom leanimg.cli import main\n"
+        f'try:\n    main(["restore", "-q", {str(VECTORS_DIR / "valid" / "basic.lean")!r}, "--to", "raw", '
+        f'"-o", {str(tmp_path / "out.raw")!r}])\nexcept SystemExit:\n    pass\n'
+        "print(' '.join(sorted(m for m in sys.modules if m.startswith(('leanimg.converters', "
+        "'leanimg.restore')))))\n"
+    )
     loaded = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout.split()
     assert loaded == ["leanimg.restore", "leanimg.restore.raw", "leanimg.restore.targets"]
 
@@ -80,16 +91,26 @@ def test_a_restore_imports_only_its_own_restorer(tmp_path):
 @pytest.mark.parametrize("group", [plugins.SOURCES, plugins.TARGETS, plugins.CHECKPOINTS])
 def test_the_fast_lookup_of_leanimgs_own_plugins_agrees_with_importlib_metadata(group):
     from importlib.metadata import distribution
+
     declared = {(e.name, e.value) for e in distribution("leanimg").entry_points if e.group == group}
-    assert declared                                   # the built-ins are declared in pyproject.toml
+    assert declared  # the built-ins are declared in pyproject.toml
     assert {(e.name, e.value) for e in plugins._own_entry_points(group)} == declared
     for entry in plugins._own_entry_points(group):
-        assert entry.load() is next(e for e in distribution("leanimg").entry_points
-                                    if e.group == group and e.name == entry.name).load()
+        assert (
+            entry.load()
+            is next(e for e in distribution("leanimg").entry_points if e.group == group and e.name == entry.name).load()
+        )
 
 
-@pytest.mark.parametrize("head,name", [(b"\x28\xb5\x2f\xfd\x04\x00", "zstd"), (b"\x1f\x8b\x08\x00", "gzip"),
-                                       (b"\xfd7zXZ\x00\x00", "xz"), (b"BZh91AY", "bzip2")])
+@pytest.mark.parametrize(
+    "head,name",
+    [
+        (b"\x28\xb5\x2f\xfd\x04\x00", "zstd"),
+        (b"\x1f\x8b\x08\x00", "gzip"),
+        (b"\xfd7zXZ\x00\x00", "xz"),
+        (b"BZh91AY", "bzip2"),
+    ],
+)
 def test_a_compressed_save_is_named_with_the_way_to_convert_it(head, name):
     with pytest.raises(SourceFormatError) as info:
         plugins.detect_source(head)
@@ -106,11 +127,11 @@ def test_an_unknown_save_gets_no_compression_hint():
 def test_restore_to_the_wrong_target_names_the_one_that_fits(tmp_path):
     from helpers import qemu_save
     from leanimg.cli import command_line
+
     save, image, out = tmp_path / "vm.save", tmp_path / "vm.lean", tmp_path / "out.save"
     save.write_bytes(qemu_save(bytes(range(256)) * 64))
     subprocess.run([*command_line(), "convert", str(save), "-o", str(image)], check=True, capture_output=True)
-    proc = subprocess.run([*command_line(), "restore", str(image), "--to", "xen", "-o", str(out)],
-                          capture_output=True)
+    proc = subprocess.run([*command_line(), "restore", str(image), "--to", "xen", "-o", str(out)], capture_output=True)
     err = proc.stderr.decode()
     assert proc.returncode == 1 and "Traceback" not in err, err
     assert "not converted from a Xen save; use --to qemu or --to raw" in err
@@ -133,6 +154,11 @@ def test_another_distribution_named_leanimg_something_is_not_taken_for_leanimg(t
 
 def test_every_plugin_of_leanimg_keeps_its_protocol():
     found = plugins.installed()
-    assert {(p.kind, p.name) for p in found} >= {("source", "qemu"), ("source", "xen"), ("target", "qemu"),
-                                                 ("target", "raw"), ("target", "xen")}
+    assert {(p.kind, p.name) for p in found} >= {
+        ("source", "qemu"),
+        ("source", "xen"),
+        ("target", "qemu"),
+        ("target", "raw"),
+        ("target", "xen"),
+    }
     assert all(p.problem is None and p.distribution == "leanimg" for p in found if p.distribution == "leanimg")

@@ -44,8 +44,8 @@ NPAGES = 300
 def ram() -> bytes:
     rng = np.random.default_rng(7)
     pages = rng.integers(0, 256, (NPAGES, PS), dtype=np.uint8)
-    pages[rng.random(NPAGES) < 0.4] = 0            # 40 % zero pages, scattered
-    pages[100:140] = 0                             # and a long zero run
+    pages[rng.random(NPAGES) < 0.4] = 0  # 40 % zero pages, scattered
+    pages[100:140] = 0  # and a long zero run
     return pages.tobytes()
 
 
@@ -63,7 +63,7 @@ def default_pipe(monkeypatch):
     serve's 1 MiB one the whole 300-page image fits the pipe, the serve completes before the
     destination has read the package, and requests would never meet a running serve.
     (fileutil.widen_pipe has its own test in test_cli.py.)"""
-    widened = []      # per call: was the fd given a pipe
+    widened = []  # per call: was the fd given a pipe
     monkeypatch.setattr(pc, "widen_pipe", lambda fd: widened.append(stat.S_ISFIFO(os.fstat(fd).st_mode)))
     return widened
 
@@ -80,12 +80,12 @@ class Destination(threading.Thread):
 
     def __init__(self, stream, return_path, requests=(), leave=False, pong_after=0.0):
         super().__init__(daemon=True)
-        self.pong_after = pong_after      # seconds the "devices" take to load before the PONG
+        self.pong_after = pong_after  # seconds the "devices" take to load before the PONG
         self.pong_at = self.end_at = None
         self.f, self.rp, self.requests, self.leave = stream, return_path, list(requests), leave
-        self.pages: dict[int, bytes | None] = {}      # page -> data, None for a ZERO entry
+        self.pages: dict[int, bytes | None] = {}  # page -> data, None for a ZERO entry
         self.repeats, self.commands, self.sections = [], [], []
-        self.before_run: list[int] | None = None      # pages that arrived before the package
+        self.before_run: list[int] | None = None  # pages that arrived before the package
         self.block = None
         self.error = None
         self.ended = False
@@ -99,14 +99,14 @@ class Destination(threading.Thread):
     def run(self):
         try:
             self._run()
-        except Exception as exc:        # reported by the test
+        except Exception as exc:  # reported by the test
             self.error = exc
         finally:
             self.rp.close()
 
     def _run(self):
         assert self.read(8) == struct.pack(">II", q.QEVM_MAGIC, 3)
-        self.read(1 + 4 + len(b"pc-i440fx-7.2"))               # the configuration section
+        self.read(1 + 4 + len(b"pc-i440fx-7.2"))  # the configuration section
         while True:
             kind = self.read(1)[0]
             if kind == q.COMMAND:
@@ -147,7 +147,7 @@ class Destination(threading.Thread):
         try:
             self.rp.write(struct.pack(">HHI", pc.RP_PONG, 4, pc.PING_DEVICES_LOADED))
             self.rp.flush()
-        except (ValueError, OSError):       # the destination has gone already
+        except (ValueError, OSError):  # the destination has gone already
             pass
 
     def _ask(self):
@@ -190,14 +190,14 @@ def serve(image_path, requests=(), strategy="sequential", working_set=None, prec
     """Run the server against a Destination; return (destination, stats or the ServeError)."""
     down_r, down_w = os.pipe()
     up_r, up_w = os.pipe()
-    dest = Destination(open(down_r, "rb"), open(up_w, "wb"), requests, leave=strategy == "none",
-                       pong_after=pong_after)
+    dest = Destination(open(down_r, "rb"), open(up_w, "wb"), requests, leave=strategy == "none", pong_after=pong_after)
     dest.start()
     with LeanImage.open(image_path) as img, open(up_r, "rb") as inp:
         out = open(down_w, "wb")
         try:
-            result = pc.PostcopyServer(img, out, inp, strategy, log=lambda msg: None,
-                                       working_set=working_set, precopy_seconds=precopy_seconds).serve()
+            result = pc.PostcopyServer(
+                img, out, inp, strategy, log=lambda msg: None, working_set=working_set, precopy_seconds=precopy_seconds
+            ).serve()
         except pc.ServeError as exc:
             result = exc
         finally:
@@ -217,8 +217,12 @@ def test_every_page_that_must_travel_arrives_once(strategy, image, ram):
     dest, stats = serve(image, asked, strategy)
     assert dest.error is None or strategy == "none" and str(dest.error) == "leaving", dest.error
     assert not dest.repeats, f"pages sent twice: {dest.repeats}"
-    assert dest.commands[:4] == [pc.CMD_OPEN_RETURN_PATH, pc.CMD_POSTCOPY_ADVISE,
-                                 pc.CMD_POSTCOPY_RAM_DISCARD, pc.CMD_PACKAGED]
+    assert dest.commands[:4] == [
+        pc.CMD_OPEN_RETURN_PATH,
+        pc.CMD_POSTCOPY_ADVISE,
+        pc.CMD_POSTCOPY_RAM_DISCARD,
+        pc.CMD_PACKAGED,
+    ]
     assert dest.sections[0] == q.START
     for page, data in dest.pages.items():
         assert data == (None if blank[page] else pages[page].tobytes()), page
@@ -250,13 +254,13 @@ def test_prepaging_orders_cover_each_page_once(strategy, image):
             if not runs:
                 break
             for block, first, count in runs:
-                assert not block.sent[first:first + count].any() and not block.blank[first:first + count].any()
-                block.sent[first:first + count] = True
+                assert not block.sent[first : first + count].any() and not block.blank[first : first + count].any()
+                block.sent[first : first + count] = True
                 seen.extend(range(first, first + count))
                 if step == 3:
                     after_fault.extend(range(first, first + count))
         assert sorted(seen) == np.flatnonzero(~blocks[0].blank).tolist()
-        if strategy == "bubble":   # after the fault at 200, the pages around it come next
+        if strategy == "bubble":  # after the fault at 200, the pages around it come next
             assert len(after_fault) == 8 and all(abs(p - 200) <= 30 for p in after_fault), after_fault
             assert min(after_fault) < 200 < max(after_fault), after_fault
 
@@ -290,9 +294,8 @@ def test_opening_matches_qemu_framing(image):
         blob = pc.opening(state, PS)
     advise = pc._command(pc.CMD_POSTCOPY_ADVISE, struct.pack(">QQ", PS, PS))
     assert blob.startswith(state.prologue + b"\x08\x00\x01\x00\x00" + advise)
-    assert b"\x01\x00\x00\x00\x02\x03ram\x00\x00\x00\x00\x00\x00\x00\x04" in blob    # START 'ram' v4
-    assert blob.endswith(pc._command(pc.CMD_POSTCOPY_RAM_DISCARD, b"\x00\x06pc.ram\x00" +
-                                     struct.pack(">QQ", 0, PS)))
+    assert b"\x01\x00\x00\x00\x02\x03ram\x00\x00\x00\x00\x00\x00\x00\x04" in blob  # START 'ram' v4
+    assert blob.endswith(pc._command(pc.CMD_POSTCOPY_RAM_DISCARD, b"\x00\x06pc.ram\x00" + struct.pack(">QQ", 0, PS)))
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="drops root to test the refusal")
@@ -300,10 +303,10 @@ def test_userfaultfd_refused_is_named_with_the_remedy():
     setting = open("/proc/sys/vm/unprivileged_userfaultfd").read().strip()
     if setting != "0":
         pytest.skip("unprivileged userfaultfd is allowed on this host")
-    pc.check_userfaultfd()                      # root may
+    pc.check_userfaultfd()  # root may
     r, w = os.pipe()
     pid = os.fork()
-    if pid == 0:                                # the child: as nobody
+    if pid == 0:  # the child: as nobody
         os.close(r)
         try:
             os.setgroups([])
@@ -324,8 +327,9 @@ def test_userfaultfd_refused_is_named_with_the_remedy():
 
 
 def test_cli_serve_needs_postcopy(image):
-    proc = subprocess.run([*command_line(), "serve", str(image)], capture_output=True, timeout=60,
-                          stdin=subprocess.DEVNULL)
+    proc = subprocess.run(
+        [*command_line(), "serve", str(image)], capture_output=True, timeout=60, stdin=subprocess.DEVNULL
+    )
     assert proc.returncode == 2 and b"--postcopy" in proc.stderr, proc.stderr
 
 
@@ -335,8 +339,12 @@ def test_cli_serve_answers_a_destination_that_leaves(image):
     with LeanImage.open(image) as img:
         state = stream_state(img)
         expected = pc.opening(state, PS) + pc.package(state)
-    proc = subprocess.Popen([*command_line(), "serve", str(image), "--postcopy", "--prepage", "none"],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [*command_line(), "serve", str(image), "--postcopy", "--prepage", "none"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     assert proc.stdout.read(len(expected)) == expected
     proc.stdin.close()
     proc.stdout.close()
@@ -346,8 +354,12 @@ def test_cli_serve_answers_a_destination_that_leaves(image):
 
 
 def test_cli_serve_to_a_destination_that_closed_the_stream(image):
-    proc = subprocess.Popen([*command_line(), "serve", str(image), "--postcopy"],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [*command_line(), "serve", str(image), "--postcopy"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     proc.stdout.close()
     err = proc.stderr.read().decode()
     proc.stdin.close()
@@ -374,10 +386,16 @@ def test_a_broken_return_path_ends_the_serve_with_a_warning(image):
 
 def test_return_path_messages_cut_anywhere_parse_alike():
     """The loop reads whatever the pipe holds: a message split over reads waits for its rest."""
-    msgs = (struct.pack(">HH", pc.RP_REQ_PAGES_ID, 13 + 6) + struct.pack(">QI", 5 * PS, PS) + b"\x06pc.ram"
-            + struct.pack(">HH", pc.RP_PONG, 4) + b"\0\0\0\1"
-            + struct.pack(">HH", pc.RP_REQ_PAGES, 12) + struct.pack(">QI", 9 * PS, 2 * PS)
-            + struct.pack(">HHI", pc.RP_SHUT, 4, 0))
+    msgs = (
+        struct.pack(">HH", pc.RP_REQ_PAGES_ID, 13 + 6)
+        + struct.pack(">QI", 5 * PS, PS)
+        + b"\x06pc.ram"
+        + struct.pack(">HH", pc.RP_PONG, 4)
+        + b"\0\0\0\1"
+        + struct.pack(">HH", pc.RP_REQ_PAGES, 12)
+        + struct.pack(">QI", 9 * PS, 2 * PS)
+        + struct.pack(">HHI", pc.RP_SHUT, 4, 0)
+    )
     for cut in range(len(msgs) + 1):
         r, w = os.pipe()
         rp = pc.ReturnPath(r)
@@ -389,8 +407,10 @@ def test_return_path_messages_cut_anywhere_parse_alike():
         os.close(w)
         events += rp.read()
         os.close(r)
-        assert [e[:4] for e in events if e[0] == "req"] == [("req", "pc.ram", 5 * PS, PS),
-                                                            ("req", "pc.ram", 9 * PS, 2 * PS)], cut
+        assert [e[:4] for e in events if e[0] == "req"] == [
+            ("req", "pc.ram", 5 * PS, PS),
+            ("req", "pc.ram", 9 * PS, 2 * PS),
+        ], cut
         assert [e for e in events if e[0] != "req"] == [("pong", 1), ("shut", 0), ("eof",)], cut
 
 
@@ -417,15 +437,16 @@ def test_pushed_sections_each_name_their_block(image, ram):
             head = 1 + 4
             word = struct.unpack_from(">Q", chunk.data, head)[0]
             assert word & (PS - 1) == q.F_PAGE, "first entry without CONTINUE"
-            assert chunk.data[head + 8:head + 15] == b"\x06pc.ram"
+            assert chunk.data[head + 8 : head + 15] == b"\x06pc.ram"
             assert word // PS == chunk.pages[0]
-            first = chunk.data[head + 15:head + 15 + PS]
+            first = chunk.data[head + 15 : head + 15 + PS]
             assert first == pages[chunk.pages[0]].tobytes()
 
 
 def test_a_frame_whose_prefetch_has_not_begun_is_decompressed_at_once(image):
     """The serve prefetches every frame; a fault must not wait behind the frames before its own."""
     from concurrent.futures import ThreadPoolExecutor
+
     with LeanImage.open(image) as img:
         frames = img.frames
         last = len(frames.page_frames) - 1
@@ -434,7 +455,7 @@ def test_a_frame_whose_prefetch_has_not_begun_is_decompressed_at_once(image):
         frames.jump_queue = True
         release = threading.Event()
         with ThreadPoolExecutor(max_workers=1) as pool:
-            pool.submit(release.wait)                 # the worker is busy: no prefetch begins
+            pool.submit(release.wait)  # the worker is busy: no prefetch begins
             frames.prefetch(range(last + 1), pool, with_digests=True)
             got = []
             reader = threading.Thread(target=lambda: got.append(frames.frame(last, with_digests=True)))
@@ -457,6 +478,7 @@ def test_the_serve_prefetches_every_frame_once_when_they_fit(image):
 
 # ---------------------------------------------------------------------------- working sets
 
+
 def _working_set(path, entries, names=("pc.ram",), page_size=PS):
     write_working_set(str(path), page_size, list(names), entries)
     return str(path)
@@ -466,12 +488,18 @@ def test_a_working_set_travels_before_the_guest_runs_in_its_order(image, ram, tm
     pages = np.frombuffer(ram, np.uint8).reshape(NPAGES, PS)
     blank = ~pages.any(axis=1)
     stored = np.flatnonzero(~blank).tolist()
-    listed = [stored[-1], int(np.flatnonzero(blank)[0]), stored[5], stored[-1], stored[0], 299 if not blank[299] else
-              stored[-2]]
+    listed = [
+        stored[-1],
+        int(np.flatnonzero(blank)[0]),
+        stored[5],
+        stored[-1],
+        stored[0],
+        299 if not blank[299] else stored[-2],
+    ]
     ws = _working_set(tmp_path / "vm.lws", [(0, p) for p in listed])
     dest, stats = serve(image, working_set=ws)
     assert dest.error is None and not dest.repeats, (dest.error, dest.repeats)
-    expected = list(dict.fromkeys(p for p in listed if not blank[p]))      # blank dropped, each once
+    expected = list(dict.fromkeys(p for p in listed if not blank[p]))  # blank dropped, each once
     assert dest.before_run == expected
     assert stats.working_set_pages == len(expected) and stats.completed
     assert stats.pushed_pages + stats.working_set_pages == stats.pages_to_send
@@ -479,8 +507,11 @@ def test_a_working_set_travels_before_the_guest_runs_in_its_order(image, ram, tm
         assert data == pages[page].tobytes(), page
     assert set(stored) == set(dest.pages)
     before_package = dest.commands.index(pc.CMD_PACKAGED)
-    assert dest.commands[:before_package] == [pc.CMD_OPEN_RETURN_PATH, pc.CMD_POSTCOPY_ADVISE,
-                                              pc.CMD_POSTCOPY_RAM_DISCARD], "pre-copy pages follow the discard"
+    assert dest.commands[:before_package] == [
+        pc.CMD_OPEN_RETURN_PATH,
+        pc.CMD_POSTCOPY_ADVISE,
+        pc.CMD_POSTCOPY_RAM_DISCARD,
+    ], "pre-copy pages follow the discard"
 
 
 def test_a_working_set_sends_at_most_its_budget_before_the_guest_runs(image, ram, tmp_path, monkeypatch):
@@ -499,7 +530,7 @@ def test_a_working_set_page_failing_its_check_stops_the_serve_before_the_guest_r
     blob[frames[-1]["offset"] + 32 + frames[-1]["body_length"] // 2] ^= 0x55
     bad.write_bytes(bytes(blob))
     pages = np.frombuffer(ram, np.uint8).reshape(NPAGES, PS)
-    last = int(np.flatnonzero(pages.any(axis=1))[-1])           # in the last frame
+    last = int(np.flatnonzero(pages.any(axis=1))[-1])  # in the last frame
     dest, result = serve(bad, working_set=_working_set(tmp_path / "vm.lws", [(0, last)]))
     assert isinstance(result, pc.ServeError) and f"page {last} " in str(result), result
     assert dest.before_run is None and last not in dest.pages, "the guest never ran, the page never went"
@@ -562,7 +593,7 @@ def test_a_working_set_cut_anywhere_or_with_any_bit_flipped_is_read_or_refused_c
     with tempfile.TemporaryDirectory() as d:
         good = _good_file(Path(d))
         if data.draw(st.booleans(), label="cut"):
-            bad = good[:data.draw(st.integers(0, len(good) - 1), label="length")]
+            bad = good[: data.draw(st.integers(0, len(good) - 1), label="length")]
         else:
             bit = data.draw(st.integers(0, 8 * len(good) - 1), label="bit")
             bad = bytearray(good)
@@ -580,10 +611,14 @@ def test_a_working_set_cut_anywhere_or_with_any_bit_flipped_is_read_or_refused_c
 def test_cli_serve_refuses_a_bad_working_set_before_sending_anything(image, tmp_path):
     path = tmp_path / "bad.lws"
     path.write_bytes(_good_file(tmp_path)[:-4] + struct.pack("<I", NPAGES))
-    proc = subprocess.run([*command_line(), "serve", str(image), "--postcopy", "--working-set", str(path)],
-                          capture_output=True, timeout=60, stdin=subprocess.DEVNULL)
+    proc = subprocess.run(
+        [*command_line(), "serve", str(image), "--postcopy", "--working-set", str(path)],
+        capture_output=True,
+        timeout=60,
+        stdin=subprocess.DEVNULL,
+    )
     err = proc.stderr.decode()
-    assert proc.returncode == 1 and proc.stdout == STREAM_FAILED, err     # no stream byte, the failure line
+    assert proc.returncode == 1 and proc.stdout == STREAM_FAILED, err  # no stream byte, the failure line
     assert err.startswith("leanimg: error: ") and "[LI-WKS-005]" in err and "entries[1]" in err, err
     assert "Traceback" not in err, err
 
@@ -596,9 +631,12 @@ def test_cli_serve_records_the_pages_asked_for(image, ram, tmp_path):
         state = stream_state(img)
         expected = pc.opening(state, PS) + pc.package(state)
     rec = tmp_path / "rec.lws"
-    proc = subprocess.Popen([*command_line(), "serve", str(image), "--postcopy", "--prepage", "none",
-                             "--record-faults", str(rec)],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [*command_line(), "serve", str(image), "--postcopy", "--prepage", "none", "--record-faults", str(rec)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     assert proc.stdout.read(len(expected)) == expected
     proc.stdin.write(struct.pack(">HH", pc.RP_REQ_PAGES_ID, 13 + 6) + struct.pack(">QI", page * PS, PS) + b"\x06pc.ram")
     proc.stdin.flush()
@@ -617,6 +655,7 @@ def _other_blocks(image) -> list[str]:
 
 
 # ---------------------------------------------------------------------------- pre-copy before RUN
+
 
 @pytest.mark.parametrize("strategy", ["sequential", "bubble"])
 def test_pages_go_before_the_guest_runs_for_precopy_seconds(strategy, image, ram, tmp_path):
@@ -661,4 +700,5 @@ def test_the_stream_ends_only_after_the_devices_loaded(image, ram):
     assert dest.pong_at is not None and dest.end_at > dest.pong_at, "END went before the devices had loaded"
     assert dest.pages[blank] is None, "a ZERO page asked for while the devices load is answered"
     assert [e for e, _ in stats.timeline].index("devices loaded") < [e for e, _ in stats.timeline].index(
-        "last page sent")
+        "last page sent"
+    )

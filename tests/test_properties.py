@@ -47,8 +47,14 @@ def image_plans(draw):
         n = draw(st.integers(1, 10))
         kinds = draw(st.lists(st.sampled_from(KINDS), min_size=n, max_size=n))
         gpa = draw(st.one_of(st.none(), st.integers(0, 1 << 40).map(lambda x: x * page_size)))
-        regions.append(dict(name=f"r{k}-" + draw(st.text("abcé.", min_size=0, max_size=4)),
-                            kinds=kinds, gpa=gpa, seed=draw(st.integers(0, 2**32 - 1))))
+        regions.append(
+            dict(
+                name=f"r{k}-" + draw(st.text("abcé.", min_size=0, max_size=4)),
+                kinds=kinds,
+                gpa=gpa,
+                seed=draw(st.integers(0, 2**32 - 1)),
+            )
+        )
     return page_size, frame_pages, regions
 
 
@@ -68,10 +74,10 @@ def feed_operations(data, regions, page_size, disk):
             for p in range(page, page + size):
                 if kind == "stored":
                     sparse = data.draw(st.booleans(), label="sparse")
-                    content[p * page_size:(p + 1) * page_size] = page_content(region["seed"] + p, page_size, sparse)
+                    content[p * page_size : (p + 1) * page_size] = page_content(region["seed"] + p, page_size, sparse)
                 elif kind == "disk":
                     sector = data.draw(st.integers(0, (len(disk) - page_size) // 512), label="sector")
-                    content[p * page_size:(p + 1) * page_size] = disk[sector * 512:sector * 512 + page_size]
+                    content[p * page_size : (p + 1) * page_size] = disk[sector * 512 : sector * 512 + page_size]
                     ops.append((r_index, "disk", p, sector))
             if kind in ("stored", "zero-content"):
                 ops.append((r_index, "pages", page, size))
@@ -97,30 +103,40 @@ def test_writer_round_trip(plan, data):
             f.write(disk)
 
         def build(w):
-            disk_id = w.add_disk("disk0", len(disk), disk_fingerprint(lambda o, n: disk[o:o + n], len(disk))) \
-                if uses_disk else None
-            ids = [w.add_region(r["name"], len(r["kinds"]) * page_size, guest_phys_base=r["gpa"])
-                   for r in regions]
+            disk_id = (
+                w.add_disk("disk0", len(disk), disk_fingerprint(lambda o, n: disk[o : o + n], len(disk)))
+                if uses_disk
+                else None
+            )
+            ids = [w.add_region(r["name"], len(r["kinds"]) * page_size, guest_phys_base=r["gpa"]) for r in regions]
             for r_index, kind, first, arg in ops:
                 rid, name = ids[r_index], regions[r_index]["name"]
                 if kind == "pages":
-                    w.put_pages(rid, first, expected[name][first * page_size:(first + arg) * page_size])
+                    w.put_pages(rid, first, expected[name][first * page_size : (first + arg) * page_size])
                 elif kind == "zero":
                     w.put_zero(rid, first, arg)
                 elif kind == "free":
                     w.put_free(rid, first, arg)
                 elif kind == "disk":
-                    w.put_disk(rid, first, disk_id, arg, page_digest(disk[arg * 512:arg * 512 + page_size]))
-        image = write_bytes(build, page_size=page_size, frame_pages=frame_pages,
-                            threads=data.draw(st.sampled_from([1, 2]), label="threads"))
+                    w.put_disk(rid, first, disk_id, arg, page_digest(disk[arg * 512 : arg * 512 + page_size]))
+
+        image = write_bytes(
+            build,
+            page_size=page_size,
+            frame_pages=frame_pages,
+            threads=data.draw(st.sampled_from([1, 2]), label="threads"),
+        )
         note(f"{len(image)} bytes, ops {ops}")
-        roundtrip(image, expected, page_size=page_size, tmpdir=d,
-                  disks={"disk0": disk_path} if uses_disk else None)
+        roundtrip(image, expected, page_size=page_size, tmpdir=d, disks={"disk0": disk_path} if uses_disk else None)
 
 
-@given(seed=st.integers(0, 2**32 - 1), changes=st.lists(
-    st.tuples(st.integers(0, 11), st.lists(st.integers(0, 511), min_size=0, max_size=80)), max_size=12),
-    frame_pages=st.integers(1, 3))
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    changes=st.lists(
+        st.tuples(st.integers(0, 11), st.lists(st.integers(0, 511), min_size=0, max_size=80)), max_size=12
+    ),
+    frame_pages=st.integers(1, 3),
+)
 def test_chain_round_trip(seed, changes, frame_pages):
     """A child of a random parent: PARENT, DELTA (any encoding) and STORED pages read back."""
     ps, n = 4096, 12
@@ -129,6 +145,7 @@ def test_chain_round_trip(seed, changes, frame_pages):
     def build_parent(w):
         r = w.add_region("ram", n * ps)
         w.put_pages(r, 0, b"".join(parent_pages))
+
     parent = write_bytes(build_parent, image_uuid=bytes([1] * 16), frame_pages=frame_pages)
     new_pages = list(parent_pages)
     for page, positions in changes:
@@ -147,8 +164,8 @@ def test_chain_round_trip(seed, changes, frame_pages):
                     w.put_parent(r, k, page_digest(parent_pages[k]))
                 else:
                     w.put_changed(r, k, parent_pages[k], new_pages[k])
-        child = write_bytes(build_child, parent=ParentLink(bytes([1] * 16), parent[-24:-8]),
-                            frame_pages=frame_pages)
+
+        child = write_bytes(build_child, parent=ParentLink(bytes([1] * 16), parent[-24:-8]), frame_pages=frame_pages)
         roundtrip(child, {"ram": b"".join(new_pages)}, page_size=ps, tmpdir=d, parents=[parent_path])
 
 
@@ -161,6 +178,7 @@ def _small_image(seed: int) -> bytes:
         w.put_pages(r, 0, b"".join(page_content(seed + k, ps, k % 2 == 0) for k in range(3)))
         w.put_zero(r, 3)
         w.put_free(r, 4, 2)
+
     return write_bytes(build, frame_pages=2, image_uuid=bytes(range(16)))
 
 
@@ -196,8 +214,9 @@ def page_pairs(draw):
             start = draw(st.integers(0, words - 1))
             positions += range(start, min(words, start + draw(st.integers(1, 300))))
     elif style == "mixed":
-        positions = draw(st.lists(st.integers(0, words - 1), max_size=40)) + \
-            list(range(draw(st.integers(0, words - 100)), words - draw(st.integers(0, words - 100))))
+        positions = draw(st.lists(st.integers(0, words - 1), max_size=40)) + list(
+            range(draw(st.integers(0, words - 100)), words - draw(st.integers(0, words - 100)))
+        )
     else:
         positions = range(0, words, draw(st.integers(1, 3)))
     new = old.copy()
@@ -217,7 +236,7 @@ def test_delta_round_trip_and_smallest_encoding(pair):
     sizes = deltacodec.encoded_sizes(len(positions), runs, page_size)
     smallest = min(sizes.values())
     if smallest >= page_size:
-        assert entry is None          # LI-DLT-004: store the page instead
+        assert entry is None  # LI-DLT-004: store the page instead
         return
     assert entry is not None
     encoding = DeltaEncoding(entry[0])
@@ -228,11 +247,14 @@ def test_delta_round_trip_and_smallest_encoding(pair):
     assert values.tobytes() == np.frombuffer(new, "<u8")[positions].tobytes()
 
 
-@pytest.mark.parametrize("positions,encoding", [
-    ([3, 77, 400], DeltaEncoding.INDEX_LIST),
-    (list(range(5, 512, 12)), DeltaEncoding.BITMAP),
-    (list(range(10, 70)) + list(range(200, 260)), DeltaEncoding.RUNS),
-])
+@pytest.mark.parametrize(
+    "positions,encoding",
+    [
+        ([3, 77, 400], DeltaEncoding.INDEX_LIST),
+        (list(range(5, 512, 12)), DeltaEncoding.BITMAP),
+        (list(range(10, 70)) + list(range(200, 260)), DeltaEncoding.RUNS),
+    ],
+)
 def test_delta_encoder_choices(positions, encoding):
     old = np.arange(512, dtype="<u8")
     new = old.copy()

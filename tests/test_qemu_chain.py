@@ -44,7 +44,7 @@ pytestmark = pytest.mark.qemu
 CLI_TIMEOUT = 300
 NUM_CHECKPOINTS = sum(p.saves for p in CHAIN_PHASES)
 LINKS = list(range(1, NUM_CHECKPOINTS + 1))
-FITDOC_REDUCTION = 52.88      # % less than page-level incremental, FITDOC (seed 003)
+FITDOC_REDUCTION = 52.88  # % less than page-level incremental, FITDOC (seed 003)
 
 
 LEANIMG = command_line()
@@ -53,8 +53,9 @@ LEANIMG = command_line()
 def cli(*args, check: bool = True) -> subprocess.CompletedProcess:
     proc = subprocess.run([*LEANIMG, *map(str, args)], capture_output=True, timeout=CLI_TIMEOUT)
     if check:
-        assert proc.returncode == 0, (f"leanimg {' '.join(map(str, args))} exited "
-                                      f"{proc.returncode}:\n{proc.stderr.decode(errors='replace')}")
+        assert proc.returncode == 0, (
+            f"leanimg {' '.join(map(str, args))} exited {proc.returncode}:\n{proc.stderr.decode(errors='replace')}"
+        )
     assert b"Traceback" not in proc.stderr, proc.stderr.decode(errors="replace")
     return proc
 
@@ -65,11 +66,15 @@ def inspect_json(image: Path, *extra) -> dict:
 
 # ------------------------------------------------------------------ fixtures
 
+
 @pytest.fixture(scope="module", params=qemu_params())
 def checkpoints(request, tmp_path_factory) -> list[Checkpoint]:
     request.param.require()
-    return run_chain_scenario(tmp_path_factory.mktemp(f"chain-{request.param.id}"), qemu=request.param,
-                              log=lambda msg: print(f"[chain guest] {msg}"))
+    return run_chain_scenario(
+        tmp_path_factory.mktemp(f"chain-{request.param.id}"),
+        qemu=request.param,
+        log=lambda msg: print(f"[chain guest] {msg}"),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -93,12 +98,19 @@ def sizes(checkpoints, chain, tmp_path_factory) -> list[dict]:
     rows = []
     for i, cp in enumerate(checkpoints):
         if i == 0:
-            full = chain[0]                       # checkpoint 1 is converted plainly anyway
+            full = chain[0]  # checkpoint 1 is converted plainly anyway
         else:
             full = full_dir / f"{cp.name}.lean"
             cli("convert", cp.point.save, "-o", full)
-        row = dict(checkpoint=cp.index, phase=cp.phase, save=cp.point.save.stat().st_size,
-                   full=full.stat().st_size, parent_only=None, parent_delta=None, classes=None)
+        row = dict(
+            checkpoint=cp.index,
+            phase=cp.phase,
+            save=cp.point.save.stat().st_size,
+            full=full.stat().st_size,
+            parent_only=None,
+            parent_delta=None,
+            classes=None,
+        )
         if i:
             # same parent as the chain link: the PARENT pages are the same, only DELTA is off
             page_only = page_dir / f"{cp.name}.lean"
@@ -113,13 +125,14 @@ def sizes(checkpoints, chain, tmp_path_factory) -> list[dict]:
 
 # ------------------------------------------------------------------ the scenario itself
 
+
 def test_workloads_changed_memory_as_designed(checkpoints):
     """words checkpoints differ from their predecessor in a few words of many pages; pages
     checkpoints in whole pages (checked on the pmemsave ground truth, not on our images)."""
     prev = None
     for cp in checkpoints:
         mem = np.fromfile(cp.point.mem, np.uint64).reshape(-1, 512)
-        if prev is not None and cp.index != CHAIN_PHASES[0].saves + 1:   # not the phase switch
+        if prev is not None and cp.index != CHAIN_PHASES[0].saves + 1:  # not the phase switch
             changed = mem != prev
             pages = changed.any(axis=1)
             words = np.median(changed.sum(axis=1)[pages])
@@ -131,6 +144,7 @@ def test_workloads_changed_memory_as_designed(checkpoints):
 
 
 # ------------------------------------------------------------------ every link
+
 
 @pytest.mark.parametrize("link", LINKS)
 def test_link_validates(link, chain):
@@ -152,15 +166,16 @@ def test_link_restores_raw_like_pmemsave(link, checkpoints, chain, tmp_path):
     raw = tmp_path / "restored.raw"
     cli("restore", img, "--to", "raw", "-o", raw)
     regions = inspect_json(img)["regions"]
-    assert regions[0]["name"] == "pc.ram", regions       # raw output: regions in file order
+    assert regions[0]["name"] == "pc.ram", regions  # raw output: regions in file order
     ram = np.fromfile(raw, np.uint8, count=regions[0]["size_bytes"])
     mem = np.fromfile(cp.point.mem, np.uint8)
     assert len(ram) == len(mem) == cp.point.mem_mib << 20
     lo, hi = VGA_WINDOW
     for part in (slice(0, lo), slice(hi, len(mem))):
         diff = np.flatnonzero(ram[part] != mem[part])
-        assert not len(diff), (f"{img.name}: {len(diff)} bytes of pc.ram differ from the pmemsave, "
-                               f"first at {part.start + diff[0]:#x}")
+        assert not len(diff), (
+            f"{img.name}: {len(diff)} bytes of pc.ram differ from the pmemsave, first at {part.start + diff[0]:#x}"
+        )
     assert raw.stat().st_size == sum(r["size_bytes"] for r in regions)
 
 
@@ -175,11 +190,16 @@ def test_link_restores_qemu_byte_identical(link, checkpoints, chain, tmp_path):
 def test_last_link_resumes_from_leanimg_pipe(checkpoints, chain, tmp_path):
     """A fresh QEMU loads the last link (its parents found beside it) via -incoming exec:."""
     cp = checkpoints[-1].point
-    assert_resumes(cp, copy_disk(cp.disk, tmp_path / "disk.img"), tmp_path,
-                   [*LEANIMG, "restore", str(chain[-1]), "--to", "qemu", "-o", "-"])
+    assert_resumes(
+        cp,
+        copy_disk(cp.disk, tmp_path / "disk.img"),
+        tmp_path,
+        [*LEANIMG, "restore", str(chain[-1]), "--to", "qemu", "-o", "-"],
+    )
 
 
 # ------------------------------------------------------------------ flatten, merge, --parent
+
 
 def test_flatten_last_link(checkpoints, chain, tmp_path):
     alone = tmp_path / "alone"
@@ -243,29 +263,36 @@ def test_image_away_from_its_ancestors_needs_parent(checkpoints, chain, tmp_path
 
 # ------------------------------------------------------------------ sizes
 
+
 def _mib(n):
     return "-" if n is None else f"{n / 2**20:9.2f}"
 
 
 def render_sizes(rows: list[dict]) -> str:
-    lines = ["", "per checkpoint sizes (MiB); reduction = PARENT+DELTA vs PARENT-only "
-             f"(FITDOC: {FITDOC_REDUCTION:.2f}% less than page-level incremental)",
-             f"{'cp':>3} {'phase':<6} {'QEMU save':>10} {'full lean':>10} {'PARENT-only':>12} "
-             f"{'PARENT+DELTA':>13} {'reduction':>10}  classes of the PARENT+DELTA link"]
+    lines = [
+        "",
+        "per checkpoint sizes (MiB); reduction = PARENT+DELTA vs PARENT-only "
+        f"(FITDOC: {FITDOC_REDUCTION:.2f}% less than page-level incremental)",
+        f"{'cp':>3} {'phase':<6} {'QEMU save':>10} {'full lean':>10} {'PARENT-only':>12} "
+        f"{'PARENT+DELTA':>13} {'reduction':>10}  classes of the PARENT+DELTA link",
+    ]
     for r in rows:
-        red = ("-" if r["parent_only"] is None else
-               f"{100 * (1 - r['parent_delta'] / r['parent_only']):9.2f}%")
+        red = "-" if r["parent_only"] is None else f"{100 * (1 - r['parent_delta'] / r['parent_only']):9.2f}%"
         classes = " ".join(f"{k}={v}" for k, v in r["classes"].items())
-        lines.append(f"{r['checkpoint']:>3} {r['phase']:<6} {_mib(r['save']):>10} {_mib(r['full']):>10} "
-                     f"{_mib(r['parent_only']):>12} {_mib(r['parent_delta']):>13} {red:>10}  {classes}")
+        lines.append(
+            f"{r['checkpoint']:>3} {r['phase']:<6} {_mib(r['save']):>10} {_mib(r['full']):>10} "
+            f"{_mib(r['parent_only']):>12} {_mib(r['parent_delta']):>13} {red:>10}  {classes}"
+        )
     for phase in ("words", "pages", None):
         sel = [r for r in rows if r["parent_only"] is not None and phase in (None, r["phase"])]
         if sel:
             po = sum(r["parent_only"] for r in sel)
             pd = sum(r["parent_delta"] for r in sel)
-            lines.append(f"    {phase or 'all'} (checkpoints {', '.join(str(r['checkpoint']) for r in sel)}): "
-                         f"PARENT-only {_mib(po).strip()} MiB, PARENT+DELTA {_mib(pd).strip()} MiB, "
-                         f"{100 * (1 - pd / po):.2f}% less (FITDOC {FITDOC_REDUCTION:.2f}%)")
+            lines.append(
+                f"    {phase or 'all'} (checkpoints {', '.join(str(r['checkpoint']) for r in sel)}): "
+                f"PARENT-only {_mib(po).strip()} MiB, PARENT+DELTA {_mib(pd).strip()} MiB, "
+                f"{100 * (1 - pd / po):.2f}% less (FITDOC {FITDOC_REDUCTION:.2f}%)"
+            )
     return "\n".join(lines)
 
 

@@ -48,7 +48,7 @@ qemu = pytest.mark.qemu
 LEANIMG = command_line()
 MEM_MIB = 256
 DEVICES = ["-device", "virtio-balloon-pci,free-page-reporting=on"]
-VGA_WINDOW = (0xA0000, 0xC0000)       # pmemsave reads the VGA device there, not pc.ram
+VGA_WINDOW = (0xA0000, 0xC0000)  # pmemsave reads the VGA device there, not pc.ram
 TIMEOUT = 600
 
 
@@ -56,8 +56,8 @@ TIMEOUT = 600
 class Guest:
     vm: GuestVM
     work: Path
-    disk: Path              # the file the guest booted from
-    qmp: Path               # leanimg's own QMP socket
+    disk: Path  # the file the guest booted from
+    qmp: Path  # leanimg's own QMP socket
 
 
 def leanimg(*args, **kw) -> subprocess.CompletedProcess:
@@ -71,23 +71,34 @@ def checkpoint(guest: Guest, image: Path, *args) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="module", params=qemu_params())
 def guest(request, tmp_path_factory):
     work = tmp_path_factory.mktemp(f"checkpoint-{request.param.id}")
-    with running_guest_with_qmp(work, mem_mib=MEM_MIB, devices=DEVICES, freed_mib=96,
-                                qemu=request.param) as (vm, disk, qmp):
+    with running_guest_with_qmp(work, mem_mib=MEM_MIB, devices=DEVICES, freed_mib=96, qemu=request.param) as (
+        vm,
+        disk,
+        qmp,
+    ):
         yield Guest(vm, work, disk, qmp)
 
 
 def _dest(guest: Guest, disk: Path, name: str, incoming: str) -> GuestVM:
     workdir = guest.work / name
     workdir.mkdir()
-    return GuestVM(guest.vm.build, disk, mem_mib=MEM_MIB, workdir=workdir, incoming=incoming, extra_args=DEVICES,
-                   qemu=guest.vm.qemu)
+    return GuestVM(
+        guest.vm.build,
+        disk,
+        mem_mib=MEM_MIB,
+        workdir=workdir,
+        incoming=incoming,
+        extra_args=DEVICES,
+        qemu=guest.vm.qemu,
+    )
 
 
 def _qemu_load(guest: Guest, stream: Path, disk: Path, name: str) -> Path:
     """QEMU's own load of ``stream``: the memory it gives a destination."""
     mem = guest.work / f"{name}.qemu.mem"
-    with _dest(guest, copy_disk(disk, guest.work / f"{name}.qemu-disk.img"), f"{name}-qemu",
-               f"exec:cat {stream}") as vm:
+    with _dest(
+        guest, copy_disk(disk, guest.work / f"{name}.qemu-disk.img"), f"{name}-qemu", f"exec:cat {stream}"
+    ) as vm:
         vm.wait_incoming(timeout=300)
         vm.pmemsave(mem)
     return mem
@@ -97,8 +108,9 @@ def _assert_restores(guest: Guest, image: Path, truth: Path, disk: Path, name: s
     """A fresh QEMU loads the image through leanimg restore: memory equal to ``truth`` (VGA
     window apart), the heartbeat goes on, and all of its memory can be allocated and checked."""
     argv = [*LEANIMG, "restore", str(image), "--to", "qemu", *map(str, restore_args), "-o", "-"]
-    with _dest(guest, copy_disk(disk, guest.work / f"{name}.dest-disk.img"), f"{name}-dest",
-               f"exec:{shlex.join(argv)}") as vm:
+    with _dest(
+        guest, copy_disk(disk, guest.work / f"{name}.dest-disk.img"), f"{name}-dest", f"exec:{shlex.join(argv)}"
+    ) as vm:
         vm.wait_incoming(timeout=300)
         restored = guest.work / f"{name}.restored.mem"
         vm.pmemsave(restored)
@@ -120,6 +132,7 @@ def _assert_same_memory(a: Path, b: Path) -> None:
 
 def _classes(image: Path, *args) -> dict:
     import json
+
     proc = leanimg("inspect", image, "--json", *args)
     assert proc.returncode == 0, proc.stderr
     return Counter(json.loads(proc.stdout)["classes"])
@@ -137,12 +150,13 @@ def _no_files_left(directory: Path, before: set) -> None:
 
 # ----------------------------------------------------------------------------- modes
 
+
 @qemu
 def test_stop_checkpoint_equals_the_stopped_guest(guest):
     image = guest.work / "stop.lean"
     proc = checkpoint(guest, image, "--then", "stop")
     vm = guest.vm
-    assert vm.status() == "postmigrate"            # --then stop: left paused
+    assert vm.status() == "postmigrate"  # --then stop: left paused
     truth = guest.work / "stop.mem"
     vm.pmemsave(truth)
     disk = copy_disk(guest.disk, guest.work / "stop.disk.img")
@@ -150,7 +164,7 @@ def test_stop_checkpoint_equals_the_stopped_guest(guest):
     assert "stop checkpoint" in proc.stdout and "downtime" in proc.stdout
     assert leanimg("validate", image).returncode == 0
     classes = _classes(image)
-    assert classes["ZERO"] * 4096 > 64 << 20       # the freed 96 MiB, reported and discarded
+    assert classes["ZERO"] * 4096 > 64 << 20  # the freed 96 MiB, reported and discarded
     _assert_restores(guest, image, truth, disk, "stop")
 
 
@@ -166,9 +180,10 @@ def test_balloon_inflate_is_recorded_and_undone(guest):
     """Seed 001's route: inflate by 64 MiB, checkpoint, deflate; the image records the size
     before, and a restored guest (inflated, as the device state says) is deflated with it."""
     import json
+
     vm = guest.vm
     before = vm.qmp.execute("query-balloon")["actual"]
-    disk = copy_disk(guest.disk, guest.work / "balloon.disk.img")   # the guest writes only memory now
+    disk = copy_disk(guest.disk, guest.work / "balloon.disk.img")  # the guest writes only memory now
     image = guest.work / "balloon.lean"
     proc = checkpoint(guest, image, "--balloon-inflate", "64")
     assert "balloon inflated by" in proc.stdout and "(deflated again)" in proc.stdout
@@ -202,7 +217,7 @@ def test_live_checkpoint_with_a_frozen_disk(guest):
     guest.vm.serial.send("sync")
     guest.vm.serial.wait_for("LEANIMG-SYNCED", 120)
     assert sha256_file(guest.disk) == frozen, "the frozen disk changed"
-    assert overlay.stat().st_size > 8 << 20        # the guest's writes went there
+    assert overlay.stat().st_size > 8 << 20  # the guest's writes went there
     assert leanimg("validate", image, "--disk", f"vda={guest.disk}").returncode == 0
     assert _classes(image, "--disk", f"vda={guest.disk}")["DISK"] > 0
     with LeanImage.open(image) as img:
@@ -214,7 +229,7 @@ def test_live_checkpoint_with_a_frozen_disk(guest):
 
 @qemu
 def test_background_checkpoint_freezes_a_qcow2_overlay(guest):
-    active = Path(f"{guest.disk}.after-live.qcow2")     # the guest's disk since the live test
+    active = Path(f"{guest.disk}.after-live.qcow2")  # the guest's disk since the live test
     if not active.exists():
         pytest.skip("needs the overlay of test_live_checkpoint_with_a_frozen_disk")
     image, stream = guest.work / "background.lean", guest.work / "background.save"
@@ -222,7 +237,7 @@ def test_background_checkpoint_freezes_a_qcow2_overlay(guest):
     assert "background checkpoint" in proc.stdout and f"referenced in {active} (frozen" in proc.stdout
     _assert_running_on(guest)
     assert leanimg("validate", image, "--disk", f"vda={active}").returncode == 0
-    flat = guest.work / "background.disk.img"        # the frozen qcow2 chain as a raw file
+    flat = guest.work / "background.disk.img"  # the frozen qcow2 chain as a raw file
     subprocess.run(["qemu-img", "convert", "-U", "-O", "raw", str(active), str(flat)], check=True)
     truth = _qemu_load(guest, stream, flat, "background")
     _assert_restores(guest, image, truth, flat, "background", ["--disk", f"vda={active}"])
@@ -249,7 +264,7 @@ def test_restore_refuses_a_changed_disk(guest, tmp_path):
     changed = copy_disk(guest.disk, tmp_path / "changed.img")
     with LeanImage.open(image) as img:
         sector = int(img.tables.disk_refs.sectors[len(img.tables.disk_refs.sectors) // 2])
-    with open(changed, "r+b") as f:                 # a referenced block, then the first block
+    with open(changed, "r+b") as f:  # a referenced block, then the first block
         f.seek(sector * 512)
         f.write(b"\xff" * 4096)
     out = tmp_path / "mem.raw"
@@ -264,10 +279,14 @@ def test_restore_refuses_a_changed_disk(guest, tmp_path):
 
 # ----------------------------------------------------------------------------- failures
 
+
 def _start_checkpoint(guest: Guest, image: Path, *args) -> subprocess.Popen:
-    return subprocess.Popen([*LEANIMG, "checkpoint", "--qmp", str(guest.qmp), "-o", str(image),
-                             "--max-bandwidth", "4", *map(str, args)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [*LEANIMG, "checkpoint", "--qmp", str(guest.qmp), "-o", str(image), "--max-bandwidth", "4", *map(str, args)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def _wait_transferring(guest: Guest, proc: subprocess.Popen) -> None:
@@ -295,7 +314,7 @@ def test_a_cancelled_migration_leaves_the_guest_running(guest):
     _assert_running_on(guest)
     _no_files_left(guest.work, before)
     params = guest.vm.qmp.execute("query-migrate-parameters")
-    assert params["max-bandwidth"] != 4 << 20        # leanimg put its own setting back
+    assert params["max-bandwidth"] != 4 << 20  # leanimg put its own setting back
 
 
 @qemu
@@ -306,7 +325,7 @@ def test_a_signal_cancels_and_resumes(guest, mode, signum):
     proc = _start_checkpoint(guest, image, *(["--background"] if mode == "background" else []))
     _wait_transferring(guest, proc)
     if mode == "stop":
-        assert guest.vm.status() != "running"        # stopped for the checkpoint
+        assert guest.vm.status() != "running"  # stopped for the checkpoint
     proc.send_signal(signum)
     out, err = proc.communicate(timeout=TIMEOUT)
     assert proc.returncode == 128 + signum, err
@@ -368,8 +387,18 @@ def test_checkpoints_into_object_storage(guest, s3store):
     first, second = s3store.url(f"{prefix}first.lean"), s3store.url(f"{prefix}second.lean")
     streams = [guest.work / "s3-first.save", guest.work / "s3-second.save"]
     for image, args in ((first, ["--background"]), (second, ["--live", "--parent", first])):
-        proc = run_leanimg("checkpoint", "--qmp", guest.qmp, "-o", image, *args, "--keep-stream",
-                           streams[image == second], timeout=TIMEOUT, env=env)
+        proc = run_leanimg(
+            "checkpoint",
+            "--qmp",
+            guest.qmp,
+            "-o",
+            image,
+            *args,
+            "--keep-stream",
+            streams[image == second],
+            timeout=TIMEOUT,
+            env=env,
+        )
         assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
         _assert_running_on(guest)
     assert s3store.keys(prefix) == [f"{prefix}first.lean", f"{prefix}second.lean"] and not s3store.uploads(prefix)
@@ -384,6 +413,7 @@ def test_checkpoints_into_object_storage(guest, s3store):
 
 def json_of(proc: subprocess.CompletedProcess):
     import json
+
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout)
 
@@ -395,6 +425,7 @@ def test_checkpoint_json_follows_its_schema(guest):
     import jsonschema
 
     from leanimg.output import schema
+
     image = guest.work / "json.lean"
     out = json.loads(checkpoint(guest, image, "--json").stdout)
     jsonschema.validate(out, schema("checkpoint"))
@@ -423,11 +454,12 @@ def test_a_missing_socket_is_one_clear_line(tmp_path):
     assert proc.returncode == 1
     assert proc.stderr.strip().splitlines() == [
         f"leanimg: error: QMP socket {tmp_path / 'nothing.sock'} does not exist (start QEMU with "
-        f"-qmp unix:{tmp_path / 'nothing.sock'},server=on,wait=off)"]
+        f"-qmp unix:{tmp_path / 'nothing.sock'},server=on,wait=off)"
+    ]
     assert list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.parametrize("greeting", [b"220 smtp.example.com ESMTP\r\n", b"{\"not\": \"qmp\"}\n"])
+@pytest.mark.parametrize("greeting", [b"220 smtp.example.com ESMTP\r\n", b'{"not": "qmp"}\n'])
 def test_a_socket_that_is_not_qmp_is_one_clear_line(tmp_path, greeting):
     path = tmp_path / "other.sock"
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -466,24 +498,36 @@ def test_a_live_checkpoint_with_free_page_hinting(tmp_path):
     qmp = tmp_path / "leanimg-qmp.sock"
     hinting = ["-object", "iothread,id=io0", "-device", "virtio-balloon-pci,free-page-hint=on,iothread=io0"]
     image, stream = tmp_path / "hinted.lean", tmp_path / "hinted.save"
-    with GuestVM(build, copy_disk(build.disk, tmp_path / "disk.img"), mem_mib=MEM_MIB, workdir=tmp_path / "source",
-                 extra_args=hinting + ["-qmp", f"unix:{qmp},server=on,wait=off"]) as vm:
+    with GuestVM(
+        build,
+        copy_disk(build.disk, tmp_path / "disk.img"),
+        mem_mib=MEM_MIB,
+        workdir=tmp_path / "source",
+        extra_args=hinting + ["-qmp", f"unix:{qmp},server=on,wait=off"],
+    ) as vm:
         vm.wait_ready(timeout=300)
         vm.run_workload("freed", "96")
         # the guest hints while the first pass runs: a bandwidth limit gives it the time
-        proc = leanimg("checkpoint", "--qmp", qmp, "-o", image, "--live", "--max-bandwidth", "32",
-                       "--keep-stream", stream)
+        proc = leanimg(
+            "checkpoint", "--qmp", qmp, "-o", image, "--live", "--max-bandwidth", "32", "--keep-stream", stream
+        )
         assert proc.returncode == 0, proc.stderr
         assert vm.status() == "running"
     assert leanimg("validate", image).returncode == 0
-    with GuestVM(build, copy_disk(build.disk, tmp_path / "dest.img"), mem_mib=MEM_MIB, workdir=tmp_path / "source",
-                 incoming=f"exec:cat {stream}", extra_args=hinting) as dest:
+    with GuestVM(
+        build,
+        copy_disk(build.disk, tmp_path / "dest.img"),
+        mem_mib=MEM_MIB,
+        workdir=tmp_path / "source",
+        incoming=f"exec:cat {stream}",
+        extra_args=hinting,
+    ) as dest:
         dest.wait_incoming(timeout=300)
         dest.pmemsave(tmp_path / "qemu.mem")
     raw = tmp_path / "restored.raw"
     assert leanimg("restore", image, "--to", "raw", "-o", raw).returncode == 0
     mem = np.fromfile(tmp_path / "qemu.mem", np.uint8)
-    ram = np.fromfile(raw, np.uint8, count=len(mem))       # pc.ram is the first region
+    ram = np.fromfile(raw, np.uint8, count=len(mem))  # pc.ram is the first region
     lo, hi = VGA_WINDOW
     mem[lo:hi] = ram[lo:hi] = 0
     assert np.array_equal(ram, mem), "leanimg's restore differs from QEMU's load of the stream"

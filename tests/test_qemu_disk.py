@@ -40,8 +40,9 @@ def saved(request, tmp_path_factory) -> SavePoint:
     if shutil.which("qemu-img") is None:
         pytest.skip("qemu-img is not installed")
     steps = (("pagecache", ("pagecache", "/mnt")),)
-    return run_scenario(tmp_path_factory.mktemp(f"disk-{request.param.id}"), steps, mem_mib=128,
-                        qemu=request.param)["pagecache"]
+    return run_scenario(tmp_path_factory.mktemp(f"disk-{request.param.id}"), steps, mem_mib=128, qemu=request.param)[
+        "pagecache"
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -78,8 +79,9 @@ def test_resume_with_disk_references(saved, image, tmp_path, disk_format):
         copy_disk(saved.disk, disk)
     else:
         subprocess.run(["qemu-img", "convert", "-O", "qcow2", saved.disk, disk], check=True)
-    assert_resumes(saved, disk, tmp_path,
-                   [*LEANIMG, "restore", str(image), "--to", "qemu", "--disk", f"vda={disk}", "-o", "-"])
+    assert_resumes(
+        saved, disk, tmp_path, [*LEANIMG, "restore", str(image), "--to", "qemu", "--disk", f"vda={disk}", "-o", "-"]
+    )
 
 
 def test_inspect_names_the_files_the_guest_read(saved, image):

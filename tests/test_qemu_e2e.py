@@ -51,22 +51,22 @@ LEANIMG = command_line()
 
 
 def cli(*args, input_file=None, check: bool = True) -> subprocess.CompletedProcess:
-    proc = subprocess.run([*LEANIMG, *map(str, args)], capture_output=True,
-                          timeout=CLI_TIMEOUT, stdin=input_file)
+    proc = subprocess.run([*LEANIMG, *map(str, args)], capture_output=True, timeout=CLI_TIMEOUT, stdin=input_file)
     if check:
-        assert proc.returncode == 0, (f"leanimg {' '.join(map(str, args))} exited "
-                                      f"{proc.returncode}:\n{proc.stderr.decode(errors='replace')}")
+        assert proc.returncode == 0, (
+            f"leanimg {' '.join(map(str, args))} exited {proc.returncode}:\n{proc.stderr.decode(errors='replace')}"
+        )
         assert b"Traceback" not in proc.stderr
     return proc
 
 
 # ------------------------------------------------------------------ fixtures
 
+
 @pytest.fixture(scope="module", params=qemu_params(("pc", "q35")))
 def saves(request, tmp_path_factory) -> dict[str, SavePoint]:
     request.param.require()
-    return run_scenario(tmp_path_factory.mktemp(f"e2e-{request.param.id}"), E2E_STEPS, mem_mib=128,
-                        qemu=request.param)
+    return run_scenario(tmp_path_factory.mktemp(f"e2e-{request.param.id}"), E2E_STEPS, mem_mib=128, qemu=request.param)
 
 
 @pytest.fixture(scope="module")
@@ -88,6 +88,7 @@ def Leanimg(tmp_path_factory):
 
 
 # ------------------------------------------------------------------ helpers
+
 
 def stream_summary(path: Path):
     """(page digest per (block, offset), RAM blocks, state) of a migration stream.
@@ -111,9 +112,8 @@ def stream_summary(path: Path):
     return pages, blocks, state
 
 
-
-
 # ------------------------------------------------------------------ the tests
+
 
 @pytest.mark.parametrize("workload", WORKLOADS)
 def test_validate_cli(workload, images):
@@ -145,8 +145,7 @@ def test_restore_rebuilds_the_save(workload, saves, images, tmp_path):
     assert pages1.keys() == pages0.keys()
     differing = [k for k in pages0 if pages0[k] != pages1[k]]
     assert not differing, f"{len(differing)} pages differ, first {differing[:3]}"
-    assert [(d.kind, d.header, d.body) for d in state1.devices] == \
-        [(d.kind, d.header, d.body) for d in state0.devices]
+    assert [(d.kind, d.header, d.body) for d in state1.devices] == [(d.kind, d.header, d.body) for d in state0.devices]
     assert len(state0.devices) > 10
     assert state1.vmdesc == state0.vmdesc and state1.prologue == state0.prologue
     assert sha256_file(rebuilt) == sha256_file(sp.save), first_difference(rebuilt, sp.save)
@@ -156,8 +155,12 @@ def test_restore_rebuilds_the_save(workload, saves, images, tmp_path):
 def test_resume_from_leanimg_pipe(workload, saves, images, tmp_path):
     """A fresh QEMU loads `leanimg restore IMG --to qemu -o -` through -incoming exec:."""
     sp = saves[workload]
-    assert_resumes(sp, copy_disk(sp.disk, tmp_path / "disk.img"), tmp_path,
-                   [*LEANIMG, "restore", str(images[workload]), "--to", "qemu", "-o", "-"])
+    assert_resumes(
+        sp,
+        copy_disk(sp.disk, tmp_path / "disk.img"),
+        tmp_path,
+        [*LEANIMG, "restore", str(images[workload]), "--to", "qemu", "-o", "-"],
+    )
 
 
 def test_convert_from_pipe(saves, images, tmp_path):
@@ -165,24 +168,24 @@ def test_convert_from_pipe(saves, images, tmp_path):
     sp = saves["dirty"]
     piped = tmp_path / "piped.lean"
     cmd = f"cat {shlex.quote(str(sp.save))} | {shlex.join(LEANIMG)} convert - -o {shlex.quote(str(piped))}"
-    proc = subprocess.run(["bash", "-o", "pipefail", "-c", cmd], capture_output=True,
-                          timeout=CLI_TIMEOUT)
+    proc = subprocess.run(["bash", "-o", "pipefail", "-c", cmd], capture_output=True, timeout=CLI_TIMEOUT)
     assert proc.returncode == 0, proc.stderr.decode(errors="replace")
     assert sorted(os.listdir(tmp_path)) == ["piped.lean"]
     cli("validate", piped)
     with LeanImage.open(images["dirty"]) as a, LeanImage.open(piped) as b:
-        assert [(r.name, r.size_bytes) for r in a.regions] == \
-            [(r.name, r.size_bytes) for r in b.regions]
+        assert [(r.name, r.size_bytes) for r in a.regions] == [(r.name, r.size_bytes) for r in b.regions]
         for ra, rb in zip(a.regions, b.regions):
             assert np.array_equal(a.classes(ra), b.classes(rb)), ra.name
             assert np.array_equal(a.digests.table(ra), b.digests.table(rb)), ra.name
             step = 4096
             for first in range(0, ra.num_pages, step):
                 count = min(step, ra.num_pages - first)
-                assert a.region_bytes(ra, first, count) == b.region_bytes(rb, first, count), \
+                assert a.region_bytes(ra, first, count) == b.region_bytes(rb, first, count), (
                     f"{ra.name} pages {first}..{first + count}"
-        assert [(s.source_format, s.tag, s.data) for s in a.source_states] == \
-            [(s.source_format, s.tag, s.data) for s in b.source_states]
+                )
+        assert [(s.source_format, s.tag, s.data) for s in a.source_states] == [
+            (s.source_format, s.tag, s.data) for s in b.source_states
+        ]
 
 
 def _xorshift_words(n: int) -> bytes:
@@ -219,6 +222,6 @@ def test_workloads_did_their_work(saves):
     page = first[:4096]
 
     def aligned(m):
-        return any(m[i:i + 4096] == page for i in range(0, len(m), 4096) if m[i:i + 8] == page[:8])
+        return any(m[i : i + 4096] == page for i in range(0, len(m), 4096) if m[i : i + 8] == page[:8])
 
     assert not aligned(mems["anon"]) and aligned(mems["dirty"])

@@ -47,15 +47,21 @@ MEM_MIB = 384
 # precopy that slow never catches up with
 PRECOPY_MIBS = "16"
 PAGE = 4096
-VGA_WINDOW = (0xA0000, 0xC0000)       # pmemsave reads the VGA device there, not pc.ram
-LIAR_MARK = b"LEANIMG-AFTERHNT"       # tests/guest/workload.c: pages the liar wrote after an answer
+VGA_WINDOW = (0xA0000, 0xC0000)  # pmemsave reads the VGA device there, not pc.ram
+LIAR_MARK = b"LEANIMG-AFTERHNT"  # tests/guest/workload.c: pages the liar wrote after an answer
 TIMEOUT = 900
-LIAR_SLOW_MS = 5000                   # the slow liar's answer: long after the test's QMP stop
+LIAR_SLOW_MS = 5000  # the slow liar's answer: long after the test's QMP stop
 
 
 def port_args(sock: Path) -> list[str]:
-    return ["-device", "virtio-serial-pci", "-chardev", f"socket,id=lf,path={sock},server=on,wait=off",
-            "-device", "virtserialport,chardev=lf,name=org.leanimg.free.0"]
+    return [
+        "-device",
+        "virtio-serial-pci",
+        "-chardev",
+        f"socket,id=lf,path={sock},server=on,wait=off",
+        "-device",
+        "virtserialport,chardev=lf,name=org.leanimg.free.0",
+    ]
 
 
 def leanimg(*args, **kw) -> subprocess.CompletedProcess:
@@ -71,14 +77,14 @@ class Guest:
         """``free`` (the helper) or ``run workload ...`` in the guest; its pid."""
         start = len(self.vm.serial.text)
         self.vm.serial.send(" ".join(command))
-        return int(self.vm.serial.wait_for(r"LEANIMG-STARTED (\d+)\r?\n", 60, start).group(1))   # the whole pid
+        return int(self.vm.serial.wait_for(r"LEANIMG-STARTED (\d+)\r?\n", 60, start).group(1))  # the whole pid
 
     def start_liar(self, *args: str) -> int:
         """The lying helper (workload liar), once it holds the port."""
         start = len(self.vm.serial.text)
         pid = self.start("run", "liar", *args)
         done = self.vm.serial.wait_for(r"WORKLOAD-(DONE|ERROR)[^\n]*", 60, start)
-        assert done.group(1) == "DONE", self.vm.serial.text[start - 300:]
+        assert done.group(1) == "DONE", self.vm.serial.text[start - 300 :]
         return pid
 
     def with_liar(self, liar_args: tuple[str, ...], checkpoint) -> subprocess.CompletedProcess:
@@ -96,8 +102,12 @@ class Guest:
     def throttle_events(self) -> int:
         """How often QEMU has throttled the port so far (the source runs with its trace event;
         QEMU lifts a throttle without one when a client hangs up, so only new ones count)."""
-        return len(re.findall(r"virtio_serial_throttle_port port \d+, throttle 1",
-                              (self.work / "source" / "qemu.stderr").read_text(errors="replace")))
+        return len(
+            re.findall(
+                r"virtio_serial_throttle_port port \d+, throttle 1",
+                (self.work / "source" / "qemu.stderr").read_text(errors="replace"),
+            )
+        )
 
     def answer_after_a_hang_up_while_stopped(self) -> None:
         """With the slow liar on the port: a request it hears, the VM stopped and the socket
@@ -126,8 +136,11 @@ def guest(request, tmp_path_factory):
     work = tmp_path_factory.mktemp(f"guestfree-{request.param.id}")
     port = work / "free.sock"
     devices = port_args(port) + ["-trace", "virtio_serial_throttle_port"]
-    with running_guest_with_qmp(work, mem_mib=MEM_MIB, devices=devices, freed_mib=200,
-                                qemu=request.param) as (vm, disk, qmp):
+    with running_guest_with_qmp(work, mem_mib=MEM_MIB, devices=devices, freed_mib=200, qemu=request.param) as (
+        vm,
+        disk,
+        qmp,
+    ):
         g = Guest(vm, work, disk, qmp, port)
         g.helper_pid = g.start("free")
         yield g
@@ -137,8 +150,15 @@ def _dest(guest: Guest, name: str, incoming: str) -> GuestVM:
     workdir = guest.work / name
     workdir.mkdir()
     disk = copy_disk(guest.disk, guest.work / f"{name}.disk.img")
-    return GuestVM(guest.vm.build, disk, mem_mib=MEM_MIB, workdir=workdir, incoming=incoming,
-                   extra_args=port_args(workdir / "free.sock"), qemu=guest.vm.qemu)
+    return GuestVM(
+        guest.vm.build,
+        disk,
+        mem_mib=MEM_MIB,
+        workdir=workdir,
+        incoming=incoming,
+        extra_args=port_args(workdir / "free.sock"),
+        qemu=guest.vm.qemu,
+    )
 
 
 def _pmem_of(vm: GuestVM, path: Path) -> np.ndarray:
@@ -171,7 +191,7 @@ def _hinted_pages(hints: Path) -> tuple[np.ndarray, int]:
     assert records and len({r.stream_offset for r in records}) == 1
     for record in records:
         for first, count in zip(record.entries["first"].tolist(), record.entries["num_pages"].tolist()):
-            mask[first // PAGE:first // PAGE + count] = True
+            mask[first // PAGE : first // PAGE + count] = True
     return mask, records[0].stream_offset
 
 
@@ -183,8 +203,18 @@ def _assert_equal_but_free(mem: np.ndarray, truth: np.ndarray, free: np.ndarray,
 @qemu
 def test_live_checkpoint_with_guest_free_hints(guest):
     image, stream, hints = guest.work / "free.lean", guest.work / "free.save", guest.work / "free.hints"
-    proc = guest.checkpoint(image, "--live", "--guest-free", guest.port, "--keep-stream", stream,
-                            "--keep-hints", hints, "--max-bandwidth", PRECOPY_MIBS)
+    proc = guest.checkpoint(
+        image,
+        "--live",
+        "--guest-free",
+        guest.port,
+        "--keep-stream",
+        stream,
+        "--keep-hints",
+        hints,
+        "--max-bandwidth",
+        PRECOPY_MIBS,
+    )
     assert "guest free hints:" in proc.stdout and "made FREE" in proc.stdout, proc.stdout
     assert guest.vm.status() == "running"
     assert leanimg("validate", image).returncode == 0
@@ -193,14 +223,14 @@ def test_live_checkpoint_with_guest_free_hints(guest):
     hinted, offset = _hinted_pages(hints)
     free = _free_pages(image)
     reported = int(hinted.sum())
-    assert reported * PAGE > 150 << 20, reported           # the 200 MiB freed, and more
+    assert reported * PAGE > 150 << 20, reported  # the 200 MiB freed, and more
     assert 0 < offset < stream.stat().st_size
     assert not (free & ~hinted).any(), "a FREE page the guest never reported"
     assert free.sum() >= reported // 2, (int(free.sum()), reported)
     match = re.search(r"([\d.]+) MiB made FREE", proc.stdout)
     assert match and abs(float(match.group(1)) - free.sum() * PAGE / 2**20) < 0.1, proc.stdout
 
-    with _dest(guest, "truth", f"exec:cat {stream}") as vm:     # QEMU's own load of the stream
+    with _dest(guest, "truth", f"exec:cat {stream}") as vm:  # QEMU's own load of the stream
         truth = _pmem_of(vm, guest.work / "truth.mem")
     stale = free & truth.any(axis=1)
     assert stale.sum() * PAGE > 64 << 20, "FREE pages should be stale data, not only zero pages"
@@ -212,7 +242,7 @@ def test_live_checkpoint_with_guest_free_hints(guest):
         assert "leanimg:" not in vm.qemu_output(), vm.qemu_output()
         vm.cont()
         assert wait_heartbeat(vm, "pages", -1, timeout=120) >= 0
-        vm.run_workload("fillall", timeout=TIMEOUT)       # FREE pages are usable memory again
+        vm.run_workload("fillall", timeout=TIMEOUT)  # FREE pages are usable memory again
         assert vm.status() == "running"
 
 
@@ -247,22 +277,26 @@ def test_a_lying_helper_gets_no_page_written_after_its_answer(guest):
     trusted for what it says of the moment it was asked, spec/hints.md §3.1.) At 64 MiB/s: the
     liar's rewrites must not outrun the precopy."""
     image, stream = guest.work / "lied.lean", guest.work / "lied.save"
-    proc = guest.with_liar(("16",), lambda: guest.checkpoint(image, "--live", "--guest-free", guest.port,
-                                                             "--keep-stream", stream, "--max-bandwidth", "64", "-f"))
+    proc = guest.with_liar(
+        ("16",),
+        lambda: guest.checkpoint(
+            image, "--live", "--guest-free", guest.port, "--keep-stream", stream, "--max-bandwidth", "64", "-f"
+        ),
+    )
     assert re.search(r"[1-9][\d.]* MiB sent again after it", proc.stdout), proc.stdout
     assert leanimg("validate", image).returncode == 0
     full = guest.work / "lied-full.lean"
-    assert leanimg("convert", stream, "-o", full).returncode == 0       # the stream without hints
+    assert leanimg("convert", stream, "-o", full).returncode == 0  # the stream without hints
     for name in (image, full):
         assert leanimg("restore", name, "--to", "raw", "-o", name.with_suffix(".raw")).returncode == 0
     mem = np.fromfile(image.with_suffix(".raw"), np.uint8, count=MEM_MIB << 20).reshape(-1, PAGE)
     truth = np.fromfile(full.with_suffix(".raw"), np.uint8, count=MEM_MIB << 20).reshape(-1, PAGE)
     free = _free_pages(image)
     written = (truth[:, :16] == np.frombuffer(LIAR_MARK, np.uint8)).all(axis=1)
-    assert written.sum() >= 1024, int(written.sum())          # the liar wrote during the precopy
+    assert written.sum() >= 1024, int(written.sum())  # the liar wrote during the precopy
     after_used = written & (truth[:, 16:24].copy().view("<u8").ravel() >= _answers_used(image))
     assert not (free & after_used).any(), "a page written after the answer used was made FREE"
-    assert free.any()                                         # the lie was taken where the rule allows
+    assert free.any()  # the lie was taken where the rule allows
     # every page but the FREE ones restores as QEMU loads it, so the pages written after the used
     # answer do; pages the liar wrote after earlier answers, sent before the used one was asked
     # for, may be FREE and differ (a CI run saw some): its lie covers them
@@ -280,9 +314,12 @@ def test_no_answer_is_no_hints_not_an_error(guest):
         proc = guest.checkpoint(image, "--live", "--guest-free", guest.port)
     finally:
         guest.helper_pid = guest.start("free")
-    asked = re.search(r"guest free hints: none \(asked (\d+) times, no answer complete before the checkpoint "
-                      r"instant\)", proc.stdout)
-    assert asked and int(asked.group(1)) >= 1, proc.stdout         # asked again after each 2 s of silence
+    asked = re.search(
+        r"guest free hints: none \(asked (\d+) times, no answer complete before the checkpoint "
+        r"instant\)",
+        proc.stdout,
+    )
+    assert asked and int(asked.group(1)) >= 1, proc.stdout  # asked again after each 2 s of silence
     assert not _free_pages(image).any()
     assert leanimg("validate", image).returncode == 0
 
@@ -290,9 +327,23 @@ def test_no_answer_is_no_hints_not_an_error(guest):
 @qemu
 def test_a_broken_answer_fails_the_checkpoint_and_leaves_the_guest_running(guest, tmp_path):
     image = tmp_path / "x.lean"
-    proc = guest.with_liar(("1", "garbage"), lambda: leanimg(
-        "checkpoint", "--qmp", guest.qmp, "-o", image, "--live", "--max-bandwidth", PRECOPY_MIBS,
-        "--guest-free", guest.port, "--keep-hints", tmp_path / "x.hints"))
+    proc = guest.with_liar(
+        ("1", "garbage"),
+        lambda: leanimg(
+            "checkpoint",
+            "--qmp",
+            guest.qmp,
+            "-o",
+            image,
+            "--live",
+            "--max-bandwidth",
+            PRECOPY_MIBS,
+            "--guest-free",
+            guest.port,
+            "--keep-hints",
+            tmp_path / "x.hints",
+        ),
+    )
     assert proc.returncode == 1
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "the guest's free-list answer, line 2: expected a range line" in lines[0], proc.stderr
@@ -305,12 +356,14 @@ def test_a_broken_answer_fails_the_checkpoint_and_leaves_the_guest_running(guest
 @qemu
 def test_guest_free_without_a_port_socket_is_one_clear_line(guest, tmp_path):
     before = {p.name for p in tmp_path.iterdir()}
-    proc = leanimg("checkpoint", "--qmp", guest.qmp, "-o", tmp_path / "x.lean", "--live",
-                   "--guest-free", tmp_path / "nothing.sock")
+    proc = leanimg(
+        "checkpoint", "--qmp", guest.qmp, "-o", tmp_path / "x.lean", "--live", "--guest-free", tmp_path / "nothing.sock"
+    )
     assert proc.returncode == 1
     lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith(f"leanimg: error: --guest-free {tmp_path / 'nothing.sock'}: "
-                                                   "cannot connect"), proc.stderr
+    assert len(lines) == 1 and lines[0].startswith(
+        f"leanimg: error: --guest-free {tmp_path / 'nothing.sock'}: cannot connect"
+    ), proc.stderr
     assert {p.name for p in tmp_path.iterdir()} == before
     assert guest.vm.status() == "running"
     wait_heartbeat(guest.vm, "pages", last_heartbeat(guest.vm, "pages"), timeout=60)
@@ -322,9 +375,25 @@ def test_a_q35_guest_with_split_ram_is_refused(tmp_path):
     of pc.ram under the pc map. A paused QEMU that never boots (its RAM is never touched)."""
     QEMU_7_2.require()
     qmp = tmp_path / "qmp.sock"
-    qemu = subprocess.Popen(["qemu-system-x86_64", "-accel", "tcg", "-machine", "q35", "-m", "3G", "-nodefaults",
-                             "-display", "none", "-S", "-qmp", f"unix:{qmp},server=on,wait=off"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    qemu = subprocess.Popen(
+        [
+            "qemu-system-x86_64",
+            "-accel",
+            "tcg",
+            "-machine",
+            "q35",
+            "-m",
+            "3G",
+            "-nodefaults",
+            "-display",
+            "none",
+            "-S",
+            "-qmp",
+            f"unix:{qmp},server=on,wait=off",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         out = tmp_path / "out"
         out.mkdir()
@@ -338,8 +407,9 @@ def test_a_q35_guest_with_split_ram_is_refused(tmp_path):
         qemu.wait(timeout=60)
     assert proc.returncode == 1
     lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and re.search(r"--guest-free: machine pc-q35-[\d.]+-machine with 3072 MiB of RAM",
-                                         lines[0]), proc.stderr
+    assert len(lines) == 1 and re.search(
+        r"--guest-free: machine pc-q35-[\d.]+-machine with 3072 MiB of RAM", lines[0]
+    ), proc.stderr
     assert list(out.iterdir()) == []
 
 
@@ -347,8 +417,16 @@ def test_a_q35_guest_with_split_ram_is_refused(tmp_path):
 def test_guest_free_needs_live(tmp_path, mode):
     """Stop mode and --background cannot use guest free lists (spec/hints.md §3.1): refused
     before anything is asked of QEMU."""
-    proc = leanimg("checkpoint", "--qmp", tmp_path / "qmp.sock", "-o", tmp_path / "x.lean", *mode,
-                   "--guest-free", tmp_path / "free.sock")
+    proc = leanimg(
+        "checkpoint",
+        "--qmp",
+        tmp_path / "qmp.sock",
+        "-o",
+        tmp_path / "x.lean",
+        *mode,
+        "--guest-free",
+        tmp_path / "free.sock",
+    )
     assert proc.returncode == 2
     assert "--guest-free needs --live" in proc.stderr and "Traceback" not in proc.stderr
     assert list(tmp_path.iterdir()) == []

@@ -20,7 +20,7 @@ from leanimg.converters.qemu import Page, PageRun, read_qemu_stream
 pytestmark = pytest.mark.qemu
 
 LEANIMG = command_line()
-VGA_WINDOW = (0xA0000, 0xC0000)       # pmemsave reads the VGA device there, not pc.ram
+VGA_WINDOW = (0xA0000, 0xC0000)  # pmemsave reads the VGA device there, not pc.ram
 MEM_MIB = 128
 
 
@@ -32,7 +32,7 @@ def live_save(request, tmp_path_factory):
     build = build_guest()
     with GuestVM(build, copy_disk(build.disk, work / "disk.img"), mem_mib=MEM_MIB, qemu=qemu) as vm:
         vm.wait_ready()
-        vm.run_workload("pages", "24", "0", "1000")        # rewrite all of 24 MiB every round
+        vm.run_workload("pages", "24", "0", "1000")  # rewrite all of 24 MiB every round
         wait_heartbeat(vm, "pages", last_heartbeat(vm, "pages") + 2)
         # no stop, and a bandwidth the guest's rewrites outpace for a while: pages get resent
         vm.qmp.execute("migrate-set-parameters", **{"max-bandwidth": 100 << 20})
@@ -41,8 +41,13 @@ def live_save(request, tmp_path_factory):
         assert vm.status() == "postmigrate"
     # The source's memory can still change after the last RAM sync, so its pmemsave is not the
     # truth for a live save: QEMU itself loading the original stream is.
-    with GuestVM(build, copy_disk(build.disk, work / "disk2.img"), mem_mib=MEM_MIB,
-                 incoming=f"exec:cat {work / 'live.save'}", qemu=qemu) as loaded:
+    with GuestVM(
+        build,
+        copy_disk(build.disk, work / "disk2.img"),
+        mem_mib=MEM_MIB,
+        incoming=f"exec:cat {work / 'live.save'}",
+        qemu=qemu,
+    ) as loaded:
         loaded.wait_incoming(timeout=180)
         loaded.pmemsave(work / "live.mem")
     return work
@@ -66,13 +71,14 @@ def _leanimg(*args, **kw) -> subprocess.CompletedProcess:
 def _assert_ram_is(image, mem_path, tmp_path):
     raw = tmp_path / f"{image.stem}.raw"
     assert _leanimg("restore", image, "--to", "raw", "-o", raw).returncode == 0
-    ram = np.fromfile(raw, np.uint8, count=MEM_MIB << 20)     # pc.ram is the first region
+    ram = np.fromfile(raw, np.uint8, count=MEM_MIB << 20)  # pc.ram is the first region
     mem = np.fromfile(mem_path, np.uint8)
     lo, hi = VGA_WINDOW
     for part in (slice(0, lo), slice(hi, len(mem))):
         diff = np.flatnonzero(ram[part] != mem[part])
-        assert not len(diff), (f"{len(diff)} bytes differ from QEMU's load of the original stream, "
-                               f"first at {part.start + diff[0]:#x}")
+        assert not len(diff), (
+            f"{len(diff)} bytes differ from QEMU's load of the original stream, first at {part.start + diff[0]:#x}"
+        )
 
 
 def test_the_live_save_resends_pages(live_save):

@@ -46,7 +46,7 @@ class Save:
     save: Path
     mem: Path
     disk: Path
-    capabilities: dict      # the migration capabilities it was made with (and loads with)
+    capabilities: dict  # the migration capabilities it was made with (and loads with)
     heartbeat: int
     qemu: Qemu
 
@@ -61,8 +61,10 @@ def leanimg(*args, check: bool = True) -> subprocess.CompletedProcess:
 
 def set_capabilities(vm: GuestVM, capabilities: dict) -> None:
     names = ("mapped-ram", "multifd")
-    vm.qmp.execute("migrate-set-capabilities", capabilities=[
-        {"capability": name, "state": bool(capabilities.get(name))} for name in names])
+    vm.qmp.execute(
+        "migrate-set-capabilities",
+        capabilities=[{"capability": name, "state": bool(capabilities.get(name))} for name in names],
+    )
     if capabilities.get("multifd"):
         vm.qmp.execute("migrate-set-parameters", **{"multifd-channels": 2})
 
@@ -87,14 +89,17 @@ def saves(tmp_path_factory) -> dict[str, Save]:
     work = tmp_path_factory.mktemp("mapped-ram")
     build = build_guest()
     (work / "source").mkdir()
-    with GuestVM(build, copy_disk(build.disk, work / "disk.img"), mem_mib=MEM_MIB, workdir=work / "source",
-                 qemu=QEMU_10_0) as vm:
+    with GuestVM(
+        build, copy_disk(build.disk, work / "disk.img"), mem_mib=MEM_MIB, workdir=work / "source", qemu=QEMU_10_0
+    ) as vm:
         vm.wait_ready(timeout=300)
         vm.run_workload("pagecache", "/mnt")
         wait_heartbeat(vm, "pagecache", 0)
-        return {"mapped": save_as(vm, work, "mapped", MAPPED),
-                "mapped-multifd": save_as(vm, work, "mapped-multifd", MAPPED_MULTIFD),
-                "plain": save_as(vm, work, "plain", {})}
+        return {
+            "mapped": save_as(vm, work, "mapped", MAPPED),
+            "mapped-multifd": save_as(vm, work, "mapped-multifd", MAPPED_MULTIFD),
+            "plain": save_as(vm, work, "plain", {}),
+        }
 
 
 @pytest.fixture(scope="module")
@@ -112,8 +117,14 @@ def load_file(s: Save, file: Path, capabilities: dict, workdir: Path) -> None:
     """A fresh QEMU 10 on a copy of the save's disk loads ``file`` through `migrate-incoming
     file:` with ``capabilities``: memory equal to the save's pmemsave, the guest runs on."""
     workdir.mkdir()
-    with GuestVM(build_guest(), copy_disk(s.disk, workdir / "disk.img"), mem_mib=MEM_MIB, workdir=workdir,
-                 incoming="defer", qemu=s.qemu) as vm:
+    with GuestVM(
+        build_guest(),
+        copy_disk(s.disk, workdir / "disk.img"),
+        mem_mib=MEM_MIB,
+        workdir=workdir,
+        incoming="defer",
+        qemu=s.qemu,
+    ) as vm:
         set_capabilities(vm, capabilities)
         vm.qmp.execute("migrate-incoming", uri=f"file:{file}")
         assert_loaded(vm, s, workdir)
@@ -121,8 +132,14 @@ def load_file(s: Save, file: Path, capabilities: dict, workdir: Path) -> None:
 
 def load_exec(s: Save, argv: list[str], workdir: Path) -> None:
     workdir.mkdir()
-    with GuestVM(build_guest(), copy_disk(s.disk, workdir / "disk.img"), mem_mib=MEM_MIB, workdir=workdir,
-                 incoming=f"exec:{shlex.join(argv)}", qemu=s.qemu) as vm:
+    with GuestVM(
+        build_guest(),
+        copy_disk(s.disk, workdir / "disk.img"),
+        mem_mib=MEM_MIB,
+        workdir=workdir,
+        incoming=f"exec:{shlex.join(argv)}",
+        qemu=s.qemu,
+    ) as vm:
         assert_loaded(vm, s, workdir)
 
 
@@ -138,6 +155,7 @@ def assert_loaded(vm: GuestVM, s: Save, workdir: Path) -> None:
 
 
 # ------------------------------------------------------------------ the tests
+
 
 @pytest.mark.parametrize("name", ["mapped", "mapped-multifd"])
 def test_qemus_mapped_ram_file_comes_back_byte_for_byte(name, saves, images, tmp_path):
@@ -157,8 +175,9 @@ def test_leanimgs_mapped_ram_file_loads_into_qemu_10(name, saves, images, tmp_pa
 
 
 def test_a_mapped_ram_image_restores_as_a_plain_stream(saves, images, tmp_path):
-    load_exec(saves["mapped"], [*LEANIMG, "restore", str(images["mapped"]), "--to", "qemu", "-o", "-"],
-              tmp_path / "dest")
+    load_exec(
+        saves["mapped"], [*LEANIMG, "restore", str(images["mapped"]), "--to", "qemu", "-o", "-"], tmp_path / "dest"
+    )
 
 
 def test_a_plain_save_restores_as_a_mapped_ram_file(saves, images, tmp_path):
@@ -168,8 +187,13 @@ def test_a_plain_save_restores_as_a_mapped_ram_file(saves, images, tmp_path):
 
 
 def test_a_mapped_ram_file_is_no_pipe(images, tmp_path):
-    proc = subprocess.run(f"{shlex.join([*LEANIMG, 'restore', str(images['mapped']), '--to', 'qemu-mapped-ram', '-o', '-'])}"
-                          " | cat", shell=True, capture_output=True, timeout=120, cwd=tmp_path)
+    proc = subprocess.run(
+        f"{shlex.join([*LEANIMG, 'restore', str(images['mapped']), '--to', 'qemu-mapped-ram', '-o', '-'])} | cat",
+        shell=True,
+        capture_output=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
     assert proc.stdout == b"", "nothing written"
     assert b"needs an output that can seek" in proc.stderr and b"Traceback" not in proc.stderr
 
@@ -179,7 +203,13 @@ def test_a_mapped_ram_image_serves_a_post_copy_restore(saves, images, tmp_path):
     entries, so its configuration does not list mapped-ram (the destination has it off)."""
     s = saves["mapped"]
     argv = [*LEANIMG, "serve", str(images["mapped"]), "--postcopy", "--precopy-seconds", "0"]
-    with GuestVM(build_guest(), copy_disk(s.disk, tmp_path / "disk.img"), mem_mib=MEM_MIB, workdir=tmp_path,
-                 incoming=f"exec:{shlex.join(argv)}", qemu=s.qemu,
-                 extra_args=("-global", "migration.x-postcopy-ram=on")) as vm:
+    with GuestVM(
+        build_guest(),
+        copy_disk(s.disk, tmp_path / "disk.img"),
+        mem_mib=MEM_MIB,
+        workdir=tmp_path,
+        incoming=f"exec:{shlex.join(argv)}",
+        qemu=s.qemu,
+        extra_args=("-global", "migration.x-postcopy-ram=on"),
+    ) as vm:
         assert_loaded(vm, s, tmp_path)

@@ -59,18 +59,25 @@ MIGRATION_TIMEOUT = 240
 
 def cli(*args) -> subprocess.CompletedProcess:
     proc = subprocess.run([*LEANIMG, *map(str, args)], capture_output=True, timeout=CLI_TIMEOUT)
-    assert proc.returncode == 0, (f"leanimg {' '.join(map(str, args))} exited {proc.returncode}:\n"
-                                  f"{proc.stderr.decode(errors='replace')}")
+    assert proc.returncode == 0, (
+        f"leanimg {' '.join(map(str, args))} exited {proc.returncode}:\n{proc.stderr.decode(errors='replace')}"
+    )
     return proc
 
 
 # ------------------------------------------------------------------ fixtures
 
+
 @pytest.fixture(scope="module", params=qemu_params())
 def saves(request, tmp_path_factory) -> dict[str, SavePoint]:
     request.param.require()
-    points = run_scenario(tmp_path_factory.mktemp(f"postcopy-{request.param.id}"), STEPS, mem_mib=128,
-                          save_after={"check", "words"}, qemu=request.param)
+    points = run_scenario(
+        tmp_path_factory.mktemp(f"postcopy-{request.param.id}"),
+        STEPS,
+        mem_mib=128,
+        save_after={"check", "words"},
+        qemu=request.param,
+    )
     return {"base": points["check"], "next": points["words"]}
 
 
@@ -87,14 +94,24 @@ def images(saves, tmp_path_factory) -> dict[str, tuple[Path, SavePoint, tuple[st
     cli("convert", base.save, "-o", disk, "--disk", f"vda={base.disk}")
     cli("convert", nxt.save, "-o", chain, "--parent", inline)
     with_free_pages(inline, free)
-    found = {k: _classes(p, *opts) for k, p, opts in
-             [("inline", inline, ()), ("disk", disk, ("--disk", f"vda={base.disk}")),
-              ("chain", chain, ()), ("free", free, ())]}
+    found = {
+        k: _classes(p, *opts)
+        for k, p, opts in [
+            ("inline", inline, ()),
+            ("disk", disk, ("--disk", f"vda={base.disk}")),
+            ("chain", chain, ()),
+            ("free", free, ()),
+        ]
+    }
     assert found["disk"]["DISK"] > 1000, found["disk"]
     assert found["chain"]["PARENT"] > 1000 and found["chain"]["DELTA"] > 100, found["chain"]
     assert found["free"]["FREE"] > 1000, found["free"]
-    return {"inline": (inline, base, ()), "disk": (disk, base, ("--disk", f"vda={base.disk}")),
-            "chain": (chain, nxt, ()), "free": (free, base, ())}
+    return {
+        "inline": (inline, base, ()),
+        "disk": (disk, base, ("--disk", f"vda={base.disk}")),
+        "chain": (chain, nxt, ()),
+        "free": (free, base, ()),
+    }
 
 
 def _classes(image: Path, *options) -> dict[str, int]:
@@ -127,19 +144,42 @@ def with_free_pages(src: Path, dest: Path) -> None:
 
 # ------------------------------------------------------------------ helpers
 
+
 @contextmanager
-def destination(sp: SavePoint, image: Path | str, workdir: Path, *serve_options: str, autostart: bool = False,
-                env: dict | None = None):
+def destination(
+    sp: SavePoint,
+    image: Path | str,
+    workdir: Path,
+    *serve_options: str,
+    autostart: bool = False,
+    env: dict | None = None,
+):
     """A fresh QEMU on a copy of the checkpoint's disk, its incoming `leanimg serve IMAGE
     --postcopy` (with ``env`` set for it); yields the VM and the path of the serve's --stats file."""
     disk = copy_disk(sp.disk, workdir / "disk.img")
     stats = workdir / "serve-stats.json"
-    argv = [*(["env", *[f"{k}={v}" for k, v in env.items()]] if env else []),
-            *LEANIMG, "serve", str(image), "--postcopy", "--stats", str(stats), *serve_options]
+    argv = [
+        *(["env", *[f"{k}={v}" for k, v in env.items()]] if env else []),
+        *LEANIMG,
+        "serve",
+        str(image),
+        "--postcopy",
+        "--stats",
+        str(stats),
+        *serve_options,
+    ]
     vm_dir = workdir / "dest"
     vm_dir.mkdir()
-    with GuestVM(sp.build, disk, mem_mib=sp.mem_mib, workdir=vm_dir, incoming=f"exec:{shlex.join(argv)}",
-                 extra_args=POSTCOPY, autostart=autostart, qemu=sp.qemu) as vm:
+    with GuestVM(
+        sp.build,
+        disk,
+        mem_mib=sp.mem_mib,
+        workdir=vm_dir,
+        incoming=f"exec:{shlex.join(argv)}",
+        extra_args=POSTCOPY,
+        autostart=autostart,
+        qemu=sp.qemu,
+    ) as vm:
         yield vm, stats
 
 
@@ -168,12 +208,12 @@ def read_stats(path: Path, timeout: float = 60) -> dict:
 
 
 def outside_vga(mem: np.ndarray) -> np.ndarray:
-    return np.concatenate([mem[:VGA_WINDOW[0]], mem[VGA_WINDOW[1]:]])
+    return np.concatenate([mem[: VGA_WINDOW[0]], mem[VGA_WINDOW[1] :]])
 
 
 def assert_same_memory(got: Path, want: np.ndarray, what: str) -> None:
     a = outside_vga(np.fromfile(got, np.uint8))
-    b = outside_vga(want[:VGA_WINDOW[0] + len(a) + VGA_WINDOW[1] - VGA_WINDOW[0]])
+    b = outside_vga(want[: VGA_WINDOW[0] + len(a) + VGA_WINDOW[1] - VGA_WINDOW[0]])
     assert len(a) == len(b), what
     diff = np.flatnonzero(a != b)
     assert not len(diff), f"{what}: {len(diff)} bytes differ, first at {diff[0]:#x}"
@@ -192,8 +232,9 @@ def assert_check_workload_runs(vm: GuestVM, rounds: int = 2, timeout: float = 12
     while len(heartbeats(vm.serial.text, "check")) < rounds:
         assert "WORKLOAD-ERROR" not in vm.serial.text, vm.serial.text[-1500:]
         if time.monotonic() > deadline:
-            raise GuestError(f"no {rounds} check heartbeats within {timeout}s:\n{vm.serial.text[-1500:]}\n"
-                             f"{vm.qemu_output()[-1500:]}")
+            raise GuestError(
+                f"no {rounds} check heartbeats within {timeout}s:\n{vm.serial.text[-1500:]}\n{vm.qemu_output()[-1500:]}"
+            )
         time.sleep(0.2)
     assert "WORKLOAD-ERROR" not in vm.serial.text, vm.serial.text[-1500:]
 
@@ -207,6 +248,7 @@ def assert_counts_add_up(stats: dict) -> None:
 
 # ------------------------------------------------------------------ the tests
 
+
 @pytest.mark.parametrize("kind", IMAGE_KINDS)
 def test_lazy_restore_gives_the_checkpoint_memory(kind, images, tmp_path):
     image, sp, options = images[kind]
@@ -215,8 +257,9 @@ def test_lazy_restore_gives_the_checkpoint_memory(kind, images, tmp_path):
         assert vm.status() == "paused"
         vm.pmemsave(tmp_path / "dest.mem")
         size = sp.mem_mib << 20
-        assert_same_memory(tmp_path / "dest.mem", raw_restore(image, options, tmp_path, size),
-                           "pmemsave vs restore --to raw")
+        assert_same_memory(
+            tmp_path / "dest.mem", raw_restore(image, options, tmp_path, size), "pmemsave vs restore --to raw"
+        )
         assert_same_memory(tmp_path / "dest.mem", np.fromfile(sp.mem, np.uint8), "pmemsave vs checkpoint")
         vm.cont()
         assert_check_workload_runs(vm)
@@ -231,8 +274,9 @@ def test_guest_runs_before_its_memory_arrived(kind, strategy, images, tmp_path):
     """No -S: the guest starts at POSTCOPY_RUN, faults pages in while the rest is pushed
     (no pre-copy before RUN: a 128 MiB guest's pages could all go before it)."""
     image, sp, options = images[kind]
-    with destination(sp, image, tmp_path, *options, "--prepage", strategy, "--precopy-seconds", "0",
-                     autostart=True) as (vm, stats_path):
+    with destination(
+        sp, image, tmp_path, *options, "--prepage", strategy, "--precopy-seconds", "0", autostart=True
+    ) as (vm, stats_path):
         assert_check_workload_runs(vm)
         assert wait_migration(vm, {"completed"}) == "completed"
         assert_check_workload_runs(vm, rounds=len(heartbeats(vm.serial.text, "check")) + 2)
@@ -268,17 +312,20 @@ def test_a_recorded_working_set_arrives_before_the_guest_runs(kind, images, tmp_
     image, sp, options = images[kind]
     recorded = tmp_path / "faults.lws"
     (tmp_path / "record").mkdir()
-    with destination(sp, image, tmp_path / "record", *options, "--prepage", "none", "--record-faults", str(recorded),
-                     autostart=True) as (vm, stats_path):
+    with destination(
+        sp, image, tmp_path / "record", *options, "--prepage", "none", "--record-faults", str(recorded), autostart=True
+    ) as (vm, stats_path):
         assert_check_workload_runs(vm)
         vm.qmp.execute("quit")
         vm.proc.wait(timeout=60)
     first = read_stats(stats_path)
     assert first["recorded_faults"] > 100 and recorded.stat().st_size == 24 + first["recorded_faults"] * 8 + sum(
-        1 + len(name) for name in _ram_block_names(recorded)), first
+        1 + len(name) for name in _ram_block_names(recorded)
+    ), first
     (tmp_path / "replay").mkdir()
-    with destination(sp, image, tmp_path / "replay", *options, "--prepage", "sequential", "--working-set",
-                     str(recorded)) as (vm, stats_path):
+    with destination(
+        sp, image, tmp_path / "replay", *options, "--prepage", "sequential", "--working-set", str(recorded)
+    ) as (vm, stats_path):
         assert wait_migration(vm, {"completed"}) == "completed"
         vm.pmemsave(tmp_path / "dest.mem")
         assert_same_memory(tmp_path / "dest.mem", np.fromfile(sp.mem, np.uint8), "pmemsave vs checkpoint")
@@ -288,7 +335,7 @@ def test_a_recorded_working_set_arrives_before_the_guest_runs(kind, images, tmp_
     assert_counts_add_up(stats)
     assert 100 < stats["working_set_pages"] <= first["recorded_faults"], stats
     asked = {(block, page) for _, _, block, page in stats["first_requests"]}
-    assert len(stats["first_requests"]) == stats["requests"], stats    # every request listed (devices
+    assert len(stats["first_requests"]) == stats["requests"], stats  # every request listed (devices
     # loading may touch guest memory under -S; QEMU asks for one 4 KiB page a request)
     assert not asked & _travelled(image, recorded), "a page sent before RUN was asked for: it was not placed"
 
@@ -296,6 +343,7 @@ def test_a_recorded_working_set_arrives_before_the_guest_runs(kind, images, tmp_
 def _travelled(image: Path, working_set: Path) -> set[tuple[str, int]]:
     """The pages of ``working_set`` that are neither ZERO nor FREE in ``image``."""
     from leanimg.restore.working_set import read_working_set
+
     with LeanImage.open(image) as img:
         classes = {r.name: img.classes(r) for r in img.regions}
         listed = read_working_set(str(working_set), img.page_size, {n: len(c) for n, c in classes.items()})
@@ -307,7 +355,7 @@ def _ram_block_names(path: Path) -> list[str]:
     blob = path.read_bytes()
     names, at = [], 24
     for _ in range(int.from_bytes(blob[16:20], "little")):
-        names.append(blob[at + 1:at + 1 + blob[at]].decode())
+        names.append(blob[at + 1 : at + 1 + blob[at]].decode())
         at += 1 + blob[at]
     return names
 
@@ -329,8 +377,18 @@ def test_a_disk_changed_under_a_disk_page_stops_the_serve(images, tmp_path):
         byte = f.read(1)
         f.seek(offset + 100)
         f.write(bytes([byte[0] ^ 0xFF]))
-    with destination(sp, image, tmp_path, "--disk", f"vda={bad_disk}", "--any-disk-identity",
-                     "--prepage", "sequential", "--precopy-seconds", "0") as (vm, stats_path):
+    with destination(
+        sp,
+        image,
+        tmp_path,
+        "--disk",
+        f"vda={bad_disk}",
+        "--any-disk-identity",
+        "--prepage",
+        "sequential",
+        "--precopy-seconds",
+        "0",
+    ) as (vm, stats_path):
         assert wait_migration(vm, {"postcopy-paused"}) == "postcopy-paused"
         stats = read_stats(stats_path)
         output = vm.qemu_output()
@@ -361,8 +419,11 @@ def test_lazy_restore_from_object_storage(images, stored_chain, s3store, tmp_pat
     with destination(sp, stored_chain, tmp_path, *options, env=s3store.env) as (vm, stats_path):
         assert wait_migration(vm, {"completed"}) == "completed"
         vm.pmemsave(tmp_path / "dest.mem")
-        assert_same_memory(tmp_path / "dest.mem", raw_restore(image, options, tmp_path, sp.mem_mib << 20),
-                           "pmemsave of the serve from the store vs restore --to raw of the local chain")
+        assert_same_memory(
+            tmp_path / "dest.mem",
+            raw_restore(image, options, tmp_path, sp.mem_mib << 20),
+            "pmemsave of the serve from the store vs restore --to raw of the local chain",
+        )
         vm.cont()
         assert_check_workload_runs(vm)
         assert vm.status() == "running"

@@ -22,33 +22,41 @@ PS = 4096
 
 # ------------------------------------------------------------------ synthetic streams
 
+
 def synthetic_state(plan=None, devices=None, vmdesc=True) -> q.StreamState:
     machine = b"pc-i440fx-7.2"
-    prologue = struct.pack(">II", q.QEVM_MAGIC, 3) + bytes([q.CONFIGURATION]) + \
-        struct.pack(">I", len(machine)) + machine
+    prologue = (
+        struct.pack(">II", q.QEVM_MAGIC, 3) + bytes([q.CONFIGURATION]) + struct.pack(">I", len(machine)) + machine
+    )
     if devices is None:
         devices = [
             q.DeviceSection(q.FULL, q.SectionHeader(3, "timer", 0, 2), b"\x01" * 24),
             # a body that contains its own footer pattern must not end the section early
-            q.DeviceSection(q.FULL, q.SectionHeader(4, "dev2", 0, 1),
-                            b"ab\x7e\x00\x00\x00\x04cd" + bytes(range(256))),
+            q.DeviceSection(q.FULL, q.SectionHeader(4, "dev2", 0, 1), b"ab\x7e\x00\x00\x00\x04cd" + bytes(range(256))),
         ]
-    desc = {"page_size": PS, "devices": [{"name": d.header.idstr,
-                                          "instance_id": d.header.instance_id}
-                                         for d in devices]}
+    desc = {
+        "page_size": PS,
+        "devices": [{"name": d.header.idstr, "instance_id": d.header.instance_id} for d in devices],
+    }
     blocks = (q.RamBlock("blk1", 8 * PS), q.RamBlock("rom", 2 * PS))
-    return q.StreamState(prologue=prologue, machine=machine.decode(), page_size=PS,
-                         capabilities=(), ram=q.SectionHeader(2, "ram", 0, 4),
-                         ram_blocks=blocks, ram_plan=plan or [(q.START, 0), (q.PART, 6),
-                                                              (q.END, 4)],
-                         footers=True, devices=devices,
-                         vmdesc=json.dumps(desc).encode() if vmdesc else None)
+    return q.StreamState(
+        prologue=prologue,
+        machine=machine.decode(),
+        page_size=PS,
+        capabilities=(),
+        ram=q.SectionHeader(2, "ram", 0, 4),
+        ram_blocks=blocks,
+        ram_plan=plan or [(q.START, 0), (q.PART, 6), (q.END, 4)],
+        footers=True,
+        devices=devices,
+        vmdesc=json.dumps(desc).encode() if vmdesc else None,
+    )
 
 
 def synthetic_ram(seed=0) -> dict[str, bytes]:
     rng = np.random.default_rng(seed)
     blk1 = bytearray(rng.bytes(8 * PS))
-    blk1[2 * PS:4 * PS] = bytes(2 * PS)          # two zero pages in the middle
+    blk1[2 * PS : 4 * PS] = bytes(2 * PS)  # two zero pages in the middle
     return {"blk1": bytes(blk1), "rom": bytes(PS) + rng.bytes(PS)}
 
 
@@ -72,6 +80,7 @@ def entry(block: str, offset: int, flags: int) -> bytes:
 
 # ------------------------------------------------------------------ synthetic round trips
 
+
 def test_synthetic_round_trip_is_exact():
     state, ram = synthetic_state(), synthetic_ram()
     data = emit(state, ram)
@@ -86,20 +95,19 @@ def test_events_in_stream_order_with_cheap_zero_pages():
     events = list(q.read_qemu_stream(io.BytesIO(data)))
     assert isinstance(events[0], q.RamBlocks) and isinstance(events[-1], q.StreamEnd)
     pages = [e for e in events if isinstance(e, q.Page)]
-    assert [(p.block, p.offset) for p in pages] == \
-        [("blk1", i * PS) for i in range(8)] + [("rom", 0), ("rom", PS)]
-    assert [p.data is None for p in pages] == [False, False, True, True, False, False,
-                                               False, False, True, False]
+    assert [(p.block, p.offset) for p in pages] == [("blk1", i * PS) for i in range(8)] + [("rom", 0), ("rom", PS)]
+    assert [p.data is None for p in pages] == [False, False, True, True, False, False, False, False, True, False]
     assert events[-1].length == len(data)
 
 
 def test_batched_runs_end_exactly_where_the_entries_change():
     # runs longer than the first 64-entry window, ending inside a later window
-    state = dataclasses.replace(synthetic_state(), ram_blocks=(q.RamBlock("big", 700 * PS),),
-                                ram_plan=[(q.START, 0), (q.PART, 700), (q.END, 0)])
+    state = dataclasses.replace(
+        synthetic_state(), ram_blocks=(q.RamBlock("big", 700 * PS),), ram_plan=[(q.START, 0), (q.PART, 700), (q.END, 0)]
+    )
     rng = np.random.default_rng(5)
     mem = bytearray(rng.bytes(700 * PS))
-    mem[300 * PS:400 * PS] = bytes(100 * PS)
+    mem[300 * PS : 400 * PS] = bytes(100 * PS)
     data = emit(state, {"big": bytes(mem)})
     got, kinds = bytearray(), []
     for event in q.read_qemu_stream(io.BytesIO(data), batch=True):
@@ -129,9 +137,15 @@ def test_state_serialises_to_bytes_and_back():
 def test_page_sent_twice_keeps_last_copy():
     state, ram = synthetic_state(), synthetic_ram()
     data = emit(state, ram)
-    start_end = data.index(b"\x7e\x00\x00\x00\x02") + 5       # after START's footer
-    early = bytes([q.PART]) + struct.pack(">I", 2) + entry("blk1", 0, q.F_PAGE) + \
-        b"A" * PS + struct.pack(">Q", q.F_EOS) + b"\x7e\x00\x00\x00\x02"
+    start_end = data.index(b"\x7e\x00\x00\x00\x02") + 5  # after START's footer
+    early = (
+        bytes([q.PART])
+        + struct.pack(">I", 2)
+        + entry("blk1", 0, q.F_PAGE)
+        + b"A" * PS
+        + struct.pack(">Q", q.F_EOS)
+        + b"\x7e\x00\x00\x00\x02"
+    )
     _, ram2 = parse(data[:start_end] + early + data[start_end:])
     assert ram2 == ram
 
@@ -155,7 +169,7 @@ def test_switchover_start_is_kept_and_given_back_byte_for_byte():
     state, ram = synthetic_state(plan=SWITCHOVER), synthetic_ram()
     data = emit(state, ram)
     end = data.index(bytes([q.END]) + struct.pack(">I", 2))
-    assert data[end - 5:end] == b"\x08\x00\x0b\x00\x00"
+    assert data[end - 5 : end] == b"\x08\x00\x0b\x00\x00"
     state2, ram2 = parse(data)
     assert ram2 == ram and state2.ram_plan == SWITCHOVER
     assert emit(q.StreamState.from_bytes(state2.to_bytes()), ram2) == data
@@ -171,11 +185,20 @@ def test_switchover_start_survives_a_plan_that_no_longer_fits():
 def _with_command(cmd: int, length: int = 0, data: bytes = b"") -> tuple[bytes, int]:
     stream = emit(synthetic_state(plan=SWITCHOVER), synthetic_ram())
     at = stream.index(b"\x08\x00\x0b\x00\x00")
-    return stream[:at] + bytes([q.COMMAND]) + struct.pack(">HH", cmd, length) + data + stream[at + 5:], at
+    return stream[:at] + bytes([q.COMMAND]) + struct.pack(">HH", cmd, length) + data + stream[at + 5 :], at
 
 
-@pytest.mark.parametrize("cmd, name", [(1, "OPEN_RETURN_PATH"), (2, "PING"), (3, "POSTCOPY_ADVISE"),
-                                       (7, "PACKAGED"), (8, "ENABLE_COLO"), (10, "RECV_BITMAP")])
+@pytest.mark.parametrize(
+    "cmd, name",
+    [
+        (1, "OPEN_RETURN_PATH"),
+        (2, "PING"),
+        (3, "POSTCOPY_ADVISE"),
+        (7, "PACKAGED"),
+        (8, "ENABLE_COLO"),
+        (10, "RECV_BITMAP"),
+    ],
+)
 def test_commands_a_saved_stream_cannot_carry_are_refused_by_name(cmd, name):
     stream, at = _with_command(cmd, 4, b"\0" * 4)
     with pytest.raises(UnsupportedError, match=rf"QEMU_VM_COMMAND {cmd} {name}") as e:
@@ -199,8 +222,7 @@ def test_switchover_start_with_data_is_refused():
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.lists(st.sampled_from([b"\0", b"\1", b"\xff", None]), min_size=10, max_size=10),
-       st.integers(0, 10))
+@given(st.lists(st.sampled_from([b"\0", b"\1", b"\xff", None]), min_size=10, max_size=10), st.integers(0, 10))
 def test_property_pages_survive_round_trip(kinds, split):
     """Any mix of zero / non-zero pages and any section split gives back the same pages."""
     rng = np.random.default_rng(len(kinds) + split)
@@ -213,6 +235,7 @@ def test_property_pages_survive_round_trip(kinds, split):
 
 
 # ------------------------------------------------------------------ bad input
+
 
 def expect_error(data: bytes, cls=SourceFormatError, match: str = "", offset=None):
     with pytest.raises(cls) as e:
@@ -233,7 +256,7 @@ def good():
 
 @pytest.mark.parametrize("cut", [0, 3, 9, 20, 40, 60, 200, 5000, -400, -120, -1])
 def test_truncation_anywhere(good, cut):
-    data = good[:cut] if cut >= 0 else good[:len(good) + cut]
+    data = good[:cut] if cut >= 0 else good[: len(good) + cut]
     err = expect_error(data, match="truncated")
     assert err.offset <= len(data)
 
@@ -244,27 +267,29 @@ def test_bad_magic(good):
 
 def test_corrupt_section_id(good):
     part = good.index(bytes([q.PART]) + struct.pack(">I", 2))
-    bad = good[:part + 1] + struct.pack(">I", 9) + good[part + 5:]
+    bad = good[: part + 1] + struct.pack(">I", 9) + good[part + 5 :]
     err = expect_error(bad, match="section id", offset=part + 1)
     assert "'ram'" in err.message
 
 
 def test_corrupt_section_type(good):
     part = good.index(bytes([q.PART]) + struct.pack(">I", 2))
-    expect_error(good[:part] + b"\x42" + good[part + 1:], match="section type", offset=part)
+    expect_error(good[:part] + b"\x42" + good[part + 1 :], match="section type", offset=part)
 
 
 def test_unknown_page_flag(good):
     at = good.index(entry("blk1", 0, q.F_PAGE))
-    bad = good[:at] + struct.pack(">Q", q.F_PAGE | 0x400) + good[at + 8:]
+    bad = good[:at] + struct.pack(">Q", q.F_PAGE | 0x400) + good[at + 8 :]
     expect_error(bad, match="RAM flags", offset=at)
 
 
-@pytest.mark.parametrize("flag,feature", [(q.F_XBZRLE, "XBZRLE"), (q.F_COMPRESS, "compressed"),
-                                          (q.F_HOOK, "RDMA"), (q.F_MULTIFD_FLUSH, "multifd")])
+@pytest.mark.parametrize(
+    "flag,feature",
+    [(q.F_XBZRLE, "XBZRLE"), (q.F_COMPRESS, "compressed"), (q.F_HOOK, "RDMA"), (q.F_MULTIFD_FLUSH, "multifd")],
+)
 def test_unsupported_page_encodings(good, flag, feature):
     at = good.index(entry("blk1", 0, q.F_PAGE))
-    bad = good[:at] + struct.pack(">Q", flag) + good[at + 8:]
+    bad = good[:at] + struct.pack(">Q", flag) + good[at + 8 :]
     err = expect_error(bad, UnsupportedError, match=feature, offset=at)
     assert "PART 'ram'" in err.structure
 
@@ -272,15 +297,14 @@ def test_unsupported_page_encodings(good, flag, feature):
 def test_postcopy_command_is_unsupported(good):
     start = good.index(bytes([q.START]))
     cmd = bytes([q.COMMAND]) + struct.pack(">HH", 3, 0)
-    expect_error(good[:start] + cmd + good[start:], UnsupportedError, match="QEMU_VM_COMMAND",
-                 offset=start)
+    expect_error(good[:start] + cmd + good[start:], UnsupportedError, match="QEMU_VM_COMMAND", offset=start)
 
 
 def test_lying_block_length_in_mem_size(good):
     at = good.index(b"\x04blk1") + 5
-    bad = good[:at] + struct.pack(">Q", 4 * PS) + good[at + 8:]
+    bad = good[:at] + struct.pack(">Q", 4 * PS) + good[at + 8 :]
     expect_error(bad, match="MEM_SIZE 0xa000, lengths so far add up to 0x6000")
-    bad = good[:at] + struct.pack(">Q", 9 * PS) + good[at + 8:]
+    bad = good[:at] + struct.pack(">Q", 9 * PS) + good[at + 8 :]
     expect_error(bad, match="add up to MEM_SIZE 0xa000, got 0xb000")
 
 
@@ -288,14 +312,14 @@ def test_page_beyond_block_length(good):
     # shrink blk1 and grow rom so MEM_SIZE still adds up: page 4.. of blk1 now lie
     at, rom_at = good.index(b"\x04blk1") + 5, good.index(b"\x03rom") + 4
     bad = bytearray(good)
-    bad[at:at + 8] = struct.pack(">Q", 4 * PS)
-    bad[rom_at:rom_at + 8] = struct.pack(">Q", 6 * PS)
+    bad[at : at + 8] = struct.pack(">Q", 4 * PS)
+    bad[rom_at : rom_at + 8] = struct.pack(">Q", 6 * PS)
     expect_error(bytes(bad), match="below block 'blk1' length")
 
 
 def test_ram_block_missing_from_mem_size(good):
     at = good.index(entry("blk1", 0, q.F_PAGE))
-    bad = good[:at] + entry("blkX", 0, q.F_PAGE) + good[at + 13:]
+    bad = good[:at] + entry("blkX", 0, q.F_PAGE) + good[at + 13 :]
     expect_error(bad, match="missing from MEM_SIZE", offset=at + 8)
 
 
@@ -318,13 +342,19 @@ def test_device_sections_must_match_vmdescription():
 
 def test_unsupported_capability():
     state = synthetic_state()
-    caps = bytes([q.SUBSECTION, 26]) + b"configuration/capabilities" + struct.pack(">II", 1, 1) \
-        + bytes([10]) + b"mapped-ram"
+    caps = (
+        bytes([q.SUBSECTION, 26])
+        + b"configuration/capabilities"
+        + struct.pack(">II", 1, 1)
+        + bytes([10])
+        + b"mapped-ram"
+    )
     data = emit(dataclasses.replace(state, prologue=state.prologue + caps), synthetic_ram())
     expect_error(data, UnsupportedError, match="mapped-ram")
 
 
 # ------------------------------------------------------------------ real QEMU
+
 
 @pytest.mark.qemu
 def test_parse_real_save(saved_guest):
@@ -353,7 +383,7 @@ def test_real_save_pages_match_pmemsave(saved_guest):
     with image:
         ram = np.frombuffer(image.read("pc.ram"), np.uint8)
     mem = np.fromfile(saved_guest.mem, np.uint8)
-    low = slice(0, 0xA0000)                     # below the VGA / BIOS window
+    low = slice(0, 0xA0000)  # below the VGA / BIOS window
     high = slice(0x100000, len(mem))
     assert np.array_equal(ram[low], mem[low]) and np.array_equal(ram[high], mem[high])
 
@@ -364,8 +394,7 @@ def test_real_save_reemitted_byte_identical(saved_guest, tmp_path):
         state, image = q.load_stream(f, tmp_path)
     out = tmp_path / "again.save"
     with image, open(out, "wb") as f:
-        q.write_qemu_stream(f, q.StreamState.from_bytes(state.to_bytes()), None,
-                            image.page_source)
+        q.write_qemu_stream(f, q.StreamState.from_bytes(state.to_bytes()), None, image.page_source)
     assert out.read_bytes() == saved_guest.save.read_bytes()
 
 
@@ -389,12 +418,18 @@ def test_restore_into_fresh_qemu(saved_guest, tmp_path):
     rebuilt = tmp_path / "rebuilt.save"
     with image, open(rebuilt, "wb") as f:
         q.write_qemu_stream(f, dataclasses.replace(state, ram_plan=plan), None, image.page_source)
-    assert rebuilt.read_bytes() != saved_guest.save.read_bytes()   # a different stream
+    assert rebuilt.read_bytes() != saved_guest.save.read_bytes()  # a different stream
     disk = copy_disk(saved_guest.disk, tmp_path / "disk.img")
     vm_dir = tmp_path / "dest"
     vm_dir.mkdir()
-    with GuestVM(saved_guest.build, disk, mem_mib=saved_guest.mem_mib, workdir=vm_dir,
-                 incoming=f"exec:cat {rebuilt}", qemu=saved_guest.qemu) as vm:
+    with GuestVM(
+        saved_guest.build,
+        disk,
+        mem_mib=saved_guest.mem_mib,
+        workdir=vm_dir,
+        incoming=f"exec:cat {rebuilt}",
+        qemu=saved_guest.qemu,
+    ) as vm:
         vm.wait_incoming()
         vm.pmemsave(tmp_path / "restored.bin")
         assert (tmp_path / "restored.bin").read_bytes() == saved_guest.mem.read_bytes()
@@ -413,7 +448,7 @@ def test_ram_after_device_state_is_refused_by_name():
     """virtio-mem (machine types >= 8.0) sends a FULL section during setup, before the RAM's
     PART sections: refused, not taken for the device tail."""
     stream = emit(synthetic_state(), synthetic_ram())
-    start_end = stream.index(b"\x7e\x00\x00\x00\x02") + 5       # after START's footer
+    start_end = stream.index(b"\x7e\x00\x00\x00\x02") + 5  # after START's footer
     early = q.DeviceSection(q.FULL, q.SectionHeader(9, "0000:00:02.0/virtio-mem-device-early", 0, 1), b"\x00" * 8)
     with pytest.raises(UnsupportedError, match=r"a RAM section \(PART\) after device state") as e:
         parse(stream[:start_end] + early.to_bytes(True) + stream[start_end:])
@@ -425,8 +460,8 @@ def test_a_state_record_with_a_plan_no_stream_has_is_refused(plan):
     blob = synthetic_state().to_bytes()
     head = len(q._STATE_MAGIC)
     n = struct.unpack_from(">I", blob, head)[0]
-    meta = json.loads(blob[head + 4:head + 4 + n])
+    meta = json.loads(blob[head + 4 : head + 4 + n])
     meta["ram_plan"] = plan
     text = json.dumps(meta).encode()
     with pytest.raises(SourceFormatError, match="expected a valid state record"):
-        q.StreamState.from_bytes(blob[:head] + struct.pack(">I", len(text)) + text + blob[head + 4 + n:])
+        q.StreamState.from_bytes(blob[:head] + struct.pack(">I", len(text)) + text + blob[head + 4 + n :])

@@ -22,8 +22,14 @@ from leanimg.tables import FrameTable
 from leanimg.writer import LeanImageWriter, ParentLink
 
 PS = 4096
-S, Z, F, D, P, DL = (PageClass.STORED, PageClass.ZERO, PageClass.FREE, PageClass.DISK, PageClass.PARENT,
-                     PageClass.DELTA)
+S, Z, F, D, P, DL = (
+    PageClass.STORED,
+    PageClass.ZERO,
+    PageClass.FREE,
+    PageClass.DISK,
+    PageClass.PARENT,
+    PageClass.DELTA,
+)
 
 
 @pytest.fixture(scope="module")
@@ -34,8 +40,10 @@ def chain(tmp_path_factory):
 @pytest.fixture
 def child(chain):
     """The child opened with its parent and its disk."""
-    with disk_sources({"disk0": chain.disk}) as disks, LeanImage.open(chain.child, parents=[chain.parent],
-                                                                      disks=disks) as image:
+    with (
+        disk_sources({"disk0": chain.disk}) as disks,
+        LeanImage.open(chain.child, parents=[chain.parent], disks=disks) as image,
+    ):
         yield image
 
 
@@ -46,7 +54,7 @@ def parent(chain):
 
 
 def page_of(content: bytes, page: int) -> bytes:
-    return content[page * PS:(page + 1) * PS]
+    return content[page * PS : (page + 1) * PS]
 
 
 # --- opening and closing ---------------------------------------------------------------------
@@ -106,10 +114,18 @@ def test_classes_of_a_region_and_of_a_range(child):
 
 def test_page_slots_and_page_location(child):
     ram = child.region("ram")
-    assert child.page_slots(ram, 5, 3).tolist() == [0, 1, 1]           # disk refs 0, 1; delta entry 1
-    assert child.page_slots(ram, 1, 2).tolist() == [0, 0]              # delta entry 0, stored ordinal 0
-    assert [child.page_location(ram, p) for p in range(8)] == \
-        [(P, 0), (DL, 0), (S, 0), (Z, 0), (F, 0), (D, 0), (D, 1), (DL, 1)]
+    assert child.page_slots(ram, 5, 3).tolist() == [0, 1, 1]  # disk refs 0, 1; delta entry 1
+    assert child.page_slots(ram, 1, 2).tolist() == [0, 0]  # delta entry 0, stored ordinal 0
+    assert [child.page_location(ram, p) for p in range(8)] == [
+        (P, 0),
+        (DL, 0),
+        (S, 0),
+        (Z, 0),
+        (F, 0),
+        (D, 0),
+        (D, 1),
+        (DL, 1),
+    ]
     for page in (-1, 8):
         with pytest.raises(LeanImageError, match="outside region 'ram'"):
             child.page_location(ram, page)
@@ -131,14 +147,15 @@ def test_read_page_by_region_name(chain, child):
 
 def test_read_page_on_a_disk_not_attached(chain):
     with LeanImage.open(chain.child, parents=[chain.parent]) as image:
-        assert image.read_page("ram", 4) == bytes(PS)                   # FREE: nothing to read
+        assert image.read_page("ram", 4) == bytes(PS)  # FREE: nothing to read
         with pytest.raises(DiskError, match=r"page 5 is on disk 'disk0': pass --disk disk0=PATH"):
             image.read_page("ram", 5)
 
 
 def _joined_pieces(image, region, first, count) -> bytes:
-    return b"".join(bytes(n * PS) if data is None else bytes(data) for n, data in
-                    image.region_pieces(region, first, count))
+    return b"".join(
+        bytes(n * PS) if data is None else bytes(data) for n, data in image.region_pieces(region, first, count)
+    )
 
 
 @pytest.mark.parametrize("which", ["parent", "child"])
@@ -148,7 +165,7 @@ def test_region_bytes_equals_region_pieces_joined(chain, which, request):
         content = getattr(chain, f"{which}_content")[region.name]
         n = region.num_pages
         for first, count in ((0, n), (1, n - 1), (n - 1, 1)):
-            want = content[first * PS:(first + count) * PS]
+            want = content[first * PS : (first + count) * PS]
             assert bytes(image.region_bytes(region, first, count)) == want, (region.name, first, count)
             assert _joined_pieces(image, region, first, count) == want, (region.name, first, count)
 
@@ -229,7 +246,7 @@ def test_frame_table_frame_of():
 
 def test_image_tables_list_the_frames(parent, child):
     frames = parent.tables.page_frames
-    assert (len(frames), frames.total) == (9, 9)                   # one page per frame
+    assert (len(frames), frames.total) == (9, 9)  # one page per frame
     assert frames.frame_of([0, 8]).tolist() == [0, 8]
     assert (parent.index_entries["record_type"][frames.positions] == 0x10).all()
     assert (len(child.tables.delta_frames), child.tables.delta_frames.total) == (1, 2)
@@ -241,11 +258,11 @@ def test_frame_store_caches_a_few_frames(chain, parent):
     first, digests = frames.frame(0, with_digests=True)
     assert first == page_of(chain.parent_content["ram"], 0)
     assert digests.tolist() == page_digests(first, PS).tolist()
-    assert frames.frame(0)[0] is first                             # cached
+    assert frames.frame(0)[0] is first  # cached
     for k in range(1, FRAME_CACHE_SIZE + 1):
         frames.frame(k)
     again = frames.frame(0)[0]
-    assert again is not first and again == first                  # evicted, read again
+    assert again is not first and again == first  # evicted, read again
     assert frames.stored_page(8) == page_of(chain.parent_content["rom"], 1)
 
 
@@ -267,15 +284,17 @@ def test_digest_store_expected_range(chain, child):
     assert expected[2].tobytes() == bytes(DIGEST_SIZE)
     assert expected[4].tobytes() == page_digest(page_of(content, 6))
     own = np.isin(child.classes(ram), [S, D, PageClass.DELTA]).sum()
-    assert child.digests.table(ram).shape == (own, DIGEST_SIZE) == (5, DIGEST_SIZE)   # no ZERO, FREE, PARENT
+    assert child.digests.table(ram).shape == (own, DIGEST_SIZE) == (5, DIGEST_SIZE)  # no ZERO, FREE, PARENT
 
 
 # --- the parent chain --------------------------------------------------------------------------------
 def spy(opened: list):
     """An open_link that records the names of the files it opens."""
+
     def open_link(path):
         opened.append(Path(path).name)
         return LeanImage.open_link(path)
+
     return open_link
 
 
@@ -288,7 +307,7 @@ def lone_child(chain, tmp_path):
 
 def test_attach_chain_finds_the_parent_beside_the_image_by_uuid(chain, lone_child):
     shutil.copy(chain.parent, lone_child.parent / "zzz.lean")
-    shutil.copy(VECTORS_DIR / "valid" / "basic.lean", lone_child.parent / "aaa.lean")     # another image
+    shutil.copy(VECTORS_DIR / "valid" / "basic.lean", lone_child.parent / "aaa.lean")  # another image
     opened = []
     with LeanImage.open_link(lone_child) as image:
         attach_chain(image, [], spy(opened))
@@ -303,7 +322,7 @@ def test_attach_chain_among_the_parents_given(chain, lone_child):
     parent = LeanImage.open(chain.parent)
     with LeanImage.open_link(lone_child) as image:
         attach_chain(image, [parent], spy(opened))
-        assert image.parent is parent and opened == ["parent.lean"]            # an open parent is not reopened
+        assert image.parent is parent and opened == ["parent.lean"]  # an open parent is not reopened
     assert parent.fileobj.closed
 
 
@@ -311,13 +330,16 @@ def test_attach_chain_missing_parent(lone_child):
     with LeanImage.open_link(lone_child) as image, pytest.raises(ChainError) as info:
         attach_chain(image, [VECTORS_DIR / "valid" / "basic.lean"], spy([]))
     error = info.value
-    assert (error.rule, error.offset, error.structure, error.path) == \
-        ("LI-CHN-001", HEADER.offset("parent_uuid"), "header.parent_uuid", str(lone_child))
+    assert (error.rule, error.offset, error.structure, error.path) == (
+        "LI-CHN-001",
+        HEADER.offset("parent_uuid"),
+        "header.parent_uuid",
+        str(lone_child),
+    )
 
 
 def _parent_only_image(path, own: bytes, parent: bytes, page_size: int = PS, digest: bytes = b"\x01" * 16):
-    with LeanImageWriter(path, image_uuid=own, parent=ParentLink(parent, digest), page_size=page_size,
-                         threads=1) as w:
+    with LeanImageWriter(path, image_uuid=own, parent=ParentLink(parent, digest), page_size=page_size, threads=1) as w:
         w.put_parent(w.add_region("ram", page_size), 0, page_digest(bytes(page_size)))
 
 
@@ -338,8 +360,12 @@ def test_attach_chain_modified_parent(chain, lone_child):
     with LeanImage.open_link(lone_child) as image, pytest.raises(ChainError) as info:
         attach_chain(image, [], LeanImage.open_link)
     error = info.value
-    assert (error.rule, error.offset, error.structure, error.path) == \
-        ("LI-CHN-002", HEADER.offset("parent_digest"), "header.parent_digest", str(lone_child))
+    assert (error.rule, error.offset, error.structure, error.path) == (
+        "LI-CHN-002",
+        HEADER.offset("parent_digest"),
+        "header.parent_digest",
+        str(lone_child),
+    )
 
 
 def test_attach_chain_parent_of_another_page_size(tmp_path):
@@ -354,9 +380,11 @@ def test_attach_chain_parent_of_another_page_size(tmp_path):
 
 
 def test_a_malformed_delta_entry_read_through_the_chain_is_located():
-    vector = VECTORS_DIR / "invalid" / "dlt-002-encoding.lean"         # entry 0 of record[2] (at 400) has encoding 4
-    with LeanImage.open(vector, parents=[VECTORS_DIR / "valid" / "parent.lean"]) as image, \
-            pytest.raises(LeanImageError) as info:
+    vector = VECTORS_DIR / "invalid" / "dlt-002-encoding.lean"  # entry 0 of record[2] (at 400) has encoding 4
+    with (
+        LeanImage.open(vector, parents=[VECTORS_DIR / "valid" / "parent.lean"]) as image,
+        pytest.raises(LeanImageError) as info,
+    ):
         for region in image.regions:
             image.region_bytes(region, 0, region.num_pages)
     assert info.value.rule == "LI-DLT-002"

@@ -22,8 +22,14 @@ import pytest
 
 from helpers import VECTORS_DIR, restore_bytes
 from leanimg.errors import ChainError, LeanImageError
-from leanimg.rules import (HINT_IMPLEMENTATIONS, HINT_RULES, IMPLEMENTATIONS, RULES, WORKING_SET_IMPLEMENTATIONS,
-                           WORKING_SET_RULES)
+from leanimg.rules import (
+    HINT_IMPLEMENTATIONS,
+    HINT_RULES,
+    IMPLEMENTATIONS,
+    RULES,
+    WORKING_SET_IMPLEMENTATIONS,
+    WORKING_SET_RULES,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 SOURCE_DIRS = [REPO / "lean-image", REPO / "converters", REPO / "restore"]
@@ -69,15 +75,20 @@ def _units(path: Path):
 
 def _rule_literals(node) -> set[str]:
     """Rule ids a unit names as values (comparisons such as ``exc.rule == ...`` excluded)."""
-    compared = {id(c) for n in ast.walk(node) if isinstance(n, ast.Compare)
-                for c in ast.walk(n) if isinstance(c, ast.Constant)}
-    return {n.value for n in ast.walk(node) if isinstance(n, ast.Constant) and isinstance(n.value, str)
-            and RULE_ID.match(n.value) and id(n) not in compared}
+    compared = {
+        id(c) for n in ast.walk(node) if isinstance(n, ast.Compare) for c in ast.walk(n) if isinstance(c, ast.Constant)
+    }
+    return {
+        n.value
+        for n in ast.walk(node)
+        if isinstance(n, ast.Constant) and isinstance(n.value, str) and RULE_ID.match(n.value) and id(n) not in compared
+    }
 
 
 def _names_used(node) -> set[str]:
-    return {n.id for n in ast.walk(node) if isinstance(n, ast.Name)} | \
-        {n.attr for n in ast.walk(node) if isinstance(n, ast.Attribute)}
+    return {n.id for n in ast.walk(node) if isinstance(n, ast.Name)} | {
+        n.attr for n in ast.walk(node) if isinstance(n, ast.Attribute)
+    }
 
 
 def _reachable(start: str, units: dict) -> set[str]:
@@ -100,8 +111,10 @@ def _sources():
 
 def test_rule_ids_appear_only_in_their_implementation():
     _import_everything()
-    owners = {rule: (fn.__module__, fn.__qualname__.split(".")[0])
-              for rule, fn in {**IMPLEMENTATIONS, **HINT_IMPLEMENTATIONS, **WORKING_SET_IMPLEMENTATIONS}.items()}
+    owners = {
+        rule: (fn.__module__, fn.__qualname__.split(".")[0])
+        for rule, fn in {**IMPLEMENTATIONS, **HINT_IMPLEMENTATIONS, **WORKING_SET_IMPLEMENTATIONS}.items()
+    }
     stray = []
     for path in _sources():
         units = dict(_units(path))
@@ -109,10 +122,12 @@ def test_rule_ids_appear_only_in_their_implementation():
         for name, node in units.items():
             for rule in _rule_literals(node):
                 owner_module, owner = owners[rule]
-                if owner_module != module or name not in _reachable(owner, units) or \
-                        (name != owner and not name.startswith("_")):
-                    stray.append(f"{path.relative_to(REPO)}:{name} names {rule}, implemented by "
-                                 f"{owner_module}.{owner}")
+                if (
+                    owner_module != module
+                    or name not in _reachable(owner, units)
+                    or (name != owner and not name.startswith("_"))
+                ):
+                    stray.append(f"{path.relative_to(REPO)}:{name} names {rule}, implemented by {owner_module}.{owner}")
     assert not stray, "\n".join(stray)
 
 

@@ -40,12 +40,13 @@ def write_random_image(path, size: int, seed: int) -> bytes:
     """A flat lean image of one region "ram" of ``size`` bytes of random pages (stored
     incompressible: the object is about as large as the memory); returns the memory."""
     from leanimg.writer import LeanImageWriter
+
     data = random_bytes(size, seed)
     with LeanImageWriter(path, threads=2) as w:
         region = w.add_region("ram", size)
         step = 16 * MIB
         for at in range(0, size, step):
-            w.put_pages(region, at // PS, data[at:at + step])
+            w.put_pages(region, at // PS, data[at : at + step])
     return data
 
 
@@ -164,13 +165,14 @@ def saves(tmp_path_factory):
     """Two small synthetic QEMU saves (the second an update of the first) and their local
     conversions (next.lean against base.lean) and raw restores."""
     import types
+
     d = tmp_path_factory.mktemp("s3-saves")
     ram = bytearray(random_bytes(MIB, 1) + bytes(MIB) + bytes(range(256)) * (MIB // 256) + random_bytes(MIB, 2))
     base = d / "base.save"
     base.write_bytes(qemu_save(bytes(ram)))
-    ram[5 * PS:9 * PS] = random_bytes(4 * PS, 3)                   # changed pages
-    ram[MIB + PS:MIB + 3 * PS] = random_bytes(2 * PS, 4)          # zero pages now stored
-    ram[3 * MIB + 7] ^= 0xFF                                       # a one-byte change (a delta)
+    ram[5 * PS : 9 * PS] = random_bytes(4 * PS, 3)  # changed pages
+    ram[MIB + PS : MIB + 3 * PS] = random_bytes(2 * PS, 4)  # zero pages now stored
+    ram[3 * MIB + 7] ^= 0xFF  # a one-byte change (a delta)
     nxt = d / "next.save"
     nxt.write_bytes(qemu_save(bytes(ram)))
     local = d / "local"
@@ -179,8 +181,15 @@ def saves(tmp_path_factory):
     ok(run_leanimg("convert", nxt, "--parent", local / "base.lean", "-o", local / "next.lean", timeout=TIMEOUT))
     ok(run_leanimg("restore", local / "base.lean", "--to", "raw", "-o", d / "base.raw", timeout=TIMEOUT))
     ok(run_leanimg("restore", local / "base.lean", "--to", "qemu", "-o", d / "base.qemu", timeout=TIMEOUT))
-    return types.SimpleNamespace(dir=d, base=base, next=nxt, base_lean=local / "base.lean",
-                                 next_lean=local / "next.lean", base_raw=d / "base.raw", base_qemu=d / "base.qemu")
+    return types.SimpleNamespace(
+        dir=d,
+        base=base,
+        next=nxt,
+        base_lean=local / "base.lean",
+        next_lean=local / "next.lean",
+        base_raw=d / "base.raw",
+        base_qemu=d / "base.qemu",
+    )
 
 
 @pytest.fixture(scope="module")
@@ -198,6 +207,7 @@ def chain(tmp_path_factory):
 def big_save():
     """A QEMU save of 48 MiB of random pages: its image needs six PART_SIZE parts."""
     from leanimg import s3
+
     save = qemu_save(random_bytes(48 * MIB, 5))
     assert len(save) > 5 * s3.PART_SIZE
     return save
@@ -221,6 +231,7 @@ def in_process(monkeypatch):
             monkeypatch.setenv(key, value)
         monkeypatch.setattr(s3, "_client", None)
         monkeypatch.setattr(s3, "AHEAD_BLOCKS", 0)
+
     return use
 
 
@@ -228,6 +239,7 @@ def in_process(monkeypatch):
 def own_store(tmp_path):
     """A SeaweedFS of the test's own, to stop or kill (not the session's)."""
     from s3store import SeaweedFS, require_weed
+
     require_weed()
     store = SeaweedFS.start(tmp_path / "own-store")
     yield store
@@ -258,9 +270,19 @@ def uploaded_base(s3store, client, saves):
     client.delete_object(Bucket=s3store.bucket, Key=key)
 
 
-@pytest.mark.parametrize("command", [("inspect",), ("inspect", "--json"), ("validate",), ("validate", "--json"),
-                                     ("map",), ("map", "--output", "json"), ("dump",)],
-                         ids=" ".join)
+@pytest.mark.parametrize(
+    "command",
+    [
+        ("inspect",),
+        ("inspect", "--json"),
+        ("validate",),
+        ("validate", "--json"),
+        ("map",),
+        ("map", "--output", "json"),
+        ("dump",),
+    ],
+    ids=" ".join,
+)
 def test_reading_commands_give_the_same_output_for_the_object_as_for_the_file(env, saves, uploaded_base, command):
     local = str(saves.base_lean)
     size = saves.base_lean.stat().st_size
@@ -270,7 +292,7 @@ def test_reading_commands_give_the_same_output_for_the_object_as_for_the_file(en
     stdout = from_object.stdout.replace(uploaded_base, local)
     stderr = from_object.stderr.replace(uploaded_base, local)
     if "--json" in command or "json" in command or command == ("dump",):
-        _without_fetched_json(from_object.stdout, uploaded_base, size)        # checks "fetched" where given
+        _without_fetched_json(from_object.stdout, uploaded_base, size)  # checks "fetched" where given
         assert _without_fetched_json(stdout, local, size) == json.loads(from_file.stdout)
     else:
         assert _without_fetched(stdout) == _without_fetched(from_file.stdout)
@@ -296,8 +318,17 @@ def test_keys_with_spaces_and_non_ascii_characters(s3store, env, client, chain, 
     out = tmp_path / "child.raw"
     ok(cli(env, "restore", s3store.url(folder + "/child +1.lean"), "--disk", chain.disk, "-o", out))
     assert out.read_bytes() == chain.raw.read_bytes()
-    ok(cli(env, "flatten", s3store.url(folder + "/child +1.lean"), "--disk", chain.disk,
-           "-o", s3store.url(folder + "/flat é.lean")))
+    ok(
+        cli(
+            env,
+            "flatten",
+            s3store.url(folder + "/child +1.lean"),
+            "--disk",
+            chain.disk,
+            "-o",
+            s3store.url(folder + "/flat é.lean"),
+        )
+    )
     assert folder + "/flat é.lean" in keys(client, s3store.bucket, prefix)
     ok(cli(env, "restore", s3store.url(folder + "/flat é.lean"), "--disk", chain.disk, "-o", out, "-f"))
     assert out.read_bytes() == chain.raw.read_bytes()
@@ -326,18 +357,31 @@ def test_local_child_with_its_parent_an_object(s3store, env, client, chain, pref
     alone.mkdir()
     (alone / "child.lean").write_bytes(chain.child.read_bytes())
     out = tmp_path / "child.raw"
-    ok(cli(env, "restore", alone / "child.lean", "--parent", s3store.url(prefix + "parent.lean"),
-           "--disk", chain.disk, "-o", out))
+    ok(
+        cli(
+            env,
+            "restore",
+            alone / "child.lean",
+            "--parent",
+            s3store.url(prefix + "parent.lean"),
+            "--disk",
+            chain.disk,
+            "-o",
+            out,
+        )
+    )
     assert out.read_bytes() == chain.raw.read_bytes()
 
 
 def test_child_object_whose_parent_is_missing_fails_clearly(s3store, env, client, chain, prefix, tmp_path):
     put(client, s3store.bucket, chain.child, prefix + "child.lean")
-    put(client, s3store.bucket, chain.disk, prefix + "other.lean")     # a sibling that is no image
+    put(client, s3store.bucket, chain.disk, prefix + "other.lean")  # a sibling that is no image
     out = tmp_path / "out"
     out.mkdir()
-    err = assert_error(cli(env, "restore", s3store.url(prefix + "child.lean"), "--disk", chain.disk,
-                           "-o", out / "child.raw"), "not found")
+    err = assert_error(
+        cli(env, "restore", s3store.url(prefix + "child.lean"), "--disk", chain.disk, "-o", out / "child.raw"),
+        "not found",
+    )
     assert "11111111-1111-1111-1111-111111111111" in err and s3store.url(prefix + "child.lean") in err
     assert os.listdir(out) == []
 
@@ -349,7 +393,7 @@ def test_flatten_and_merge_an_object_chain(s3store, env, client, chain, prefix, 
     put(client, s3store.bucket, chain.child, prefix + "chain/child.lean")
     local = tmp_path / f"local-{operation}.lean"
     ok(cli(env, operation, chain.child, "--disk", chain.disk, "-o", local))
-    if to == "object":     # under a prefix of its own: found without the parent only if self-contained
+    if to == "object":  # under a prefix of its own: found without the parent only if self-contained
         output = s3store.url(prefix + f"out/{operation}.lean")
     else:
         output = str(tmp_path / f"{operation}.lean")
@@ -402,19 +446,24 @@ def test_an_input_object_is_never_the_output(s3store, env, client, saves, chain,
     put(client, s3store.bucket, chain.child, prefix + "chain/child.lean")
     base, parent, child = (s3store.url(prefix + k) for k in ("base.lean", "chain/parent.lean", "chain/child.lean"))
     before = {k: etag(client, s3store.bucket, k) for k in keys(client, s3store.bucket, prefix)}
-    for args in [("flatten", base, "-o", base, "-f"),
-                 ("merge", child, "--disk", chain.disk, "-o", child, "-f"),
-                 # a link found beside the image is an input too
-                 ("merge", child, "--disk", chain.disk, "-o", parent, "-f"),
-                 ("flatten", child, "--disk", chain.disk, "-o", parent, "-f"),
-                 ("convert", saves.next, "--parent", base, "-o", base, "-f")]:
+    for args in [
+        ("flatten", base, "-o", base, "-f"),
+        ("merge", child, "--disk", chain.disk, "-o", child, "-f"),
+        # a link found beside the image is an input too
+        ("merge", child, "--disk", chain.disk, "-o", parent, "-f"),
+        ("flatten", child, "--disk", chain.disk, "-o", parent, "-f"),
+        ("convert", saves.next, "--parent", base, "-o", base, "-f"),
+    ]:
         assert_error(cli(env, *args), "is an input", status=2)
     assert {k: etag(client, s3store.bucket, k) for k in keys(client, s3store.bucket, prefix)} == before
     assert uploads(client, s3store.bucket, prefix) == []
 
 
-@pytest.mark.parametrize("command", [("restore", "--to", "raw", "-o"), ("restore", "--to", "qemu", "-f", "-o"),
-                                     ("inspect", "--map")], ids=" ".join)
+@pytest.mark.parametrize(
+    "command",
+    [("restore", "--to", "raw", "-o"), ("restore", "--to", "qemu", "-f", "-o"), ("inspect", "--map")],
+    ids=" ".join,
+)
 def test_only_images_are_written_to_the_store(s3store, env, client, saves, prefix, command):
     put(client, s3store.bucket, saves.base_lean, prefix + "base.lean")
     target = s3store.url(prefix + "memory.out")
@@ -428,9 +477,15 @@ def _convert_from_a_pipe(env, url: str, save: bytes, fed: int) -> subprocess.Pop
     """`convert - -o URL` fed the first ``fed`` bytes of ``save`` and then left waiting for the
     rest: part-way through its upload, deterministically."""
     from leanimg.cli import command_line
-    proc = subprocess.Popen([*command_line(), "convert", "-", "-o", url], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
-    proc.stdin.write(save[:fed])         # returns once the converter has read it all
+
+    proc = subprocess.Popen(
+        [*command_line(), "convert", "-", "-o", url],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+    )
+    proc.stdin.write(save[:fed])  # returns once the converter has read it all
     proc.stdin.flush()
     return proc
 
@@ -450,13 +505,12 @@ def _wait_for_upload(s3store, client, proc, prefix: str, key: str) -> dict:
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
-def test_convert_interrupted_part_way_leaves_neither_object_nor_upload(s3store, env, client, big_save, prefix,
-                                                                       signum):
+def test_convert_interrupted_part_way_leaves_neither_object_nor_upload(s3store, env, client, big_save, prefix, signum):
     key = prefix + "big.lean"
     proc = _convert_from_a_pipe(env, s3store.url(key), big_save, 40 * MIB)
     try:
         _wait_for_upload(s3store, client, proc, prefix, key)
-        assert keys(client, s3store.bucket, prefix) == []           # the object appears only when complete
+        assert keys(client, s3store.bucket, prefix) == []  # the object appears only when complete
         proc.send_signal(signum)
         _, err = proc.communicate(timeout=60)
     finally:
@@ -474,7 +528,7 @@ def test_convert_failing_part_way_aborts_its_upload(s3store, env, client, big_sa
     proc = _convert_from_a_pipe(env, s3store.url(key), big_save, 40 * MIB)
     try:
         _wait_for_upload(s3store, client, proc, prefix, key)
-        proc.stdin.close()                          # the save ends 8 MiB early: a truncated stream
+        proc.stdin.close()  # the save ends 8 MiB early: a truncated stream
         proc.wait(timeout=60)
         err = proc.stderr.read()
     finally:
@@ -486,8 +540,7 @@ def test_convert_failing_part_way_aborts_its_upload(s3store, env, client, big_sa
     assert uploads(client, s3store.bucket, prefix) == []
 
 
-def test_convert_killed_leaves_no_object_and_its_upload_is_found_and_aborted(s3store, env, client, big_save,
-                                                                              prefix):
+def test_convert_killed_leaves_no_object_and_its_upload_is_found_and_aborted(s3store, env, client, big_save, prefix):
     key = prefix + "big.lean"
     proc = _convert_from_a_pipe(env, s3store.url(key), big_save, 40 * MIB)
     try:
@@ -503,7 +556,7 @@ def test_convert_killed_leaves_no_object_and_its_upload_is_found_and_aborted(s3s
     location = s3store.url(prefix.rstrip("/"))
     listed = ok(cli(env, "uploads", location))
     assert s3store.url(key) in listed.stdout and upload["UploadId"] in listed.stdout
-    assert uploads(client, s3store.bucket, prefix) != []               # listing aborts nothing
+    assert uploads(client, s3store.bucket, prefix) != []  # listing aborts nothing
     ok(cli(env, "uploads", location, "--abort"))
     assert uploads(client, s3store.bucket, prefix) == []
     assert keys(client, s3store.bucket, prefix) == []
@@ -514,15 +567,13 @@ def test_uploads_json_is_one_json_document(s3store, env, client, prefix):
     key = prefix + "left.lean"
     upload_id = client.create_multipart_upload(Bucket=s3store.bucket, Key=key)["UploadId"]
     proc = ok(cli(env, "uploads", s3store.url(prefix.rstrip("/")), "--json"))
-    doc = json.loads(proc.stdout)                      # stdout is the JSON document and nothing else
+    doc = json.loads(proc.stdout)  # stdout is the JSON document and nothing else
     assert [(u["location"], u["upload_id"]) for u in doc["uploads"]] == [(s3store.url(key), upload_id)]
     assert doc["aborted"] is False
     assert [u["UploadId"] for u in uploads(client, s3store.bucket, prefix)] == [upload_id]
 
 
-@pytest.mark.parametrize("location", [
-    "s3://leanimg-no-such-bucket-u/some/prefix",
-    "s3://leanimg-no-such-bucket-u"])
+@pytest.mark.parametrize("location", ["s3://leanimg-no-such-bucket-u/some/prefix", "s3://leanimg-no-such-bucket-u"])
 def test_uploads_of_a_missing_bucket_says_so(env, location):
     assert_error(cli(env, "uploads", location), "bucket 'leanimg-no-such-bucket-u' does not exist", location)
 
@@ -532,6 +583,7 @@ def test_uploads_of_a_missing_bucket_says_so(env, location):
 def eight_mib_image(tmp_path_factory):
     """An image of 8 MiB of random pages (larger than what opening reads whole)."""
     from leanimg.reader import WHOLE_READ_BELOW
+
     path = tmp_path_factory.mktemp("s3-eight") / "eight.lean"
     memory = write_random_image(path, 8 * MIB, 6)
     assert path.stat().st_size > 4 * WHOLE_READ_BELOW
@@ -539,10 +591,12 @@ def eight_mib_image(tmp_path_factory):
 
 
 @pytest.mark.parametrize("replacement", ["other bytes", "shorter object", "deleted"])
-def test_object_replaced_after_it_was_opened_is_refused(s3store, client, eight_mib_image, prefix, in_process,
-                                                        replacement):
+def test_object_replaced_after_it_was_opened_is_refused(
+    s3store, client, eight_mib_image, prefix, in_process, replacement
+):
     from leanimg.reader import LeanImage
     from leanimg.s3 import StoreError
+
     path, memory = eight_mib_image
     key = prefix + "image.lean"
     url = s3store.url(key)
@@ -550,7 +604,7 @@ def test_object_replaced_after_it_was_opened_is_refused(s3store, client, eight_m
     in_process(s3store)
     with LeanImage.open(url) as img:
         region = img.regions[0]
-        assert bytes(img.region_bytes(region, 0, 1)) == memory[:PS]         # readable as opened
+        assert bytes(img.region_bytes(region, 0, 1)) == memory[:PS]  # readable as opened
         if replacement == "other bytes":
             client.put_object(Bucket=s3store.bucket, Key=key, Body=random_bytes(path.stat().st_size, 7))
         elif replacement == "shorter object":
@@ -582,12 +636,17 @@ def large_object(s3store, client, tmp_path_factory):
 
 def test_restore_refuses_an_object_replaced_mid_read(s3store, env, client, large_object):
     from leanimg.cli import command_line
-    key = large_object[len(f"s3://{s3store.bucket}/"):]
+
+    key = large_object[len(f"s3://{s3store.bucket}/") :]
     before = etag(client, s3store.bucket, key)
-    proc = subprocess.Popen([*command_line(), "restore", large_object, "--to", "raw", "-o", "-"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    proc = subprocess.Popen(
+        [*command_line(), "restore", large_object, "--to", "raw", "-o", "-"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+    )
     try:
-        first = proc.stdout.read(PS)       # it is writing: the rest waits until the pipe is read
+        first = proc.stdout.read(PS)  # it is writing: the rest waits until the pipe is read
         assert len(first) == PS
         # replaced by other content (a server-side copy of another object, of another size)
         client.put_object(Bucket=s3store.bucket, Key=key + ".other", Body=b"other content" * 1000)
@@ -599,17 +658,21 @@ def test_restore_refuses_an_object_replaced_mid_read(s3store, env, client, large
             proc.kill()
             proc.wait()
         client.delete_object(Bucket=s3store.bucket, Key=key + ".other")
-    assert_error(subprocess.CompletedProcess(proc.args, proc.returncode, b"", err), large_object,
-                 "the object was replaced since it was opened")
+    assert_error(
+        subprocess.CompletedProcess(proc.args, proc.returncode, b"", err),
+        large_object,
+        "the object was replaced since it was opened",
+    )
     out = first + rest
-    assert 0 < len(out) < 112 * MIB                   # cut short: never bytes of the new object
-    assert out == random_bytes(112 * MIB, 8)[:len(out)]
+    assert 0 < len(out) < 112 * MIB  # cut short: never bytes of the new object
+    assert out == random_bytes(112 * MIB, 8)[: len(out)]
 
 
 # -- 6. the store gone while it is read ---------------------------------------------------------
 def test_store_gone_after_open_fails_the_read(own_store, eight_mib_image, in_process):
     from leanimg.reader import LeanImage
     from leanimg.s3 import StoreError
+
     path, memory = eight_mib_image
     put(own_store.client(), own_store.bucket, path, "gone/image.lean")
     in_process(own_store, AWS_MAX_ATTEMPTS="2")
@@ -624,18 +687,23 @@ def test_store_gone_after_open_fails_the_read(own_store, eight_mib_image, in_pro
 
 def test_restore_with_the_store_gone_mid_read_leaves_no_output(own_store, tmp_path):
     from leanimg.cli import command_line
+
     write_random_image(tmp_path / "image.lean", 64 * MIB, 9)
     put(own_store.client(), own_store.bucket, tmp_path / "image.lean", "gone/image.lean")
     url = own_store.url("gone/image.lean")
     env = dict(os.environ, **dict(own_store.env, AWS_MAX_ATTEMPTS="2"))
     out = tmp_path / "out"
     out.mkdir()
-    proc = subprocess.Popen([*command_line(), "-q", "restore", url, "-o", out / "out.raw"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    proc = subprocess.Popen(
+        [*command_line(), "-q", "restore", url, "-o", out / "out.raw"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+    )
     try:
         deadline = time.monotonic() + 60
         while not os.listdir(out) and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.002)                 # its temporary output appears once the image is open
+            time.sleep(0.002)  # its temporary output appears once the image is open
         proc.send_signal(signal.SIGSTOP)
         assert proc.poll() is None, "the restore ended before the store was stopped"
         kill_store(own_store)
@@ -646,26 +714,36 @@ def test_restore_with_the_store_gone_mid_read_leaves_no_output(own_store, tmp_pa
             proc.send_signal(signal.SIGCONT)
             proc.kill()
             proc.wait()
-    assert_error(subprocess.CompletedProcess(proc.args, proc.returncode, b"", err),
-                 url, "reading bytes", "cannot reach the store")
-    assert os.listdir(out) == []                  # no partial file, no temporary one
+    assert_error(
+        subprocess.CompletedProcess(proc.args, proc.returncode, b"", err),
+        url,
+        "reading bytes",
+        "cannot reach the store",
+    )
+    assert os.listdir(out) == []  # no partial file, no temporary one
 
 
 @pytest.fixture(scope="module")
 def nowhere():
     """An endpoint nothing listens on."""
     import socket
+
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     return f"http://127.0.0.1:{port}"
 
 
-@pytest.mark.parametrize("command", [("inspect", "s3://leanimg/x.lean"),
-                                     ("restore", "s3://leanimg/x.lean", "-o", "{out}/x.raw"),
-                                     ("convert", "{save}", "-o", "s3://leanimg/x.lean"),
-                                     ("convert", "{save}", "-o", "s3://leanimg/x.lean", "-f")],
-                         ids=["inspect", "restore", "convert", "convert -f"])
+@pytest.mark.parametrize(
+    "command",
+    [
+        ("inspect", "s3://leanimg/x.lean"),
+        ("restore", "s3://leanimg/x.lean", "-o", "{out}/x.raw"),
+        ("convert", "{save}", "-o", "s3://leanimg/x.lean"),
+        ("convert", "{save}", "-o", "s3://leanimg/x.lean", "-f"),
+    ],
+    ids=["inspect", "restore", "convert", "convert -f"],
+)
 def test_no_store_at_the_endpoint(env, saves, nowhere, tmp_path, command):
     args = [a.format(out=tmp_path, save=saves.base) for a in command]
     started = time.monotonic()
@@ -700,16 +778,22 @@ def test_writing_with_wrong_credentials_fails_clearly(s3store, env, client, save
     url = s3store.url(prefix + "out.lean")
     save = big_save_file if how == "multipart (-f)" else saves.base
     force = ("-f",) if how != "checked first" else ()
-    assert_error(cli(dict(env, AWS_SECRET_ACCESS_KEY="not-the-secret"), "convert", save, "-o", url, *force),
-                 "credentials", url)
+    assert_error(
+        cli(dict(env, AWS_SECRET_ACCESS_KEY="not-the-secret"), "convert", save, "-o", url, *force), "credentials", url
+    )
     assert keys(client, s3store.bucket, prefix) == [] and uploads(client, s3store.bucket, prefix) == []
 
 
 def test_no_credentials_at_all(env, uploaded_base, tmp_path):
     bare = {k: v for k, v in env.items() if not k.startswith("AWS_")}
-    bare.update(AWS_ENDPOINT_URL=env["AWS_ENDPOINT_URL"], AWS_DEFAULT_REGION="us-east-1", AWS_MAX_ATTEMPTS="2",
-                AWS_SHARED_CREDENTIALS_FILE=str(tmp_path / "none"), AWS_CONFIG_FILE=str(tmp_path / "none"),
-                AWS_EC2_METADATA_DISABLED="true")
+    bare.update(
+        AWS_ENDPOINT_URL=env["AWS_ENDPOINT_URL"],
+        AWS_DEFAULT_REGION="us-east-1",
+        AWS_MAX_ATTEMPTS="2",
+        AWS_SHARED_CREDENTIALS_FILE=str(tmp_path / "none"),
+        AWS_CONFIG_FILE=str(tmp_path / "none"),
+        AWS_EC2_METADATA_DISABLED="true",
+    )
     assert_error(cli(bare, "inspect", uploaded_base), "no credentials", uploaded_base)
 
 
@@ -728,6 +812,7 @@ def test_writing_to_a_missing_bucket_fails_clearly(env, client, saves, big_save_
 
 def _remove_bucket(client, bucket: str) -> None:
     from botocore.exceptions import ClientError
+
     try:
         for item in client.list_objects_v2(Bucket=bucket).get("Contents", []):
             client.delete_object(Bucket=bucket, Key=item["Key"])
@@ -735,15 +820,18 @@ def _remove_bucket(client, bucket: str) -> None:
             client.abort_multipart_upload(Bucket=bucket, Key=upload["Key"], UploadId=upload["UploadId"])
         client.delete_bucket(Bucket=bucket)
     except ClientError:
-        pass                                   # it never was
+        pass  # it never was
 
 
 # -- 8. malformed URLs ----------------------------------------------------------------------
 MALFORMED = ["s3://leanimg", "s3://leanimg/", "s3:///key.lean", "s3://", "s3://leanimg/folder/"]
 
 
-@pytest.mark.parametrize("command, url", [("inspect", url) for url in MALFORMED]
-                         + [("convert -o", url) for url in ("s3://leanimg", "s3:///key.lean", "s3://leanimg/folder/")])
+@pytest.mark.parametrize(
+    "command, url",
+    [("inspect", url) for url in MALFORMED]
+    + [("convert -o", url) for url in ("s3://leanimg", "s3:///key.lean", "s3://leanimg/folder/")],
+)
 def test_malformed_url_fails_clearly(s3store, env, client, saves, command, url):
     before = keys(client, s3store.bucket)
     args = ("inspect", url) if command == "inspect" else ("convert", saves.base, "-o", url)

@@ -43,7 +43,7 @@ def test_a_second_read_fetches_nothing_and_a_damaged_block_is_fetched_again(s3st
     damaged[100] ^= 1
     victim.write_bytes(bytes(damaged))
     again = fetched(run_leanimg("validate", url, "--json", env=env, timeout=120))
-    assert 0 < again < size                       # the damaged block's run only
+    assert 0 < again < size  # the damaged block's run only
     out, local = tmp_path / "vm.raw", tmp_path / "local.raw"
     assert run_leanimg("restore", url, "--to", "raw", "-o", out, env=env, timeout=120).returncode == 0
     assert run_leanimg("restore", folder / "vm.lean", "--to", "raw", "-o", local, timeout=120).returncode == 0
@@ -79,6 +79,7 @@ def test_reads_of_an_object_match_its_bytes_and_memory_stays_bounded(s3store, mo
     import random
     import time
     from leanimg import s3
+
     for name, value in s3store.env.items():
         monkeypatch.setenv(name, value)
     monkeypatch.delenv("LEANIMG_S3_CACHE", raising=False)
@@ -96,10 +97,10 @@ def test_reads_of_an_object_match_its_bytes_and_memory_stays_bounded(s3store, mo
         for _ in range(300):
             offset = rng.randrange(len(data) + 10)
             length = rng.choice([1, 4096, MIB - 1, MIB + 1, 3 * MIB, rng.randrange(1, 9 * MIB)])
-            assert blob.pread(length, offset) == data[offset:offset + length]
+            assert blob.pread(length, offset) == data[offset : offset + length]
             assert len(s3._BLOCKS.held) <= 6
         blob.seek(5 * MIB)
-        assert blob.read(2 * MIB) == data[5 * MIB:7 * MIB]
+        assert blob.read(2 * MIB) == data[5 * MIB : 7 * MIB]
     deadline = time.monotonic() + 30
     while s3._BLOCKS.pending and time.monotonic() < deadline:
         time.sleep(0.05)

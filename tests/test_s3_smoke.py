@@ -8,6 +8,7 @@ from helpers import run_leanimg
 def test_convert_to_the_store_and_restore_from_it_byte_identical(s3store, tmp_path):
     import zstandard
     from leanimg.sample import __file__ as sample_init
+
     save = tmp_path / "vm.save"
     with open(os.path.join(os.path.dirname(sample_init), "vm.save.zst"), "rb") as f:
         save.write_bytes(zstandard.ZstdDecompressor().decompressobj().decompress(f.read()))

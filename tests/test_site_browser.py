@@ -21,15 +21,18 @@ def test_the_link_check_finds_what_is_broken(tmp_path):
     (tmp_path / "index.html").write_text(
         '<h1 id="top">x</h1><a href="sub/page.html#here">ok</a><a href="gone.html">gone</a>'
         '<a href="sub/page.html#nowhere">anchor</a><a href="https://kaitai.io/">elsewhere, fine</a>'
-        '<script src="https://cdn.example/x.js"></script><link rel="stylesheet" href="missing.css">')
+        '<script src="https://cdn.example/x.js"></script><link rel="stylesheet" href="missing.css">'
+    )
     (tmp_path / "sub" / "page.html").write_text('<p id="here">y</p><a href="../index.html#top">back</a>')
     problems = check_site.link_problems(tmp_path, check_site.site_pages(tmp_path))
-    assert sorted(problems) == sorted([
-        "index.html: links to gone.html, which is not in the site",
-        "index.html: links to sub/page.html#nowhere, but page.html has no #nowhere",
-        "index.html: loads https://cdn.example/x.js from another host (the site must read offline)",
-        "index.html: loads missing.css, which is not in the site",
-    ])
+    assert sorted(problems) == sorted(
+        [
+            "index.html: links to gone.html, which is not in the site",
+            "index.html: links to sub/page.html#nowhere, but page.html has no #nowhere",
+            "index.html: loads https://cdn.example/x.js from another host (the site must read offline)",
+            "index.html: loads missing.css, which is not in the site",
+        ]
+    )
 
 
 @needs_browser
@@ -49,8 +52,9 @@ def test_every_page_of_the_site_opens_in_chromium(tmp_path):
     site = tmp_path / "site"
     check_site.build_site(site)
     pages = check_site.site_pages(site)
-    assert {"index.html", "tutorial.html", "reference/cli.html", "guides/json.html", "ksy.html"} <= \
-        {str(p.relative_to(site)) for p in pages}
+    assert {"index.html", "tutorial.html", "reference/cli.html", "guides/json.html", "ksy.html"} <= {
+        str(p.relative_to(site)) for p in pages
+    }
     problems = check_site.check(site, tmp_path / "shots", BROWSER)
     assert problems == []
     assert len(list((tmp_path / "shots").glob("*.png"))) == len(pages)

@@ -13,14 +13,42 @@ import pytest
 from helpers import make_record, write_two_link_chain
 from leanimg.errors import FormatError, LeanImageError, LimitError, TruncatedError
 from leanimg.format import (
-    BODY_OF, DELTA_FRAME_BODY, DIGESTS_BODY, DISK_BODY, DISK_REF, DISK_REFS_BODY, EXTENT, FOOTER, HEADER,
-    INDEX_ENTRY, PAGE_FRAME_BODY, PAGE_MAP_BODY, RECORD, RECORD_BODY_MAX, REGION_BODY, SOURCE_STATE_BODY,
-    IncompatFeature, RecordType, checksum64,
+    BODY_OF,
+    DELTA_FRAME_BODY,
+    DIGESTS_BODY,
+    DISK_BODY,
+    DISK_REF,
+    DISK_REFS_BODY,
+    EXTENT,
+    FOOTER,
+    HEADER,
+    INDEX_ENTRY,
+    PAGE_FRAME_BODY,
+    PAGE_MAP_BODY,
+    RECORD,
+    RECORD_BODY_MAX,
+    REGION_BODY,
+    SOURCE_STATE_BODY,
+    IncompatFeature,
+    RecordType,
+    checksum64,
 )
 from leanimg.structures import (
-    ImageFile, body_length_problems, body_problems, dump_structure, footer_checksum, header_checksum,
-    header_problems, image_digest_problems, index_location_problems, parse_body, read_footer, read_header,
-    read_record, reserved_problems, scan_records,
+    ImageFile,
+    body_length_problems,
+    body_problems,
+    dump_structure,
+    footer_checksum,
+    header_checksum,
+    header_problems,
+    image_digest_problems,
+    index_location_problems,
+    parse_body,
+    read_footer,
+    read_header,
+    read_record,
+    reserved_problems,
+    scan_records,
 )
 
 
@@ -59,7 +87,8 @@ def set_header(field, value, fix=True):
         fmt = HEADER.field(field).struct.format
         struct.pack_into(fmt, data, HEADER.offset(field), value)
         if fix:
-            struct.pack_into("<Q", data, HEADER.offset("header_checksum"), header_checksum(bytes(data[:HEADER.size])))
+            struct.pack_into("<Q", data, HEADER.offset("header_checksum"), header_checksum(bytes(data[: HEADER.size])))
+
     return edit
 
 
@@ -69,6 +98,7 @@ def set_footer(field, value, fix=True):
         struct.pack_into(FOOTER.field(field).struct.format, data, at + FOOTER.offset(field), value)
         if fix:
             struct.pack_into("<Q", data, at + FOOTER.offset("footer_checksum"), footer_checksum(bytes(data[at:])))
+
     return edit
 
 
@@ -82,6 +112,7 @@ def rechecksum(data: bytearray, offset: int) -> None:
 def flip(at: int):
     def edit(data):
         data[at] ^= 0x01
+
     return edit
 
 
@@ -93,8 +124,10 @@ def test_read_header_gives_every_declared_field(chain):
     assert (header.major_version, header.header_length, header.page_size) == (1, HEADER.size, 4096)
     assert header.image_uuid == chain.child_uuid and header.parent_uuid == chain.parent_uuid
     assert header.has_parent
-    assert header.incompatible_features == IncompatFeature.PARENT | IncompatFeature.DISK | IncompatFeature.DELTA | \
-        IncompatFeature.INHERITED_DIGESTS
+    assert (
+        header.incompatible_features
+        == IncompatFeature.PARENT | IncompatFeature.DISK | IncompatFeature.DELTA | IncompatFeature.INHERITED_DIGESTS
+    )
     assert list(header_problems(header)) == []
 
 
@@ -104,21 +137,26 @@ def test_a_flat_image_has_no_parent(chain):
     assert not header.has_parent and header.parent_digest == bytes(16)
 
 
-@pytest.mark.parametrize("edit,rule,field", [
-    (flip(0), "LI-HDR-001", "magic"),
-    (set_header("major_version", 2), "LI-HDR-002", "major_version"),
-    (set_header("header_length", 96), "LI-HDR-003", "header_length"),
-    (set_header("header_length", 108), "LI-HDR-003", "header_length"),
-    (set_header("header_length", 4104), "LI-HDR-003", "header_length"),
-])
+@pytest.mark.parametrize(
+    "edit,rule,field",
+    [
+        (flip(0), "LI-HDR-001", "magic"),
+        (set_header("major_version", 2), "LI-HDR-002", "major_version"),
+        (set_header("header_length", 96), "LI-HDR-003", "header_length"),
+        (set_header("header_length", 108), "LI-HDR-003", "header_length"),
+        (set_header("header_length", 4104), "LI-HDR-003", "header_length"),
+    ],
+)
 def test_read_header_refuses_a_damaged_header(chain, tmp_path, edit, rule, field):
     with image_file(damaged(tmp_path, chain.parent, edit)) as image, pytest.raises(FormatError) as info:
         read_header(image)
     assert (info.value.rule, info.value.offset, info.value.structure) == (rule, HEADER.offset(field), f"header.{field}")
 
 
-@pytest.mark.parametrize("size,rule,structure", [(0, "LI-HDR-001", "header.magic"), (5, "LI-HDR-001", "header.magic"),
-                                                 (50, "LI-HDR-003", "header")])
+@pytest.mark.parametrize(
+    "size,rule,structure",
+    [(0, "LI-HDR-001", "header.magic"), (5, "LI-HDR-001", "header.magic"), (50, "LI-HDR-003", "header")],
+)
 def test_read_header_of_a_truncated_file(chain, tmp_path, size, rule, structure):
     path = tmp_path / "short.lean"
     path.write_bytes(chain.parent.read_bytes()[:size])
@@ -127,14 +165,17 @@ def test_read_header_of_a_truncated_file(chain, tmp_path, size, rule, structure)
     assert (info.value.rule, info.value.offset, info.value.structure) == (rule, 0, structure)
 
 
-@pytest.mark.parametrize("edit,rule,field", [
-    (lambda data: None, None, None),
-    (set_header("header_checksum", 1, fix=False), "LI-HDR-004", "header_checksum"),
-    (set_header("incompatible_features", 1 << 7), "LI-HDR-005", "incompatible_features"),
-    (set_header("page_size", 5000), "LI-HDR-006", "page_size"),
-    (set_header("reserved", 1), "LI-HDR-007", "reserved"),
-    (set_header("parent_uuid", b"\x01" * 16), "LI-HDR-008", "parent_uuid"),
-])
+@pytest.mark.parametrize(
+    "edit,rule,field",
+    [
+        (lambda data: None, None, None),
+        (set_header("header_checksum", 1, fix=False), "LI-HDR-004", "header_checksum"),
+        (set_header("incompatible_features", 1 << 7), "LI-HDR-005", "incompatible_features"),
+        (set_header("page_size", 5000), "LI-HDR-006", "page_size"),
+        (set_header("reserved", 1), "LI-HDR-007", "reserved"),
+        (set_header("parent_uuid", b"\x01" * 16), "LI-HDR-008", "parent_uuid"),
+    ],
+)
 def test_header_problems_one_rule_per_damage(chain, tmp_path, edit, rule, field):
     with image_file(damaged(tmp_path, chain.parent, edit)) as image:
         problems = list(header_problems(read_header(image)))
@@ -156,25 +197,31 @@ def test_read_footer_locates_the_index(chain):
         assert list(index_location_problems(footer, HEADER.size, index=index, scanned_index=index)) == []
 
 
-@pytest.mark.parametrize("edit,rule,field", [
-    (set_footer("magic", b"\x89LEANENX", fix=False), "LI-FTR-001", "magic"),
-    (set_footer("footer_checksum", 7, fix=False), "LI-FTR-002", "footer_checksum"),
-    (set_footer("file_length", 1 << 20), "LI-FTR-003", "file_length"),
-    (set_footer("index_offset", 1001), "LI-FTR-005", "index_offset"),
-    (set_footer("index_offset", 8), "LI-FTR-005", "index_offset"),
-])
+@pytest.mark.parametrize(
+    "edit,rule,field",
+    [
+        (set_footer("magic", b"\x89LEANENX", fix=False), "LI-FTR-001", "magic"),
+        (set_footer("footer_checksum", 7, fix=False), "LI-FTR-002", "footer_checksum"),
+        (set_footer("file_length", 1 << 20), "LI-FTR-003", "file_length"),
+        (set_footer("index_offset", 1001), "LI-FTR-005", "index_offset"),
+        (set_footer("index_offset", 8), "LI-FTR-005", "index_offset"),
+    ],
+)
 def test_read_footer_refuses_a_damaged_footer(chain, tmp_path, edit, rule, field):
     path = damaged(tmp_path, chain.parent, edit)
     footer_at = path.stat().st_size - FOOTER.size
     with image_file(path) as image, pytest.raises(FormatError) as info:
         read_footer(image, HEADER.size)
-    assert (info.value.rule, info.value.offset, info.value.structure) == \
-        (rule, footer_at + FOOTER.offset(field), f"footer.{field}")
+    assert (info.value.rule, info.value.offset, info.value.structure) == (
+        rule,
+        footer_at + FOOTER.offset(field),
+        f"footer.{field}",
+    )
 
 
 def test_read_footer_of_a_file_too_short_for_one(chain, tmp_path):
     path = tmp_path / "short.lean"
-    path.write_bytes(chain.parent.read_bytes()[:HEADER.size + 20])
+    path.write_bytes(chain.parent.read_bytes()[: HEADER.size + 20])
     with image_file(path) as image, pytest.raises(TruncatedError) as info:
         read_footer(image, HEADER.size)
     assert (info.value.rule, info.value.structure) == ("LI-FTR-001", "footer")
@@ -192,12 +239,15 @@ def test_index_location_problems_name_a_record_that_is_not_the_index(chain):
 
 
 def test_image_digest_problems_after_a_change_before_the_footer(chain, tmp_path):
-    path = damaged(tmp_path, chain.parent, flip(HEADER.size + RECORD.size))      # inside the first body
+    path = damaged(tmp_path, chain.parent, flip(HEADER.size + RECORD.size))  # inside the first body
     with image_file(path) as image:
         footer = read_footer(image, HEADER.size)
         (problem,) = image_digest_problems(image, footer)
-    assert (problem.rule, problem.offset, problem.structure) == \
-        ("LI-FTR-004", footer.offset + FOOTER.offset("image_digest"), "footer.image_digest")
+    assert (problem.rule, problem.offset, problem.structure) == (
+        "LI-FTR-004",
+        footer.offset + FOOTER.offset("image_digest"),
+        "footer.image_digest",
+    )
 
 
 # --- records ------------------------------------------------------------------------------
@@ -213,12 +263,13 @@ def test_read_record_reads_what_the_index_lists(chain):
 
 
 def _region_record_at(path) -> int:
-    return records_of(path)[0].offset            # the parent's first record: REGION "ram", 5 padding bytes
+    return records_of(path)[0].offset  # the parent's first record: REGION "ram", 5 padding bytes
 
 
-@pytest.mark.parametrize("what,rule,field", [("body", "LI-REC-003", "record_checksum"),
-                                             ("padding", "LI-REC-004", "padding"),
-                                             ("flags", "LI-REC-005", "flags")])
+@pytest.mark.parametrize(
+    "what,rule,field",
+    [("body", "LI-REC-003", "record_checksum"), ("padding", "LI-REC-004", "padding"), ("flags", "LI-REC-005", "flags")],
+)
 def test_read_record_refuses_a_damaged_record(chain, tmp_path, what, rule, field):
     at = _region_record_at(chain.parent)
     body_length = REGION_BODY.size + len("ram")
@@ -229,6 +280,7 @@ def test_read_record_refuses_a_damaged_record(chain, tmp_path, what, rule, field
         data[where] ^= 1
         if what != "body":
             rechecksum(data, at)
+
     path = damaged(tmp_path, chain.parent, edit)
     with image_file(path) as image, pytest.raises(FormatError) as info:
         read_record(image, at, image.size, 0)
@@ -240,7 +292,7 @@ def test_read_record_refuses_a_damaged_record(chain, tmp_path, what, rule, field
 def test_read_record_refuses_a_body_past_the_limit(chain):
     at = _region_record_at(chain.parent)
     with image_file(chain.parent) as image, pytest.raises(TruncatedError) as info:
-        read_record(image, at, at + 40, 3)                 # the record is 64 bytes long
+        read_record(image, at, at + 40, 3)  # the record is 64 bytes long
     assert info.value.rule == "LI-REC-002" and info.value.offset == at + RECORD.offset("body_length")
     assert info.value.structure.startswith("record[3]") and info.value.structure.endswith(".body_length")
 
@@ -267,7 +319,7 @@ def _with_gap(chain, tmp_path) -> tuple:
     data = chain.parent.read_bytes()
     offsets = [r.offset + 16 for r in records_of(chain.parent)]
     path = tmp_path / "gap.lean"
-    path.write_bytes(data[:HEADER.size] + b"\xaa" * 16 + data[HEADER.size:])
+    path.write_bytes(data[: HEADER.size] + b"\xaa" * 16 + data[HEADER.size :])
     return path, offsets, len(data) + 16 - FOOTER.size
 
 
@@ -329,13 +381,21 @@ def test_parse_body_values_of_the_child(chain):
     for record in records_of(chain.child):
         by_type.setdefault(record.record_type, []).append(record.parsed)
     regions = by_type[RecordType.REGION]
-    assert [(r["name"], r["flags"], r["guest_phys_base"], r["size_bytes"]) for r in regions] == \
-        [("ram", 0, 0, 8 * 4096), ("rom", 1, 0xF0000, 2 * 4096)]
+    assert [(r["name"], r["flags"], r["guest_phys_base"], r["size_bytes"]) for r in regions] == [
+        ("ram", 0, 0, 8 * 4096),
+        ("rom", 1, 0xF0000, 2 * 4096),
+    ]
     (disk,) = by_type[RecordType.DISK]
-    assert (disk["name"], disk["sector_size"], disk["fingerprint_method"], disk["size_bytes"]) == \
-        ("disk0", 512, 1, chain.disk.stat().st_size)
-    assert [(s["tag"], s["sequence"], bytes(s["data"])) for s in by_type[RecordType.SOURCE_STATE]] == \
-        [(3, 0, b"cpu state"), (4, 1, b"devices")]
+    assert (disk["name"], disk["sector_size"], disk["fingerprint_method"], disk["size_bytes"]) == (
+        "disk0",
+        512,
+        1,
+        chain.disk.stat().st_size,
+    )
+    assert [(s["tag"], s["sequence"], bytes(s["data"])) for s in by_type[RecordType.SOURCE_STATE]] == [
+        (3, 0, b"cpu state"),
+        (4, 1, b"devices"),
+    ]
     (refs,) = by_type[RecordType.DISK_REFS]
     assert refs["refs"]["sector"].tolist() == [8, 0]
     ram_map = by_type[RecordType.PAGE_MAP][0]["extents"]
@@ -346,8 +406,11 @@ def test_parse_body_of_unknown_types():
     assert parse_body(make_record(0x8000_0099, b"anything", parse=False)) == {}
     with pytest.raises(FormatError) as info:
         parse_body(make_record(0x99, b"anything", offset=200, parse=False), 4)
-    assert (info.value.rule, info.value.offset, info.value.structure) == \
-        ("LI-REC-006", 200, "record[4].type_0x00000099.record_type")
+    assert (info.value.rule, info.value.offset, info.value.structure) == (
+        "LI-REC-006",
+        200,
+        "record[4].type_0x00000099.record_type",
+    )
 
 
 def test_parse_body_checks_length_and_reserved_fields():
@@ -355,14 +418,19 @@ def test_parse_body_checks_length_and_reserved_fields():
     with pytest.raises(FormatError) as info:
         parse_body(short)
     assert info.value.rule == "LI-REC-007"
-    reserved = make_record(RecordType.PAGE_FRAME, PAGE_FRAME_BODY.pack(num_pages=1, reserved=9), offset=64,
-                           parse=False)
+    reserved = make_record(RecordType.PAGE_FRAME, PAGE_FRAME_BODY.pack(num_pages=1, reserved=9), offset=64, parse=False)
     with pytest.raises(FormatError) as info:
         parse_body(reserved, 2)
-    assert (info.value.rule, info.value.offset, info.value.structure) == \
-        ("LI-REC-008", 64 + RECORD.size + PAGE_FRAME_BODY.offset("reserved"), "record[2].page_frame.reserved")
-    extents = PAGE_MAP_BODY.pack(num_extents=2) + EXTENT.pack(num_pages=1, page_class=2) + \
-        EXTENT.pack(first_page=1, num_pages=1, page_class=2, reserved=1)
+    assert (info.value.rule, info.value.offset, info.value.structure) == (
+        "LI-REC-008",
+        64 + RECORD.size + PAGE_FRAME_BODY.offset("reserved"),
+        "record[2].page_frame.reserved",
+    )
+    extents = (
+        PAGE_MAP_BODY.pack(num_extents=2)
+        + EXTENT.pack(num_pages=1, page_class=2)
+        + EXTENT.pack(first_page=1, num_pages=1, page_class=2, reserved=1)
+    )
     with pytest.raises(FormatError) as info:
         parse_body(make_record(RecordType.PAGE_MAP, extents, offset=64, parse=False), 2)
     assert info.value.rule == "LI-REC-008" and info.value.structure == "record[2].page_map.extents[1].reserved"
@@ -372,8 +440,11 @@ def test_parse_body_checks_length_and_reserved_fields():
 def test_reserved_problems_of_a_head_and_of_a_table():
     assert list(reserved_problems(REGION_BODY, {"reserved": 0}, 100, "r")) == []
     (head,) = reserved_problems(REGION_BODY, {"reserved": 3}, 100, "record[1].region")
-    assert (head.rule, head.offset, head.structure) == \
-        ("LI-REC-008", 100 + REGION_BODY.offset("reserved"), "record[1].region.reserved")
+    assert (head.rule, head.offset, head.structure) == (
+        "LI-REC-008",
+        100 + REGION_BODY.offset("reserved"),
+        "record[1].region.reserved",
+    )
     (flags,) = reserved_problems(DISK_BODY, {"flags": 1, "reserved": 0}, None, "")
     assert (flags.rule, flags.offset, flags.structure) == ("LI-REC-008", None, "flags")
     table = np.zeros(4, DISK_REF.dtype)
@@ -387,15 +458,22 @@ def _head(record):
     return structure.unpack(record.body)._asdict() if record.body_length >= structure.size else None
 
 
-@pytest.mark.parametrize("record_type,body,field", [
-    (RecordType.DIGESTS, bytes(12), "body_length"),
-    (RecordType.REGION, REGION_BODY.pack(size_bytes=4096, name_length=4) + b"ram", "body_length"),
-    (RecordType.PAGE_MAP, PAGE_MAP_BODY.pack(num_extents=2) + EXTENT.pack(num_pages=1, page_class=2), "body_length"),
-    (RecordType.DISK_REFS, DISK_REFS_BODY.pack(num_refs=0), "num_refs"),
-    (RecordType.DIGESTS, DIGESTS_BODY.pack(num_pages=0), "num_pages"),
-    (RecordType.DIGESTS, DIGESTS_BODY.pack(num_digests=2, num_pages=1) + bytes(32), "num_pages"),
-    (RecordType.DELTA_FRAME, DELTA_FRAME_BODY.pack(num_deltas=3) + bytes(8), "num_deltas"),
-])
+@pytest.mark.parametrize(
+    "record_type,body,field",
+    [
+        (RecordType.DIGESTS, bytes(12), "body_length"),
+        (RecordType.REGION, REGION_BODY.pack(size_bytes=4096, name_length=4) + b"ram", "body_length"),
+        (
+            RecordType.PAGE_MAP,
+            PAGE_MAP_BODY.pack(num_extents=2) + EXTENT.pack(num_pages=1, page_class=2),
+            "body_length",
+        ),
+        (RecordType.DISK_REFS, DISK_REFS_BODY.pack(num_refs=0), "num_refs"),
+        (RecordType.DIGESTS, DIGESTS_BODY.pack(num_pages=0), "num_pages"),
+        (RecordType.DIGESTS, DIGESTS_BODY.pack(num_digests=2, num_pages=1) + bytes(32), "num_pages"),
+        (RecordType.DELTA_FRAME, DELTA_FRAME_BODY.pack(num_deltas=3) + bytes(8), "num_deltas"),
+    ],
+)
 def test_body_length_problems(record_type, body, field):
     record = make_record(record_type, body, offset=200, index=5, parse=False)
     (problem,) = body_length_problems(record, _head(record))
@@ -404,30 +482,55 @@ def test_body_length_problems(record_type, body, field):
 
 
 def test_body_length_problems_accept_exact_lengths():
-    for record_type, body in ((RecordType.REGION, REGION_BODY.pack(size_bytes=4096, name_length=3) + b"ram"),
-                              (RecordType.DIGESTS, DIGESTS_BODY.pack(num_digests=1, num_pages=2) + bytes(16)),
-                              (RecordType.DELTA_FRAME, DELTA_FRAME_BODY.pack(num_deltas=1) + bytes(8)),
-                              (RecordType.PAGE_FRAME, PAGE_FRAME_BODY.pack(num_pages=1) + b"any frame")):
+    for record_type, body in (
+        (RecordType.REGION, REGION_BODY.pack(size_bytes=4096, name_length=3) + b"ram"),
+        (RecordType.DIGESTS, DIGESTS_BODY.pack(num_digests=1, num_pages=2) + bytes(16)),
+        (RecordType.DELTA_FRAME, DELTA_FRAME_BODY.pack(num_deltas=1) + bytes(8)),
+        (RecordType.PAGE_FRAME, PAGE_FRAME_BODY.pack(num_pages=1) + b"any frame"),
+    ):
         record = make_record(record_type, body, parse=False)
         assert list(body_length_problems(record, _head(record))) == [], record.name
 
 
-@pytest.mark.parametrize("record_type,body,rule,field", [
-    (RecordType.REGION, REGION_BODY.pack(flags=2, size_bytes=4096, name_length=1) + b"r", "LI-REG-003", "flags"),
-    (RecordType.REGION, REGION_BODY.pack(guest_phys_base=4096, size_bytes=4096, name_length=1) + b"r", "LI-REG-003",
-     "flags"),
-    (RecordType.REGION, REGION_BODY.pack(size_bytes=4097, name_length=1) + b"r", "LI-REG-002", "size_bytes"),
-    (RecordType.DISK, DISK_BODY.pack(size_bytes=512, sector_size=4096, fingerprint_method=1, name_length=1) + b"d",
-     "LI-DSK-002", "size_bytes"),
-    (RecordType.SOURCE_STATE, SOURCE_STATE_BODY.pack(source_format=9), "LI-SRC-002", "source_format"),
-    (RecordType.PAGE_FRAME, PAGE_FRAME_BODY.pack(num_pages=0), "LI-FRM-004", "num_pages"),
-    (RecordType.DELTA_FRAME, DELTA_FRAME_BODY.pack(num_deltas=1) + struct.pack("<2I", 4, 8), "LI-DLT-001",
-     "entry_offsets"),
-    (RecordType.PAGE_MAP, PAGE_MAP_BODY.pack(num_extents=1) + EXTENT.pack(num_pages=1, page_class=7), "LI-MAP-002",
-     "extents[0]"),
-    (RecordType.PAGE_MAP, PAGE_MAP_BODY.pack(num_extents=1) + EXTENT.pack(num_pages=1, page_class=2, first_slot=3),
-     "LI-MAP-003", "extents[0].first_slot"),
-])
+@pytest.mark.parametrize(
+    "record_type,body,rule,field",
+    [
+        (RecordType.REGION, REGION_BODY.pack(flags=2, size_bytes=4096, name_length=1) + b"r", "LI-REG-003", "flags"),
+        (
+            RecordType.REGION,
+            REGION_BODY.pack(guest_phys_base=4096, size_bytes=4096, name_length=1) + b"r",
+            "LI-REG-003",
+            "flags",
+        ),
+        (RecordType.REGION, REGION_BODY.pack(size_bytes=4097, name_length=1) + b"r", "LI-REG-002", "size_bytes"),
+        (
+            RecordType.DISK,
+            DISK_BODY.pack(size_bytes=512, sector_size=4096, fingerprint_method=1, name_length=1) + b"d",
+            "LI-DSK-002",
+            "size_bytes",
+        ),
+        (RecordType.SOURCE_STATE, SOURCE_STATE_BODY.pack(source_format=9), "LI-SRC-002", "source_format"),
+        (RecordType.PAGE_FRAME, PAGE_FRAME_BODY.pack(num_pages=0), "LI-FRM-004", "num_pages"),
+        (
+            RecordType.DELTA_FRAME,
+            DELTA_FRAME_BODY.pack(num_deltas=1) + struct.pack("<2I", 4, 8),
+            "LI-DLT-001",
+            "entry_offsets",
+        ),
+        (
+            RecordType.PAGE_MAP,
+            PAGE_MAP_BODY.pack(num_extents=1) + EXTENT.pack(num_pages=1, page_class=7),
+            "LI-MAP-002",
+            "extents[0]",
+        ),
+        (
+            RecordType.PAGE_MAP,
+            PAGE_MAP_BODY.pack(num_extents=1) + EXTENT.pack(num_pages=1, page_class=2, first_slot=3),
+            "LI-MAP-003",
+            "extents[0].first_slot",
+        ),
+    ],
+)
 def test_body_problems_value_rules(record_type, body, rule, field):
     record = make_record(record_type, body, offset=64, index=1)
     problems = list(body_problems(record, 1, 4096))

@@ -69,15 +69,30 @@ def __getattr__(name):
 def plugin_dir(tmp_path_factory) -> Path:
     """leanimg-toyvm and leanimg-broken installed by pip (offline) into a directory of their own."""
     root = tmp_path_factory.mktemp("plugins")
-    toyvm = shutil.copytree(TOYVM_SOURCE, root / "src" / "leanimg-toyvm")     # builds leave no files in tests/
+    toyvm = shutil.copytree(TOYVM_SOURCE, root / "src" / "leanimg-toyvm")  # builds leave no files in tests/
     broken = root / "src" / "leanimg-broken"
     (broken / "leanimg_broken").mkdir(parents=True)
     (broken / "pyproject.toml").write_text(BROKEN_PYPROJECT)
     (broken / "leanimg_broken" / "__init__.py").write_text(BROKEN_MODULE)
     target = root / "site"
-    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
-                    "--no-index", "--target", str(target), str(toyvm), str(broken)],
-                   check=True, capture_output=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--no-deps",
+            "--no-build-isolation",
+            "--no-index",
+            "--target",
+            str(target),
+            str(toyvm),
+            str(broken),
+        ],
+        check=True,
+        capture_output=True,
+    )
     return target
 
 
@@ -119,8 +134,14 @@ def canonical_save() -> bytes:
 
 def messy_save() -> bytes:
     """FINAL's memory, sent out of order with pages sent twice."""
-    sends = [(3, page_of(99)), (11, page_of(98)), (20, None), *sorted(FINAL.items(), reverse=True),
-             (17, page_of(97)), (17, FINAL[17])]
+    sends = [
+        (3, page_of(99)),
+        (11, page_of(98)),
+        (20, None),
+        *sorted(FINAL.items(), reverse=True),
+        (17, page_of(97)),
+        (17, FINAL[17]),
+    ]
     return toyvm_save(sends, RAM_PAGES, DEVICES)
 
 
@@ -138,8 +159,11 @@ def test_plugins_lists_the_installed_third_party_plugins(plugin_dir):
 
 def test_broken_plugins_are_listed_with_the_reason(plugin_dir):
     listed = json.loads(leanimg(plugin_dir, "plugins", "--json").stdout)
-    broken = {(p["kind"], p["name"]): p["problem"] for p in listed
-              if p["distribution"] == "leanimg-broken" and p["status"] == "broken"}
+    broken = {
+        (p["kind"], p["name"]): p["problem"]
+        for p in listed
+        if p["distribution"] == "leanimg-broken" and p["status"] == "broken"
+    }
     assert set(broken) == {("source", "gone"), ("source", "exploding"), ("target", "halfdone"), ("target", "qemu")}
     assert "ModuleNotFoundError: No module named 'leanimg_broken_missing_module'" in broken[("source", "gone")]
     assert "RuntimeError: the plugin's own bug" in broken[("source", "exploding")]
@@ -153,7 +177,7 @@ def test_broken_plugins_are_listed_with_the_reason(plugin_dir):
 def test_a_toyvm_save_converts_validates_and_restores(plugin_dir, tmp_path):
     save, image, raw, back = (tmp_path / n for n in ("vm.toy", "vm.lean", "vm.raw", "back.toy"))
     save.write_bytes(messy_save())
-    leanimg(plugin_dir, "convert", save, "-o", image)                  # found by its magic: no --from
+    leanimg(plugin_dir, "convert", save, "-o", image)  # found by its magic: no --from
     report = leanimg(plugin_dir, "validate", image).stdout
     assert report.strip().endswith(f"checked {RAM_PAGES} pages, 6 records, 18 stored_pages"), report
     assert report.startswith(f"{image}: valid")
@@ -166,14 +190,15 @@ def test_a_toyvm_save_converts_validates_and_restores(plugin_dir, tmp_path):
     wrong = leanimg(plugin_dir, "restore", image, "--to", "qemu", "-o", tmp_path / "q.save", check=False)
     assert wrong.returncode == 1 and "use --to toyvm or --to raw" in wrong.stderr, wrong.stderr
     leanimg(plugin_dir, "restore", image, "--to", "toyvm", "-o", back)
-    assert back.read_bytes() == canonical_save()          # each page once, in order, the last copy sent
+    assert back.read_bytes() == canonical_save()  # each page once, in order, the last copy sent
 
 
 def test_a_toyvm_save_converts_from_a_pipe(plugin_dir, tmp_path):
     image, raw = tmp_path / "piped.lean", tmp_path / "piped.raw"
     env = dict(os.environ, PYTHONPATH=str(plugin_dir))
-    proc = subprocess.run([*command_line(), "convert", "-", "-o", str(image)], input=messy_save(), env=env,
-                          capture_output=True)
+    proc = subprocess.run(
+        [*command_line(), "convert", "-", "-o", str(image)], input=messy_save(), env=env, capture_output=True
+    )
     assert proc.returncode == 0, proc.stderr.decode()
     leanimg(plugin_dir, "restore", image, "--to", "raw", "-o", raw)
     assert raw.read_bytes() == memory_of(FINAL)
@@ -185,15 +210,16 @@ def test_a_canonical_toyvm_save_round_trips_byte_identical(plugin_dir, tmp_path)
     leanimg(plugin_dir, "convert", save, "-o", image, "--from", "toyvm")
     leanimg(plugin_dir, "restore", image, "--to", "toyvm", "-o", back)
     assert hashlib.sha256(back.read_bytes()).digest() == hashlib.sha256(save.read_bytes()).digest()
-    env = dict(os.environ, PYTHONPATH=str(plugin_dir))                  # and to a pipe
-    piped = subprocess.run([*command_line(), "restore", str(image), "--to", "toyvm", "-o", "-"], env=env,
-                           capture_output=True, check=True)
+    env = dict(os.environ, PYTHONPATH=str(plugin_dir))  # and to a pipe
+    piped = subprocess.run(
+        [*command_line(), "restore", str(image), "--to", "toyvm", "-o", "-"], env=env, capture_output=True, check=True
+    )
     assert piped.stdout == save.read_bytes()
 
 
 def test_a_bad_toyvm_save_is_a_clear_error_and_no_image(plugin_dir, tmp_path):
     save, image = tmp_path / "vm.toy", tmp_path / "vm.lean"
-    save.write_bytes(canonical_save()[:-PS])              # ends inside page 23
+    save.write_bytes(canonical_save()[:-PS])  # ends inside page 23
     proc = leanimg(plugin_dir, "convert", save, "-o", image, check=False)
     assert proc.returncode == 1
     assert proc.stderr.startswith("leanimg: error: offset 0x") and "toyvm.page" in proc.stderr, proc.stderr
@@ -222,26 +248,37 @@ def test_broken_plugins_do_not_break_other_commands(plugin_dir, tmp_path):
     save, image, raw = tmp_path / "q.save", tmp_path / "q.lean", tmp_path / "q.raw"
     memory = bytes(range(256)) * 64
     save.write_bytes(qemu_save(memory))
-    leanimg(plugin_dir, "convert", save, "-o", image)                  # detection passes over broken sources
+    leanimg(plugin_dir, "convert", save, "-o", image)  # detection passes over broken sources
     leanimg(plugin_dir, "restore", image, "--to", "raw", "-o", raw)
     assert raw.read_bytes() == memory
     qemu_stream = tmp_path / "q.again"
-    leanimg(plugin_dir, "restore", image, "--to", "qemu", "-o", qemu_stream)   # leanimg's own qemu, not the broken one
+    leanimg(plugin_dir, "restore", image, "--to", "qemu", "-o", qemu_stream)  # leanimg's own qemu, not the broken one
     assert qemu_stream.read_bytes() == save.read_bytes()
 
 
-@pytest.mark.parametrize("args,message", [
-    (["convert", "{save}", "-o", "{out}", "--from", "gone"],
-     "the source format plugin 'gone' (leanimg_broken_missing_module:SOURCE of distribution leanimg-broken 2.0) "
-     "cannot be used: cannot be loaded: ModuleNotFoundError"),
-    (["convert", "{save}", "-o", "{out}", "--from", "exploding"],
-     "cannot be loaded: RuntimeError: the plugin's own bug"),
-    (["restore", "{image}", "--to", "halfdone", "-o", "{out}"],
-     "lacks restore, describe of the restore target protocol"),
-    (["convert", "{unknown}", "-o", "{out}"],
-     "source plugins that could not be loaded: exploding (cannot be loaded: RuntimeError: the plugin's own bug), "
-     "gone (cannot be loaded: ModuleNotFoundError"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (
+            ["convert", "{save}", "-o", "{out}", "--from", "gone"],
+            "the source format plugin 'gone' (leanimg_broken_missing_module:SOURCE of distribution leanimg-broken 2.0) "
+            "cannot be used: cannot be loaded: ModuleNotFoundError",
+        ),
+        (
+            ["convert", "{save}", "-o", "{out}", "--from", "exploding"],
+            "cannot be loaded: RuntimeError: the plugin's own bug",
+        ),
+        (
+            ["restore", "{image}", "--to", "halfdone", "-o", "{out}"],
+            "lacks restore, describe of the restore target protocol",
+        ),
+        (
+            ["convert", "{unknown}", "-o", "{out}"],
+            "source plugins that could not be loaded: exploding (cannot be loaded: RuntimeError: the plugin's own bug), "
+            "gone (cannot be loaded: ModuleNotFoundError",
+        ),
+    ],
+)
 def test_a_broken_plugin_that_is_needed_is_a_clear_error(plugin_dir, tmp_path, args, message):
     paths = dict(save=tmp_path / "q.save", image=tmp_path / "q.lean", out=tmp_path / "out", unknown=tmp_path / "u")
     paths["save"].write_bytes(qemu_save(bytes(4096)))

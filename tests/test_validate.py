@@ -27,7 +27,7 @@ def chain(tmp_path_factory):
 
 def records_in(path) -> int:
     with LeanImage.open_link(path) as image:
-        return len(image.index_entries) + 1                   # and the INDEX itself
+        return len(image.index_entries) + 1  # and the INDEX itself
 
 
 def flipped(tmp_path, source, *positions, name="flipped.lean"):
@@ -59,15 +59,30 @@ def test_with_parent_and_disk_every_page_is_resolved(chain):
     with disk_sources({"disk0": chain.disk}) as disks:
         report = validate(chain.child, parents=[chain.parent], disks=disks)
     assert report.valid and report.not_checked == []
-    assert dict(report.checked) == {"records": records_in(chain.child), "pages": 10, "stored_pages": 1,
-                                    "parent_pages": 3, "delta_pages": 2, "disk_pages": 2}
+    assert dict(report.checked) == {
+        "records": records_in(chain.child),
+        "pages": 10,
+        "stored_pages": 1,
+        "parent_pages": 3,
+        "delta_pages": 2,
+        "disk_pages": 2,
+    }
 
 
 def test_not_checked_says_what_was_not_supplied(chain):
     report = validate(chain.child)
-    assert report.valid                                   # rules not checked do not make an image invalid
-    assert report.not_checked == ["LI-CHN-001", "LI-CHN-002", "LI-CHN-003", "LI-CHN-004", "LI-CHN-005", "LI-CHN-006",
-                                  "LI-DIG-002", "LI-DSK-004", "LI-DSK-005"]
+    assert report.valid  # rules not checked do not make an image invalid
+    assert report.not_checked == [
+        "LI-CHN-001",
+        "LI-CHN-002",
+        "LI-CHN-003",
+        "LI-CHN-004",
+        "LI-CHN-005",
+        "LI-CHN-006",
+        "LI-DIG-002",
+        "LI-DSK-004",
+        "LI-DSK-005",
+    ]
     disk_note, parent_note = report.not_checked_reasons
     assert disk_note.startswith("LI-DSK-004, LI-DSK-005") and disk_note.endswith("no --disk for disk0")
     assert parent_note.startswith("LI-CHN-001..005") and parent_note.endswith("no --parent")
@@ -81,8 +96,16 @@ def test_not_checked_says_what_was_not_supplied(chain):
 def test_to_json_shape(chain, tmp_path):
     report = validate(flipped(tmp_path, chain.parent, frame_checksum_offsets(chain.parent)[0]))
     out = json.loads(json.dumps(report.to_json()))
-    assert set(out) == {"path", "valid", "complete", "findings", "suppressed", "checked", "not_checked",
-                        "not_checked_reasons"}
+    assert set(out) == {
+        "path",
+        "valid",
+        "complete",
+        "findings",
+        "suppressed",
+        "checked",
+        "not_checked",
+        "not_checked_reasons",
+    }
     assert out["valid"] is False and out["path"] == report.path
     assert all(set(f) == {"rule", "offset", "structure", "message"} for f in out["findings"])
     assert [f["rule"] for f in out["findings"]] == [f.rule for f in report.findings]
@@ -110,8 +133,11 @@ def test_report_names_findings_without_a_rule():
 def test_many_wrong_digests_are_suppressed_past_the_limit(tmp_path):
     mv = make_vectors()
     n = FINDINGS_PER_RULE + 5
-    data = write_bytes(lambda w: w.put_pages(w.add_region("ram", n * PS), 0,
-                                              np.random.default_rng(3).integers(1, 255, n * PS, np.uint8).tobytes()))
+    data = write_bytes(
+        lambda w: w.put_pages(
+            w.add_region("ram", n * PS), 0, np.random.default_rng(3).integers(1, 255, n * PS, np.uint8).tobytes()
+        )
+    )
     lean = mv.Lean.parse(data)
     mv.rewrite_body(lean, lean.find(RecordType.DIGESTS), lambda b: b[:24] + bytes(len(b) - 24))
     path = tmp_path / "digests.lean"
@@ -156,22 +182,26 @@ def test_image_digest_is_checked_by_validate_only(chain, tmp_path):
     size = chain.parent.stat().st_size
     path = flipped(tmp_path, chain.parent, size - FOOTER.size + FOOTER.offset("image_digest"))
     path.write_bytes(_with_footer_checksum(path.read_bytes()))
-    with LeanImage.open(path) as image:                   # the reader does not read the whole file to open it
+    with LeanImage.open(path) as image:  # the reader does not read the whole file to open it
         assert image.read_page("ram", 0) == chain.parent_content["ram"][:PS]
     assert [(f.rule, f.structure) for f in validate(path).findings] == [("LI-FTR-004", "footer.image_digest")]
 
 
 def _with_footer_checksum(data: bytes) -> bytes:
     from leanimg.structures import footer_checksum
-    footer = data[-FOOTER.size:]
+
+    footer = data[-FOOTER.size :]
     return data[:-8] + footer_checksum(footer).to_bytes(8, "little")
 
 
 def test_a_malformed_delta_entry_is_located_alike_with_or_without_its_parent():
     from helpers import VECTORS_DIR
+
     vector = VECTORS_DIR / "invalid" / "dlt-002-encoding.lean"
     alone = [str(f) for f in validate(vector).findings]
     with_parent = [str(f) for f in validate(vector, parents=[VECTORS_DIR / "valid" / "parent.lean"]).findings]
-    assert alone == ["LI-DLT-002 offset 0x190 record[2].delta_frame.entries[0]: expected encoding 1-3 and "
-                     "num_words >= 1, got encoding 4, num_words 3"]
+    assert alone == [
+        "LI-DLT-002 offset 0x190 record[2].delta_frame.entries[0]: expected encoding 1-3 and "
+        "num_words >= 1, got encoding 4, num_words 3"
+    ]
     assert with_parent == alone

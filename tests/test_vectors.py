@@ -31,8 +31,10 @@ INVALID = sorted(k for k, m in META.items() if m["kind"] == "invalid")
 
 
 def _args(meta: dict) -> dict:
-    return dict(disks={name: str(VECTORS_DIR / p) for name, p in meta["disks"].items()},
-                parents=[str(VECTORS_DIR / p) for p in meta["parents"]])
+    return dict(
+        disks={name: str(VECTORS_DIR / p) for name, p in meta["disks"].items()},
+        parents=[str(VECTORS_DIR / p) for p in meta["parents"]],
+    )
 
 
 def _findings(rel: str):
@@ -40,8 +42,7 @@ def _findings(rel: str):
 
 
 def test_vector_files_match_json():
-    on_disk = {str(p.relative_to(VECTORS_DIR)) for sub in ("valid", "invalid")
-               for p in (VECTORS_DIR / sub).iterdir()}
+    on_disk = {str(p.relative_to(VECTORS_DIR)) for sub in ("valid", "invalid") for p in (VECTORS_DIR / sub).iterdir()}
     assert on_disk == set(META)
 
 
@@ -63,8 +64,9 @@ def test_valid_vector_restores(rel):
 def test_invalid_vector_reports_its_rule(rel):
     meta = META[rel]
     findings = _findings(rel)
-    assert meta["rule"] in {f.rule for f in findings}, \
+    assert meta["rule"] in {f.rule for f in findings}, (
         f"{rel}: {meta['description']}; expected {meta['rule']}, got " + "; ".join(map(str, findings))
+    )
 
 
 @pytest.mark.parametrize("rel", INVALID)
@@ -105,7 +107,7 @@ def test_every_rule_is_in_the_spec(doc):
 def test_generator_is_deterministic(tmp_path):
     spec = importlib.util.spec_from_file_location("make_vectors", VECTORS_DIR / "make_vectors.py")
     module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module          # dataclasses look their module up
+    sys.modules[spec.name] = module  # dataclasses look their module up
     try:
         spec.loader.exec_module(module)
     finally:
@@ -131,7 +133,7 @@ def test_valid_vector_digests_only_for_digest_bearing_pages(rel):
     data = (VECTORS_DIR / rel).read_bytes()
     lean = mv.Lean.parse(data)
     page_size = struct.unpack_from("<I", data, 88)[0]
-    inherited = struct.unpack_from("<Q", data, 16)[0] & mv.INHERITED_DIGESTS      # 1.1: PARENT digests inherited
+    inherited = struct.unpack_from("<Q", data, 16)[0] & mv.INHERITED_DIGESTS  # 1.1: PARENT digests inherited
     digest_bearing = mv.DIGEST_BEARING - ({PageClass.PARENT} if inherited else set())
     raw = restore_bytes(VECTORS_DIR / rel, **_args(META[rel]))
     base = 0
@@ -149,14 +151,15 @@ def test_valid_vector_digests_only_for_digest_bearing_pages(rel):
             assert num_digests == len(bearing)
             assert len(rec.body) == DIGESTS_BODY.struct.size + 16 * num_digests
             for k, p in enumerate(bearing):
-                content = raw[base + p * page_size:base + (p + 1) * page_size]
-                assert rec.body[24 + 16 * k:40 + 16 * k] == page_digest(content), (region_id, p)
+                content = raw[base + p * page_size : base + (p + 1) * page_size]
+                assert rec.body[24 + 16 * k : 40 + 16 * k] == page_digest(content), (region_id, p)
             covered += num_pages
         assert covered == len(classes)
         base += size
 
 
 # --- spec/format.md Appendix A ------------------------------------------------------------------
+
 
 def _run_make_examples(*argv) -> str:
     spec = importlib.util.spec_from_file_location("make_examples", SPEC_DIR / "tools" / "make_examples.py")

@@ -13,14 +13,24 @@ import pytest
 from helpers import write_bytes
 from leanimg.fileutil import umask
 from leanimg.format import (
-    EXTENT, CompatFeature, IncompatFeature, PageClass, page_digest,
+    EXTENT,
+    CompatFeature,
+    IncompatFeature,
+    PageClass,
+    page_digest,
 )
 from leanimg.reader import LeanImage
 from leanimg.writer import LeanImageWriter, PageGivenTwice, ParentLink, WriterUsageError, build_extents
 
 PS = 4096
-S, Z, F, D, P, DL = (PageClass.STORED, PageClass.ZERO, PageClass.FREE, PageClass.DISK, PageClass.PARENT,
-                     PageClass.DELTA)
+S, Z, F, D, P, DL = (
+    PageClass.STORED,
+    PageClass.ZERO,
+    PageClass.FREE,
+    PageClass.DISK,
+    PageClass.PARENT,
+    PageClass.DELTA,
+)
 LINK = ParentLink(bytes([7] * 16), bytes([8] * 16))
 
 
@@ -43,6 +53,7 @@ def test_put_pages_all_zero_pages_become_zero(tmp_path):
 
     def build(w):
         w.put_pages(w.add_region("ram", 3 * PS), 0, content)
+
     with written(tmp_path, build) as image:
         ram = image.region("ram")
         assert image.classes(ram).tolist() == [S, Z, S]
@@ -53,6 +64,7 @@ def test_put_pages_all_zero_pages_become_zero(tmp_path):
 def test_put_pages_fills_frames_of_frame_pages(tmp_path):
     def build(w):
         w.put_pages(w.add_region("ram", 5 * PS), 0, pages(3, 5))
+
     with written(tmp_path, build, frame_pages=2) as image:
         assert image.tables.page_frames.counts.tolist() == [2, 2, 1]
 
@@ -62,6 +74,7 @@ def test_put_pages_takes_strided_rows(tmp_path):
 
     def build(w):
         w.put_pages(w.add_region("ram", 3 * PS), 0, buffer[::2])
+
     with written(tmp_path, build) as image:
         assert bytes(image.region_bytes(image.region("ram"), 0, 3)) == buffer[::2].tobytes()
 
@@ -71,6 +84,7 @@ def test_put_zero_and_put_free(tmp_path):
         r = w.add_region("ram", 5 * PS)
         w.put_free(r, 3, 2)
         w.put_zero(r, 0, 3)
+
     with written(tmp_path, build) as image:
         ram = image.region("ram")
         assert image.classes(ram).tolist() == [Z, Z, Z, F, F]
@@ -88,6 +102,7 @@ def test_put_disks_records_references_and_digests(tmp_path):
         w.put_disks(r, np.array([2, 0]), np.array([vdb, vda]), np.array([64, 8]), digests)
         w.put_disks(r, np.array([], np.int64), np.array([]), np.array([]), np.zeros((0, 16), np.uint8))
         w.put_zero(r, 1)
+
     with written(tmp_path, build) as image:
         ram = image.region("ram")
         assert image.header.incompatible_features == IncompatFeature.DISK
@@ -104,6 +119,7 @@ def test_put_parent_records_the_digests_given_in_a_1_0_child(tmp_path):
     def build(w):
         r = w.add_region("ram", 2 * PS)
         w.put_parent(r, 0, digests)
+
     with written(tmp_path, build, parent=LINK, inherit_digests=False) as image:
         ram = image.region("ram")
         assert image.classes(ram).tolist() == [P, P]
@@ -115,15 +131,19 @@ def test_put_parent_records_the_digests_given_in_a_1_0_child(tmp_path):
 
 def test_a_child_is_format_1_1_and_stores_no_parent_digests(tmp_path):
     """By default a child inherits its PARENT pages' digests: header bit, minor 1, no digests stored."""
+
     def build(w):
         r = w.add_region("ram", 3 * PS)
         w.put_parent(r, 0, page_digest(b"a" * PS) + page_digest(b"b" * PS))
         w.put_pages(r, 2, b"c" * PS)
+
     with written(tmp_path, build, parent=LINK) as image:
         ram = image.region("ram")
         assert image.classes(ram).tolist() == [P, P, S]
-        assert image.header.incompatible_features == \
-            IncompatFeature.PARENT | IncompatFeature.DELTA | IncompatFeature.INHERITED_DIGESTS
+        assert (
+            image.header.incompatible_features
+            == IncompatFeature.PARENT | IncompatFeature.DELTA | IncompatFeature.INHERITED_DIGESTS
+        )
         assert image.header.minor_version == 1
         assert image.digests.table(ram).tolist() == [list(page_digest(b"c" * PS))]
         assert image.expected_digest(ram, 2) == page_digest(b"c" * PS)
@@ -132,6 +152,7 @@ def test_a_child_is_format_1_1_and_stores_no_parent_digests(tmp_path):
 def test_a_parentless_image_is_format_1_0(tmp_path):
     def build(w):
         w.put_pages(w.add_region("ram", PS), 0, b"c" * PS)
+
     with written(tmp_path, build) as image:
         assert image.header.minor_version == 0 and image.header.incompatible_features == 0
     with pytest.raises(WriterUsageError):
@@ -149,6 +170,7 @@ def test_put_changed_delta_when_smaller_else_stored(tmp_path):
         r = w.add_region("ram", 2 * PS)
         got.append(w.put_changed(r, 0, old, bytes(few)))
         got.append(w.put_changed(r, 1, old, every))
+
     with written(tmp_path, build, parent=LINK) as image:
         assert got == [DL, S]
         assert image.classes(image.region("ram")).tolist() == [DL, S]
@@ -161,17 +183,19 @@ def test_put_changed_without_delta_stores_the_page(tmp_path):
 
     def build(w):
         assert w.put_changed(w.add_region("ram", PS), 0, old, new) == S
+
     with written(tmp_path, build, parent=LINK, allow_delta=False) as image:
         assert not image.header.incompatible_features & IncompatFeature.DELTA
 
 
 def test_put_delta_stores_the_entry_given(tmp_path):
-    entry = bytes([1, 0, 1, 0, 3, 0]) + (42).to_bytes(8, "little")       # INDEX_LIST: word 3 := 42
+    entry = bytes([1, 0, 1, 0, 3, 0]) + (42).to_bytes(8, "little")  # INDEX_LIST: word 3 := 42
 
     def build(w):
         r = w.add_region("ram", 2 * PS)
         w.put_delta(r, 1, entry, bytes(16))
         w.put_parent(r, 0, bytes(16))
+
     with written(tmp_path, build, parent=LINK) as image:
         assert image.frames.delta_entry(0) == entry
         assert image.page_location(image.region("ram"), 1) == (DL, 0)
@@ -184,14 +208,17 @@ def _region_with_page_0(w):
     return r
 
 
-@pytest.mark.parametrize("again", [
-    lambda w, r: w.put_pages(r, 0, pages(8, 2)),
-    lambda w, r: w.put_zero(r, 0),
-    lambda w, r: w.put_free(r, 0, 2),
-    lambda w, r: w.put_parent(r, 0, bytes(16)),
-    lambda w, r: w.put_delta(r, 0, b"entry", bytes(16)),
-    lambda w, r: w.put_disk(r, 0, 0, 0, bytes(16)),
-])
+@pytest.mark.parametrize(
+    "again",
+    [
+        lambda w, r: w.put_pages(r, 0, pages(8, 2)),
+        lambda w, r: w.put_zero(r, 0),
+        lambda w, r: w.put_free(r, 0, 2),
+        lambda w, r: w.put_parent(r, 0, bytes(16)),
+        lambda w, r: w.put_delta(r, 0, b"entry", bytes(16)),
+        lambda w, r: w.put_disk(r, 0, 0, 0, bytes(16)),
+    ],
+)
 def test_a_page_given_twice(again):
     w = LeanImageWriter(io.BytesIO(), parent=LINK, threads=1)
     w.add_disk("vda", 1 << 20, bytes(16))
@@ -201,39 +228,45 @@ def test_a_page_given_twice(again):
     w.abort()
 
 
-@pytest.mark.parametrize("kw,match", [
-    (dict(page_size=5000), "page_size"),
-    (dict(page_size=2048), "page_size"),
-    (dict(page_size=131072), "page_size"),
-    (dict(frame_pages=4097), "exceeds"),
-    (dict(allow_delta=True), "DELTA pages need a parent"),
-])
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        (dict(page_size=5000), "page_size"),
+        (dict(page_size=2048), "page_size"),
+        (dict(page_size=131072), "page_size"),
+        (dict(frame_pages=4097), "exceeds"),
+        (dict(allow_delta=True), "DELTA pages need a parent"),
+    ],
+)
 def test_constructor_usage_errors(kw, match):
     with pytest.raises(WriterUsageError, match=match):
         LeanImageWriter(io.BytesIO(), **kw)
 
 
-@pytest.mark.parametrize("misuse,match", [
-    (lambda w, r: w.put_pages(r + 1, 0, pages(9, 1)), "unknown region id 1"),
-    (lambda w, r: w.put_zero(r + 5, 0), "unknown region id 5"),
-    (lambda w, r: w.put_disks(r + 1, [0], [0], [0], np.zeros((1, 16), np.uint8)), "unknown region id 1"),
-    (lambda w, r: w.put_disks(r, [0], [3], [0], np.zeros((1, 16), np.uint8)), "unknown disk id 3"),
-    (lambda w, r: w.put_disks(r, [1, 1], [0, 0], [0, 8], np.zeros((2, 16), np.uint8)), "repeated"),
-    (lambda w, r: w.put_pages(r, 1, pages(9, 2)), "outside"),
-    (lambda w, r: w.put_free(r, -1), "outside"),
-    (lambda w, r: w.put_pages(r, 0, b"x" * 100), "not a multiple"),
-    (lambda w, r: w.put_pages(r, 0, np.zeros((1, PS), np.uint16)), "uint8"),
-    (lambda w, r: w.put_parent(r, 0, bytes(16)), "PARENT pages need a parent"),
-    (lambda w, r: w.put_delta(r, 0, b"entry", bytes(16)), "DELTA pages need a parent"),
-    (lambda w, r: w.add_disk("vdb", 1 << 20, bytes(16)), "before any region"),
-    (lambda w, r: w.declare_source_state(), "before any record"),
-    (lambda w, r: w.add_source_state(1, 0, b"s"), "declare_source_state"),
-    (lambda w, r: w.add_region("ram", PS), "declared twice"),
-    (lambda w, r: w.add_region("", PS), "1..255"),
-    (lambda w, r: w.add_region("x" * 256, PS), "1..255"),
-    (lambda w, r: w.add_region("odd", PS + 1), "multiple of page_size"),
-    (lambda w, r: w.disk_id("vdb"), "no disk named"),
-])
+@pytest.mark.parametrize(
+    "misuse,match",
+    [
+        (lambda w, r: w.put_pages(r + 1, 0, pages(9, 1)), "unknown region id 1"),
+        (lambda w, r: w.put_zero(r + 5, 0), "unknown region id 5"),
+        (lambda w, r: w.put_disks(r + 1, [0], [0], [0], np.zeros((1, 16), np.uint8)), "unknown region id 1"),
+        (lambda w, r: w.put_disks(r, [0], [3], [0], np.zeros((1, 16), np.uint8)), "unknown disk id 3"),
+        (lambda w, r: w.put_disks(r, [1, 1], [0, 0], [0, 8], np.zeros((2, 16), np.uint8)), "repeated"),
+        (lambda w, r: w.put_pages(r, 1, pages(9, 2)), "outside"),
+        (lambda w, r: w.put_free(r, -1), "outside"),
+        (lambda w, r: w.put_pages(r, 0, b"x" * 100), "not a multiple"),
+        (lambda w, r: w.put_pages(r, 0, np.zeros((1, PS), np.uint16)), "uint8"),
+        (lambda w, r: w.put_parent(r, 0, bytes(16)), "PARENT pages need a parent"),
+        (lambda w, r: w.put_delta(r, 0, b"entry", bytes(16)), "DELTA pages need a parent"),
+        (lambda w, r: w.add_disk("vdb", 1 << 20, bytes(16)), "before any region"),
+        (lambda w, r: w.declare_source_state(), "before any record"),
+        (lambda w, r: w.add_source_state(1, 0, b"s"), "declare_source_state"),
+        (lambda w, r: w.add_region("ram", PS), "declared twice"),
+        (lambda w, r: w.add_region("", PS), "1..255"),
+        (lambda w, r: w.add_region("x" * 256, PS), "1..255"),
+        (lambda w, r: w.add_region("odd", PS + 1), "multiple of page_size"),
+        (lambda w, r: w.disk_id("vdb"), "no disk named"),
+    ],
+)
 def test_usage_errors(misuse, match):
     w = LeanImageWriter(io.BytesIO(), threads=1)
     w.add_disk("vda", 1 << 20, bytes(16))
@@ -275,6 +308,7 @@ def test_source_state_sets_the_compatible_bit(tmp_path):
     def build(w):
         w.add_source_state(2, 9, b"xen")
         w.put_zero(w.add_region("ram", PS), 0)
+
     with written(tmp_path, build) as image:
         assert image.header.compatible_features == CompatFeature.SOURCE_STATE
         assert [(s.source_format, s.tag, s.data) for s in image.source_states] == [(2, 9, b"xen")]
@@ -319,8 +353,15 @@ def test_build_extents_splits_where_the_class_changes_or_slots_jump():
     table = build_extents(classes, slots)
     assert table.dtype == EXTENT.dtype
     assert [tuple(int(x) for x in row) for row in table[["first_page", "num_pages", "page_class", "first_slot"]]] == [
-        (0, 2, S, 0), (2, 1, S, 5), (3, 2, Z, 0), (5, 1, F, 0), (6, 2, D, 0), (8, 1, S, 2), (9, 1, DL, 0),
-        (10, 1, P, 0)]
+        (0, 2, S, 0),
+        (2, 1, S, 5),
+        (3, 2, Z, 0),
+        (5, 1, F, 0),
+        (6, 2, D, 0),
+        (8, 1, S, 2),
+        (9, 1, DL, 0),
+        (10, 1, P, 0),
+    ]
     assert not table["reserved"].any()
 
 
@@ -349,7 +390,7 @@ def test_put_disk_past_the_end_of_the_disk_is_a_usage_error():
     r = w.add_region("ram", PS)
     try:
         with pytest.raises(WriterUsageError):
-            w.put_disk(r, 0, vda, 9, bytes(16))         # sector 9: bytes 4608..8704 of an 8192-byte disk
+            w.put_disk(r, 0, vda, 9, bytes(16))  # sector 9: bytes 4608..8704 of an 8192-byte disk
     finally:
         w.abort()
 
@@ -368,8 +409,9 @@ def test_build_extents_in_chunks_equals_the_whole_region_at_once(monkeypatch):
     between chunks must not add or lose extent starts."""
     import leanimg.writer as writer_module
     from leanimg.format import HAS_SLOT
+
     rng = np.random.default_rng(5)
-    classes = rng.choice(np.array([S, Z, F, D, P], np.uint8), 5000, p=[.5, .2, .1, .1, .1])
+    classes = rng.choice(np.array([S, Z, F, D, P], np.uint8), 5000, p=[0.5, 0.2, 0.1, 0.1, 0.1])
     slots = np.cumsum(rng.integers(0, 3, 5000)).astype(np.uint64)
     has_slot = HAS_SLOT[classes]
     starts = np.ones(len(classes), bool)

@@ -36,16 +36,29 @@ LEANIMG = command_line()
 
 # (form, domain type, checkpoints): every stream the round-trip tests use
 CASES = [
-    ("xl", xs.HVM, 0), ("xl", xs.PV, 0), ("libxl", xs.HVM, 0), ("libxl", xs.PV, 0),
-    ("libxc", xs.HVM, 0), ("libxc", xs.PV, 0), ("xl-libxc", xs.PV, 0),
-    ("libxc", xs.PV, 3), ("libxc", xs.HVM, 2), ("xl-libxc", xs.HVM, 4),
+    ("xl", xs.HVM, 0),
+    ("xl", xs.PV, 0),
+    ("libxl", xs.HVM, 0),
+    ("libxl", xs.PV, 0),
+    ("libxc", xs.HVM, 0),
+    ("libxc", xs.PV, 0),
+    ("xl-libxc", xs.PV, 0),
+    ("libxc", xs.PV, 3),
+    ("libxc", xs.HVM, 2),
+    ("xl-libxc", xs.HVM, 4),
 ]
 IDS = [f"{form}-{'pv' if t == xs.PV else 'hvm'}-{n}cp" for form, t, n in CASES]
 
 
 def guest_for(domain_type: int, checkpoints: int, version: int = 3) -> xs.Guest:
-    return xs.make_guest(domain_type, num_pfns=200, seed=domain_type * 10 + checkpoints,
-                         holes=((30, 45), (120, 160)), checkpoints=checkpoints, version=version)
+    return xs.make_guest(
+        domain_type,
+        num_pfns=200,
+        seed=domain_type * 10 + checkpoints,
+        holes=((30, 45), (120, 160)),
+        checkpoints=checkpoints,
+        version=version,
+    )
 
 
 def run(*args, stdin: bytes | None = None) -> subprocess.CompletedProcess:
@@ -81,6 +94,7 @@ def case(request, tmp_path_factory):
 
 # ---------------------------------------------------------------------------- the generator
 
+
 def test_generated_streams_pass_the_verifier(case, verifier):
     form, guest, _, checked = case
     verify_ok(checked, form, verifier)
@@ -115,10 +129,11 @@ def test_generated_guests_cover_every_page_type():
     assert types == set(xs.DATA_TYPES) | {xs.BROKEN, xs.XALLOC, xs.XTAB}
     assert not pv.sends_each_page_once()
     memory = pv.final_memory()
-    assert memory[35 * 4096:36 * 4096] == bytes(4096)            # a hole
+    assert memory[35 * 4096 : 36 * 4096] == bytes(4096)  # a hole
 
 
 # ---------------------------------------------------------------------------- round trips
+
 
 def test_round_trip(case, tmp_path):
     form, guest, full, checked = case
@@ -172,7 +187,7 @@ def test_page_classes(case, tmp_path):
                 for pfn, t, _ in batch:
                     last[pfn] = t
         for pfn in range(guest.num_pfns):
-            page = memory[pfn * 4096:(pfn + 1) * 4096]
+            page = memory[pfn * 4096 : (pfn + 1) * 4096]
             if last.get(pfn) not in xs.DATA_TYPES:
                 assert classes[pfn] == PageClass.FREE, pfn
             elif page == bytes(4096):
@@ -228,8 +243,7 @@ def test_incremental_against_a_parent(tmp_path):
     for name, guest in (("base", base), ("child", child)):
         (tmp_path / f"{name}.save").write_bytes(xs.build_stream(guest, xs.StreamOptions(form="libxc")))
     check_ok(run("convert", tmp_path / "base.save", "-o", tmp_path / "base.lean"))
-    check_ok(run("convert", tmp_path / "child.save", "--parent", tmp_path / "base.lean",
-                 "-o", tmp_path / "child.lean"))
+    check_ok(run("convert", tmp_path / "child.save", "--parent", tmp_path / "base.lean", "-o", tmp_path / "child.lean"))
     with LeanImage.open(str(tmp_path / "child.lean")) as img:
         counts = class_counts(img)
     assert counts[PageClass.PARENT] > 100
@@ -239,14 +253,22 @@ def test_incremental_against_a_parent(tmp_path):
 
 
 @settings(max_examples=25)
-@given(form=st.sampled_from(["xl", "libxl", "libxc", "xl-libxc"]), domain_type=st.sampled_from([xs.PV, xs.HVM]),
-       num_pfns=st.integers(24, 300), hole=st.tuples(st.integers(0, 300), st.integers(0, 40)),
-       checkpoints=st.integers(0, 3), batch=st.integers(1, 40), seed=st.integers(0, 2**16))
-def test_any_generated_stream_round_trips(tmp_path_factory, form, domain_type, num_pfns, hole,
-                                          checkpoints, batch, seed):
-    start, length = hole[0], min(hole[1], num_pfns - 16)    # 16 pfns sent: room for every page type
-    guest = xs.make_guest(domain_type, num_pfns, seed=seed, holes=((start, start + length),),
-                          checkpoints=checkpoints, batch=batch)
+@given(
+    form=st.sampled_from(["xl", "libxl", "libxc", "xl-libxc"]),
+    domain_type=st.sampled_from([xs.PV, xs.HVM]),
+    num_pfns=st.integers(24, 300),
+    hole=st.tuples(st.integers(0, 300), st.integers(0, 40)),
+    checkpoints=st.integers(0, 3),
+    batch=st.integers(1, 40),
+    seed=st.integers(0, 2**16),
+)
+def test_any_generated_stream_round_trips(
+    tmp_path_factory, form, domain_type, num_pfns, hole, checkpoints, batch, seed
+):
+    start, length = hole[0], min(hole[1], num_pfns - 16)  # 16 pfns sent: room for every page type
+    guest = xs.make_guest(
+        domain_type, num_pfns, seed=seed, holes=((start, start + length),), checkpoints=checkpoints, batch=batch
+    )
     guest.num_pfns = max(pfn for b in guest.rounds for e in b for pfn, _, _ in e) + 1
     stream = xs.build_stream(guest, xs.StreamOptions(form=form))
     d = tmp_path_factory.mktemp("prop")
@@ -262,6 +284,7 @@ def test_any_generated_stream_round_trips(tmp_path_factory, form, domain_type, n
 
 # ------------------------------------------------------------------ disk references (issue 4)
 
+
 @pytest.mark.parametrize("form", ["xl", "libxc"])
 def test_disk_references_for_a_xen_save(tmp_path, form):
     """The shared disk classifier serves Xen saves: pages duplicating the disk become DISK
@@ -276,7 +299,7 @@ def test_disk_references_for_a_xen_save(tmp_path, form):
     assert proc.returncode == 0, proc.stderr.decode()
     memory = xs.memory_after(save.read_bytes(), form, guest.num_pfns)
     pages = np.frombuffer(memory, np.uint8).reshape(-1, xs.PAGE)
-    blocks = {bytes(guest.disk[k:k + xs.PAGE]) for k in range(0, len(guest.disk), xs.PAGE)}
+    blocks = {bytes(guest.disk[k : k + xs.PAGE]) for k in range(0, len(guest.disk), xs.PAGE)}
     with LeanImage.open(image) as img:
         classes = img.classes(img.regions[0])
     on_disk = {p for p in range(guest.num_pfns) if pages[p].tobytes() in blocks and classes[p] != PageClass.FREE}

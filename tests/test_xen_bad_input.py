@@ -58,8 +58,9 @@ def convert_fails(tmp_path: Path, stream: bytes, *, match: str, offset: int, str
     src, outdir = tmp_path / "bad.save", tmp_path / "out"
     src.write_bytes(stream)
     outdir.mkdir()
-    proc = subprocess.run([*LEANIMG, "convert", src, "--from", "xen", "-o", outdir / "vm.lean"],
-                          capture_output=True, timeout=60)
+    proc = subprocess.run(
+        [*LEANIMG, "convert", src, "--from", "xen", "-o", outdir / "vm.lean"], capture_output=True, timeout=60
+    )
     err = proc.stderr.decode(errors="replace")
     lines = err.strip().splitlines()
     assert proc.returncode == 1, err
@@ -80,22 +81,38 @@ def patched(stream: bytearray, offset: int, fmt: str, value: int) -> bytes:
 
 # ---------------------------------------------------------------------------- libxc headers
 
-@pytest.mark.parametrize("offset, fmt, value, match, structure", [
-    (0, ">Q", 0xFFFFFFFF00000000, "expected libxc marker", "libxc image header"),
-    (8, ">I", 0x58454E47, "expected libxc ident", "libxc image header"),
-    (12, ">I", 1, "expected libxc stream version 2 or 3, got 1", "libxc image header"),
-    (12, ">I", 4, "expected libxc stream version 2 or 3, got 4", "libxc image header"),
-    (16, ">H", 1, "big-endian libxc stream (options bit 0) is not supported", "libxc image header"),
-    (16, ">H", 0x8000, "reserved bits set in the libxc image options: 0x8000", "libxc image header"),
-    (18, ">H", 7, "reserved fields of the libxc image header not zero", "libxc image header"),
-    (24, "<I", 3, "domain type 0x3", "libxc domain header"),
-    (28, "<H", 16, "page shift 16", "libxc domain header"),
-    (30, "<H", 1, "reserved field of the libxc domain header", "libxc domain header"),
-], ids=["marker", "ident", "version-1", "version-4", "big-endian", "reserved-options",
-        "reserved-header", "domain-type", "page-shift", "reserved-domain"])
+
+@pytest.mark.parametrize(
+    "offset, fmt, value, match, structure",
+    [
+        (0, ">Q", 0xFFFFFFFF00000000, "expected libxc marker", "libxc image header"),
+        (8, ">I", 0x58454E47, "expected libxc ident", "libxc image header"),
+        (12, ">I", 1, "expected libxc stream version 2 or 3, got 1", "libxc image header"),
+        (12, ">I", 4, "expected libxc stream version 2 or 3, got 4", "libxc image header"),
+        (16, ">H", 1, "big-endian libxc stream (options bit 0) is not supported", "libxc image header"),
+        (16, ">H", 0x8000, "reserved bits set in the libxc image options: 0x8000", "libxc image header"),
+        (18, ">H", 7, "reserved fields of the libxc image header not zero", "libxc image header"),
+        (24, "<I", 3, "domain type 0x3", "libxc domain header"),
+        (28, "<H", 16, "page shift 16", "libxc domain header"),
+        (30, "<H", 1, "reserved field of the libxc domain header", "libxc domain header"),
+    ],
+    ids=[
+        "marker",
+        "ident",
+        "version-1",
+        "version-4",
+        "big-endian",
+        "reserved-options",
+        "reserved-header",
+        "domain-type",
+        "page-shift",
+        "reserved-domain",
+    ],
+)
 def test_bad_libxc_header(tmp_path, offset, fmt, value, match, structure):
-    convert_fails(tmp_path, patched(libxc_stream(), offset, fmt, value), match=match, offset=offset,
-                  structure=structure)
+    convert_fails(
+        tmp_path, patched(libxc_stream(), offset, fmt, value), match=match, offset=offset, structure=structure
+    )
 
 
 def test_big_endian_is_unsupported_not_malformed(tmp_path):
@@ -107,11 +124,16 @@ def test_big_endian_is_unsupported_not_malformed(tmp_path):
 
 # ---------------------------------------------------------------------------- libxc records
 
+
 def test_unknown_mandatory_record(tmp_path):
     stream = libxc_stream()
-    convert_fails(tmp_path, patched(stream, FIRST_RECORD, "<I", 0x13),
-                  match="unknown mandatory libxc record type 0x00000013", offset=FIRST_RECORD,
-                  structure="libxc record[0]")
+    convert_fails(
+        tmp_path,
+        patched(stream, FIRST_RECORD, "<I", 0x13),
+        match="unknown mandatory libxc record type 0x00000013",
+        offset=FIRST_RECORD,
+        structure="libxc record[0]",
+    )
 
 
 def test_unknown_optional_record_is_kept_verbatim(tmp_path):
@@ -120,72 +142,99 @@ def test_unknown_optional_record_is_kept_verbatim(tmp_path):
     stream[FIRST_RECORD:FIRST_RECORD] = optional
     (tmp_path / "vm.save").write_bytes(bytes(stream))
     convert_file(str(tmp_path / "vm.save"), str(tmp_path / "vm.lean"))
-    proc = subprocess.run([*LEANIMG, "restore", tmp_path / "vm.lean", "--to", "xen", "-o", "-"],
-                          capture_output=True, timeout=60)
+    proc = subprocess.run(
+        [*LEANIMG, "restore", tmp_path / "vm.lean", "--to", "xen", "-o", "-"], capture_output=True, timeout=60
+    )
     assert proc.returncode == 0 and proc.stdout == bytes(stream)
 
 
 def test_page_data_count_too_large_for_the_record(tmp_path):
     stream = libxc_stream()
     index, offset = first_page_data(stream)
-    convert_fails(tmp_path, patched(stream, offset + 8, "<I", 100000), match="PAGE_DATA count 100000",
-                  offset=offset + 8, structure=f"libxc record[{index}] PAGE_DATA")
+    convert_fails(
+        tmp_path,
+        patched(stream, offset + 8, "<I", 100000),
+        match="PAGE_DATA count 100000",
+        offset=offset + 8,
+        structure=f"libxc record[{index}] PAGE_DATA",
+    )
 
 
 def test_page_data_count_disagrees_with_the_length(tmp_path):
     stream = libxc_stream()
     index, offset = first_page_data(stream)
     count = struct.unpack_from("<I", stream, offset + 8)[0]
-    convert_fails(tmp_path, patched(stream, offset + 8, "<I", count - 1), match="body_length is",
-                  offset=offset + 4, structure=f"libxc record[{index}] PAGE_DATA")
+    convert_fails(
+        tmp_path,
+        patched(stream, offset + 8, "<I", count - 1),
+        match="body_length is",
+        offset=offset + 4,
+        structure=f"libxc record[{index}] PAGE_DATA",
+    )
 
 
 def test_page_data_count_zero(tmp_path):
     stream = libxc_stream()
     index, offset = first_page_data(stream)
-    convert_fails(tmp_path, patched(stream, offset + 8, "<I", 0), match="count is 0",
-                  offset=offset + 8, structure=f"libxc record[{index}] PAGE_DATA")
+    convert_fails(
+        tmp_path,
+        patched(stream, offset + 8, "<I", 0),
+        match="count is 0",
+        offset=offset + 8,
+        structure=f"libxc record[{index}] PAGE_DATA",
+    )
 
 
-@pytest.mark.parametrize("bits, match", [(0x0010000000000000, "reserved bits set in pfn[1]"),
-                                         (0x5000000000000000, "invalid page type 0x5 in pfn[1]")])
+@pytest.mark.parametrize(
+    "bits, match",
+    [(0x0010000000000000, "reserved bits set in pfn[1]"), (0x5000000000000000, "invalid page type 0x5 in pfn[1]")],
+)
 def test_bad_pfn_entry(tmp_path, bits, match):
     stream = libxc_stream()
     index, offset = first_page_data(stream)
     entry = offset + 16 + 8
     value = struct.unpack_from("<Q", stream, entry)[0] | bits
-    convert_fails(tmp_path, patched(stream, entry, "<Q", value), match=match, offset=entry,
-                  structure=f"libxc record[{index}] PAGE_DATA")
+    convert_fails(
+        tmp_path,
+        patched(stream, entry, "<Q", value),
+        match=match,
+        offset=entry,
+        structure=f"libxc record[{index}] PAGE_DATA",
+    )
 
 
 def test_nonzero_padding(tmp_path):
     stream = libxc_stream()
-    index, (offset, _, length) = next((i, r) for i, r in enumerate(records(stream, FIRST_RECORD))
-                                      if r[2] % 8)
+    index, (offset, _, length) = next((i, r) for i, r in enumerate(records(stream, FIRST_RECORD)) if r[2] % 8)
     pad = offset + 8 + length
     stream[pad] = 1
-    convert_fails(tmp_path, bytes(stream), match="expected zero padding", offset=pad,
-                  structure=f"libxc record[{index}]")
+    convert_fails(
+        tmp_path, bytes(stream), match="expected zero padding", offset=pad, structure=f"libxc record[{index}]"
+    )
 
 
 def test_trailing_bytes_after_end(tmp_path):
     stream = libxc_stream() + b"junk"
-    convert_fails(tmp_path, bytes(stream), match="4 more bytes", offset=len(stream) - 4,
-                  structure="after END")
+    convert_fails(tmp_path, bytes(stream), match="4 more bytes", offset=len(stream) - 4, structure="after END")
 
 
 # ---------------------------------------------------------------------------- libxl and xl
+
 
 def libxl_offset(stream: bytes) -> int:
     return 48 + struct.unpack_from("<I", stream, 44)[0]
 
 
-@pytest.mark.parametrize("delta, fmt, value, match", [
-    (0, ">Q", 0x4C6962786C466D75, "expected libxl ident"),
-    (8, ">I", 3, "expected libxl stream version 2, got 3"),
-    (12, ">I", 1, "big-endian libxl stream"),
-    (12, ">I", 4, "reserved bits set in the libxl header options: 0x4"),
-], ids=["ident", "version", "big-endian", "reserved"])
+@pytest.mark.parametrize(
+    "delta, fmt, value, match",
+    [
+        (0, ">Q", 0x4C6962786C466D75, "expected libxl ident"),
+        (8, ">I", 3, "expected libxl stream version 2, got 3"),
+        (12, ">I", 1, "big-endian libxl stream"),
+        (12, ">I", 4, "reserved bits set in the libxl header options: 0x4"),
+    ],
+    ids=["ident", "version", "big-endian", "reserved"],
+)
 def test_bad_libxl_header(tmp_path, delta, fmt, value, match):
     stream = xl_stream()
     at = libxl_offset(stream) + delta
@@ -195,25 +244,45 @@ def test_bad_libxl_header(tmp_path, delta, fmt, value, match):
 def test_unknown_mandatory_libxl_record(tmp_path):
     stream = xl_stream()
     at = libxl_offset(stream) + 16
-    convert_fails(tmp_path, patched(stream, at, "<I", 6), match="unknown mandatory libxl record type 0x00000006",
-                  offset=at, structure="libxl record[0]")
+    convert_fails(
+        tmp_path,
+        patched(stream, at, "<I", 6),
+        match="unknown mandatory libxl record type 0x00000006",
+        offset=at,
+        structure="libxl record[0]",
+    )
 
 
 def test_checkpoint_end_outside_a_checkpoint(tmp_path):
     stream = xl_stream()
     at = len(stream) - 8
-    convert_fails(tmp_path, patched(stream, at, "<I", 4), match="CHECKPOINT_END without a libxc CHECKPOINT",
-                  offset=len(stream), structure="CHECKPOINT_END")
+    convert_fails(
+        tmp_path,
+        patched(stream, at, "<I", 4),
+        match="CHECKPOINT_END without a libxc CHECKPOINT",
+        offset=len(stream),
+        structure="CHECKPOINT_END",
+    )
 
 
 def test_xl_big_endian(tmp_path):
-    convert_fails(tmp_path, patched(xl_stream(), 32, "<I", 0x04030201), match="big-endian xl save file",
-                  offset=32, structure="xl header")
+    convert_fails(
+        tmp_path,
+        patched(xl_stream(), 32, "<I", 0x04030201),
+        match="big-endian xl save file",
+        offset=32,
+        structure="xl header",
+    )
 
 
 def test_xl_unknown_mandatory_flag(tmp_path):
-    convert_fails(tmp_path, patched(xl_stream(), 36, "<I", 2 | 8), match="unknown mandatory flags 0x8",
-                  offset=36, structure="xl header")
+    convert_fails(
+        tmp_path,
+        patched(xl_stream(), 36, "<I", 2 | 8),
+        match="unknown mandatory flags 0x8",
+        offset=36,
+        structure="xl header",
+    )
 
 
 def test_not_a_save_file_is_named(tmp_path):
@@ -225,6 +294,7 @@ def test_not_a_save_file_is_named(tmp_path):
 
 
 # ---------------------------------------------------------------------------- truncation
+
 
 def cut_points(stream: bytes, libxc_start: int) -> list[int]:
     """Inside every header and at, just after and inside every record (headers, pfns, pages)."""
@@ -250,8 +320,11 @@ def test_truncation_anywhere_in_a_libxc_stream(tmp_path):
 def test_truncation_anywhere_in_an_xl_stream(tmp_path):
     stream = bytes(xl_stream())
     start = libxl_offset(stream) + 24
-    cuts = [10, 40, 50, libxl_offset(stream) + 3, libxl_offset(stream) + 20] + cut_points(stream, start) + \
-        [len(stream) - 4]
+    cuts = (
+        [10, 40, 50, libxl_offset(stream) + 3, libxl_offset(stream) + 20]
+        + cut_points(stream, start)
+        + [len(stream) - 4]
+    )
     for cut in cuts:
         (tmp_path / "cut.save").write_bytes(stream[:cut])
         with pytest.raises(SourceFormatError) as info:
@@ -263,21 +336,28 @@ def test_truncation_anywhere_in_an_xl_stream(tmp_path):
 def test_truncation_through_the_cli(tmp_path):
     stream = bytes(libxc_stream())
     index, offset = first_page_data(stream)
-    cut = offset + 8 + 16 + 8 * 16 + 100              # inside the first page's contents
-    line = convert_fails(tmp_path, stream[:cut], match="truncated stream", offset=offset + 8,
-                         structure=f"libxc record[{index}] PAGE_DATA")
+    cut = offset + 8 + 16 + 8 * 16 + 100  # inside the first page's contents
+    line = convert_fails(
+        tmp_path,
+        stream[:cut],
+        match="truncated stream",
+        offset=offset + 8,
+        structure=f"libxc record[{index}] PAGE_DATA",
+    )
     assert "PAGE_DATA body" in line
 
 
 # ---------------------------------------------------------------------------- restore
+
 
 def test_restore_to_xen_needs_a_xen_image(tmp_path):
     image = tmp_path / "plain.lean"
     with LeanImageWriter(str(image)) as writer:
         region = writer.add_region("pc.ram", 4096)
         writer.put_zero(region, 0)
-    proc = subprocess.run([*LEANIMG, "restore", image, "--to", "xen", "-o", tmp_path / "out.save"],
-                          capture_output=True, timeout=60)
+    proc = subprocess.run(
+        [*LEANIMG, "restore", image, "--to", "xen", "-o", tmp_path / "out.save"], capture_output=True, timeout=60
+    )
     assert proc.returncode == 1 and b"no Xen stream skeleton" in proc.stderr
     assert not (tmp_path / "out.save").exists()
 
@@ -285,17 +365,18 @@ def test_restore_to_xen_needs_a_xen_image(tmp_path):
 def _skeleton_cases(blob: bytes) -> dict[str, bytes]:
     raw = zstandard.ZstdDecompressor().decompress(blob)
     return {
-        "truncated": blob[:len(blob) // 2],
+        "truncated": blob[: len(blob) // 2],
         "wrong-magic": b"\x00" * 4 + blob[4:],
         # a frame header declaring 1 TiB of content, then garbage: nothing that size is allocated
         "declares-1TiB": b"\x28\xb5\x2f\xfd\xe0" + (1 << 40).to_bytes(8, "little") + b"\x01" * 16,
         "no-content-size": zstandard.ZstdCompressor(write_content_size=False).compress(raw),
-        "skeleton-cut-inside": zstandard.ZstdCompressor(write_content_size=True).compress(raw[:len(raw) // 3]),
+        "skeleton-cut-inside": zstandard.ZstdCompressor(write_content_size=True).compress(raw[: len(raw) // 3]),
     }
 
 
-@pytest.mark.parametrize("case", ["truncated", "wrong-magic", "declares-1TiB", "no-content-size",
-                                  "skeleton-cut-inside"])
+@pytest.mark.parametrize(
+    "case", ["truncated", "wrong-magic", "declares-1TiB", "no-content-size", "skeleton-cut-inside"]
+)
 def test_restore_to_xen_with_a_damaged_skeleton(tmp_path, case):
     # a writer that stored a bad skeleton (every checksum right): restore names the record
     src, image, damaged = tmp_path / "vm.save", tmp_path / "vm.lean", tmp_path / "damaged.lean"
@@ -306,8 +387,9 @@ def test_restore_to_xen_with_a_damaged_skeleton(tmp_path, case):
     with_source_state_data(image, damaged, _skeleton_cases(blob)[case])
     outdir = tmp_path / "out"
     outdir.mkdir()
-    proc = subprocess.run([*LEANIMG, "restore", damaged, "--to", "xen", "-o", outdir / "vm.save"],
-                          capture_output=True, timeout=60)
+    proc = subprocess.run(
+        [*LEANIMG, "restore", damaged, "--to", "xen", "-o", outdir / "vm.save"], capture_output=True, timeout=60
+    )
     assert_clean_failure(proc, outdir, match="skeleton", structure="source_state[Xen tag 1]")
 
 
@@ -323,12 +405,14 @@ def test_restore_to_xen_of_a_flipped_skeleton_bit(tmp_path):
     image.write_bytes(bytes(data))
     outdir = tmp_path / "out"
     outdir.mkdir()
-    proc = subprocess.run([*LEANIMG, "restore", image, "--to", "xen", "-o", outdir / "vm.save"],
-                          capture_output=True, timeout=60)
+    proc = subprocess.run(
+        [*LEANIMG, "restore", image, "--to", "xen", "-o", outdir / "vm.save"], capture_output=True, timeout=60
+    )
     assert_clean_failure(proc, outdir, match="LI-REC", structure="record_checksum")
 
 
 # ---------------------------------------------------------------------------- properties
+
 
 @settings(max_examples=60)
 @given(data=st.data())
@@ -339,7 +423,7 @@ def test_any_corruption_is_converted_or_reported(tmp_path_factory, data):
     for _ in range(data.draw(st.integers(1, 4))):
         at = data.draw(st.integers(0, len(stream) - 1))
         stream[at] ^= data.draw(st.integers(1, 255))
-    stream = stream[:data.draw(st.integers(1, len(stream)))]
+    stream = stream[: data.draw(st.integers(1, len(stream)))]
     d = tmp_path_factory.mktemp("corrupt")
     (d / "vm.save").write_bytes(bytes(stream))
     try:
@@ -357,5 +441,10 @@ def test_a_pfn_beyond_the_limit_is_refused(tmp_path):
     index, offset = first_page_data(stream)
     entry = offset + 16
     value = struct.unpack_from("<Q", stream, entry)[0] | xen.PFN_LIMIT
-    convert_fails(tmp_path, patched(stream, entry, "<Q", value), match="beyond this tool's limit",
-                  offset=entry, structure=f"libxc record[{index}] PAGE_DATA")
+    convert_fails(
+        tmp_path,
+        patched(stream, entry, "<Q", value),
+        match="beyond this tool's limit",
+        offset=entry,
+        structure=f"libxc record[{index}] PAGE_DATA",
+    )

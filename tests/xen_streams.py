@@ -32,10 +32,27 @@ LIBXC_MARKER, LIBXC_IDENT = 0xFFFFFFFFFFFFFFFF, 0x58454E46
 PV, HVM = 1, 2
 
 # libxc record types
-(END, PAGE_DATA, X86_PV_INFO, X86_PV_P2M_FRAMES, X86_PV_VCPU_BASIC, X86_PV_VCPU_EXTENDED,
- X86_PV_VCPU_XSAVE, SHARED_INFO, X86_TSC_INFO, HVM_CONTEXT, HVM_PARAMS, TOOLSTACK,
- X86_PV_VCPU_MSRS, VERIFY, CHECKPOINT, CHECKPOINT_DIRTY_PFN_LIST, STATIC_DATA_END,
- X86_CPUID_POLICY, X86_MSR_POLICY) = range(0x13)
+(
+    END,
+    PAGE_DATA,
+    X86_PV_INFO,
+    X86_PV_P2M_FRAMES,
+    X86_PV_VCPU_BASIC,
+    X86_PV_VCPU_EXTENDED,
+    X86_PV_VCPU_XSAVE,
+    SHARED_INFO,
+    X86_TSC_INFO,
+    HVM_CONTEXT,
+    HVM_PARAMS,
+    TOOLSTACK,
+    X86_PV_VCPU_MSRS,
+    VERIFY,
+    CHECKPOINT,
+    CHECKPOINT_DIRTY_PFN_LIST,
+    STATIC_DATA_END,
+    X86_CPUID_POLICY,
+    X86_MSR_POLICY,
+) = range(0x13)
 # libxl record types
 LIBXL_END, LIBXC_CONTEXT, EMULATOR_XENSTORE_DATA, EMULATOR_CONTEXT, CHECKPOINT_END = range(5)
 QEMU_UPSTREAM = 2
@@ -64,12 +81,13 @@ def page_data(entries: list[tuple[int, int, bytes | None]]) -> bytes:
 
 # ---------------------------------------------------------------------------- guests
 
+
 @dataclass
 class Guest:
     domain_type: int
     num_pfns: int
-    rounds: list[list[list[tuple[int, int, bytes | None]]]]   # round -> PAGE_DATA batches
-    disk: bytes = b""                                        # blocks some pages duplicate
+    rounds: list[list[list[tuple[int, int, bytes | None]]]]  # round -> PAGE_DATA batches
+    disk: bytes = b""  # blocks some pages duplicate
     version: int = 3
 
     def final_memory(self) -> bytes:
@@ -78,7 +96,7 @@ class Guest:
         for batches in self.rounds:
             for batch in batches:
                 for pfn, t, content in batch:
-                    memory[pfn * PAGE:(pfn + 1) * PAGE] = content if t in DATA_TYPES else bytes(PAGE)
+                    memory[pfn * PAGE : (pfn + 1) * PAGE] = content if t in DATA_TYPES else bytes(PAGE)
         return bytes(memory)
 
     def sends_each_page_once(self) -> bool:
@@ -103,7 +121,7 @@ class _Pages:
             return self.text[shift:] + self.text[:shift]
         if kind == "disk":
             block = int(self.rng.integers(0, len(self.disk) // PAGE))
-            return self.disk[block * PAGE:(block + 1) * PAGE]
+            return self.disk[block * PAGE : (block + 1) * PAGE]
         if kind == "table":
             n = int(self.rng.integers(1, 512))
             frames = self.rng.integers(0x100, 0x100000, n, dtype=np.uint64)
@@ -116,8 +134,16 @@ class _Pages:
         return self.content(str(self.rng.choice(["zero", "text", "disk", "random", "random"])))
 
 
-def make_guest(domain_type: int = HVM, num_pfns: int = 96, *, seed: int = 0, holes=((40, 48),),
-               checkpoints: int = 0, batch: int = 16, version: int = 3) -> Guest:
+def make_guest(
+    domain_type: int = HVM,
+    num_pfns: int = 96,
+    *,
+    seed: int = 0,
+    holes=((40, 48),),
+    checkpoints: int = 0,
+    batch: int = 16,
+    version: int = 3,
+) -> Guest:
     """A guest whose first round sends every pfn outside ``holes``; each further round
     (after a CHECKPOINT) re-sends about a quarter of them with new contents."""
     rng = np.random.default_rng(seed)
@@ -134,7 +160,7 @@ def make_guest(domain_type: int = HVM, num_pfns: int = 96, *, seed: int = 0, hol
         again = [(pfn, types[pfn], _content_for(types[pfn], pages)) for pfn in chosen]
         rounds.append(_batches(again, batch))
     if checkpoints:
-        ballooned = sent[len(sent) // 2]             # data first, then XTAB: its page is gone
+        ballooned = sent[len(sent) // 2]  # data first, then XTAB: its page is gone
         rounds[-1].append([(ballooned, XTAB, None)])
     return Guest(domain_type, num_pfns, rounds, pages.disk, version)
 
@@ -157,17 +183,17 @@ def _content_for(t: int, pages: _Pages) -> bytes | None:
 
 
 def _batches(entries: list, size: int) -> list[list]:
-    return [entries[i:i + size] for i in range(0, len(entries), size)]
+    return [entries[i : i + size] for i in range(0, len(entries), size)]
 
 
 # ---------------------------------------------------------------------------- streams
 
+
 @dataclass
 class StreamOptions:
-    form: str = "xl"                 # "xl", "xl-libxc", "libxl", "libxc"
-    xenstore: dict = field(default_factory=lambda: {"physmap/1/start_addr": "f0000000",
-                                                     "physmap/1/size": "800000"})
-    verifier_copy: bool = False      # EMULATOR_XENSTORE_DATA emptied (verify-stream-v2's bug)
+    form: str = "xl"  # "xl", "xl-libxc", "libxl", "libxc"
+    xenstore: dict = field(default_factory=lambda: {"physmap/1/start_addr": "f0000000", "physmap/1/size": "800000"})
+    verifier_copy: bool = False  # EMULATOR_XENSTORE_DATA emptied (verify-stream-v2's bug)
 
 
 def build_stream(guest: Guest, options: StreamOptions | None = None) -> bytes:
@@ -188,11 +214,17 @@ def build_stream(guest: Guest, options: StreamOptions | None = None) -> bytes:
 
 
 def xl_header(guest: Guest, libxl: bool = True) -> bytes:
-    config = json.dumps({"c_info": {"type": "hvm" if guest.domain_type == HVM else "pv",
-                                    "name": "leanimg-test"},
-                         "b_info": {"max_memkb": guest.num_pfns * 4}}).encode() + b"\0"
+    config = (
+        json.dumps(
+            {
+                "c_info": {"type": "hvm" if guest.domain_type == HVM else "pv", "name": "leanimg-test"},
+                "b_info": {"max_memkb": guest.num_pfns * 4},
+            }
+        ).encode()
+        + b"\0"
+    )
     optdata = struct.pack("<I", len(config)) + config
-    flags = 1 | (2 if libxl else 0)                  # JSON config, STREAMv2
+    flags = 1 | (2 if libxl else 0)  # JSON config, STREAMv2
     return XL_MAGIC + struct.pack("<IIII", 0x01020304, flags, 0, len(optdata)) + optdata
 
 
@@ -218,8 +250,10 @@ def _static_records(guest: Guest) -> bytes:
         out += record(STATIC_DATA_END)
     if guest.domain_type == PV:
         frames = (guest.num_pfns + 511) // 512
-        out += record(X86_PV_P2M_FRAMES, struct.pack("<II", 0, guest.num_pfns - 1) +
-                      struct.pack(f"<{frames}Q", *range(0x80, 0x80 + frames)))
+        out += record(
+            X86_PV_P2M_FRAMES,
+            struct.pack("<II", 0, guest.num_pfns - 1) + struct.pack(f"<{frames}Q", *range(0x80, 0x80 + frames)),
+        )
     return out
 
 
@@ -232,8 +266,9 @@ def _tail_records(guest: Guest) -> bytes:
                 out += record(rtype, struct.pack("<II", vcpu, 0) + bytes([rtype]) * (13 + 40 * vcpu))
     else:
         params = [(2, 0xFEFFF), (5, 1), (19, 0xFEFFE)]
-        out += record(HVM_PARAMS, struct.pack("<II", len(params), 0) +
-                      b"".join(struct.pack("<QQ", i, v) for i, v in params))
+        out += record(
+            HVM_PARAMS, struct.pack("<II", len(params), 0) + b"".join(struct.pack("<QQ", i, v) for i, v in params)
+        )
         out += record(HVM_CONTEXT, b"HVMCTX" + bytes(range(200)) + b"\x01\x02\x03")
     return out
 
@@ -258,11 +293,13 @@ def verifier_format(form: str) -> str:
 
 # ---------------------------------------------------------------------------- verifiers
 
+
 @dataclass(frozen=True)
 class Verifier:
     """One Xen release's verify-stream-v2, unpacked (not installed) by .ci/install."""
+
     version: str
-    lib: Path                        # .../usr/lib/xen-VERSION
+    lib: Path  # .../usr/lib/xen-VERSION
 
     @property
     def script(self) -> Path:
@@ -290,8 +327,12 @@ class Verifier:
         if why is not None:
             raise AssertionError(why)
         env = dict(os.environ, PYTHONPATH=str(self.lib / "lib" / "python"))
-        return subprocess.run(["/usr/bin/python3", str(self.script), "-v", "-f", verifier_format(form),
-                               "-i", str(path)], env=env, capture_output=True, timeout=120)
+        return subprocess.run(
+            ["/usr/bin/python3", str(self.script), "-v", "-f", verifier_format(form), "-i", str(path)],
+            env=env,
+            capture_output=True,
+            timeout=120,
+        )
 
 
 XEN_4_17 = Verifier("4.17", XEN_DIR / "usr" / "lib" / "xen-4.17")
@@ -312,7 +353,8 @@ def require_verifiers() -> None:
 def _skip_or_fail(reasons: list[str]) -> None:
     if not reasons:
         return
-    import pytest          # imported here: fuzz/make_stream_corpus.py uses this module too
+    import pytest  # imported here: fuzz/make_stream_corpus.py uses this module too
+
     if os.environ.get("CI"):
         pytest.fail("; ".join(reasons) + " (CI checks every stream with each Xen verifier)")
     pytest.skip("; ".join(reasons))
@@ -323,11 +365,13 @@ def verify_with_every_verifier(path, form: str) -> None:
     require_verifiers()
     for verifier in VERIFIERS:
         proc = verifier.run(path, form)
-        assert proc.returncode == 0, f"Xen {verifier.version}'s verify-stream-v2 refused {path}:\n" + \
-            proc.stderr.decode()[-2000:]
+        assert proc.returncode == 0, (
+            f"Xen {verifier.version}'s verify-stream-v2 refused {path}:\n" + proc.stderr.decode()[-2000:]
+        )
 
 
 # ---------------------------------------------------------------------------- reference reader
+
 
 def memory_after(stream: bytes, form: str, num_pfns: int) -> bytes:
     """Guest memory a restore of ``stream`` ends with: PAGE_DATA entries applied in order
@@ -338,11 +382,11 @@ def memory_after(stream: bytes, form: str, num_pfns: int) -> bytes:
         pos = 48 + struct.unpack_from("<I", stream, 44)[0]
     embedded = form in ("xl", "libxl")
     if embedded:
-        pos += 16 + 8                                # libxl header, LIBXC_CONTEXT
-    pos += 24 + 16                                   # libxc image and domain headers
+        pos += 16 + 8  # libxl header, LIBXC_CONTEXT
+    pos += 24 + 16  # libxc image and domain headers
     while True:
         rtype, length = struct.unpack_from("<II", stream, pos)
-        body = stream[pos + 8:pos + 8 + length]
+        body = stream[pos + 8 : pos + 8 + length]
         pos += 8 + length + (-length % 8)
         if rtype == PAGE_DATA:
             _apply_page_data(memory, body)
@@ -359,10 +403,10 @@ def _apply_page_data(memory: bytearray, body: bytes) -> None:
     for entry in entries:
         pfn, t = entry & ((1 << 52) - 1), entry >> 60
         if t in DATA_TYPES:
-            memory[pfn * PAGE:(pfn + 1) * PAGE] = body[data:data + PAGE]
+            memory[pfn * PAGE : (pfn + 1) * PAGE] = body[data : data + PAGE]
             data += PAGE
         else:
-            memory[pfn * PAGE:(pfn + 1) * PAGE] = bytes(PAGE)
+            memory[pfn * PAGE : (pfn + 1) * PAGE] = bytes(PAGE)
 
 
 def _skip_libxl_until_checkpoint_end(stream: bytes, pos: int) -> int:

@@ -44,8 +44,8 @@ def find_ext_filesystems(read, size: int) -> list[Filesystem]:
         if part.length < 2048:
             continue
         sb = read(part.start + 1024, 64)
-        magic, = struct.unpack_from("<H", sb, 56)
-        log_block, = struct.unpack_from("<I", sb, 24)
+        (magic,) = struct.unpack_from("<H", sb, 56)
+        (log_block,) = struct.unpack_from("<I", sb, 24)
         if magic == EXT_MAGIC and log_block <= 6:
             found.append(Filesystem(part.start, part.length, 1024 << log_block))
     return found
@@ -117,13 +117,15 @@ def _debugfs_table(path: str, fs: Filesystem, command: str, keys: list) -> dict[
     table = {}
     with tempfile.NamedTemporaryFile("w", suffix=".debugfs") as script:
         for at in range(0, len(keys), 1000):
-            script.write(f"{command} {' '.join(map(str, keys[at:at + 1000]))}\n")
+            script.write(f"{command} {' '.join(map(str, keys[at : at + 1000]))}\n")
         script.flush()
         device = f"{path}?offset={fs.offset}" if fs.offset else path
         proc = subprocess.run(["debugfs", "-f", script.name, device], capture_output=True, text=True, timeout=600)
     if proc.returncode != 0:
-        raise DiskError(f"debugfs cannot read the filesystem at byte {fs.offset} of {path}: "
-                        f"{proc.stderr.strip().splitlines()[-1:] or 'failed'}")
+        raise DiskError(
+            f"debugfs cannot read the filesystem at byte {fs.offset} of {path}: "
+            f"{proc.stderr.strip().splitlines()[-1:] or 'failed'}"
+        )
     for line in proc.stdout.splitlines():
         first, sep, rest = line.partition("\t")
         if sep and first.isdigit():
@@ -142,8 +144,9 @@ class _raw_path:
             return self.source.path
         self.tmp = tempfile.TemporaryDirectory(prefix="leanimg-files-")
         raw = os.path.join(self.tmp.name, "disk.raw")
-        proc = subprocess.run(["qemu-img", "convert", "-U", "-O", "raw", self.source.path, raw],
-                              capture_output=True, text=True)
+        proc = subprocess.run(
+            ["qemu-img", "convert", "-U", "-O", "raw", self.source.path, raw], capture_output=True, text=True
+        )
         if proc.returncode != 0:
             raise DiskError(f"qemu-img cannot copy {self.source.path} for debugfs: {proc.stderr.strip()}")
         return raw

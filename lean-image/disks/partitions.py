@@ -18,14 +18,14 @@ MBR_SIGNATURE = b"\x55\xaa"
 GPT_SIGNATURE = b"EFI PART"
 EXTENDED_TYPES = (0x05, 0x0F, 0x85)
 GPT_PROTECTIVE = 0xEE
-MAX_LOGICAL = 128            # bounds a looping chain of extended boot records
+MAX_LOGICAL = 128  # bounds a looping chain of extended boot records
 MAX_GPT_ENTRIES = 4096
 
 
 @dataclass(frozen=True)
 class Partition:
-    start: int          # bytes from the start of the disk
-    length: int         # bytes
+    start: int  # bytes from the start of the disk
+    length: int  # bytes
 
 
 def read_partitions(read, disk_size: int) -> list[Partition]:
@@ -51,7 +51,7 @@ def _mbr_entries(sector: bytes) -> list[tuple[int, int, int]]:
     """(type, first LBA, sector count) of the four entries of an MBR or EBR."""
     out = []
     for k in range(4):
-        entry = sector[446 + 16 * k:446 + 16 * (k + 1)]
+        entry = sector[446 + 16 * k : 446 + 16 * (k + 1)]
         first, count = struct.unpack_from("<II", entry, 8)
         out.append((entry[4], first, count))
     return out
@@ -79,7 +79,7 @@ def _gpt(read, disk_size: int) -> list[Partition]:
     header = read(SECTOR, 92)
     if header[:8] != GPT_SIGNATURE:
         return []
-    size, = struct.unpack_from("<I", header, 12)
+    (size,) = struct.unpack_from("<I", header, 12)
     if size != 92 or zlib.crc32(header[:16] + b"\0" * 4 + header[20:92]) != struct.unpack_from("<I", header, 16)[0]:
         return []
     table_lba, count, entry_size = struct.unpack_from("<QII", header, 72)
@@ -88,7 +88,7 @@ def _gpt(read, disk_size: int) -> list[Partition]:
     table = read(table_lba * SECTOR, count * entry_size)
     found = []
     for k in range(count):
-        entry = table[k * entry_size:(k + 1) * entry_size]
+        entry = table[k * entry_size : (k + 1) * entry_size]
         first, last = struct.unpack_from("<QQ", entry, 32)
         if any(entry[:16]) and last >= first:
             found.append(Partition(first * SECTOR, (last - first + 1) * SECTOR))
@@ -130,5 +130,8 @@ def aligned_ranges(ranges, start: int, end: int, phase: int, ps: int):
 def scan_bytes(disk, page_size: int, all_phases: bool = False) -> int:
     """How many bytes a scan of ``disk`` reads (the converters' disk scan; for a progress bar)."""
     ranges = disk.data_ranges()
-    return sum(hi - lo for start, end, phase in scan_segments(disk, page_size, all_phases)
-               for lo, hi in aligned_ranges(ranges, start, end, phase, page_size))
+    return sum(
+        hi - lo
+        for start, end, phase in scan_segments(disk, page_size, all_phases)
+        for lo, hi in aligned_ranges(ranges, start, end, phase, page_size)
+    )

@@ -24,9 +24,9 @@ from leanimg.errors import DiskError
 from leanimg.rules import implements
 
 QCOW2_MAGIC = b"QFI\xfb"
-COALESCE_GAP = 64 << 10        # read through holes up to this size between referenced blocks
-MAX_READ = 8 << 20             # one coalesced read at most
-IOV_MAX = 1024                 # buffers per preadv call (Linux's UIO_MAXIOV)
+COALESCE_GAP = 64 << 10  # read through holes up to this size between referenced blocks
+MAX_READ = 8 << 20  # one coalesced read at most
+IOV_MAX = 1024  # buffers per preadv call (Linux's UIO_MAXIOV)
 
 
 class DiskSource:
@@ -56,12 +56,15 @@ class DiskSource:
     def fingerprint(self) -> bytes:
         """The identity fingerprint of the disk table (spec §5.3), from 64 sampled blocks."""
         from leanimg.writer import disk_fingerprint
+
         return disk_fingerprint(self.read, self.size)
 
     def _check_span(self, offset: int, length: int) -> None:
         if offset < 0 or offset + length > self.size:
-            raise DiskError(f"disk {self.name!r} ({self.path}): {length} bytes at {offset:#x} lie beyond "
-                            f"its end {self.size:#x} (truncated disk?)")
+            raise DiskError(
+                f"disk {self.name!r} ({self.path}): {length} bytes at {offset:#x} lie beyond "
+                f"its end {self.size:#x} (truncated disk?)"
+            )
 
     def _locate(self, offsets: np.ndarray, length: int) -> tuple[np.ndarray, np.ndarray]:
         """(file index, physical offset) of runs readable with one pread; file -1 = not so."""
@@ -70,8 +73,9 @@ class DiskSource:
     def _file_fd(self, index: int) -> int:
         raise NotImplementedError
 
-    def read_runs(self, offsets, length: int, *, sort: bool = True, out: np.ndarray | None = None,
-                  rows: np.ndarray | None = None) -> np.ndarray:
+    def read_runs(
+        self, offsets, length: int, *, sort: bool = True, out: np.ndarray | None = None, rows: np.ndarray | None = None
+    ) -> np.ndarray:
         """The ``length`` bytes at each of ``offsets``, into row ``rows[k]`` of ``out`` (a 2-D
         uint8 array of rows of ``length`` bytes; by default a new one, row k for offset k).
 
@@ -118,7 +122,7 @@ class DiskSource:
             pos = at + length
         got = 0
         for i in range(0, len(buffers), IOV_MAX):
-            got += os.preadv(fd, buffers[i:i + IOV_MAX], start + got)
+            got += os.preadv(fd, buffers[i : i + IOV_MAX], start + got)
         if got != total:
             raise DiskError(f"disk {self.name!r} ({self.path}): short read at {start:#x} (file truncated?)")
 
@@ -152,8 +156,10 @@ class RawDisk(DiskSource):
         self._check_span(offset, length)
         data = os.pread(self.fd, length, offset)
         if len(data) != length:
-            raise DiskError(f"disk {self.name!r} ({self.path}): expected {length} bytes at {offset:#x}, "
-                            f"disk ends at {self.size:#x} (truncated disk?)")
+            raise DiskError(
+                f"disk {self.name!r} ({self.path}): expected {length} bytes at {offset:#x}, "
+                f"disk ends at {self.size:#x} (truncated disk?)"
+            )
         return data
 
     def data_ranges(self) -> list[tuple[int, int]]:
@@ -162,9 +168,9 @@ class RawDisk(DiskSource):
             try:
                 start = os.lseek(self.fd, pos, os.SEEK_DATA)
             except OSError as exc:
-                if exc.errno == errno.ENXIO:        # nothing but hole after pos
+                if exc.errno == errno.ENXIO:  # nothing but hole after pos
                     break
-                return [(0, self.size)]             # no hole support here: scan everything
+                return [(0, self.size)]  # no hole support here: scan everything
             if start >= self.size:
                 break
             end = min(os.lseek(self.fd, start, os.SEEK_HOLE), self.size)
@@ -191,8 +197,7 @@ class ImageDisk(DiskSource):
         self.path, self.name = path, name
         chain = _qemu_img(["info", "--force-share", "--backing-chain", "--output=json", path], name, path)
         self.size = int(chain[0]["virtual-size"])
-        self._files = [_open(c["filename"], name) if c.get("format") in ("qcow2", "raw") else None
-                       for c in chain]
+        self._files = [_open(c["filename"], name) if c.get("format") in ("qcow2", "raw") else None for c in chain]
         self._opened = np.array([fd is not None for fd in self._files])
         extents = _qemu_img(["map", "--force-share", "--output=json", path], name, path)
         self._starts = np.array([e["start"] for e in extents], np.int64)
@@ -240,15 +245,23 @@ class ImageDisk(DiskSource):
             try:
                 import nbd
             except ImportError:
-                raise DiskError(f"disk {self.name!r} ({self.path}) has compressed or encrypted clusters; "
-                                "reading them needs libnbd's Python module (Debian: python3-libnbd)") from None
+                raise DiskError(
+                    f"disk {self.name!r} ({self.path}) has compressed or encrypted clusters; "
+                    "reading them needs libnbd's Python module (Debian: python3-libnbd)"
+                ) from None
             handle = nbd.NBD()
             try:
-                handle.connect_systemd_socket_activation([
-                    "qemu-nbd", "--read-only", "--persistent", "--image-opts",
-                    # locking off: the destination QEMU may hold the image open while we read it
-                    f"driver={_qemu_format(self.path)},file.driver=file,"
-                    f"file.filename={self.path.replace(',', ',,')},file.locking=off"])
+                handle.connect_systemd_socket_activation(
+                    [
+                        "qemu-nbd",
+                        "--read-only",
+                        "--persistent",
+                        "--image-opts",
+                        # locking off: the destination QEMU may hold the image open while we read it
+                        f"driver={_qemu_format(self.path)},file.driver=file,"
+                        f"file.filename={self.path.replace(',', ',,')},file.locking=off",
+                    ]
+                )
             except nbd.Error as exc:
                 raise DiskError(f"disk {self.name!r}: qemu-nbd cannot serve {self.path}: {exc}") from None
             self._nbd = handle
@@ -283,8 +296,9 @@ def _qemu_img(args: list[str], name: str, path: str):
     try:
         proc = subprocess.run(["qemu-img", *args], capture_output=True, timeout=300)
     except FileNotFoundError:
-        raise DiskError(f"disk {name!r} ({path}) is not a raw file; reading it needs qemu-img "
-                        "(Debian: qemu-utils)") from None
+        raise DiskError(
+            f"disk {name!r} ({path}) is not a raw file; reading it needs qemu-img (Debian: qemu-utils)"
+        ) from None
     if proc.returncode != 0:
         reason = proc.stderr.decode(errors="replace").strip().splitlines()
         raise DiskError(f"disk {name!r}: qemu-img cannot read {path}: {reason[-1] if reason else 'failed'}")
@@ -309,9 +323,14 @@ def check_identity(disk: DiskSource, info) -> None:
     (its name, size_bytes and fingerprint): another size or another fingerprint."""
     if disk.size != info.size_bytes:
         disk.close()
-        raise DiskError(f"disk {info.name!r}: {disk.path} has {disk.size} bytes, the image recorded "
-                        f"{info.size_bytes}", rule="LI-DSK-004")
+        raise DiskError(
+            f"disk {info.name!r}: {disk.path} has {disk.size} bytes, the image recorded {info.size_bytes}",
+            rule="LI-DSK-004",
+        )
     if disk.fingerprint() != info.fingerprint:
         disk.close()
-        raise DiskError(f"disk {info.name!r}: {disk.path} has another identity (fingerprint differs "
-                        "from the disk table): not the disk of this checkpoint", rule="LI-DSK-004")
+        raise DiskError(
+            f"disk {info.name!r}: {disk.path} has another identity (fingerprint differs "
+            "from the disk table): not the disk of this checkpoint",
+            rule="LI-DSK-004",
+        )

@@ -30,7 +30,7 @@ BROWSERS = ("chromium", "chromium-browser", "google-chrome")
 CONSOLE = re.compile(r":CONSOLE[:(]\d+\)?\] (.*)")
 # a screenshot of a rendered page is tens of KiB; a blank one a few
 BLANK_SCREENSHOT_BYTES = 12_000
-SKIPPED_PAGES = {"404.html"}        # served by a web server for any missing URL, with absolute links
+SKIPPED_PAGES = {"404.html"}  # served by a web server for any missing URL, with absolute links
 
 
 def find_browser() -> str | None:
@@ -108,10 +108,25 @@ def browser_problems(browser: str, site: Path, pages: list[Path], shots: Path) -
         name = page.relative_to(site)
         shot = shots / (str(name).replace("/", "_").removesuffix(".html") + ".png")
         shot.unlink(missing_ok=True)
-        proc = subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
-                               "--no-first-run", "--window-size=1280,900", "--virtual-time-budget=2000",
-                               "--enable-logging=stderr", "--v=0", f"--screenshot={shot}", page.as_uri()],
-                              capture_output=True, text=True, timeout=120)
+        proc = subprocess.run(
+            [
+                browser,
+                "--headless",
+                "--no-sandbox",
+                "--disable-gpu",
+                "--hide-scrollbars",
+                "--no-first-run",
+                "--window-size=1280,900",
+                "--virtual-time-budget=2000",
+                "--enable-logging=stderr",
+                "--v=0",
+                f"--screenshot={shot}",
+                page.as_uri(),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         messages = [m.group(1) for m in map(CONSOLE.search, proc.stderr.splitlines()) if m]
         problems += [f"{name}: console: {message}" for message in messages]
         if not shot.is_file():
@@ -123,8 +138,12 @@ def browser_problems(browser: str, site: Path, pages: list[Path], shots: Path) -
 
 def build_site(out: Path) -> None:
     env = dict(os.environ, NO_MKDOCS_2_WARNING="1")
-    subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--quiet", "--site-dir", str(out)],
-                   cwd=REPO_DIR, check=True, env=env)
+    subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--quiet", "--site-dir", str(out)],
+        cwd=REPO_DIR,
+        check=True,
+        env=env,
+    )
 
 
 def site_pages(site: Path) -> list[Path]:
@@ -159,8 +178,10 @@ def main() -> int:
         pages = len(site_pages(site))
     for problem in problems:
         print(problem)
-    print(f"{pages} pages checked in {browser}: {len(problems)} problem(s)"
-          + (f"; screenshots in {args.shots}" if args.shots else ""))
+    print(
+        f"{pages} pages checked in {browser}: {len(problems)} problem(s)"
+        + (f"; screenshots in {args.shots}" if args.shots else "")
+    )
     return 1 if problems else 0
 
 

@@ -35,8 +35,9 @@ compiler.compile('graphviz', yaml.load(fs.readFileSync(process.argv[2], 'utf8'))
 
 def graphviz_source(ksc_prefix: Path, ksy: Path = KSY) -> str:
     node = shutil.which("node") or "node"
-    proc = subprocess.run([node, "-e", COMPILE_JS, str(ksc_prefix), str(ksy)], capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run(
+        [node, "-e", COMPILE_JS, str(ksc_prefix), str(ksy)], capture_output=True, text=True, timeout=300
+    )
     if proc.returncode != 0:
         raise RuntimeError(f"kaitai-struct-compiler --target graphviz failed:\n{proc.stderr}")
     return proc.stdout
@@ -46,13 +47,15 @@ def render_svg(dot_source: str) -> bytes:
     dot = shutil.which("dot")
     if dot is None:
         raise RuntimeError("graphviz's dot is not installed (Debian: graphviz)")
-    return subprocess.run([dot, "-Tsvg"], input=dot_source.encode(), capture_output=True, check=True,
-                          timeout=300).stdout
+    return subprocess.run(
+        [dot, "-Tsvg"], input=dot_source.encode(), capture_output=True, check=True, timeout=300
+    ).stdout
 
 
 def diagram() -> bytes:
     sys.path.insert(0, str(REPO_DIR / "tests"))
-    from kaitai_support import ensure_compiler          # finds (or installs) the compiler from npm
+    from kaitai_support import ensure_compiler  # finds (or installs) the compiler from npm
+
     return render_svg(graphviz_source(ensure_compiler()))
 
 

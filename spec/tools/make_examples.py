@@ -26,19 +26,19 @@ import zstandard
 # --- constants, as spec/format.md gives them ----------------------------------
 HEADER_MAGIC = b"\x89LEANIMG"
 FOOTER_MAGIC = b"\x89LEANEND"
-HEADER = struct.Struct("<8sHHIQQQ16s16s16sIIQ")   # 104 bytes
-RECORD_HEADER = struct.Struct("<IIQ")             # type, flags, body_length
-RECORD_TRAILER = struct.Struct("<Q")              # record_checksum
+HEADER = struct.Struct("<8sHHIQQQ16s16s16sIIQ")  # 104 bytes
+RECORD_HEADER = struct.Struct("<IIQ")  # type, flags, body_length
+RECORD_TRAILER = struct.Struct("<Q")  # record_checksum
 REGION = struct.Struct("<IIQQII")
 DISK = struct.Struct("<IIQII16sII")
 PAGE_FRAME = struct.Struct("<QII")
 DELTA_FRAME = struct.Struct("<QII")
 PAGE_MAP = struct.Struct("<II")
 EXTENT = struct.Struct("<QIHHQ")
-DIGESTS = struct.Struct("<IIQQ")              # region_id, num_digests, first_page, num_pages
+DIGESTS = struct.Struct("<IIQQ")  # region_id, num_digests, first_page, num_pages
 INDEX = struct.Struct("<II")
 INDEX_ENTRY = struct.Struct("<QIIQQ")
-FOOTER = struct.Struct("<8sQQ16sQ")               # 48 bytes
+FOOTER = struct.Struct("<8sQQ16sQ")  # 48 bytes
 DELTA_ENTRY = struct.Struct("<BBH")
 
 T_REGION, T_DISK, T_PAGE_FRAME, T_DELTA_FRAME = 0x1, 0x2, 0x10, 0x11
@@ -58,8 +58,8 @@ def hexdump(data: bytes, base: int = 0, elide: tuple[int, int] | None = None) ->
             if off == elide[0]:
                 lines.append(f"  ...       ({elide[1] - elide[0]} bytes elided)")
             continue
-        chunk = data[off:off + 16]
-        hx = " ".join(chunk[i:i + 2].hex() for i in range(0, len(chunk), 2))
+        chunk = data[off : off + 16]
+        hx = " ".join(chunk[i : i + 2].hex() for i in range(0, len(chunk), 2))
         asc = "".join(chr(b) if 0x20 <= b < 0x7F else "." for b in chunk)
         lines.append(f"{base + off:08x}: {hx:<39}  {asc}")
     return "\n".join(lines)
@@ -75,10 +75,29 @@ def record(rtype: int, body: bytes, flags: int = 0) -> bytes:
     return padded + RECORD_TRAILER.pack(xxhash.xxh3_64_intdigest(padded))
 
 
-def header(image_uuid: bytes, page_size: int = PAGE_SIZE, incompat: int = 0, compat: int = 0,
-           parent_uuid: bytes = bytes(16), parent_digest: bytes = bytes(16)) -> bytes:
-    fields = [HEADER_MAGIC, 1, 0, HEADER.size, incompat, compat, 0,
-              image_uuid, parent_uuid, parent_digest, page_size, 0, 0]
+def header(
+    image_uuid: bytes,
+    page_size: int = PAGE_SIZE,
+    incompat: int = 0,
+    compat: int = 0,
+    parent_uuid: bytes = bytes(16),
+    parent_digest: bytes = bytes(16),
+) -> bytes:
+    fields = [
+        HEADER_MAGIC,
+        1,
+        0,
+        HEADER.size,
+        incompat,
+        compat,
+        0,
+        image_uuid,
+        parent_uuid,
+        parent_digest,
+        page_size,
+        0,
+        0,
+    ]
     unchecked = HEADER.pack(*fields)
     fields[-1] = xxhash.xxh3_64_intdigest(unchecked)
     return HEADER.pack(*fields)
@@ -89,9 +108,9 @@ def zstd_frame(content: bytes, *, rle: bool) -> bytes:
     n = len(content)
     assert 256 <= n <= 65791 or n < 256
     if n < 256:
-        fhd, fcs = 0x20, struct.pack("<B", n)              # Single_Segment, FCS 1 byte
+        fhd, fcs = 0x20, struct.pack("<B", n)  # Single_Segment, FCS 1 byte
     else:
-        fhd, fcs = 0x60, struct.pack("<H", n - 256)        # Single_Segment, FCS 2 bytes
+        fhd, fcs = 0x60, struct.pack("<H", n - 256)  # Single_Segment, FCS 2 bytes
     if rle:
         assert content == content[:1] * n
         block = struct.pack("<I", 1 | (1 << 1) | (n << 3))[:3] + content[:1]
@@ -139,26 +158,26 @@ def example_region() -> bytes:
     body = REGION.pack(0, HAS_GPA, 0, 1 * MiB, len(name), 0) + name
     rec = record(T_REGION, body)
     section("A.2 REGION record")
-    print('region_id 0, flags HAS_GPA, guest_phys_base 0, size_bytes 1 MiB (256 pages),')
+    print("region_id 0, flags HAS_GPA, guest_phys_base 0, size_bytes 1 MiB (256 pages),")
     print(f'name "pc.ram"; body_length {len(body)}, 2 bytes of padding, record size {len(rec)}.')
     print()
     code(hexdump(rec))
     print()
-    print(f"record_checksum = xxh3-64(bytes 0..{len(rec) - 9}) = "
-          f"0x{struct.unpack_from('<Q', rec, len(rec) - 8)[0]:016x}")
+    print(
+        f"record_checksum = xxh3-64(bytes 0..{len(rec) - 9}) = 0x{struct.unpack_from('<Q', rec, len(rec) - 8)[0]:016x}"
+    )
     return rec
 
 
 # --- A.3 PAGE_MAP ---------------------------------------------------------------
 def example_page_map() -> bytes:
     body = PAGE_MAP.pack(0, 2)
-    body += EXTENT.pack(0, 2, STORED, 0, 0)       # pages 0..1 STORED, ordinals 0..1
-    body += EXTENT.pack(2, 254, ZERO, 0, 0)       # pages 2..255 ZERO
+    body += EXTENT.pack(0, 2, STORED, 0, 0)  # pages 0..1 STORED, ordinals 0..1
+    body += EXTENT.pack(2, 254, ZERO, 0, 0)  # pages 2..255 ZERO
     rec = record(T_PAGE_MAP, body)
     section("A.3 PAGE_MAP record with two extents")
     print("region_id 0; extent 0: pages 0-1 STORED, first_slot 0 (stored ordinals 0 and 1);")
-    print(f"extent 1: pages 2-255 ZERO, first_slot 0. body_length {len(body)} "
-          f"(8 + 2 x 24), record size {len(rec)}.")
+    print(f"extent 1: pages 2-255 ZERO, first_slot 0. body_length {len(body)} (8 + 2 x 24), record size {len(rec)}.")
     print()
     print("Body:")
     print()
@@ -173,8 +192,7 @@ def example_page_map() -> bytes:
 
 
 # --- A.4 delta entries ----------------------------------------------------------
-CHANGED = {3: 0x00000000DEADBEEF, 4: 0x0000000000000001,
-           5: 0xFFFFFFFFFFFFFFFF, 100: 0x0123456789ABCDEF}
+CHANGED = {3: 0x00000000DEADBEEF, 4: 0x0000000000000001, 5: 0xFFFFFFFFFFFFFFFF, 100: 0x0123456789ABCDEF}
 
 
 def delta_entries() -> tuple[bytes, bytes, list[bytes]]:
@@ -191,8 +209,12 @@ def delta_entries() -> tuple[bytes, bytes, list[bytes]]:
         bitmap[w // 8] |= 1 << (w % 8)
     bitmap_e = DELTA_ENTRY.pack(2, 0, n) + bytes(bitmap) + values
     runs = [(3, 3), (100, 1)]
-    runs_e = (DELTA_ENTRY.pack(3, 0, n) + struct.pack("<H", len(runs))
-              + b"".join(struct.pack("<HH", s, ln) for s, ln in runs) + values)
+    runs_e = (
+        DELTA_ENTRY.pack(3, 0, n)
+        + struct.pack("<H", len(runs))
+        + b"".join(struct.pack("<HH", s, ln) for s, ln in runs)
+        + values
+    )
     assert len(index_list) == 4 + 10 * n
     assert len(bitmap_e) == 4 + PAGE_SIZE // 64 + 8 * n
     assert len(runs_e) == 4 + 2 + 4 * len(runs) + 8 * n
@@ -238,10 +260,12 @@ def example_image(hdr: bytes, region_rec: bytes, map_rec: bytes) -> bytes:
     dig_body = DIGESTS.pack(0, 2, 0, 256) + d_a * 2
     dig_rec = record(T_DIGESTS, dig_body)
 
-    records = [(T_REGION, region_rec, 0, 0, 256),
-               (T_PAGE_FRAME, frame_rec, NO_KEY, 0, 2),
-               (T_PAGE_MAP, map_rec, 0, 0, 256),
-               (T_DIGESTS, dig_rec, 0, 0, 256)]
+    records = [
+        (T_REGION, region_rec, 0, 0, 256),
+        (T_PAGE_FRAME, frame_rec, NO_KEY, 0, 2),
+        (T_PAGE_MAP, map_rec, 0, 0, 256),
+        (T_DIGESTS, dig_rec, 0, 0, 256),
+    ]
     offset = len(hdr)
     entries = b""
     offsets = []
@@ -255,8 +279,7 @@ def example_image(hdr: bytes, region_rec: bytes, map_rec: bytes) -> bytes:
     file_length = len(before) + FOOTER.size
     digest = xxhash.xxh3_128_digest(before)
     unchecked = FOOTER.pack(FOOTER_MAGIC, index_offset, file_length, digest, 0)
-    footer = FOOTER.pack(FOOTER_MAGIC, index_offset, file_length, digest,
-                         xxhash.xxh3_64_intdigest(unchecked[:40]))
+    footer = FOOTER.pack(FOOTER_MAGIC, index_offset, file_length, digest, xxhash.xxh3_64_intdigest(unchecked[:40]))
     image = before + footer
 
     section("A.5 A complete image and its footer")
@@ -300,8 +323,7 @@ def example_image(hdr: bytes, region_rec: bytes, map_rec: bytes) -> bytes:
     kv("index_offset", f"0x{index_offset:x}")
     kv("file_length", f"{file_length} (0x{file_length:x})")
     kv("image_digest", f"{digest.hex()} = xxh3-128(bytes 0..0x{len(before) - 1:x})")
-    kv("footer_checksum", f"0x{struct.unpack_from('<Q', footer, 40)[0]:016x}"
-                          " = xxh3-64(footer bytes 0..39)")
+    kv("footer_checksum", f"0x{struct.unpack_from('<Q', footer, 40)[0]:016x} = xxh3-64(footer bytes 0..39)")
     kv("xxh3-64 of the file", f"0x{xxhash.xxh3_64_intdigest(image):016x}")
     return image
 
@@ -323,8 +345,10 @@ def example_delta_frame(entries: list[bytes]) -> bytes:
     print("One DELTA_FRAME with first_delta 0 and four entries: delta entries 0, 1 and 2 are the")
     print("three entries of A.4 (in an image, three different pages would use them), entry 3 is an")
     print("INDEX_LIST entry setting word 511 to 0x8000000000000000. entry_offsets")
-    print(f"{offs} take {4 * len(offs)} bytes; {len(head) - 16 - 4 * len(offs)} bytes of zero padding "
-          f"bring the zstd frame to body offset {len(head)}.")
+    print(
+        f"{offs} take {4 * len(offs)} bytes; {len(head) - 16 - 4 * len(offs)} bytes of zero padding "
+        f"bring the zstd frame to body offset {len(head)}."
+    )
     print("The frame is one last Raw block (Frame_Header_Descriptor 0x20: Single_Segment, 1-byte")
     print(f"Frame_Content_Size = {len(content)} = entry_offsets[4]).")
     print()
@@ -339,7 +363,7 @@ def fingerprint_method1(disk: bytes) -> bytes:
     h.update(struct.pack("<Q", size))
     for k in range(64):
         o = (size * k // 64) // 512 * 512
-        h.update(disk[o:min(o + 4096, size)])
+        h.update(disk[o : min(o + 4096, size)])
     return h.digest()
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import xxhash
 
 MAGIC = b"\x89LEANHNT"
-HEADER = struct.Struct("<8sHHIHHI")          # checksum (u8) follows
+HEADER = struct.Struct("<8sHHIHHI")  # checksum (u8) follows
 RECORD_HEAD = struct.Struct("<HHI")
 NAME_HEAD = struct.Struct("<HHI")
 RANGE_HEAD = struct.Struct("<QHHHHII")
@@ -71,20 +71,32 @@ def hints(*records: bytes, count: int | None = None, head: bytes | None = None) 
 def good_records() -> list[bytes]:
     """A disk and a region name, a parent, FREE (guest-physical, balloon), DISK (two runs),
     UNCHANGED (region-relative)."""
-    return [name(DISK_NAME, 0, b"vda"), name(REGION_NAME, 0, b"pc.ram"), parent(),
-            ranges(FREE, [(0x1000, 4), (0x100000, 16)], offset=1 << 20, source=2),
-            ranges(DISK, [(0x200000, 2, 0, 0, 2048), (0x300000, 1, 0, 0, 8)], offset=2 << 20),
-            ranges(UNCHANGED, [(0, 8), (100, 1)], offset=0, addressing=REGION)]
+    return [
+        name(DISK_NAME, 0, b"vda"),
+        name(REGION_NAME, 0, b"pc.ram"),
+        parent(),
+        ranges(FREE, [(0x1000, 4), (0x100000, 16)], offset=1 << 20, source=2),
+        ranges(DISK, [(0x200000, 2, 0, 0, 2048), (0x300000, 1, 0, 0, 8)], offset=2 << 20),
+        ranges(UNCHANGED, [(0, 8), (100, 1)], offset=0, addressing=REGION),
+    ]
 
 
 VALID = {
     "valid/everything.hnt": ("every record kind, guest-physical and region-relative", hints(*good_records())),
     "valid/empty.hnt": ("no hints at all: a header and END", hints()),
-    "valid/optional-record.hnt": ("an unknown record type with the OPTIONAL bit, skipped",
-                                  hints(record(0x8000 | 42, b"future"), ranges(FREE, [(0, 1)]))),
-    "valid/xen.hnt": ("Xen pfns: FREE from the balloon, DISK runs", hints(
-        name(DISK_NAME, 3, b"xvda"), ranges(FREE, [(40 << 12, 8)], offset=4096, source=2),
-        ranges(DISK, [(5 << 12, 3, 3, 0, 16)]), head=header(address_map=XEN))),
+    "valid/optional-record.hnt": (
+        "an unknown record type with the OPTIONAL bit, skipped",
+        hints(record(0x8000 | 42, b"future"), ranges(FREE, [(0, 1)])),
+    ),
+    "valid/xen.hnt": (
+        "Xen pfns: FREE from the balloon, DISK runs",
+        hints(
+            name(DISK_NAME, 3, b"xvda"),
+            ranges(FREE, [(40 << 12, 8)], offset=4096, source=2),
+            ranges(DISK, [(5 << 12, 3, 3, 0, 16)]),
+            head=header(address_map=XEN),
+        ),
+    ),
 }
 
 g = good_records()
@@ -95,8 +107,10 @@ INVALID = {
     "LI-HNT-004": ("page_size 5000", hints(head=header(page_size=5000))),
     "LI-HNT-005": ("truncated in the middle of a record", hints(*g)[:-40]),
     "LI-HNT-006": ("payload_length 2 MiB", header() + struct.pack("<HHI", FREE, 0, 2 << 20) + b"\0" * 64),
-    "LI-HNT-007": ("a record checksum off by one", hints(*g[:3], g[3][:-8] + struct.pack(
-        "<Q", (struct.unpack("<Q", g[3][-8:])[0] + 1) % (1 << 64)), *g[4:])),
+    "LI-HNT-007": (
+        "a record checksum off by one",
+        hints(*g[:3], g[3][:-8] + struct.pack("<Q", (struct.unpack("<Q", g[3][-8:])[0] + 1) % (1 << 64)), *g[4:]),
+    ),
     "LI-HNT-008": ("unknown mandatory record type 99", hints(record(99, b""))),
     "LI-HNT-009": ("FREE count 3 with two ranges", hints(ranges(FREE, [(0, 1), (0x2000, 1)], count=3))),
     "LI-HNT-010": ("reserved field of a range header non-zero", hints(ranges(FREE, [(0, 1)], reserved=1))),

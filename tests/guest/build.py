@@ -27,9 +27,21 @@ GUEST_FREE_HELPER = HERE.parents[1] / "guest" / "leanimg-guest-free.c"
 # virtio_balloon lets a guest with a virtio-balloon (free-page-reporting=on) hand its free
 # blocks to the host (issue 13); virtio_console gives the guest free-list helper its port
 # (guest/leanimg-guest-free.c, `checkpoint --guest-free`); crc32c-intel is left out: the TCG "qemu64" CPU has no SSE4.2, crc32c_generic serves ext4.
-MODULES = ["virtio_ring", "virtio", "virtio_pci_modern_dev", "virtio_pci_legacy_dev",
-           "virtio_pci", "virtio_blk", "crc32c_generic", "jbd2", "mbcache",
-           "crc16", "ext4", "virtio_balloon", "virtio_console"]
+MODULES = [
+    "virtio_ring",
+    "virtio",
+    "virtio_pci_modern_dev",
+    "virtio_pci_legacy_dev",
+    "virtio_pci",
+    "virtio_blk",
+    "crc32c_generic",
+    "jbd2",
+    "mbcache",
+    "crc16",
+    "ext4",
+    "virtio_balloon",
+    "virtio_console",
+]
 SKIP_MODULES = {"crc32c-intel.ko"}  # pulled in by "crc32c" aliases; see above
 
 READY_MARKER = "LEANIMG-READY"
@@ -64,6 +76,7 @@ done
 @dataclasses.dataclass(frozen=True)
 class DiskSpec:
     """Files put on the guest's ext4 disk: compressible text and random binary data."""
+
     size_mib: int = 64
     text_mib: int = 12
     binary_mib: int = 4
@@ -74,7 +87,7 @@ class DiskSpec:
 class GuestBuild:
     kernel: Path
     initrd: Path
-    disk: Path          # pristine image: copy it before booting (the guest writes to it)
+    disk: Path  # pristine image: copy it before booting (the guest writes to it)
     disk_spec: DiskSpec
     cmdline: str = KERNEL_CMDLINE
 
@@ -88,15 +101,16 @@ def find_kernel() -> tuple[Path, str]:
     if not kernels:
         raise FileNotFoundError("no /boot/vmlinuz-*: apt-get install linux-image-amd64")
     kernel = Path(kernels[-1])
-    return kernel, kernel.name[len("vmlinuz-"):]
+    return kernel, kernel.name[len("vmlinuz-") :]
 
 
 def module_paths(version: str) -> list[Path]:
     """The .ko files of MODULES, in insmod order, via modprobe --show-depends."""
     paths: list[Path] = []
     for name in MODULES:
-        out = subprocess.run(["modprobe", "-S", version, "--show-depends", name],
-                             check=True, capture_output=True, text=True).stdout
+        out = subprocess.run(
+            ["modprobe", "-S", version, "--show-depends", name], check=True, capture_output=True, text=True
+        ).stdout
         for line in out.splitlines():
             if line.startswith("insmod "):
                 path = Path(line.split()[1])
@@ -112,15 +126,21 @@ def build_guest(disk_spec: DiskSpec = DiskSpec(), extra_cmdline: str = "") -> Gu
     kernel, version = find_kernel()
     key = _cache_key(kernel, disk_spec)
     out = cache_root() / f"guest-{key}"
-    result = GuestBuild(kernel=kernel, initrd=out / "initrd.cpio", disk=out / "disk.img",
-                        disk_spec=disk_spec,
-                        cmdline=f"{KERNEL_CMDLINE} {extra_cmdline}".strip())
+    result = GuestBuild(
+        kernel=kernel,
+        initrd=out / "initrd.cpio",
+        disk=out / "disk.img",
+        disk_spec=disk_spec,
+        cmdline=f"{KERNEL_CMDLINE} {extra_cmdline}".strip(),
+    )
     if (out / "done").exists():
         return result
     tmp = Path(tempfile.mkdtemp(prefix="build-", dir=_ensure(cache_root())))
     try:
-        programs = {"workload": _compile(HERE / "workload.c", tmp / "workload"),
-                    "leanimg-guest-free": _compile(GUEST_FREE_HELPER, tmp / "leanimg-guest-free")}
+        programs = {
+            "workload": _compile(HERE / "workload.c", tmp / "workload"),
+            "leanimg-guest-free": _compile(GUEST_FREE_HELPER, tmp / "leanimg-guest-free"),
+        }
         _write_initramfs(tmp / "initrd.cpio", programs, module_paths(version))
         _make_disk(tmp / "disk.img", tmp / "files", disk_spec)
         shutil.rmtree(tmp / "files")
@@ -153,7 +173,7 @@ def _compile(source: Path, binary: Path) -> Path:
 
 def _write_initramfs(path: Path, programs: dict[str, Path], modules: list[Path]) -> None:
     busybox = shutil.which("busybox") or "/bin/busybox"
-    names = [m.name[:-len(".ko")] for m in modules]
+    names = [m.name[: -len(".ko")] for m in modules]
     init = INIT_SCRIPT.format(modules=" ".join(names), ready=READY_MARKER)
     with open(path, "wb") as f:
         cpio = _CpioWriter(f)
@@ -178,10 +198,22 @@ class _CpioWriter:
         self.f = f
         self.ino = 1
 
-    def add(self, kind: str, name: str, data: bytes = b"", mode: int = 0o755,
-            rdev: tuple[int, int] = (0, 0)) -> None:
-        fields = [self.ino, self._TYPES[kind] | mode, 0, 0, 2 if kind == "d" else 1, 0,
-                  len(data), 0, 0, rdev[0], rdev[1], len(name) + 1, 0]
+    def add(self, kind: str, name: str, data: bytes = b"", mode: int = 0o755, rdev: tuple[int, int] = (0, 0)) -> None:
+        fields = [
+            self.ino,
+            self._TYPES[kind] | mode,
+            0,
+            0,
+            2 if kind == "d" else 1,
+            0,
+            len(data),
+            0,
+            0,
+            rdev[0],
+            rdev[1],
+            len(name) + 1,
+            0,
+        ]
         self.ino += 1
         header = b"070701" + b"".join(b"%08X" % v for v in fields)
         self._put(header + name.encode() + b"\0")
@@ -197,8 +229,11 @@ class _CpioWriter:
 
 def _make_disk(image: Path, files: Path, spec: DiskSpec) -> None:
     _write_files(files, spec)
-    subprocess.run(["mkfs.ext4", "-q", "-F", "-b", "4096", "-d", str(files), str(image),
-                    f"{spec.size_mib}M"], check=True, capture_output=True)
+    subprocess.run(
+        ["mkfs.ext4", "-q", "-F", "-b", "4096", "-d", str(files), str(image), f"{spec.size_mib}M"],
+        check=True,
+        capture_output=True,
+    )
 
 
 def _write_files(root: Path, spec: DiskSpec) -> None:

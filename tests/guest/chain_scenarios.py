@@ -38,12 +38,12 @@ VGA_WINDOW = (0xA0000, 0xC0000)
 
 @dataclasses.dataclass(frozen=True)
 class Phase:
-    mode: str             # "words" or "pages"
+    mode: str  # "words" or "pages"
     mib: int
-    saves: int            # checkpoints taken during this phase
-    rounds: int           # workload rounds between two checkpoints of the phase
-    amount: int           # words: pages touched per round; pages: permille rewritten per round
-    first: int = 1        # the first checkpoint waits for heartbeat ``first``
+    saves: int  # checkpoints taken during this phase
+    rounds: int  # workload rounds between two checkpoints of the phase
+    amount: int  # words: pages touched per round; pages: permille rewritten per round
+    first: int = 1  # the first checkpoint waits for heartbeat ``first``
 
     @property
     def last_round(self) -> int:
@@ -63,18 +63,24 @@ CHAIN_PHASES: tuple[Phase, ...] = (
 
 @dataclasses.dataclass(frozen=True)
 class Checkpoint:
-    index: int            # 1-based position in the chain
-    phase: str            # the workload mode of the phase it was taken in
-    point: SavePoint      # save, mem, disk, heartbeat of ``phase``'s mode
+    index: int  # 1-based position in the chain
+    phase: str  # the workload mode of the phase it was taken in
+    point: SavePoint  # save, mem, disk, heartbeat of ``phase``'s mode
 
     @property
     def name(self) -> str:
         return self.point.name
 
 
-def run_chain_scenario(workdir: Path, phases=CHAIN_PHASES, mem_mib: int = 128,
-                       build: GuestBuild | None = None, log=None,
-                       limit_rounds: bool = True, qemu: Qemu = QEMU_7_2) -> list[Checkpoint]:
+def run_chain_scenario(
+    workdir: Path,
+    phases=CHAIN_PHASES,
+    mem_mib: int = 128,
+    build: GuestBuild | None = None,
+    log=None,
+    limit_rounds: bool = True,
+    qemu: Qemu = QEMU_7_2,
+) -> list[Checkpoint]:
     """Boot once, run ``phases`` in turn, checkpoint as they say; QEMU is gone afterwards.
 
     With ``limit_rounds`` every phase but the last stops writing after its last checkpoint
@@ -103,8 +109,10 @@ def run_chain_scenario(workdir: Path, phases=CHAIN_PHASES, mem_mib: int = 128,
                 t0 = time.monotonic()
                 point = save_point(vm, workdir, name, workload)
                 checkpoints.append(Checkpoint(len(checkpoints) + 1, phase.mode, point))
-                say(f"{name} ({phase.mode}, HB {point.heartbeat}): save "
+                say(
+                    f"{name} ({phase.mode}, HB {point.heartbeat}): save "
                     f"{point.save.stat().st_size / 2**20:.1f} MiB, checkpoint took "
-                    f"{time.monotonic() - t0:.1f} s")
+                    f"{time.monotonic() - t0:.1f} s"
+                )
                 target = max(target, point.heartbeat) + phase.rounds
     return checkpoints

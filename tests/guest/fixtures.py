@@ -1,6 +1,6 @@
 """pytest fixtures for tests that need a real saved guest (import them into a test module).
 
-    from guest.fixtures import saved_guest  # noqa: F401  (module-scoped fixture)
+from guest.fixtures import saved_guest  # noqa: F401  (module-scoped fixture)
 """
 
 from __future__ import annotations
@@ -22,17 +22,22 @@ MEM_MIB = 128
 @dataclasses.dataclass(frozen=True)
 class SavedGuest:
     build: GuestBuild
-    disk: Path          # the disk as it was at save time (use a copy to boot from it)
-    save: Path          # the migration stream QEMU wrote
-    mem: Path           # pmemsave of guest-physical [0, mem_mib MiB) at save time
+    disk: Path  # the disk as it was at save time (use a copy to boot from it)
+    save: Path  # the migration stream QEMU wrote
+    mem: Path  # pmemsave of guest-physical [0, mem_mib MiB) at save time
     mem_mib: int
-    heartbeat: int      # last heartbeat the guest printed before the save
+    heartbeat: int  # last heartbeat the guest printed before the save
     workdir: Path
     qemu: Qemu = QEMU_7_2
 
 
-def save_guest(workdir: Path, workload: tuple[str, ...] = ("pagecache", "/mnt"),
-               mem_mib: int = MEM_MIB, build: GuestBuild | None = None, qemu: Qemu = QEMU_7_2) -> SavedGuest:
+def save_guest(
+    workdir: Path,
+    workload: tuple[str, ...] = ("pagecache", "/mnt"),
+    mem_mib: int = MEM_MIB,
+    build: GuestBuild | None = None,
+    qemu: Qemu = QEMU_7_2,
+) -> SavedGuest:
     """Boot the test guest, run ``workload``, stop it and save it; QEMU is gone afterwards."""
     build = build or build_guest()
     disk = copy_disk(build.disk, workdir / "disk.img")
@@ -46,8 +51,7 @@ def save_guest(workdir: Path, workload: tuple[str, ...] = ("pagecache", "/mnt"),
         heartbeat = vm.last_heartbeat()
         vm.save(workdir / "vm.save")
         vm.pmemsave(workdir / "mem.bin")
-    return SavedGuest(build, disk, workdir / "vm.save", workdir / "mem.bin", mem_mib,
-                      heartbeat, workdir, qemu)
+    return SavedGuest(build, disk, workdir / "vm.save", workdir / "mem.bin", mem_mib, heartbeat, workdir, qemu)
 
 
 @pytest.fixture(scope="module", params=qemu_params())
@@ -57,8 +61,7 @@ def saved_guest(request, tmp_path_factory) -> SavedGuest:
 
 
 @contextmanager
-def running_guest_with_qmp(work: Path, *, mem_mib: int, devices: list[str], freed_mib: int,
-                           qemu: Qemu = QEMU_7_2):
+def running_guest_with_qmp(work: Path, *, mem_mib: int, devices: list[str], freed_mib: int, qemu: Qemu = QEMU_7_2):
     """A guest for checkpoint tests, booted in ``qemu`` from a copy of the test disk in ``work``
     with ``devices`` and a QMP socket of its own: page cache read from its disk, ``freed_mib``
     MiB written and freed, the ``pages`` workload running. Yields (vm, disk, qmp socket path)."""

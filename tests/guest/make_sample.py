@@ -50,23 +50,22 @@ def main(argv: list[str] | None = None) -> int:
     build = build_guest(SAMPLE_DISK, SAMPLE_CMDLINE)
     with tempfile.TemporaryDirectory(prefix="leanimg-sample-") as tmp:
         saved = save_guest(Path(tmp), ("pagecache", "/mnt"), args.mem_mib, build)
-        info = {"mem_mib": args.mem_mib, "machine": "pc (pc-i440fx-7.2)",
-                "qemu_version": _qemu_version(),
-                "qemu_args": [a for a in qemu_args(build, Path("disk.img"), Path("."),
-                                                   args.mem_mib)],
-                "files": {}}
+        info = {
+            "mem_mib": args.mem_mib,
+            "machine": "pc (pc-i440fx-7.2)",
+            "qemu_version": _qemu_version(),
+            "qemu_args": [a for a in qemu_args(build, Path("disk.img"), Path("."), args.mem_mib)],
+            "files": {},
+        }
         for name, path in (("vm.save", saved.save), ("disk.img", saved.disk)):
             size = compress(path, args.outdir / f"{name}.zst")
-            info["files"][name] = {"size": path.stat().st_size, "zst_size": size,
-                                   "sha256": sha256_file(path)}
+            info["files"][name] = {"size": path.stat().st_size, "zst_size": size, "sha256": sha256_file(path)}
         info["pmemsave_sha256"] = sha256_file(saved.mem)
         info["kernel_cmdline"] = build.cmdline
     (args.outdir / "sample.json").write_text(json.dumps(info, indent=2) + "\n")
     for name, f in info["files"].items():
         print(f"{name}: {f['size']} bytes -> {name}.zst {f['zst_size']} bytes")
     return 0
-
-
 
 
 def _qemu_version() -> str:

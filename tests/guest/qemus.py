@@ -26,7 +26,7 @@ QEMU10_WRAPPER = Path.home() / ".cache" / "leanimg" / "qemu10" / "bin" / "qemu-s
 
 @dataclasses.dataclass(frozen=True)
 class Qemu:
-    version: str        # major.minor, as `qemu-system-x86_64 --version` says
+    version: str  # major.minor, as `qemu-system-x86_64 --version` says
     binary: str
     machine: str = "pc"
 

@@ -51,14 +51,14 @@ class SavePoint:
     name: str
     workload: tuple[str, ...]
     build: GuestBuild
-    save: Path          # the migration stream QEMU wrote (``exec:cat > FILE``)
-    mem: Path           # pmemsave of guest-physical [0, mem_mib MiB) at save time
-    disk: Path          # copy of the disk at save time (copy it again before booting from it)
+    save: Path  # the migration stream QEMU wrote (``exec:cat > FILE``)
+    mem: Path  # pmemsave of guest-physical [0, mem_mib MiB) at save time
+    disk: Path  # copy of the disk at save time (copy it again before booting from it)
     mem_mib: int
-    mode: str           # the workload mode whose heartbeat proves a resumed guest runs
-    heartbeat: int      # the last ``HB <mode> n`` printed before the save
+    mode: str  # the workload mode whose heartbeat proves a resumed guest runs
+    heartbeat: int  # the last ``HB <mode> n`` printed before the save
     save_seconds: float
-    qemu: Qemu = QEMU_7_2   # the QEMU and machine type that saved it (restore into the same)
+    qemu: Qemu = QEMU_7_2  # the QEMU and machine type that saved it (restore into the same)
 
 
 def heartbeats(text: str, mode: str) -> list[int]:
@@ -80,31 +80,37 @@ def wait_heartbeat(vm: GuestVM, mode: str, after: int, timeout: float = 60.0) ->
         if vm.proc.poll() is not None:
             break
         time.sleep(0.1)
-    raise GuestError(f"no 'HB {mode} n' with n > {after} within {timeout}s; last output:\n"
-                     f"{vm.serial.text[-1500:]}\nQEMU:\n{vm.qemu_output()[-1500:]}")
+    raise GuestError(
+        f"no 'HB {mode} n' with n > {after} within {timeout}s; last output:\n"
+        f"{vm.serial.text[-1500:]}\nQEMU:\n{vm.qemu_output()[-1500:]}"
+    )
 
 
-def save_point(vm: GuestVM, workdir: Path, name: str, workload: tuple[str, ...],
-               timeout: float = 600.0) -> SavePoint:
+def save_point(vm: GuestVM, workdir: Path, name: str, workload: tuple[str, ...], timeout: float = 600.0) -> SavePoint:
     """stop, migrate to ``workdir/<name>.save``, pmemsave, copy the disk, cont."""
     mode = workload[0]
     vm.stop()
     heartbeat = last_heartbeat(vm, mode)
-    save, mem, disk = (workdir / f"{name}.save", workdir / f"{name}.mem",
-                       workdir / f"{name}.disk.img")
+    save, mem, disk = (workdir / f"{name}.save", workdir / f"{name}.mem", workdir / f"{name}.disk.img")
     t0 = time.monotonic()
     vm.save(save, timeout=timeout)
     seconds = time.monotonic() - t0
     vm.pmemsave(mem)
     copy_disk(vm.disk, disk)
     vm.cont()
-    return SavePoint(name, workload, vm.build, save, mem, disk, vm.mem_mib, mode, heartbeat,
-                     seconds, vm.qemu)
+    return SavePoint(name, workload, vm.build, save, mem, disk, vm.mem_mib, mode, heartbeat, seconds, vm.qemu)
 
 
-def run_scenario(workdir: Path, steps=E2E_STEPS, mem_mib: int = 128,
-                 build: GuestBuild | None = None, workload_timeout: float = 600.0,
-                 log=None, save_after=None, qemu: Qemu = QEMU_7_2) -> dict[str, SavePoint]:
+def run_scenario(
+    workdir: Path,
+    steps=E2E_STEPS,
+    mem_mib: int = 128,
+    build: GuestBuild | None = None,
+    workload_timeout: float = 600.0,
+    log=None,
+    save_after=None,
+    qemu: Qemu = QEMU_7_2,
+) -> dict[str, SavePoint]:
     """Boot once (in ``qemu``), run ``steps`` one after another, save after each (or only
     after the steps named in ``save_after``); QEMU is gone afterwards."""
     build = build or build_guest()
@@ -121,13 +127,12 @@ def run_scenario(workdir: Path, steps=E2E_STEPS, mem_mib: int = 128,
         for name, workload in steps:
             t0 = time.monotonic()
             vm.run_workload(*workload, timeout=workload_timeout)
-            wait_heartbeat(vm, workload[0], 0)   # the workload is in its heartbeat loop
+            wait_heartbeat(vm, workload[0], 0)  # the workload is in its heartbeat loop
             say(f"workload {' '.join(workload)}: {time.monotonic() - t0:.1f} s")
             if save_after is not None and name not in save_after:
                 continue
             saves[name] = save_point(vm, workdir, name, workload)
-            say(f"saved {name}: {saves[name].save.stat().st_size / 2**20:.1f} MiB in "
-                f"{saves[name].save_seconds:.1f} s")
+            say(f"saved {name}: {saves[name].save.stat().st_size / 2**20:.1f} MiB in {saves[name].save_seconds:.1f} s")
     return saves
 
 
@@ -138,10 +143,12 @@ def assert_resumes(sp: SavePoint, disk: Path, workdir: Path, restore_argv: list[
     import shlex
     from helpers import first_difference
     from leanimg.fileutil import sha256_file
+
     vm_dir = workdir / "dest"
     vm_dir.mkdir()
-    with GuestVM(sp.build, disk, mem_mib=sp.mem_mib, workdir=vm_dir, qemu=sp.qemu,
-                 incoming=f"exec:{shlex.join(restore_argv)}") as vm:
+    with GuestVM(
+        sp.build, disk, mem_mib=sp.mem_mib, workdir=vm_dir, qemu=sp.qemu, incoming=f"exec:{shlex.join(restore_argv)}"
+    ) as vm:
         vm.wait_incoming(timeout=180)
         assert vm.status() == "paused"
         restored = workdir / "restored.mem"

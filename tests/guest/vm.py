@@ -41,13 +41,37 @@ def disk_format(disk: Path) -> str:
 
 def qemu_args(build: GuestBuild, disk: Path, workdir: Path, mem_mib: int, qemu: Qemu = QEMU_7_2) -> list[str]:
     return [
-        qemu.binary, "-accel", "tcg", "-machine", qemu.machine, "-cpu", "qemu64", "-smp", "1",
-        "-m", f"{mem_mib}M", "-nodefaults", "-vga", "std", "-display", "none", "-no-reboot",
-        "-kernel", str(build.kernel), "-initrd", str(build.initrd), "-append", build.cmdline,
-        "-drive", f"file={disk},format={disk_format(disk)},if=virtio,cache=writeback",
-        "-chardev", f"socket,id=ser0,path={workdir / 'serial.sock'},server=on,wait=on",
-        "-serial", "chardev:ser0",
-        "-qmp", f"unix:{workdir / 'qmp.sock'},server=on,wait=off",
+        qemu.binary,
+        "-accel",
+        "tcg",
+        "-machine",
+        qemu.machine,
+        "-cpu",
+        "qemu64",
+        "-smp",
+        "1",
+        "-m",
+        f"{mem_mib}M",
+        "-nodefaults",
+        "-vga",
+        "std",
+        "-display",
+        "none",
+        "-no-reboot",
+        "-kernel",
+        str(build.kernel),
+        "-initrd",
+        str(build.initrd),
+        "-append",
+        build.cmdline,
+        "-drive",
+        f"file={disk},format={disk_format(disk)},if=virtio,cache=writeback",
+        "-chardev",
+        f"socket,id=ser0,path={workdir / 'serial.sock'},server=on,wait=on",
+        "-serial",
+        "chardev:ser0",
+        "-qmp",
+        f"unix:{workdir / 'qmp.sock'},server=on,wait=off",
     ]
 
 
@@ -146,8 +170,7 @@ class Serial:
                 left = deadline - time.monotonic()
                 if left <= 0 or self._closed:
                     tail = self._buf[-2000:].decode(errors="replace")
-                    raise GuestError(f"timeout waiting for {pattern!r} on the serial console; "
-                                     f"last output:\n{tail}")
+                    raise GuestError(f"timeout waiting for {pattern!r} on the serial console; last output:\n{tail}")
                 self._cond.wait(min(left, 0.5))
 
     def close(self) -> None:
@@ -163,9 +186,17 @@ class Serial:
 class GuestVM:
     """One QEMU process.  ``incoming`` (e.g. ``"exec:cat FILE"``) makes it a destination."""
 
-    def __init__(self, build: GuestBuild, disk: Path, mem_mib: int = 128,
-                 incoming: str | None = None, workdir: Path | None = None,
-                 extra_args: tuple[str, ...] = (), autostart: bool = False, qemu: Qemu = QEMU_7_2):
+    def __init__(
+        self,
+        build: GuestBuild,
+        disk: Path,
+        mem_mib: int = 128,
+        incoming: str | None = None,
+        workdir: Path | None = None,
+        extra_args: tuple[str, ...] = (),
+        autostart: bool = False,
+        qemu: Qemu = QEMU_7_2,
+    ):
         """``extra_args`` go to QEMU after the common ones; a destination starts paused (-S)
         unless ``autostart``. ``qemu``: which QEMU and machine type (tests/guest/qemus.py)."""
         self.build, self.disk, self.mem_mib, self.incoming = build, disk, mem_mib, incoming
@@ -193,8 +224,7 @@ class GuestVM:
         if self.incoming:
             args += ([] if self.autostart else ["-S"]) + ["-incoming", self.incoming]
         self.stderr = open(self.workdir / "qemu.stderr", "wb")
-        self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=self.stderr,
-                                     stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=self.stderr, stderr=subprocess.STDOUT)
         self.serial = Serial(self.workdir / "serial.sock", self.workdir / "serial.log")
         self.qmp = QMP(self.workdir / "qmp.sock")
 
@@ -220,8 +250,10 @@ class GuestVM:
             self.serial.wait_for(re.escape(READY_MARKER), timeout)
         except GuestError as e:
             code = self.proc.poll()
-            raise GuestError(f"{e}\nQEMU {'exited with ' + str(code) if code is not None else 'running'}"
-                             f":\n{self.qemu_output()[-2000:]}") from None
+            raise GuestError(
+                f"{e}\nQEMU {'exited with ' + str(code) if code is not None else 'running'}"
+                f":\n{self.qemu_output()[-2000:]}"
+            ) from None
         if "LEANIMG-ERROR" in self.serial.text:
             raise GuestError(f"guest init failed:\n{self.serial.text[-2000:]}")
 
@@ -243,8 +275,7 @@ class GuestVM:
             if self.last_heartbeat() > n:
                 return self.last_heartbeat()
             time.sleep(0.2)
-        raise GuestError(f"no heartbeat after HB {n} within {timeout}s; "
-                         f"last output:\n{self.serial.text[-1000:]}")
+        raise GuestError(f"no heartbeat after HB {n} within {timeout}s; last output:\n{self.serial.text[-1000:]}")
 
     # --- QMP operations ---------------------------------------------------------------
 
@@ -272,8 +303,10 @@ class GuestVM:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise GuestError(f"destination QEMU exited ({self.proc.returncode}) while "
-                                 f"loading the stream:\n{self.qemu_output()[-3000:]}")
+                raise GuestError(
+                    f"destination QEMU exited ({self.proc.returncode}) while "
+                    f"loading the stream:\n{self.qemu_output()[-3000:]}"
+                )
             info = self._query_migrate_or_none()
             if info and info.get("status") == "failed":
                 raise GuestError(f"incoming migration failed: {info}\n{self.qemu_output()}")
@@ -323,5 +356,4 @@ def copy_disk(src: Path, dst: Path) -> Path:
 
 
 def qemu_available() -> bool:
-    return shutil.which(QEMU) is not None and os.path.exists("/boot") and bool(
-        list(Path("/boot").glob("vmlinuz-*")))
+    return shutil.which(QEMU) is not None and os.path.exists("/boot") and bool(list(Path("/boot").glob("vmlinuz-*")))

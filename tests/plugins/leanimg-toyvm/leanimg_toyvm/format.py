@@ -27,7 +27,7 @@ VERSION = 1
 HEADER = struct.Struct("<8sIIQII")
 RECORD = struct.Struct("<Q")
 PAGE, ZERO, END = 1, 2, 255
-RAM_SIZE_MAX = 1 << 30              # a limit of this toy: its converter holds RAM in memory
+RAM_SIZE_MAX = 1 << 30  # a limit of this toy: its converter holds RAM in memory
 DEVICE_LENGTH_MAX = 1 << 20
 
 
