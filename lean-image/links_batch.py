@@ -33,6 +33,7 @@ from .format import (
     RecordType,
     span_checksums,
 )
+from .fast_paths import fast_path
 from .locations import LocalFile, is_remote
 from .structures import Footer, Header, ImageFile, Record
 from .tables import FrameTable
@@ -42,6 +43,16 @@ _INDEX_HEAD = np.dtype(RECORD.dtype.descr + INDEX_BODY.dtype.descr)
 _SMALLEST = HEADER.size + RECORD.size + INDEX_BODY.size + RECORD_TRAILER.size + FOOTER.size
 
 
+@fast_path(
+    "LeanImage.open_link(path, check=False)",
+    tests=(
+        *("LI-HDR-001", "LI-HDR-002", "LI-HDR-003", "LI-HDR-004", "LI-HDR-005", "LI-HDR-006", "LI-HDR-007"),
+        *("LI-HDR-008", "LI-HDR-010"),
+        *("LI-FTR-001", "LI-FTR-002", "LI-FTR-003", "LI-FTR-005"),
+        # of the INDEX record
+        *("LI-REC-002", "LI-REC-003", "LI-REC-004", "LI-REC-005", "LI-REC-006", "LI-REC-007", "LI-REC-008"),
+    ),
+)
 def open_links(paths: list[str], whole_below: int, kept: dict | None = None) -> dict:
     """path -> (fileobj, ImageFile, Header, Footer, INDEX Record, (PAGE_FRAME, DELTA_FRAME
     FrameTable)), as open_link(check=False) makes them, for each of ``paths`` smaller than

@@ -18,6 +18,8 @@ opening it alone gives.
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -45,6 +47,7 @@ from .format import (
     record_size,
     span_checksums,
 )
+from .fast_paths import CROSS_CHECK, disagree, fast_path
 from .tables import ImageTables, Region
 
 from .native import backend as _native  # the page maps' rules in one pass (None: numpy)
@@ -63,6 +66,45 @@ SHAPE_TYPES = frozenset(
 )
 
 
+class _Shape(NamedTuple):
+    """The INDEX positions of the one REGION and the one PAGE_MAP of an image of the common shape."""
+
+    region_at: int
+    map_at: int
+
+
+@dataclass
+class _Prepared:
+    """One image of the common shape as the batch's passes learn it: its region and page map
+    (_prepare), then per extent whether it bears digests and the digests before it
+    (_extents_hold), then the INDEX positions of its DIGESTS (_digests_cover)."""
+
+    region: Region
+    extents: np.ndarray
+    shape: _Shape
+    bearing: np.ndarray | None = None
+    rank0: np.ndarray | None = None
+    digests_at: list[int] | None = None
+
+
+@fast_path(
+    "ImageTables.load()",
+    tests=(
+        "LI-IDX-001",  # entries ascend; the PAGE_MAP's entry matches it
+        *("LI-REC-002", "LI-REC-003", "LI-REC-004", "LI-REC-005", "LI-REC-006", "LI-REC-007", "LI-REC-008"),
+        "LI-REC-009",  # the REGION precedes its PAGE_MAP and DIGESTS
+        *("LI-MAP-001", "LI-MAP-002", "LI-MAP-003", "LI-MAP-004", "LI-MAP-005", "LI-HDR-009"),
+        "LI-FRM-001",
+        "LI-DIG-001",
+    ),
+    # the REGION record is read and checked by ImageTables.record and region_table_problems
+    calls=(
+        "LI-IDX-001",
+        *("LI-REC-002", "LI-REC-003", "LI-REC-004", "LI-REC-005", "LI-REC-006", "LI-REC-007", "LI-REC-008"),
+        *("LI-REG-001", "LI-REG-002", "LI-REG-003"),
+    ),
+    by_shape=("LI-DSK-001", "LI-SRC-001"),  # no DISK, no SOURCE_STATE record
+)
 def load_tables(all_tables: list[ImageTables], on_error=None) -> None:
     """``load`` each of ``all_tables`` (read with load=False), in order; those of the common
     shape whose rules hold are checked together. Raises the first finding, in order, after
@@ -82,8 +124,32 @@ def load_tables(all_tables: list[ImageTables], on_error=None) -> None:
                     on_error(exc, t)
                 raise
         else:
-            region, extents, bearing, rank0, positions = p
-            t.adopt_region(region, extents, bearing, rank0, positions)
+            assert p.bearing is not None and p.rank0 is not None and p.digests_at is not None
+            t.adopt_region(p.region, p.extents, p.bearing, p.rank0, p.digests_at)
+            if CROSS_CHECK:
+                _cross_check(t)
+
+
+def _cross_check(adopted: ImageTables) -> None:
+    """LEANIMG_CROSS_CHECK=1: ImageTables.load of the same image accepts it and leaves the
+    state the batch adopted."""
+    t = adopted
+    alone = ImageTables(t.file, t.header, t.footer, t.index, load=False, frames=(t.page_frames, t.delta_frames))
+    try:
+        alone.load()
+    except LeanImageError as exc:
+        raise disagree(t.file.name, "tables_batch.load_tables", f"load refuses it: {exc}") from exc
+    mine, theirs = t.regions[0], alone.regions
+    if len(theirs) != 1 or alone.disks or alone.source_states:
+        raise disagree(t.file.name, "tables_batch.load_tables", "load finds more than one region")
+    for name in ("region_id", "name", "size_bytes", "guest_phys_base"):
+        if getattr(mine, name) != getattr(theirs[0], name):
+            raise disagree(t.file.name, "tables_batch.load_tables", f"the region's {name} differs")
+    for name in ("extents", "starts", "digest_bearing", "digest_rank0"):
+        if not np.array_equal(getattr(mine, name), getattr(theirs[0], name)):
+            raise disagree(t.file.name, "tables_batch.load_tables", f"the region's {name} differs")
+    if alone.digest_positions != t.digest_positions:
+        raise disagree(t.file.name, "tables_batch.load_tables", "the DIGESTS positions differ")
 
 
 def _prepare_all(all_tables: list[ImageTables]) -> list:
@@ -99,43 +165,44 @@ def _prepare_all(all_tables: list[ImageTables]) -> list:
     regions: dict = {}
     prepared = []
     for t, shape in zip(all_tables, shapes):
-        prepared.append(None if shape is None else _prepare(t, *shape, maps.pop(0), regions))
+        prepared.append(None if shape is None else _prepare(t, shape, maps.pop(0), regions))
     return prepared
 
 
-def _shape(t: ImageTables) -> tuple[int, int] | None:
-    """(REGION position, PAGE_MAP position) of an image of the common shape, else None."""
+def _shape(t: ImageTables) -> _Shape | None:
+    """Where the REGION and PAGE_MAP of an image of the common shape are, else None."""
     types = t.entries["record_type"].tolist()
     if not set(types) <= SHAPE_TYPES or types.count(RecordType.REGION) != 1 or types.count(RecordType.PAGE_MAP) != 1:
         return None
     map_at = types.index(RecordType.PAGE_MAP)
     if t.listed_end(map_at) - int(t.entries["record_offset"][map_at]) > BATCH_EXTENTS_MAX * EXTENT.size:
         return None  # a link with many extents costs less checked alone
-    return types.index(RecordType.REGION), map_at
+    return _Shape(types.index(RecordType.REGION), map_at)
 
 
-def _prepare(t: ImageTables, region_at: int, map_at: int, extents, regions: dict):
-    """(region, extents, REGION position, PAGE_MAP position) of an image of the common shape,
-    its REGION read and checked alone (or known from ``regions``: key -> its parsed fields),
-    its PAGE_MAP's ``extents`` (None: read and checked alone); None on a finding: load reports it."""
+def _prepare(t: ImageTables, shape: _Shape, extents, regions: dict) -> _Prepared | None:
+    """The region and page map of an image of the common shape, its REGION read and checked
+    alone (or known from ``regions``: key -> its parsed fields), its PAGE_MAP's ``extents``
+    (None: read and checked alone); None on a finding: load reports it."""
+    region_at, map_at = shape
     try:
         key = _record_key(t, region_at)
-        p = regions.get(key) if key is not None else None
-        if p is None:
+        fields = regions.get(key) if key is not None else None
+        if fields is None:
             region_record = t.record(region_at)
             checks.first_problem(checks.region_table_problems([region_record]))
-            p = region_record.parsed
+            fields = region_record.parsed
             if key is not None:
-                regions[key] = p
+                regions[key] = fields
         if extents is None:
             extents = t.record(map_at).parsed["extents"]
     except LeanImageError:
         return None
-    if int(t.entries["key"][map_at]) != p["region_id"]:  # the PAGE_MAP's region_id (its entry holds it)
+    if int(t.entries["key"][map_at]) != fields["region_id"]:  # the PAGE_MAP's region_id (its entry holds it)
         return None
-    gpa = p["guest_phys_base"] if p["flags"] & REGION_FLAG_HAS_GPA else None
-    region = Region(p["region_id"], p["name"], p["size_bytes"], gpa, t.page_size)
-    return region, extents, region_at, map_at
+    gpa = fields["guest_phys_base"] if fields["flags"] & REGION_FLAG_HAS_GPA else None
+    region = Region(fields["region_id"], fields["name"], fields["size_bytes"], gpa, t.page_size)
+    return _Prepared(region, extents, shape)
 
 
 def _record_key(t: ImageTables, position: int) -> tuple | None:
@@ -301,15 +368,15 @@ def _extents_hold(all_tables, prepared, totals: dict) -> np.ndarray:
     """LI-MAP-001 coverage, LI-MAP-004 slot use (slots in extent order), LI-HDR-009 and
     LI-MAP-005 feature bits; sets each prepared entry's digest ranks. ``totals``: _frames_hold's."""
     n = len(all_tables)
-    extents = [p[1] for p in prepared]
+    extents = [p.extents for p in prepared]
     bounds = np.cumsum([0] + [len(e) for e in extents]).tolist()  # each image's extents laid end to end
     if not bounds[-1]:  # no image has extents (LI-MAP-002): load reports it
-        for k, p in enumerate(prepared):
-            prepared[k] = (*p[:2], np.zeros(0, bool), np.zeros(0, np.int64), p[2], p[3])
+        for p in prepared:
+            p.bearing, p.rank0 = np.zeros(0, bool), np.zeros(0, np.int64)
         return np.zeros(n, bool)
     bits = np.array([t.header.incompatible_features for t in all_tables], np.int64)
     own = np.array([inherits_digests(int(b)) for b in bits])
-    pages = np.array([p[0].num_pages for p in prepared], np.int64)
+    pages = np.array([p.region.num_pages for p in prepared], np.int64)
     available = np.stack([totals["page_frames"], np.zeros(n, np.int64), totals["delta_frames"]], axis=1)  # no DISK_REFS
     extents_rules = _extents_rules_numpy if _native is None else _extents_rules_native
     ok, present, bearing, rank0 = extents_rules(extents, pages, available, own)
@@ -317,8 +384,8 @@ def _extents_hold(all_tables, prepared, totals: dict) -> np.ndarray:
     ok &= ~present[:, PageClass.DISK] | (bits & IncompatFeature.DISK != 0)
     ok &= ~present[:, PageClass.DELTA] | (bits & IncompatFeature.DELTA != 0)
     ok &= ~(present[:, PageClass.PARENT] | present[:, PageClass.DELTA]) | has_parent
-    for k, (p, lo, hi) in enumerate(zip(prepared, bounds, bounds[1:])):
-        prepared[k] = (*p[:2], bearing[lo:hi], rank0[lo:hi], p[2], p[3])
+    for p, lo, hi in zip(prepared, bounds, bounds[1:]):
+        p.bearing, p.rank0 = bearing[lo:hi], rank0[lo:hi]
     return ok
 
 
@@ -388,12 +455,12 @@ def _digests_cover(all_tables, prepared) -> np.ndarray:
     flat = joined([t.entries for t in all_tables])
     digests = np.flatnonzero(flat["record_type"] == RecordType.DIGESTS)
     at, d_lid = digests - first[lid[digests]], lid[digests]
-    region_at = np.array([p[4] for p in prepared], np.int64)
+    region_at = np.array([p.shape.region_at for p in prepared], np.int64)
     keys = flat["key"][digests].astype(np.int64)
     firsts, counts = flat["first"][digests].astype(np.int64), flat["count"][digests].astype(np.int64)
     covered = _exclusive_sums(counts, d_lid, np.searchsorted(d_lid, np.arange(n)))
     bad = (
-        (keys != np.array([p[0].region_id for p in prepared], np.int64)[d_lid])
+        (keys != np.array([p.region.region_id for p in prepared], np.int64)[d_lid])
         | (firsts != covered)
         | (firsts < 0)
         | (counts < 0)
@@ -401,10 +468,10 @@ def _digests_cover(all_tables, prepared) -> np.ndarray:
     )
     ok = np.bincount(d_lid[bad], minlength=n) == 0
     ok &= np.bincount(d_lid, weights=counts.astype(np.float64), minlength=n) == np.array(
-        [p[0].num_pages for p in prepared], np.float64
+        [p.region.num_pages for p in prepared], np.float64
     )
-    ok &= region_at < np.array([p[5] for p in prepared], np.int64)
+    ok &= region_at < np.array([p.shape.map_at for p in prepared], np.int64)
     bounds = np.searchsorted(d_lid, np.arange(n + 1))
     for k, p in enumerate(prepared):
-        prepared[k] = (*p[:4], at[bounds[k] : bounds[k + 1]].tolist())
+        p.digests_at = at[bounds[k] : bounds[k + 1]].tolist()
     return ok

@@ -74,9 +74,16 @@ def _units(path: Path):
 
 
 def _rule_literals(node) -> set[str]:
-    """Rule ids a unit names as values (comparisons such as ``exc.rule == ...`` excluded)."""
+    """Rule ids a unit names as values (comparisons such as ``exc.rule == ...`` excluded, and
+    a fast path's declaration of the rules it accepts, ``@fast_path(...)``: it raises none)."""
     compared = {
         id(c) for n in ast.walk(node) if isinstance(n, ast.Compare) for c in ast.walk(n) if isinstance(c, ast.Constant)
+    }
+    compared |= {
+        id(c)
+        for decorator in getattr(node, "decorator_list", [])
+        if isinstance(decorator, ast.Call) and getattr(decorator.func, "id", None) == "fast_path"
+        for c in ast.walk(decorator)
     }
     return {
         n.value
