@@ -49,6 +49,7 @@ LEAN_CORE = [
     "leanimg.frames",
     "leanimg.delta",
     "leanimg.parents",
+    "leanimg.parent_files",
     "leanimg.writer",
     "leanimg.compression",
 ]

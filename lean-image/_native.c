@@ -23,7 +23,7 @@
  *    and their headers read, on a thread of their own, while the chain's walk checks the
  *    links found so far (in Python, each file costs the walk's thread four system calls).
  * Optional: leanimg works the same without it (setup.py builds it where gcc, Python's headers,
- * xxhash.h and libzstd are found; format.py, delta.py, tables_batch.py and chain.py fall back
+ * xxhash.h and libzstd are found; format.py, delta.py, tables_batch.py and chain/ fall back
  * to the xxhash and zstandard modules and numpy, and tests/test_native.py and
  * tests/test_chain_fold.py check both give the same). xxhash.h is Debian's libxxhash-dev,
  * used header-only; libzstd is libzstd-dev. */
@@ -216,7 +216,7 @@ static int all_zero(const unsigned char *p, int64_t n)
 }
 
 /* The DELTA_FRAME record ``r`` (``length`` bytes, up to the next record) tested as
- * chain._quick_delta_frame tests it, its INDEX entry listing ``first`` and ``num``: framing,
+ * chain.deltas._quick_delta_frame tests it, its INDEX entry listing ``first`` and ``num``: framing,
  * checksum, flags and padding, body length, reserved field, entry offsets, size, one whole
  * zstd frame declaring that size. Its decompressed size (>0), with where its zstd frame lies;
  * -1 when any test fails (the checked path then reads it and raises its finding). */
@@ -320,7 +320,7 @@ static int batch_decompress(struct batch *b, unsigned char *content, int64_t *of
 /* read_delta_frames(fds, offsets, lengths, firsts, nums, most) -> (content, entry offsets) or
  * None: DELTA_FRAME records (record k: ``lengths[k]`` bytes at ``offsets[k]`` of ``fds[k]``
  * (i4), up to the next record; its INDEX entry lists firsts[k] and nums[k], i8) read, tested as
- * chain._quick_delta_frame tests one, and decompressed, all with the GIL released: their
+ * chain.deltas._quick_delta_frame tests one, and decompressed, all with the GIL released: their
  * contents laid end to end (bytes, at most ``most`` of them) and their entries' offsets into
  * it (i8 bytes: sum(nums) + 1). None when any record fails a test, or is not read whole: the
  * caller then reads them one by one on the checked path. */
@@ -583,7 +583,7 @@ done:
 
 /* own_extents(extents, bearing, rank0, depths, limit, parent_class, start, count, cls, slot,
  *             bearing_out, rank0_out, depth_out) -> m
- * chain._own_extents in one pass: the extents of a region in each link (``extents[k]``: EXTENT
+ * chain.resolution._own_extents in one pass: the extents of a region in each link (``extents[k]``: EXTENT
  * records, with ``bearing[k]`` (u1) and ``rank0[k]`` (i8) per extent; link depths[k], i4),
  * nearest link first, those of a class other than parent_class starting below ``limit``
  * laid end to end field by field into the outputs (i8 first page, i8 pages (cut at limit),
@@ -673,7 +673,7 @@ done:
  *                delta_pages, delta_links, delta_slots) -> deltas
  * The own (non-PARENT) extents of a chain's links, laid end to end nearest link first (per
  * extent: first page, pages, class (u1), first slot, whether its pages bear a stored digest (u1),
- * the rank of its first digest, its link (i4)), folded into the per-page arrays chain._Fold
+ * the rank of its first digest, its link (i4)), folded into the per-page arrays chain.resolution._Fold
  * holds, each page taking the nearest link offering it: base_* from links whose class is
  * ``concrete`` (u1 per class), digest_* (rank -1 where not bearing) from links that
  * ``inherits`` (u1 per link) -- a page's link is replaced only by a nearer one (i4 arrays,
@@ -816,7 +816,7 @@ static void radix_by_key(int64_t *ids, int64_t *tmp, Py_ssize_t n, const int64_t
 
 /* fold_words(simple, word_start, positions, values, entries, pages, words_per_page, page_limit,
  *            plain, flat, flat_values) -> count, or -1
- * chain._fold_delta_batch's fold, in one pass without the GIL. Entries (simple u1, word_start
+ * chain.deltas._fold_delta_batch's fold, in one pass without the GIL. Entries (simple u1, word_start
  * i8: where each entry's words start in positions i8 / values u8, laid end to end) as
  * parse_index_lists gives them; rows (entries i8: each row's entry, pages i8: its page). Per
  * row, plain[row] = simple[entry]; a plain row's entry applies to its page (of two rows of one

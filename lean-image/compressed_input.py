@@ -10,7 +10,7 @@ offset in the compressed file where the decoder was.
 from __future__ import annotations
 
 import io
-from typing import BinaryIO
+from typing import IO, Any, BinaryIO, Protocol, cast
 
 from .errors import SourceFormatError
 
@@ -32,9 +32,8 @@ def compression_of(head: bytes) -> str | None:
 def decompressing(stream: BinaryIO, close_stream: bool = True) -> BinaryIO:
     """``stream`` itself when it is not compressed (rewound, or, when it cannot seek, with its
     first bytes given again), else a buffered reader of its decompressed bytes that cannot seek."""
-    from .fileutil import PrefixedInput
-
     head = _read_head(stream)
+    raw: BinaryIO | PrefixedInput
     if stream.seekable():
         stream.seek(-len(head), io.SEEK_CUR)
         raw = stream
@@ -42,7 +41,7 @@ def decompressing(stream: BinaryIO, close_stream: bool = True) -> BinaryIO:
         raw = PrefixedInput(head, stream, close_rest=close_stream)
     kind = compression_of(head)
     if kind is None:
-        return raw if raw is stream else io.BufferedReader(raw, 1 << 20)
+        return io.BufferedReader(raw, 1 << 20) if isinstance(raw, PrefixedInput) else raw
     return io.BufferedReader(Decompressing(raw, kind, close_stream), 1 << 20)
 
 
@@ -56,24 +55,33 @@ def _read_head(stream: BinaryIO) -> bytes:
     return head
 
 
-def _decoder(raw: BinaryIO, kind: str) -> BinaryIO:
+class _Decoder(Protocol):
+    """What Decompressing uses of a decoder (zstandard's, gzip's, lzma's or bz2's reader)."""
+
+    def readinto(self, buffer: Any, /) -> int: ...
+
+    def close(self) -> None: ...
+
+
+def _decoder(raw: BinaryIO | PrefixedInput, kind: str) -> _Decoder:
+    source = cast(IO[bytes], raw)  # (the decoders only read it: a PrefixedInput does that)
     if kind == "zstd":
         import zstandard
 
         return zstandard.ZstdDecompressor().stream_reader(
-            raw, read_size=1 << 20, read_across_frames=True, closefd=False
+            source, read_size=1 << 20, read_across_frames=True, closefd=False
         )
     if kind == "gzip":
         import gzip
 
-        return gzip.GzipFile(fileobj=raw, mode="rb")
+        return gzip.GzipFile(fileobj=source, mode="rb")
     if kind == "xz":
         import lzma
 
-        return lzma.LZMAFile(raw, "rb")
+        return lzma.LZMAFile(source, "rb")
     import bz2
 
-    return bz2.BZ2File(raw, "rb")
+    return bz2.BZ2File(source, "rb")
 
 
 def _decoder_errors() -> tuple:
@@ -88,7 +96,7 @@ def _decoder_errors() -> tuple:
 class Decompressing(io.RawIOBase):
     """The decompressed bytes of ``raw`` (compressed as ``kind``), read forward only."""
 
-    def __init__(self, raw: BinaryIO, kind: str, close_raw: bool = True):
+    def __init__(self, raw: BinaryIO | PrefixedInput, kind: str, close_raw: bool = True):
         self.raw, self.kind, self.close_raw = raw, kind, close_raw
         self.decoder = _decoder(raw, kind)
         self.errors = _decoder_errors()
@@ -138,4 +146,32 @@ class Decompressing(io.RawIOBase):
             finally:
                 if self.close_raw:
                     self.raw.close()
+        super().close()
+
+
+class PrefixedInput(io.RawIOBase):
+    """A non-seekable input whose first bytes were already read (for format detection)."""
+
+    def __init__(self, head: bytes, rest: BinaryIO, close_rest: bool = False):
+        self.head, self.rest, self.close_rest = head, rest, close_rest
+
+    def readable(self) -> bool:
+        return True
+
+    def read(self, size: int = -1) -> bytes:
+        return super().read(size) if self.head else self.rest.read(size)
+
+    def readinto(self, buffer) -> int:
+        if self.head:
+            n = min(len(buffer), len(self.head))
+            buffer[:n] = self.head[:n]
+            self.head = self.head[n:]
+            return n
+        data = self.rest.read(len(buffer))
+        buffer[: len(data)] = data
+        return len(data)
+
+    def close(self) -> None:
+        if self.close_rest and not self.closed:
+            self.rest.close()
         super().close()

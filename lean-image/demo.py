@@ -17,6 +17,7 @@ import shutil
 import tempfile
 import time
 from importlib import resources
+from typing import IO, cast
 
 import click
 import numpy as np
@@ -54,7 +55,8 @@ def _decompress(src: str, dest: str) -> None:
 def zstd_size(path: str, level: int = 3) -> int:
     """Bytes of ``path`` compressed by zstd at ``level`` (what `zstd -3` writes, without a file)."""
     with open(path, "rb") as fin:
-        return zstandard.ZstdCompressor(level=level).copy_stream(fin, _Counter())[1]
+        # (copy_stream only writes to its output: counting what it is given is all it needs)
+        return zstandard.ZstdCompressor(level=level).copy_stream(fin, cast(IO[bytes], _Counter()))[1]
 
 
 class _Counter:
@@ -243,13 +245,12 @@ class Demo:
         _done(t)
 
     def show_map(self) -> None:
-        from .extent_map import _breaks_by_class, describe_place, extent_entries
+        from .extent_map import describe_place, extent_entries
 
         t = _step("leanimg map vm2.lean   # where the bytes of each extent are (first extents of each class)")
         with LeanImage.open(self.path("vm2.lean"), parents=[self.path("vm.lean")]) as image:
             shown: dict[str, int] = {}
-            breaks = _breaks_by_class(image)
-            for e in extent_entries(image, image.region("pc.ram"), None, breaks):
+            for e in extent_entries(image, image.region("pc.ram")):
                 if shown.get(e["page_class"], 0) < 2:
                     shown[e["page_class"]] = shown.get(e["page_class"], 0) + 1
                     click.echo(

@@ -5,13 +5,13 @@ from __future__ import annotations
 import atexit
 import fcntl
 import hashlib
-import io
 import os
 import stat
 import secrets
 import sys
-from typing import BinaryIO
+from typing import BinaryIO, cast
 
+from .compressed_input import PrefixedInput, decompressing
 from .errors import SourceFormatError
 
 
@@ -207,8 +207,8 @@ def write_atomically(path: str, produce) -> int:
     behind, and what reads it sees the stream end early if ``produce`` fails.
     """
     if is_special_file(path):
-        with open(path, "wb") as out:
-            return produce(out)
+        with open(path, "wb") as device:
+            return produce(device)
     temp, out = create_temporary(path)
     try:
         with out:
@@ -234,8 +234,6 @@ def open_input(src) -> BinaryIO:
     """The save file ``src`` opened for reading: a path, - for stdin, or an open binary file;
     one compressed with zstd, gzip, xz or bzip2 is decompressed as it is read, and then cannot
     seek (leanimg.compressed_input)."""
-    from .compressed_input import decompressing
-
     if src == "-":
         return decompressing(sys.stdin.buffer, close_stream=False)
     if not isinstance(src, (str, os.PathLike)):
@@ -260,32 +258,5 @@ def peek_input(src, size: int) -> tuple[bytes, BinaryIO]:
     if stream.seekable():
         stream.seek(0)
         return head, stream
-    return head, PrefixedInput(head, stream, close_rest=stream is not sys.stdin.buffer)
-
-
-class PrefixedInput(io.RawIOBase):
-    """A non-seekable input whose first bytes were already read (for format detection)."""
-
-    def __init__(self, head: bytes, rest: BinaryIO, close_rest: bool = False):
-        self.head, self.rest, self.close_rest = head, rest, close_rest
-
-    def readable(self) -> bool:
-        return True
-
-    def read(self, size: int = -1) -> bytes:
-        return super().read(size) if self.head else self.rest.read(size)
-
-    def readinto(self, buffer) -> int:
-        if self.head:
-            n = min(len(buffer), len(self.head))
-            buffer[:n] = self.head[:n]
-            self.head = self.head[n:]
-            return n
-        data = self.rest.read(len(buffer))
-        buffer[: len(data)] = data
-        return len(data)
-
-    def close(self) -> None:
-        if self.close_rest and not self.closed:
-            self.rest.close()
-        super().close()
+    # (a raw binary input: read, readinto and close are what readers of a save use of BinaryIO)
+    return head, cast(BinaryIO, PrefixedInput(head, stream, close_rest=stream is not sys.stdin.buffer))

@@ -14,11 +14,8 @@ from .checks import first_problem
 from .digests import verify_page, verify_rows
 from .errors import DiskNotGiven, LeanImageError
 from .format import DIGEST_SIZE, DISK_SECTOR_SIZE, SLOT_CLASSES, PageClass, row_digests
+from .frames import DIRECT_FRAMES_MAX
 from .tables import Region
-
-# Decompressed frames whose pages one region_pieces call may hand out as views (holding
-# them until written); a range whose pages lie in more frames is copied into one buffer.
-DIRECT_FRAMES_MAX = 32
 
 
 def page_location(region: Region, page: int) -> tuple[int, int]:
@@ -92,7 +89,7 @@ def region_bytes(image, region: Region, first_page: int, count: int) -> memoryvi
     if len(disk):
         fill_disk_pages(image, region, first_page, out, disk, slots[disk])
     verify_rows(region, first_page, stored, got, expected)
-    return memoryview(out)
+    return out.data
 
 
 def _runs(rows: np.ndarray, slots: np.ndarray):
@@ -105,7 +102,7 @@ def _runs(rows: np.ndarray, slots: np.ndarray):
 
 
 def _chained_region_bytes(image, region: Region, first_page: int, count: int) -> memoryview:
-    """Through the chain resolved once per region (chain.py): work per page independent of depth."""
+    """Through the chain resolved once per region (chain/): work per page independent of depth."""
     from .chain import check_built, fill
 
     out = np.zeros(count * image.page_size, np.uint8)
@@ -113,7 +110,7 @@ def _chained_region_bytes(image, region: Region, first_page: int, count: int) ->
     cls, expected = image.digests.expected_range(region, first_page, count)
     checked = np.flatnonzero((cls != PageClass.FREE) & (cls != PageClass.ZERO))
     check_built(image, region, first_page, out, checked, expected)
-    return memoryview(out)
+    return out.data
 
 
 def _copy_stored(image, out: np.ndarray, got: np.ndarray | None, row: int, ordinal: int, count: int) -> None:
@@ -146,17 +143,17 @@ def region_pieces(image, region: Region, first_page: int, count: int) -> list[tu
     starts = np.ones(count, bool)
     starts[1:] = (blank[1:] != blank[:-1]) | (~blank[1:] & (slots[1:] != slots[:-1] + 1))
     bounds = [*np.flatnonzero(starts).tolist(), count]
-    pieces = []
+    runs: list[tuple[int, memoryview | None]] = []
     for lo, hi in zip(bounds, bounds[1:]):
         if blank[lo]:
-            pieces.append((hi - lo, None))
+            runs.append((hi - lo, None))
             continue
         row = lo
         for data, digests, start, n in image.frames.stored_spans(int(slots[lo]), hi - lo):
             verify_rows(region, first_page + row, None, digests[start : start + n], expected[row : row + n])
-            pieces.append((n, memoryview(data)[start * image.page_size : (start + n) * image.page_size]))
+            runs.append((n, memoryview(data)[start * image.page_size : (start + n) * image.page_size]))
             row += n
-    return pieces
+    return runs
 
 
 def _split_pieces(image, data: memoryview, blank: np.ndarray) -> list[tuple[int, memoryview | None]]:

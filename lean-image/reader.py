@@ -4,17 +4,18 @@ An open image is assembled from parts that each own one concept:
 
 - tables.py:  what opening reads and checks: the INDEX, regions, disks, source state,
   page maps, disk references, frame numbering (every rule that needs no page content);
-- parents.py: finding and verifying the parent chain;
+- parents.py: finding and verifying the parent chain (parent_files.py: the files it looks in);
 - frames.py:  reading, decompressing, caching and reading ahead the PAGE_ and DELTA_FRAMEs;
 - digests.py: the digest every page must have;
 - pages.py:   resolving pages and ranges of pages, each checked against its digest;
-- chain.py:   a chained region folded once, so work per page does not grow with depth.
+- chain/:     a chained region folded once, so work per page does not grow with depth.
 
 Every page handed out has been checked against its digest.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -24,14 +25,15 @@ from .digests import DigestStore
 from .frames import FrameStore, decompress_frame
 from .locations import display, open_image
 from .parents import attach_chain
-from .structures import ImageFile, header_problems, read_footer, read_header
+from .structures import WHOLE_READ_BELOW, ImageFile, header_problems, read_footer, read_header
 from .checks import first_problem
 from .tables import DiskInfo, ImageTables, Region, SourceState
 
-# a link file smaller than this is read whole when opened: the tables opening checks are then
-# one read, not one per record (a cold chain of 1000 small links paid ~1 ms per link for them)
-WHOLE_READ_BELOW = 1 << 20
 KEPT_DIGESTS_MOST = 16 << 10  # a link's DIGESTS record kept from its whole read, if no larger
+
+if TYPE_CHECKING:
+    from .chain import Resolution
+    from .disks import DiskSource
 
 __all__ = ["LeanImage", "Region", "DiskInfo", "SourceState", "decompress_frame"]
 
@@ -57,10 +59,10 @@ class LeanImage:
         self.source_states: list[SourceState] = tables.source_states
         self.frames = FrameStore(tables)
         self.digests = DigestStore(tables, self)
-        self.disk_sources: dict[int, object] = {}  # disk id -> attached disk source
+        self.disk_sources: dict[int, DiskSource] = {}  # disk id -> attached disk source
         self.parent: LeanImage | None = None
         self.sort_blocks = True  # DISK pages read in ascending physical order
-        self._resolutions: dict = {}  # region id -> chain.Resolution
+        self._resolutions: dict[int, Resolution] = {}  # region id -> its chain resolved
 
     # -- opening -----------------------------------------------------------------
     @classmethod
@@ -187,7 +189,8 @@ class LeanImage:
         raise LeanImageError(f"no region {key!r} (regions: {', '.join(r.name for r in self.regions)})")
 
     def chain(self) -> list["LeanImage"]:
-        links, image = [], self
+        links: list[LeanImage] = []
+        image: LeanImage | None = self
         while image is not None:
             links.append(image)
             image = image.parent
@@ -197,7 +200,7 @@ class LeanImage:
     def index_entries(self) -> np.ndarray:
         return self.tables.entries
 
-    def resolution(self, region: Region, deltas_ahead: bool = False):
+    def resolution(self, region: Region, deltas_ahead: bool = False) -> Resolution:
         """The chain folded once for ``region`` (chain.resolve), cached. ``deltas_ahead``: a
         forward pass begins: its DELTA_FRAMEs are read and parsed on the read-ahead workers
         while the chain is folded (chain.parse_deltas_ahead)."""

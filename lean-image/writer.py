@@ -128,7 +128,8 @@ class _ParallelCompressor:
         self.pending: deque = deque()
         self.max_pending = 2 * threads
 
-    def _compress(self, data) -> bytes:
+    def compress(self, data) -> bytes:
+        """``data`` compressed on the calling thread (a DELTA_FRAME's entries)."""
         compressor = getattr(self.local, "compressor", None)
         if compressor is None:
             compressor = self.local.compressor = zstandard.ZstdCompressor(
@@ -137,7 +138,7 @@ class _ParallelCompressor:
         return compressor.compress(data)
 
     def _compress_pages(self, data) -> tuple[bytes, np.ndarray]:
-        return self._compress(data), page_digests(data, self.page_size)
+        return self.compress(data), page_digests(data, self.page_size)
 
     def submit(self, data, context) -> list:
         """Queue a frame's pages; return (context, (compressed, page digests)) pairs now ready,
@@ -233,6 +234,8 @@ class LeanImageWriter:
 
     # -- destination -------------------------------------------------------
     def _open_destination(self, dest) -> None:
+        self._output: Output | None
+        self.path: str | None  # None: written to a file object
         if isinstance(dest, (str, os.PathLike)):
             self._output = Output(dest)
             self.path = self._output.name
@@ -546,7 +549,7 @@ class LeanImageWriter:
             return
         context = (self._frame_first_ordinal, num_pages)
         self._frame_first_ordinal += num_pages
-        data = memoryview(self._frame[:num_pages]).cast("B")  # handed over, not copied
+        data = self._frame[:num_pages].data.cast("B")  # handed over, not copied
         self._frame, self._frame_fill = np.empty_like(self._frame), 0
         for ctx, result in self._compressor.submit(data, context):
             self._write_page_frame(ctx, result)
@@ -571,7 +574,7 @@ class LeanImageWriter:
         head = DELTA_FRAME_BODY.pack(first_delta=self._delta_first, num_deltas=len(self._delta_entries))
         table = offsets.tobytes()
         table += bytes(align8(len(head) + len(table)) - len(head) - len(table))
-        compressed = self._compressor._compress(b"".join(self._delta_entries))
+        compressed = self._compressor.compress(b"".join(self._delta_entries))
         self._write_record(
             RecordType.DELTA_FRAME, [head, table, compressed], NO_KEY, self._delta_first, len(self._delta_entries)
         )

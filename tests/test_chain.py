@@ -101,9 +101,11 @@ def _joined_pieces(image, region, first, count) -> bytes:
 @pytest.mark.parametrize("direct_frames_max", [0, 1, 32])
 def test_pieces_agree_with_region_bytes(chain, monkeypatch, direct_frames_max):
     """Views of frames, pages built with deltas and blank runs, whatever the frame budget."""
+    import leanimg.chain.region_pieces
     import leanimg.pages
 
-    monkeypatch.setattr(leanimg.pages, "DIRECT_FRAMES_MAX", direct_frames_max)
+    for module in (leanimg.pages, leanimg.chain.region_pieces):  # (frames.DIRECT_FRAMES_MAX's users)
+        monkeypatch.setattr(module, "DIRECT_FRAMES_MAX", direct_frames_max)
     paths, memories = chain
     for k in (1, len(paths) - 1):
         with LeanImage.open(paths[k]) as image:
@@ -119,9 +121,11 @@ def test_pieces_agree_with_region_bytes(chain, monkeypatch, direct_frames_max):
 def test_flat_pieces_with_scattered_ordinals(tmp_path, monkeypatch, direct_frames_max):
     """Pages written in reverse order, one per frame: a range touches a frame per page, more
     than the budget of held frames, and is then copied; bytes are the same either way."""
+    import leanimg.chain.region_pieces
     import leanimg.pages
 
-    monkeypatch.setattr(leanimg.pages, "DIRECT_FRAMES_MAX", direct_frames_max)
+    for module in (leanimg.pages, leanimg.chain.region_pieces):  # (frames.DIRECT_FRAMES_MAX's users)
+        monkeypatch.setattr(module, "DIRECT_FRAMES_MAX", direct_frames_max)
     mem = np.random.default_rng(5).bytes(24 * PS)
     path = tmp_path / "scattered.lean"
     with LeanImageWriter(path, frame_pages=1) as w:

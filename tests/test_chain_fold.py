@@ -19,8 +19,8 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from leanimg import chain as chain_module
-from leanimg.chain import _quick_delta_frame, _read_delta_batch, _read_delta_batch_native, resolve
+from leanimg.chain import deltas as deltas_module, resolution as resolution_module, resolve
+from leanimg.chain.deltas import _quick_delta_frame, _read_delta_batch, _read_delta_batch_native
 from leanimg.errors import LeanImageError
 from leanimg.format import (
     DIGEST_SIZE,
@@ -168,7 +168,7 @@ def _inherited_outcome(path: Path, inherited) -> tuple:
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(plan=chain_plans, seed=st.integers(0, 2**16), part=st.sampled_from([chain_module.FOLD_ENTRIES, 1, 5]))
+@given(plan=chain_plans, seed=st.integers(0, 2**16), part=st.sampled_from([resolution_module.FOLD_ENTRIES, 1, 5]))
 def test_the_one_pass_fold_is_the_link_by_link_fold(tmp_path_factory, plan, seed, part):
     """Any chain of 2-7 links mixing 1.0 and 1.1 links, each page of each link PARENT,
     rewritten, changed by a word (DELTA), ZERO or FREE: resolve gives the same arrays as the
@@ -179,7 +179,7 @@ def test_the_one_pass_fold_is_the_link_by_link_fold(tmp_path_factory, plan, seed
     with LeanImage.open(paths[-1]) as image:
         region = image.regions[0]
         found, want = _outcome(lambda: reference_resolve(image, region))
-        with mock.patch.object(chain_module, "FOLD_ENTRIES", part):
+        with mock.patch.object(resolution_module, "FOLD_ENTRIES", part):
             got = _outcome(lambda: resolve(image, region))
         assert (found is None) == (got[0] is None) and (found is None or found == got[0])
         if found is None:
@@ -280,29 +280,29 @@ def _delta_outcome(path: Path, depth: int, read) -> tuple:
 
 def _quick(link, frame):
     """A restore's read of one DELTA_FRAME in Python: the quick path, else the checked one."""
-    return _quick_delta_frame(link, frame) or link.frames._read_delta_frame(frame)
+    return _quick_delta_frame(link, frame) or link.frames.read_delta_frame(frame)
 
 
 def _native(link, frame):
     """A restore's read of one DELTA_FRAME in C (a batch of one), else the checked path."""
     read = _read_delta_batch_native([(link, frame)], link.page_size)
     if read is None:
-        return link.frames._read_delta_frame(frame)
+        return link.frames.read_delta_frame(frame)
     content, offsets, firsts, _ = read
     return content, offsets, firsts[0]
 
 
 def _checked(link, frame):
-    return link.frames._read_delta_frame(frame)
+    return link.frames.read_delta_frame(frame)
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_any_delta_frame_edit_is_judged_quickly_as_by_the_frame_store(short_chain, tmp_path_factory, data):
     """A byte of a link's DELTA_FRAME record or of its INDEX entry set to any value, checksums
-    right again: the quick read of a restore (chain._quick_delta_frame, else the frame store),
+    right again: the quick read of a restore (chain.deltas._quick_delta_frame, else the frame store),
     and its read in C (leanimg._native.read_delta_frames, else the frame store), give what
-    FrameStore._read_delta_frame gives, or the same finding."""
+    FrameStore.read_delta_frame gives, or the same finding."""
     paths, bad = _one_byte_set(short_chain, tmp_path_factory, data, st.integers(1, LINKS - 1), _delta_spans)
     quick = _delta_outcome(paths[-1], LINKS - 1 - bad, _quick)
     refused = any(isinstance(q[0], str) for q in quick)
@@ -412,7 +412,7 @@ def test_a_spoiled_delta_frame_is_refused_by_every_read_alike(short_chain, tmp_p
         assert _read_delta_batch_native([(link, 0)], PS) is None
 
 
-@pytest.mark.skipif(chain_module._native is None, reason="leanimg._native not in use (LEANIMG_NATIVE=0 or not built)")
+@pytest.mark.skipif(deltas_module._native is None, reason="leanimg._native not in use (LEANIMG_NATIVE=0 or not built)")
 def test_a_batch_of_delta_frames_read_in_c_is_the_batch_read_in_python(short_chain, tmp_path):
     """Every DELTA_FRAME of the short chain's links read as one batch (a restore's worker):
     leanimg._native.read_delta_frames gives the contents, entry offsets, first deltas and
@@ -559,20 +559,20 @@ def word_batches(draw):
     return simple, word_start, positions, values, np.array(rows, np.int64), pages, wpp * 8
 
 
-@pytest.mark.skipif(chain_module._native is None, reason="leanimg._native not built")
+@pytest.mark.skipif(deltas_module._native is None, reason="leanimg._native not built")
 @settings(max_examples=400, deadline=None)
 @given(batch=word_batches())
 def test_the_words_folded_in_c_are_the_words_numpy_folds(batch):
     """Ascending page * words + word, the first entry's value of a word several set, and
     whether each row's entry is plain: the same from C as from numpy, dtypes included."""
-    native = chain_module._fold_words_native(*batch)
-    python = chain_module._fold_words(*batch)
+    native = deltas_module._fold_words_native(*batch)
+    python = deltas_module._fold_words(*batch)
     assert native is not None
     for got, want in zip(native, python):
         assert got.dtype == want.dtype and np.array_equal(got, want)
 
 
-@pytest.mark.skipif(chain_module._native is None, reason="leanimg._native not built")
+@pytest.mark.skipif(deltas_module._native is None, reason="leanimg._native not built")
 @pytest.mark.parametrize(
     "spoil", ["entry out of range", "word out of its page", "word starts descending", "negative page"]
 )
@@ -590,4 +590,4 @@ def test_inputs_the_c_fold_does_not_take_go_to_numpy(spoil):
         word_start = np.array([2, 0], np.int64)
     else:
         pages = np.array([4, -1], np.int64)
-    assert chain_module._fold_words_native(simple, word_start, positions, values, rows, pages, PS) is None
+    assert deltas_module._fold_words_native(simple, word_start, positions, values, rows, pages, PS) is None

@@ -1,5 +1,5 @@
 """Opening a deep chain: the links' tables checked together (tables_batch), small link files
-read in one read, DELTA_FRAMEs of a restore folded at once (chain._ChainPatches).
+read in one read, DELTA_FRAMEs of a restore folded at once (chain.deltas.ChainPatches).
 
 A chain with a bad link must be refused exactly as when each link was opened and checked on
 its own (same error class, rule, offset, structure, file); the reference here is that path,
@@ -20,6 +20,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from helpers import fds_before, open_fds
+from leanimg import parent_files
 from leanimg import parents as parents_module
 from leanimg import reader as reader_module
 from leanimg.errors import LeanImageError
@@ -264,7 +265,8 @@ def test_the_chain_opens_batched_and_alone_alike(chain):
 def test_a_bad_link_is_refused_as_when_opened_alone(copy, monkeypatch, edit, rule, bad, whole):
     paths, _ = copy
     if not whole:
-        monkeypatch.setattr(reader_module, "WHOLE_READ_BELOW", 0)
+        for module in (reader_module, parents_module, parent_files):  # (structures.WHOLE_READ_BELOW's users)
+            monkeypatch.setattr(module, "WHOLE_READ_BELOW", 0)
     spoil(paths[bad], edit)
     relink(paths, bad + 1)
     expected = finding(open_alone, paths[-1])
@@ -416,14 +418,14 @@ def _advised(monkeypatch) -> list:
 def search_mode(request, monkeypatch):
     """How the parents' search reads the files beside an image: on a thread of its own
     (leanimg._native.scan_files), or on the walk's thread (without leanimg._native)."""
-    if request.param == "thread" and parents_module._native is None:
+    if request.param == "thread" and parent_files._native is None:
         pytest.skip("leanimg._native is not built here")
     if request.param == "here":
-        monkeypatch.setattr(parents_module, "_native", None)
+        monkeypatch.setattr(parent_files, "_native", None)
     return request.param
 
 
-@pytest.mark.parametrize("at_once", [parents_module.READ_AHEAD_FILES, 7])
+@pytest.mark.parametrize("at_once", [parent_files.READ_AHEAD_FILES, 7])
 def test_the_links_beside_an_image_are_read_ahead_together(chain, monkeypatch, at_once):
     """The parents' search reads every *.lean beside the image for its UUID; small files (those
     read whole when opened) are first handed to the kernel's read-ahead, the whole file each,
@@ -431,8 +433,8 @@ def test_the_links_beside_an_image_are_read_ahead_together(chain, monkeypatch, a
     walk's thread, where the calls can be seen; the scan on a thread of its own asks for the
     same files: test_the_scan_reads_what_the_walk_would_read.)"""
     paths, _ = chain
-    monkeypatch.setattr(parents_module, "_native", None)
-    monkeypatch.setattr(parents_module, "READ_AHEAD_FILES", at_once)
+    monkeypatch.setattr(parent_files, "_native", None)
+    monkeypatch.setattr(parent_files, "READ_AHEAD_FILES", at_once)
     advised = _advised(monkeypatch)
     LeanImage.open(paths[-1]).close()
     assert sorted(advised) == sorted((p.stat().st_size, 0, p.stat().st_size) for p in paths[:-1])  # not the image
@@ -449,8 +451,8 @@ def test_read_ahead_stops_at_its_budget_and_skips_large_files(chain, tmp_path, m
     (tmp_path / "aaa-dangling.lean").symlink_to(tmp_path / "missing")
     (tmp_path / "zzz-large.lean").write_bytes(bytes(reader_module.WHOLE_READ_BELOW))
     sizes = sorted(p.stat().st_size for p in copies)
-    monkeypatch.setattr(parents_module, "_native", None)
-    monkeypatch.setattr(parents_module, "READ_AHEAD_BYTES", sum(sizes[:5]))
+    monkeypatch.setattr(parent_files, "_native", None)
+    monkeypatch.setattr(parent_files, "READ_AHEAD_BYTES", sum(sizes[:5]))
     advised = _advised(monkeypatch)
     with LeanImage.open(copies[-1]) as image:
         assert len(image.chain()) == 12
@@ -476,7 +478,7 @@ def _odd_siblings(chain, directory: Path) -> list[str]:
     return sorted(str(p) for p in directory.iterdir())
 
 
-@pytest.mark.skipif(parents_module._native is None, reason="leanimg._native is not built here")
+@pytest.mark.skipif(parent_files._native is None, reason="leanimg._native is not built here")
 @pytest.mark.parametrize("budget_files, keep", [(None, None), (7, None), (None, 5), (3, 0)])
 def test_the_scan_reads_what_the_walk_would_read(chain, tmp_path, monkeypatch, budget_files, keep):
     """The scan on a thread of its own finds, per file, the UUIDs _image_uuids reads on the
@@ -486,12 +488,12 @@ def test_the_scan_reads_what_the_walk_would_read(chain, tmp_path, monkeypatch, b
     paths = _odd_siblings(chain, tmp_path)
     if budget_files is not None:
         small = sorted(Path(p).stat().st_size for p in paths if Path(p).is_file() and Path(p).stat().st_size)
-        monkeypatch.setattr(parents_module, "READ_AHEAD_BYTES", sum(small[:budget_files]))
+        monkeypatch.setattr(parent_files, "READ_AHEAD_BYTES", sum(small[:budget_files]))
     if keep is not None:
-        monkeypatch.setattr(parents_module, "KEPT_FILES_MAX", keep)
+        monkeypatch.setattr(parent_files, "KEPT_FILES_MAX", keep)
     expected_kept = {}
-    expected = parents_module._image_uuids(paths, expected_kept)
-    scan = parents_module._Scan(paths, parents_module._kept_most())
+    expected = parent_files._image_uuids(paths, expected_kept)
+    scan = parent_files._Scan(paths, parent_files._kept_most())
     got = []
     while not scan.done():
         got += scan.read(wait=True)
@@ -507,7 +509,7 @@ def test_the_scan_reads_what_the_walk_would_read(chain, tmp_path, monkeypatch, b
             os.close(fd)
 
 
-@pytest.mark.skipif(parents_module._native is None, reason="leanimg._native is not built here")
+@pytest.mark.skipif(parent_files._native is None, reason="leanimg._native is not built here")
 @pytest.mark.parametrize("change", ["names-unterminated", "starts-short", "fds-odd", "sizes-short", "heads-uneven"])
 def test_the_native_scan_refuses_buffers_that_do_not_match(tmp_path, change):
     """scan_files refuses names and outputs that do not describe the same files (ValueError),
@@ -531,7 +533,7 @@ def test_the_native_scan_refuses_buffers_that_do_not_match(tmp_path, change):
         heads = np.zeros(3 * 48 + 1, np.uint8)
     before = fds_before()
     with pytest.raises(ValueError, match="scan_files"):
-        parents_module._native.scan_files(blob, starts, 1 << 20, 1 << 30, 10, 2, fds, sizes, got, heads, progress)
+        parent_files._native.scan_files(blob, starts, 1 << 20, 1 << 30, 10, 2, fds, sizes, got, heads, progress)
     assert progress[0] == 0 and open_fds() == before
 
 
@@ -570,14 +572,14 @@ def test_a_failed_walk_leaves_no_scan_or_file_open(copy, search_mode):
     assert not [t for t in threading.enumerate() if t.name == "leanimg-scan"]
 
 
-@pytest.mark.parametrize("kept", [parents_module.KEPT_FILES_MAX, 5], ids=["all-kept", "five-kept"])
+@pytest.mark.parametrize("kept", [parent_files.KEPT_FILES_MAX, 5], ids=["all-kept", "five-kept"])
 def test_the_links_found_beside_the_image_are_not_opened_again(chain, monkeypatch, kept, search_mode):
     """The parents' search opens each small *.lean beside the image, reads its UUIDs and keeps
     it open (KEPT_FILES_MAX at most); opening a link it kept reads that file whole, once: each
     parent is opened once (by the scan's thread, where the walk's thread does not open it);
     the files no link took are closed; the parents beyond the limit are opened again, as before."""
     paths, memory = chain
-    monkeypatch.setattr(parents_module, "KEPT_FILES_MAX", kept)
+    monkeypatch.setattr(parent_files, "KEPT_FILES_MAX", kept)
     opened, whole_reads = [], []
     real_open, real_pread = os.open, os.pread
     monkeypatch.setattr(os, "open", lambda path, *a, **k: opened.append(os.fspath(path)) or real_open(path, *a, **k))

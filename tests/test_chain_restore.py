@@ -22,6 +22,7 @@ from leanimg.inspect import class_counts
 from leanimg.reader import LeanImage
 from leanimg.writer import LeanImageWriter, disk_fingerprint
 import leanimg.chain
+import leanimg.chain.deltas
 import leanimg.writer
 from test_chain import PAGES, PS, build_chain
 
@@ -216,7 +217,7 @@ def test_the_lying_page_is_the_only_difference(tmp_path, monkeypatch):
                 root.read_page(region, mark)
 
 
-# --- a forward pass folds every delta at once (chain._ChainPatches) --------------------------------
+# --- a forward pass folds every delta at once (chain.deltas.ChainPatches) --------------------------
 FOLD_PAGES = 16
 
 
@@ -281,7 +282,7 @@ def _encodings(path) -> Counter:
 def test_a_forward_pass_folds_the_deltas_of_every_link(tmp_path, monkeypatch, step, read_ahead, batch_entries):
     """Folded in batches of whole DELTA_FRAMEs (one frame a batch, a few, all of them): a word
     every link sets takes the nearest link's value across batches too."""
-    monkeypatch.setattr(leanimg.chain._ChainPatches, "BATCH_ENTRIES", batch_entries)
+    monkeypatch.setattr(leanimg.chain.deltas.ChainPatches, "BATCH_ENTRIES", batch_entries)
     paths, memory = _fold_chain(tmp_path)
     assert {DeltaEncoding.INDEX_LIST, DeltaEncoding.RUNS, DeltaEncoding.BITMAP} <= set(_encodings(paths[-1]))
     with LeanImage.open(paths[-1]) as image:
@@ -289,7 +290,7 @@ def test_a_forward_pass_folds_the_deltas_of_every_link(tmp_path, monkeypatch, st
             image.enable_read_ahead()
         region = image.regions[0]
         assert _joined(image, region, _forward(FOLD_PAGES, step), "pieces") == memory
-        assert region.region_id in image._resolutions and image.resolution(region)._chain_patches is None  # dropped
+        assert region.region_id in image._resolutions and image.resolution(region).chain_patches is None  # dropped
         assert _joined(image, region, _forward(FOLD_PAGES, step), "bytes") == memory
 
 
@@ -302,10 +303,10 @@ def test_a_forward_pass_parses_the_delta_frames_while_the_chain_is_resolved(
     workers before it resolves the chain (chain.parse_deltas_ahead), in the batches it will
     fold: each batch is parsed once. Batches other than the fold's (here: cut by another size,
     as when some frames are not in use) are parsed again by the fold; the memory is the same."""
-    monkeypatch.setattr(leanimg.chain._ChainPatches, "BATCH_ENTRIES", batch_entries)
-    parsed, real_parse = [], leanimg.chain._parse_delta_batch
+    monkeypatch.setattr(leanimg.chain.deltas.ChainPatches, "BATCH_ENTRIES", batch_entries)
+    parsed, real_parse = [], leanimg.chain.deltas._parse_delta_batch
     monkeypatch.setattr(
-        leanimg.chain,
+        leanimg.chain.deltas,
         "_parse_delta_batch",
         lambda frames, page_size: (
             parsed.append(tuple((link.path, frame) for link, frame in frames)) or real_parse(frames, page_size)
@@ -315,11 +316,13 @@ def test_a_forward_pass_parses_the_delta_frames_while_the_chain_is_resolved(
 
     def ahead(image):
         if ahead_entries == "other":  # one batch of all where the fold's are small, else one a frame
-            monkeypatch.setattr(leanimg.chain._ChainPatches, "BATCH_ENTRIES", 1 << 20 if batch_entries < 1 << 14 else 1)
+            monkeypatch.setattr(
+                leanimg.chain.deltas.ChainPatches, "BATCH_ENTRIES", 1 << 20 if batch_entries < 1 << 14 else 1
+            )
         try:
             return real_ahead(image)
         finally:
-            monkeypatch.setattr(leanimg.chain._ChainPatches, "BATCH_ENTRIES", batch_entries)
+            monkeypatch.setattr(leanimg.chain.deltas.ChainPatches, "BATCH_ENTRIES", batch_entries)
 
     monkeypatch.setattr(leanimg.chain, "parse_deltas_ahead", ahead)
     paths, memory = _fold_chain(tmp_path)
@@ -332,7 +335,7 @@ def test_a_forward_pass_parses_the_delta_frames_while_the_chain_is_resolved(
         tuple(frames[lo:hi])
         for lo, hi in zip(
             *(lambda cuts: (cuts, cuts[1:]))(
-                leanimg.chain._batch_cuts(
+                leanimg.chain.deltas._batch_cuts(
                     np.concatenate([LeanImage.open_link(p).frames.delta_frames.counts for p in reversed(paths)])
                 )
             )
@@ -358,7 +361,7 @@ def test_parses_begun_ahead_are_not_held_where_no_delta_applies(tmp_path):
         first = _joined(image, region, [(0, 4)], "pieces")  # one frame's pages: served as its view
         resolution = image.resolution(region)
         assert not len(resolution.delta_pages) and resolution.deltas_ahead is None
-        assert resolution._chain_patches is None  # no fold was made
+        assert resolution.chain_patches is None  # no fold was made
         rest = _joined(image, region, _forward(FOLD_PAGES, 4)[1:], "pieces")
     with LeanImage.open(paths[2]) as image:
         assert _joined(image, image.regions[0], _forward(FOLD_PAGES, 5), "bytes") == first + rest
@@ -430,7 +433,7 @@ def test_a_broken_delta_frame_no_page_needs_is_not_read(tmp_path, read_ahead):
 @pytest.mark.parametrize("read", ["pieces", "bytes"])
 @pytest.mark.parametrize("batch_entries", [1, 1 << 14])
 def test_a_bad_delta_entry_in_a_middle_link_is_reported_alike(tmp_path, monkeypatch, read, batch_entries):
-    monkeypatch.setattr(leanimg.chain._ChainPatches, "BATCH_ENTRIES", batch_entries)
+    monkeypatch.setattr(leanimg.chain.deltas.ChainPatches, "BATCH_ENTRIES", batch_entries)
     paths, _ = _fold_chain(tmp_path, bad_link=4)
     with LeanImage.open(paths[-1]) as image, pytest.raises(FormatError) as info:
         image.enable_read_ahead()

@@ -2,10 +2,10 @@
 digests of the xxhash module page by page (spec §6.5), through format.page_digests and
 row_digests, the INDEX_LIST parse of delta._parse_index_lists_numpy (spec §7.3), on sound
 and damaged entries, tables_batch's page-map rules on sound and spoiled page maps, and
-chain._fold_own_pages_numpy's fold of a chain's pages; it refuses rows, offsets and extents
+chain.resolution._fold_own_pages_numpy's fold of a chain's pages; it refuses rows, offsets and extents
 outside its buffers, and records' places that do not add up; its batch checksums are the
 xxhash module's (format.span_checksums). (Its DELTA_FRAME reads are
-checked against chain._quick_delta_frame's in tests/test_chain_fold.py, on damaged records.) .ci/install builds it (and fails when it cannot), so these tests
+checked against chain.deltas._quick_delta_frame's in tests/test_chain_fold.py, on damaged records.) .ci/install builds it (and fails when it cannot), so these tests
 require it."""
 
 import numpy as np
@@ -14,7 +14,8 @@ import xxhash
 from hypothesis import assume, given, settings, strategies as st
 
 from leanimg import _native
-from leanimg import chain, delta, format as fmt, tables, tables_batch
+from leanimg import delta, format as fmt, tables, tables_batch
+from leanimg.chain import resolution
 from leanimg.format import EXTENT, IS_CONCRETE, PageClass
 
 
@@ -149,7 +150,7 @@ def test_native_index_list_parse_refuses_offsets_outside_the_content():
 
 @st.composite
 def _chain_extents(draw):
-    """The own extents of a chain of 1-6 links over 1-120 pages as chain._own_extents lays
+    """The own extents of a chain of 1-6 links over 1-120 pages as chain.resolution._own_extents lays
     them out (nearest link first, PARENT extents left out, counts cut at the last page), each
     link's page map a random run of extents of any class, with slots, digest ranks and
     bearing; which links inherit digests."""
@@ -170,9 +171,11 @@ def _chain_extents(draw):
             slots[cls] = slots.get(cls, 0) + count
             rank += count if bearing else 0
             page += count
-    extents = tuple(
-        np.array(values, dtype)
-        for values, dtype in zip(fields, (np.int64, np.uint8, np.int64, np.int64, bool, np.int64, np.int32))
+    extents = resolution.OwnExtents(
+        *(
+            np.array(values, dtype)
+            for values, dtype in zip(fields, (np.int64, np.uint8, np.int64, np.int64, bool, np.int64, np.int32))
+        )
     )
     return n, extents, np.array(draw(st.lists(st.booleans(), min_size=links, max_size=links)))
 
@@ -181,10 +184,10 @@ def _chain_extents(draw):
 @given(_chain_extents())
 def test_native_fold_is_the_numpy_fold(drawn):
     n, extents, inherits = drawn
-    folds = chain._Fold(n), chain._Fold(n)
+    folds = resolution._Fold(n), resolution._Fold(n)
     deltas = (
-        chain._fold_own_pages_native(folds[0], extents, inherits),
-        chain._fold_own_pages_numpy(folds[1], extents, inherits),
+        resolution._fold_own_pages_native(folds[0], extents, inherits),
+        resolution._fold_own_pages_numpy(folds[1], extents, inherits),
     )
     for got, want in zip(*deltas):
         assert got.dtype == want.dtype and got.tolist() == want.tolist()
@@ -209,7 +212,7 @@ def test_native_fold_is_the_numpy_fold(drawn):
     ),
 )
 def test_native_own_extents_are_the_numpy_ones(limit, links):
-    """chain._own_extents_native lays out what chain._own_extents does: each link's extents
+    """chain.resolution._own_extents_native lays out what _own_extents does: each link's extents
     (nearest first) but PARENT ones and those from ``limit`` on, counts cut at it."""
     regions, depths = [], []
     for rows, depth in links:
@@ -224,7 +227,10 @@ def test_native_own_extents_are_the_numpy_ones(limit, links):
         region.digest_rank0 = np.arange(len(rows), dtype=np.int64) * 3
         regions.append(region)
         depths.append(depth)
-    native, numpy = chain._own_extents_native(regions, depths, limit), chain._own_extents(regions, depths, limit)
+    native, numpy = (
+        resolution._own_extents_native(regions, depths, limit),
+        resolution._own_extents(regions, depths, limit),
+    )
     for got, want in zip(native, numpy):
         assert got.dtype == want.dtype and got.tolist() == want.tolist()
 
@@ -445,7 +451,7 @@ def test_native_delta_frame_read_refuses_bad_arguments(change):
 @settings(max_examples=100, deadline=None)
 @given(rows=st.integers(1, 12), seed=st.integers(0, 2**32 - 1), data=st.data())
 def test_native_copy_rows_is_numpy_fancy_assignment(rows, seed, data):
-    """chain._copy_rows' C copy: dst[dst_rows] = src[src_rows], rows in any order, repeats allowed."""
+    """chain.forward._copy_rows' C copy: dst[dst_rows] = src[src_rows], rows in any order, repeats allowed."""
     item = np.dtype((np.void, 64))
     src = np.random.default_rng(seed).integers(0, 256, rows * 64, np.uint8).view(item)
     src_rows = np.array(data.draw(st.lists(st.integers(0, rows - 1), max_size=20)), np.int64)
@@ -503,8 +509,9 @@ def test_leanimg_native_chooses_the_backend(tmp_path):
     from helpers import run_leanimg
 
     probe = (
-        "from leanimg import native, chain, delta, format, parents, tables_batch; "
-        "print([m._native is native.backend for m in (chain, delta, parents, tables_batch)], "
+        "from leanimg import native, delta, format, parent_files, tables_batch; "
+        "from leanimg.chain import deltas, forward, resolution; "
+        "print([m._native is native.backend for m in (resolution, deltas, forward, delta, parent_files, tables_batch)], "
         "native.backend is None, format._native_digests is None)"
     )
     for mode, none in (("auto", False), ("1", False), ("0", True)):
@@ -515,7 +522,7 @@ def test_leanimg_native_chooses_the_backend(tmp_path):
             check=True,
             env=dict(os.environ, LEANIMG_NATIVE=mode),
         ).stdout.split("] ")
-        assert out[0] == "[True, True, True, True" and out[1].split() == [str(none), str(none)], (mode, out)
+        assert out[0] == "[True, True, True, True, True, True" and out[1].split() == [str(none), str(none)], (mode, out)
     proc = run_leanimg("plugins", timeout=60, env=dict(os.environ, LEANIMG_NATIVE="yes"))
     assert proc.returncode == 2 and "LEANIMG_NATIVE must be one of auto, 0, 1, not 'yes'" in proc.stderr
 
