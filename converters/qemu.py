@@ -18,7 +18,9 @@ A mapped-ram file has no page entries: each MEM_SIZE block entry is followed by 
 and the block's bitmap and page slots lie at fixed offsets (converters/mapped_ram.py).
 
 A RAM entry is ``be64 offset|flags`` (flags in the low page bits); without CONTINUE it is
-followed by ``u8 len, block name``; PAGE carries page_size bytes, ZERO one fill byte.
+followed by ``u8 len, block name``; PAGE carries page_size bytes, ZERO one fill byte. The
+constants and the encoding of these pieces are ``converters/qemu_wire.py``, shared with the
+post-copy stream of ``restore/postcopy.py``.
 
 Reading
 -------
@@ -74,29 +76,45 @@ from leanimg.format import REGION_SIZE_MAX
 
 from . import mapped_ram
 from .cursor import Cursor
+from .qemu_wire import (
+    BE32,
+    BE64,
+    CMD_SWITCHOVER_START,
+    COMMAND,
+    CONFIGURATION,
+    END,
+    EOF,
+    F_COMPRESS,
+    F_CONTINUE,
+    F_EOS,
+    F_FULL,
+    F_HOOK,
+    F_MEM_SIZE,
+    F_MULTIFD_FLUSH,
+    F_PAGE,
+    F_XBZRLE,
+    F_ZERO,
+    FOOTER,
+    FULL,
+    MIG_COMMANDS,
+    PART,
+    QEVM_MAGIC,
+    QEVM_VERSION,
+    QEVM_VERSION_COMPAT,
+    SECTION_NAMES,
+    START,
+    SUBSECTION,
+    VMDESCRIPTION,
+    SectionHeader,
+    command_bytes,
+    footer_bytes,
+    name_bytes,
+    part_header_bytes,
+    ram_block_bytes,
+    ram_section_end,
+    section_header_bytes,
+)
 
-QEVM_MAGIC = 0x5145564D
-QEVM_VERSION = 3
-QEVM_VERSION_COMPAT = 2
-
-EOF, START, PART, END, FULL, SUBSECTION, VMDESCRIPTION, CONFIGURATION, COMMAND = range(9)
-FOOTER = 0x7E
-SECTION_NAMES = {
-    EOF: "EOF",
-    START: "START",
-    PART: "PART",
-    END: "END",
-    FULL: "FULL",
-    SUBSECTION: "SUBSECTION",
-    VMDESCRIPTION: "VMDESCRIPTION",
-    CONFIGURATION: "CONFIGURATION",
-    COMMAND: "COMMAND",
-    FOOTER: "FOOTER",
-}
-
-# RAM_SAVE_FLAG_* (migration/ram.c)
-F_FULL, F_ZERO, F_MEM_SIZE, F_PAGE, F_EOS = 0x01, 0x02, 0x04, 0x08, 0x10
-F_CONTINUE, F_XBZRLE, F_HOOK, F_COMPRESS, F_MULTIFD_FLUSH = 0x20, 0x40, 0x80, 0x100, 0x200
 UNSUPPORTED_FLAGS = {
     F_XBZRLE: "XBZRLE-encoded pages",
     F_COMPRESS: "compressed pages",
@@ -112,27 +130,6 @@ UNSUPPORTED_FLAGS = {
 DEFAULT_PAGE_SIZE = 4096
 TAIL_LIMIT = 64 << 20  # device sections + VMDESCRIPTION held in memory
 SUPPORTED_CAPABILITIES = {"x-ignore-shared", mapped_ram.CAPABILITY}
-
-# QEMU_VM_COMMAND sub-commands (savevm.c enum qemu_vm_cmd: the same numbers from 7.2 to 11.0).
-# A saved precopy stream carries SWITCHOVER_START alone (QEMU >= 10.0 machine types, property
-# send-switchover-start: sent before the final RAM section); the others need a live peer.
-MIG_COMMANDS = {
-    1: "OPEN_RETURN_PATH",
-    2: "PING",
-    3: "POSTCOPY_ADVISE",
-    4: "POSTCOPY_LISTEN",
-    5: "POSTCOPY_RUN",
-    6: "POSTCOPY_RAM_DISCARD",
-    7: "PACKAGED",
-    8: "ENABLE_COLO",
-    9: "POSTCOPY_RESUME",
-    10: "RECV_BITMAP",
-    11: "SWITCHOVER_START",
-}
-CMD_SWITCHOVER_START = 11
-
-_BE32 = struct.Struct(">I")
-_BE64 = struct.Struct(">Q")
 
 
 # ---------------------------------------------------------------------------- events
@@ -204,14 +201,6 @@ class Pages:
 
 
 @dataclasses.dataclass(frozen=True)
-class SectionHeader:
-    section_id: int
-    idstr: str
-    instance_id: int
-    version_id: int
-
-
-@dataclasses.dataclass(frozen=True)
 class DeviceSection:
     """A non-RAM section, body kept verbatim (footer not included)."""
 
@@ -220,8 +209,8 @@ class DeviceSection:
     body: bytes
 
     def to_bytes(self, footer: bool) -> bytes:
-        out = _section_header_bytes(self.kind, self.header) + self.body
-        return out + _footer_bytes(self.header.section_id) if footer else out
+        out = section_header_bytes(self.kind, self.header) + self.body
+        return out + footer_bytes(self.header.section_id) if footer else out
 
 
 @dataclasses.dataclass
@@ -653,7 +642,7 @@ class _TailParser:
     def _section(self) -> DeviceSection:
         cur = self.cur
         header = self._header()
-        footer = _footer_bytes(header.section_id)
+        footer = footer_bytes(header.section_id)
         body = cur.take(self._body_length(header, footer), "section body")
         cur.skip(len(footer), "section footer")
         return DeviceSection(FULL, header, body)
@@ -669,7 +658,7 @@ class _TailParser:
                 return at
             if eof_candidate is None and cur.peek(1, after) == bytes([EOF]):
                 eof_candidate = after
-            if ram_after is None and cur.peek(5, after) in (bytes([k]) + _BE32.pack(self.ram_id) for k in (PART, END)):
+            if ram_after is None and cur.peek(5, after) in (part_header_bytes(k, self.ram_id) for k in (PART, END)):
                 ram_after = after
             at = cur.find(footer, at + 1)
         if ram_after is not None:
@@ -817,7 +806,7 @@ def _tail_bytes(state: StreamState) -> bytes:
     """The device sections, EOF and VMDESCRIPTION."""
     parts = [dev.to_bytes(state.footers) for dev in state.devices] + [bytes([EOF])]
     if state.vmdesc is not None:
-        parts.append(bytes([VMDESCRIPTION]) + _BE32.pack(len(state.vmdesc)) + state.vmdesc)
+        parts.append(bytes([VMDESCRIPTION]) + BE32.pack(len(state.vmdesc)) + state.vmdesc)
     return b"".join(parts)
 
 
@@ -862,12 +851,12 @@ def _prologue_with_capabilities(prologue: bytes, caps: list[str]) -> bytes:
             raise inp.unsupported(f"configuration subsection {name!r}")
         subsections[name] = prologue[start : inp.offset]
     if caps:
-        listed = b"".join(_name_bytes(c) for c in caps)
+        listed = b"".join(name_bytes(c) for c in caps)
         subsections["configuration/capabilities"] = (
             bytes([SUBSECTION])
-            + _name_bytes("configuration/capabilities")
-            + _BE32.pack(1)
-            + _BE32.pack(len(caps))
+            + name_bytes("configuration/capabilities")
+            + BE32.pack(1)
+            + BE32.pack(len(caps))
             + listed
         )
     else:
@@ -893,23 +882,21 @@ def _write_mapped(
     ps, ram = state.page_size, state.ram
     start = out.tell()
     total = sum(b.length for b in blocks)
-    out.write(state.prologue + _section_header_bytes(START, ram) + _BE64.pack(total | F_MEM_SIZE))
+    out.write(state.prologue + section_header_bytes(START, ram) + BE64.pack(total | F_MEM_SIZE))
+    ignore_shared = "x-ignore-shared" in state.capabilities
     for block in blocks:
-        entry = _name_bytes(block.name) + _BE64.pack(block.length)
-        if "x-ignore-shared" in state.capabilities:
-            entry += _BE64.pack(block.addr or 0)
-        out.write(entry)
+        out.write(ram_block_bytes(block.name, block.length, (block.addr or 0) if ignore_shared else None))
         layout = mapped_ram.layout_at(block.name, block.length, ps, out.tell() - start)
         out.write(layout.header_bytes())
         slots = mapped_ram.BlockWriter(out, layout, start)
         for chunk in page_source(block):
             _into_slots(slots, chunk, ps)
         slots.finish()
-    eos = _BE64.pack(F_EOS) + (_footer_bytes(ram.section_id) if state.footers else b"")
+    eos = ram_section_end(ram.section_id, state.footers)
     rest = [eos]
     plan = state.ram_plan if state.ram_plan and state.ram_plan[0][0] == START else [(START, 0), (END, 0)]
     for kind, n in plan[1:]:
-        rest.append(_command_bytes(n) if kind == COMMAND else bytes([kind]) + _BE32.pack(ram.section_id) + eos)
+        rest.append(command_bytes(n) if kind == COMMAND else part_header_bytes(kind, ram.section_id) + eos)
     out.write(b"".join(rest) + _tail_bytes(state))
     return out.tell() - start
 
@@ -954,20 +941,17 @@ class _RamWriter:
 
     def start_section(self) -> None:
         while self.plan[self.section][0] == COMMAND:
-            self.put(_command_bytes(self.plan[self.section][1]))
+            self.put(command_bytes(self.plan[self.section][1]))
             self.section += 1
         kind = self.plan[self.section][0]
         ram = self.state.ram
         if kind == START:
-            self.put(_section_header_bytes(START, ram) + self._mem_size())
+            self.put(section_header_bytes(START, ram) + self._mem_size())
         else:
-            self.put(bytes([kind]) + _BE32.pack(ram.section_id))
+            self.put(part_header_bytes(kind, ram.section_id))
 
     def _close_section(self) -> None:
-        tail = _BE64.pack(F_EOS)
-        if self.state.footers:
-            tail += _footer_bytes(self.state.ram.section_id)
-        self.put(tail)
+        self.put(ram_section_end(self.state.ram.section_id, self.state.footers))
 
     def _next_section(self) -> None:
         while self.left == 0 and self.section < self.last_section:
@@ -982,15 +966,13 @@ class _RamWriter:
             raise ValueError(f"page_source supplied {self.left} pages fewer than planned")
         self._close_section()
         for _, cmd in self.plan[self.section + 1 :]:  # commands after the last RAM section
-            self.put(_command_bytes(cmd))
+            self.put(command_bytes(cmd))
 
     def _mem_size(self) -> bytes:
         total = sum(b.length for b in self.blocks)
-        parts = [_BE64.pack(total | F_MEM_SIZE)]
-        for b in self.blocks:
-            parts.append(_name_bytes(b.name) + _BE64.pack(b.length))
-            if "x-ignore-shared" in self.state.capabilities:
-                parts.append(_BE64.pack(b.addr or 0))
+        ignore_shared = "x-ignore-shared" in self.state.capabilities
+        parts = [BE64.pack(total | F_MEM_SIZE)]
+        parts += [ram_block_bytes(b.name, b.length, (b.addr or 0) if ignore_shared else None) for b in self.blocks]
         return b"".join(parts)
 
     def chunk(self, block: RamBlock, chunk: Chunk) -> None:
@@ -1048,7 +1030,7 @@ class _RamWriter:
         flag = F_ZERO if pages is None else F_PAGE
         if self.last_block != block.name:
             payload = b"\0" if pages is None else pages[:ps]
-            first = [_BE64.pack(offset | flag) + _name_bytes(block.name), payload]
+            first = [BE64.pack(offset | flag) + name_bytes(block.name), payload]
             self.last_block = block.name
             offset, n = offset + ps, n - 1
             pages = None if pages is None else pages[ps:]
@@ -1077,29 +1059,6 @@ def _section_plan(plan: list[tuple[int, int]], total_pages: int) -> list[tuple[i
     return [(START, 0), (PART, total_pages), *commands, (END, 0)]
 
 
-def _command_bytes(cmd: int) -> bytes:
-    """A QEMU_VM_COMMAND without data (the only kind a saved stream carries)."""
-    return bytes([COMMAND]) + struct.pack(">HH", cmd, 0)
-
-
-def _section_header_bytes(kind: int, h: SectionHeader) -> bytes:
-    return (
-        bytes([kind])
-        + _BE32.pack(h.section_id)
-        + _name_bytes(h.idstr)
-        + struct.pack(">II", h.instance_id, h.version_id)
-    )
-
-
-def _footer_bytes(section_id: int) -> bytes:
-    return bytes([FOOTER]) + _BE32.pack(section_id)
-
-
-def _name_bytes(name: str) -> bytes:
-    raw = name.encode()
-    return bytes([len(raw)]) + raw
-
-
 # ---------------------------------------------------------------------------- state blob
 
 _STATE_MAGIC = b"LEANIMG-QEMU-STATE\0\1"
@@ -1121,7 +1080,7 @@ def _state_to_bytes(s: StreamState) -> bytes:
         "blob_lengths": [len(b) for b in blobs],
     }
     text = json.dumps(meta, separators=(",", ":")).encode()
-    return _STATE_MAGIC + _BE32.pack(len(text)) + text + b"".join(blobs)
+    return _STATE_MAGIC + BE32.pack(len(text)) + text + b"".join(blobs)
 
 
 def _state_from_bytes(blob: bytes) -> StreamState:
@@ -1132,7 +1091,7 @@ def _state_from_bytes(blob: bytes) -> StreamState:
         raise bad(f"expected magic {_STATE_MAGIC!r}, got {blob[: len(_STATE_MAGIC)]!r}", 0)
     pos = len(_STATE_MAGIC)
     try:
-        n = _BE32.unpack_from(blob, pos)[0]
+        n = BE32.unpack_from(blob, pos)[0]
         meta = json.loads(blob[pos + 4 : pos + 4 + n])
         pos += 4 + n
         blobs = []

@@ -49,7 +49,6 @@ import fcntl
 import json
 import os
 import select
-import struct
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -58,6 +57,32 @@ import numpy as np
 
 from leanimg import s3
 from leanimg.converters import qemu
+from leanimg.converters.qemu_wire import (
+    BE16,
+    BE32,
+    BE64,
+    CMD_OPEN_RETURN_PATH,
+    CMD_PACKAGED,
+    CMD_PING,
+    CMD_POSTCOPY_ADVISE,
+    CMD_POSTCOPY_LISTEN,
+    CMD_POSTCOPY_RAM_DISCARD,
+    CMD_POSTCOPY_RUN,
+    END,
+    EOF,
+    F_CONTINUE,
+    F_MEM_SIZE,
+    F_PAGE,
+    F_ZERO,
+    PART,
+    START,
+    command_bytes,
+    name_bytes,
+    part_header_bytes,
+    ram_block_bytes,
+    ram_section_end,
+    section_header_bytes,
+)
 from leanimg.errors import LeanImageError, UnsupportedError
 from leanimg.fileutil import widen_pipe, write_atomically
 from leanimg.format import PageClass
@@ -67,9 +92,6 @@ from .prepage import STRATEGIES, make_strategy
 from .qemu import stream_state
 from .working_set import read_working_set, write_working_set
 
-# QEMU_VM_COMMAND sub-commands (savevm.c enum qemu_vm_cmd)
-CMD_OPEN_RETURN_PATH, CMD_PING, CMD_POSTCOPY_ADVISE, CMD_POSTCOPY_LISTEN, CMD_POSTCOPY_RUN = 1, 2, 3, 4, 5
-CMD_POSTCOPY_RAM_DISCARD, CMD_PACKAGED = 6, 7
 # the PING in the package, before RUN: QEMU's main thread answers it when it has loaded the devices
 PING_DEVICES_LOADED = 0x4C4F4144
 MAX_PACKAGED = 1 << 24  # MAX_VM_CMD_PACKAGED_SIZE
@@ -91,7 +113,6 @@ FRAME_CACHE_BYTES = 256 << 20
 # copy (10-35 us, scattered pages the dearer), each saves a fault's round trip (2-3 ms) if the
 # guest touches it
 WORKING_SET_PAGES = 8192
-_BE16, _BE32, _BE64 = struct.Struct(">H"), struct.Struct(">I"), struct.Struct(">Q")
 
 
 class ServeError(LeanImageError):
@@ -185,13 +206,8 @@ def check_userfaultfd() -> None:
 # ---------------------------------------------------------------------------- the stream
 
 
-def _command(cmd: int, data: bytes = b"") -> bytes:
-    return bytes([qemu.COMMAND]) + _BE16.pack(cmd) + _BE16.pack(len(data)) + data
-
-
 def _section_end(state: qemu.StreamState) -> bytes:
-    tail = _BE64.pack(qemu.F_EOS)
-    return tail + (qemu._footer_bytes(state.ram.section_id) if state.footers else b"")
+    return ram_section_end(state.ram.section_id, state.footers)
 
 
 def opening(state: qemu.StreamState, page_size: int) -> bytes:
@@ -203,14 +219,14 @@ def opening(state: qemu.StreamState, page_size: int) -> bytes:
         )
     ram = state.ram
     total = sum(b.length for b in state.ram_blocks)
-    setup = [_BE64.pack(total | qemu.F_MEM_SIZE)]
-    setup += [qemu._name_bytes(b.name) + _BE64.pack(b.length) for b in state.ram_blocks]
-    start = qemu._section_header_bytes(qemu.START, ram) + b"".join(setup) + _section_end(state)
-    advise = _BE64.pack(page_size) + _BE64.pack(page_size)
+    setup = [BE64.pack(total | F_MEM_SIZE)]
+    setup += [ram_block_bytes(b.name, b.length) for b in state.ram_blocks]
+    start = section_header_bytes(START, ram) + b"".join(setup) + _section_end(state)
+    advise = BE64.pack(page_size) + BE64.pack(page_size)
     return (
         state.prologue
-        + _command(CMD_OPEN_RETURN_PATH)
-        + _command(CMD_POSTCOPY_ADVISE, advise)
+        + command_bytes(CMD_OPEN_RETURN_PATH)
+        + command_bytes(CMD_POSTCOPY_ADVISE, advise)
         + start
         + _discard_one_page(state.ram_blocks[0], page_size)
     )
@@ -224,9 +240,8 @@ def _discard_one_page(block: qemu.RamBlock, page_size: int) -> bytes:
     (savevm.c loadvm_postcopy_handle_listen); the listen thread then loads pages the
     precopy way, writing into memory registered with userfaultfd, and blocks for ever on
     the first page.  After a discard, LISTEN leaves the state LISTENING."""
-    name = block.name.encode()
-    body = bytes([0, len(name)]) + name + b"\0" + _BE64.pack(0) + _BE64.pack(page_size)
-    return _command(CMD_POSTCOPY_RAM_DISCARD, body)
+    body = bytes([0]) + name_bytes(block.name) + b"\0" + BE64.pack(0) + BE64.pack(page_size)
+    return command_bytes(CMD_POSTCOPY_RAM_DISCARD, body)
 
 
 def package(state: qemu.StreamState) -> bytes:
@@ -241,37 +256,37 @@ def package(state: qemu.StreamState) -> bytes:
     package is never read)."""
     devices = b"".join(d.to_bytes(state.footers) for d in state.devices)
     blob = (
-        _command(CMD_POSTCOPY_LISTEN)
+        command_bytes(CMD_POSTCOPY_LISTEN)
         + devices
-        + _command(CMD_PING, _BE32.pack(PING_DEVICES_LOADED))
-        + _command(CMD_POSTCOPY_RUN)
+        + command_bytes(CMD_PING, BE32.pack(PING_DEVICES_LOADED))
+        + command_bytes(CMD_POSTCOPY_RUN)
     )
     if len(blob) > MAX_PACKAGED:
         raise UnsupportedError(
             f"device state of {len(blob)} bytes exceeds QEMU's packaged limit of {MAX_PACKAGED}",
             structure="source_state[QEMU tag 1]",
         )
-    return _command(CMD_PACKAGED, _BE32.pack(len(blob))) + blob
+    return command_bytes(CMD_PACKAGED, BE32.pack(len(blob))) + blob
 
 
 def closing(state: qemu.StreamState) -> bytes:
-    return bytes([qemu.END]) + _BE32.pack(state.ram.section_id) + _section_end(state) + bytes([qemu.EOF])
+    return part_header_bytes(END, state.ram.section_id) + _section_end(state) + bytes([EOF])
 
 
 def page_entries(name: str, page_size: int, first: int, pages: np.ndarray | None, count: int) -> bytes:
     """``count`` entries of block ``name`` from page ``first``: PAGE entries of ``pages``
     ((count, page_size) uint8), or ZERO entries when ``pages`` is None.  The first entry
     names the block, the others CONTINUE it."""
-    flag = qemu.F_ZERO if pages is None else qemu.F_PAGE
+    flag = F_ZERO if pages is None else F_PAGE
     width = 9 if pages is None else 8 + page_size
     rows = np.zeros((count, width), np.uint8)
     words = (np.arange(first, first + count, dtype=np.uint64) * np.uint64(page_size)) | np.uint64(flag)
-    words[1:] |= np.uint64(qemu.F_CONTINUE)
+    words[1:] |= np.uint64(F_CONTINUE)
     rows[:, :8] = words.astype(">u8").view(np.uint8).reshape(count, 8)
     if pages is not None:
         rows[:, 8:] = pages
     head = rows[0].tobytes()
-    return head[:8] + qemu._name_bytes(name) + head[8:] + rows[1:].tobytes()
+    return head[:8] + name_bytes(name) + head[8:] + rows[1:].tobytes()
 
 
 # ---------------------------------------------------------------------------- the return path
@@ -299,7 +314,7 @@ class ReturnPath:
             self.ended = True
             cut = []
             if len(self.buf) >= 4:
-                name = RP_NAMES.get(_BE16.unpack_from(self.buf)[0], _BE16.unpack_from(self.buf)[0])
+                name = RP_NAMES.get(BE16.unpack_from(self.buf)[0], BE16.unpack_from(self.buf)[0])
                 cut = [("bad", f"return path ended inside a {name} message")]
             return cut + [("eof",)]
         self.buf += data
@@ -308,7 +323,7 @@ class ReturnPath:
     def _messages(self, arrival: float) -> list:
         events, at = [], 0
         while len(self.buf) - at >= 4:
-            kind, length = _BE16.unpack_from(self.buf, at)[0], _BE16.unpack_from(self.buf, at + 2)[0]
+            kind, length = BE16.unpack_from(self.buf, at)[0], BE16.unpack_from(self.buf, at + 2)[0]
             if len(self.buf) - at - 4 < length:
                 break
             data = bytes(self.buf[at + 4 : at + 4 + length])
@@ -319,14 +334,14 @@ class ReturnPath:
 
     def _event(self, kind: int, data: bytes, arrival: float) -> list:
         if kind in (RP_REQ_PAGES_ID, RP_REQ_PAGES) and len(data) >= 12:
-            start, size = _BE64.unpack_from(data)[0], _BE32.unpack_from(data, 8)[0]
+            start, size = BE64.unpack_from(data)[0], BE32.unpack_from(data, 8)[0]
             if kind == RP_REQ_PAGES_ID:
                 self.block = data[13 : 13 + data[12]].decode(errors="replace") if len(data) > 12 else None
             return [("req", self.block, start, size, arrival)]
         if kind == RP_SHUT and len(data) == 4:
-            return [("shut", _BE32.unpack(data)[0])]
+            return [("shut", BE32.unpack(data)[0])]
         if kind == RP_PONG and len(data) == 4:
-            return [("pong", _BE32.unpack(data)[0])]
+            return [("pong", BE32.unpack(data)[0])]
         return [("bad", f"unexpected return-path message {RP_NAMES.get(kind, kind)} of {len(data)} bytes")]
 
 
@@ -786,21 +801,21 @@ class PostcopyServer:
         (another section may come between two of them)."""
         count = len(pages)
         rows = np.empty((count, 8 + self.ps), np.uint8)
-        words = (pages.astype(np.uint64) * np.uint64(self.ps)) | np.uint64(qemu.F_PAGE | qemu.F_CONTINUE)
+        words = (pages.astype(np.uint64) * np.uint64(self.ps)) | np.uint64(F_PAGE | F_CONTINUE)
         rows[:, :8] = words.astype(">u8").view(np.uint8).reshape(count, 8)
         rows[:, 8:] = data
-        name = qemu._name_bytes(block.name)
+        name = name_bytes(block.name)
         chunks = []
         for lo in range(0, count, CHUNK_PAGES):
             hi = min(count, lo + CHUNK_PAGES)
-            head = _BE64.pack(int(pages[lo]) * self.ps | qemu.F_PAGE) + name
+            head = BE64.pack(int(pages[lo]) * self.ps | F_PAGE) + name
             body = [head, memoryview(rows[lo, 8:]), memoryview(rows[lo + 1 : hi].reshape(-1))]  # joined once
             chunks.append(Chunk(self._section_bytes(body), block.index, pages[lo:hi]))
         return chunks
 
     def _section_bytes(self, parts: list[bytes]) -> bytes:
         sid = self.state.ram.section_id
-        return b"".join([bytes([qemu.PART]), _BE32.pack(sid), *parts, _section_end(self.state)])
+        return b"".join([part_header_bytes(PART, sid), *parts, _section_end(self.state)])
 
 
 def _runs_of(mask: np.ndarray) -> list[tuple[int, int]]:

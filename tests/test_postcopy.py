@@ -28,6 +28,7 @@ from helpers import qemu_save
 from leanimg.cli import STREAM_FAILED, command_line
 from leanimg.converters import qemu as q
 from leanimg.converters.convert import convert_file
+from leanimg.converters.qemu_wire import command_bytes
 from leanimg.format import RecordType
 from leanimg.reader import LeanImage
 from leanimg.restore import postcopy as pc
@@ -135,9 +136,9 @@ class Destination(threading.Thread):
         if cmd == pc.CMD_PACKAGED:
             self.before_run = list(self.pages)
             blob = self.read(struct.unpack(">I", data)[0])
-            assert blob.startswith(pc._command(pc.CMD_POSTCOPY_LISTEN))
-            ping = pc._command(pc.CMD_PING, struct.pack(">I", pc.PING_DEVICES_LOADED))
-            assert blob.endswith(ping + pc._command(pc.CMD_POSTCOPY_RUN)), "a PING just before RUN"
+            assert blob.startswith(command_bytes(pc.CMD_POSTCOPY_LISTEN))
+            ping = command_bytes(pc.CMD_PING, struct.pack(">I", pc.PING_DEVICES_LOADED))
+            assert blob.endswith(ping + command_bytes(pc.CMD_POSTCOPY_RUN)), "a PING just before RUN"
             threading.Timer(self.pong_after, self._pong).start()
             self._ask()
 
@@ -292,10 +293,10 @@ def test_opening_matches_qemu_framing(image):
     with LeanImage.open(image) as img:
         state = stream_state(img)
         blob = pc.opening(state, PS)
-    advise = pc._command(pc.CMD_POSTCOPY_ADVISE, struct.pack(">QQ", PS, PS))
+    advise = command_bytes(pc.CMD_POSTCOPY_ADVISE, struct.pack(">QQ", PS, PS))
     assert blob.startswith(state.prologue + b"\x08\x00\x01\x00\x00" + advise)
     assert b"\x01\x00\x00\x00\x02\x03ram\x00\x00\x00\x00\x00\x00\x00\x04" in blob  # START 'ram' v4
-    assert blob.endswith(pc._command(pc.CMD_POSTCOPY_RAM_DISCARD, b"\x00\x06pc.ram\x00" + struct.pack(">QQ", 0, PS)))
+    assert blob.endswith(command_bytes(pc.CMD_POSTCOPY_RAM_DISCARD, b"\x00\x06pc.ram\x00" + struct.pack(">QQ", 0, PS)))
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="drops root to test the refusal")
