@@ -106,6 +106,7 @@ PRODUCT_FILES = (
     "lean-image/locations.py",
     "lean-image/reader.py",
     "lean-image/parents.py",
+    "lean-image/parent_files.py",
     "lean-image/cli.py",
 )
 LEANIMG = command_line()

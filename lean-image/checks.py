@@ -90,7 +90,7 @@ def _table_problems(
 def record_references(record: Record) -> tuple[int, tuple[int, ...]]:
     """(record type, ids) for the order rule: the id a REGION or DISK declares, the region a
     PAGE_MAP or DIGESTS refers to, the disks of a DISK_REFS."""
-    p, kind = record.parsed, record.record_type
+    p, kind = record.parsed or {}, record.record_type  # {}: a record of no known type
     if kind == RecordType.REGION:
         return kind, (p["region_id"],)
     if kind == RecordType.DISK:
@@ -106,7 +106,8 @@ def record_references(record: Record) -> tuple[int, tuple[int, ...]]:
 def reference_order_problems(items: Iterable[tuple[int, int, int, tuple]]) -> Iterator[FormatError]:
     """A REGION or DISK record precedes every record that refers to it. ``items`` are
     (record type, position in file order, record offset, ids: record_references) in file order."""
-    regions, disks = set(), set()
+    regions: set[int] = set()
+    disks: set[int] = set()
     for kind, index, offset, ids in items:
         if kind == RecordType.REGION:
             regions.update(ids)
@@ -181,14 +182,14 @@ def slot_problems(
     contiguously from 0."""
     yield from _contiguous("disk_refs", ref_firsts, ref_counts, ref_offsets, "LI-MAP-004")
     references = int(np.sum(ref_counts)) if len(ref_counts) else 0
-    extents = (
+    laid = (
         extents[0]
         if len(extents) == 1
         else np.concatenate(extents)
         if extents
         else np.zeros(0, [("page_class", "<u2"), ("first_slot", "<u8"), ("num_pages", "<u8")])
     )
-    columns = extents["page_class"], extents["first_slot"], extents["num_pages"]
+    columns = laid["page_class"], laid["first_slot"], laid["num_pages"]
     for cls, available, what in (
         (PageClass.STORED, stored, "stored ordinal"),
         (PageClass.DISK, references, "disk reference"),
@@ -255,7 +256,7 @@ def feature_problems(header, classes: Counter) -> Iterator[FormatError]:
 
 def class_counts(extents: list[np.ndarray]) -> Counter:
     """Pages per class over extent tables (classes outside the spec counted by number)."""
-    counts = Counter()
+    counts: Counter = Counter()
     for e in extents:
         pages = np.bincount(e["page_class"], weights=e["num_pages"], minlength=len(PageClass) + 1)
         for cls in np.flatnonzero(pages).tolist():
@@ -350,7 +351,7 @@ def digest_problems(
 @implements("LI-CHN-006")
 def inherited_digest_problems(
     region_id: int, name: str, free_pages: np.ndarray, link_path: str
-) -> Iterator[FormatError]:
+) -> Iterator[ChainError]:
     """A PARENT page that inherits its digest (format 1.1) finds a digest down the chain:
     ``free_pages`` are such pages whose digest link (``link_path``) has them FREE."""
     for page in free_pages[:1].tolist():
@@ -383,7 +384,7 @@ def disk_ref_problems(
 @implements("LI-DSK-005")
 def disk_content_problems(
     region_id: int, name: str, pages: np.ndarray, got: np.ndarray, expected: np.ndarray, disk: str, sectors: np.ndarray
-) -> Iterator[FormatError]:
+) -> Iterator[DiskError]:
     """The page-sized run of a disk at a referenced sector has the page's digest: ``got`` the
     digests of what was read for ``pages``, ``expected`` theirs."""
     for k in np.flatnonzero((got != expected).any(axis=1)).tolist():
@@ -402,7 +403,7 @@ def index_entry_of(record: Record, page_size: int) -> tuple[int, int, int, int, 
 
 
 def _index_fields(record: Record, page_size: int) -> tuple[int, int, int]:
-    p, kind = record.parsed, record.record_type
+    p, kind = record.parsed or {}, record.record_type  # {}: a record of no known type
     if kind == RecordType.REGION:
         return p["region_id"], 0, p["size_bytes"] // page_size
     if kind == RecordType.DISK:
@@ -446,6 +447,7 @@ def index_problems(
     if index is None:
         yield FormatError("no INDEX record", offset=footer_offset, structure="footer", rule="LI-IDX-001")
         return
+    assert listed is not None  # the entries of the INDEX given
     entry_at = index.body_offset + INDEX_BODY.size
     offsets = listed["record_offset"].astype(np.int64)
     if header_length is not None and len(offsets) and (offsets[0] != header_length or (np.diff(offsets) <= 0).any()):

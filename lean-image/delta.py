@@ -56,7 +56,7 @@ def encode(old_page, new_page) -> bytes | None:
         return None
     starts, lengths = _runs(positions)
     sizes = encoded_sizes(len(positions), len(starts), page_size)
-    encoding = min(sizes, key=sizes.get)
+    encoding = min(sizes, key=sizes.__getitem__)
     if sizes[encoding] >= page_size:
         return None
     head = DELTA_ENTRY.pack(encoding=encoding, num_words=len(positions))

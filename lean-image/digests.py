@@ -53,12 +53,13 @@ class DigestStore:
         if region.region_id not in self._tables:
             try:
                 records = self.tables.digest_records(region)
+                fields = [r.fields for r in records]
                 first_problem(
                     checks.digest_count_problems(
                         region.extents,
                         [
-                            (r.parsed["first_page"], r.parsed["num_pages"], r.parsed["num_digests"], r, r.offset)
-                            for r in records
+                            (p["first_page"], p["num_pages"], p["num_digests"], r, r.offset)
+                            for p, r in zip(fields, records)
                         ],
                         self._bearing_classes,
                         (region.digest_bearing, region.digest_rank0),
@@ -68,9 +69,18 @@ class DigestStore:
                 exc.path = exc.path or self.tables.file.name
                 exc.args = (str(exc),)
                 raise
-            parts = [r.parsed["digests"] for r in records]
+            parts = [p["digests"] for p in fields]
             self._tables[region.region_id] = np.concatenate(parts) if parts else np.zeros((0, DIGEST_SIZE), np.uint8)
         return self._tables[region.region_id]
+
+    def has_table(self, region: Region) -> bool:
+        """Whether the stored digests of ``region`` were read already (``table`` gives them)."""
+        return region.region_id in self._tables
+
+    def keep_table(self, region: Region, table: np.ndarray) -> None:
+        """``table``, the stored digests of ``region`` read and checked elsewhere (read_tables,
+        with other links'), as ``table`` would give them."""
+        self._tables[region.region_id] = table
 
     def expected_range(self, region: Region, first_page: int, count: int) -> tuple[np.ndarray, np.ndarray]:
         """Classes of a range and the digest each page must have (zero rows for FREE)."""
@@ -190,13 +200,14 @@ def read_tables(stores: list[DigestStore], regions: list[Region]) -> tuple[np.nd
     given its table, any other reads its own through DigestStore.table, in order, which raises
     its finding (the same as when each was read alone)."""
     for k, parts in enumerate(_records_pass(stores, regions)):
-        if parts is not None and regions[k].region_id not in stores[k]._tables:
-            stores[k]._tables[regions[k].region_id] = (
+        if parts is not None and not stores[k].has_table(regions[k]):
+            stores[k].keep_table(
+                regions[k],
                 parts[0]
                 if len(parts) == 1
                 else np.concatenate(parts)
                 if parts
-                else np.zeros((0, DIGEST_SIZE), np.uint8)
+                else np.zeros((0, DIGEST_SIZE), np.uint8),
             )
     tables = [store.table(region) for store, region in zip(stores, regions)]
     lengths = np.array([len(t) for t in tables], np.int64)
@@ -208,10 +219,10 @@ def _records_pass(stores: list[DigestStore], regions: list[Region]) -> list:
     DigestStore.table checks holds for them (in its plain case), else None. The rules: the
     record's framing, checksum and flags (LI-REC-002/003/005), padding (LI-REC-004), body
     length (LI-REC-007), the INDEX entry it fills (LI-IDX-001) and num_digests (LI-DIG-003)."""
-    raws, owner, entries = [], [], []
+    raws, owners, entries = [], [], []
     usable = np.ones(len(stores), bool)
     for k, (store, region) in enumerate(zip(stores, regions)):
-        if region.region_id in store._tables:
+        if store.has_table(region):
             continue  # read before: table() has it
         tables = store.tables
         for position in tables.digest_positions.get(region.region_id, []):
@@ -220,11 +231,11 @@ def _records_pass(stores: list[DigestStore], regions: list[Region]) -> list:
                 usable[k] = False  # read alone, which raises its finding
                 continue
             raws.append(raw)
-            owner.append(k)
+            owners.append(k)
             entries.append(tables.entries[position : position + 1])
     if not raws:
         return [[] if ok else None for ok in usable]
-    owner = np.array(owner, np.int64)
+    owner = np.array(owners, np.int64)
     head = np.frombuffer(b"".join(raw[: _DIGESTS_HEAD.itemsize] for raw in raws), _DIGESTS_HEAD)
     sizes = np.array([len(raw) for raw in raws], np.int64)
     entry = joined(entries)

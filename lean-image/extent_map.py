@@ -42,7 +42,7 @@ def _merge(extents: np.ndarray) -> np.ndarray:
     out = np.zeros(len(extents), EXTENT_DTYPE)
     if not len(extents):  # a region of no pages
         return out
-    for name in EXTENT_DTYPE.names:
+    for name in EXTENT_DTYPE.names or ():  # (a structured dtype: never None)
         out[name] = extents[name]
     if len(out) < 2:
         return out
@@ -221,6 +221,8 @@ def write_human(image: LeanImage, out, disk_paths: dict | None = None) -> int:
 
 
 def describe_place(page_class: str, where: dict | None) -> str:
+    if where is None:  # ZERO and FREE pages (the other classes always have a place)
+        return "-"
     if page_class == "STORED":
         return (
             f"frame {where['frame']} (record at {where['record_offset']:#x}) from page {where['first_page_in_frame']}"

@@ -12,6 +12,7 @@ from __future__ import annotations
 import enum
 import functools
 import struct
+from typing import cast
 
 import numpy as np
 import xxhash
@@ -91,14 +92,17 @@ class Structure:
         for f in head:
             self.offsets[f.name] = at
             at += f.struct.size
-        self.Values = type(
-            f"{name}_values",
-            (Values,),
-            {
-                "__slots__": (),
-                "_fields": tuple(f.name for f in head),
-                "_index": {f.name: k for k, f in enumerate(head)},
-            },
+        self.Values = cast(
+            "type[Values]",  # (a subclass of Values, which mypy cannot tell of a type() call)
+            type(
+                f"{name}_values",
+                (Values,),
+                {
+                    "__slots__": (),
+                    "_fields": tuple(f.name for f in head),
+                    "_index": {f.name: k for k, f in enumerate(head)},
+                },
+            ),
         )
 
     def field(self, name: str) -> Field:
@@ -457,6 +461,7 @@ def row_digests(pages: np.ndarray, rows) -> np.ndarray:
 def _digest_rows_native(data, page_size: int, rows: np.ndarray) -> np.ndarray:
     """page_digests/row_digests by leanimg._native: one call, the GIL released meanwhile
     (so read-ahead workers and the caller digest pages at once)."""
+    assert _native_digests is not None  # (its callers take this path only when it is)
     digests = np.empty((len(rows), DIGEST_SIZE), np.uint8)
     _native_digests(data, page_size, np.ascontiguousarray(rows), digests)
     return digests

@@ -11,6 +11,7 @@ import threading
 import weakref
 from collections import OrderedDict
 from contextlib import contextmanager
+from typing import TYPE_CHECKING, Literal, NamedTuple, overload
 
 import numpy as np
 import zstandard
@@ -23,11 +24,41 @@ from .format import FRAME_PAGES_MAX_BYTES, page_digests
 from .rules import implements
 from .tables import FrameTable, ImageTables
 
+if TYPE_CHECKING:
+    from concurrent.futures import Future, ThreadPoolExecutor
+
 FRAME_CACHE_SIZE = 8
+# Decompressed frames whose pages one region_pieces call may hand out as views (holding
+# them until written); a range whose pages lie in more frames is copied into one buffer.
+DIRECT_FRAMES_MAX = 32
+
+
+class DeltaFrameContent(NamedTuple):
+    """A DELTA_FRAME read, checked and decompressed (FrameStore.read_delta_frame)."""
+
+    content: bytes  # its entries laid end to end
+    offsets: list[int] | np.ndarray  # where each entry begins in content, and its end
+    first: int  # the delta slot of its first entry
+
+
+@overload
+def decompress_frame(decompressor, data, expected: int, offset: int, structure: str, into: None = None) -> bytes: ...
+
+
+@overload
+def decompress_frame(decompressor, data, expected: int, offset: int, structure: str, into: bytearray) -> memoryview: ...
+
+
+@overload
+def decompress_frame(
+    decompressor, data, expected: int, offset: int, structure: str, into: bytearray | None
+) -> bytes | memoryview: ...
 
 
 @implements("LI-FRM-002", "LI-FRM-003")
-def decompress_frame(decompressor, data, expected: int, offset: int, structure: str, into=None) -> bytes:
+def decompress_frame(
+    decompressor, data, expected: int, offset: int, structure: str, into: bytearray | None = None
+) -> bytes | memoryview:
     """One zstd frame of exactly ``expected`` bytes (at most 16 MiB); never allocates beyond
     that. ``into``: a buffer of at least ``expected`` bytes to decompress into (a view of it
     is returned)."""
@@ -56,9 +87,10 @@ class FrameBuffers:
     KEEP = 32  # free buffers kept
     GRAIN = 1 << 20  # sizes rounded up to this: frames of a few pages more or less share buffers
 
-    def __init__(self):
-        self._free: list = []
-        self._lent = weakref.WeakValueDictionary()  # id -> buffer lent (one never given back just goes)
+    def __init__(self) -> None:
+        self._free: list[_Buffer] = []
+        # id -> buffer lent (one never given back just goes)
+        self._lent: weakref.WeakValueDictionary[int, _Buffer] = weakref.WeakValueDictionary()
         self._lock = threading.Lock()
 
     def take(self, size: int) -> bytearray:
@@ -74,8 +106,9 @@ class FrameBuffers:
     def give(self, content) -> None:
         buffer = content.obj if isinstance(content, memoryview) else None
         with self._lock:
-            if buffer is not None and self._lent.pop(id(buffer), None) is buffer:
-                self._free.append(buffer)
+            lent = self._lent.pop(id(buffer), None) if buffer is not None else None
+            if lent is not None and lent is buffer:
+                self._free.append(lent)
                 if len(self._free) > self.KEEP:
                     self._free.pop(min(range(len(self._free)), key=lambda k: len(self._free[k])))
 
@@ -86,13 +119,13 @@ class FrameStore:
         self.page_size = tables.page_size
         self.page_frames: FrameTable = tables.page_frames
         self.delta_frames: FrameTable = tables.delta_frames
-        self.pool = None  # read-ahead workers, see enable_read_ahead
+        self.pool: ThreadPoolExecutor | None = None  # read-ahead workers, see enable_read_ahead
         self._depth = 0
         self._cache: OrderedDict = OrderedDict()
         self.cache_frames = FRAME_CACHE_SIZE  # frames kept decompressed (see keep_decompressed)
         self.jump_queue = False  # a frame asked for whose prefetch has not begun is loaded at once
-        self._ahead: dict[int, object] = {}
-        self._ahead_deltas: dict[int, object] = {}  # DELTA_FRAME -> its parse on a worker
+        self._ahead: dict[int, Future[tuple[bytes | memoryview, np.ndarray | None]]] = {}
+        self._ahead_deltas: dict[int, Future[tuple]] = {}  # DELTA_FRAME -> its parse on a worker
 
     def enable_read_ahead(self, threads: int = 2, depth: int = 4) -> None:
         """Decompress the next frames on worker threads while the caller reads sequentially."""
@@ -116,11 +149,26 @@ class FrameStore:
             self.pool.shutdown(wait=True, cancel_futures=True)
 
     # -- page frames ---------------------------------------------------------------
-    def frame(self, frame: int, with_digests: bool = False, keep: bool = True) -> tuple[bytes, np.ndarray | None]:
+    @overload
+    def frame(
+        self, frame: int, with_digests: bool = False, keep: Literal[True] = True
+    ) -> tuple[bytes, np.ndarray | None]: ...
+
+    @overload
+    def frame(
+        self, frame: int, with_digests: bool = False, keep: bool = True
+    ) -> tuple[bytes | memoryview, np.ndarray | None]: ...
+
+    def frame(
+        self, frame: int, with_digests: bool = False, keep: bool = True
+    ) -> tuple[bytes | memoryview, np.ndarray | None]:
         """(content, page digests or None) of PAGE_FRAME ``frame``; read-ahead workers compute both.
         ``keep=False``: not cached (a caller that reads each frame once, like a chain restore,
-        which would otherwise hold FRAME_CACHE_SIZE frames of every link)."""
+        which would otherwise hold FRAME_CACHE_SIZE frames of every link), and the content may be
+        a view of a buffer lent by FrameBuffers (prefetch); kept, it is bytes."""
         key = ("page", frame)
+        content: bytes | memoryview
+        digests: np.ndarray | None
         if key in self._cache:
             self._cache.move_to_end(key)
             content, digests = self._cache[key]
@@ -170,26 +218,30 @@ class FrameStore:
             ordinal, count = ordinal + n, count - n
 
     def stored_page(self, ordinal: int) -> bytes:
-        for data, _, start, _ in self.stored_spans(ordinal, 1, with_digests=False):
-            return data[start * self.page_size : (start + 1) * self.page_size]
+        data, _, start, _ = next(self.stored_spans(ordinal, 1, with_digests=False))
+        return data[start * self.page_size : (start + 1) * self.page_size]
 
     def frames_touched(self, ordinals: np.ndarray) -> int:
         return len(distinct(self.page_frames.frame_of(ordinals)))
 
-    def _load_only(self, frame: int, buffers: FrameBuffers | None = None) -> tuple[bytes, None]:
+    def _load_only(self, frame: int, buffers: FrameBuffers | None = None) -> tuple[bytes | memoryview, None]:
         return self._load(frame, buffers), None
 
-    def _load_with_digests(self, frame: int, buffers: FrameBuffers | None = None) -> tuple[bytes, np.ndarray]:
+    def _load_with_digests(
+        self, frame: int, buffers: FrameBuffers | None = None
+    ) -> tuple[bytes | memoryview, np.ndarray]:
         content = self._load(frame, buffers)
         return content, page_digests(content, self.page_size)
 
-    def _load(self, frame: int, buffers: FrameBuffers | None = None) -> bytes:
+    def _load(self, frame: int, buffers: FrameBuffers | None = None) -> bytes | memoryview:
+        """The content of PAGE_FRAME ``frame``; with ``buffers``, a view of a buffer taken from it."""
         with self._naming_the_file():
             record = self.tables.frame_record(self.page_frames, frame)
-            size = record.parsed["num_pages"] * self.page_size
+            p = record.fields
+            size = p["num_pages"] * self.page_size
             into = buffers.take(size) if buffers is not None else None
             return decompress_frame(
-                zstandard.ZstdDecompressor(), record.parsed["frame"], size, record.offset, record.path("frame"), into
+                zstandard.ZstdDecompressor(), p["frame"], size, record.offset, record.path("frame"), into
             )
 
     @contextmanager
@@ -237,19 +289,21 @@ class FrameStore:
 
     def _parse_delta_frame(self, frame: int):
         """Runs on a read-ahead worker too: reads the file, touches no cache."""
-        content, offsets, first = self._read_delta_frame(frame)
+        content, offsets, first = self.read_delta_frame(frame)
         return first, content, offsets, parse_index_lists(content, np.array(offsets, np.int64), self.page_size)
 
     def _delta_frame(self, frame: int):
         key = ("delta", frame)
         if key not in self._cache:
-            self._keep(key, self._read_delta_frame(frame))
+            self._keep(key, self.read_delta_frame(frame))
         return self._cache[key]
 
-    def _read_delta_frame(self, frame: int):
+    def read_delta_frame(self, frame: int) -> DeltaFrameContent:
+        """DELTA_FRAME ``frame`` read, its record checked, decompressed (not cached): a finding
+        names the file."""
         with self._naming_the_file():
             record = self.tables.frame_record(self.delta_frames, frame)
-            p = record.parsed
+            p = record.fields
             content = decompress_frame(
                 zstandard.ZstdDecompressor(),
                 p["frame"],
@@ -257,7 +311,7 @@ class FrameStore:
                 record.offset,
                 record.path("frame"),
             )
-        return content, p["entry_offsets"].tolist(), p["first_delta"]
+        return DeltaFrameContent(content, p["entry_offsets"].tolist(), p["first_delta"])
 
     def _keep(self, key, value) -> None:
         self._cache[key] = value

@@ -148,6 +148,12 @@ class _Scanner:
         self.ranges = 0
         self.ended = False
 
+    @property
+    def _hints(self) -> Hints:
+        """The hints being read: set by the header, which every record follows."""
+        assert self.hints is not None
+        return self.hints
+
     def events(self) -> Iterator[HintError | RangeRecord]:
         fatal = yield from self._header()
         if fatal:
@@ -292,7 +298,7 @@ class _Scanner:
                         f"more than {MAX_RANGES} ranges in all", offset=start, structure=where, rule="LI-HNT-014"
                     )
                     return True
-                self.hints.records.append(record)
+                self._hints.records.append(record)
                 yield record
         return False
 
@@ -311,10 +317,10 @@ class _Scanner:
             )
 
     def _after_end(self):
-        self.hints.length = self.inp.offset
+        self._hints.length = self.inp.offset
         extra = self.inp.read(1)
         if extra:
-            yield self._trailing(self.hints.length)
+            yield self._trailing(self._hints.length)
 
     @staticmethod
     def _trailing(offset: int) -> HintError:
@@ -349,7 +355,7 @@ class _Scanner:
         if not ok:
             return
         yield from self._reserved(reserved, start + 8 + 4, f"{where}.reserved")
-        table = self.hints.disks if kind == RecordType.DISK_NAME else self.hints.regions
+        table = self._hints.disks if kind == RecordType.DISK_NAME else self._hints.regions
         raw = payload[NAME_HEAD.size :]
         try:
             name = raw.decode("utf-8")
@@ -378,14 +384,14 @@ class _Scanner:
             return
         image_uuid, reserved = PARENT_BODY.unpack(payload)
         yield from self._reserved(reserved, start + 8 + 16, f"{where}.reserved")
-        if self.hints.parent_uuid is not None:
+        if self._hints.parent_uuid is not None:
             yield HintError(
                 "a second PARENT record (one parent per hints)", offset=start, structure=where, rule="LI-HNT-015"
             )
             return
-        if self.hints.of_kind(RecordType.UNCHANGED):
+        if self._hints.of_kind(RecordType.UNCHANGED):
             yield HintError("PARENT after an UNCHANGED record", offset=start, structure=where, rule="LI-HNT-015")
-        self.hints.parent_uuid = image_uuid
+        self._hints.parent_uuid = image_uuid
 
     @implements("LI-HNT-016")
     def _ranges(self, kind: RecordType, payload: bytes, start: int, where: str, index: int):
@@ -417,14 +423,14 @@ class _Scanner:
         record = RangeRecord(kind, offset, addressing, region_id, source, entries, start, index)
         fine = yield from self._check_ranges(record, body + RANGE_HEAD.size)
         fine = fine and (yield from self._check_refs(record))
-        if kind == RecordType.UNCHANGED and self.hints.parent_uuid is None:
+        if kind == RecordType.UNCHANGED and self._hints.parent_uuid is None:
             yield _parent_missing(record)
             fine = False
         return record if fine else None
 
     @implements("LI-HNT-013")
     def _check_ranges(self, record: RangeRecord, at: int):
-        e, ps = record.entries, self.hints.page_size
+        e, ps = record.entries, self._hints.page_size
         if not len(e):
             yield HintError("count is 0", offset=at - 8, structure=f"{record.structure}.count", rule="LI-HNT-013")
             return False
@@ -438,7 +444,7 @@ class _Scanner:
             bad |= (first % np.uint64(ps)) != 0
         bad[1:] |= first[1:] < end[:-1]
         problem = None
-        if gpa and self.hints.address_map == AddressMap.NONE:
+        if gpa and self._hints.address_map == AddressMap.NONE:
             problem, i = "guest-physical ranges need an address map (header address_map 0)", 0
         elif bad.any():
             i = int(np.flatnonzero(bad)[0])
@@ -459,10 +465,10 @@ class _Scanner:
     def _check_refs(self, record: RangeRecord):
         """Ids a record uses are declared before it."""
         missing = []
-        if record.addressing == Addressing.REGION and record.region_id not in self.hints.regions:
+        if record.addressing == Addressing.REGION and record.region_id not in self._hints.regions:
             missing.append(f"region id {record.region_id}")
         if record.kind == RecordType.DISK:
-            unknown = set(distinct(record.entries["disk_id"]).tolist()) - set(self.hints.disks)
+            unknown = set(distinct(record.entries["disk_id"]).tolist()) - set(self._hints.disks)
             missing += [f"disk id {i}" for i in sorted(unknown)]
         if missing:
             yield _undeclared(record, missing)
@@ -521,6 +527,7 @@ def read_hints(source) -> Hints:
         for event in scanner.events():
             if isinstance(event, HintError):
                 raise event
+        assert scanner.hints is not None  # a header without hints is a violation, raised above
         return scanner.hints
     finally:
         if owned:
@@ -624,7 +631,7 @@ def _check_fit(hints: Hints, guest: Guest):
             structure="header.page_size",
             rule="LI-HNT-017",
         )
-    fits = {
+    fits: dict[int, bool] = {
         AddressMap.NONE: True,
         AddressMap.QEMU_PC: guest.source == "qemu" and "pc.ram" in guest.regions,
         AddressMap.XEN: guest.source == "xen",
@@ -710,6 +717,7 @@ def _check_disks(hints: Hints, guest: Guest):
 def _check_parent(hints: Hints, guest: Guest):
     if not guest.parent_known or not hints.of_kind(RecordType.UNCHANGED):
         return
+    assert hints.parent_uuid is not None  # UNCHANGED records are accepted only after PARENT (LI-HNT-015)
     if guest.parent_uuid is None:
         yield HintError(
             f"UNCHANGED hints are against parent image {hints.parent_uuid.hex()}: give it with --parent",
@@ -795,7 +803,7 @@ class HintWriter:
         self.written = 0
         self._disks: dict[str, int] = {}
         self._regions: dict[str, int] = {}
-        self._parent = None
+        self._parent: bytes | None = None
         self._closed = False
         head = HEADER.pack(MAGIC, MAJOR, MINOR, page_size, int(address_map), 0, 0, 0)
         self._emit(head[:24] + CHECKSUM.pack(xxhash.xxh3_64_intdigest(head[:24])))

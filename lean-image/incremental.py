@@ -38,9 +38,10 @@ class AgainstParent:
         if parent_region is None:
             self.writer.put_pages(region_id, first_page, data)
             return
+        assert self.parent is not None  # (parent regions are the parent's)
         within = max(0, min(count, parent_region.num_pages - first_page))
         words = np.frombuffer(data, np.uint64).reshape(count, ps // 8)
-        nonzero = words.any(axis=1)
+        nonzero: np.ndarray = np.any(words, axis=1)
         digests = np.zeros((count, DIGEST_SIZE), np.uint8)
         for i in np.flatnonzero(nonzero).tolist():
             digests[i] = np.frombuffer(page_digest(data[i * ps : (i + 1) * ps]), np.uint8)
@@ -61,6 +62,7 @@ class AgainstParent:
                 self._put_changed(region_id, parent_region, first_page, start, stop, data, within)
 
     def _put_changed(self, region_id, parent_region, first_page, start, stop, data, within) -> None:
+        assert self.parent is not None  # (called for pages of a parent region)
         ps = self.writer.page_size
         for i in range(start, stop):
             page = first_page + i
@@ -174,6 +176,7 @@ class DiskBases:
         return np.where(on_disk, PageClass.DISK, classes).astype(classes.dtype)
 
     def copy(self, writer: LeanImageWriter, region_id: int, first: int, count: int) -> None:
+        assert self.resolution is not None  # (DISK pages exist only where disks were declared)
         pages = np.arange(first, first + count)
         links, slots = self.link[pages], self.slot[pages]
         sectors = np.zeros(count, np.int64)

@@ -14,8 +14,8 @@ from .reader import LeanImage
 MIB = 1024 * 1024
 
 
-def class_counts(image: LeanImage, region=None) -> Counter:
-    counts = Counter()
+def class_counts(image: LeanImage, region=None) -> Counter[int]:
+    counts: Counter[int] = Counter()
     for r in [region] if region else image.regions:
         e = r.extents
         totals = np.bincount(e["page_class"].astype(np.int64), weights=e["num_pages"].astype(np.float64), minlength=7)
@@ -24,7 +24,7 @@ def class_counts(image: LeanImage, region=None) -> Counter:
     return counts
 
 
-def class_dict(counts: Counter) -> dict[str, int]:
+def class_dict(counts: Counter[int]) -> dict[str, int]:
     """Page counts by class name, the classes without a page left out: the one shape of
     ``classes`` in every JSON output (spec/guides/json.md)."""
     return {cls.name: int(counts[cls]) for cls in PageClass if counts[cls]}
@@ -32,14 +32,15 @@ def class_dict(counts: Counter) -> dict[str, int]:
 
 def feature_names(bits: int, names: type[enum.IntFlag]) -> list[str]:
     """The set bits of a header feature field by name; a bit this version does not know as ``bit<N>``."""
-    return [names(1 << k).name if (1 << k) & sum(names) else f"bit{k}" for k in range(64) if bits >> k & 1]
+    known = sum(names)  # (a known single bit always has a name)
+    return [(names(1 << k).name if (1 << k) & known else None) or f"bit{k}" for k in range(64) if bits >> k & 1]
 
 
 def record_bytes(image: LeanImage) -> dict[str, int]:
     """Bytes of the file taken by each record type (header and footer apart)."""
     entries = image.index_entries
     offsets = np.append(entries["record_offset"].astype(np.int64), image.footer.index_offset)
-    sizes = Counter()
+    sizes: Counter[str] = Counter()
     for kind, size in zip(entries["record_type"], np.diff(offsets)):
         try:
             sizes[RecordType(int(kind)).name] += int(size)

@@ -53,12 +53,12 @@ _SMALLEST = HEADER.size + RECORD.size + INDEX_BODY.size + RECORD_TRAILER.size + 
         *("LI-REC-002", "LI-REC-003", "LI-REC-004", "LI-REC-005", "LI-REC-006", "LI-REC-007", "LI-REC-008"),
     ),
 )
-def open_links(paths: list[str], whole_below: int, kept: dict | None = None) -> dict:
+def open_links(paths: list[str], whole_below: int, kept: dict[str, tuple[int, int]] | None = None) -> dict:
     """path -> (fileobj, ImageFile, Header, Footer, INDEX Record, (PAGE_FRAME, DELTA_FRAME
     FrameTable)), as open_link(check=False) makes them, for each of ``paths`` smaller than
     ``whole_below`` bytes (read whole) whose header, footer and INDEX pass every test; the
     others are not opened (nothing raises). ``kept``: path -> (fd, size) of files open already
-    (parents._image_uuids); those of ``paths`` are taken from it (and removed)."""
+    (parent_files._image_uuids); those of ``paths`` are taken from it (and removed)."""
     kept = {} if kept is None else kept
     read = [_taken(kept, path, whole_below) or _read_whole(path, whole_below) for path in paths]
     files = [(path, *got) for path, got in zip(paths, read) if got is not None]  # (path, fd, bytes)
@@ -111,7 +111,7 @@ def _frame_tables(flat: np.ndarray, lengths: np.ndarray) -> list[tuple[FrameTabl
     return list(zip(*tables))
 
 
-def _taken(kept: dict, path: str, whole_below: int):
+def _taken(kept: dict[str, tuple[int, int]], path: str, whole_below: int):
     """(fd, the file's bytes) of ``path`` if it is in ``kept`` (open already: path -> (fd, size);
     removed from it) and read whole would be, else None (its fd closed)."""
     got = kept.pop(path, None)

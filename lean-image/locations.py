@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import os
+from typing import BinaryIO
 
 from . import s3
 from .fileutil import commit_temporary, create_temporary, discard_temporary, is_special_file
@@ -56,7 +57,9 @@ class Output:
 
     def __init__(self, name, buffering: int = 1 << 20):
         self.name = display(name)
-        self._temp, self._done = None, False
+        self._temp: str | None = None
+        self._done = False
+        self.file: s3.S3Upload | BinaryIO
         if is_remote(self.name):
             self.file = s3.S3Upload(self.name)
         elif is_special_file(self.name):

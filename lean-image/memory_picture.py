@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 from xml.sax.saxutils import escape
 
 import numpy as np
@@ -25,6 +26,9 @@ import numpy as np
 from .errors import UnsupportedError
 from .fileutil import write_atomically
 from .format import PageClass
+
+if TYPE_CHECKING:
+    from .tables import Region
 
 MAX_ROWS = 2048  # cell rows of all bands together, before pages are bucketed
 MAX_BANDS_HEIGHT = 760  # small maps take the biggest cell that keeps their bands below this
@@ -61,7 +65,7 @@ MIB = 1 << 20
 # --- layout ------------------------------------------------------------------------------------
 @dataclass
 class Band:
-    region: object
+    region: Region
     label_y: int | None  # top of the label line, None when labels are off
     y: int  # top pixel row of the band
     rows: int  # cell rows

@@ -57,12 +57,12 @@ class Backend(Protocol):
         """Their words (delta.parse_index_lists)."""
 
     def copy_rows(self, src, src_rows: np.ndarray, dst, dst_rows: np.ndarray, row_size: int) -> None:
-        """``dst[dst_rows] = src[src_rows]``, rows of ``row_size`` bytes (chain._copy_rows)."""
+        """``dst[dst_rows] = src[src_rows]``, rows of ``row_size`` bytes (chain.forward._copy_rows)."""
 
     def read_delta_frames(
         self, fds: np.ndarray, offsets: np.ndarray, lengths: np.ndarray, firsts: np.ndarray, nums: np.ndarray, most: int
     ) -> tuple[bytes, bytes] | None:
-        """DELTA_FRAME records read, tested and decompressed (chain._read_delta_batch_native)."""
+        """DELTA_FRAME records read, tested and decompressed (chain.deltas._read_delta_batch_native)."""
 
     def page_map_extents(
         self,
@@ -80,16 +80,16 @@ class Backend(Protocol):
         """The page-map rules of a batch of links (tables_batch._extents_rules_native)."""
 
     def own_extents(self, *arrays) -> int:
-        """The links' own extents a chain folds (chain._own_extents_native)."""
+        """The links' own extents a chain folds (chain.resolution._own_extents_native)."""
 
     def fold_own_pages(self, *arrays) -> int:
-        """The fold of a chain's own pages (chain._fold_own_pages_native)."""
+        """The fold of a chain's own pages (chain.resolution._fold_own_pages_native)."""
 
     def fold_words(self, *arrays) -> int:
-        """A delta batch's words folded by page (chain._fold_words_native); -1: not taken."""
+        """A delta batch's words folded by page (chain.deltas._fold_words_native); -1: not taken."""
 
     def scan_files(self, *arrays) -> None:
-        """The UUIDs of many files read on a thread of its own (parents._Scan)."""
+        """The UUIDs of many files read on a thread of its own (parent_files._Scan)."""
 
 
 def _chosen() -> Backend | None:
@@ -99,7 +99,7 @@ def _chosen() -> Backend | None:
     if mode == "0":
         return None
     try:
-        from . import _native
+        import leanimg._native as _native  # (mypy takes `from . import _native` for an attribute)
     except ImportError as exc:
         if mode == "1":
             raise ImportError(

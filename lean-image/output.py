@@ -180,4 +180,4 @@ def schema_names() -> list[str]:
 
 def schema(name: str) -> dict:
     """The JSON Schema (draft 2020-12) of ``leanimg NAME --json``'s output, or of ``error``."""
-    return json.loads(resources.files("leanimg").joinpath(SCHEMA_DIR, f"{name}.schema.json").read_text())
+    return json.loads(resources.files("leanimg").joinpath(SCHEMA_DIR).joinpath(f"{name}.schema.json").read_text())

@@ -19,8 +19,12 @@ import os
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
 from .errors import LeanImageError
+
+if TYPE_CHECKING:
+    from obstore.store import ClientConfig, RetryConfig, S3Credential
 
 SCHEME = "s3://"
 BLOCK = 1 << 20  # the unit of reads and of the cache
@@ -101,10 +105,18 @@ def reader(bucket: str):
             from datetime import timedelta
             from obstore.store import S3Store
 
-            options = {"connect_timeout": "10s", "timeout": "60s", "allow_http": endpoint.startswith("http://")}
-            retry = {"max_retries": max(_attempts() - 1, 0), "retry_timeout": timedelta(seconds=60)}
-            extra = {} if os.environ.get("AWS_ACCESS_KEY_ID") else {"credential_provider": _ProfileCredentials()}
-            _stores[key] = S3Store(bucket, client_options=options, retry_config=retry, **extra)
+            options: ClientConfig = {
+                "connect_timeout": "10s",
+                "timeout": "60s",
+                "allow_http": endpoint.startswith("http://"),
+            }
+            retry: RetryConfig = {"max_retries": max(_attempts() - 1, 0), "retry_timeout": timedelta(seconds=60)}
+            if os.environ.get("AWS_ACCESS_KEY_ID"):
+                _stores[key] = S3Store(bucket, client_options=options, retry_config=retry)
+            else:
+                _stores[key] = S3Store(
+                    bucket, client_options=options, retry_config=retry, credential_provider=_ProfileCredentials()
+                )
         return _stores[key]
 
 
@@ -123,7 +135,7 @@ class _ProfileCredentials:
             )
         self.config = {"region": session.region_name} if session.region_name else {}
 
-    def __call__(self) -> dict:
+    def __call__(self) -> S3Credential:
         from datetime import datetime, timedelta, timezone
 
         frozen = self.credentials.get_frozen_credentials()
@@ -266,7 +278,7 @@ class _Blocks:
     so a command that opens an image twice (validate: its records, then its pages) or a
     parent twice fetches a block once while it is kept."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.lock = threading.RLock()  # a GET that ended already runs its callback at once
         self.held: OrderedDict[tuple, bytes] = OrderedDict()
         self.pending: dict[tuple, Future] = {}
@@ -372,7 +384,8 @@ class S3Object(io.RawIOBase):
                 run_end += 1
             future = pool().submit(self._get, b, run_end)
             for k in range(b, run_end):
-                _BLOCKS.pending[(*self._id, k)] = future
+                key = (*self._id, k)
+                _BLOCKS.pending[key] = future
             future.add_done_callback(self._arrived)
             b = run_end
 
@@ -721,7 +734,7 @@ def incomplete_uploads(prefix_name: str) -> list[dict]:
     """The multipart uploads under ``s3://BUCKET[/PREFIX]`` never completed nor aborted
     (a writer killed with SIGKILL leaves one): key, upload id, when it began."""
     bucket, _, prefix = prefix_name[len(SCHEME) :].partition("/")
-    found = []
+    found: list[dict] = []
     try:
         for page in client().get_paginator("list_multipart_uploads").paginate(Bucket=bucket, Prefix=prefix):
             found.extend(

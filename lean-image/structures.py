@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Callable, Iterator, Literal, cast, overload
 
 import numpy as np
 import xxhash
@@ -52,6 +52,7 @@ from .format import (
     IncompatFeature,
     RecordType,
     SourceFormat,
+    Structure,
     align8,
     checksum64,
     record_size,
@@ -59,18 +60,31 @@ from .format import (
 )
 from .rules import implements
 
+# the body structure of each record type, looked up by the type a record gives (an int: the
+# type may be one format.RecordType does not name)
+_BODY_OF = cast("dict[int, Structure]", BODY_OF)
+
+
+# a link file smaller than this is read whole when opened: the tables opening checks are then
+# one read, not one per record (a cold chain of 1000 small links paid ~1 ms per link for them)
+WHOLE_READ_BELOW = 1 << 20
+
 
 class ImageFile:
     """Positional reads with exact-length checking. With ``whole_below``, a file smaller than
     that many bytes is read in one read (a chain's small links: one I/O per file, not one per
-    record), served from memory until ``drop_whole`` (the file is not read again meanwhile)."""
+    record), served from memory until ``drop_whole`` (the file is not read again meanwhile).
+    ``whole``: the file's bytes, read whole already (``holding``)."""
 
-    def __init__(self, fileobj, name: str = "", whole_below: int = 0):
+    def __init__(self, fileobj, name: str = "", whole_below: int = 0, whole: bytes | None = None):
         self.fileobj = fileobj
         self.name = name
+        self._whole: bytes | None = whole
+        if whole is not None:
+            self.size = len(whole)
+            return
         fileobj.seek(0, 2)
         self.size = fileobj.tell()
-        self._whole = None
         if self.size < whole_below:
             data = self.pread(self.size, 0)
             self._whole = data if len(data) == self.size else None
@@ -78,9 +92,7 @@ class ImageFile:
     @classmethod
     def holding(cls, fileobj, name: str, data: bytes) -> "ImageFile":
         """As ``ImageFile(fileobj, name, whole_below)`` for a file already read whole into ``data``."""
-        image = cls.__new__(cls)
-        image.fileobj, image.name, image.size, image._whole = fileobj, name, len(data), data
-        return image
+        return cls(fileobj, name, whole=data)
 
     def pread(self, length: int, offset: int) -> bytes:
         """os.pread of the file (an object in a store, locations.open_image, has its own)."""
@@ -95,7 +107,13 @@ class ImageFile:
         """Read from the file again from now on (memory held only while opening)."""
         self._whole = None
 
-    def read_exact(self, offset: int, length: int, structure, view: bool = False) -> bytes:
+    @overload
+    def read_exact(self, offset: int, length: int, structure, view: Literal[False] = False) -> bytes: ...
+
+    @overload
+    def read_exact(self, offset: int, length: int, structure, view: bool) -> bytes | memoryview: ...
+
+    def read_exact(self, offset: int, length: int, structure, view: bool = False) -> bytes | memoryview:
         """``structure``: the path errors name, or a function giving it (built only on an error).
         ``view``: of a file held whole, a memoryview of its bytes rather than a copy (for a
         caller that copies what it keeps)."""
@@ -126,6 +144,21 @@ _FOOTER_FIELDS = tuple(f.name for f in FOOTER.head)
 
 class Header:
     """The header's fields (named as HEADER declares them) and its raw bytes."""
+
+    # HEADER's head fields, set from the bytes in __init__ (declared here for type checkers)
+    magic: bytes
+    major_version: int
+    minor_version: int
+    header_length: int
+    incompatible_features: int
+    compatible_features: int
+    autoclear_features: int
+    image_uuid: bytes
+    parent_uuid: bytes
+    parent_digest: bytes
+    page_size: int
+    reserved: int
+    header_checksum: int
 
     def __init__(self, raw: bytes):
         self.__dict__.update(zip(_HEADER_FIELDS, HEADER.struct.unpack_from(raw)))  # (a deep chain makes many)
@@ -227,12 +260,23 @@ def header_problems(header: Header) -> Iterator[FormatError]:
 class Footer:
     """The footer's fields (named as FOOTER declares them) and its file offset."""
 
+    # FOOTER's head fields, set from the bytes in __init__ (declared here for type checkers)
+    magic: bytes
+    index_offset: int
+    file_length: int
+    image_digest: bytes
+    footer_checksum: int
+
     def __init__(self, raw: bytes, offset: int):
         self.__dict__.update(zip(_FOOTER_FIELDS, FOOTER.struct.unpack_from(raw)))
         self.offset = offset
 
     def fields(self) -> dict:
         return {f.name: getattr(self, f.name) for f in FOOTER.head}
+
+
+# the declarations above name every field the structures unpack
+assert set(Header.__annotations__) == set(_HEADER_FIELDS) and set(Footer.__annotations__) == set(_FOOTER_FIELDS)
 
 
 def footer_checksum(raw: bytes) -> int:
@@ -342,6 +386,13 @@ class Record:
     body: memoryview
     index: int | None = None  # position in file order, for structure paths
     parsed: dict | None = None
+
+    @property
+    def fields(self) -> dict:
+        """The parsed body: parse_body has run (every reader of records parses what it reads)."""
+        if self.parsed is None:
+            raise RuntimeError(f"{self.path()}: read but not parsed")
+        return self.parsed
 
     @property
     def size(self) -> int:
@@ -488,11 +539,11 @@ def scan_records(image: ImageFile, start: int, limit: int, listed=()) -> Iterato
 
 # --- record bodies ---------------------------------------------------------------
 class _Body:
-    """Cursor over a record body: parsed fields, and findings at exact offsets."""
+    """Cursor over a record body of a type BODY_OF names: parsed fields, and findings at exact offsets."""
 
     def __init__(self, record: Record, index: int | None):
         self.record, self.index = record, index
-        self.structure = BODY_OF.get(record.record_type)
+        self.structure = _BODY_OF[record.record_type]
         self.base = record.body_offset
 
     def fail(self, rule: str, message: str, at: int = 0, field: str = "") -> FormatError:
@@ -523,7 +574,7 @@ def _first(problems) -> None:
 def body_length_problems(record: Record, head: dict | None) -> Iterator[FormatError]:
     """body_length as the type's structure requires (spec §4.4); ``head`` is None when the
     body is shorter than the structure's fixed part."""
-    structure = BODY_OF[record.record_type]
+    structure = _BODY_OF[record.record_type]
     if head is None:
         yield record.error(
             "LI-REC-007",
@@ -564,7 +615,7 @@ def body_length_problems(record: Record, head: dict | None) -> Iterator[FormatEr
 
 def _exact_body_length(kind: int, head: dict) -> int | None:
     """The body_length a type's head fixes (spec §4.4), or None where the body runs on."""
-    tails = {
+    tails: dict[int, Callable[[], int]] = {
         RecordType.REGION: lambda: head["name_length"],
         RecordType.DISK: lambda: head["name_length"],
         RecordType.DISK_REFS: lambda: DISK_REF.size * head["num_refs"],
@@ -573,7 +624,7 @@ def _exact_body_length(kind: int, head: dict) -> int | None:
         RecordType.INDEX: lambda: INDEX_ENTRY.size * head["num_entries"],
     }
     tail = tails.get(kind)
-    return None if tail is None else BODY_OF[kind].size + tail()
+    return None if tail is None else _BODY_OF[kind].size + tail()
 
 
 @implements("LI-REC-008")
@@ -655,7 +706,7 @@ def _parse_index(b: _Body, p: dict) -> dict:
     return p
 
 
-BODY_PARSERS = {
+BODY_PARSERS: dict[int, Callable[[_Body, dict], dict]] = {
     RecordType.REGION: _parse_region,
     RecordType.DISK: _parse_disk,
     RecordType.SOURCE_STATE: _parse_source_state,
@@ -688,6 +739,7 @@ def parse_body(record: Record, index: int | None = None) -> dict:
     structure = b.structure
     head = structure.unpack(record.body)._asdict() if record.body_length >= structure.size else None
     _first(body_length_problems(record, head))
+    assert head is not None  # (body_length_problems raised for a body shorter than its head)
     _first(reserved_problems(structure, head, b.base, record.path()))
     record.parsed = parser(b, head)
     return record.parsed
@@ -705,6 +757,7 @@ def body_problems(record: Record, index: int | None, page_size: int) -> Iterator
     """Value rules of one parsed body that do not need other records."""
     check = BODY_CHECKS.get(record.record_type)
     if check is not None:
+        assert record.parsed is not None  # (parse_body parsed it)
         yield from check(record.parsed, _Body(record, index), page_size)
 
 
@@ -835,7 +888,7 @@ def _page_map_values(p: dict, b: _Body, page_size: int) -> Iterator[FormatError]
         )
 
 
-BODY_CHECKS = {
+BODY_CHECKS: dict[int, Callable[[dict, _Body, int], Iterator[FormatError]]] = {
     RecordType.REGION: _region_values,
     RecordType.DISK: _disk_values,
     RecordType.SOURCE_STATE: _source_state_values,
@@ -884,7 +937,7 @@ def dump_structure(path) -> dict:
 
 
 def dump_record(record: Record, body: dict) -> dict:
-    structure = BODY_OF.get(record.record_type)
+    structure = _BODY_OF.get(record.record_type)
     return dict(
         offset=record.offset,
         record_type=record.record_type,

@@ -7,6 +7,7 @@ functions (checks.py) ``leanimg validate`` uses; the first finding is raised.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal, overload
 
 import numpy as np
 
@@ -42,10 +43,11 @@ class Region:
     size_bytes: int
     guest_phys_base: int | None
     page_size: int
-    extents: np.ndarray = field(default=None, repr=False)
-    starts: np.ndarray = field(default=None, repr=False)  # per extent: its first page
-    digest_bearing: np.ndarray = field(default=None, repr=False)  # per extent: digests stored
-    digest_rank0: np.ndarray = field(default=None, repr=False)  # per extent: digests before it
+    # set by set_extents (or ImageTables.adopt_region) before the region is used
+    extents: np.ndarray = field(init=False, repr=False)
+    starts: np.ndarray = field(init=False, repr=False)  # per extent: its first page
+    digest_bearing: np.ndarray = field(init=False, repr=False)  # per extent: digests stored
+    digest_rank0: np.ndarray = field(init=False, repr=False)  # per extent: digests before it
 
     @property
     def num_pages(self) -> int:
@@ -147,7 +149,7 @@ class ImageTables:
         and DELTA_FRAME tables FrameTable.of gives, if the caller has them (links_batch)."""
         self.file, self.header, self.footer, self.index = file, header, footer, index
         self.page_size = header.page_size
-        self.entries = index.parsed["entries"]
+        self.entries = index.fields["entries"]
         self.regions: list[Region] = []
         self.disks: list[DiskInfo] = []
         self.source_states: list[SourceState] = []
@@ -173,7 +175,13 @@ class ImageTables:
         offsets = self.entries["record_offset"]
         return int(offsets[position + 1]) if position + 1 < len(offsets) else self.index.offset
 
-    def listed_bytes(self, position: int, most: int, view: bool = False) -> bytes | None:
+    @overload
+    def listed_bytes(self, position: int, most: int, view: Literal[False] = False) -> bytes | None: ...
+
+    @overload
+    def listed_bytes(self, position: int, most: int, view: bool) -> bytes | memoryview | None: ...
+
+    def listed_bytes(self, position: int, most: int, view: bool = False) -> bytes | memoryview | None:
         """The bytes of entry ``position``'s record up to the next record, for a quick path
         that tests its rules in their plain case; None when they are more than ``most`` or
         cannot be read (the checked path, ``record``, then reads no more than the limit and
@@ -253,12 +261,12 @@ class ImageTables:
 
     def _load_regions(self, records: list[Record], maps: list[Record]) -> None:
         for record in records:
-            p = record.parsed
+            p = record.fields
             gpa = p["guest_phys_base"] if p["flags"] & REGION_FLAG_HAS_GPA else None
             self.regions.append(Region(p["region_id"], p["name"], p["size_bytes"], gpa, self.page_size))
         digests = np.flatnonzero(self.entries["record_type"] == RecordType.DIGESTS)
         for region in self.regions:
-            parts = [m.parsed["extents"] for m in maps if m.parsed["region_id"] == region.region_id]
+            parts = [m.fields["extents"] for m in maps if m.fields["region_id"] == region.region_id]
             extents = (
                 np.concatenate(parts) if len(parts) > 1 else parts[0] if parts else np.zeros(0, [("first_page", "<u8")])
             )
@@ -279,23 +287,23 @@ class ImageTables:
 
     def _load_disks(self, records: list[Record], refs: list[Record]) -> None:
         for record in records:
-            p = record.parsed
+            p = record.fields
             self.disks.append(DiskInfo(p["disk_id"], p["name"], p["size_bytes"], p["fingerprint"]))
         sizes = {d.disk_id: d.size_bytes for d in self.disks}
         for record in refs:
             first_problem(
-                checks.disk_ref_problems(sizes, record.parsed["refs"], self.page_size, record.offset, record.path())
+                checks.disk_ref_problems(sizes, record.fields["refs"], self.page_size, record.offset, record.path())
             )
         if refs:
             self.disk_refs = DiskRefs(
-                np.concatenate([r.parsed["refs"]["disk_id"] for r in refs]),
-                np.concatenate([r.parsed["refs"]["sector"] for r in refs]),
+                np.concatenate([r.fields["refs"]["disk_id"] for r in refs]),
+                np.concatenate([r.fields["refs"]["sector"] for r in refs]),
             )
 
     def _load_source_states(self, records: list[Record]) -> None:
-        first_problem(checks.source_sequence_problems([(r.parsed["sequence"], r) for r in records]))
+        first_problem(checks.source_sequence_problems([(r.fields["sequence"], r) for r in records]))
         for record in records:
-            p = record.parsed
+            p = record.fields
             self.source_states.append(
                 SourceState(
                     p["source_format"],
@@ -327,8 +335,8 @@ class ImageTables:
                 [r.extents for r in self.regions],
                 self.page_frames.total,
                 self.delta_frames.total,
-                [r.parsed["first_ref"] for r in refs],
-                [r.parsed["num_refs"] for r in refs],
+                [r.fields["first_ref"] for r in refs],
+                [r.fields["num_refs"] for r in refs],
                 [r.offset for r in refs],
             )
         )

@@ -191,11 +191,11 @@ def _prepare(t: ImageTables, shape: _Shape, extents, regions: dict) -> _Prepared
         if fields is None:
             region_record = t.record(region_at)
             checks.first_problem(checks.region_table_problems([region_record]))
-            fields = region_record.parsed
+            fields = region_record.fields
             if key is not None:
                 regions[key] = fields
         if extents is None:
-            extents = t.record(map_at).parsed["extents"]
+            extents = t.record(map_at).fields["extents"]
     except LeanImageError:
         return None
     if int(t.entries["key"][map_at]) != fields["region_id"]:  # the PAGE_MAP's region_id (its entry holds it)
@@ -226,16 +226,18 @@ def _page_maps_pass(all_tables: list[ImageTables], positions: list[int]) -> list
     tables.record checks holds for the record (framing, checksum, flags, padding: LI-REC-002..
     005; body length LI-REC-007; reserved fields LI-REC-008; LI-MAP-002/003; its INDEX entry
     LI-IDX-001), in its plain case; else None (the record is read and checked alone)."""
-    raws = []
+    kept, raws = [], []  # the images whose PAGE_MAP could be of the plain case, its bytes
     shortest = RECORD.size + PAGE_MAP_BODY.size + EXTENT.size + RECORD_TRAILER.size
-    for t, position in zip(all_tables, positions):
+    for k, (t, position) in enumerate(zip(all_tables, positions)):
         raw = t.listed_bytes(position, record_size(RECORD_BODY_MAX), view=True)  # the extents are copied below
-        raws.append(raw if raw is not None and len(raw) >= shortest else None)
-    kept = [k for k, raw in enumerate(raws) if raw is not None]
+        if raw is not None and len(raw) >= shortest:
+            kept.append(k)
+            raws.append(raw)
+    result: list[np.ndarray | None] = [None] * len(all_tables)
     if not kept:
-        return [None] * len(raws)
-    head = np.frombuffer(b"".join(raws[k][: _MAP_HEAD.itemsize] for k in kept), _MAP_HEAD)
-    sizes = np.array([len(raws[k]) for k in kept], np.int64)
+        return result
+    head = np.frombuffer(b"".join(raw[: _MAP_HEAD.itemsize] for raw in raws), _MAP_HEAD)
+    sizes = np.array([len(raw) for raw in raws], np.int64)
     body = head["body_length"].astype(np.int64)
     num = head["num_extents"].astype(np.int64)
     ok = (
@@ -245,15 +247,13 @@ def _page_maps_pass(all_tables: list[ImageTables], positions: list[int]) -> list
         & (body == PAGE_MAP_BODY.size + EXTENT.size * num)
         & (sizes == RECORD.size + body + RECORD_TRAILER.size)
     )
-    trailers = np.frombuffer(b"".join(raws[k][-RECORD_TRAILER.size :] for k in kept), "<u8")
-    ok &= trailers == span_checksums(
-        [raws[k] for k in kept], np.zeros(len(kept), np.int64), sizes - RECORD_TRAILER.size
-    )
+    trailers = np.frombuffer(b"".join(raw[-RECORD_TRAILER.size :] for raw in raws), "<u8")
+    ok &= trailers == span_checksums(raws, np.zeros(len(kept), np.int64), sizes - RECORD_TRAILER.size)
     num = np.where(ok, num, 0)
     start = RECORD.size + PAGE_MAP_BODY.size
     first = np.cumsum(num) - num
     e = (
-        joined([np.frombuffer(raws[k], EXTENT.dtype, int(n), start) for k, n in zip(kept, num.tolist())])
+        joined([np.frombuffer(raw, EXTENT.dtype, int(n), start) for raw, n in zip(raws, num.tolist())])
         if num.any()
         else np.zeros(0, EXTENT.dtype)
     )
@@ -268,7 +268,6 @@ def _page_maps_pass(all_tables: list[ImageTables], positions: list[int]) -> list
         & (entries["first"] == firsts)
         & (entries["count"] == pages)
     )
-    result = [None] * len(raws)
     for j, k in enumerate(kept):
         if ok[j]:
             result[k] = extents[j]
@@ -280,6 +279,7 @@ def _extents_alone_native(e: np.ndarray, num: np.ndarray) -> tuple:
     extents holds alone (reserved zero, a page class, a page at least, first_slot zero for a
     class without slots: LI-MAP-002/003), its pages in all and its first extent's first_page
     (u8). One pass (leanimg._native)."""
+    assert _native is not None
     ok, pages, firsts = np.zeros(len(num), np.uint8), np.zeros(len(num), np.uint64), np.zeros(len(num), np.uint64)
     _native.page_map_extents(
         e, num.astype(np.int64), IS_PAGE_CLASS.view(np.uint8), HAS_SLOT.view(np.uint8), ok, pages, firsts
@@ -398,6 +398,7 @@ def _extents_rules_native(extents: list, pages: np.ndarray, available: np.ndarra
     whether its extents cover the region (LI-MAP-001) and use their slots in extent order
     (LI-MAP-004), which classes it has (an (images, 16) mask); per extent, digest bearing
     and the digests before it in its image. One pass (leanimg._native)."""
+    assert _native is not None
     laid = joined(extents)
     ok, present = np.zeros(len(extents), np.uint8), np.zeros(len(extents), np.uint64)
     bearing, rank0 = np.zeros(len(laid), np.uint8), np.zeros(len(laid), np.int64)

@@ -237,7 +237,9 @@ def _listed_offsets(image: ImageFile, footer) -> list[int]:
         return []
     try:
         index = read_record(image, footer.index_offset, footer.offset)
-        entries = parse_body(index)["entries"] if index.record_type == RecordType.INDEX else []
+        if index.record_type != RecordType.INDEX:
+            return []
+        entries = parse_body(index)["entries"]
     except LeanImageError:
         return []
     return sorted({int(o) for o in entries["record_offset"]} | {footer.index_offset}) if len(entries) else []
@@ -273,6 +275,7 @@ def _scan(
 
 def _collect(record: Record, scan: _Scan, page_size: int, bad_body: bool) -> None:
     p, kind = record.parsed, record.record_type
+    assert p is not None  # _scan parsed it
     if kind == RecordType.INDEX and scan.index is None:
         scan.index = record
         return
@@ -301,12 +304,15 @@ def _collect(record: Record, scan: _Scan, page_size: int, bad_body: bool) -> Non
 # --- footer and index ------------------------------------------------------------------
 def _check_footer(image: ImageFile, footer, header, scan: _Scan, report: Report) -> None:
     report.add_all(image_digest_problems(image, footer))
+    entries = None
     if scan.index is not None:
         report.add_all(index_location_problems(footer, header.header_length, scanned_index=scan.index))
+        assert scan.index.parsed is not None  # _scan parsed it
+        entries = scan.index.parsed["entries"]
     report.add_all(
         checks.index_problems(
             scan.index,
-            scan.index.parsed["entries"] if scan.index else None,
+            entries,
             scan.found,
             complete=True,
             after_index=scan.after_index,

@@ -65,6 +65,7 @@ def _guest(save: str | None, image: str | None) -> Guest:
                 structure="--save",
             )
         return describe(save)
+    assert image is not None  # (the caller gives a save or an image)
     return guest_of_image(image)
 
 

@@ -51,7 +51,7 @@ def find_ext_filesystems(read, size: int) -> list[Filesystem]:
     return found
 
 
-def attribute_pages(image) -> dict[str, Counter]:
+def attribute_pages(image) -> dict[str, Counter[str]]:
     """Per disk name, pages per file path (or per NO_FILE / NOT_IN_A_FILESYSTEM)."""
     if shutil.which("debugfs") is None:
         raise DiskError("--files needs debugfs from e2fsprogs")
@@ -83,8 +83,8 @@ def _references(image) -> dict[int, np.ndarray]:
     return {int(d): sectors[ids == d] for d in distinct(ids)}
 
 
-def _files_of(source, sectors: np.ndarray) -> Counter:
-    pages = Counter()
+def _files_of(source, sectors: np.ndarray) -> Counter[str]:
+    pages: Counter[str] = Counter()
     offsets = sectors * DISK_SECTOR_SIZE
     claimed = np.zeros(len(offsets), bool)
     with _raw_path(source) as path:
@@ -99,13 +99,13 @@ def _files_of(source, sectors: np.ndarray) -> Counter:
     return pages
 
 
-def _debugfs_paths(path: str, fs: Filesystem, blocks: np.ndarray) -> Counter:
+def _debugfs_paths(path: str, fs: Filesystem, blocks: np.ndarray) -> Counter[str]:
     """Pages per path name for the filesystem ``blocks`` (one entry per page)."""
     unique, counts = np.unique(blocks, return_counts=True)
     inode_of = _debugfs_table(path, fs, "icheck", unique.tolist())
     inodes = sorted({i for i in inode_of.values() if i.isdigit()})
     name_of = _debugfs_table(path, fs, "ncheck", inodes) if inodes else {}
-    pages = Counter()
+    pages: Counter[str] = Counter()
     for block, n in zip(unique.tolist(), counts.tolist()):
         inode = inode_of.get(str(block), "")
         pages[name_of.get(inode, NO_FILE).replace("//", "/")] += n
@@ -114,7 +114,7 @@ def _debugfs_paths(path: str, fs: Filesystem, blocks: np.ndarray) -> Counter:
 
 def _debugfs_table(path: str, fs: Filesystem, command: str, keys: list) -> dict[str, str]:
     """First column -> second column of debugfs ``command keys...`` (run in batches)."""
-    table = {}
+    table: dict[str, str] = {}
     with tempfile.NamedTemporaryFile("w", suffix=".debugfs") as script:
         for at in range(0, len(keys), 1000):
             script.write(f"{command} {' '.join(map(str, keys[at : at + 1000]))}\n")

@@ -17,11 +17,15 @@ import errno
 import json
 import os
 import subprocess
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from leanimg.errors import DiskError
 from leanimg.rules import implements
+
+if TYPE_CHECKING:
+    import nbd  # libnbd's (python3-libnbd), imported when first needed
 
 QCOW2_MAGIC = b"QFI\xfb"
 COALESCE_GAP = 64 << 10  # read through holes up to this size between referenced blocks
@@ -86,6 +90,7 @@ class DiskSource:
         offsets = np.asarray(offsets, np.int64)
         if out is None:
             out, rows = np.empty((len(offsets), length), np.uint8), np.arange(len(offsets))
+        assert rows is not None  # (given with out)
         if not sort:
             for row, o in zip(rows.tolist(), offsets.tolist()):
                 out[row] = np.frombuffer(self.read(o, length), np.uint8)
@@ -149,11 +154,12 @@ class RawDisk(DiskSource):
 
     def __init__(self, path: str, name: str):
         self.path, self.name = path, name
-        self.fd = _open(path, name)
+        self.fd: int | None = _open(path, name)  # None once closed
         self.size = os.lseek(self.fd, 0, os.SEEK_END)
 
     def read(self, offset: int, length: int) -> bytes:
         self._check_span(offset, length)
+        assert self.fd is not None  # (not closed)
         data = os.pread(self.fd, length, offset)
         if len(data) != length:
             raise DiskError(
@@ -163,6 +169,7 @@ class RawDisk(DiskSource):
         return data
 
     def data_ranges(self) -> list[tuple[int, int]]:
+        assert self.fd is not None  # (not closed)
         ranges, pos = [], 0
         while pos < self.size:
             try:
@@ -182,6 +189,7 @@ class RawDisk(DiskSource):
         return np.zeros(len(offsets), np.int64), offsets
 
     def _file_fd(self, index: int) -> int:
+        assert self.fd is not None  # (not closed)
         return self.fd
 
     def close(self) -> None:
@@ -205,7 +213,7 @@ class ImageDisk(DiskSource):
         self._data = np.array([bool(e.get("data")) for e in extents])
         self._depth = np.array([int(e.get("depth", 0)) for e in extents], np.int64)
         self._host = np.array([int(e.get("offset", -1)) for e in extents], np.int64)
-        self._nbd = None
+        self._nbd: nbd.NBD | None = None
 
     def data_ranges(self) -> list[tuple[int, int]]:
         return [(int(s), int(n)) for s, n, d in zip(self._starts, self._lengths, self._data) if d]
@@ -218,7 +226,9 @@ class ImageDisk(DiskSource):
         return files, np.where(readable, self._host[i] + offsets - self._starts[i], 0)
 
     def _file_fd(self, index: int) -> int:
-        return self._files[index]
+        fd = self._files[index]
+        assert fd is not None  # (_locate gives only the files opened)
+        return fd
 
     def read(self, offset: int, length: int) -> bytes:
         self._check_span(offset, length)
