@@ -147,7 +147,8 @@ def main():
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     _raise_open_file_limit()
     try:
-        from . import native  # noqa: F401  (LEANIMG_NATIVE checked here, not by the first page read)
+        # LEANIMG_NATIVE and LEANIMG_CROSS_CHECK checked here, not by the first page read
+        from . import fast_paths, native  # noqa: F401
     except ImportError as exc:
         raise click.UsageError(str(exc)) from None
 

@@ -21,6 +21,7 @@ import numpy as np
 
 from . import pages
 from .errors import DiskError, LeanImageError
+from .fast_paths import CROSS_CHECK, disagree
 from .digests import DigestStore
 from .frames import FrameStore, decompress_frame
 from .locations import display, open_image
@@ -112,12 +113,41 @@ class LeanImage:
         others are not opened (open_link then raises the finding). ``kept``: as links_batch's."""
         from .links_batch import open_links
 
-        return {
+        opened = {
             path: cls(path, fileobj, ImageTables(file, header, footer, index, load=False, frames=frames))
             for path, (fileobj, file, header, footer, index, frames) in open_links(
                 paths, WHOLE_READ_BELOW, kept
             ).items()
         }
+        if CROSS_CHECK:
+            for link in opened.values():
+                cls._cross_check(link)
+        return opened
+
+    @classmethod
+    def _cross_check(cls, link: "LeanImage") -> None:
+        """LEANIMG_CROSS_CHECK=1: open_link(check=False) opens the link links_batch opened alike."""
+        try:
+            alone = cls.open_link(link.path, check=False)
+        except LeanImageError as exc:
+            raise disagree(link.path, "links_batch.open_links", f"open_link refuses it: {exc}") from exc
+        with alone:
+            mine, theirs = link.tables, alone.tables
+            same = (
+                mine.header.__dict__ == theirs.header.__dict__
+                and mine.footer.__dict__ == theirs.footer.__dict__
+                and (mine.index.offset, mine.index.body_length, mine.index.record_checksum)
+                == (theirs.index.offset, theirs.index.body_length, theirs.index.record_checksum)
+                and bytes(mine.index.body) == bytes(theirs.index.body)
+                and mine.entries.tobytes() == theirs.entries.tobytes()
+                and all(
+                    np.array_equal(getattr(a, name), getattr(b, name))
+                    for a, b in ((mine.page_frames, theirs.page_frames), (mine.delta_frames, theirs.delta_frames))
+                    for name in ("starts", "counts", "positions")
+                )
+            )
+        if not same:
+            raise disagree(link.path, "links_batch.open_links", "open_link reads its header, footer or INDEX otherwise")
 
     @staticmethod
     def check_links(links: list["LeanImage"]) -> None:

@@ -32,6 +32,17 @@ def small_batches(monkeypatch):
     monkeypatch.setattr(parents, "CHECK_BATCH_LATER", parents.CHECK_BATCH)
 
 
+@pytest.fixture
+def fast_paths_alone(monkeypatch):
+    """For a test that counts which path opened or read a link: the fast paths alone, also
+    under LEANIMG_CROSS_CHECK=1 (which opens and reads each link a second time to compare)."""
+    from leanimg import reader, tables_batch
+    from leanimg.chain import deltas
+
+    for module in (reader, tables_batch, deltas):
+        monkeypatch.setattr(module, "CROSS_CHECK", False)
+
+
 @pytest.fixture(scope="session")
 def s3store(tmp_path_factory):
     """A real S3-compatible store (SeaweedFS on loopback, tests/s3store.py) for the session."""

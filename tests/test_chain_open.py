@@ -572,6 +572,7 @@ def test_a_failed_walk_leaves_no_scan_or_file_open(copy, search_mode):
     assert not [t for t in threading.enumerate() if t.name == "leanimg-scan"]
 
 
+@pytest.mark.usefixtures("fast_paths_alone")
 @pytest.mark.parametrize("kept", [parent_files.KEPT_FILES_MAX, 5], ids=["all-kept", "five-kept"])
 def test_the_links_found_beside_the_image_are_not_opened_again(chain, monkeypatch, kept, search_mode):
     """The parents' search opens each small *.lean beside the image, reads its UUIDs and keeps
@@ -699,6 +700,7 @@ def test_the_deep_chain_restores_its_final_memory(chain, tmp_path):
     assert out.read_bytes() == memory
 
 
+@pytest.mark.usefixtures("fast_paths_alone")
 @pytest.mark.parametrize("most, alone", [(None, 0), (0, LINKS - 1)], ids=["small-links-batched", "large-links-alone"])
 def test_links_with_many_extents_are_checked_alone(chain, monkeypatch, most, alone):
     """The batch pays for small links only: a link whose PAGE_MAP holds more than

@@ -18,7 +18,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from leanimg import checks, fast_paths, links_batch, rules, tables_batch
+from leanimg import checks, fast_paths, links_batch, reader, rules, tables_batch
+from leanimg.chain import deltas
 from leanimg.errors import LeanImageError
 from leanimg.fast_paths import FAST_PATHS, Disagreement
 from leanimg.format import page_digest
@@ -26,10 +27,13 @@ from leanimg.reader import WHOLE_READ_BELOW, LeanImage
 from leanimg.tables import ImageTables
 from leanimg.writer import LeanImageWriter, ParentLink
 
-from helpers import write_every_class_chain, write_two_link_chain
+from helpers import run_leanimg, write_every_class_chain, write_two_link_chain
 from test_chain_open import _write_chain
 
 PS = 4096
+# the coverage tests trace what a fast path runs, which must not include the authoritative
+# call that LEANIMG_CROSS_CHECK=1 runs beside it (the cross-check tests turn it on themselves)
+pytestmark = pytest.mark.usefixtures("fast_paths_alone")
 
 
 def _implementing_codes() -> dict:
@@ -89,9 +93,12 @@ def images(tmp_path_factory) -> dict[str, list[Path]]:
         folders["every"], ["STORED", "DISK0", "ZERO", "PARENT", "DELTA"], disk_blocks=2
     )
     one_region = [chain[0], chain[1], chain[5], _zero_free_link(folders["chain"], chain[4])]
+    with_deltas = [chain[1], chain[5], one_region[-1], two.child, every]
     return {
         "leanimg.links_batch.open_links": one_region + [two.parent, two.child, every, parent],
         "leanimg.tables_batch.load_tables": one_region,
+        "leanimg.chain.deltas._quick_delta_frame": with_deltas,
+        "leanimg.chain.deltas._read_delta_batch_native": with_deltas,
     }
 
 
@@ -128,6 +135,22 @@ def _load_tables_authoritative(path: Path) -> set[str]:
     return ran
 
 
+def _each_delta_frame(path: Path, read) -> set[str]:
+    """The rules run while ``read(link, frame)`` reads every DELTA_FRAME of the image."""
+    ran: set[str] = set()
+    with LeanImage.open(str(path)) as link:
+        assert len(link.tables.delta_frames), f"{path} has no DELTA_FRAME"
+        for frame in range(len(link.tables.delta_frames)):
+            seen, result = rules_run(lambda: read(link, frame))
+            assert result is not None, f"{path}: the fast path declined DELTA_FRAME {frame}"
+            ran |= seen
+    return ran
+
+
+def read_checked(path: Path) -> set[str]:
+    return _each_delta_frame(path, lambda link, frame: link.frames.read_delta_frame(frame))
+
+
 def _runs(name: str, monkeypatch):
     """(fast path's rules run, authoritative call's rules run) for one image, by fast path."""
     return {
@@ -135,6 +158,16 @@ def _runs(name: str, monkeypatch):
         "leanimg.tables_batch.load_tables": (
             lambda path: _load_tables_fast(path, monkeypatch),
             _load_tables_authoritative,
+        ),
+        "leanimg.chain.deltas._quick_delta_frame": (
+            lambda path: _each_delta_frame(path, deltas._quick_delta_frame),
+            read_checked,
+        ),
+        "leanimg.chain.deltas._read_delta_batch_native": (
+            lambda path: _each_delta_frame(
+                path, lambda link, frame: deltas._read_delta_batch_native([(link, frame)], link.page_size)
+            ),
+            read_checked,
         ),
     }[name]
 
@@ -165,7 +198,18 @@ def test_every_fast_path_is_tested_here(images):
     assert set(FAST_PATHS) == set(images), "a fast path without images it accepts here (add them to images)"
 
 
-@pytest.mark.parametrize("name", ["leanimg.links_batch.open_links", "leanimg.tables_batch.load_tables"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "leanimg.links_batch.open_links",
+        "leanimg.tables_batch.load_tables",
+        "leanimg.chain.deltas._quick_delta_frame",
+        pytest.param(
+            "leanimg.chain.deltas._read_delta_batch_native",
+            marks=pytest.mark.skipif(deltas._native is None, reason="leanimg._native not in use"),
+        ),
+    ],
+)
 def test_fast_path_covers_its_authoritative_rules(name, images, monkeypatch):
     assert coverage_gaps(name, images[name], monkeypatch) == []
 
@@ -238,3 +282,35 @@ def test_cross_check_switch_values():
         [sys.executable, "-c", code], env=dict(os.environ, LEANIMG_CROSS_CHECK="yes"), capture_output=True, text=True
     )
     assert bad.returncode != 0 and "LEANIMG_CROSS_CHECK must be one of 0, 1, not 'yes'" in bad.stderr
+    proc = run_leanimg("plugins", timeout=60, env=dict(os.environ, LEANIMG_CROSS_CHECK="yes"))
+    assert proc.returncode == 2 and "LEANIMG_CROSS_CHECK must be one of 0, 1, not 'yes'" in proc.stderr
+
+
+def test_cross_check_catches_links_batch_reading_otherwise(images, monkeypatch):
+    """LEANIMG_CROSS_CHECK=1: a link links_batch opens with another INDEX than open_link's
+    (here: open_link made to read the link's parent instead) raises Disagreement."""
+    monkeypatch.setattr(reader, "CROSS_CHECK", True)
+    first, second = images["leanimg.tables_batch.load_tables"][:2]
+    opened = LeanImage.open_links([str(second)])
+    assert list(opened) == [str(second)]
+    for link in opened.values():
+        LeanImage._cross_check(link)  # the same file: they agree
+        real = LeanImage.open_link.__func__
+        monkeypatch.setattr(
+            LeanImage, "open_link", classmethod(lambda cls, path, check=True: real(cls, str(first), check=check))
+        )
+        with pytest.raises(Disagreement, match="open_link reads its header, footer or INDEX otherwise"):
+            LeanImage._cross_check(link)
+        link.close()
+
+
+def test_cross_check_catches_a_delta_read_that_differs(images, monkeypatch):
+    """LEANIMG_CROSS_CHECK=1: a batch whose fast read differs from the frame store's checked
+    read (here: one byte of the content changed) raises Disagreement; an equal one passes."""
+    with LeanImage.open(str(images["leanimg.chain.deltas._quick_delta_frame"][0])) as link:
+        frames = [(link, frame) for frame in range(len(link.tables.delta_frames))]
+        read = deltas._read_delta_batch(frames)
+        deltas._cross_check(frames, read)
+        changed = read._replace(content=bytes([read.content[0] ^ 1]) + read.content[1:])
+        with pytest.raises(Disagreement, match="other content, offsets or counts"):
+            deltas._cross_check(frames, changed)

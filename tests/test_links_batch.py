@@ -146,6 +146,7 @@ def test_files_open_link_would_not_read_whole_are_left_alone(chain, tmp_path):
     assert links_batch.open_links([str(paths[1])], paths[1].stat().st_size) == {}
 
 
+@pytest.mark.usefixtures("fast_paths_alone")
 def test_a_deep_chain_is_opened_ahead(chain, monkeypatch):
     """Only the image itself goes through open_link; its links are opened ahead."""
     paths, memory = chain

@@ -19,6 +19,7 @@ from ..arrays import distinct
 from ..compression import FrameError, decompress_exact
 from ..delta import apply as apply_delta, parse_index_lists
 from ..errors import LeanImageError
+from ..fast_paths import CROSS_CHECK, disagree, fast_path
 from ..format import (
     DELTA_FRAME_BODY,
     FRAME_PAGES_MAX_BYTES,
@@ -331,17 +332,35 @@ def _parse_delta_batch(frames: Frames, page_size: int) -> ParsedBatch:
     read = _read_delta_batch_native(frames, page_size)
     if read is None:
         read = _read_delta_batch(frames)
+    if CROSS_CHECK:
+        _cross_check(frames, read)
     content, offsets, firsts, counts = read
     return ParsedBatch(firsts, counts, parse_index_lists(content, offsets, page_size))
+
+
+def _cross_check(frames: Frames, read: ReadBatch) -> None:
+    """LEANIMG_CROSS_CHECK=1: the frame store's checked path reads the batch alike."""
+    fast = "chain.deltas (_read_delta_batch_native, _quick_delta_frame)"
+    where = ", ".join(f"{link.path} DELTA_FRAME {frame}" for link, frame in frames)
+    try:
+        checked = _laid_end_to_end([link.frames.read_delta_frame(frame) for link, frame in frames])
+    except LeanImageError as exc:
+        raise disagree(where, fast, f"the checked read refuses it: {exc}") from exc
+    if checked.content != read.content or not all(np.array_equal(a, b) for a, b in zip(checked[1:], read[1:])):
+        raise disagree(where, fast, "the checked read gives other content, offsets or counts")
 
 
 def _read_delta_batch(frames: Frames) -> ReadBatch:
     """DELTA_FRAMEs ``frames`` laid end to end, each read by _quick_delta_frame or, failing
     that, by the frame store's checked path (which raises its finding)."""
     decompressor = zstandard.ZstdDecompressor()  # one per batch: a batch runs on one thread
-    read = [
-        _quick_delta_frame(link, frame, decompressor) or link.frames.read_delta_frame(frame) for link, frame in frames
-    ]
+    return _laid_end_to_end(
+        [_quick_delta_frame(link, frame, decompressor) or link.frames.read_delta_frame(frame) for link, frame in frames]
+    )
+
+
+def _laid_end_to_end(read: list[DeltaFrameContent]) -> ReadBatch:
+    """DELTA_FRAMEs as read one by one, as one batch."""
     byte_base = np.cumsum([0] + [len(content) for content, _, _ in read])
     offsets = np.concatenate(
         [np.asarray(offsets[:-1], np.int64) + base for (_, offsets, _), base in zip(read, byte_base.tolist())]
@@ -359,6 +378,14 @@ def _read_delta_batch(frames: Frames) -> ReadBatch:
 NATIVE_BATCH_BYTES_MAX = 256 << 20
 
 
+_DELTA_FRAME_RULES = (
+    *("LI-REC-002", "LI-REC-003", "LI-REC-004", "LI-REC-005", "LI-REC-006", "LI-REC-007", "LI-REC-008"),
+    "LI-IDX-001",  # the record's INDEX entry
+    *("LI-DLT-001", "LI-FRM-002", "LI-FRM-003", "LI-FRM-004"),
+)
+
+
+@fast_path("FrameStore.read_delta_frame(frame), for each frame", tests=_DELTA_FRAME_RULES)
 def _read_delta_batch_native(frames: Frames, page_size: int) -> ReadBatch | None:
     """_read_delta_batch in one call of leanimg._native.read_delta_frames: every record read,
     tested as _quick_delta_frame tests it, and decompressed in C, the GIL released (so a batch
@@ -412,6 +439,7 @@ def _read_delta_batch_native(frames: Frames, page_size: int) -> ReadBatch | None
 _DELTA_RECORD = struct.Struct(RECORD.struct.format + DELTA_FRAME_BODY.struct.format.lstrip("<"))
 
 
+@fast_path("FrameStore.read_delta_frame(frame)", tests=_DELTA_FRAME_RULES)
 def _quick_delta_frame(
     link: LeanImage, frame: int, decompressor: zstandard.ZstdDecompressor | None = None
 ) -> DeltaFrameContent | None:
