@@ -179,25 +179,6 @@ def _stream_into(
     raise SourceFormatError("stream ended without QEMU_VM_EOF", structure="stream")
 
 
-def convert_qemu_spooled(
-    source: BinaryIO,
-    writer: LeanImageWriter,
-    workdir=None,
-    parent=None,
-    disks: DiskOptions | None = None,
-    hints: HintOptions | None = None,
-) -> qemu.StreamState:
-    """Like convert_qemu for streams that resend pages: the last copy of each page wins.
-
-    With ``disks``, pages found on one of the disks become DISK references (two passes
-    over the spooled RAM, one over each disk). With ``hints``, as convert_qemu.
-    """
-    state, ram = qemu.load_stream(source, workdir)
-    with ram:
-        write_spooled(writer, state, ram, parent=parent, disks=disks, hints=hints)
-    return state
-
-
 def write_spooled(
     writer: LeanImageWriter,
     state: qemu.StreamState,
@@ -468,8 +449,16 @@ def _convert_qemu(
             for state in states:
                 writer.add_source_state(*state)
 
+    def spooled(writer):
+        """For streams that resend pages: RAM assembled in scratch files first, the last copy of
+        each page wins. With ``disks``, pages found on one of the disks become DISK references
+        (two passes over the spooled RAM, one over each disk)."""
+        state, ram = qemu.load_stream(body)
+        with ram:
+            write_spooled(writer, state, ram, parent=parent, disks=disks, hints=hints)
+
     if spool or (disks and disks.scan):
-        write(lambda writer: convert_qemu_spooled(body, writer, parent=parent, disks=disks, hints=hints))
+        write(spooled)
         return
     try:
         write(lambda writer: convert_qemu(body, writer, progress, parent, hints, disks))
@@ -479,7 +468,7 @@ def _convert_qemu(
                 f"this stream sends pages more than once (a live save: {exc}); convert it with --spool", structure="ram"
             ) from None
         body.seek(0)
-        write(lambda writer: convert_qemu_spooled(body, writer, parent=parent, disks=disks, hints=hints))
+        write(spooled)
 
 
 def _convert_libvirt(stream: BinaryIO, dest, spool, writer_options, progress, parent, disks=None, hints=None) -> None:

@@ -1,26 +1,11 @@
 """Read and write QEMU's migration stream (``migrate "exec:cat > FILE"``), QEMU 7.2 to 11.0,
 and QEMU's mapped-ram files (``migrate file:FILE`` with the capability mapped-ram, QEMU >= 9.0).
 
-Stream layout (migration/savevm.c, migration/ram.c)::
-
-    be32 'QEVM'  be32 3
-    0x07 configuration        be32 len, machine type, [0x05 subsection]...
-    0x01 START  be32 id, u8 len, idstr, be32 instance, be32 version   'ram': MEM_SIZE, EOS
-    0x02 PART   be32 id                                               'ram': pages..., EOS
-    0x03 END    be32 id                                               'ram': pages..., EOS
-    0x04 FULL   be32 id, u8 len, idstr, be32 instance, be32 version   device state (opaque)
-    0x7e footer be32 id            after every section
-    0x08 COMMAND be16 cmd, be16 len      SWITCHOVER_START (QEMU >= 10.0 machine types) before END
-    0x00 EOF
-    0x06 VMDESCRIPTION be32 len, JSON
-
-A mapped-ram file has no page entries: each MEM_SIZE block entry is followed by a header,
-and the block's bitmap and page slots lie at fixed offsets (converters/mapped_ram.py).
-
-A RAM entry is ``be64 offset|flags`` (flags in the low page bits); without CONTINUE it is
-followed by ``u8 len, block name``; PAGE carries page_size bytes, ZERO one fill byte. The
-constants and the encoding of these pieces are ``converters/qemu_wire.py``, shared with the
-post-copy stream of ``restore/postcopy.py``.
+The stream's layout (migration/savevm.c, migration/ram.c), its constants and the encoding of
+its pieces: ``converters/qemu_wire.py``, shared with the post-copy stream of
+``restore/postcopy.py``. A mapped-ram file has no page entries: each MEM_SIZE block entry is
+followed by a header, and the block's bitmap and page slots lie at fixed offsets
+(converters/mapped_ram.py).
 
 Reading
 -------

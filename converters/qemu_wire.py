@@ -12,7 +12,7 @@ Stream layout::
     0x03 END    be32 id                                               'ram': pages..., EOS
     0x04 FULL   be32 id, u8 len, idstr, be32 instance, be32 version   device state (opaque)
     0x7e FOOTER be32 id            after every section (when the machine type has footers)
-    0x08 COMMAND be16 cmd, be16 len, data
+    0x08 COMMAND be16 cmd, be16 len, data   SWITCHOVER_START (QEMU >= 10.0 machine types) before END
     0x00 EOF
     0x06 VMDESCRIPTION be32 len, JSON
 

@@ -29,6 +29,7 @@
  * used header-only; libzstd is libzstd-dev. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <stdarg.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -39,6 +40,17 @@
 #define XXH_INLINE_ALL
 #include <xxhash.h>
 #include <zstd.h>
+
+/* PyBuffer_Release of each view given, up to the NULL that ends the list (what a function
+ * that took buffers does at ``done:``). */
+static void release_views(Py_buffer *view, ...)
+{
+    va_list more;
+    va_start(more, view);
+    for (; view != NULL; view = va_arg(more, Py_buffer *))
+        PyBuffer_Release(view);
+    va_end(more);
+}
 
 /* digest_rows(data, page_size, rows, out): for each int64 k of ``rows``, the digest of page
  * k of ``data`` (pages of page_size bytes laid end to end) into 16 bytes of ``out``, in order.
@@ -69,9 +81,7 @@ static PyObject *digest_rows(PyObject *self, PyObject *args)
     result = Py_None;
     Py_INCREF(result);
 done:
-    PyBuffer_Release(&data);
-    PyBuffer_Release(&rows);
-    PyBuffer_Release(&out);
+    release_views(&data, &rows, &out, NULL);
     return result;
 }
 
@@ -134,11 +144,7 @@ static PyObject *index_list_heads(PyObject *self, PyObject *args)
     }
     result = PyLong_FromLongLong(total);
 done:
-    PyBuffer_Release(&content);
-    PyBuffer_Release(&offsets);
-    PyBuffer_Release(&simple);
-    PyBuffer_Release(&word_start);
-    PyBuffer_Release(&num_words);
+    release_views(&content, &offsets, &simple, &word_start, &num_words, NULL);
     return result;
 }
 
@@ -186,12 +192,7 @@ static PyObject *index_list_words(PyObject *self, PyObject *args)
     result = Py_None;
     Py_INCREF(result);
 done:
-    PyBuffer_Release(&content);
-    PyBuffer_Release(&offsets);
-    PyBuffer_Release(&simple);
-    PyBuffer_Release(&word_start);
-    PyBuffer_Release(&positions);
-    PyBuffer_Release(&values);
+    release_views(&content, &offsets, &simple, &word_start, &positions, &values, NULL);
     return result;
 }
 
@@ -416,10 +417,7 @@ static PyObject *copy_rows(PyObject *self, PyObject *args)
     Py_END_ALLOW_THREADS
     result = Py_NewRef(Py_None);
 done:
-    PyBuffer_Release(&src);
-    PyBuffer_Release(&src_rows);
-    PyBuffer_Release(&dst);
-    PyBuffer_Release(&dst_rows);
+    release_views(&src, &src_rows, &dst, &dst_rows, NULL);
     return result;
 }
 
@@ -488,13 +486,7 @@ static PyObject *page_map_extents(PyObject *self, PyObject *args)
     Py_END_ALLOW_THREADS
     result = Py_NewRef(Py_None);
 done:
-    PyBuffer_Release(&extents);
-    PyBuffer_Release(&lengths);
-    PyBuffer_Release(&is_page_class);
-    PyBuffer_Release(&has_slot);
-    PyBuffer_Release(&ok);
-    PyBuffer_Release(&pages);
-    PyBuffer_Release(&firsts);
+    release_views(&extents, &lengths, &is_page_class, &has_slot, &ok, &pages, &firsts, NULL);
     return result;
 }
 
@@ -921,15 +913,46 @@ done:
     free(tmp);
     free(seen);
     free(kept);
-    PyBuffer_Release(&simple_b);
-    PyBuffer_Release(&start_b);
-    PyBuffer_Release(&pos_b);
-    PyBuffer_Release(&val_b);
-    PyBuffer_Release(&entries_b);
-    PyBuffer_Release(&pages_b);
-    PyBuffer_Release(&plain_b);
-    PyBuffer_Release(&flat_b);
-    PyBuffer_Release(&fval_b);
+    release_views(&simple_b, &start_b, &pos_b, &val_b, &entries_b, &pages_b, &plain_b, &flat_b, &fval_b, NULL);
+    return result;
+}
+
+/* span_checksums(buffers, offsets, lengths, out): out[k] (u8) = xxh3-64 (spec §3.6's checksum)
+ * of bytes [offsets[k], offsets[k] + lengths[k]) of buffers[k] (a list of bytes-like objects;
+ * offsets and lengths i8): the header, footer and record checksums of a batch of links in one
+ * call, where Python takes a slice, a memoryview and a call per link. ValueError (nothing
+ * written) when a span is outside its buffer or the lengths do not match. */
+static PyObject *span_checksums(PyObject *self, PyObject *args)
+{
+    PyObject *buffers;
+    Py_buffer offsets_b, lengths_b, out_b;
+    if (!PyArg_ParseTuple(args, "O!y*y*w*", &PyList_Type, &buffers, &offsets_b, &lengths_b, &out_b))
+        return NULL;
+    PyObject *result = NULL;
+    Py_ssize_t n = PyList_GET_SIZE(buffers);
+    const int64_t *offsets = offsets_b.buf, *lengths = lengths_b.buf;
+    uint64_t *out = out_b.buf;
+    if (offsets_b.len != n * (Py_ssize_t)sizeof(int64_t) || lengths_b.len != offsets_b.len ||
+        out_b.len != offsets_b.len) {
+        PyErr_SetString(PyExc_ValueError, "span_checksums: offsets, lengths and out must have one i8 per buffer");
+        goto done;
+    }
+    for (Py_ssize_t k = 0; k < n; k++) {
+        Py_buffer view;
+        if (PyObject_GetBuffer(PyList_GET_ITEM(buffers, k), &view, PyBUF_SIMPLE) < 0)
+            goto done;
+        int inside = offsets[k] >= 0 && lengths[k] >= 0 && offsets[k] <= view.len && lengths[k] <= view.len - offsets[k];
+        if (inside)
+            out[k] = XXH3_64bits((const unsigned char *)view.buf + offsets[k], (size_t)lengths[k]);
+        PyBuffer_Release(&view);
+        if (!inside) {
+            PyErr_Format(PyExc_ValueError, "span_checksums: span %zd is outside its buffer", k);
+            goto done;
+        }
+    }
+    result = Py_NewRef(Py_None);
+done:
+    release_views(&offsets_b, &lengths_b, &out_b, NULL);
     return result;
 }
 
@@ -1010,54 +1033,7 @@ static PyObject *scan_files(PyObject *self, PyObject *args)
     Py_END_ALLOW_THREADS
     result = Py_NewRef(Py_None);
 done:
-    PyBuffer_Release(&names);
-    PyBuffer_Release(&starts_b);
-    PyBuffer_Release(&fds_b);
-    PyBuffer_Release(&sizes_b);
-    PyBuffer_Release(&got_b);
-    PyBuffer_Release(&heads_b);
-    PyBuffer_Release(&progress_b);
-    return result;
-}
-
-/* span_checksums(buffers, offsets, lengths, out): out[k] (u8) = xxh3-64 (spec §3.6's checksum)
- * of bytes [offsets[k], offsets[k] + lengths[k]) of buffers[k] (a list of bytes-like objects;
- * offsets and lengths i8): the header, footer and record checksums of a batch of links in one
- * call, where Python takes a slice, a memoryview and a call per link. ValueError (nothing
- * written) when a span is outside its buffer or the lengths do not match. */
-static PyObject *span_checksums(PyObject *self, PyObject *args)
-{
-    PyObject *buffers;
-    Py_buffer offsets_b, lengths_b, out_b;
-    if (!PyArg_ParseTuple(args, "O!y*y*w*", &PyList_Type, &buffers, &offsets_b, &lengths_b, &out_b))
-        return NULL;
-    PyObject *result = NULL;
-    Py_ssize_t n = PyList_GET_SIZE(buffers);
-    const int64_t *offsets = offsets_b.buf, *lengths = lengths_b.buf;
-    uint64_t *out = out_b.buf;
-    if (offsets_b.len != n * (Py_ssize_t)sizeof(int64_t) || lengths_b.len != offsets_b.len ||
-        out_b.len != offsets_b.len) {
-        PyErr_SetString(PyExc_ValueError, "span_checksums: offsets, lengths and out must have one i8 per buffer");
-        goto done;
-    }
-    for (Py_ssize_t k = 0; k < n; k++) {
-        Py_buffer view;
-        if (PyObject_GetBuffer(PyList_GET_ITEM(buffers, k), &view, PyBUF_SIMPLE) < 0)
-            goto done;
-        int inside = offsets[k] >= 0 && lengths[k] >= 0 && offsets[k] <= view.len && lengths[k] <= view.len - offsets[k];
-        if (inside)
-            out[k] = XXH3_64bits((const unsigned char *)view.buf + offsets[k], (size_t)lengths[k]);
-        PyBuffer_Release(&view);
-        if (!inside) {
-            PyErr_Format(PyExc_ValueError, "span_checksums: span %zd is outside its buffer", k);
-            goto done;
-        }
-    }
-    result = Py_NewRef(Py_None);
-done:
-    PyBuffer_Release(&offsets_b);
-    PyBuffer_Release(&lengths_b);
-    PyBuffer_Release(&out_b);
+    release_views(&names, &starts_b, &fds_b, &sizes_b, &got_b, &heads_b, &progress_b, NULL);
     return result;
 }
 

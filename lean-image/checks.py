@@ -466,20 +466,10 @@ def index_problems(
             break
         got = tuple(int(x) for x in listed[k])
         if want is not None and got != want:
-            yield FormatError(
-                f"entry {k}: expected {want}, got {got}",
-                offset=entry_at + INDEX_ENTRY.size * k,
-                structure=index.path(f"entries[{k}]"),
-                rule="LI-IDX-001",
-            )
+            yield _entry_error(index, k, f"expected {want}, got {got}")
         following = int(offsets[k + 1]) if k + 1 < len(offsets) else index.offset
         if end is not None and following != end:
-            yield FormatError(
-                f"entry {k}: the record ends at {end:#x}, the next listed one starts at {following:#x}",
-                offset=entry_at + INDEX_ENTRY.size * k,
-                structure=index.path(f"entries[{k}]"),
-                rule="LI-IDX-001",
-            )
+            yield _entry_error(index, k, f"the record ends at {end:#x}, the next listed one starts at {following:#x}")
     if complete and len(found) + first_entry != len(listed):
         yield FormatError(
             f"{len(listed)} entries for {len(found)} records",
@@ -487,6 +477,16 @@ def index_problems(
             structure=index.path("entries"),
             rule="LI-IDX-001",
         )
+
+
+def _entry_error(index: Record, k: int, problem: str) -> FormatError:
+    """A finding of index_problems about the INDEX's entry ``k``."""
+    return FormatError(
+        f"entry {k}: {problem}",
+        offset=index.body_offset + INDEX_BODY.size + INDEX_ENTRY.size * k,
+        structure=index.path(f"entries[{k}]"),
+        rule="LI-IDX-001",
+    )
 
 
 @implements("LI-SRC-001")

@@ -12,12 +12,14 @@ in the same run).
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import tempfile
 import time
+from contextlib import contextmanager
 from importlib import resources
-from typing import IO, cast
+from typing import IO, Callable, ParamSpec, TypeVar, cast
 
 import click
 import numpy as np
@@ -41,6 +43,8 @@ FREE_BLOCK = 2 << 20  # FREE hints name whole free 2 MiB blocks (what free-page 
 SEED = 17  # the second save's changes are the same in every run
 TICKED_PAGES, TICKED_WORDS, REWRITTEN_PAGES = 220, 4, 20
 MIB = 1 << 20
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
 
 
 def sample_path(name: str) -> str:
@@ -73,6 +77,22 @@ def _done(start: float, note: str = "") -> None:
     click.echo(f"   ({time.perf_counter() - start:.2f} s){' ' + note if note else ''}")
 
 
+def _timed(title: str) -> Callable[[Callable[_P, _R]], Callable[_P, _R]]:
+    """A step of the demo: ``title`` shown before it runs (_step), the seconds it took after (_done)."""
+
+    def decorate(step: Callable[_P, _R]) -> Callable[_P, _R]:
+        @functools.wraps(step)
+        def timed(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+            start = _step(title)
+            result = step(*args, **kwargs)
+            _done(start)
+            return result
+
+        return timed
+
+    return decorate
+
+
 def _mib(n: int) -> str:
     return f"{n / MIB:.2f} MiB"
 
@@ -88,6 +108,17 @@ def _disks(path: str) -> dict:
     from .disks import open_disk
 
     return {DISK_NAME: open_disk(path, DISK_NAME)}
+
+
+@contextmanager
+def _open_disks(path: str):
+    """_disks for the block, closed after it (an image they are attached to closes them itself)."""
+    disks = _disks(path)
+    try:
+        yield disks
+    finally:
+        for disk in disks.values():
+            disk.close()
 
 
 class Demo:
@@ -112,8 +143,8 @@ class Demo:
         )
 
     # -- the steps ----------------------------------------------------------------------------
+    @_timed("the bundled sample: a real QEMU 7.2 save of a 96 MiB Linux guest, and its disk")
     def unpack(self) -> None:
-        t = _step("the bundled sample: a real QEMU 7.2 save of a 96 MiB Linux guest, and its disk")
         _decompress(sample_path(SAMPLE_SAVE), self.path("vm.save"))
         _decompress(sample_path(SAMPLE_DISK), self.path("disk.img"))
         self.zstd["vm.save"] = zstd_size(self.path("vm.save"))
@@ -124,18 +155,16 @@ class Demo:
         click.echo(
             f"   zstd -3 of vm.save: {_mib(self.zstd['vm.save'])} (the baseline every size below is set against)"
         )
-        _done(t)
 
+    @_timed("leanimg convert vm.save -o plain.lean        # every non-zero page stored inline")
     def convert_inline(self) -> None:
-        t = _step("leanimg convert vm.save -o plain.lean        # every non-zero page stored inline")
         source("qemu").convert(self.path("vm.save"), self.path("plain.lean"))
         with LeanImage.open(self.path("plain.lean")) as image:
             click.echo(f"   {_classes_line(image)}")
         self.measure("plain.lean: pages inline", self.path("plain.lean"), "vm.save")
-        _done(t)
 
+    @_timed("FREE hints: vm.hnt (spec/hints.md), written with leanimg.hints.HintWriter")
     def write_free_hints(self) -> int:
-        t = _step("FREE hints: vm.hnt (spec/hints.md), written with leanimg.hints.HintWriter")
         with LeanImage.open(self.path("plain.lean")) as image:
             region = image.region("pc.ram")
             per_block = FREE_BLOCK // image.page_size
@@ -158,14 +187,12 @@ class Demo:
             "   from (or from the balloon). The hints are taken as a host would with the guest paused after\n"
             "   the last byte of the stream (stream_offset = its length), so the offset rule admits them all."
         )
-        _done(t)
         return len(blocks) * per_block
 
+    @_timed("leanimg convert vm.save -o vm.lean --disk vda=disk.img --hints vm.hnt")
     def convert_lean(self, free_pages: int) -> None:
-        t = _step("leanimg convert vm.save -o vm.lean --disk vda=disk.img --hints vm.hnt")
         report: dict = {}
-        disks = _disks(self.path("disk.img"))
-        try:
+        with _open_disks(self.path("disk.img")) as disks:
             summary = source("qemu").convert(
                 self.path("vm.save"),
                 self.path("vm.lean"),
@@ -174,9 +201,6 @@ class Demo:
                 hint_report=report,
                 disk_scan=True,
             )
-        finally:
-            for disk in disks.values():
-                disk.close()
         with LeanImage.open(self.path("vm.lean")) as image:
             click.echo(f"   {_classes_line(image)}")
             counts = class_counts(image)
@@ -192,10 +216,9 @@ class Demo:
             "them), a ZERO page must read as zeros"
         )
         self.measure("vm.lean: +DISK +FREE", self.path("vm.lean"), "vm.save")
-        _done(t)
 
+    @_timed("leanimg inspect vm.lean --files --disk vda=disk.img   # the files the DISK pages came from")
     def show_files(self) -> None:
-        t = _step("leanimg inspect vm.lean --files --disk vda=disk.img   # the files the DISK pages came from")
         try:
             with LeanImage.open(self.path("vm.lean"), disks=_disks(self.path("disk.img"))) as image:
                 files = disk_files(image)
@@ -206,10 +229,9 @@ class Demo:
                     click.echo(f"   {name}: ... {len(rows) - 8} more")
         except LeanImageError as exc:  # debugfs (e2fsprogs) is not installed
             click.echo(f"   skipped: {exc}")
-        _done(t)
 
+    @_timed("a second save, vm2.save: the guest a moment later")
     def make_second_save(self) -> None:
-        t = _step("a second save, vm2.save: the guest a moment later")
         with LeanImage.open(self.path("plain.lean")) as image:
             changed = _write_changed_copy(image, self.path("changed.lean"))
         with LeanImage.open(self.path("changed.lean")) as image:
@@ -223,18 +245,13 @@ class Demo:
             "device state: the same layout, other page contents (a QEMU 7.2 stream)."
         )
         click.echo(f"   zstd -3 of vm2.save: {_mib(self.zstd['vm2.save'])}")
-        _done(t)
 
+    @_timed("leanimg convert vm2.save -o vm2.lean --parent vm.lean --disk vda=disk.img")
     def convert_incremental(self) -> None:
-        t = _step("leanimg convert vm2.save -o vm2.lean --parent vm.lean --disk vda=disk.img")
-        disks = _disks(self.path("disk.img"))
-        try:
+        with _open_disks(self.path("disk.img")) as disks:
             source("qemu").convert(
                 self.path("vm2.save"), self.path("vm2.lean"), parents=[self.path("vm.lean")], disks=disks
             )
-        finally:
-            for disk in disks.values():
-                disk.close()
         with LeanImage.open(self.path("vm2.lean"), parents=[self.path("vm.lean")]) as image:
             click.echo(f"   {_classes_line(image)}")
         click.echo(
@@ -242,12 +259,11 @@ class Demo:
             "words; STORED: the rewritten ones"
         )
         self.measure("vm2.lean: incremental", self.path("vm2.lean"), "vm2.save")
-        _done(t)
 
+    @_timed("leanimg map vm2.lean   # where the bytes of each extent are (first extents of each class)")
     def show_map(self) -> None:
         from .extent_map import describe_place, extent_entries
 
-        t = _step("leanimg map vm2.lean   # where the bytes of each extent are (first extents of each class)")
         with LeanImage.open(self.path("vm2.lean"), parents=[self.path("vm.lean")]) as image:
             shown: dict[str, int] = {}
             for e in extent_entries(image, image.region("pc.ram")):
@@ -266,17 +282,12 @@ class Demo:
                 picture = self.path("memory.svg")
                 render_map(image, picture)
         click.echo(f"   the picture: {picture} (leanimg inspect vm2.lean --map {os.path.basename(picture)})")
-        _done(t)
 
+    @_timed("leanimg validate --chain vm2.lean --disk vda=disk.img")
     def validate_both(self) -> None:
-        t = _step("leanimg validate --chain vm2.lean --disk vda=disk.img")
         for name, parents in (("vm.lean", []), ("vm2.lean", [self.path("vm.lean")])):
-            disks = _disks(self.path("disk.img"))
-            try:
+            with _open_disks(self.path("disk.img")) as disks:
                 report = validate(self.path(name), disks=disks, parents=parents)
-            finally:
-                for disk in disks.values():
-                    disk.close()
             for finding in report.findings:
                 click.echo(f"   {finding}")
             verdict = (
@@ -288,7 +299,6 @@ class Demo:
             )
             click.echo(f"   {name}: {verdict}: " + ", ".join(f"{v} {k}" for k, v in sorted(report.checked.items())))
             self.ok &= report.valid and report.complete
-        _done(t)
 
     def restore_both(self) -> None:
         for name, save, rebuilt, parents in (

@@ -136,7 +136,6 @@ FORMAT_MINOR = 1  # this toolkit reads and writes 1.1
 FORMAT_MINOR_PLAIN = 0  # the minor of an image that sets no bit defined in 1.1: a 1.0 image
 
 # --- header (spec §3) --------------------------------------------------------
-HEADER_MAGIC = b"\x89LEANIMG"
 HEADER = Structure(
     "header",
     [
@@ -156,6 +155,7 @@ HEADER = Structure(
         ("extension", "b[]"),
     ],
 )
+HEADER_MAGIC = b"\x89LEANIMG"
 HEADER_LENGTH_MAX = 4096
 PAGE_SIZE_MIN = 4096
 PAGE_SIZE_MAX = 65536
@@ -214,17 +214,9 @@ class RecordType(enum.IntEnum):
     SOURCE_STATE = 0x8000_0003
 
 
+NAME_FIELDS = [("name_length", "u4"), ("reserved", "u4"), ("name", "b[]")]  # how REGION and DISK bodies end
 REGION_BODY = Structure(
-    "region_body",
-    [
-        ("region_id", "u4"),
-        ("flags", "u4"),
-        ("guest_phys_base", "u8"),
-        ("size_bytes", "u8"),
-        ("name_length", "u4"),
-        ("reserved", "u4"),
-        ("name", "b[]"),
-    ],
+    "region_body", [("region_id", "u4"), ("flags", "u4"), ("guest_phys_base", "u8"), ("size_bytes", "u8"), *NAME_FIELDS]
 )
 REGION_FLAG_HAS_GPA = 1 << 0
 REGION_NAME_MAX = 255
@@ -238,9 +230,7 @@ DISK_BODY = Structure(
         ("sector_size", "u4"),
         ("fingerprint_method", "u4"),
         ("fingerprint", "digest"),
-        ("name_length", "u4"),
-        ("reserved", "u4"),
-        ("name", "b[]"),
+        *NAME_FIELDS,
     ],
     zero=("flags",),
 )

@@ -670,14 +670,12 @@ def _check_within(hints: Hints, guest: Guest):
 
 
 @implements("LI-HNT-019")
-def _check_offsets(hints: Hints, guest: Guest):
-    if guest.stream_length is None:
-        return
+def _check_offsets(hints: Hints, stream_length: int):
     for record in hints.records:
-        if record.stream_offset > guest.stream_length:
+        if record.stream_offset > stream_length:
             yield HintError(
                 f"stream_offset {record.stream_offset} is past the end of the save stream "
-                f"({guest.stream_length} bytes): a hint requested after the save ended",
+                f"({stream_length} bytes): a hint requested after the save ended",
                 offset=record.offset + RECORD_HEAD.size,
                 structure=f"{record.structure}.stream_offset",
                 rule="LI-HNT-019",
@@ -685,14 +683,12 @@ def _check_offsets(hints: Hints, guest: Guest):
 
 
 @implements("LI-HNT-020")
-def _check_disks(hints: Hints, guest: Guest):
-    if guest.disks is None:
-        return
+def _check_disks(hints: Hints, disks: dict):
     for record in hints.of_kind(RecordType.DISK):
         runs = record.entries
         for disk_id in distinct(runs["disk_id"]).tolist():
             name = hints.disks[disk_id]
-            if name not in guest.disks:
+            if name not in disks:
                 yield HintError(
                     f"DISK hints name disk {name!r}, which is not given (give it with --disk {name}=PATH)",
                     offset=record.offset,
@@ -702,11 +698,11 @@ def _check_disks(hints: Hints, guest: Guest):
                 continue
             mine = runs[runs["disk_id"] == disk_id]
             ends = mine["sector"].astype(np.float64) * SECTOR + mine["num_pages"].astype(np.float64) * hints.page_size
-            if (ends > guest.disks[name]).any():
-                k = int(np.flatnonzero(ends > guest.disks[name])[0])
+            if (ends > disks[name]).any():
+                k = int(np.flatnonzero(ends > disks[name])[0])
                 yield HintError(
                     f"a run at sector {int(mine['sector'][k])} of {int(mine['num_pages'][k])} pages "
-                    f"runs past the end of disk {name!r} ({guest.disks[name]} bytes)",
+                    f"runs past the end of disk {name!r} ({disks[name]} bytes)",
                     offset=record.offset,
                     structure=record.structure,
                     rule="LI-HNT-020",
@@ -742,8 +738,10 @@ def check_against(hints: Hints, guest: Guest) -> Iterator[HintError]:
     if fit:
         return
     yield from _check_within(hints, guest)
-    yield from _check_offsets(hints, guest)
-    yield from _check_disks(hints, guest)
+    if guest.stream_length is not None:  # not known: 019 is not checked
+        yield from _check_offsets(hints, guest.stream_length)
+    if guest.disks is not None:  # not known: 020 is not checked
+        yield from _check_disks(hints, guest.disks)
     yield from _check_parent(hints, guest)
 
 

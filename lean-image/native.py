@@ -33,28 +33,13 @@ class Backend(Protocol):
     def span_checksums(self, buffers: list, offsets: np.ndarray, lengths: np.ndarray, out: np.ndarray) -> None:
         """xxh3-64 of ``buffers[k][offsets[k]:offsets[k] + lengths[k]]`` into ``out`` (format.span_checksums)."""
 
-    def index_list_heads(
-        self,
-        content,
-        offsets: np.ndarray,
-        page_size: int,
-        simple: np.ndarray,
-        word_start: np.ndarray,
-        num_words: np.ndarray,
-    ) -> int:
-        """The heads of the INDEX_LIST entries of a DELTA_FRAME (delta.parse_index_lists)."""
+    def index_list_heads(self, *arrays) -> int:
+        """The heads of the INDEX_LIST entries of a DELTA_FRAME: (content, offsets, page_size,
+        simple, word_start, num_words) (delta.parse_index_lists)."""
 
-    def index_list_words(
-        self,
-        content,
-        offsets: np.ndarray,
-        page_size: int,
-        simple: np.ndarray,
-        word_start: np.ndarray,
-        positions: np.ndarray,
-        values: np.ndarray,
-    ) -> None:
-        """Their words (delta.parse_index_lists)."""
+    def index_list_words(self, *arrays) -> None:
+        """Their words: (content, offsets, page_size, simple, word_start, positions, values)
+        (delta.parse_index_lists)."""
 
     def copy_rows(self, src, src_rows: np.ndarray, dst, dst_rows: np.ndarray, row_size: int) -> None:
         """``dst[dst_rows] = src[src_rows]``, rows of ``row_size`` bytes (chain.forward._copy_rows)."""

@@ -28,42 +28,46 @@ def _meta() -> dict:
     return ctx.meta if ctx is not None else {}
 
 
-def _remember(key: str):
+def _remembered_option(key: str, *decls: str, **attrs):
+    """An option whose value (when given) is also kept in ``meta`` under ``key``, for the
+    functions below."""
+
     def callback(ctx, param, value):
         if value:
             ctx.meta[key] = value
         return value
 
-    return callback
+    return click.option(*decls, callback=callback, **attrs)
 
 
 def verbosity_options(function):
     """-q/--quiet and -v/--verbose, taken by the group and by every command (either place works)."""
-    function = click.option(
+    verbose = _remembered_option(
+        _VERBOSE,
         "-v",
         "--verbose",
         count=True,
         expose_value=False,
-        callback=_remember(_VERBOSE),
         help="Say more on standard error: what is being read and written.",
-    )(function)
-    return click.option(
+    )
+    quiet = _remembered_option(
+        _QUIET,
         "-q",
         "--quiet",
         is_flag=True,
         expose_value=False,
-        callback=_remember(_QUIET),
         help="Print only errors and results (a report, --json output): no summary line, notes or progress bar.",
-    )(function)
+    )
+    return quiet(verbose(function))
 
 
 def json_option(function):
     """``--json``, passed to the command as ``as_json`` and remembered for the error report."""
-    return click.option(
+    return _remembered_option(
+        _JSON,
         "--json",
         "as_json",
         is_flag=True,
-        callback=_remember(_JSON),
         help="Print the result as one JSON document (schema: leanimg/schemas/; fields: "
         "spec/guides/json.md); errors too.",
     )(function)
@@ -154,20 +158,8 @@ def error(
 ) -> None:
     """An error as JSON (``--json`` given), in the shape of schemas/error.schema.json."""
     if wants_json():
-        emit_json(
-            {
-                "error": dict(
-                    kind=kind,
-                    message=message,
-                    path=path,
-                    offset=offset,
-                    structure=structure,
-                    rule=rule,
-                    hint=hint,
-                    exit_code=exit_code,
-                )
-            }
-        )
+        where = dict(path=path, offset=offset, structure=structure, rule=rule, hint=hint)
+        emit_json({"error": dict(kind=kind, message=message, **where, exit_code=exit_code)})
 
 
 def schema_names() -> list[str]:

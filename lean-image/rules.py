@@ -10,8 +10,6 @@ raises the rule).
 
 from __future__ import annotations
 
-IMPLEMENTATIONS: dict = {}
-
 RULES = {
     # header (spec §3)
     "LI-HDR-001": "the file starts with the header magic 89 4C 45 41 4E 49 4D 47",
@@ -122,7 +120,6 @@ HINT_RULES = {
     "LI-HNT-026": "FREE hints from a guest's snapshot come only from a precopy save, from a snapshot taken after "
     "their stream_offset and before the checkpoint instant",
 }
-HINT_IMPLEMENTATIONS: dict = {}
 
 # Working-set files of `serve --postcopy` (spec/guides/lazy-restore.md, "Working sets"): they
 # change only the order pages travel in; a file breaking a rule is refused whole.
@@ -133,11 +130,20 @@ WORKING_SET_RULES = {
     "LI-WKS-004": "the entries are exactly entry_count times 8 bytes, and nothing follows them",
     "LI-WKS-005": "each entry's block is below block_count and its page within that block",
 }
+
+# The function that implements each rule, by ``implements``: one registry to each table.
+IMPLEMENTATIONS: dict = {}
+HINT_IMPLEMENTATIONS: dict = {}
 WORKING_SET_IMPLEMENTATIONS: dict = {}
+_REGISTRIES = (
+    (RULES, IMPLEMENTATIONS),
+    (HINT_RULES, HINT_IMPLEMENTATIONS),
+    (WORKING_SET_RULES, WORKING_SET_IMPLEMENTATIONS),
+)
 
 
 def describe(rule: str) -> str:
-    return RULES.get(rule) or HINT_RULES.get(rule) or WORKING_SET_RULES.get(rule, "")
+    return next((table[rule] for table, _ in _REGISTRIES if rule in table), "")
 
 
 def implements(*rules: str):
@@ -145,15 +151,7 @@ def implements(*rules: str):
 
     def register(function):
         for rule in rules:
-            registry = (
-                IMPLEMENTATIONS
-                if rule in RULES
-                else HINT_IMPLEMENTATIONS
-                if rule in HINT_RULES
-                else WORKING_SET_IMPLEMENTATIONS
-                if rule in WORKING_SET_RULES
-                else None
-            )
+            registry = next((found for table, found in _REGISTRIES if rule in table), None)
             if registry is None:
                 raise ValueError(f"{function.__qualname__}: unknown rule {rule}")
             if rule in registry:

@@ -565,8 +565,8 @@ def word_batches(draw):
 def test_the_words_folded_in_c_are_the_words_numpy_folds(batch):
     """Ascending page * words + word, the first entry's value of a word several set, and
     whether each row's entry is plain: the same from C as from numpy, dtypes included."""
-    native = deltas_module._fold_words_native(*batch)
-    python = deltas_module._fold_words(*batch)
+    native = deltas_module._fold_words_native(deltas_module.WordBatch(*batch))
+    python = deltas_module._fold_words(deltas_module.WordBatch(*batch))
     assert native is not None
     for got, want in zip(native, python):
         assert got.dtype == want.dtype and np.array_equal(got, want)
@@ -590,4 +590,5 @@ def test_inputs_the_c_fold_does_not_take_go_to_numpy(spoil):
         word_start = np.array([2, 0], np.int64)
     else:
         pages = np.array([4, -1], np.int64)
-    assert deltas_module._fold_words_native(simple, word_start, positions, values, rows, pages, PS) is None
+    batch = deltas_module.WordBatch(simple, word_start, positions, values, rows, pages, PS)
+    assert deltas_module._fold_words_native(batch) is None

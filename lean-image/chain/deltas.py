@@ -71,6 +71,19 @@ class FoldedBatch(NamedTuple):
     plain: np.ndarray  # per row: whether its entry is a plain INDEX_LIST (else: the checked path)
 
 
+class WordBatch(NamedTuple):
+    """What a batch's fold takes (_fold_words, _fold_words_native): parse_index_lists' arrays
+    over its entries, and the rows that apply (each: its entry and its page)."""
+
+    simple: np.ndarray  # per entry: whether it is a plain INDEX_LIST (bool)
+    word_start: np.ndarray  # per entry: its first word in positions and values
+    positions: np.ndarray  # each word's index in its page
+    values: np.ndarray  # each word's value ("<u8")
+    entries: np.ndarray  # per row: its entry
+    pages: np.ndarray  # per row: its page
+    page_size: int
+
+
 class _Batch(NamedTuple):
     rows: np.ndarray  # the delta entries (rows of the resolution) it folds
     job: tuple  # _gather_and_fold's arguments
@@ -262,27 +275,17 @@ def _fold_delta_batch(
     _parse_delta_batch, if done already."""
     firsts, counts, (simple, word_start, _, positions, values) = parsed or _parse_delta_batch(frames, page_size)
     entries = (np.cumsum(counts) - counts)[frame_of_row] + slots - firsts[frame_of_row]
-    folded = (
-        _fold_words_native(simple, word_start, positions, values, entries, pages, page_size)
-        if _native is not None
-        else None
-    )
+    batch = WordBatch(simple, word_start, positions, values, entries, pages, page_size)
+    folded = _fold_words_native(batch) if _native is not None else None
     if folded is not None:
         return FoldedBatch(firsts, *folded)
-    return FoldedBatch(firsts, *_fold_words(simple, word_start, positions, values, entries, pages, page_size))
+    return FoldedBatch(firsts, *_fold_words(batch))
 
 
-def _fold_words_native(
-    simple: np.ndarray,
-    word_start: np.ndarray,
-    positions: np.ndarray,
-    values: np.ndarray,
-    entries: np.ndarray,
-    pages: np.ndarray,
-    page_size: int,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+def _fold_words_native(batch: WordBatch) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
     """_fold_words in one call of leanimg._native.fold_words (None: an input it does not take)."""
     assert _native is not None  # called only with the backend
+    simple, word_start, positions, values, entries, pages, page_size = batch
     plain = np.zeros(len(entries), bool)
     flat, flat_values = np.empty(len(positions), np.int64), np.empty(len(positions), "<u8")
     count = _native.fold_words(
@@ -301,19 +304,12 @@ def _fold_words_native(
     return None if count < 0 else (flat[:count], flat_values[:count], plain)
 
 
-def _fold_words(
-    simple: np.ndarray,
-    word_start: np.ndarray,
-    positions: np.ndarray,
-    values: np.ndarray,
-    entries: np.ndarray,
-    pages: np.ndarray,
-    page_size: int,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The words of a batch's entries (parse_index_lists' arrays) that its rows apply (each
-    row: its ``entries`` index and its page): (page * words per page + word, ascending, their
-    values, per row whether its entry is a plain INDEX_LIST). Of a word several entries set,
-    the first entry's value is kept (a batch's entries come nearest link first)."""
+def _fold_words(batch: WordBatch) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The words of a batch's entries that its rows apply: (page * words per page + word,
+    ascending, their values, per row whether its entry is a plain INDEX_LIST). Of a word
+    several entries set, the first entry's value is kept (a batch's entries come nearest link
+    first)."""
+    simple, word_start, positions, values, entries, pages, page_size = batch
     plain = simple[entries]
     page_of_entry = np.full(len(simple), -1, np.int64)
     page_of_entry[entries[plain]] = pages[plain]

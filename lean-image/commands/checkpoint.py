@@ -10,7 +10,16 @@ import click
 
 from .. import output as ui
 from ..output import json_option, verbosity_options
-from .common import IMAGE, chain_paths, force_option, guard_output, output_exists, parse_disks
+from .common import (
+    file_option,
+    force_option,
+    guard_output,
+    incremental_options,
+    lean_output_option,
+    level_option,
+    parse_disks,
+    prev_chain,
+)
 
 
 @click.command("checkpoint")
@@ -22,7 +31,7 @@ from .common import IMAGE, chain_paths, force_option, guard_output, output_exist
     help="QEMU's QMP unix socket (-qmp unix:SOCKET,server=on,wait=off); QEMU serves one "
     "client per socket, so give leanimg its own.",
 )
-@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="The lean image to write.")
+@lean_output_option
 @json_option
 @verbosity_options
 @click.option(
@@ -55,16 +64,10 @@ from .common import IMAGE, chain_paths, force_option, guard_output, output_exist
     "With --then continue the disk is frozen at the checkpoint instant (the guest writes to a new "
     "qcow2 overlay beside it from then on).",
 )
-@click.option(
-    "--parent",
-    "parents",
-    multiple=True,
-    type=IMAGE,
-    metavar="PREV.lean",
-    help="Write an incremental image against PREV (more: PREV's ancestors).",
+@incremental_options(
+    "Write an incremental image against PREV (more: PREV's ancestors).", "8-byte-word deltas (with --parent)."
 )
-@click.option("--delta/--no-delta", default=True, show_default=True, help="8-byte-word deltas (with --parent).")
-@click.option("--level", default=3, show_default=True, type=click.IntRange(1, 22), help="zstd level.")
+@level_option("zstd level.")
 @click.option(
     "--max-bandwidth",
     type=click.IntRange(1),
@@ -78,12 +81,7 @@ from .common import IMAGE, chain_paths, force_option, guard_output, output_exist
     help="Inflate the guest's virtio-balloon by MIB first (its pages save as zeros) and deflate it "
     "afterwards; the image records the size before (restored guests: QMP balloon value=BEFORE).",
 )
-@click.option(
-    "--keep-stream",
-    type=click.Path(dir_okay=False),
-    metavar="FILE",
-    help="Also write QEMU's raw migration stream to FILE (for debugging: a full-size file).",
-)
+@file_option("--keep-stream", help="Also write QEMU's raw migration stream to FILE (for debugging: a full-size file).")
 @click.option(
     "--guest-free",
     metavar="SOCKET",
@@ -91,11 +89,8 @@ from .common import IMAGE, chain_paths, force_option, guard_output, output_exist
     "(leanimg-guest-free, on the virtio-serial port org.leanimg.free.0 that QEMU connects to SOCKET) for "
     "its free pages while the precopy runs; pages not sent again after its answer become FREE.",
 )
-@click.option(
-    "--keep-hints",
-    type=click.Path(dir_okay=False),
-    metavar="FILE",
-    help="With --guest-free: also write the FREE hints taken from the guest to FILE (spec/hints.md).",
+@file_option(
+    "--keep-hints", help="With --guest-free: also write the FREE hints taken from the guest to FILE (spec/hints.md)."
 )
 @force_option
 def checkpoint(
@@ -123,7 +118,7 @@ def checkpoint(
     for path in paths.values():
         if not os.path.isfile(path):
             raise click.BadParameter(f"{path} is not a file", param_hint="--disk")
-    chain = chain_paths(parents[0], parents) if parents and output_exists(output) else []
+    chain = prev_chain(parents, output)
     inputs = [*parents, *chain, *paths.values()]
     guard_output(output, inputs, force, object_ok=True)
     if keep_stream:

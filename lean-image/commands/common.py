@@ -1,6 +1,7 @@
-"""What the commands share: exit codes, the IMAGE argument type, the --disk, --parent and -f
-options, opening an image with its chain and disks, and refusing an output that would
-overwrite an input (JSON output, -q/-v and the summary line: ``leanimg.output``)."""
+"""What the commands share: exit codes, the IMAGE argument type, the --disk, --parent, -o and -f
+options and factories of the options several commands take alike, opening an image with its
+chain and disks, and refusing an output that would overwrite an input (JSON output, -q/-v and
+the summary line: ``leanimg.output``)."""
 
 from __future__ import annotations
 
@@ -119,6 +120,32 @@ parent_option = click.option(
 force_option = click.option(
     "-f", "--force", is_flag=True, help="Replace an existing output file (an input of the command never is)."
 )
+lean_output_option = click.option(
+    "-o", "--output", required=True, type=click.Path(dir_okay=False), help="The lean image to write."
+)
+
+
+def file_option(*decls: str, help: str, exists: bool = False):
+    """An option naming a FILE: one the command writes, or with ``exists`` one it reads."""
+    return click.option(*decls, type=click.Path(exists=exists, dir_okay=False), metavar="FILE", help=help)
+
+
+def switch_option(flags: str, help: str):
+    """A ``--X/--no-X`` switch that is on unless turned off."""
+    return click.option(flags, default=True, show_default=True, help=help)
+
+
+def incremental_options(parent_help: str, delta_help: str):
+    """--parent PREV.lean (repeatable: PREV's ancestors) and --delta/--no-delta: write an
+    incremental image against PREV, its changed pages as deltas where smaller (checkpoint, convert)."""
+    parent = click.option("--parent", "parents", multiple=True, type=IMAGE, metavar="PREV.lean", help=parent_help)
+    delta = switch_option("--delta/--no-delta", delta_help)
+    return lambda function: parent(delta(function))
+
+
+def level_option(help: str):
+    """--level: the zstd level of the pages written (1-22, default 3)."""
+    return click.option("--level", default=3, show_default=True, type=click.IntRange(1, 22), help=help)
 
 
 def guard_output(output, inputs, force: bool, object_ok: bool = False) -> None:
@@ -170,6 +197,12 @@ def chain_paths(image, parents) -> list[str]:
 
     with LeanImage.open(image, parents=parents) as img:
         return [link.path for link in img.chain()]
+
+
+def prev_chain(parents, output) -> list[str]:
+    """The links of PREV's chain (the first --parent's), which an incremental OUTPUT must not
+    overwrite; opened to name them only when OUTPUT exists (it could be one of them)."""
+    return chain_paths(parents[0], parents) if parents and output_exists(output) else []
 
 
 def verdict_of(report) -> str:

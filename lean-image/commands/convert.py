@@ -11,20 +11,22 @@ import click
 from .. import output as ui
 from ..output import json_option, verbosity_options
 from .common import (
-    IMAGE,
-    chain_paths,
     disk_sources,
+    file_option,
     force_option,
     guard_output,
+    incremental_options,
     installed_plugin,
-    output_exists,
+    lean_output_option,
+    level_option,
     parse_disks,
+    prev_chain,
 )
 
 
 @click.command("convert")
 @click.argument("save", metavar="SAVE|-")
-@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="The lean image to write.")
+@lean_output_option
 @json_option
 @verbosity_options
 @click.option(
@@ -40,28 +42,16 @@ from .common import (
     help="Assemble RAM in scratch files first, as a live save read from a pipe needs (default: only "
     "where needed, e.g. with --disk; a live save in a file is re-read instead).",
 )
-@click.option(
-    "--level", default=3, show_default=True, type=click.IntRange(1, 22), help="zstd level of stored pages (1-22)."
-)
+@level_option("zstd level of stored pages (1-22).")
 @click.option(
     "--frame-pages",
     type=click.IntRange(1, 4096),
     help="Pages per zstd frame, at most 16 MiB of them (default: 2 MiB worth).",
 )
-@click.option(
-    "--parent",
-    "parents",
-    multiple=True,
-    type=IMAGE,
-    metavar="PREV.lean",
-    help="Write an incremental image against PREV (the first --parent); "
+@incremental_options(
+    "Write an incremental image against PREV (the first --parent); "
     "more --parent options name PREV's ancestors (also found beside PREV).",
-)
-@click.option(
-    "--delta/--no-delta",
-    default=True,
-    show_default=True,
-    help="Encode changed pages as 8-byte-word deltas when smaller (with --parent).",
+    "Encode changed pages as 8-byte-word deltas when smaller (with --parent).",
 )
 @click.option(
     "--disk",
@@ -75,11 +65,10 @@ from .common import (
 @click.option(
     "--all-phases", is_flag=True, help="Scan every 512-byte phase of each disk, not only the partitions' own."
 )
-@click.option(
+@file_option(
     "--hints",
     "hints_path",
-    type=click.Path(exists=True, dir_okay=False),
-    metavar="FILE",
+    exists=True,
     help="Hints to apply (spec/hints.md): FREE by the stream-offset rule, DISK verified against "
     "--disk, UNCHANGED against --parent.",
 )
@@ -118,8 +107,7 @@ def convert(
     from ..results import convert_line, convert_result, written_image
 
     started, save_name = time.monotonic(), save
-    # the parent's chain is opened to name its links only when OUTPUT exists: it could be one
-    chain = chain_paths(parents[0], parents) if parents and output_exists(output) else []
+    chain = prev_chain(parents, output)
     disk_paths = _disks_named_by_save(save, source_format, parse_disks(disks))
     guard_output(
         output, [save, *parents, *chain, *disk_paths.values(), *filter(None, [hints_path])], force, object_ok=True

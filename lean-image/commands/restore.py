@@ -17,6 +17,7 @@ from .common import (
     installed_plugin,
     open_image,
     parent_option,
+    switch_option,
 )
 
 
@@ -40,11 +41,9 @@ from .common import (
 @verbosity_options
 @parent_option
 @disk_option
-@click.option(
+@switch_option(
     "--sort-blocks/--no-sort-blocks",
-    default=True,
-    show_default=True,
-    help="Read disk blocks in ascending physical order, coalesced (off: one read per page).",
+    "Read disk blocks in ascending physical order, coalesced (off: one read per page).",
 )
 @click.option(
     "--any-disk-identity",

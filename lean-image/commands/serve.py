@@ -9,7 +9,16 @@ import click
 
 from .. import output as ui
 from ..output import json_option, verbosity_options
-from .common import IMAGE, disk_option, force_option, guard_output, inputs_of, open_image, parent_option
+from .common import (
+    IMAGE,
+    disk_option,
+    file_option,
+    force_option,
+    guard_output,
+    inputs_of,
+    open_image,
+    parent_option,
+)
 
 
 @click.command("serve")
@@ -28,26 +37,14 @@ from .common import IMAGE, disk_option, force_option, guard_output, inputs_of, o
     show_default=True,
     help="The order pages are pushed in while the guest runs (none: only on demand).",
 )
-@click.option(
-    "--stats",
-    "stats_path",
-    type=click.Path(dir_okay=False),
-    metavar="FILE",
-    help="Also write the counts (pages on demand, pushed, ...) to FILE as JSON.",
-)
-@click.option(
+@file_option("--stats", "stats_path", help="Also write the counts (pages on demand, pushed, ...) to FILE as JSON.")
+@file_option(
     "--working-set",
-    type=click.Path(exists=True, dir_okay=False),
-    metavar="FILE",
+    exists=True,
     help="Send the pages of this working-set file (e.g. from --record-faults) before the guest "
     "runs, in its order (at most 8192; every page still checked).",
 )
-@click.option(
-    "--record-faults",
-    type=click.Path(dir_okay=False),
-    metavar="FILE",
-    help="Write the pages the destination asked for, in order, to FILE as a working set.",
-)
+@file_option("--record-faults", help="Write the pages the destination asked for, in order, to FILE as a working set.")
 @click.option(
     "--precopy-seconds",
     type=click.FloatRange(0, 60),
