@@ -2,7 +2,8 @@
 
 Sequential benchmark runs of two commits drift with this host (the same `zstd -d` varies by
 20 % from one run to the next); interleaving A and B run by run, every input evicted from
-the page cache first, leaves the drift to both alike; the order alternates (A B, B A, ...). Each of A and B is a `leanimg`
+the page cache first, leaves the drift to both alike; the order alternates (A B, B A, ...).
+Each of A and B is a `leanimg`
 executable (e.g. the console script of another checkout's virtualenv).
 
     python benchmarks/bench_ab.py --a /work/old/.venv/bin/leanimg --b .venv/bin/leanimg \\

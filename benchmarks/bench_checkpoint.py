@@ -296,7 +296,8 @@ def report(r: dict) -> str:
         f"checkpoint --live (no balloon, --max-bandwidth {r['live_bandwidth_mib']}), x the plain zstd:",
         f"  without guest free hints:       {mb(r['live_bytes'])} = {r['live_bytes'] / zstd:.3f} x "
         f"(FREE {r['live_free_mib']:.0f} MiB)",
-        f"  --guest-free:                   {mb(r['live_guest_free_bytes'])} = {r['live_guest_free_bytes'] / zstd:.3f} x "
+        f"  --guest-free:                   {mb(r['live_guest_free_bytes'])} = "
+        f"{r['live_guest_free_bytes'] / zstd:.3f} x "
         f"(FREE {r['live_guest_free_free_mib']:.0f} MiB; {r['guest_free_answers']} answers, the last took "
         f"{r['guest_free_helper_ms']:.0f} ms in the guest)",
         f"  --guest-free --disk:            {mb(r['live_guest_free_disk_bytes'])} = "
@@ -307,8 +308,10 @@ def report(r: dict) -> str:
     return "\n".join(
         lines
         + [
-            f"same with free-page-reporting:    {mb(r['balloon_save_bytes'])}, zstd -T0 -3 {mb(r['balloon_save_zstd_bytes'])}",
-            f"checkpoint --disk:                {mb(r['checkpoint_disk_bytes'])} = {r['ratio_vs_plain_zstd']:.3f} x the plain "
+            f"same with free-page-reporting:    {mb(r['balloon_save_bytes'])}, "
+            f"zstd -T0 -3 {mb(r['balloon_save_zstd_bytes'])}",
+            f"checkpoint --disk:                {mb(r['checkpoint_disk_bytes'])} = "
+            f"{r['ratio_vs_plain_zstd']:.3f} x the plain "
             f"zstd (target <= 0.2), {r['ratio_vs_balloon_zstd']:.3f} x the balloon zstd",
             f"stop mode wall time (medians of {r['repeat']}): checkpoint --disk {r['checkpoint_stop_seconds']:.2f} s "
             f"(leanimg CPU {r['checkpoint_stop_cpu_seconds']:.2f} s), QEMU exec:cat "
@@ -321,7 +324,8 @@ def report(r: dict) -> str:
             _steps("  without --disk", r, "checkpoint_stop_nodisk"),
             f"background: checkpoint {r['checkpoint_background_seconds']:.1f} s "
             f"(leanimg CPU {r['checkpoint_background_cpu_seconds']:.1f} s), downtime "
-            f"{r['checkpoint_background_downtime_ms']} ms (target <= 50); QEMU exec:cat {r['qemu_background_seconds']:.1f} s, "
+            f"{r['checkpoint_background_downtime_ms']} ms (target <= 50); "
+            f"QEMU exec:cat {r['qemu_background_seconds']:.1f} s, "
             f"downtime {r['qemu_background_downtime_ms']} ms = {r['background_time_ratio']:.2f} x (target <= 1.2)",
         ]
     )

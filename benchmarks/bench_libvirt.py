@@ -41,7 +41,10 @@ XML = """<domain type='qemu'>
   <devices><disk type='file' device='disk'><source file='{disk}'/><target dev='vda' bus='virtio'/></disk></devices>
 </domain>
 """
-COOKIE = b"<qemu-save-cookie>\n  <cpu mode='custom' match='exact' check='none'><model>qemu64</model></cpu>\n</qemu-save-cookie>\n"
+COOKIE = (
+    b"<qemu-save-cookie>\n  <cpu mode='custom' match='exact' check='none'><model>qemu64</model></cpu>\n"
+    b"</qemu-save-cookie>\n"
+)
 
 
 def wrap(stream_path: Path, out: Path, disk: str, kib: int) -> None:

@@ -134,11 +134,13 @@ def summarize(name: str, returncode: int, log: Path, seconds: float, workdir: Pa
 
 def report(results: list[dict]) -> None:
     print(
-        f"{'harness':8} {'executions':>11} {'seconds':>8} {'exec/s':>7} {'cov':>6} {'ft':>7} {'corpus':>6} {'crashes':>7}  finished"
+        f"{'harness':8} {'executions':>11} {'seconds':>8} {'exec/s':>7} {'cov':>6} {'ft':>7} "
+        f"{'corpus':>6} {'crashes':>7}  finished"
     )
     for r in results:
         print(
-            f"{r['name']:8} {r['executions']:>11} {r['seconds']:>8.0f} {r['rate']:>7.1f} {r['cov'] or '-':>6} {r['ft'] or '-':>7} "
+            f"{r['name']:8} {r['executions']:>11} {r['seconds']:>8.0f} {r['rate']:>7.1f} "
+            f"{r['cov'] or '-':>6} {r['ft'] or '-':>7} "
             f"{r['corpus'] or '-':>6} {len(r['crashes']):>7}  "
             f"{'yes' if r['finished'] else 'NO (exit %d, see %s)' % (r['returncode'], r['log'])}"
         )

@@ -1,4 +1,5 @@
-"""The `leanimg` command line. Exit codes: 0 ok, 1 bad input, 2 usage, 3 internal error, 4 (validate) not every rule checked."""
+"""The `leanimg` command line. Exit codes: 0 ok, 1 bad input, 2 usage, 3 internal error, 4 (validate)
+not every rule checked."""
 
 from __future__ import annotations
 

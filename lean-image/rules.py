@@ -125,7 +125,8 @@ HINT_RULES = {
 # change only the order pages travel in; a file breaking a rule is refused whole.
 WORKING_SET_RULES = {
     "LI-WKS-001": "the file starts with the magic 89 4C 45 41 4E 57 4B 53",
-    "LI-WKS-002": "the header is whole, major_version is 1, page_size is the image's, block_count 1-255, entry_count at most 2^22",
+    "LI-WKS-002": "the header is whole, major_version is 1, page_size is the image's, block_count 1-255, "
+    "entry_count at most 2^22",
     "LI-WKS-003": "each block name is 1-255 bytes of UTF-8, names a RAM block of the image, and appears once",
     "LI-WKS-004": "the entries are exactly entry_count times 8 bytes, and nothing follows them",
     "LI-WKS-005": "each entry's block is below block_count and its page within that block",

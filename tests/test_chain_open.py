@@ -757,7 +757,8 @@ def _outcome(open_image, path: Path):
 @given(data=st.data())
 def test_any_table_edit_is_judged_by_the_batch_as_by_each_link_alone(chain, tmp_path_factory, data):
     """A byte of a table record (or a frame's record header; not a body_length, which reseal
-    walks by) of one link of a short chain set to any value, checksums made right again: opening the chain batched either gives the same
+    walks by) of one link of a short chain set to any value, checksums made right again: opening the chain
+    batched either gives the same
     tables as opening each link alone, or the same finding (class, rule, offset, structure,
     file, message). The batch only *accepts* quickly; it must never accept what a link's own
     checks refuse, nor refuse differently."""

@@ -39,7 +39,8 @@ def test_regression_input_gives_only_lean_image_errors(path, tmp_path):
             pass
 
 
-# Stream inputs: fuzz/regressions/*.qemu replayed by fuzz/fuzz_qemu.py, *.xen by fuzz/fuzz_xen.py, *.libvirt by fuzz/fuzz_libvirt.py
+# Stream inputs: fuzz/regressions/*.qemu replayed by fuzz/fuzz_qemu.py, *.xen by fuzz/fuzz_xen.py,
+# *.libvirt by fuzz/fuzz_libvirt.py
 # (the whole harness check: readers, conversion, restore round trip), in a subprocess under
 # the 512 MiB address-space cap of issue 16 §5, so an unbounded allocation fails the test.
 STREAM_HARNESSES = {"qemu": "fuzz_qemu.py", "xen": "fuzz_xen.py", "libvirt": "fuzz_libvirt.py"}

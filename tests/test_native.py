@@ -5,7 +5,8 @@ and damaged entries, tables_batch's page-map rules on sound and spoiled page map
 chain.resolution._fold_own_pages_numpy's fold of a chain's pages; it refuses rows, offsets and extents
 outside its buffers, and records' places that do not add up; its batch checksums are the
 xxhash module's (format.span_checksums). (Its DELTA_FRAME reads are
-checked against chain.deltas._quick_delta_frame's in tests/test_chain_fold.py, on damaged records.) .ci/install builds it (and fails when it cannot), so these tests
+checked against chain.deltas._quick_delta_frame's in tests/test_chain_fold.py, on damaged records.)
+.ci/install builds it (and fails when it cannot), so these tests
 require it."""
 
 import numpy as np
@@ -511,7 +512,8 @@ def test_leanimg_native_chooses_the_backend(tmp_path):
     probe = (
         "from leanimg import native, delta, format, parent_files, tables_batch; "
         "from leanimg.chain import deltas, forward, resolution; "
-        "print([m._native is native.backend for m in (resolution, deltas, forward, delta, parent_files, tables_batch)], "
+        "print([m._native is native.backend for m in "
+        "(resolution, deltas, forward, delta, parent_files, tables_batch)], "
         "native.backend is None, format._native_digests is None)"
     )
     for mode, none in (("auto", False), ("1", False), ("0", True)):

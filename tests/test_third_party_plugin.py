@@ -274,7 +274,8 @@ def test_broken_plugins_do_not_break_other_commands(plugin_dir, tmp_path):
         ),
         (
             ["convert", "{unknown}", "-o", "{out}"],
-            "source plugins that could not be loaded: exploding (cannot be loaded: RuntimeError: the plugin's own bug), "
+            "source plugins that could not be loaded: exploding "
+            "(cannot be loaded: RuntimeError: the plugin's own bug), "
             "gone (cannot be loaded: ModuleNotFoundError",
         ),
     ],

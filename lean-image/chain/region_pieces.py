@@ -31,7 +31,8 @@ def pieces(
     LeanImage.region_pieces: a page whose bytes are a STORED page of some link, with no delta
     above it, in a frame no other range needs, is a view of that link's decompressed frame;
     pages with deltas or on a disk, and those of frames other ranges need too, are built in
-    one buffer (fill; from the same decompressed frames).  Every page is checked against link 0's digest, which covers the
+    one buffer (fill; from the same decompressed frames).  Every page is checked against link 0's digest,
+    which covers the
     whole path.  The frames and the buffer are used again by the next call: its views are
     valid until then."""
     ps = image.page_size

@@ -100,7 +100,7 @@ def convert(
     disk_scan,
     force,
 ):
-    """Convert a hypervisor save file (QEMU migration stream, libvirt save image, Xen xl/libxl/libxc stream) into a lean image."""
+    """Convert a hypervisor save file (QEMU migration stream, libvirt save image, Xen xl/libxl/libxc stream) into a lean image."""  # noqa: E501 (one line: its help)
     import time
 
     from ..disks.partitions import scan_bytes

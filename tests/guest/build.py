@@ -26,7 +26,8 @@ GUEST_FREE_HELPER = HERE.parents[1] / "guest" / "leanimg-guest-free.c"
 # insmod order for a virtio disk with ext4 on the Debian 6.1 kernel (see ENVIRONMENT.md);
 # virtio_balloon lets a guest with a virtio-balloon (free-page-reporting=on) hand its free
 # blocks to the host (issue 13); virtio_console gives the guest free-list helper its port
-# (guest/leanimg-guest-free.c, `checkpoint --guest-free`); crc32c-intel is left out: the TCG "qemu64" CPU has no SSE4.2, crc32c_generic serves ext4.
+# (guest/leanimg-guest-free.c, `checkpoint --guest-free`); crc32c-intel is left out: the TCG "qemu64" CPU has
+# no SSE4.2, crc32c_generic serves ext4.
 MODULES = [
     "virtio_ring",
     "virtio",
