@@ -757,8 +757,7 @@ def body_problems(record: Record, index: int | None, page_size: int) -> Iterator
     """Value rules of one parsed body that do not need other records."""
     check = BODY_CHECKS.get(record.record_type)
     if check is not None:
-        assert record.parsed is not None  # (parse_body parsed it)
-        yield from check(record.parsed, _Body(record, index), page_size)
+        yield from check(record.fields, _Body(record, index), page_size)
 
 
 @implements("LI-REG-002", "LI-REG-003")

@@ -274,8 +274,7 @@ def _scan(
 
 
 def _collect(record: Record, scan: _Scan, page_size: int, bad_body: bool) -> None:
-    p, kind = record.parsed, record.record_type
-    assert p is not None  # _scan parsed it
+    p, kind = record.fields, record.record_type
     if kind == RecordType.INDEX and scan.index is None:
         scan.index = record
         return
@@ -307,8 +306,7 @@ def _check_footer(image: ImageFile, footer, header, scan: _Scan, report: Report)
     entries = None
     if scan.index is not None:
         report.add_all(index_location_problems(footer, header.header_length, scanned_index=scan.index))
-        assert scan.index.parsed is not None  # _scan parsed it
-        entries = scan.index.parsed["entries"]
+        entries = scan.index.fields["entries"]
     report.add_all(
         checks.index_problems(
             scan.index,
@@ -328,7 +326,7 @@ def _check_tables(header, scan: _Scan, page_size: int, report: Report) -> None:
     report.add_all(checks.reference_order_problems(scan.references))
     bearing_classes = digest_class_table(header.incompatible_features)
     for region in scan.regions:
-        _check_region_tables(region.parsed, scan, page_size, report, bearing_classes)
+        _check_region_tables(region.fields, scan, page_size, report, bearing_classes)
     report.checked["pages"] = sum(int(e["num_pages"].astype(np.int64).sum()) for e in scan.complete_maps.values())
     if len(scan.complete_maps) == len(scan.regions):  # slot use is only meaningful over complete page maps
         report.add_all(
@@ -336,8 +334,8 @@ def _check_tables(header, scan: _Scan, page_size: int, report: Report) -> None:
                 list(scan.complete_maps.values()),
                 sum(f[2]["num_pages"] for f in scan.frames),
                 sum(f[2]["num_deltas"] for f in scan.delta_frames),
-                [r.parsed["first_ref"] for r in scan.refs],
-                [r.parsed["num_refs"] for r in scan.refs],
+                [r.fields["first_ref"] for r in scan.refs],
+                [r.fields["num_refs"] for r in scan.refs],
                 [r.offset for r in scan.refs],
             )
         )
@@ -351,9 +349,9 @@ def _check_tables(header, scan: _Scan, page_size: int, report: Report) -> None:
             )
         )
     report.add_all(checks.feature_problems(header, checks.class_counts(list(scan.complete_maps.values()))))
-    sizes = {d.parsed["disk_id"]: d.parsed["size_bytes"] for d in scan.disks}
+    sizes = {d.fields["disk_id"]: d.fields["size_bytes"] for d in scan.disks}
     for record in scan.refs:
-        report.add_all(checks.disk_ref_problems(sizes, record.parsed["refs"], page_size, record.offset, record.path()))
+        report.add_all(checks.disk_ref_problems(sizes, record.fields["refs"], page_size, record.offset, record.path()))
     report.add_all(checks.source_sequence_problems(scan.sequences))
 
 
@@ -366,7 +364,7 @@ def _check_region_tables(
     coverage = list(checks.coverage_problems(region_id, name, num_pages, extents))
     report.add_all(coverage)
     digest_records = scan.digests.get(region_id, [])
-    ranges = [(r.parsed["first_page"], r.parsed["num_pages"], r, r.offset) for r in digest_records]
+    ranges = [(r.fields["first_page"], r.fields["num_pages"], r, r.offset) for r in digest_records]
     order = list(checks.digest_coverage_problems(region_id, name, num_pages, ranges))
     report.add_all(order)
     if not coverage:
@@ -375,7 +373,7 @@ def _check_region_tables(
             report.add_all(
                 checks.digest_count_problems(
                     extents,
-                    [(first, count, r.parsed["num_digests"], r, r.offset) for first, count, r, _ in ranges],
+                    [(first, count, r.fields["num_digests"], r, r.offset) for first, count, r, _ in ranges],
                     bearing_classes,
                 )
             )
@@ -403,16 +401,16 @@ def _digest_lookup(scan: _Scan, bearing_classes: np.ndarray):
     digest tables are broken (no content can then be matched with its digest)."""
     tables = {}
     for region in scan.regions:
-        region_id = region.parsed["region_id"]
+        region_id = region.fields["region_id"]
         e = scan.complete_maps.get(region_id)
         if e is None:
             return None
         bearing, rank0 = checks.digest_ranks(e, bearing_classes)
-        digests = [r.parsed["digests"] for r in scan.digests.get(region_id, [])]
+        digests = [r.fields["digests"] for r in scan.digests.get(region_id, [])]
         table = np.concatenate(digests) if digests else np.zeros((0, DIGEST_SIZE), np.uint8)
         if len(table) != int(np.where(bearing, e["num_pages"].astype(np.int64), 0).sum()):
             return None
-        tables[region_id] = (region.parsed, e, table, rank0)
+        tables[region_id] = (region.fields, e, table, rank0)
     return tables
 
 
@@ -507,7 +505,7 @@ def _check_delta_structure(image: ImageFile, scan: _Scan, page_size: int, report
 
 def _note_unchecked(header, scan: _Scan, disks: dict, parents: list, report: Report) -> None:
     """Say which checks the inputs did not allow, so 'valid' is never read as more than it is."""
-    missing = sorted(d.parsed["name"] for d in scan.disks if d.parsed["name"] not in disks)
+    missing = sorted(d.fields["name"] for d in scan.disks if d.fields["name"] not in disks)
     if missing and scan.refs:
         report.skip(f"LI-DSK-004, LI-DSK-005 and DISK page digests (LI-DIG-002): no --disk for {', '.join(missing)}")
     if header.has_parent and not parents:
