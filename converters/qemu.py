@@ -58,6 +58,7 @@ import numpy as np
 from leanimg.errors import SourceFormatError, UnsupportedError, fits_in_memory
 from leanimg.fileutil import GatherWriter
 from leanimg.format import REGION_SIZE_MAX
+from leanimg.native import backend
 
 from . import mapped_ram
 from .cursor import Cursor
@@ -580,7 +581,10 @@ def _read_name(inp: Cursor, what: str) -> str:
 def _run_length(buf, pos: int, first: int, flags: int, stride: int, limit: int, ps: int) -> int:
     """How many of the ``limit`` entries at ``pos`` continue the run: headers ``first``,
     ``first + ps``, ... with ``flags`` (and a zero fill byte when stride is 9).  Checked in
-    windows that grow 4x, so a short run costs little however much input is buffered."""
+    windows that grow 4x, so a short run costs little however much input is buffered; in one
+    C pass with the native backend (a real save's runs are short: numpy's calls dominate)."""
+    if backend is not None:
+        return backend.qemu_run_length(buf, pos, first, flags, stride, limit, ps)
     done, window = 0, 64
     while done < limit:
         n = min(window, limit - done)

@@ -19,6 +19,8 @@
  *  - fold_words: a batch of DELTA_FRAMEs' words folded into the nearest link's value of each
  *    word, by page and word (a radix sort by page; numpy sorts every word and gathers);
  *  - span_checksums: the checksums of a batch of links' headers, footers and records, one call;
+ *  - qemu_run_length: how far a run of QEMU RAM entries at consecutive offsets goes, in one
+ *    pass (convert: a real save's runs are short, and numpy pays a dozen calls per run);
  *  - scan_files: the *.lean files beside an image opened, handed to the kernel's read-ahead
  *    and their headers read, on a thread of their own, while the chain's walk checks the
  *    links found so far (in Python, each file costs the walk's thread four system calls).
@@ -1037,6 +1039,37 @@ done:
     return result;
 }
 
+/* qemu_run_length(buf, pos, first, flags, stride, limit, page_size): how many of the ``limit``
+ * QEMU RAM entries at ``pos`` of ``buf``, ``stride`` bytes apart, continue a run: big-endian
+ * headers first | flags, first + page_size | flags, ... (and a zero fill byte after each
+ * header when stride is 9: a ZERO entry). converters/qemu.py's _run_length in one pass; numpy
+ * pays a dozen calls per run, and runs of a real save are short. ValueError when the entries
+ * run past the buffer. */
+static PyObject *qemu_run_length(PyObject *self, PyObject *args)
+{
+    Py_buffer buf;
+    Py_ssize_t pos, stride, limit, page_size;
+    unsigned long long first, flags;
+    if (!PyArg_ParseTuple(args, "y*nKKnnn", &buf, &pos, &first, &flags, &stride, &limit, &page_size))
+        return NULL;
+    if (pos < 0 || stride < 9 || limit < 0 || page_size <= 0 || limit > (buf.len - pos) / stride) {
+        PyBuffer_Release(&buf);
+        PyErr_SetString(PyExc_ValueError, "qemu_run_length: entries outside the buffer");
+        return NULL;
+    }
+    const unsigned char *at = (const unsigned char *)buf.buf + pos;
+    uint64_t expected = first | flags;
+    Py_ssize_t n = 0;
+    for (; n < limit; n++, at += stride, expected += (uint64_t)page_size) {
+        uint64_t header;
+        memcpy(&header, at, 8);
+        if (__builtin_bswap64(header) != expected || (stride == 9 && at[8] != 0))
+            break;
+    }
+    PyBuffer_Release(&buf);
+    return PyLong_FromSsize_t(n);
+}
+
 static PyMethodDef methods[] = {
     {"digest_rows", digest_rows, METH_VARARGS,
      "digest_rows(data, page_size, rows, out): xxh3-128 of pages ``rows`` of ``data`` into ``out``."},
@@ -1063,6 +1096,8 @@ static PyMethodDef methods[] = {
      "fold_words(simple, word_start, positions, values, entries, pages, words_per_page, page_limit, plain, flat, "
      "flat_values) -> count or -1"},
     {"span_checksums", span_checksums, METH_VARARGS, "span_checksums(buffers, offsets, lengths, out)"},
+    {"qemu_run_length", qemu_run_length, METH_VARARGS,
+     "qemu_run_length(buf, pos, first, flags, stride, limit, page_size) -> count"},
     {"scan_files", scan_files, METH_VARARGS,
      "scan_files(names, starts, small, budget, keep_most, group, fds, sizes, got, heads, progress)"},
     {NULL, NULL, 0, NULL},

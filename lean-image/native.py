@@ -33,6 +33,9 @@ class Backend(Protocol):
     def span_checksums(self, buffers: list, offsets: np.ndarray, lengths: np.ndarray, out: np.ndarray) -> None:
         """xxh3-64 of ``buffers[k][offsets[k]:offsets[k] + lengths[k]]`` into ``out`` (format.span_checksums)."""
 
+    def qemu_run_length(self, buf, pos: int, first: int, flags: int, stride: int, limit: int, page_size: int) -> int:
+        """How many QEMU RAM entries at ``pos`` continue a run (converters/qemu.py _run_length)."""
+
     def index_list_heads(self, *arrays) -> int:
         """The heads of the INDEX_LIST entries of a DELTA_FRAME: (content, offsets, page_size,
         simple, word_start, num_words) (delta.parse_index_lists)."""

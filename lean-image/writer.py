@@ -17,6 +17,7 @@ import uuid as uuidlib
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 import xxhash
@@ -117,6 +118,32 @@ class _Sink:
         self.offset += len(data)
 
 
+class _Framed(NamedTuple):
+    """A record laid out for writing: its parts (head, body parts, padding and trailer)."""
+
+    parts: list
+    record_type: int
+
+
+def _framed(record_type: int, body_parts: list) -> _Framed:
+    """A record's head, body, padding to 8 bytes and checksum trailer (spec §2.2)."""
+    body_length = sum(len(p) for p in body_parts)
+    head = RECORD.pack(record_type=record_type, body_length=body_length)
+    padding = bytes(align8(body_length) - body_length)
+    hasher = xxhash.xxh3_64(head)
+    for part in body_parts:
+        hasher.update(part)
+    hasher.update(padding)
+    return _Framed([head, *body_parts, padding + RECORD_TRAILER.pack(hasher.intdigest())], record_type)
+
+
+class _FrameRecord(NamedTuple):
+    """A PAGE_FRAME record made on a worker thread, with the digests of its pages."""
+
+    record: _Framed
+    digests: np.ndarray
+
+
 class _ParallelCompressor:
     """Page frames compressed, and their pages' digests computed, on worker threads; the
     results handed back in submission order."""
@@ -137,23 +164,24 @@ class _ParallelCompressor:
             )
         return compressor.compress(data)
 
-    def _compress_pages(self, data) -> tuple[bytes, np.ndarray]:
-        return self.compress(data), page_digests(data, self.page_size)
+    def _page_frame(self, data, first: int, num_pages: int) -> _FrameRecord:
+        head = PAGE_FRAME_BODY.pack(first_ordinal=first, num_pages=num_pages)
+        return _FrameRecord(
+            _framed(RecordType.PAGE_FRAME, [head, self.compress(data)]), page_digests(data, self.page_size)
+        )
 
-    def submit(self, data, context) -> list:
-        """Queue a frame's pages; return (context, (compressed, page digests)) pairs now ready,
-        in order."""
+    def submit(self, data, first: int, num_pages: int) -> list[_FrameRecord]:
+        """Queue a frame of pages; return the PAGE_FRAME records now ready, in order."""
         if self.pool is None:
-            return [(context, self._compress_pages(data))]
-        self.pending.append((context, self.pool.submit(self._compress_pages, data)))
+            return [self._page_frame(data, first, num_pages)]
+        self.pending.append(self.pool.submit(self._page_frame, data, first, num_pages))
         ready = []
-        while self.pending and (len(self.pending) > self.max_pending or self.pending[0][1].done()):
-            ctx, future = self.pending.popleft()
-            ready.append((ctx, future.result()))
+        while self.pending and (len(self.pending) > self.max_pending or self.pending[0].done()):
+            ready.append(self.pending.popleft().result())
         return ready
 
-    def drain(self) -> list:
-        ready = [(ctx, future.result()) for ctx, future in self.pending]
+    def drain(self) -> list[_FrameRecord]:
+        ready = [future.result() for future in self.pending]
         self.pending.clear()
         return ready
 
@@ -298,20 +326,14 @@ class LeanImageWriter:
         return FORMAT_MINOR if incompat & IncompatFeature.INHERITED_DIGESTS else FORMAT_MINOR_PLAIN
 
     def _write_record(self, record_type: int, body_parts, key=NO_KEY, first=0, count=0) -> None:
+        self._write_framed(_framed(record_type, body_parts), key, first, count)
+
+    def _write_framed(self, record: _Framed, key=NO_KEY, first=0, count=0) -> None:
         if not self._header_written:
             self._write_header()
-        body_length = sum(len(p) for p in body_parts)
-        head = RECORD.pack(record_type=record_type, body_length=body_length)
-        padding = bytes(align8(body_length) - body_length)
-        hasher = xxhash.xxh3_64(head)
-        for part in body_parts:
-            hasher.update(part)
-        hasher.update(padding)
-        self._index.append((self._sink.offset, record_type, key, first, count))
-        self._sink.write(head)
-        for part in body_parts:
+        self._index.append((self._sink.offset, record.record_type, key, first, count))
+        for part in record.parts:
             self._sink.write(part)
-        self._sink.write(padding + RECORD_TRAILER.pack(hasher.intdigest()))
 
     # -- declarations ----------------------------------------------------------
     def add_disk(self, name: str, size_bytes: int, fingerprint: bytes) -> int:
@@ -547,24 +569,19 @@ class LeanImageWriter:
         num_pages = self._frame_fill
         if not num_pages:
             return
-        context = (self._frame_first_ordinal, num_pages)
+        first = self._frame_first_ordinal
         self._frame_first_ordinal += num_pages
         data = self._frame[:num_pages].data.cast("B")  # handed over, not copied
         self._frame, self._frame_fill = np.empty_like(self._frame), 0
-        for ctx, result in self._compressor.submit(data, context):
-            self._write_page_frame(ctx, result)
+        for frame in self._compressor.submit(data, first, num_pages):
+            self._write_page_frame(frame)
 
-    def _write_page_frame(self, context, result: tuple[bytes, np.ndarray]) -> None:
-        first, num_pages = context
-        compressed, digests = result
-        self._stored_digests.append(digests)
-        self._write_record(
-            RecordType.PAGE_FRAME,
-            [PAGE_FRAME_BODY.pack(first_ordinal=first, num_pages=num_pages), compressed],
-            NO_KEY,
-            first,
-            num_pages,
-        )
+    def _write_page_frame(self, frame: _FrameRecord) -> None:
+        """A PAGE_FRAME record (its checksum made with the compression, on a worker)."""
+        self._stored_digests.append(frame.digests)
+        first = self._next_frame_ordinal
+        self._next_frame_ordinal += len(frame.digests)
+        self._write_framed(frame.record, NO_KEY, first, len(frame.digests))
 
     def _flush_deltas(self) -> None:
         if not self._delta_entries:
@@ -592,8 +609,8 @@ class LeanImageWriter:
                 self._flush_disks()
             self._check_complete()
             self._flush_frame()
-            for ctx, result in self._compressor.drain():
-                self._write_page_frame(ctx, result)
+            for frame in self._compressor.drain():
+                self._write_page_frame(frame)
             self._flush_deltas()
             self._write_disk_refs()
             self._fill_stored_digests()

@@ -541,3 +541,53 @@ def test_only_the_native_module_imports_the_backend():
         if re.search(r"^\s*(from \. import _native|from \._native import|import leanimg\._native)", p.read_text(), re.M)
     ]
     assert importers == ["lean-image/native.py"]
+
+
+@st.composite
+def _ram_entry_runs(draw):
+    """QEMU RAM entries (PAGE or ZERO, CONTINUE) at consecutive offsets, one of them spoiled
+    (a header off by a bit, a jump, another flag, a non-zero fill byte) or none."""
+    page_size = 1 << draw(st.integers(12, 13))
+    zero = draw(st.booleans())
+    flags, stride = (0x02 | 0x20, 9) if zero else (0x08 | 0x20, 8 + page_size)
+    count = draw(st.integers(0, 40))
+    first = draw(st.integers(0, 1 << 20)) * page_size
+    buf = bytearray()
+    for k in range(count):
+        buf += ((first + k * page_size) | flags).to_bytes(8, "big") + (b"\0" if zero else bytes(page_size))
+    if count:
+        k = draw(st.integers(0, count - 1))
+        spoil = draw(st.sampled_from(["none", "bit", "fill", "flag"]))
+        at = k * stride
+        if spoil == "bit":
+            buf[at + draw(st.integers(0, 7))] ^= 1 << draw(st.integers(0, 7))
+        elif spoil == "fill" and zero:
+            buf[at + 8] = draw(st.integers(1, 255))
+        elif spoil == "flag":
+            buf[at + 7] ^= 0x10
+    buf += bytes(draw(st.integers(0, stride - 1)))  # a partial entry after them
+    return bytes(buf), first, flags, stride, count, page_size
+
+
+@settings(max_examples=300, deadline=None)
+@given(_ram_entry_runs(), st.integers(0, 3))
+def test_native_qemu_run_length_is_the_numpy_one(drawn, shorten):
+    from leanimg.converters import qemu
+
+    buf, first, flags, stride, count, page_size = drawn
+    limit = max(0, count - shorten)
+    native = _native.qemu_run_length(buf, 0, first, flags, stride, limit, page_size)
+    qemu_backend, qemu.backend = qemu.backend, None
+    try:
+        numpy = qemu._run_length(buf, 0, first, flags, stride, limit, page_size)
+    finally:
+        qemu.backend = qemu_backend
+    assert native == numpy <= limit
+
+
+def test_native_qemu_run_length_refuses_entries_outside_the_buffer():
+    entry = (0x1000 | 0x22).to_bytes(8, "big") + b"\0"
+    assert _native.qemu_run_length(entry * 3, 0, 0x1000, 0x22, 9, 3, 4096) == 1
+    for pos, limit in ((0, 4), (9, 3), (-1, 1)):
+        with pytest.raises(ValueError, match="outside the buffer"):
+            _native.qemu_run_length(entry * 3, pos, 0x1000, 0x22, 9, limit, 4096)
