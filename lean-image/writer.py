@@ -244,6 +244,8 @@ class LeanImageWriter:
         self._index: list[tuple] = []
         self._header_written = False
         self._frame = np.empty((frame_pages, page_size), np.uint8)
+        self._frames_in_flight: deque[np.ndarray] = deque()  # with the workers, in order
+        self._spare_frames: list[np.ndarray] = []
         self._frame_fill = 0
         self._frame_first_ordinal = 0
         self._stored_digests: list[np.ndarray] = []  # per frame, in ordinal order
@@ -447,7 +449,7 @@ class LeanImageWriter:
         rows = self._page_rows(data)
         count = len(rows)
         region = self._claim(region_id, first_page, count)
-        stored = np.flatnonzero(rows.view(np.uint64).any(axis=1))
+        stored = np.flatnonzero(_nonzero_rows(rows))
         region.classes[first_page : first_page + count] = PageClass.ZERO
         if not len(stored):
             return
@@ -572,12 +574,16 @@ class LeanImageWriter:
         first = self._frame_first_ordinal
         self._frame_first_ordinal += num_pages
         data = self._frame[:num_pages].data.cast("B")  # handed over, not copied
-        self._frame, self._frame_fill = np.empty_like(self._frame), 0
+        self._frames_in_flight.append(self._frame)
+        self._frame = self._spare_frames.pop() if self._spare_frames else np.empty_like(self._frame)
+        self._frame_fill = 0
         for frame in self._compressor.submit(data, first, num_pages):
             self._write_page_frame(frame)
 
     def _write_page_frame(self, frame: _FrameRecord) -> None:
-        """A PAGE_FRAME record (its checksum made with the compression, on a worker)."""
+        """A PAGE_FRAME record (its checksum made with the compression, on a worker); its
+        buffer is taken again for a later frame (a fresh one costs a page fault a page)."""
+        self._spare_frames.append(self._frames_in_flight.popleft())
         self._stored_digests.append(frame.digests)
         first = self._next_frame_ordinal
         self._next_frame_ordinal += len(frame.digests)
@@ -729,6 +735,17 @@ class LeanImageWriter:
             self._output.commit()
         else:
             self._fileobj.flush()
+
+
+def _nonzero_rows(rows: np.ndarray) -> np.ndarray:
+    """Which pages hold a non-zero byte: most show one in their first word, so only the
+    others are read whole (a source's data pages are rarely zero)."""
+    words = rows.view(np.uint64)
+    nonzero = words[:, 0] != 0
+    unsure = np.flatnonzero(~nonzero)
+    if len(unsure):
+        nonzero[unsure] = words[unsure].any(axis=1)
+    return nonzero
 
 
 def _region_tables(name: str, num_pages: int) -> tuple:
