@@ -3,9 +3,10 @@
 Pages are fed per region in any order (regions may interleave); every page of
 every region must be given exactly once before ``finish``. STORED pages go into
 zstd frames that are compressed on worker threads and written as they fill, so
-memory stays bounded by a few frames plus ~25 bytes of bookkeeping per guest
-page. Nothing is ever written twice or patched: the output works through a pipe.
-A path destination appears under its name only when complete (temp, fsync, rename).
+memory stays bounded by a few frames plus a class byte per guest page and,
+for the pages that have them, slots (as runs) and 16-byte digests. Nothing is
+ever written twice or patched: the output works through a pipe. A path
+destination appears under its name only when complete (temp, fsync, rename).
 """
 
 from __future__ import annotations
@@ -96,12 +97,31 @@ class ParentLink:
 
 @dataclass
 class _Region:
+    """What the writer knows of a region's pages: a class byte a page (0: not given yet), and
+    only for the pages that have them, their slots (as runs) and digests, so a guest of
+    mostly ZERO pages costs a byte a page (a 1 TiB guest 256 MiB), not 25."""
+
     region_id: int
     name: str
     num_pages: int
     classes: np.ndarray = field(repr=False)
-    slots: np.ndarray = field(repr=False)
-    digests: np.ndarray = field(repr=False)
+    slot_runs: list[np.ndarray] = field(default_factory=list, repr=False)  # (first_page, count, first_slot) rows
+    digest_pages: list[np.ndarray] = field(default_factory=list, repr=False)  # DISK, PARENT, DELTA pages
+    digests: list[np.ndarray] = field(default_factory=list, repr=False)  # their digests, (n, 16) each
+
+    def add_slots(self, pages: np.ndarray, first_slot: int) -> None:
+        """Pages ``pages`` (in the order given) get slots first_slot, first_slot + 1, ..."""
+        self.slot_runs.append(_slot_runs(np.asarray(pages, np.int64), first_slot))
+
+    def add_digests(self, pages: np.ndarray, digests: np.ndarray) -> None:
+        self.digest_pages.append(np.asarray(pages, np.int64))
+        self.digests.append(digests)
+
+    def sorted_slot_runs(self) -> np.ndarray:
+        if not self.slot_runs:
+            return np.zeros((0, 3), np.int64)
+        runs = np.concatenate(self.slot_runs)
+        return runs[np.argsort(runs[:, 0], kind="stable")]
 
 
 class _Sink:
@@ -409,7 +429,7 @@ class LeanImageWriter:
                 f"{size_bytes} bytes, more than a lean image holds ({REGION_SIZE_MAX} bytes, LI-REG-002)",
                 structure=f"region {name!r}",
             )
-        tables = _region_tables(name, size_bytes // self.page_size)
+        classes = _region_classes(name, size_bytes // self.page_size)
         if not self._header_written:
             self._write_header()
             self._flush_disks()
@@ -424,7 +444,7 @@ class LeanImageWriter:
             name_length=len(encoded),
         )
         self._write_record(RecordType.REGION, [body, encoded], region_id, 0, num_pages)
-        self._regions[region_id] = _Region(region_id, name, num_pages, *tables)
+        self._regions[region_id] = _Region(region_id, name, num_pages, classes)
         return region_id
 
     # -- pages -------------------------------------------------------------------
@@ -455,7 +475,7 @@ class LeanImageWriter:
             return
         pages = first_page + stored
         region.classes[pages] = PageClass.STORED
-        region.slots[pages] = self._next_ordinal + np.arange(len(stored), dtype=np.uint64)
+        region.add_slots(pages, self._next_ordinal)
         self._next_ordinal += len(stored)
         self._append_to_frames(rows if len(stored) == count else rows[stored])
 
@@ -531,8 +551,8 @@ class LeanImageWriter:
         if len(taken):
             raise PageGivenTwice(f"region {region.name!r}: page {int(taken[0])} given twice")
         region.classes[pages] = PageClass.DISK
-        region.slots[pages] = len(self._disk_refs) + np.arange(len(pages), dtype=np.uint64)
-        region.digests[pages] = digests
+        region.add_slots(pages, len(self._disk_refs))
+        region.add_digests(pages, np.array(digests, np.uint8).reshape(-1, DIGEST_SIZE))
         self._disk_refs.extend(zip(np.asarray(disk_ids).tolist(), np.asarray(sectors).tolist()))
 
     def put_parent(self, region_id: int, first_page: int, digests) -> None:
@@ -542,7 +562,7 @@ class LeanImageWriter:
         digests = np.frombuffer(digests, np.uint8).reshape(-1, DIGEST_SIZE)
         region = self._claim(region_id, first_page, len(digests))
         region.classes[first_page : first_page + len(digests)] = PageClass.PARENT
-        region.digests[first_page : first_page + len(digests)] = digests
+        region.add_digests(np.arange(first_page, first_page + len(digests)), digests.copy())
 
     def put_changed(self, region_id: int, page: int, parent_page, new_page) -> PageClass:
         """A page that differs from the parent's: DELTA when smaller, else by content."""
@@ -558,8 +578,8 @@ class LeanImageWriter:
             raise WriterUsageError("DELTA pages need a parent and allow_delta")
         region = self._claim(region_id, page, 1)
         region.classes[page] = PageClass.DELTA
-        region.slots[page] = self._next_delta
-        region.digests[page] = np.frombuffer(digest, np.uint8)
+        region.add_slots(np.array([page]), self._next_delta)
+        region.add_digests(np.array([page]), np.frombuffer(digest, np.uint8).reshape(1, DIGEST_SIZE).copy())
         self._next_delta += 1
         self._delta_entries.append(bytes(entry))
         self._delta_bytes += len(entry)
@@ -619,10 +639,11 @@ class LeanImageWriter:
                 self._write_page_frame(frame)
             self._flush_deltas()
             self._write_disk_refs()
-            self._fill_stored_digests()
+            stored_digests = np.concatenate(self._stored_digests) if self._stored_digests else _NO_DIGESTS
             for region in self._regions.values():
-                self._write_page_map(region)
-                self._write_digests(region)
+                runs = region.sorted_slot_runs()
+                self._write_page_map(region, runs)
+                self._write_digests(region, *self._bearing_digests(region, runs, stored_digests))
             digest = self._write_index_and_footer()
             self._compressor.close()
             self._commit()
@@ -644,18 +665,27 @@ class LeanImageWriter:
 
     def missing_runs(self, region_id: int) -> list[tuple[int, int]]:
         """(first_page, count) of every run of pages not given yet."""
-        missing = self.missing_pages(region_id)
-        edge = np.zeros(1, np.int8)  # int8 throughout: a byte a page, not 8 (2^26-page regions)
-        edges = np.flatnonzero(np.diff(np.concatenate((edge, missing.view(np.int8), edge))))
-        return [(int(a), int(b - a)) for a, b in zip(edges[::2], edges[1::2])]
+        classes = self._regions[region_id].classes
+        starts, stops = [], []
+        for lo, window in _windows(classes):
+            edge = np.zeros(1, np.int8)
+            edges = np.flatnonzero(np.diff(np.concatenate((edge, (window == 0).view(np.int8), edge)))) + lo
+            starts.append(edges[::2])
+            stops.append(edges[1::2])
+        runs: list[tuple[int, int]] = []
+        for a, b in zip(np.concatenate(starts).tolist(), np.concatenate(stops).tolist()):
+            if runs and runs[-1][0] + runs[-1][1] == a:  # a run across windows
+                runs[-1] = (runs[-1][0], b - runs[-1][0])
+            else:
+                runs.append((a, b - a))
+        return runs
 
     def _check_complete(self) -> None:
         for region in self._regions.values():
-            missing = np.flatnonzero(region.classes == 0)
-            if len(missing):
-                raise WriterUsageError(
-                    f"region {region.name!r}: {len(missing)} pages never given, first is page {int(missing[0])}"
-                )
+            missing = sum(int(np.count_nonzero(window == 0)) for _, window in _windows(region.classes))
+            if missing:
+                first = next(lo + int(np.argmin(w)) for lo, w in _windows(region.classes) if not w.all())
+                raise WriterUsageError(f"region {region.name!r}: {missing} pages never given, first is page {first}")
 
     def _write_disk_refs(self) -> None:
         refs = np.zeros(len(self._disk_refs), dtype=DISK_REF.dtype)
@@ -666,8 +696,8 @@ class LeanImageWriter:
             head = DISK_REFS_BODY.pack(first_ref=first, num_refs=len(chunk))
             self._write_record(RecordType.DISK_REFS, [head, chunk.tobytes()], NO_KEY, first, len(chunk))
 
-    def _write_page_map(self, region: _Region) -> None:
-        extents = build_extents(region.classes, region.slots)
+    def _write_page_map(self, region: _Region, slot_runs: np.ndarray) -> None:
+        extents = build_extents(region.classes, slot_runs)
         for first in range(0, len(extents), EXTENT_CHUNK):
             chunk = extents[first : first + EXTENT_CHUNK]
             pages = int(chunk["num_pages"].sum())
@@ -679,29 +709,34 @@ class LeanImageWriter:
                 pages,
             )
 
-    def _fill_stored_digests(self) -> None:
-        """STORED pages get the digests the workers computed for their ordinals."""
-        if not self._stored_digests:
-            return
-        table = np.concatenate(self._stored_digests)
-        for region in self._regions.values():
-            stored = region.classes == PageClass.STORED
-            region.digests[stored] = table[region.slots[stored].astype(np.int64)]
-
-    def _write_digests(self, region: _Region) -> None:
-        """Digests of the digest-bearing pages only (STORED, DISK, DELTA; PARENT unless
-        inherited), in page order, in records of at most DIGEST_CHUNK_PAGES pages (1.0) or
-        digests (1.1: a child's records then grow with its changed pages, not with the guest)."""
+    def _bearing_digests(
+        self, region: _Region, slot_runs: np.ndarray, stored_digests: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """The digest-bearing pages of a region (STORED, DISK, DELTA; PARENT unless inherited)
+        in page order, and their digests: a STORED page's the workers computed for its ordinal."""
+        stored_runs = slot_runs[region.classes[slot_runs[:, 0]] == PageClass.STORED]
+        pages = [_expand(stored_runs[:, 0], stored_runs[:, 1]), *region.digest_pages]
+        ordinals = _expand(stored_runs[:, 2], stored_runs[:, 1])
+        digests = [stored_digests[ordinals], *region.digests]
+        pages_all, digests_all = np.concatenate(pages), np.concatenate(digests)
         incompat = IncompatFeature.INHERITED_DIGESTS if self.inherit_digests else 0
-        bearing = digest_class_table(incompat)[region.classes]
+        bearing = digest_class_table(incompat)[region.classes[pages_all]]
+        order = np.argsort(pages_all[bearing], kind="stable")
+        return pages_all[bearing][order], digests_all[bearing][order]
+
+    def _write_digests(self, region: _Region, pages: np.ndarray, digests: np.ndarray) -> None:
+        """Digests of the digest-bearing ``pages`` (in page order), in records of at most
+        DIGEST_CHUNK_PAGES pages (1.0) or digests (1.1: a child's records then grow with its
+        changed pages, not with the guest)."""
         if self.inherit_digests:
-            cuts = np.flatnonzero(bearing)[DIGEST_CHUNK_PAGES::DIGEST_CHUNK_PAGES].tolist()
+            cuts = pages[DIGEST_CHUNK_PAGES::DIGEST_CHUNK_PAGES].tolist()
         else:
             cuts = list(range(DIGEST_CHUNK_PAGES, region.num_pages, DIGEST_CHUNK_PAGES))
         bounds = [0, *cuts, region.num_pages]
-        for first, stop in zip(bounds, bounds[1:]):
+        at = np.searchsorted(pages, bounds).tolist()
+        for first, stop, lo, hi in zip(bounds, bounds[1:], at, at[1:]):
             count = stop - first
-            chunk = region.digests[first:stop][bearing[first:stop]]
+            chunk = digests[lo:hi]
             self._write_record(
                 RecordType.DIGESTS,
                 [
@@ -748,36 +783,58 @@ def _nonzero_rows(rows: np.ndarray) -> np.ndarray:
     return nonzero
 
 
-def _region_tables(name: str, num_pages: int) -> tuple:
-    """The writer's per-page tables of a region (class, slot, digest: 25 bytes a page), or a
-    LimitError when they do not fit in this process's memory (a 1 TiB guest needs 6.25 GiB)."""
-    with fits_in_memory(f"the page tables of {num_pages} pages ({25 * num_pages} bytes)", f"region {name!r}"):
-        return (
-            np.zeros(num_pages, np.uint8),
-            np.zeros(num_pages, np.uint64),
-            np.zeros((num_pages, DIGEST_SIZE), np.uint8),
-        )
+def _region_classes(name: str, num_pages: int) -> np.ndarray:
+    """A region's class byte a page, or a LimitError when it does not fit in this process's
+    memory (a 1 TiB guest needs 256 MiB)."""
+    with fits_in_memory(f"the page classes of {num_pages} pages ({num_pages} bytes)", f"region {name!r}"):
+        return np.zeros(num_pages, np.uint8)
 
 
-_EXTENT_SCAN_PAGES = 1 << 20
+_NO_DIGESTS = np.zeros((0, DIGEST_SIZE), np.uint8)
+_SCAN_PAGES = 1 << 22  # per-page passes go in windows: their temporaries stay small
 
 
-def build_extents(classes: np.ndarray, slots: np.ndarray) -> np.ndarray:
-    """Run-length extents of a region: a new extent where the class changes or slots jump."""
+def _windows(classes: np.ndarray):
+    """(first page, view) of each window of a region's classes."""
+    for lo in range(0, len(classes), _SCAN_PAGES):
+        yield lo, classes[lo : lo + _SCAN_PAGES]
+
+
+def _slot_runs(pages: np.ndarray, first_slot: int) -> np.ndarray:
+    """(first_page, count, first_slot) rows of ``pages`` given slots first_slot, +1, ...: a
+    run ends where the next page is not the next page up."""
+    starts = np.flatnonzero(np.diff(pages) != 1) + 1
+    starts = np.concatenate(([0], starts))
+    counts = np.diff(np.append(starts, len(pages)))
+    return np.stack([pages[starts], counts, first_slot + starts], axis=1)
+
+
+def _expand(firsts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """firsts[k], firsts[k] + 1, ... (counts[k] values) for each k, end to end."""
+    offsets = np.cumsum(counts) - counts
+    return np.arange(int(counts.sum()), dtype=np.int64) + np.repeat(firsts - offsets, counts)
+
+
+def build_extents(classes: np.ndarray, slot_runs: np.ndarray) -> np.ndarray:
+    """Run-length extents of a region: a new extent where the class changes or slots jump.
+    ``slot_runs``: (first_page, count, first_slot) rows of the slot-bearing pages, by page."""
     n = len(classes)
-    has_slot = HAS_SLOT[classes]
-    starts_mask = np.ones(n, dtype=bool)
-    for lo in range(1, n, _EXTENT_SCAN_PAGES):  # in chunks: temporaries stay small
-        hi = min(lo + _EXTENT_SCAN_PAGES, n)
-        c, s = classes[lo - 1 : hi], slots[lo - 1 : hi]
-        starts_mask[lo:hi] = (c[1:] != c[:-1]) | (has_slot[lo:hi] & (s[1:] != s[:-1] + 1))
-    starts_mask[::_MAX_EXTENT_PAGES] = True
-    starts = np.flatnonzero(starts_mask)
-    extents = np.zeros(len(starts), dtype=EXTENT.dtype)
-    extents["first_page"] = starts
-    extents["num_pages"] = np.diff(np.append(starts, n))
-    extents["page_class"] = classes[starts]
-    extents["first_slot"] = np.where(has_slot[starts], slots[starts], 0)
+    firsts, counts, slots = slot_runs[:, 0], slot_runs[:, 1], slot_runs[:, 2]
+    starts = [np.arange(0, n, _MAX_EXTENT_PAGES)]
+    for lo, window in _windows(classes[1:]):
+        starts.append(np.flatnonzero(classes[lo : lo + len(window)] != window) + lo + 1)
+    if len(firsts):  # a run continues the one before it when it starts on the next page with the next slot
+        continues = (firsts[1:] == firsts[:-1] + counts[:-1]) & (slots[1:] == slots[:-1] + counts[:-1])
+        starts.append(firsts[~np.concatenate(([False], continues))])
+    start_pages = np.unique(np.concatenate(starts))
+    extents = np.zeros(len(start_pages), dtype=EXTENT.dtype)
+    extents["first_page"] = start_pages
+    extents["num_pages"] = np.diff(np.append(start_pages, n))
+    extents["page_class"] = classes[start_pages]
+    if len(firsts):
+        run = np.maximum(np.searchsorted(firsts, start_pages, "right") - 1, 0)
+        has_slot = HAS_SLOT[classes[start_pages]]
+        extents["first_slot"] = np.where(has_slot, slots[run] + start_pages - firsts[run], 0)
     return extents
 
 

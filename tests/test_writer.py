@@ -347,10 +347,18 @@ def test_abort_keeps_an_existing_file(tmp_path):
 
 
 # --- build_extents ---------------------------------------------------------------------------------------------
+def _page_runs(classes: np.ndarray, slots: np.ndarray) -> np.ndarray:
+    """Each slot-bearing page as a run of its own: (page, 1, slot) rows, by page."""
+    from leanimg.format import HAS_SLOT
+
+    pages = np.flatnonzero(HAS_SLOT[classes])
+    return np.stack([pages, np.ones_like(pages), slots[pages].astype(np.int64)], axis=1)
+
+
 def test_build_extents_splits_where_the_class_changes_or_slots_jump():
     classes = np.array([S, S, S, Z, Z, F, D, D, S, DL, P], np.uint8)
     slots = np.array([0, 1, 5, 9, 9, 9, 0, 1, 2, 0, 7], np.uint64)
-    table = build_extents(classes, slots)
+    table = build_extents(classes, _page_runs(classes, slots))
     assert table.dtype == EXTENT.dtype
     assert [tuple(int(x) for x in row) for row in table[["first_page", "num_pages", "page_class", "first_slot"]]] == [
         (0, 2, S, 0),
@@ -366,7 +374,7 @@ def test_build_extents_splits_where_the_class_changes_or_slots_jump():
 
 
 def test_build_extents_of_one_class():
-    table = build_extents(np.full(1000, Z, np.uint8), np.zeros(1000, np.uint64))
+    table = build_extents(np.full(1000, Z, np.uint8), np.zeros((0, 3), np.int64))
     assert len(table) == 1 and (int(table["first_page"][0]), int(table["num_pages"][0])) == (0, 1000)
 
 
@@ -405,8 +413,9 @@ def test_add_disk_of_size_zero_is_a_usage_error():
 
 
 def test_build_extents_in_chunks_equals_the_whole_region_at_once(monkeypatch):
-    """build_extents scans in chunks (small temporaries for 2^26-page regions); the boundaries
-    between chunks must not add or lose extent starts."""
+    """build_extents scans in windows (small temporaries for 2^28-page regions) and takes slots
+    as runs; the windows' boundaries must not add or lose extent starts, and runs that continue
+    each other (next page, next slot) make one extent."""
     import leanimg.writer as writer_module
     from leanimg.format import HAS_SLOT
 
@@ -416,13 +425,20 @@ def test_build_extents_in_chunks_equals_the_whole_region_at_once(monkeypatch):
     has_slot = HAS_SLOT[classes]
     starts = np.ones(len(classes), bool)
     starts[1:] = (classes[1:] != classes[:-1]) | (has_slot[1:] & (slots[1:] != slots[:-1] + 1))
-    monkeypatch.setattr(writer_module, "_EXTENT_SCAN_PAGES", 7)
-    table = build_extents(classes, slots)
+    monkeypatch.setattr(writer_module, "_SCAN_PAGES", 7)
+    table = build_extents(classes, _page_runs(classes, slots))
     assert table["first_page"].tolist() == np.flatnonzero(starts).tolist()
     assert int(table["num_pages"].sum()) == len(classes)
+    assert table["first_slot"].tolist() == np.where(has_slot, slots, 0)[table["first_page"]].tolist()
 
 
-def test_missing_runs_of_a_region():
+@pytest.mark.parametrize("window", [3, 1 << 22])
+def test_missing_runs_of_a_region(monkeypatch, window):
+    """The same runs whether the classes are scanned in one window or in windows of 3 pages
+    (a run across a window's edge is one run)."""
+    import leanimg.writer as writer_module
+
+    monkeypatch.setattr(writer_module, "_SCAN_PAGES", window)
     with LeanImageWriter(io.BytesIO(), threads=1) as w:
         r = w.add_region("ram", 10 * PS)
         w.put_zero(r, 2, 3)
