@@ -46,7 +46,11 @@ is kept, the others only timed).  The timing loop then adds
 and the sizes of MAPPED (apparent and allocated) and MIMG; once, outside the timings, the
 restored mapped-ram file is compared with MAPPED (cmp).
 
+``--cpus 0`` runs every timed command (both sides) on CPU 0 only (``taskset -c``): the ratio
+when neither side can spread its work over cores.
+
     python benchmarks/bench_qemu.py --qemu 10.0 --mapped-ram --reuse --json out.json
+    python benchmarks/bench_qemu.py --qemu 10.0 --reuse --cpus 0
 """
 
 from __future__ import annotations
@@ -92,8 +96,12 @@ def leanimg_command() -> list[str]:
     return [sys.executable, "-m", "leanimg.cli"]
 
 
+PINNED: list[str] = []  # --cpus: every timed command runs under taskset -c LIST
+
+
 def timed(argv: list[str], *, cold: list[Path], stdout=subprocess.DEVNULL, after=None) -> dict:
     """Run ``argv`` once with ``cold`` inputs evicted; wall and child CPU seconds."""
+    argv = [*PINNED, *argv]
     for path in cold:
         evict_from_page_cache(path)
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -306,7 +314,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--runs", "-n", type=int, default=3, help="repeats per measurement")
     ap.add_argument("--mem-mib", type=int, default=BENCH_MEM_MIB)
     ap.add_argument("--json", type=Path, help="write the results here")
+    ap.add_argument("--cpus", help="run every timed command on these CPUs only (taskset -c, e.g. 0)")
     args = ap.parse_args(argv)
+    if args.cpus:
+        PINNED[:] = ["taskset", "-c", args.cpus]
     qemu = QEMUS[args.qemu]
     if args.mapped_ram and tuple(map(int, qemu.version.split("."))) < MAPPED_RAM_SINCE:
         ap.error(
@@ -478,6 +489,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'paired':<42} {'wall/rnd':>8} {'cpu/rnd':>8} {'cpu med':>8}")
     for k, v in paired.items():
         print(f"{k:<42} " + " ".join(f"{x:>8.2f}" for x in v.values()))
+    if args.cpus:
+        print(f"every timed command ran on CPU(s) {args.cpus} only (taskset -c)")
     print("targets: " + ", ".join(f"{k} {'MET' if v else 'MISSED'}" for k, v in targets.items()))
     print(f"restored stream identical to the save: {identical}")
     if args.mapped_ram:
@@ -487,6 +500,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": shlex.join([sys.executable, *sys.argv]) if argv is None else argv,
         "machine": {
             "cpus": os.cpu_count(),
+            "pinned_to": args.cpus,
             "python": platform.python_version(),
             "zstd": subprocess.run(["zstd", "--version"], capture_output=True, text=True).stdout.strip(),
             "loadavg_before": load_before,

@@ -95,6 +95,25 @@ class ParentLink:
     digest: bytes
 
 
+class _Log:
+    """Arrays appended a few rows at a time, joined every 4096 appends: a million one-row
+    appends (one DELTA page each) cost their rows, not a million array objects."""
+
+    def __init__(self, row_shape: tuple[int, ...], dtype):
+        self.row_shape, self.dtype = row_shape, dtype
+        self.joined: list[np.ndarray] = []
+        self.recent: list[np.ndarray] = []
+
+    def append(self, rows: np.ndarray) -> None:
+        self.recent.append(rows)
+        if len(self.recent) >= 4096:
+            self.joined.append(np.concatenate(self.recent))
+            self.recent = []
+
+    def rows(self) -> np.ndarray:
+        return np.concatenate([np.zeros((0, *self.row_shape), self.dtype), *self.joined, *self.recent])
+
+
 @dataclass
 class _Region:
     """What the writer knows of a region's pages: a class byte a page (0: not given yet), and
@@ -105,22 +124,24 @@ class _Region:
     name: str
     num_pages: int
     classes: np.ndarray = field(repr=False)
-    slot_runs: list[np.ndarray] = field(default_factory=list, repr=False)  # (first_page, count, first_slot) rows
-    digest_pages: list[np.ndarray] = field(default_factory=list, repr=False)  # DISK, PARENT, DELTA pages
-    digests: list[np.ndarray] = field(default_factory=list, repr=False)  # their digests, (n, 16) each
+    slot_runs: _Log = field(default_factory=lambda: _Log((3,), np.int64), repr=False)  # first page, count, slot
+    digest_pages: _Log = field(default_factory=lambda: _Log((), np.int64), repr=False)  # DISK, PARENT, DELTA pages
+    digests: _Log = field(default_factory=lambda: _Log((DIGEST_SIZE,), np.uint8), repr=False)  # their digests
 
     def add_slots(self, pages: np.ndarray, first_slot: int) -> None:
         """Pages ``pages`` (in the order given) get slots first_slot, first_slot + 1, ..."""
         self.slot_runs.append(_slot_runs(np.asarray(pages, np.int64), first_slot))
+
+    def add_run(self, first_page: int, count: int, first_slot: int) -> None:
+        """Pages first_page.. (count of them) get slots first_slot, first_slot + 1, ..."""
+        self.slot_runs.append(np.array([[first_page, count, first_slot]], np.int64))
 
     def add_digests(self, pages: np.ndarray, digests: np.ndarray) -> None:
         self.digest_pages.append(np.asarray(pages, np.int64))
         self.digests.append(digests)
 
     def sorted_slot_runs(self) -> np.ndarray:
-        if not self.slot_runs:
-            return np.zeros((0, 3), np.int64)
-        runs = np.concatenate(self.slot_runs)
+        runs = self.slot_runs.rows()
         return runs[np.argsort(runs[:, 0], kind="stable")]
 
 
@@ -454,9 +475,9 @@ class LeanImageWriter:
             raise WriterUsageError(f"unknown region id {region_id}")
         if first_page < 0 or count < 0 or first_page + count > region.num_pages:
             raise WriterUsageError(f"region {region.name!r}: pages {first_page}+{count} outside 0..{region.num_pages}")
-        taken = np.flatnonzero(region.classes[first_page : first_page + count])
-        if len(taken):
-            raise PageGivenTwice(f"region {region.name!r}: page {first_page + int(taken[0])} given twice")
+        given = region.classes[first_page : first_page + count]
+        if given.any():
+            raise PageGivenTwice(f"region {region.name!r}: page {first_page + int(np.argmax(given != 0))} given twice")
         return region
 
     def put_pages(self, region_id: int, first_page: int, data) -> None:
@@ -473,9 +494,13 @@ class LeanImageWriter:
         region.classes[first_page : first_page + count] = PageClass.ZERO
         if not len(stored):
             return
-        pages = first_page + stored
-        region.classes[pages] = PageClass.STORED
-        region.add_slots(pages, self._next_ordinal)
+        if len(stored) == count:
+            region.classes[first_page : first_page + count] = PageClass.STORED
+            region.add_run(first_page, count, self._next_ordinal)
+        else:
+            pages = first_page + stored
+            region.classes[pages] = PageClass.STORED
+            region.add_slots(pages, self._next_ordinal)
         self._next_ordinal += len(stored)
         self._append_to_frames(rows if len(stored) == count else rows[stored])
 
@@ -715,10 +740,9 @@ class LeanImageWriter:
         """The digest-bearing pages of a region (STORED, DISK, DELTA; PARENT unless inherited)
         in page order, and their digests: a STORED page's the workers computed for its ordinal."""
         stored_runs = slot_runs[region.classes[slot_runs[:, 0]] == PageClass.STORED]
-        pages = [_expand(stored_runs[:, 0], stored_runs[:, 1]), *region.digest_pages]
         ordinals = _expand(stored_runs[:, 2], stored_runs[:, 1])
-        digests = [stored_digests[ordinals], *region.digests]
-        pages_all, digests_all = np.concatenate(pages), np.concatenate(digests)
+        pages_all = np.concatenate([_expand(stored_runs[:, 0], stored_runs[:, 1]), region.digest_pages.rows()])
+        digests_all = np.concatenate([stored_digests[ordinals], region.digests.rows()])
         incompat = IncompatFeature.INHERITED_DIGESTS if self.inherit_digests else 0
         bearing = digest_class_table(incompat)[region.classes[pages_all]]
         order = np.argsort(pages_all[bearing], kind="stable")
