@@ -7,7 +7,6 @@ import os
 import signal
 import stat
 import sys
-import traceback
 from importlib import import_module
 
 # numpy's OpenBLAS starts a thread per core when imported (~0.1 s of CPU per command);
@@ -102,6 +101,8 @@ class LeanGroup(click.Group):
         except Exception as exc:  # a bug in leanimg, not bad input
             click.echo(f"leanimg: internal error: {type(exc).__name__}: {exc}", err=True)
             if os.environ.get("LEANIMG_DEBUG"):
+                import traceback
+
                 traceback.print_exc()
             else:
                 click.echo("leanimg: set LEANIMG_DEBUG=1 for a traceback and please report it", err=True)

@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import atexit
 import fcntl
-import hashlib
 import os
 import stat
-import secrets
 import sys
 from typing import BinaryIO, cast
 
@@ -161,7 +159,7 @@ def temporary_beside(path: str) -> str:
     ``.leanimg-<output name>-<random>.partial``, so a file a SIGKILL left behind says what it
     was; it is never the complete output."""
     directory, name = os.path.split(os.path.abspath(path))
-    return os.path.join(directory, f".leanimg-{name[:100]}-{secrets.token_hex(4)}.partial")
+    return os.path.join(directory, f".leanimg-{name[:100]}-{os.urandom(4).hex()}.partial")
 
 
 def create_temporary(path: str, buffering: int = -1) -> tuple[str, BinaryIO]:
@@ -223,6 +221,8 @@ def write_atomically(path: str, produce) -> int:
 
 
 def sha256_file(path) -> str:
+    import hashlib  # (with OpenSSL: not imported by every command)
+
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(4 << 20), b""):

@@ -9,9 +9,7 @@ output, unless it carries the command's data (``restore -o -``, ``serve``): then
 
 from __future__ import annotations
 
-import json
 import sys
-from importlib import resources
 
 import click
 
@@ -95,6 +93,8 @@ def _report_to_stderr() -> bool:
 
 
 def emit_json(document) -> None:
+    import json  # (imported where used: `leanimg --help` and a command without --json do not)
+
     click.echo(json.dumps(document, indent=2), err=_report_to_stderr())
 
 
@@ -164,6 +164,8 @@ def error(
 
 def schema_names() -> list[str]:
     """The commands (and ``error``) that have a JSON Schema shipped with the package."""
+    from importlib import resources
+
     folder = resources.files("leanimg").joinpath(SCHEMA_DIR)
     return sorted(
         entry.name[: -len(".schema.json")] for entry in folder.iterdir() if entry.name.endswith(".schema.json")
@@ -172,4 +174,7 @@ def schema_names() -> list[str]:
 
 def schema(name: str) -> dict:
     """The JSON Schema (draft 2020-12) of ``leanimg NAME --json``'s output, or of ``error``."""
+    import json
+    from importlib import resources
+
     return json.loads(resources.files("leanimg").joinpath(SCHEMA_DIR).joinpath(f"{name}.schema.json").read_text())

@@ -237,7 +237,13 @@ def _describes(plugin: Target, image) -> bool:
 
 
 def find_source(head: bytes) -> Source | None:
-    """The source format of a file starting with ``head``, or None (broken plugins are passed over)."""
+    """The source format of a file starting with ``head``, or None (broken plugins are passed over).
+    leanimg's own are asked first, as ``sources()`` lists them: when one claims the file, no other
+    distribution's plugins are looked up (nor importlib.metadata imported)."""
+    for entry in _own_entry_points(SOURCES):
+        plugin, problem = _check(SOURCES, entry)
+        if problem is None and plugin.detect(head):
+            return plugin
     return next((candidate for candidate in sources() if candidate.detect(head)), None)
 
 

@@ -170,6 +170,8 @@ class LeanImage:
         an image with one disk) to this image and to every link of its chain that has the disk.
         Each is first checked to be that disk, size and fingerprint (LI-DSK-004), unless not
         ``check_identity``. The image closes the sources attached to it when it closes."""
+        if not disks:  # every open attaches none: leanimg.disks (json, subprocess) stays unimported
+            return
         from .disks import check_identity as check_disk
 
         disks = dict(disks)

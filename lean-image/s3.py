@@ -18,12 +18,13 @@ import io
 import os
 import threading
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 from .errors import LeanImageError
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # concurrent.futures (and logging with it) imported by the first object read
+    from concurrent.futures import Future, ThreadPoolExecutor
+
     from obstore.store import ClientConfig, RetryConfig, S3Credential
 
 SCHEME = "s3://"
@@ -179,6 +180,8 @@ def pool() -> ThreadPoolExecutor:
     global _pool
     with _lock:
         if _pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+
             _pool = ThreadPoolExecutor(max_workers=FETCH_THREADS, thread_name_prefix="leanimg-s3")
         return _pool
 

@@ -850,7 +850,7 @@ def build_extents(classes: np.ndarray, slot_runs: np.ndarray) -> np.ndarray:
     if len(firsts):  # a run continues the one before it when it starts on the next page with the next slot
         continues = (firsts[1:] == firsts[:-1] + counts[:-1]) & (slots[1:] == slots[:-1] + counts[:-1])
         starts.append(firsts[~np.concatenate(([False], continues))])
-    start_pages = np.unique(np.concatenate(starts))
+    start_pages = distinct(np.concatenate(starts))
     extents = np.zeros(len(start_pages), dtype=EXTENT.dtype)
     extents["first_page"] = start_pages
     extents["num_pages"] = np.diff(np.append(start_pages, n))

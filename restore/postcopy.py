@@ -443,8 +443,9 @@ class PostcopyServer:
         stored_bytes = int(frames.page_frames.counts.sum()) * image.page_size
         if image.parent is None and stored_bytes <= FRAME_CACHE_BYTES:
             frames.jump_queue = True
-            rest = np.setdiff1d(np.arange(len(frames.page_frames)), first)
-            frames.prefetch([*first, *rest.tolist()], frames.pool, with_digests=True)
+            rest = np.ones(len(frames.page_frames), bool)  # (np.setdiff1d would import numpy.ma: ~8 ms)
+            rest[first] = False
+            frames.prefetch([*first, *np.flatnonzero(rest).tolist()], frames.pool, with_digests=True)
 
     def _block(self, index: int, block: qemu.RamBlock) -> Block:
         region = self.image.region(block.name)

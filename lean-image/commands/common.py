@@ -36,6 +36,8 @@ def parse_disks(values) -> dict:
 def open_disks(paths: dict, *, name_from_file: bool = False) -> dict:
     """The parsed --disk values opened as disk sources by NAME; where it was left out, under
     None (the image's only disk) or, with ``name_from_file``, the file name's stem."""
+    if not paths:  # leanimg.disks (numpy, subprocess) imported only when there are disks
+        return {}
     from ..disks import open_disk
 
     sources = {}
