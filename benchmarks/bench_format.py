@@ -67,32 +67,39 @@ def _text_pool(rng: np.random.Generator, size: int = 1 << 20) -> np.ndarray:
     return pool[:size]
 
 
-def generate(path: str, size: int, seed: int) -> dict[str, int]:
-    """Write ``size`` bytes of synthetic guest memory; return pages per kind."""
-    rng = np.random.default_rng(seed)
+def memory_chunks(rng: np.random.Generator, count: int, counts: dict[str, int] | None = None):
+    """Yield ``count`` CHUNK-sized (CHUNK_PAGES, PAGE) uint8 arrays of synthetic guest memory
+    with the page mix MIX; add the pages per kind to ``counts``."""
     pool = _text_pool(rng)
     windows = np.lib.stride_tricks.sliding_window_view(pool, PAGE)[::8]  # 8-aligned page-sized views
     kinds = np.array(list(MIX))
     probs = np.array(list(MIX.values()))
-    counts = dict.fromkeys(MIX, 0)
-    with open(path, "wb") as out:
-        for _ in range(size // CHUNK):
-            # class runs of geometric length, cut to one chunk
-            lengths = rng.geometric(1 / RUN_MEAN_PAGES, CHUNK_PAGES)
-            run_kind = rng.choice(len(kinds), len(lengths), p=probs)
-            per_page = np.repeat(run_kind, lengths)[:CHUNK_PAGES]
-            chunk = np.zeros((CHUNK_PAGES, PAGE), np.uint8)
-            text = np.flatnonzero(per_page == 1)
-            chunk[text] = windows[rng.integers(0, len(windows), len(text))]
-            # a few changed words per text page so pages are similar but not identical
-            words = chunk.view(np.uint64)
-            hits = rng.integers(0, PAGE // 8, (len(text), 8))
-            words[text[:, None], hits] = rng.integers(0, 1 << 63, hits.shape, dtype=np.uint64)
-            rand = np.flatnonzero(per_page == 2)
-            chunk[rand] = np.frombuffer(rng.bytes(len(rand) * PAGE), np.uint8).reshape(-1, PAGE)
-            out.write(chunk.data)
+    for _ in range(count):
+        # class runs of geometric length, cut to one chunk
+        lengths = rng.geometric(1 / RUN_MEAN_PAGES, CHUNK_PAGES)
+        run_kind = rng.choice(len(kinds), len(lengths), p=probs)
+        per_page = np.repeat(run_kind, lengths)[:CHUNK_PAGES]
+        chunk = np.zeros((CHUNK_PAGES, PAGE), np.uint8)
+        text = np.flatnonzero(per_page == 1)
+        chunk[text] = windows[rng.integers(0, len(windows), len(text))]
+        # a few changed words per text page so pages are similar but not identical
+        words = chunk.view(np.uint64)
+        hits = rng.integers(0, PAGE // 8, (len(text), 8))
+        words[text[:, None], hits] = rng.integers(0, 1 << 63, hits.shape, dtype=np.uint64)
+        rand = np.flatnonzero(per_page == 2)
+        chunk[rand] = np.frombuffer(rng.bytes(len(rand) * PAGE), np.uint8).reshape(-1, PAGE)
+        if counts is not None:
             for k, name in enumerate(kinds):
                 counts[name] += int((per_page == k).sum())
+        yield chunk
+
+
+def generate(path: str, size: int, seed: int) -> dict[str, int]:
+    """Write ``size`` bytes of synthetic guest memory; return pages per kind."""
+    counts = dict.fromkeys(MIX, 0)
+    with open(path, "wb") as out:
+        for chunk in memory_chunks(np.random.default_rng(seed), size // CHUNK, counts):
+            out.write(chunk.data)
     return counts
 
 

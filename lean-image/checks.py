@@ -196,31 +196,41 @@ def slot_problems(
         (PageClass.DELTA, deltas, "delta entry"),
     ):
         used = _slots_used(columns, cls)
+        if isinstance(used, int):  # slots 0..used-1, each used once
+            if used != available:
+                k = min(used, available)
+                yield _slot_finding(used, available, what, k)
+            continue
         wrong = used != np.arange(len(used))
         if len(used) != available or wrong.any():
             k = int(np.flatnonzero(wrong)[0]) if wrong.any() else min(len(used), available)
-            yield FormatError(
-                f"{len(used)} pages use {what}s and {available} exist; each must be used "
-                f"exactly once (first mismatch at {what} {k})",
-                structure="page_map",
-                rule="LI-MAP-004",
-            )
+            yield _slot_finding(len(used), available, what, k)
 
 
-def _slots_used(columns: tuple, cls: int) -> np.ndarray:
-    """The slots the pages of class ``cls`` use, sorted; work per extent, not per page, when
-    the extents' slot ranges follow each other (the usual case, in file order or sorted).
-    ``columns``: the extents' page_class, first_slot and num_pages."""
+def _slot_finding(used: int, available: int, what: str, k: int) -> FormatError:
+    return FormatError(
+        f"{used} pages use {what}s and {available} exist; each must be used "
+        f"exactly once (first mismatch at {what} {k})",
+        structure="page_map",
+        rule="LI-MAP-004",
+    )
+
+
+def _slots_used(columns: tuple, cls: int) -> np.ndarray | int:
+    """The slots the pages of class ``cls`` use, sorted, or their number when they are
+    0, 1, ... each once: work per extent, not per page, when the extents' slot ranges follow
+    each other (the usual case, in file order or sorted). ``columns``: the extents'
+    page_class, first_slot and num_pages."""
     classes, first_slots, num_pages = columns
     sel = classes == cls
     if not sel.any():
-        return np.zeros(0, np.int64)
+        return 0
     starts, counts = first_slots[sel].astype(np.int64), num_pages[sel].astype(np.int64)
     if not _follow_on(starts, counts):
         order = np.argsort(starts, kind="stable")
         starts, counts = starts[order], counts[order]
     if _follow_on(starts, counts):
-        return np.arange(int(counts.sum()))  # each slot used once
+        return int(counts.sum())  # each slot of 0..sum-1 used once
     return np.sort(
         np.repeat(starts - np.cumsum(np.concatenate(([0], counts[:-1]))), counts) + np.arange(int(counts.sum()))
     )

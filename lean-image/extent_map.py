@@ -100,19 +100,24 @@ def extent_entries(
     extents = region_extents(image, region, breaks_by_class)
     ps = image.page_size
     where = _Places(image, disk_paths or {})
-    for row, place in zip(extents.tolist(), where.of(extents)):
-        first_page, num_pages, cls, _ = row
-        start = first_page * ps
-        yield dict(
-            region=region.name,
-            start=start,
-            length=num_pages * ps,
-            first_page=first_page,
-            pages=num_pages,
-            guest_phys=region.guest_phys_base + start if region.guest_phys_base is not None else None,
-            page_class=PageClass(cls).name,
-            where=place,
-        )
+    for lo in range(0, len(extents), ENTRIES_AT_ONCE):  # a block at a time: memory stays bounded
+        block = extents[lo : lo + ENTRIES_AT_ONCE]
+        for row, place in zip(block.tolist(), where.of(block)):
+            first_page, num_pages, cls, _ = row
+            start = first_page * ps
+            yield dict(
+                region=region.name,
+                start=start,
+                length=num_pages * ps,
+                first_page=first_page,
+                pages=num_pages,
+                guest_phys=region.guest_phys_base + start if region.guest_phys_base is not None else None,
+                page_class=PageClass(cls).name,
+                where=place,
+            )
+
+
+ENTRIES_AT_ONCE = 1 << 14  # extents whose places are computed together (as Python objects)
 
 
 class _Places:

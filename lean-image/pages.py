@@ -133,6 +133,9 @@ def region_pieces(image, region: Region, first_page: int, count: int) -> list[tu
         from .chain import pieces
 
         return pieces(image, region, image.resolution(region, deltas_ahead=first_page == 0), first_page, count)
+    if count > 0 and blank_end(image, region, first_page) >= first_page + count:
+        image.digests.table(region)  # the region's DIGESTS read and checked on first use, as for any range
+        return [(count, None)]  # ZERO and FREE pages only: no content, nothing per page
     cls, expected = image.digests.expected_range(region, first_page, count)
     blank = (cls == PageClass.ZERO) | (cls == PageClass.FREE)
     if blank.all():
@@ -154,6 +157,46 @@ def region_pieces(image, region: Region, first_page: int, count: int) -> list[tu
             runs.append((n, memoryview(data)[start * image.page_size : (start + n) * image.page_size]))
             row += n
     return runs
+
+
+def blank_end(image, region: Region, page: int) -> int:
+    """Where the run of ZERO and FREE pages from ``page`` ends in a self-contained image
+    (``page`` itself when that page is neither, or the image has a parent: its PARENT pages
+    resolve through the chain). Work per extent of the run, not per page."""
+    if image.parent is not None or not 0 <= page < region.num_pages:
+        return page
+    i = int(np.searchsorted(region.starts, page, side="right")) - 1
+    return max(page, int(region.blank_ends[i]))
+
+
+def region_windows(image, region: Region, step: int):
+    """(first_page, count) windows covering ``region`` in order, for a sequential restore
+    calling region_pieces on each: ``step`` pages each, except that a run of ZERO and FREE
+    pages longer than ``step`` in a self-contained image is one window of its own, so a guest
+    of mostly blank pages costs work per extent, not per page."""
+    runs = _blank_runs(image, region, step)
+    done = 0
+    for start, stop in runs:
+        for first in range(done, start, step):
+            yield first, min(step, start - first)
+        yield start, stop - start
+        done = stop
+    for first in range(done, region.num_pages, step):
+        yield first, min(step, region.num_pages - first)
+
+
+def _blank_runs(image, region: Region, longer_than: int) -> list[tuple[int, int]]:
+    """[start, stop) of the runs of ZERO and FREE extents of more than ``longer_than`` pages
+    (none in an image with a parent)."""
+    if image.parent is not None or not len(region.extents):
+        return []
+    ends = region.blank_ends
+    first = np.ones(len(ends), bool)  # the extents that begin a blank run
+    first[1:] = ends[1:] != ends[:-1]
+    first &= ends > region.starts
+    starts, stops = region.starts[first], ends[first]
+    long = stops - starts > longer_than
+    return list(zip(starts[long].tolist(), stops[long].tolist()))
 
 
 def _split_pieces(image, data: memoryview, blank: np.ndarray) -> list[tuple[int, memoryview | None]]:

@@ -271,6 +271,9 @@ class LeanImage:
     def region_pieces(self, region: Region, first_page: int, count: int) -> list[tuple[int, memoryview | None]]:
         return pages.region_pieces(self, region, first_page, count)
 
+    def region_windows(self, region: Region, step: int):
+        return pages.region_windows(self, region, step)
+
     def fill_disk_pages(
         self, region: Region, first_page: int, out: np.ndarray, rows: np.ndarray, slots: np.ndarray
     ) -> None:

@@ -7,6 +7,7 @@ functions (checks.py) ``leanimg validate`` uses; the first finding is raised.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Literal, overload
 
 import numpy as np
@@ -21,6 +22,7 @@ from .format import (
     RECORD_OPTIONAL_BIT,
     REGION_FLAG_HAS_GPA,
     SOURCE_STATE_BODY,
+    PageClass,
     RecordType,
 )
 from .structures import (
@@ -58,6 +60,16 @@ class Region:
         self.extents = extents
         self.starts = extents["first_page"].astype(np.int64)
         self.digest_bearing, self.digest_rank0 = checks.digest_ranks(extents, bearing_classes)
+
+    @cached_property
+    def blank_ends(self) -> np.ndarray:
+        """Per extent: where the run of ZERO and FREE extents it lies in ends (its own first
+        page when it is of another class); for a restore to step over blank runs whole."""
+        classes = self.extents["page_class"]
+        bounds = np.append(self.starts, self.num_pages)
+        others = np.flatnonzero((classes != PageClass.ZERO) & (classes != PageClass.FREE))
+        after = np.searchsorted(others, np.arange(len(classes)))  # the next extent of another class
+        return bounds[np.append(others, len(classes))[after]]
 
     def extent_span(self, first_page: int, count: int) -> tuple[int, int]:
         """Indexes [lo, hi) of the extents that pages [first_page, first_page+count) lie in."""

@@ -397,8 +397,9 @@ def _check_content(
 
 
 def _digest_lookup(scan: _Scan, bearing_classes: np.ndarray):
-    """Per region: (region, extents, stored digests, rank of each extent); None when maps or
-    digest tables are broken (no content can then be matched with its digest)."""
+    """Per region: (region, extents, stored digests: the digest arrays of its DIGESTS records in
+    order and the rank each begins at, rank of each extent); None when maps or digest tables are
+    broken (no content can then be matched with its digest)."""
     tables = {}
     for region in scan.regions:
         region_id = region.fields["region_id"]
@@ -406,44 +407,75 @@ def _digest_lookup(scan: _Scan, bearing_classes: np.ndarray):
         if e is None:
             return None
         bearing, rank0 = checks.digest_ranks(e, bearing_classes)
-        digests = [r.fields["digests"] for r in scan.digests.get(region_id, [])]
-        table = np.concatenate(digests) if digests else np.zeros((0, DIGEST_SIZE), np.uint8)
-        if len(table) != int(np.where(bearing, e["num_pages"].astype(np.int64), 0).sum()):
+        parts = [r.fields["digests"] for r in scan.digests.get(region_id, [])]
+        lengths = np.array([len(part) for part in parts], np.int64)
+        if int(lengths.sum()) != int(np.where(bearing, e["num_pages"].astype(np.int64), 0).sum()):
             return None
-        tables[region_id] = (region.fields, e, table, rank0)
+        tables[region_id] = (region.fields, e, (parts, np.cumsum(lengths) - lengths), rank0)
     return tables
 
 
-def _stored_owners(tables: dict):
-    """Every STORED page as (ordinal, expected digest, region id, page), sorted by ordinal.
+class _StoredOwners:
+    """The STORED pages that own each stored ordinal, a frame at a time: the STORED extents of
+    every region sorted by first slot, expanded to pages only where they overlap the frame's
+    ordinals, so memory follows the extents and one frame, not the image's stored pages."""
 
-    Sized by the STORED pages, each of which has its digest in the file, so a frame header
-    declaring a huge page count cannot make this large.
-    """
-    parts = []
-    for region, e, table, rank0 in tables.values():
-        stored = np.flatnonzero(e["page_class"] == PageClass.STORED)
-        counts = e["num_pages"][stored].astype(np.int64)
-        within = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
-        parts.append(
-            (
-                np.repeat(e["first_slot"][stored].astype(np.int64), counts) + within,
-                table[np.repeat(rank0[stored], counts) + within],
-                np.full(len(within), region["region_id"]),
-                np.repeat(e["first_page"][stored].astype(np.int64), counts) + within,
+    def __init__(self, tables: dict):
+        columns = []
+        for region_index, (_, e, _, rank0) in enumerate(tables.values()):
+            stored = np.flatnonzero(e["page_class"] == PageClass.STORED)
+            columns.append(
+                (
+                    e["first_slot"][stored].astype(np.int64),
+                    e["num_pages"][stored].astype(np.int64),
+                    e["first_page"][stored].astype(np.int64),
+                    rank0[stored].astype(np.int64),
+                    np.full(len(stored), region_index, np.int64),
+                )
             )
+        self.digests = [t[2] for t in tables.values()]
+        self.region_ids = np.array(list(tables), np.int64)
+        slot, count, page, rank, region = (
+            (np.concatenate(column) for column in zip(*columns)) if columns else (np.zeros(0, np.int64),) * 5
         )
-    ordinals, digests, region_of, page_of = (
-        (np.concatenate(column) for column in zip(*parts))
-        if parts
-        else (np.zeros(0, np.int64), np.zeros((0, DIGEST_SIZE), np.uint8), np.zeros(0, np.int64), np.zeros(0, np.int64))
-    )
-    order = np.argsort(ordinals, kind="stable")
-    return ordinals[order], digests[order], region_of[order], page_of[order]
+        order = np.argsort(slot, kind="stable")  # ties: in region, then page order
+        self.slot, self.count, self.page, self.rank = slot[order], count[order], page[order], rank[order]
+        self.region, self.seq = region[order], order
+        limit = np.iinfo(np.int64).max
+        ends = np.where(self.slot > limit - self.count, limit, self.slot + self.count)  # u8 slots: no wrap
+        self.ends = ends
+        self.reach = np.maximum.accumulate(ends) if len(ends) else ends  # the furthest end so far
+
+    def in_range(self, first: int, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """The owners of ordinals [first, first + n), by ordinal (then region and page order):
+        their ordinals, expected digests, region ids and pages."""
+        lo = int(np.searchsorted(self.reach, first, side="right"))  # before lo: every extent ends by first
+        hi = int(np.searchsorted(self.slot, first + n, side="left"))  # from hi: every extent starts after
+        sel = lo + np.flatnonzero(self.ends[lo:hi] > first)
+        slot = self.slot[sel]
+        start = np.maximum(slot, first)
+        lengths = np.minimum(self.ends[sel], first + n) - start
+        total = int(lengths.sum())
+        owner = np.repeat(np.arange(len(sel)), lengths)
+        ordinals = np.repeat(start, lengths) + np.arange(total) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+        into = ordinals - slot[owner]
+        order = np.lexsort((self.seq[sel][owner], ordinals))
+        ordinals, owner, into = ordinals[order], owner[order], into[order]
+        region = self.region[sel][owner]
+        ranks = self.rank[sel][owner] + into
+        expected = np.zeros((total, DIGEST_SIZE), np.uint8)
+        for r in distinct(region).tolist():
+            mine = np.flatnonzero(region == r)
+            parts, starts = self.digests[r]
+            which = np.searchsorted(starts, ranks[mine], side="right") - 1
+            for k in distinct(which).tolist():
+                rows = which == k
+                expected[mine[rows]] = parts[k][ranks[mine[rows]] - starts[k]]
+        return ordinals, expected, self.region_ids[region], self.page[sel][owner] + into
 
 
 def _check_frames(image: ImageFile, scan: _Scan, page_size: int, tables: dict, report: Report) -> None:
-    ordinals, expected, region_of, page_of = _stored_owners(tables)
+    owners = _StoredOwners(tables)
     names = {region_id: t[0]["name"] for region_id, t in tables.items()}
     decompressor = zstandard.ZstdDecompressor()
     for i, offset, p, bad_body in scan.frames:
@@ -460,17 +492,17 @@ def _check_frames(image: ImageFile, scan: _Scan, page_size: int, tables: dict, r
         report.checked["stored_pages"] += p["num_pages"]
         got = page_digests(content, page_size)
         first = min(p["first_ordinal"], 1 << 62)  # a lying u8 must not overflow the search
-        lo, hi = np.searchsorted(ordinals, [first, first + len(got)])
-        rows = ordinals[lo:hi] - first
-        for region_id in distinct(region_of[lo:hi]).tolist():
-            mine = np.flatnonzero(region_of[lo:hi] == region_id)
+        ordinals, expected, region_of, page_of = owners.in_range(first, len(got))
+        rows = ordinals - first
+        for region_id in distinct(region_of).tolist():
+            mine = np.flatnonzero(region_of == region_id)
             report.add_all(
                 checks.digest_problems(
                     region_id,
                     names[region_id],
-                    page_of[lo:hi][mine],
+                    page_of[mine],
                     got[rows[mine]],
-                    expected[lo:hi][mine],
+                    expected[mine],
                     where=f" (in {record.path()})",
                 )
             )

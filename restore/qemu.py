@@ -15,6 +15,9 @@ from leanimg.reader import LeanImage
 from .targets import fitting_targets
 
 
+ZEROS_CHUNK = 1 << 30  # blank bytes per Zeros chunk: its ZERO entries are built in one 2.3 MiB array
+
+
 def stream_state(image: LeanImage) -> qemu.StreamState:
     for state in image.source_states:
         if state.source_format == SourceFormat.QEMU and state.tag == QEMU_TAG_STREAM_STATE:
@@ -36,10 +39,13 @@ def _page_source(image: LeanImage, progress):
             )
         ps = image.page_size
         step = image.gather_chunk_pages
-        for first in range(0, region.num_pages, step):
-            count = min(step, region.num_pages - first)
+        for first, count in image.region_windows(region, step):
             for n, data in image.region_pieces(region, first, count):
-                yield qemu.Zeros(n * ps) if data is None else qemu.Pages(data)
+                if data is not None:
+                    yield qemu.Pages(data)
+                    continue
+                for at in range(0, n * ps, ZEROS_CHUNK):  # a long blank run: its entries a chunk at a time
+                    yield qemu.Zeros(min(ZEROS_CHUNK, n * ps - at))
             if progress:
                 progress(count * ps)
 
