@@ -73,7 +73,7 @@ from leanimg.rules import implements
 from leanimg.writer import LeanImageWriter
 
 from . import qemu
-from .convert import DiskOptions, RepeatedPages, convert_qemu, write_spooled
+from .convert import DiskOptions, RepeatedPages, convert_qemu, lend_disks, write_spooled
 from .diskrefs import declare_disks
 from .guest_free import GuestFreeLink, Snapshot, free_hints
 from .hinting import HintOptions
@@ -900,6 +900,8 @@ class _Checkpoint:
 
         parent = LeanImage.open(self.req.parents[0], parents=list(self.req.parents[1:])) if self.req.parents else None
         try:
+            if parent is not None and sources:  # a changed page that was a DISK page of the parent
+                lend_disks(parent, sources)
             options = dict(self.req.writer_options)
             if parent is not None:
                 options.update(parent=parent_link(parent), allow_delta=self.req.allow_delta, page_size=parent.page_size)

@@ -387,14 +387,14 @@ def convert_file(
         return _convert(src, dest, source_format, spool, dict(writer_options or {}), progress, None, disks, hints)
     with LeanImage.open(parents[0], parents=list(parents[1:])) as parent:
         if disks:
-            _lend_disks(parent, disks.sources)
+            lend_disks(parent, disks.sources)
         options = dict(
             writer_options or {}, parent=parent_link(parent), allow_delta=allow_delta, page_size=parent.page_size
         )
         return _convert(src, dest, source_format, spool, options, progress, parent, disks, hints)
 
 
-def _lend_disks(parent: LeanImage, sources: dict) -> None:
+def lend_disks(parent: LeanImage, sources: dict) -> None:
     """Attach the --disk sources the parent chain's disk tables name (where size and fingerprint
     match) to the parent, so that a page that changed since it was a DISK page of the parent
     can be read to encode its delta. The parent closes them; closing twice is harmless."""

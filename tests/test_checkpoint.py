@@ -11,7 +11,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from helpers import qemu_save
+from helpers import qemu_save, run_leanimg
 from leanimg.converters import qemu
 from leanimg.converters.checkpoint import CheckpointResult, FrozenDisk
 from leanimg.converters.convert import write_spooled
@@ -216,3 +216,35 @@ def test_the_qemus_it_reads_pass_the_version_check(major, minor):
     monitor = _VersionedMonitor(major, minor)
     _Checkpoint(monitor, CheckpointRequest(qmp="unused", output="unused.lean"), _Signals())._check_version()
     assert monitor.sent == ["query-version"]
+
+
+def test_an_incremental_checkpoint_lends_its_disks_to_the_parent(tmp_path):
+    """`checkpoint --parent P --disk vda=PATH`: a page that was a DISK page of P and changed is
+    read from PATH (lent to P, as convert --parent does) to encode its delta. Before, P was
+    opened without disks and the checkpoint failed ("pass --disk vda=PATH")."""
+    from types import SimpleNamespace
+
+    from leanimg.converters.checkpoint import CheckpointRequest, _Checkpoint
+    from leanimg.converters.convert import DiskOptions
+    from leanimg.disks import open_disk
+
+    ram = _ram()
+    disk = tmp_path / "vda.img"
+    disk.write_bytes(ram[: 4 * 4096] + bytes(4 * 4096))
+    (tmp_path / "one.save").write_bytes(qemu_save(ram))
+    parent = tmp_path / "one.lean"
+    proc = run_leanimg("convert", tmp_path / "one.save", "-o", parent, "--disk", f"vda={disk}", timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    changed = bytearray(ram)
+    changed[4096 + 16 : 4096 + 24] = b"changed!"  # page 1: on the disk in the parent
+    state, spool = qemu.load_stream(io.BytesIO(qemu_save(bytes(changed))), tmp_path)
+    request = CheckpointRequest(qmp="", output="", parents=(str(parent),), disks={"vda": str(disk)})
+    sources = {"vda": open_disk(str(disk), "vda")}
+    child = tmp_path / "two.lean"
+    with spool, open(child, "wb") as out:
+        with _Checkpoint._open_writer(SimpleNamespace(req=request), out, sources) as (writer, opened):
+            write_spooled(writer, state, spool, parent=opened, disks=DiskOptions(sources), unsent_free=True)
+    with LeanImage.open(child, disks={"vda": open_disk(str(disk), "vda")}) as image:
+        region = image.region("pc.ram")
+        assert image.classes(region, 1, 1).tolist() == [PageClass.DELTA]
+        assert bytes(image.region_bytes(region, 0, PAGES)) == bytes(changed)
