@@ -10,8 +10,8 @@ executable (e.g. the console script of another checkout's virtualenv).
         --to raw --runs 9 CHAIN_DIR/d100-0099.lean /var/tmp/leanimg-bench-qemu/vm.lean
 
 An image's ancestors (found beside it) and --disk files are evicted too. Prints the median
-of each and B/A per image; with --convert SAVE, the same for converting SAVE. (B is given -f
-to replace its scratch output: a build from before -f existed overwrote without it.) The
+of each and B/A per image; with --convert SAVE, the same for converting SAVE (both given -f to
+replace their scratch output: a build from before -f existed cannot be A). The
 checkouts behind A and B are compiled first (common.compile_checkout).
 """
 
@@ -85,10 +85,7 @@ def main(argv=None) -> int:
             out = os.path.join(scratch, "out.lean")
             compare(
                 f"convert {args.convert}",
-                {
-                    k: [getattr(args, k), "convert", args.convert, "-o", out, *(["-f"] if k == "b" else [])]
-                    for k in ("a", "b")
-                },
+                {k: [getattr(args, k), "convert", args.convert, "-o", out, "-f"] for k in ("a", "b")},
                 [args.convert],
                 args.runs,
             )
