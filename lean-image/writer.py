@@ -551,10 +551,12 @@ class LeanImageWriter:
         digest ``digests[k]`` (a (n, 16) uint8 array)."""
         if not len(pages):
             return
-        if not len(pages) == len(disk_ids) == len(sectors) == len(digests):
+        digests = np.array(digests, np.uint8)  # (a copy: the caller may reuse its array)
+        if not len(pages) == len(disk_ids) == len(sectors) == len(digests) or digests.shape[1:] != (DIGEST_SIZE,):
             raise WriterUsageError(
                 f"put_disks: {len(pages)} pages, {len(disk_ids)} disk ids, {len(sectors)} "
-                f"sectors and {len(digests)} digests: expected one of each per page"
+                f"sectors and {len(digests)} digests of shape {digests.shape[1:]}: expected one of each "
+                f"per page, digests of {DIGEST_SIZE} bytes"
             )
         unknown = set(distinct(disk_ids).tolist()) - set(self._disks)
         if unknown:
@@ -577,7 +579,7 @@ class LeanImageWriter:
             raise PageGivenTwice(f"region {region.name!r}: page {int(taken[0])} given twice")
         region.classes[pages] = PageClass.DISK
         region.add_slots(pages, len(self._disk_refs))
-        region.add_digests(pages, np.array(digests, np.uint8).reshape(-1, DIGEST_SIZE))
+        region.add_digests(pages, digests)
         self._disk_refs.extend(zip(np.asarray(disk_ids).tolist(), np.asarray(sectors).tolist()))
 
     def put_parent(self, region_id: int, first_page: int, digests) -> None:
@@ -587,7 +589,8 @@ class LeanImageWriter:
         digests = np.frombuffer(digests, np.uint8).reshape(-1, DIGEST_SIZE)
         region = self._claim(region_id, first_page, len(digests))
         region.classes[first_page : first_page + len(digests)] = PageClass.PARENT
-        region.add_digests(np.arange(first_page, first_page + len(digests)), digests.copy())
+        if not self.inherit_digests:  # format 1.1 takes a PARENT page's digest from the parent
+            region.add_digests(np.arange(first_page, first_page + len(digests)), digests.copy())
 
     def put_changed(self, region_id: int, page: int, parent_page, new_page) -> PageClass:
         """A page that differs from the parent's: DELTA when smaller, else by content."""
@@ -740,13 +743,19 @@ class LeanImageWriter:
         """The digest-bearing pages of a region (STORED, DISK, DELTA; PARENT unless inherited)
         in page order, and their digests: a STORED page's the workers computed for its ordinal."""
         stored_runs = slot_runs[region.classes[slot_runs[:, 0]] == PageClass.STORED]
-        ordinals = _expand(stored_runs[:, 2], stored_runs[:, 1])
-        pages_all = np.concatenate([_expand(stored_runs[:, 0], stored_runs[:, 1]), region.digest_pages.rows()])
-        digests_all = np.concatenate([stored_digests[ordinals], region.digests.rows()])
+        pages = _expand(stored_runs[:, 0], stored_runs[:, 1])
+        digests = _by_ordinal(stored_digests, stored_runs)
+        others = region.digest_pages.rows()
+        if len(others):
+            pages, digests = np.concatenate([pages, others]), np.concatenate([digests, region.digests.rows()])
         incompat = IncompatFeature.INHERITED_DIGESTS if self.inherit_digests else 0
-        bearing = digest_class_table(incompat)[region.classes[pages_all]]
-        order = np.argsort(pages_all[bearing], kind="stable")
-        return pages_all[bearing][order], digests_all[bearing][order]
+        bearing = digest_class_table(incompat)[region.classes[pages]]
+        if not bearing.all():
+            pages, digests = pages[bearing], digests[bearing]
+        if not (pages[1:] > pages[:-1]).all():  # (copies spared when pages came in order)
+            order = np.argsort(pages, kind="stable")
+            pages, digests = pages[order], digests[order]
+        return pages, digests
 
     def _write_digests(self, region: _Region, pages: np.ndarray, digests: np.ndarray) -> None:
         """Digests of the digest-bearing ``pages`` (in page order), in records of at most
@@ -837,6 +846,15 @@ def _expand(firsts: np.ndarray, counts: np.ndarray) -> np.ndarray:
     """firsts[k], firsts[k] + 1, ... (counts[k] values) for each k, end to end."""
     offsets = np.cumsum(counts) - counts
     return np.arange(int(counts.sum()), dtype=np.int64) + np.repeat(firsts - offsets, counts)
+
+
+def _by_ordinal(stored_digests: np.ndarray, stored_runs: np.ndarray) -> np.ndarray:
+    """The digests of the pages of ``stored_runs`` (by page), from the workers' table by
+    ordinal: that table itself when the runs hold every ordinal in order (one region)."""
+    ordinals = _expand(stored_runs[:, 2], stored_runs[:, 1])
+    if len(ordinals) == len(stored_digests) and (ordinals == np.arange(len(ordinals))).all():
+        return stored_digests
+    return stored_digests[ordinals]
 
 
 def build_extents(classes: np.ndarray, slot_runs: np.ndarray) -> np.ndarray:

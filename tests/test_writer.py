@@ -412,6 +412,17 @@ def test_put_disks_arrays_of_different_lengths_are_a_usage_error():
         w.abort()
 
 
+def test_put_disks_digests_of_another_shape_are_a_usage_error():
+    w = LeanImageWriter(io.BytesIO(), threads=1)
+    vda = w.add_disk("vda", 1 << 20, bytes(16))
+    r = w.add_region("ram", 2 * PS)
+    try:
+        with pytest.raises(WriterUsageError, match="digests of 16 bytes"):
+            w.put_disks(r, np.array([0, 1]), np.array([vda, vda]), np.array([0, 8]), np.zeros((2, 8), np.uint8))
+    finally:
+        w.abort()
+
+
 def test_put_disk_past_the_end_of_the_disk_is_a_usage_error():
     w = LeanImageWriter(io.BytesIO(), threads=1)
     vda = w.add_disk("vda", 8192, bytes(16))
