@@ -16,7 +16,7 @@ input evicted from the page cache first, and GNU time gives its peak RSS and wal
   map             the image's extents (human output)
   restore raw     the image -> /dev/null, every page digest-checked
   restore qemu    the image -> the stream, to /dev/null
-  zstd -T0 -3     the baseline: `zstd -T0 -3` of the save, for scale
+  zstd -T0 -3     the baseline: `zstd -T0 -3` of the save, then `sync FILE` (convert fsyncs)
   convert --spool the save -> a lean image (RAM spooled to a sparse scratch file; only when
                   named in --commands)
 
@@ -130,7 +130,8 @@ def measure(size: int, nonzero: int | Fraction, commands: list[str], work: Path)
         "map": (lean, [*leanimg, "map", str(lean)]),
         "restore raw": (lean, [*leanimg, "restore", str(lean), "--to", "raw", "-o", os.devnull]),
         "restore qemu": (lean, [*leanimg, "restore", str(lean), "--to", "qemu", "-o", os.devnull]),
-        "zstd -T0 -3": (save, ["zstd", "-q", "-f", "-T0", "-3", str(save), "-o", str(zst)]),
+        # then fsync, as convert fsyncs its image before renaming it into place
+        "zstd -T0 -3": (save, ["sh", "-c", 'zstd -q -f -T0 -3 "$1" -o "$2" && sync "$2"', "sh", str(save), str(zst)]),
     }
     try:
         start = time.perf_counter()
