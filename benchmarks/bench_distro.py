@@ -51,7 +51,6 @@ import argparse
 import json
 import os
 import re
-import resource
 import shlex
 import shutil
 import statistics
@@ -62,10 +61,10 @@ from pathlib import Path
 
 import numpy as np
 import zstandard
-from common import require_null_device
+from common import require_null_device, timed
 from distro_guest import DistroVM, build
 from leanimg.cli import command_line
-from leanimg.fileutil import evict_from_page_cache, fsync_path
+from leanimg.fileutil import fsync_path
 
 LEANIMG = command_line()
 PAGE = 4096
@@ -79,23 +78,6 @@ def log(msg: str) -> None:
 
 
 # ------------------------------------------------------------------------------ running things
-
-
-def timed(argv: list, cold=(), after=None) -> dict:
-    """Run ``argv`` once, ``cold`` files evicted first: wall and child CPU seconds, stdout."""
-    for path in cold:
-        evict_from_page_cache(path)
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    t0 = time.perf_counter()
-    proc = subprocess.run([str(a) for a in argv], capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise SystemExit(f"{shlex.join(map(str, argv))} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
-    if after:
-        after()
-    wall = time.perf_counter() - t0
-    used = resource.getrusage(resource.RUSAGE_CHILDREN)
-    cpu = (used.ru_utime - before.ru_utime) + (used.ru_stime - before.ru_stime)
-    return {"wall": wall, "cpu": cpu, "stdout": proc.stdout.strip(), "stderr": proc.stderr}
 
 
 def classes_of(image: Path) -> dict:

@@ -59,7 +59,6 @@ import argparse
 import json
 import os
 import platform
-import resource
 import shlex
 import shutil
 import statistics
@@ -68,8 +67,9 @@ import sys
 import time
 from pathlib import Path
 
+import common
 from common import require_null_device
-from leanimg.fileutil import evict_from_page_cache, fsync_path, sha256_file
+from leanimg.fileutil import fsync_path, sha256_file
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
@@ -101,19 +101,8 @@ PINNED: list[str] = []  # --cpus: every timed command runs under taskset -c LIST
 
 def timed(argv: list[str], *, cold: list[Path], stdout=subprocess.DEVNULL, after=None) -> dict:
     """Run ``argv`` once with ``cold`` inputs evicted; wall and child CPU seconds."""
-    argv = [*PINNED, *argv]
-    for path in cold:
-        evict_from_page_cache(path)
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    t0 = time.perf_counter()
-    proc = subprocess.run(argv, stdout=stdout, stderr=subprocess.PIPE)
-    if proc.returncode != 0:
-        raise SystemExit(f"{shlex.join(argv)} failed ({proc.returncode}):\n{proc.stderr.decode(errors='replace')}")
-    if after:
-        after()
-    wall = time.perf_counter() - t0
-    used = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return {"wall": wall, "cpu": (used.ru_utime - before.ru_utime) + (used.ru_stime - before.ru_stime)}
+    run = common.timed([*PINNED, *argv], cold, stdout, after)
+    return {"wall": run["wall"], "cpu": run["cpu"]}
 
 
 def qemu_identity(qemu) -> dict:

@@ -5,8 +5,11 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import resource
+import shlex
 import stat
 import subprocess
+import time
 from pathlib import Path
 
 _UNITS = {
@@ -70,3 +73,27 @@ def compile_checkout(leanimg: str) -> None:
             stdout=subprocess.DEVNULL,
             check=True,
         )
+
+
+def timed(argv: list, cold=(), stdout=subprocess.PIPE, after=None) -> dict:
+    """Run ``argv`` once, the ``cold`` files evicted from the page cache first (and ``after``
+    run before the clock stops: an fsync): its wall and child CPU seconds, its stderr, and its
+    stdout when captured (``stdout`` PIPE; a file object takes it instead)."""
+    from leanimg.fileutil import evict_from_page_cache
+
+    argv = [str(a) for a in argv]
+    for path in cold:
+        evict_from_page_cache(path)
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    t0 = time.perf_counter()
+    proc = subprocess.run(argv, stdout=stdout, stderr=subprocess.PIPE)
+    stderr = proc.stderr.decode(errors="replace")
+    if proc.returncode != 0:
+        raise SystemExit(f"{shlex.join(argv)} failed ({proc.returncode}):\n{stderr[-3000:]}")
+    if after:
+        after()
+    wall = time.perf_counter() - t0
+    used = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (used.ru_utime - before.ru_utime) + (used.ru_stime - before.ru_stime)
+    out = proc.stdout.decode(errors="replace").strip() if stdout is subprocess.PIPE else None
+    return {"wall": wall, "cpu": cpu, "stdout": out, "stderr": stderr}

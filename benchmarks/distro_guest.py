@@ -22,7 +22,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
 
-from guest.vm import QMP, GuestError, Serial  # noqa: E402
+from guest.vm import QMP, GuestError, QemuControl, Serial  # noqa: E402
 
 BUILD_SCRIPT = REPO / "guest" / "debian" / "build.sh"
 CMDLINE = "root=/dev/vda rw console=ttyS0 quiet"
@@ -69,7 +69,7 @@ def qemu_args(build: DistroBuild, disk: Path, work: Path, mem_mib: int) -> list[
     ]
 
 
-class DistroVM:
+class DistroVM(QemuControl):
     """One QEMU of the Debian guest; ``leanimg_qmp`` and ``free_sock`` are for leanimg."""
 
     def __init__(self, build: DistroBuild, disk: Path, work: Path, mem_mib: int = 1024):
@@ -138,23 +138,3 @@ class DistroVM:
         """/proc/meminfo's main lines, in KiB."""
         lines = self.run("leanimg-workload meminfo", timeout=60)
         return {m.group(1): int(m.group(2)) for m in (re.match(r"(\w+):\s+(\d+) kB", x) for x in lines) if m}
-
-    def stop(self) -> None:
-        self.qmp.execute("stop")
-
-    def cont(self) -> None:
-        self.qmp.execute("cont")
-
-    def save(self, path: Path, timeout: float = 600) -> dict:
-        """QEMU's own ``migrate "exec:cat > PATH"``; the final query-migrate."""
-        self.qmp.execute("migrate-set-parameters", **{"max-bandwidth": 1 << 40})
-        self.qmp.execute("migrate", uri=f"exec:cat > {path}")
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            info = self.qmp.execute("query-migrate")
-            if info.get("status") == "completed":
-                return info
-            if info.get("status") in ("failed", "cancelled"):
-                raise GuestError(f"migration {info.get('status')}: {info}")
-            time.sleep(0.02)
-        raise GuestError(f"migration not complete after {timeout} s")

@@ -183,7 +183,38 @@ class Serial:
         self.log.close()
 
 
-class GuestVM:
+class QemuControl:
+    """Run state and QEMU's own save over ``self.qmp``: the test guests' (GuestVM) and the
+    benchmarks' Debian guest's (benchmarks/distro_guest.py)."""
+
+    qmp: QMP
+
+    def stop(self) -> None:
+        self.qmp.execute("stop")
+
+    def cont(self) -> None:
+        self.qmp.execute("cont")
+
+    def save(self, path: Path, timeout: float = 300.0) -> dict:
+        """Migrate to ``path`` with ``exec:cat > path``; return the final query-migrate."""
+        self.qmp.execute("migrate-set-parameters", **{"max-bandwidth": 1 << 40})
+        self.qmp.execute("migrate", uri=f"exec:cat > {path}")
+        return self._wait_migration(timeout)
+
+    def _wait_migration(self, timeout: float) -> dict:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            info = self.qmp.execute("query-migrate")
+            status = info.get("status")
+            if status == "completed":
+                return info
+            if status in ("failed", "cancelled"):
+                raise GuestError(f"migration {status}: {info}")
+            time.sleep(0.02)  # (fine enough for the benchmarks that time QEMU's save)
+        raise GuestError(f"migration not complete after {timeout}s")
+
+
+class GuestVM(QemuControl):
     """One QEMU process.  ``incoming`` (e.g. ``"exec:cat FILE"``) makes it a destination."""
 
     def __init__(
@@ -282,18 +313,6 @@ class GuestVM:
     def status(self) -> str:
         return self.qmp.execute("query-status")["status"]
 
-    def stop(self) -> None:
-        self.qmp.execute("stop")
-
-    def cont(self) -> None:
-        self.qmp.execute("cont")
-
-    def save(self, path: Path, timeout: float = 300.0) -> dict:
-        """Migrate to ``path`` with ``exec:cat > path``; return the final query-migrate."""
-        self.qmp.execute("migrate-set-parameters", **{"max-bandwidth": 1 << 40})
-        self.qmp.execute("migrate", uri=f"exec:cat > {path}")
-        return self._wait_migration(timeout)
-
     def pmemsave(self, path: Path, size: int | None = None) -> None:
         size = size if size is not None else self.mem_mib << 20
         self.qmp.execute("pmemsave", val=0, size=size, filename=str(path))
@@ -322,18 +341,6 @@ class GuestVM:
             if self.proc.poll() is not None:
                 return None
             raise
-
-    def _wait_migration(self, timeout: float) -> dict:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            info = self.qmp.execute("query-migrate")
-            status = info.get("status")
-            if status == "completed":
-                return info
-            if status in ("failed", "cancelled"):
-                raise GuestError(f"migration {status}: {info}")
-            time.sleep(0.1)
-        raise GuestError(f"migration not complete after {timeout}s")
 
 
 def _connect_unix(path: Path, timeout: float) -> socket.socket:
