@@ -29,7 +29,7 @@ from leanimg.reader import LeanImage
 from leanimg.writer import LeanImageWriter, PageGivenTwice
 
 from . import qemu, xen
-from .diskrefs import DiskSummary, classify_by_disks, declare_disks
+from .diskrefs import BlockIndex, DiskSummary, StreamedDiskPages, classify_by_disks, declare_disks
 from .hinting import HintOptions, HintPlan
 from .source_state import (
     QEMU_TAG_LIBVIRT_HEADER,
@@ -117,6 +117,8 @@ def convert_qemu(
     With ``parent`` (an open LeanImage), pages are classified against it. A page sent
     twice (a live save) raises RepeatedPages, wherever the writer notices it. With ``hints``,
     FREE hints apply by the stream-offset rule and DISK hints are verified against ``disks``.
+    With ``disks`` to scan, the disks are indexed when the stream's RAM blocks are known and
+    each page is looked up as it arrives (diskrefs.StreamedDiskPages; ``disks.summary``).
     """
     try:
         return _stream_into(source, writer, progress, parent, hints, disks)
@@ -131,7 +133,7 @@ def _stream_into(
     regions: dict[str, int] = {}
     names: dict[int, str] = {}
     put_data = _page_sink(writer, parent, names)
-    runs = plan = None
+    runs = plan = streamed = None
     page_size = None
     for event in qemu.read_qemu_stream(source, batch=True):
         if isinstance(event, qemu.PageRun):
@@ -164,6 +166,11 @@ def _stream_into(
             for block in event.blocks:
                 regions[block.name] = writer.add_region(block.name, block.length)
                 names[regions[block.name]] = block.name
+            if disks and disks.scan:
+                streamed = StreamedDiskPages(
+                    writer, disks.sources, put_data, all_phases=disks.all_phases, progress=disks.progress
+                )
+                put_data = streamed.put
             if hints:
                 plan = _plan(hints, writer, "qemu", regions, disks, parent)
                 put_data = plan.disk_sink(put_data)
@@ -174,6 +181,8 @@ def _stream_into(
                 plan.check_length(event.length)
                 plan.finish()
             _free_unsent(writer, regions)
+            if disks and disks.scan:
+                disks.summary = streamed.summary()
             writer.add_source_state(SourceFormat.QEMU, QEMU_TAG_STREAM_STATE, pack_stream_state(event.state))
             return event.state
     raise SourceFormatError("stream ended without QEMU_VM_EOF", structure="stream")
@@ -457,7 +466,7 @@ def _convert_qemu(
         with ram:
             write_spooled(writer, state, ram, parent=parent, disks=disks, hints=hints)
 
-    if spool or (disks and disks.scan):
+    if spool or (disks and disks.scan and not BlockIndex.fits(disks.sources, writer_options.get("page_size", 4096))):
         write(spooled)
         return
     try:

@@ -1,28 +1,37 @@
 """Pages that duplicate the VM's disk become DISK references (spec §6.4), for any converter.
 
-Three steps, memory bounded by the number of guest pages, each disk read once:
+A page becomes a DISK reference to the first block, in scan order, whose bytes equal it: the
+disks in turn, each read by ``disk_blocks`` (its data ranges at each partition's phase). Two
+ways to find that block, one rule:
 
-1. ``PageIndex.add`` over the guest's pages: a 64-bit sketch (computed with numpy over every
-   page at once) and the xxh3-128 digest of every non-zero page.
-2. ``scan_disk``: stream the disk's data ranges (holes and unallocated clusters skipped) at
-   each partition's phase, sketch every page-sized block the same way, and hash only the
-   blocks whose sketch a guest page has; a digest match records (disk, sector) for the page.
-3. ``DiskPages.put`` over the guest's pages again: a matched page is compared byte for byte
-   with the disk before it becomes a DISK reference; anything else goes to the next sink.
+- pages that can be read twice (a spooled stream, a Xen file): ``PageIndex``, bounded by the
+  guest's pages. 1. ``PageIndex.add`` over the guest's pages: a 64-bit sketch (numpy, every
+  page at once) and the xxh3-128 digest of every non-zero page. 2. ``scan_disk``: sketch every
+  block read, hash only the blocks whose sketch a guest page has; a digest match records
+  (disk, sector) for the page. 3. ``DiskPages.put`` over the guest's pages again.
+- pages seen once as they stream past (``convert`` of a QEMU stream, ``checkpoint`` in stop
+  or background mode): ``BlockIndex``, the disks' blocks by sketch (16 bytes a block, bounded
+  by the disks' data: ``BlockIndex.fits``), built before the pages come; ``DiskPages.put``
+  looks each page up as it arrives.
+
+Either way ``DiskPages`` compares a page byte for byte with its block before it becomes a DISK
+reference; anything else goes to the next sink.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 
 from leanimg.arrays import distinct
-from leanimg.disks.partitions import aligned_ranges, scan_segments
+from leanimg.disks.partitions import aligned_ranges, scan_bytes, scan_segments
 from leanimg.format import DIGEST_SIZE, DISK_SECTOR_SIZE, row_digests
 from leanimg.writer import LeanImageWriter
 
 SCAN_CHUNK = 8 << 20
+MAX_INDEXED_BLOCKS = 16 << 20  # BlockIndex: 64 GiB of scanned disk data, ~320 MiB while built
 # odd 64-bit multipliers: a sampled word's contribution to the sketch depends on its position
 _MULTIPLIERS = np.array(
     [
@@ -49,18 +58,28 @@ def sketch(words: np.ndarray) -> np.ndarray:
         return words.sum(axis=1, dtype=np.uint64) + (picks * _MULTIPLIERS).sum(axis=1, dtype=np.uint64)
 
 
-@dataclass
-class DiskMatches:
-    """The matched pages of one region, sorted by page."""
+def disk_blocks(disk, page_size: int, *, all_phases: bool = False, progress=None):
+    """The blocks a scan reads, in scan order: (rows of uint64 words, their byte offsets),
+    SCAN_CHUNK bytes at a time; the whole disk at phase 0, each partition at its own phase
+    (disks/partitions.py), holes and unallocated clusters skipped."""
+    ranges = disk.data_ranges()
+    for start, end, phase in scan_segments(disk, page_size, all_phases):
+        for lo, hi in aligned_ranges(ranges, start, end, phase, page_size):
+            for at in range(lo, hi, SCAN_CHUNK):
+                length = min(SCAN_CHUNK, hi - at)
+                blocks = np.frombuffer(disk.read(at, length), np.uint64).reshape(-1, page_size // 8)
+                yield blocks, at + page_size * np.arange(len(blocks), dtype=np.int64)
+                if progress:
+                    progress(length)
 
-    pages: np.ndarray
-    disk_ids: np.ndarray
-    sectors: np.ndarray
-    digests: np.ndarray
+
+# (rows of the run that may be on a disk, their disk ids, their sectors)
+Candidates = tuple[np.ndarray, np.ndarray, np.ndarray]
 
 
 class PageIndex:
-    """Step 1 and 2: the guest's non-zero pages by sketch, and the disk blocks they match."""
+    """Pages read twice, steps 1 and 2: the guest's non-zero pages by sketch, and the disk
+    blocks they match."""
 
     def __init__(self, page_size: int):
         self.page_size = page_size
@@ -133,82 +152,119 @@ class PageIndex:
         self.disk_ids[rows] = disk_id
         self.sectors[rows] = offsets[first] // DISK_SECTOR_SIZE
 
-    def matches(self) -> dict[int, DiskMatches]:
-        """Per region id, the matched pages sorted by page."""
+    def matches(self) -> Callable[[int, int, int], Candidates]:
+        """Step 3's lookup: (region id, first page, count) -> the run's matched pages."""
         found = np.flatnonzero(self.disk_ids >= 0)
-        out = {}
+        by_region = {}
         for region in distinct(self.regions[found]).tolist():
             rows = found[self.regions[found] == region]
             rows = rows[np.argsort(self.pages[rows])]
-            out[region] = DiskMatches(
-                self.pages[rows].astype(np.int64), self.disk_ids[rows], self.sectors[rows], self.digests[rows]
-            )
-        return out
+            by_region[region] = (self.pages[rows].astype(np.int64), self.disk_ids[rows], self.sectors[rows])
+        empty = (np.zeros(0, np.int64),) * 3
+
+        def candidates(region_id: int, first_page: int, data) -> Candidates:
+            pages, disk_ids, sectors = by_region.get(region_id, empty)
+            count = len(data) // self.page_size
+            lo, hi = np.searchsorted(pages, [first_page, first_page + count])
+            return pages[lo:hi] - first_page, disk_ids[lo:hi], sectors[lo:hi]
+
+        return candidates
 
 
 def scan_disk(index: PageIndex, disk, disk_id: int, *, all_phases: bool = False, progress=None) -> int:
     """Step 2 for one disk: match its blocks against the index; returns bytes read."""
-    ps, read_bytes = index.page_size, 0
-    ranges = disk.data_ranges()
-    for start, end, phase in scan_segments(disk, ps, all_phases):
-        for lo, hi in aligned_ranges(ranges, start, end, phase, ps):
-            for at in range(lo, hi, SCAN_CHUNK):
-                length = min(SCAN_CHUNK, hi - at)
-                data = disk.read(at, length)
-                blocks = np.frombuffer(data, np.uint64).reshape(-1, ps // 8)
-                index.match_blocks(blocks, at + ps * np.arange(len(blocks), dtype=np.int64), disk_id)
-                read_bytes += length
-                if progress:
-                    progress(length)
+    read_bytes = 0
+    for blocks, offsets in disk_blocks(disk, index.page_size, all_phases=all_phases, progress=progress):
+        index.match_blocks(blocks, offsets, disk_id)
+        read_bytes += blocks.nbytes
     return read_bytes
+
+
+class BlockIndex:
+    """Pages seen once: the disks' non-zero blocks by sketch, the first block in scan order
+    kept for each sketch; ``lookup`` gives a run's pages whose sketch a block has."""
+
+    def __init__(self, page_size: int):
+        self.page_size = page_size
+        self.scanned = self.looked_up = 0  # bytes of disk read, non-zero pages looked up
+        self._parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+
+    @staticmethod
+    def fits(disks: dict[str, object], page_size: int, all_phases: bool = False) -> bool:
+        """Whether the disks' blocks stay within MAX_INDEXED_BLOCKS (else: pages read twice)."""
+        blocks = sum(scan_bytes(disk, page_size, all_phases) for disk in disks.values()) // page_size
+        return blocks <= MAX_INDEXED_BLOCKS
+
+    def add_disk(self, disk, disk_id: int, *, all_phases: bool = False, progress=None) -> None:
+        for blocks, offsets in disk_blocks(disk, self.page_size, all_phases=all_phases, progress=progress):
+            sketches = sketch(blocks)
+            keep = np.flatnonzero(sketches)
+            self._parts.append(
+                (sketches[keep], offsets[keep] // DISK_SECTOR_SIZE, np.full(len(keep), disk_id, np.int32))
+            )
+            self.scanned += blocks.nbytes
+
+    def freeze(self) -> None:
+        """Sort by sketch, keeping the first block (in scan order) of each; ready for lookups."""
+        parts = self._parts or [(np.zeros(0, np.uint64), np.zeros(0, np.int64), np.zeros(0, np.int32))]
+        sketches, sectors, disk_ids = (np.concatenate(column) for column in zip(*parts))
+        self._parts = []
+        order = np.argsort(sketches, kind="stable")
+        sorted_sketches = sketches[order]
+        first = np.ones(len(order), bool)
+        first[1:] = sorted_sketches[1:] != sorted_sketches[:-1]
+        keep = order[first]
+        self.sketches, self.sectors, self.disk_ids = sorted_sketches[first], sectors[keep], disk_ids[keep]
+
+    def lookup(self, region_id: int, first_page: int, data) -> Candidates:
+        sketches = sketch(np.frombuffer(data, np.uint64).reshape(-1, self.page_size // 8))
+        pos = np.searchsorted(self.sketches, sketches)
+        nonzero = sketches != 0
+        self.looked_up += int(nonzero.sum())
+        hit = (pos < len(self.sketches)) & nonzero
+        hit[hit] = self.sketches[pos[hit]] == sketches[hit]
+        rows = np.flatnonzero(hit)
+        return rows, self.disk_ids[pos[rows]], self.sectors[pos[rows]]
 
 
 @dataclass
 class DiskPages:
-    """Step 3: a page sink that writes matched pages as DISK references, the rest to ``inner``."""
+    """A page sink: pages of a run whose bytes equal the block ``candidates`` names for them
+    become DISK references (digest computed here), the rest go to ``inner``."""
 
     writer: LeanImageWriter
-    matches: dict[int, DiskMatches]
+    candidates: Callable[[int, int, memoryview], Candidates]  # PageIndex.matches() or BlockIndex.lookup
     disks: dict[int, object]  # disk id -> DiskSource
     inner: object  # put_data(region_id, first_page, data)
     counts: dict[int, int] = field(default_factory=dict)  # disk id -> DISK pages written
 
     def put(self, region_id: int, first_page: int, data) -> None:
         ps = self.writer.page_size
-        data = memoryview(data).cast("B")
-        count = len(data) // ps
-        found = self.matches.get(region_id)
-        lo, hi = np.searchsorted(found.pages, [first_page, first_page + count]) if found else (0, 0)
-        if lo == hi:
+        data = memoryview(np.ascontiguousarray(data) if isinstance(data, np.ndarray) else data).cast("B")
+        rows, disk_ids, sectors = self.candidates(region_id, first_page, data)
+        if not len(rows):
             self.inner(region_id, first_page, data)
             return
-        rows = found.pages[lo:hi] - first_page
-        confirmed = self._confirm(data, rows, found.disk_ids[lo:hi], found.sectors[lo:hi])
-        is_disk = np.zeros(count, bool)
-        is_disk[rows[confirmed]] = True
+        pages = np.frombuffer(data, np.uint8).reshape(-1, ps)
+        confirmed = self._confirm(pages, rows, disk_ids, sectors)
+        rows, disk_ids, sectors = rows[confirmed], disk_ids[confirmed], sectors[confirmed]
+        is_disk = np.zeros(len(pages), bool)
+        is_disk[rows] = True
         for a, b, on_disk in _runs(is_disk):
             if not on_disk:
                 self.inner(region_id, first_page + a, data[a * ps : b * ps])
-        ids = found.disk_ids[lo:hi][confirmed]
-        self.writer.put_disks(
-            region_id,
-            first_page + rows[confirmed],
-            ids,
-            found.sectors[lo:hi][confirmed],
-            found.digests[lo:hi][confirmed],
-        )
-        for disk_id, n in zip(*np.unique(ids, return_counts=True)):
+        self.writer.put_disks(region_id, first_page + rows, disk_ids, sectors, row_digests(pages, rows))
+        for disk_id, n in zip(*np.unique(disk_ids, return_counts=True)):
             self.counts[int(disk_id)] = self.counts.get(int(disk_id), 0) + int(n)
 
-    def _confirm(self, data, rows, disk_ids, sectors) -> np.ndarray:
-        """Byte comparison of each matched page with its disk block (read sorted)."""
+    def _confirm(self, pages: np.ndarray, rows, disk_ids, sectors) -> np.ndarray:
+        """Byte comparison of each candidate page with its disk block (read sorted)."""
         ps = self.writer.page_size
-        pages = np.frombuffer(data, np.uint8).reshape(-1, ps)
         ok = np.zeros(len(rows), bool)
         for disk_id in distinct(disk_ids).tolist():
             mine = np.flatnonzero(disk_ids == disk_id)
             on_disk = self.disks[disk_id].read_runs(sectors[mine].astype(np.int64) * DISK_SECTOR_SIZE, ps)
-            ok[mine] = (on_disk == pages[rows[mine]]).all(axis=1)
+            ok[mine] = (on_disk.view(np.uint64) == pages[rows[mine]].view(np.uint64)).all(axis=1)
         return ok
 
 
@@ -247,8 +303,32 @@ def classify_by_disks(
         scanned += scan_disk(index, disk, disk_id, all_phases=all_phases, progress=progress)
     sink = DiskPages(writer, index.matches(), by_id, put_data)
     feed(sink.put)
+    return _summary(writer, disks, sink, scanned, len(index.sketches))
+
+
+class StreamedDiskPages:
+    """Pages seen once (a QEMU stream read as it comes): the disks are indexed first
+    (BlockIndex), then ``put`` writes each run's pages found on them as DISK references and
+    hands the rest to ``put_data``; ``summary()`` at the end."""
+
+    def __init__(self, writer: LeanImageWriter, disks: dict[str, object], put_data, *, all_phases=False, progress=None):
+        self.writer, self.disks = writer, disks
+        self.index = BlockIndex(writer.page_size)
+        by_id = {}
+        for name, disk in disks.items():
+            by_id[writer.disk_id(name)] = disk
+            self.index.add_disk(disk, writer.disk_id(name), all_phases=all_phases, progress=progress)
+        self.index.freeze()
+        self.sink = DiskPages(writer, self.index.lookup, by_id, put_data)
+        self.put = self.sink.put
+
+    def summary(self) -> DiskSummary:
+        return _summary(self.writer, self.disks, self.sink, self.index.scanned, self.index.looked_up)
+
+
+def _summary(writer: LeanImageWriter, disks: dict, sink: DiskPages, scanned: int, indexed: int) -> DiskSummary:
     names = {writer.disk_id(name): name for name in disks}
-    return DiskSummary({names[i]: n for i, n in sink.counts.items()}, scanned, len(index.sketches), writer.page_size)
+    return DiskSummary({names[i]: n for i, n in sink.counts.items()}, scanned, indexed, writer.page_size)
 
 
 def declare_disks(writer: LeanImageWriter, disks: dict[str, object]) -> None:

@@ -19,7 +19,7 @@ import pytest
 
 from helpers import qemu_save
 from leanimg.cli import command_line
-from leanimg.converters.diskrefs import PageIndex, sketch
+from leanimg.converters.diskrefs import BlockIndex, PageIndex, scan_disk, sketch
 from leanimg.disks import RawDisk, open_disk
 from leanimg.disks.partitions import Partition, read_partitions, scan_segments
 from leanimg.format import PageClass
@@ -180,6 +180,39 @@ def test_convert_reports_the_disk_pages(scene, tmp_path):
 def test_convert_from_a_pipe_gives_the_same_references(scene, image, tmp_path):
     ok("convert", "-", "-o", tmp_path / "pipe.lean", "--disk", f"vda={scene.disk}", stdin=scene.save.read_bytes())
     assert np.array_equal(classes(tmp_path / "pipe.lean"), classes(image))
+
+
+@pytest.mark.parametrize("phases", [(), ("--all-phases",)])
+def test_streamed_and_spooled_lookups_give_the_same_references(scene, tmp_path, phases):
+    """convert --disk looks pages up as the stream comes (BlockIndex); --spool reads them twice
+    (PageIndex): the same pages become the same references."""
+    refs = []
+    for spool in ("--no-spool", "--spool"):
+        with scene.convert(tmp_path / f"{spool}.lean", spool, *phases) as img:
+            table = img.tables.disk_refs
+            refs.append((img.classes(img.regions[0]).tolist(), table.sectors.tolist(), table.disk_ids.tolist()))
+    assert refs[0] == refs[1]
+
+
+def test_disks_too_large_to_index_are_read_twice(scene, tmp_path, monkeypatch):
+    """Above MAX_INDEXED_BLOCKS the stream is spooled and its pages read twice: same image."""
+    from leanimg.converters import convert, diskrefs, qemu
+    from leanimg.disks import open_disk
+
+    spooled = []
+    load_stream = qemu.load_stream
+    monkeypatch.setattr(qemu, "load_stream", lambda *a, **k: spooled.append(1) or load_stream(*a, **k))
+    out = {}
+    for limit in (diskrefs.MAX_INDEXED_BLOCKS, 10):
+        monkeypatch.setattr(diskrefs, "MAX_INDEXED_BLOCKS", limit)
+        options = convert.DiskOptions({"vda": open_disk(str(scene.disk), "vda")})
+        try:
+            convert.convert_file(str(scene.save), str(tmp_path / f"{limit}.lean"), disks=options)
+        finally:
+            options.close()
+        assert options.summary.pages == {"vda": scene.disk_pages}
+        out[limit] = classes(tmp_path / f"{limit}.lean")
+    assert len(spooled) == 1 and np.array_equal(*out.values())
 
 
 def test_disk_name_defaults_to_the_file_stem(scene, tmp_path):
@@ -452,8 +485,54 @@ def test_page_index_matches_only_identical_content():
     near = ram[4].copy()
     near[0] ^= 1
     index.match_blocks(np.vstack([blocks, near[None]]), np.array([0, PS, 2 * PS]), disk_id=0)
-    found = index.matches()[0]
-    assert found.pages.tolist() == [2, 9] and found.sectors.tolist() == [0, PS // SECTOR]
+    rows, disk_ids, sectors = index.matches()(0, 0, ram.tobytes())
+    assert rows.tolist() == [2, 9] and sectors.tolist() == [0, PS // SECTOR] and disk_ids.tolist() == [0, 0]
+    rows, _, sectors = index.matches()(0, 4, ram[4:12].tobytes())  # a run: rows count from its first page
+    assert rows.tolist() == [5] and sectors.tolist() == [PS // SECTOR]
+
+
+class ListDisk:
+    """A disk of page-sized blocks in memory (no partition table: one segment, phase 0)."""
+
+    def __init__(self, blocks: np.ndarray):
+        self.data = blocks.tobytes()
+        self.size = len(self.data)
+
+    def data_ranges(self):
+        return [(0, self.size)]
+
+    def read(self, offset: int, length: int) -> bytes:
+        return self.data[offset : offset + length]
+
+
+def test_block_index_finds_what_the_page_index_finds_first_block_first():
+    """The two lookups of diskrefs, one rule: a page refers to the first block in scan order
+    (disks in turn, offsets ascending) with its content; zero pages and blocks are never looked up."""
+    rng = np.random.default_rng(2)
+    pool = np.frombuffer(rng.bytes(12 * PS), np.uint64).reshape(12, PS // 8).copy()
+    pool[0] = 0
+    disks = [ListDisk(pool[rng.integers(0, 8, 40)]), ListDisk(pool[rng.integers(4, 12, 40)])]
+    ram = pool[rng.integers(0, 12, 64)].copy()
+    pages = PageIndex(PS)
+    pages.add(0, 0, ram.tobytes())
+    pages.freeze()
+    blocks = BlockIndex(PS)
+    for disk_id, disk in enumerate(disks):
+        scan_disk(pages, disk, disk_id)
+        blocks.add_disk(disk, disk_id)
+    blocks.freeze()
+    want = pages.matches()(0, 0, ram.tobytes())
+    got = blocks.lookup(0, 0, ram.tobytes())
+    for a, b in zip(want, got):
+        assert a.tolist() == b.tolist()
+    assert len(want[0]) and blocks.looked_up == int((ram != 0).any(axis=1).sum())
+    first = {}
+    for disk_id, disk in enumerate(disks):  # the rule, spelled out
+        rows = np.frombuffer(disk.data, np.uint64).reshape(-1, PS // 8)
+        for k, row in enumerate(rows):
+            first.setdefault(row.tobytes(), (disk_id, k * PS // SECTOR))
+    expected = [(r, *first[ram[r].tobytes()]) for r in range(64) if ram[r].any() and ram[r].tobytes() in first]
+    assert list(zip(*(a.tolist() for a in got))) == expected
 
 
 @needs_qemu_img
