@@ -12,11 +12,16 @@ its memory with random data and frees it (stale free pages). Two guests, in one 
             all at ``--live-bandwidth`` so the first pass gives the helper time to answer
   balloon   ``-device virtio-balloon-pci,free-page-reporting=on`` (the guest's virtio_balloon
             hands its free blocks to QEMU, which discards them), then in the same guest:
-            1. QEMU's own stop-and-save (exec:cat) and its ``zstd -T0 -3``: the share the
-               balloon gives without leanimg
+            1. QEMU's own stop-and-save to ``exec:cat`` (its stop to cont is the guest's pause
+               under QEMU's save), an fsync of the file and its ``zstd -T0 -3`` size: the share
+               the balloon gives without leanimg; then QEMU's stop-and-save through
+               ``exec:zstd -q -T0 -3 > FILE.zst`` and an fsync of that file. The three baselines
+               of issue 34 §3: exec:cat, exec:cat + fsync, exec:zstd -T0 -3 + fsync
             2. ``leanimg checkpoint --disk vda=DISK`` (default mode: stop, migrate, cont; the disk
-               frozen with an overlay): image size and wall time against 1.'s; then the same
-               without ``--disk`` (no spool: the pages stream into the writer)
+               frozen with an overlay): image size, wall time (until the image is durable) against
+               1.'s three baselines and the guest's pause (the summary's "guest paused") against
+               QEMU's exec:cat pause; then the same without ``--disk`` (no spool: the pages
+               stream into the writer)
             3. QEMU's own ``background-snapshot`` migrate to exec:cat: wall time and downtime
             4. ``leanimg checkpoint --background``: image size, wall time, downtime
             1.-4. run ``--repeat`` times in turn (default 3); medians are reported
@@ -24,10 +29,14 @@ its memory with random data and frees it (stale free pages). Two guests, in one 
 ``--skip-balloon`` runs the plain guest only (a brief run for the guest free-hint numbers).
 
 Targets (issue 13 §6): image 2. <= 0.2 x the plain save's zstd; 4.'s downtime <= 50 ms;
-each checkpoint's wall time <= 1.2 x QEMU's own migrate in the same mode. QEMU's exec:cat writes
-the stream into the page cache and does not fsync it; leanimg compresses and fsyncs its image,
-so its CPU seconds, QEMU's save followed by an fsync, and the checkpoint's own timeline
-(``checkpoint -v``: the migration, the work after it, the fsync, the rest) are reported too.
+each checkpoint's wall time <= 1.2 x QEMU's own migrate in the same mode. Issue 34 §3 (medians
+of >= 3 rounds): 2.'s guest pause <= QEMU's own pause for exec:cat, with and without ``--disk``;
+2.'s wall time until the image is durable <= 1.5 x exec:cat + fsync, and kept <=
+exec:zstd -T0 -3 + fsync (the durable, compressed save a QEMU user gets without leanimg).
+QEMU's exec:cat writes the stream into the page cache and does not fsync it; leanimg compresses
+and fsyncs its image, so its CPU seconds, QEMU's save followed by an fsync, and the checkpoint's
+own timeline (``checkpoint -v``: the migration, the work after it, the fsync, the rest) are
+reported too.
 The machine is shared (the load average is reported): read the times as indications.
 
     python benchmarks/bench_checkpoint.py --mem-mib 1024 --repeat 3 --workdir /var/tmp/leanimg-ckpt --json out.json
@@ -96,21 +105,61 @@ def fsync_seconds(path: Path) -> float:
     return time.monotonic() - t0
 
 
-def qemu_save(vm: GuestVM, path: Path, background: bool = False) -> tuple[float, dict]:
-    """QEMU's own migrate to exec:cat; (wall seconds, final query-migrate)."""
+def qemu_save(vm: GuestVM, path: Path, background: bool = False, through: str = "cat") -> tuple[float, dict]:
+    """QEMU's own migrate to ``exec:THROUGH > path``; (wall seconds, final query-migrate).
+    In stop mode the seconds run from stop to running again: the guest's pause under QEMU's
+    save. With a ``through`` other than cat they run until QEMU's writer has exited too (QEMU
+    reports the migration completed before it closes the pipe and waits for the writer, so
+    zstd may still be writing the file's tail)."""
     if background:
         vm.qmp.execute("migrate-set-capabilities", capabilities=[{"capability": "background-snapshot", "state": True}])
     else:
         vm.stop()
     t0 = time.monotonic()
-    info = vm.save(path, timeout=1800)
+    info = vm.save(path, timeout=1800, through=through)
     seconds = time.monotonic() - t0
     if background:
         vm.qmp.execute("migrate-set-capabilities", capabilities=[{"capability": "background-snapshot", "state": False}])
     else:
         vm.cont()
         seconds = time.monotonic() - t0  # stop to running again, as the checkpoint's wall time
+    if through != "cat":
+        wait_writer_gone(vm.proc.pid, through, path)
+        seconds = time.monotonic() - t0
     return seconds, info
+
+
+def wait_writer_gone(qemu_pid: int, through: str, path: Path, timeout: float = 600.0) -> None:
+    """Wait until no descendant of ``qemu_pid`` is QEMU's exec: writer (``sh -c "THROUGH >
+    PATH"`` or THROUGH itself)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        parent, cmdline = {}, {}
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                stat = (entry / "stat").read_text()
+                cmd = (entry / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue  # gone meanwhile
+            pid = int(entry.name)
+            parent[pid] = int(stat.rsplit(")", 1)[1].split()[1])
+            cmdline[pid] = [c.decode(errors="replace") for c in cmd if c]
+        descendants, todo = set(), [qemu_pid]
+        while todo:
+            up = todo.pop()
+            kids = [pid for pid, pp in parent.items() if pp == up and pid not in descendants]
+            descendants.update(kids)
+            todo.extend(kids)
+        if not any(
+            str(path) in " ".join(cmdline[pid]) or cmdline[pid][-len(through.split()) :] == through.split()
+            for pid in descendants
+            if cmdline.get(pid)
+        ):
+            return
+        time.sleep(0.005)
+    raise SystemExit(f"QEMU's migration writer ({through} > {path}) still running after {timeout}s")
 
 
 def zstd_size(path: Path) -> int:
@@ -183,9 +232,17 @@ def downtime_of(summary: str) -> int:
     return int(summary.split("downtime ")[1].split(" ms")[0])
 
 
+def paused_ms_of(summary: str) -> int | None:
+    """The checkpoint's "guest paused NNN ms" (stop to cont), None if the summary has none."""
+    m = re.search(r"guest paused (\d+) ms", summary)
+    return int(m.group(1)) if m else None
+
+
 def stop_round(vm: GuestVM, qmp: Path, disk: Path, work: Path, first: bool) -> dict:
-    """One round in the balloon guest, each run right after the other: QEMU's stop-and-save,
-    checkpoint --disk, checkpoint without disks, QEMU's background snapshot, checkpoint --background."""
+    """One round in the balloon guest, each run right after the other: QEMU's stop-and-save
+    to exec:cat (``qemu_stop_save_seconds``: stop to cont, the guest's pause under QEMU's save)
+    and to exec:zstd -T0 -3, each followed by an fsync, checkpoint --disk, checkpoint without
+    disks, QEMU's background snapshot, checkpoint --background."""
     r = {}
     seconds, _ = qemu_save(vm, work / "balloon.save")
     r["qemu_stop_save_seconds"] = seconds
@@ -194,6 +251,11 @@ def stop_round(vm: GuestVM, qmp: Path, disk: Path, work: Path, first: bool) -> d
         r["balloon_save_bytes"] = (work / "balloon.save").stat().st_size
         r["balloon_save_zstd_bytes"] = zstd_size(work / "balloon.save")
     (work / "balloon.save").unlink()
+    zst = work / "balloon.save.zst"
+    seconds, _ = qemu_save(vm, zst, through="zstd -q -T0 -3")
+    r["qemu_stop_zstd_seconds"] = seconds
+    r["qemu_stop_zstd_fsync_seconds"] = fsync_seconds(zst)
+    zst.unlink()
 
     for name, extra in (("checkpoint_stop", ["--disk", f"vda={disk}"]), ("checkpoint_stop_nodisk", [])):
         timeline = []
@@ -201,6 +263,7 @@ def stop_round(vm: GuestVM, qmp: Path, disk: Path, work: Path, first: bool) -> d
         r[f"{name}_seconds"], r[f"{name}_cpu_seconds"] = seconds, cpu
         r[f"{name}_bytes"] = (work / f"{name}.lean").stat().st_size
         r[f"{name}_summary"], r[f"{name}_timeline"] = summary, timeline
+        r[f"{name}_paused_ms"] = paused_ms_of(summary)
         steps = dict(timeline)
         r[f"{name}_migration_seconds"] = steps["migration completed"] - steps["ready to migrate"]
         r[f"{name}_after_migration_seconds"] = steps["image synced"] - steps["migration completed"]
@@ -266,8 +329,9 @@ def run(args) -> dict:
         prepare(vm, args.mem_mib, say)
         rounds = [stop_round(vm, qmp, disk, work, k == 0) for k in range(args.repeat)]
         for key, value in rounds[0].items():
-            if isinstance(value, (int, float)) and all(key in r for r in rounds):
-                results[key] = statistics.median(r[key] for r in rounds)
+            numbers = [r[key] for r in rounds if isinstance(r.get(key), (int, float))]
+            if numbers and all(key in r for r in rounds):
+                results[key] = statistics.median(numbers)  # (a None, e.g. no "guest paused", left out)
             else:
                 results[key] = value  # measured once (the zstd size), or text
         results["rounds"] = rounds
@@ -282,6 +346,15 @@ def run(args) -> dict:
     results["stop_time_ratio"] = results["checkpoint_stop_seconds"] / results["qemu_stop_save_seconds"]
     results["stop_time_ratio_durable"] = results["checkpoint_stop_seconds"] / results["durable_qemu_stop_save_seconds"]
     results["stop_nodisk_time_ratio"] = results["checkpoint_stop_nodisk_seconds"] / results["qemu_stop_save_seconds"]
+    results["durable_qemu_stop_zstd_seconds"] = (
+        results["qemu_stop_zstd_seconds"] + results["qemu_stop_zstd_fsync_seconds"]
+    )
+    results["stop_time_ratio_vs_zstd_durable"] = (
+        results["checkpoint_stop_seconds"] / results["durable_qemu_stop_zstd_seconds"]
+    )
+    for name, key in (("checkpoint_stop", "stop_pause_ratio"), ("checkpoint_stop_nodisk", "stop_nodisk_pause_ratio")):
+        paused = results.get(f"{name}_paused_ms")
+        results[key] = None if paused is None else paused / 1000 / results["qemu_stop_save_seconds"]
     results["background_time_ratio"] = results["checkpoint_background_seconds"] / results["qemu_background_seconds"]
     return results
 
@@ -322,6 +395,18 @@ def report(r: dict) -> str:
             f"(leanimg CPU {r['checkpoint_stop_nodisk_cpu_seconds']:.2f} s, {mb(r['checkpoint_stop_nodisk_bytes'])}) = "
             f"{r['stop_nodisk_time_ratio']:.2f} x",
             _steps("  without --disk", r, "checkpoint_stop_nodisk"),
+            f"issue 34 baselines (QEMU stop-and-save, medians of {r['repeat']}): exec:cat "
+            f"{r['qemu_stop_save_seconds']:.2f} s, exec:cat + fsync {r['durable_qemu_stop_save_seconds']:.2f} s, "
+            f"exec:zstd -T0 -3 + fsync {r['durable_qemu_stop_zstd_seconds']:.2f} s "
+            f"(zstd {r['qemu_stop_zstd_seconds']:.2f} s + fsync {r['qemu_stop_zstd_fsync_seconds']:.2f} s)",
+            f"  checkpoint --disk wall time {r['checkpoint_stop_seconds']:.2f} s = "
+            f"{r['stop_time_ratio']:.2f} x exec:cat, "
+            f"{r['stop_time_ratio_durable']:.2f} x exec:cat + fsync (target <= 1.5 x exec:cat + fsync), "
+            f"{r['stop_time_ratio_vs_zstd_durable']:.2f} x exec:zstd -T0 -3 + fsync (keep <= 1 x zstd + fsync)",
+            f"  guest's pause against QEMU's exec:cat pause {r['qemu_stop_save_seconds'] * 1000:.0f} ms: "
+            f"checkpoint --disk {_pause(r, 'checkpoint_stop_paused_ms', 'stop_pause_ratio')}, "
+            f"without --disk {_pause(r, 'checkpoint_stop_nodisk_paused_ms', 'stop_nodisk_pause_ratio')} "
+            f"(target <= 1.0)",
             f"background: checkpoint {r['checkpoint_background_seconds']:.1f} s "
             f"(leanimg CPU {r['checkpoint_background_cpu_seconds']:.1f} s), downtime "
             f"{r['checkpoint_background_downtime_ms']} ms (target <= 50); "
@@ -329,6 +414,12 @@ def report(r: dict) -> str:
             f"downtime {r['qemu_background_downtime_ms']} ms = {r['background_time_ratio']:.2f} x (target <= 1.2)",
         ]
     )
+
+
+def _pause(r: dict, paused: str, ratio: str) -> str:
+    if r.get(paused) is None or r.get(ratio) is None:
+        return 'n/a (no "guest paused" in the summary)'
+    return f"{r[paused]:.0f} ms = {r[ratio]:.2f} x"
 
 
 def _steps(label: str, r: dict, name: str) -> str:

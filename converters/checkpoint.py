@@ -1,12 +1,14 @@
 """`leanimg checkpoint`: a running QEMU 7.2, over QMP, straight into a lean image.
 
 No save file is written. leanimg makes a socketpair, hands one end to QEMU over the QMP unix
-socket (SCM_RIGHTS, QMP ``getfd``) and starts ``migrate uri=fd:NAME``; a thread reads the other
-end into the RAM spool of ``qemu.load_stream`` (deleted, sparse scratch files holding at most
-the guest's RAM: live streams resend pages and the last copy wins; never a save file). When the
-migration has completed, the image is written from the spool with ``convert.write_spooled``.
-``stop`` and ``--background`` without disks need no spool (every page comes once): ``_Direct``
-feeds the writer while the stream flows, so compression overlaps the migration.
+socket (SCM_RIGHTS, QMP ``getfd``) and starts ``migrate uri=fd:NAME``. ``--live``: a thread
+reads the other end into the RAM spool of ``qemu.load_stream`` (deleted, sparse scratch files
+holding at most the guest's RAM: live streams resend pages and the last copy wins; never a save
+file); when the migration has completed, the image is written from the spool with
+``convert.write_spooled``. ``stop`` and ``--background`` need no spool (every page comes once):
+``cat`` copies the other end into a scratch file at QEMU's pace (``_Followed``) and ``_Direct``
+feeds the writer from it while the stream flows, so the page work (disk lookups included)
+overlaps the migration and the guest's pause does not wait for it.
 
 Modes (the checkpoint instant in brackets):
 
@@ -23,7 +25,8 @@ backing file, holds the referenced blocks. The instant: ``stop`` mode, after the
 while still stopped; ``live``, in the ``pre-switchover`` pause (capability
 ``pause-before-switchover``, then ``migrate-continue``); ``background`` (which QEMU allows with no
 pause capability), stopped by leanimg just before ``migrate``, QEMU itself resuming the guest
-once RAM is write-protected. The disk's size and fingerprint are taken after the freeze.
+once RAM is write-protected. The disk's size and fingerprint are taken while the guest is
+stopped (``stop``: the stream's first bytes come after the stop) or after the freeze.
 
 The image gets a second SOURCE_STATE record (QEMU, tag 2: ``checkpoint note``, UTF-8 JSON):
 mode, downtime, and for every disk the file that holds its referenced blocks and the overlay.
@@ -60,13 +63,15 @@ import json
 import os
 import signal
 import socket
+import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections import Counter
 
 from leanimg.errors import CheckpointError, CheckpointInterrupted, LeanImageError
-from leanimg.fileutil import commit_temporary, create_temporary
+from leanimg.fileutil import commit_temporary, create_temporary, punch_hole
 from leanimg.locations import Output
 from leanimg.format import SourceFormat
 from leanimg.rules import implements
@@ -74,7 +79,7 @@ from leanimg.writer import LeanImageWriter
 
 from . import qemu
 from .convert import DiskOptions, RepeatedPages, convert_qemu, lend_disks, write_spooled
-from .diskrefs import declare_disks
+from .diskrefs import BlockIndex, declare_disks
 from .guest_free import GuestFreeLink, Snapshot, free_hints
 from .hinting import HintOptions
 
@@ -103,6 +108,7 @@ ACTIVE = {
 }
 UNLIMITED_BANDWIDTH = 1 << 40  # bytes/s: "as fast as the writer reads"
 BALLOON_SETTLE = 5.0  # --balloon-inflate: seconds without progress that end the wait
+SWITCH_INTERVAL = 0.0005  # seconds: the GIL's switch interval while a checkpoint runs
 
 
 @dataclasses.dataclass
@@ -458,26 +464,108 @@ class _Spool(threading.Thread):
         return self.state, self.ram
 
 
-class _Direct(_Spool):
-    """``stop`` or ``--background`` without disks: QEMU sends every page once, so pages go into
-    the writer as they arrive (convert.convert_qemu; pages never sent become FREE) and
-    compression runs while the migration does. No spool. The writer finishes when the main thread hands over the
-    checkpoint note (``finish``)."""
+class _Followed(io.RawIOBase):
+    """The stream as ``cat`` copies it from our end of the socketpair into a scratch file (or
+    the --keep-stream file), read behind it: a read past what is written waits until more is,
+    or cat has exited (the stream's end). QEMU so writes as fast as into its own ``exec:cat``
+    whatever the reader does, and the guest's pause does not wait for the page work. Read parts
+    of a scratch file are punched out, so the page cache does not write them back."""
 
-    def __init__(self, sock: socket.socket, keep: str | None, out, open_writer):
-        super().__init__(sock, keep, None)
-        self.out, self.open_writer = out, open_writer
+    WAIT = 0.002  # seconds between looks at a file that has not grown
+    PUNCH = 64 << 20  # bytes read between punches
+
+    def __init__(self, sock: socket.socket, keep: str | None, workdir: str | None):
+        self.file = open(keep, "w+b") if keep else tempfile.TemporaryFile(prefix="leanimg-stream-", dir=workdir)
+        try:
+            self.cat = subprocess.Popen(["cat"], stdin=sock.fileno(), stdout=self.file.fileno(), stderr=subprocess.PIPE)
+        except BaseException:
+            self.file.close()
+            raise
+        self.pos = self.punched = 0
+        self.punching = keep is None
+        self.cut = False
+
+    @property
+    def received(self) -> int:
+        return os.fstat(self.file.fileno()).st_size
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        while True:
+            ended = self.cat.poll() is not None  # before the read: what cat wrote is then all there
+            n = os.preadv(self.file.fileno(), [buffer], self.pos)
+            if n:
+                self.pos += n
+                self._punch()
+                return n
+            if ended or self.cut:
+                self._check_cat()
+                return 0
+            time.sleep(self.WAIT)
+
+    def _check_cat(self) -> None:
+        if self.cut:
+            raise CheckpointError("the stream was cut")
+        status = self.cat.wait()
+        if status != 0:
+            why = self.cat.stderr.read().decode(errors="replace").strip() if self.cat.stderr else ""
+            raise CheckpointError(f"copying the migration stream (cat) failed with status {status}: {why}")
+
+    def _punch(self) -> None:
+        if not self.punching or self.pos - self.punched < self.PUNCH:
+            return
+        end = self.pos - self.pos % self.PUNCH
+        self.punching = punch_hole(self.file.fileno(), self.punched, end - self.punched)
+        self.punched = end
+
+    def cut_off(self) -> None:
+        """Stop cat (QEMU's writes then fail) and make a waiting read end."""
+        self.cut = True
+        if self.cat.poll() is None:
+            self.cat.kill()
+
+    def release(self) -> None:
+        """Once cat has ended (it reads on to the stream's end unless cut off: a background
+        snapshot must be able to finish, see _Checkpoint._finish_background)."""
+        self.cat.wait()
+        if self.cat.stderr:
+            self.cat.stderr.close()
+        self.file.close()
+
+
+class _Direct(_Spool):
+    """``stop`` or ``--background``: QEMU sends every page once, so pages go into the writer as
+    they arrive (convert.convert_qemu; pages never sent become FREE), read from the file cat
+    copies the stream into (_Followed) while the migration runs. With disks, their blocks are
+    indexed once the first bytes come (the guest is stopped, or its disks frozen, by then)
+    and each page is looked up as it arrives (diskrefs.StreamedDiskPages). The writer finishes
+    when the main thread hands over the checkpoint note (``finish``)."""
+
+    def __init__(self, sock: socket.socket, keep: str | None, workdir: str | None, out, open_writer, disks):
+        threading.Thread.__init__(self, name="leanimg-checkpoint-direct", daemon=True)
+        self.reader = _Followed(sock, keep, workdir)
+        sock.close()  # cat holds it now
+        self.sock = sock
+        self.out, self.open_writer, self.disks = out, open_writer, disks
+        self.state = self.ram = self.error = None
+        self.parsed = threading.Event()
         self.note = None
         self._go = threading.Event()
 
     def _consume(self, stream):
-        with self.open_writer(self.out) as (writer, parent):
+        stream.peek(1)  # QEMU starts sending after the stop (or the freeze): the disks are still
+        with _open_disks(self.disks) as sources, self.open_writer(self.out, sources) as (writer, parent):
+            scan = DiskOptions(sources) if sources else None
             try:
-                state = convert_qemu(stream, writer, parent=parent)
+                state = convert_qemu(stream, writer, parent=parent, disks=scan)
             except RepeatedPages as exc:
                 raise CheckpointError(
                     f"QEMU sent a page twice ({exc}): a stopped migration or a background snapshot sends each page once"
                 ) from None
+            for disk in self.disks:
+                disk.referenced = scan.summary.pages.get(disk.name, 0) * scan.summary.page_size
             self.parsed.set()
             self._go.wait()
             if self.note is None:
@@ -485,12 +573,39 @@ class _Direct(_Spool):
             writer.add_source_state(SourceFormat.QEMU, QEMU_TAG_CHECKPOINT_NOTE, self.note)
         return state, None
 
+    def run(self) -> None:
+        try:
+            super().run()
+        finally:
+            self.reader.release()
+
+    def _drain(self) -> None:
+        """cat reads the stream to its end by itself."""
+
+    def shut(self) -> None:
+        self.reader.cut_off()
+
     def finish(self, note: bytes) -> None:
         self.note = note
         self._go.set()
 
     def abandon(self) -> None:
         self._go.set()
+
+
+@contextlib.contextmanager
+def _open_disks(disks: list[FrozenDisk]):
+    """The checkpoint's disks as DiskSources by name (closed after)."""
+    from leanimg.disks import open_disk
+
+    sources = {}
+    try:
+        for disk in disks:
+            sources[disk.name] = open_disk(disk.path, disk.name)
+        yield sources
+    finally:
+        for source in sources.values():
+            source.close()
 
 
 # ------------------------------------------------------------------------------ the checkpoint
@@ -504,8 +619,21 @@ def run_checkpoint(request: CheckpointRequest) -> CheckpointResult:
         raise CheckpointError("hint files (spec/hints.md) are not taken by checkpoint; --guest-free asks the guest")
     if request.guest_free:
         _guest_free_allowed(request.mode)
-    with _Signals() as signals, Monitor(request.qmp) as monitor:
+    with _Signals() as signals, _prompt_main_thread(), Monitor(request.qmp) as monitor:
         return _Checkpoint(monitor, request, signals).run()
+
+
+@contextlib.contextmanager
+def _prompt_main_thread():
+    """The main thread's QMP steps (the migration's end, then ``cont``: the guest's pause) must
+    not queue behind the page work for the GIL: a thread waiting for it gets it after the
+    switch interval, Python's 5 ms by default, many times over in one QMP exchange."""
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(SWITCH_INTERVAL)
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(before)
 
 
 @implements("LI-HNT-026")
@@ -654,12 +782,20 @@ class _Checkpoint:
             self.fd_passed = True
         finally:
             theirs.close()
-        if self.req.mode in ONCE_MODES and not self.disks:
+        if self.req.mode in ONCE_MODES and self._disks_indexable():
             self.staged = Output(self.req.output)
-            self.spool = _Direct(ours, self.req.keep_stream, self.staged.file, self._open_writer)
+            self.spool = _Direct(
+                ours, self.req.keep_stream, self.req.workdir, self.staged.file, self._open_writer, self.disks
+            )
         else:
             self.spool = _Spool(ours, self.req.keep_stream, self.req.workdir)
         self.spool.start()
+
+    def _disks_indexable(self) -> bool:
+        """Whether the disks' blocks fit the index pages are looked up in as they stream past
+        (diskrefs.BlockIndex); else the RAM is spooled and read twice."""
+        with _open_disks(self.disks) as sources:
+            return BlockIndex.fits(sources, qemu.DEFAULT_PAGE_SIZE)
 
     def _migrate(self) -> dict:
         params = self.qmp.execute("query-migrate-parameters")
@@ -809,9 +945,8 @@ class _Checkpoint:
                 self.resumed_at = time.monotonic()
 
     def _spooled(self):
-        while self.spool.is_alive() and not self.spool.parsed.is_set():
+        while not self.spool.parsed.wait(0.1) and self.spool.is_alive():
             self.signals.check()
-            self.spool.join(0.1)
         if self.spool.error is not None:
             self.spool.result()
         return self.spool.state, self.spool.ram

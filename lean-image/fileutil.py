@@ -39,6 +39,20 @@ def evict_from_page_cache(path) -> None:
         os.close(fd)
 
 
+_FALLOC_FL_KEEP_SIZE, _FALLOC_FL_PUNCH_HOLE = 1, 2
+
+
+def punch_hole(fd: int, offset: int, length: int) -> bool:
+    """Deallocate ``length`` bytes at ``offset`` of a file, keeping its size (Linux fallocate
+    PUNCH_HOLE, which os does not offer): the page cache drops them unwritten. False where the
+    file system or system cannot."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    return libc.fallocate(fd, _FALLOC_FL_KEEP_SIZE | _FALLOC_FL_PUNCH_HOLE, offset, length) == 0
+
+
 def _iov_max() -> int:
     try:
         return max(16, os.sysconf("SC_IOV_MAX"))

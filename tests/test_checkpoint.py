@@ -248,3 +248,71 @@ def test_an_incremental_checkpoint_lends_its_disks_to_the_parent(tmp_path):
         region = image.region("pc.ram")
         assert image.classes(region, 1, 1).tolist() == [PageClass.DELTA]
         assert bytes(image.region_bytes(region, 0, PAGES)) == bytes(changed)
+
+
+# ------------------------------------------------------------------ the stream behind cat
+
+
+def _followed(tmp_path, keep=None):
+    import socket
+
+    from leanimg.converters.checkpoint import _Followed
+
+    ours, theirs = socket.socketpair()
+    reader = _Followed(ours, keep, str(tmp_path))
+    ours.close()
+    return reader, theirs
+
+
+def test_the_followed_stream_waits_for_what_is_not_yet_written(tmp_path, monkeypatch):
+    """Reads behind cat return every byte once, wait while the file has not grown, end when
+    the sender hangs up; the part read is punched out of the scratch file."""
+    import threading
+    import time
+
+    from leanimg.converters.checkpoint import _Followed
+
+    monkeypatch.setattr(_Followed, "PUNCH", 1 << 20)
+    data = np.random.default_rng(3).bytes(6 << 20)
+    reader, sender = _followed(tmp_path)
+
+    def send():
+        for k in range(0, len(data), 1 << 20):
+            sender.sendall(data[k : k + (1 << 20)])
+            time.sleep(0.02)
+        sender.close()
+
+    thread = threading.Thread(target=send)
+    thread.start()
+    got = bytearray()
+    with io.BufferedReader(reader, 1 << 16) as stream:
+        while chunk := stream.read(100_000):
+            got += chunk
+        thread.join()
+        assert bytes(got) == data and reader.received == len(data)
+        assert os.fstat(reader.file.fileno()).st_blocks * 512 < (1 << 20)  # all of it read: punched
+    reader.release()
+
+
+def test_a_cut_stream_is_an_error_not_an_end(tmp_path):
+    reader, sender = _followed(tmp_path)
+    sender.sendall(b"x" * 1000)
+    buffer = bytearray(4096)
+    while not reader.readinto(buffer):
+        pass
+    reader.cut_off()
+    with pytest.raises(CheckpointError, match="cut"):
+        reader.readinto(buffer)
+    sender.close()
+    reader.release()
+
+
+def test_the_kept_stream_is_the_file_cat_writes(tmp_path):
+    keep = tmp_path / "kept.stream"
+    reader, sender = _followed(tmp_path, str(keep))
+    sender.sendall(b"QEVM" * 5000)
+    sender.close()
+    with io.BufferedReader(reader) as stream:
+        assert stream.read() == b"QEVM" * 5000
+    reader.release()
+    assert keep.read_bytes() == b"QEVM" * 5000

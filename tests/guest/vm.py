@@ -195,10 +195,11 @@ class QemuControl:
     def cont(self) -> None:
         self.qmp.execute("cont")
 
-    def save(self, path: Path, timeout: float = 300.0) -> dict:
-        """Migrate to ``path`` with ``exec:cat > path``; return the final query-migrate."""
+    def save(self, path: Path, timeout: float = 300.0, through: str = "cat") -> dict:
+        """Migrate to ``path`` with ``exec:THROUGH > path`` (``exec:cat > path`` by default;
+        e.g. ``through="zstd -q -T0 -3"``); return the final query-migrate."""
         self.qmp.execute("migrate-set-parameters", **{"max-bandwidth": 1 << 40})
-        self.qmp.execute("migrate", uri=f"exec:cat > {path}")
+        self.qmp.execute("migrate", uri=f"exec:{through} > {path}")
         return self._wait_migration(timeout)
 
     def _wait_migration(self, timeout: float) -> dict:
