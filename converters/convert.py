@@ -29,7 +29,7 @@ from leanimg.reader import LeanImage
 from leanimg.writer import LeanImageWriter, PageGivenTwice
 
 from . import qemu, xen
-from .diskrefs import BlockIndex, DiskSummary, StreamedDiskPages, classify_by_disks, declare_disks
+from .diskrefs import BlockIndex, DiskPages, DiskSummary, StreamedDiskPages, classify_by_disks, declare_disks
 from .hinting import HintOptions, HintPlan
 from .source_state import (
     QEMU_TAG_LIBVIRT_HEADER,
@@ -92,11 +92,19 @@ class RepeatedPages(Exception):
     """The stream sends a page twice (a live save): convert it with spooling."""
 
 
-def _page_sink(writer: LeanImageWriter, parent, names: dict[int, str]):
-    """put_pages, or classification against the parent image when there is one."""
+def _page_sink(writer: LeanImageWriter, parent, names: dict[int, str], disk_stage: DiskPages | None = None):
+    """Where a converter's pages go: by content (put_pages), or classified against the parent
+    image when there is one. ``disk_stage`` goes in front of what would be written by content:
+    pages found on the disks become DISK; with a parent only pages changed since it are looked
+    up (an unchanged page stays PARENT: a digest, no reference, no disk read at restore)."""
     if parent is None:
-        return writer.put_pages
+        if disk_stage is None:
+            return writer.put_pages
+        disk_stage.inner = writer.put_pages
+        return disk_stage.put
     feeder = AgainstParent(writer, parent)
+    if disk_stage is not None:
+        disk_stage.inner, feeder.changed = feeder.put_changed, disk_stage.put
     return lambda region, first, data: feeder.put_pages(region, names[region], first, _contiguous(data))
 
 
@@ -132,8 +140,7 @@ def _stream_into(
     writer.declare_source_state()
     regions: dict[str, int] = {}
     names: dict[int, str] = {}
-    put_data = _page_sink(writer, parent, names)
-    runs = plan = streamed = None
+    put_data = runs = plan = streamed = None
     page_size = None
     for event in qemu.read_qemu_stream(source, batch=True):
         if isinstance(event, qemu.PageRun):
@@ -168,9 +175,9 @@ def _stream_into(
                 names[regions[block.name]] = block.name
             if disks and disks.scan:
                 streamed = StreamedDiskPages(
-                    writer, disks.sources, put_data, all_phases=disks.all_phases, progress=disks.progress
+                    writer, disks.sources, all_phases=disks.all_phases, progress=disks.progress
                 )
-                put_data = streamed.put
+            put_data = _page_sink(writer, parent, names, streamed.sink if streamed else None)
             if hints:
                 plan = _plan(hints, writer, "qemu", regions, disks, parent)
                 put_data = plan.disk_sink(put_data)
@@ -206,7 +213,6 @@ def write_spooled(
     _check_page_size(state.page_size, writer)
     writer.declare_source_state()
     names: dict[int, str] = {}
-    put_data = _page_sink(writer, parent, names)
     regions = []
     for block in state.ram_blocks:
         region = writer.add_region(block.name, block.length)
@@ -241,7 +247,7 @@ def write_spooled(
         if unsent_free:
             zeros &= ram.seen[block.name]
         _put_zeros(writer, plan, region, zeros & writer.missing_pages(region))
-    _write_hinted_pages(writer, feed, put_data, disks, plan)
+    _write_hinted_pages(writer, feed, lambda stage: _page_sink(writer, parent, names, stage), disks, plan)
     if unsent_free:
         _free_unsent(writer, {name: region for region, name in names.items()})
     writer.add_source_state(SourceFormat.QEMU, QEMU_TAG_STREAM_STATE, pack_stream_state(state))
@@ -290,7 +296,7 @@ def convert_xen(
     result = xen.scan(source, workdir)
     with result.skeleton:
         region = writer.add_region(xen.REGION_NAME, max(result.num_pfns, 1) * xen.PAGE_SIZE, guest_phys_base=0)
-        put_data = _page_sink(writer, parent, {region: xen.REGION_NAME})
+        names = {region: xen.REGION_NAME}
 
         def feed(sink):
             xen.feed_pages(source, result, lambda pfn, data: sink(region, pfn, data), None if disks else progress)
@@ -301,7 +307,7 @@ def convert_xen(
             last_end = np.full(writer.page_classes(region).shape[0], -1, np.int64)
             last_end[: len(result.last_end)] = result.last_end
             plan.free_pages(region, last_end)
-        _write_hinted_pages(writer, feed, put_data, disks, plan)
+        _write_hinted_pages(writer, feed, lambda stage: _page_sink(writer, parent, names, stage), disks, plan)
         _free_unsent(writer, {xen.REGION_NAME: region})
         writer.add_source_state(SourceFormat.XEN, XEN_TAG_SKELETON, pack_skeleton(result.skeleton))
     return result
@@ -334,25 +340,25 @@ def _put_run_hinted(writer: LeanImageWriter, put_data, region: int, first: int, 
             put_data(region, first + a, run.pages[a:b])
 
 
-def _write_hinted_pages(writer: LeanImageWriter, feed, put_data, disks: DiskOptions | None, plan) -> None:
+def _write_hinted_pages(writer: LeanImageWriter, feed, sink_with, disks: DiskOptions | None, plan) -> None:
     """_write_pages with a HintPlan (or None): its FREE pages skipped, its DISK hints verified
-    before ``put_data`` sees a page, and what the hints did counted at the end."""
+    before the sink sees a page, and what the hints did counted at the end."""
     if plan is None:
-        _write_pages(writer, feed, put_data, disks)
+        _write_pages(writer, feed, sink_with, disks)
         return
-    _write_pages(writer, lambda sink: feed(plan.skip_free(sink)), plan.disk_sink(put_data), disks)
+    _write_pages(writer, lambda sink: feed(plan.skip_free(sink)), lambda stage: plan.disk_sink(sink_with(stage)), disks)
     plan.finish()
 
 
-def _write_pages(writer: LeanImageWriter, feed, put_data, disks: DiskOptions | None) -> None:
-    """Every page ``feed`` gives through ``put_data``; with ``disks`` to scan, pages found on them
-    first become DISK references (``feed`` is then called twice)."""
+def _write_pages(writer: LeanImageWriter, feed, sink_with, disks: DiskOptions | None) -> None:
+    """Every page ``feed`` gives through the sink ``sink_with(None)`` makes (see _page_sink); with
+    ``disks`` to scan, through ``sink_with(disk lookup)``, ``feed`` then called twice."""
     if disks and disks.scan:
         disks.summary = classify_by_disks(
-            writer, disks.sources, feed, put_data, all_phases=disks.all_phases, progress=disks.progress
+            writer, disks.sources, feed, sink_with, all_phases=disks.all_phases, progress=disks.progress
         )
     else:
-        feed(put_data)
+        feed(sink_with(None))
 
 
 def _check_page_size(page_size: int, writer: LeanImageWriter) -> None:

@@ -235,12 +235,13 @@ class DiskPages:
     writer: LeanImageWriter
     candidates: Callable[[int, int, memoryview], Candidates]  # PageIndex.matches() or BlockIndex.lookup
     disks: dict[int, object]  # disk id -> DiskSource
-    inner: object  # put_data(region_id, first_page, data)
+    inner: Callable | None = None  # put_data(region_id, first_page, data), set by the converter
     counts: dict[int, int] = field(default_factory=dict)  # disk id -> DISK pages written
 
     def put(self, region_id: int, first_page: int, data) -> None:
         ps = self.writer.page_size
         data = memoryview(np.ascontiguousarray(data) if isinstance(data, np.ndarray) else data).cast("B")
+        assert self.inner is not None  # (set by the converter before any page)
         rows, disk_ids, sectors = self.candidates(region_id, first_page, data)
         if not len(rows):
             self.inner(region_id, first_page, data)
@@ -286,9 +287,11 @@ class DiskSummary:
 
 
 def classify_by_disks(
-    writer: LeanImageWriter, disks: dict[str, object], feed, put_data, *, all_phases: bool = False, progress=None
+    writer: LeanImageWriter, disks: dict[str, object], feed, sink_with, *, all_phases: bool = False, progress=None
 ) -> DiskSummary:
-    """Write the guest's pages through the three steps; pages on no disk go to ``put_data``.
+    """Write the guest's pages through the three steps: ``sink_with(disk_pages)`` is the sink
+    with step 3's DiskPages where the converter wants it (its ``inner`` set: where pages on no
+    disk go).
 
     ``feed(sink)`` calls ``sink(region id, first page, data)`` for every run of pages of the
     guest, each page once; it is called twice (the converter re-reads its source or spool).
@@ -301,17 +304,17 @@ def classify_by_disks(
         disk_id = writer.disk_id(name)
         by_id[disk_id] = disk
         scanned += scan_disk(index, disk, disk_id, all_phases=all_phases, progress=progress)
-    sink = DiskPages(writer, index.matches(), by_id, put_data)
-    feed(sink.put)
+    sink = DiskPages(writer, index.matches(), by_id)
+    feed(sink_with(sink))
     return _summary(writer, disks, sink, scanned, len(index.sketches))
 
 
 class StreamedDiskPages:
     """Pages seen once (a QEMU stream read as it comes): the disks are indexed first
-    (BlockIndex), then ``put`` writes each run's pages found on them as DISK references and
-    hands the rest to ``put_data``; ``summary()`` at the end."""
+    (BlockIndex), then ``sink`` (a DiskPages, its ``inner`` set by the converter) writes each
+    run's pages found on them as DISK references; ``summary()`` at the end."""
 
-    def __init__(self, writer: LeanImageWriter, disks: dict[str, object], put_data, *, all_phases=False, progress=None):
+    def __init__(self, writer: LeanImageWriter, disks: dict[str, object], *, all_phases=False, progress=None):
         self.writer, self.disks = writer, disks
         self.index = BlockIndex(writer.page_size)
         by_id = {}
@@ -319,8 +322,7 @@ class StreamedDiskPages:
             by_id[writer.disk_id(name)] = disk
             self.index.add_disk(disk, writer.disk_id(name), all_phases=all_phases, progress=progress)
         self.index.freeze()
-        self.sink = DiskPages(writer, self.index.lookup, by_id, put_data)
-        self.put = self.sink.put
+        self.sink = DiskPages(writer, self.index.lookup, by_id)
 
     def summary(self) -> DiskSummary:
         return _summary(self.writer, self.disks, self.sink, self.index.scanned, self.index.looked_up)

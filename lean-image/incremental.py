@@ -22,21 +22,27 @@ def parent_link(parent: LeanImage) -> ParentLink:
 
 
 class AgainstParent:
-    """Feeds pages to ``writer``, each classified against the same page of ``parent``."""
+    """Feeds pages to ``writer``, each classified against the same page of ``parent``: unchanged
+    pages PARENT, zero pages ZERO, runs of changed ones to ``changed`` (by default
+    ``put_changed``; a converter with disks puts its disk lookup in front of it, so only pages
+    changed since the parent are looked up on the disks)."""
 
     def __init__(self, writer: LeanImageWriter, parent: LeanImage | None):
         self.writer, self.parent = writer, parent
         self.counts: Counter = Counter()
         self._parent_regions = {r.name: r for r in parent.regions} if parent else {}
+        self._names: dict[int, str] = {}
+        self.changed = self.put_changed  # (region id, first page, data)
 
     @implements("LI-HNT-025")  # a page becomes PARENT only when its digest equals the parent's
     def put_pages(self, region_id: int, region_name: str, first_page: int, data) -> None:
         data = memoryview(data).cast("B")
         ps = self.writer.page_size
         count = len(data) // ps
+        self._names[region_id] = region_name
         parent_region = self._parent_regions.get(region_name)
         if parent_region is None:
-            self.writer.put_pages(region_id, first_page, data)
+            self.changed(region_id, first_page, data)
             return
         assert self.parent is not None  # (parent regions are the parent's)
         within = max(0, min(count, parent_region.num_pages - first_page))
@@ -59,15 +65,26 @@ class AgainstParent:
                 self.writer.put_zero(region_id, first_page + start, stop - start)
                 self.counts[PageClass.ZERO] += stop - start
             else:
-                self._put_changed(region_id, parent_region, first_page, start, stop, data, within)
+                self.changed(region_id, first_page + start, data[start * ps : stop * ps])
 
-    def _put_changed(self, region_id, parent_region, first_page, start, stop, data, within) -> None:
-        assert self.parent is not None  # (called for pages of a parent region)
+    def put_changed(self, region_id: int, first_page: int, data) -> None:
+        """Pages that differ from the parent's (of a region ``put_pages`` has seen): DELTA where
+        the writer finds that smaller, else STORED (or ZERO: the writer's own test)."""
+        data = memoryview(data).cast("B")
+        parent_region = self._parent_regions.get(self._names[region_id])
+        if parent_region is None:  # a region the parent has not: by content, as without a parent
+            self.writer.put_pages(region_id, first_page, data)
+            return
+        if not self.writer.allow_delta:
+            self.writer.put_pages(region_id, first_page, data)
+            self.counts[PageClass.STORED] += len(data) // self.writer.page_size
+            return
+        assert self.parent is not None  # (parent regions are the parent's)
         ps = self.writer.page_size
-        for i in range(start, stop):
+        for i in range(len(data) // ps):
             page = first_page + i
             new = bytes(data[i * ps : (i + 1) * ps])
-            if i < within and self.writer.allow_delta:
+            if page < parent_region.num_pages:
                 cls = self.writer.put_changed(region_id, page, self.parent.read_page(parent_region, page), new)
             else:
                 self.writer.put_pages(region_id, page, new)

@@ -287,17 +287,32 @@ def qemu_img_map(path: Path) -> list:
     )
 
 
-def test_restore_through_a_chain_reads_the_childs_disk_pages(scene, image, tmp_path):
+def test_restore_through_a_chain_reads_the_childs_disk_pages(scene, tmp_path):
+    (tmp_path / "zero.save").write_bytes(qemu_save(bytes(len(scene.ram))))
+    parent = tmp_path / "zero.lean"
+    ok("convert", tmp_path / "zero.save", "-o", parent)
     child = tmp_path / "child.lean"
-    ok("convert", scene.save, "-o", child, "--parent", image, "--disk", f"vda={scene.disk}")
-    counts = np.bincount(classes(child, [image]), minlength=7)
-    assert counts[PageClass.DISK] == scene.disk_pages and counts[PageClass.PARENT] == 151
+    ok("convert", scene.save, "-o", child, "--parent", parent, "--disk", f"vda={scene.disk}")
+    counts = np.bincount(classes(child, [parent]), minlength=7)
+    assert counts[PageClass.DISK] == scene.disk_pages and counts[PageClass.PARENT] == 0
     out = tmp_path / "r.raw"
-    ok("restore", child, "--parent", image, "-o", out, "--disk", f"vda={scene.disk}")
+    ok("restore", child, "--parent", parent, "-o", out, "--disk", f"vda={scene.disk}")
     assert out.read_bytes() == scene.ram
 
 
 # ------------------------------------------------------------------ bad disks
+
+
+@pytest.mark.parametrize("spool", ["--no-spool", "--spool"])
+def test_a_page_unchanged_since_the_parent_stays_parent_though_on_the_disk(scene, image, tmp_path, spool):
+    """The parent first: only pages changed since it are looked up on the disks (either way of
+    diskrefs), so a child of the same memory is all PARENT (and ZERO), no DISK reference."""
+    child = tmp_path / "child.lean"
+    proc = ok("convert", scene.save, "-o", child, "--parent", image, "--disk", f"vda={scene.disk}", spool)
+    counts = np.bincount(classes(child, [image]), minlength=7)
+    assert counts[PageClass.DISK] == 0 and counts[PageClass.STORED] == 0
+    assert counts[PageClass.PARENT] == scene.disk_pages + 151
+    assert "disk vda: 0 pages" in proc.stderr.decode()
 
 
 def test_another_disk_is_refused_before_any_read(scene, image, tmp_path):
