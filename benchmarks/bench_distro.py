@@ -134,7 +134,7 @@ def plain_save(vm: DistroVM, save: Path) -> dict:
 
 def conversion_round(save: Path, disk: Path, work: Path) -> dict:
     zst, img, dimg = work / "vm.save.zst", work / "convert.lean", work / "convert-disk.lean"
-    zstd = timed(["zstd", "-T0", "-3", "-q", "-f", save, "-o", zst], [save], lambda: fsync_path(str(zst)))
+    zstd = timed(["zstd", "-T0", "-3", "-q", "-f", save, "-o", zst], [save], after=lambda: fsync_path(str(zst)))
     convert = timed([*LEANIMG, "convert", save, "-o", img, "-f"], [save])
     convert_disk = timed([*LEANIMG, "convert", save, "-o", dimg, "-f", "--disk", f"vda={disk}"], [save, disk])
     return {"zstd_s": zstd["wall"], "convert_s": convert["wall"], "convert_disk_s": convert_disk["wall"]} | {
@@ -166,7 +166,9 @@ def convert_phase(vm: DistroVM, work: Path, disk: Path, repeat: int) -> dict:
 
 def checkpoint(vm: DistroVM, image: Path, *extra) -> dict:
     run = timed([*LEANIMG, "-v", "checkpoint", "--qmp", vm.leanimg_qmp, "-o", image, "-f", *extra])
+    paused = re.search(r"guest paused (\d+) ms", run["stdout"])
     info = classes_of(image) | {"wall_s": run["wall"], "cpu_s": run["cpu"], "summary": run["stdout"]}
+    info["paused_ms"] = int(paused.group(1)) if paused else None  # against qemu_stop_save's qemu_save_s
     steps = dict(
         (m.group(2), float(m.group(1)))
         for m in re.finditer(r"checkpoint +([\d.]+) s +\(\+[\d.]+\) +(.+)", run["stderr"])

@@ -415,11 +415,14 @@ class _Spool(threading.Thread):
     """Reads the migration stream into qemu.load_stream's RAM spool."""
 
     def __init__(self, sock: socket.socket, keep: str | None, workdir: str | None):
-        super().__init__(name="leanimg-checkpoint-spool", daemon=True)
+        super().__init__(name=f"leanimg-checkpoint-{type(self).__name__.strip('_').lower()}", daemon=True)
         self.sock, self.workdir = sock, workdir
-        self.reader = _SocketReader(sock, keep)
+        self.reader = self._reader(sock, keep, workdir)
         self.state = self.ram = self.error = None
         self.parsed = threading.Event()  # the whole stream has been read
+
+    def _reader(self, sock: socket.socket, keep: str | None, workdir: str | None) -> io.RawIOBase:
+        return _SocketReader(sock, keep)
 
     def run(self) -> None:
         try:
@@ -544,18 +547,18 @@ class _Direct(_Spool):
     when the main thread hands over the checkpoint note (``finish``)."""
 
     def __init__(self, sock: socket.socket, keep: str | None, workdir: str | None, out, open_writer, disks):
-        threading.Thread.__init__(self, name="leanimg-checkpoint-direct", daemon=True)
-        self.reader = _Followed(sock, keep, workdir)
-        sock.close()  # cat holds it now
-        self.sock = sock
+        super().__init__(sock, keep, workdir)
         self.out, self.open_writer, self.disks = out, open_writer, disks
-        self.state = self.ram = self.error = None
-        self.parsed = threading.Event()
         self.note = None
         self._go = threading.Event()
 
+    def _reader(self, sock: socket.socket, keep: str | None, workdir: str | None) -> io.RawIOBase:
+        reader = _Followed(sock, keep, workdir)
+        sock.close()  # cat holds it now
+        return reader
+
     def _consume(self, stream):
-        stream.peek(1)  # QEMU starts sending after the stop (or the freeze): the disks are still
+        stream.peek(1)  # QEMU sends once the guest is stopped (or its disks frozen): disks as frozen
         with _open_disks(self.disks) as sources, self.open_writer(self.out, sources) as (writer, parent):
             scan = DiskOptions(sources) if sources else None
             try:

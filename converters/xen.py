@@ -172,7 +172,7 @@ ITEM_BYTES, ITEM_PAGE_DATA = 1, 2
 
 # limits of this tool (not of the formats)
 RECORD_LIMIT = 256 << 20  # a non-page record held in memory
-PFN_LIMIT = 1 << 26  # pfn space of a guest: 256 GiB (the writer keeps ~25 bytes per pfn)
+PFN_LIMIT = 1 << 26  # pfn space of a guest: 256 GiB (the scan keeps 8-16 bytes a pfn, the writer 1)
 BYTES_ITEM_TARGET = 16 << 20  # verbatim bytes gathered into one skeleton item
 READ_PAGES = 1024  # pages read at once when feeding the image
 
