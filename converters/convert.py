@@ -184,6 +184,8 @@ def _stream_into(
             runs = _RunBuffer(writer, page_size, put_data)
         else:
             runs.flush()
+            if streamed:
+                streamed.sink.flush()
             if plan:
                 plan.check_length(event.length)
                 plan.finish()

@@ -31,6 +31,7 @@ from leanimg.format import DIGEST_SIZE, DISK_SECTOR_SIZE, row_digests
 from leanimg.writer import LeanImageWriter
 
 SCAN_CHUNK = 8 << 20
+BATCH_PAGES = 4096  # DiskPages: pages looked up, read from the disks and written at once
 MAX_INDEXED_BLOCKS = 16 << 20  # BlockIndex: 64 GiB of scanned disk data, ~320 MiB while built
 # odd 64-bit multipliers: a sampled word's contribution to the sketch depends on its position
 _MULTIPLIERS = np.array(
@@ -152,8 +153,9 @@ class PageIndex:
         self.disk_ids[rows] = disk_id
         self.sectors[rows] = offsets[first] // DISK_SECTOR_SIZE
 
-    def matches(self) -> Callable[[int, int, int], Candidates]:
-        """Step 3's lookup: (region id, first page, count) -> the run's matched pages."""
+    def matches(self) -> Callable[[list, np.ndarray], Candidates]:
+        """Step 3's lookup: runs (region id, first page, count) laid end to end -> their
+        matched pages, by row of the batch."""
         found = np.flatnonzero(self.disk_ids >= 0)
         by_region = {}
         for region in distinct(self.regions[found]).tolist():
@@ -162,11 +164,15 @@ class PageIndex:
             by_region[region] = (self.pages[rows].astype(np.int64), self.disk_ids[rows], self.sectors[rows])
         empty = (np.zeros(0, np.int64),) * 3
 
-        def candidates(region_id: int, first_page: int, data) -> Candidates:
-            pages, disk_ids, sectors = by_region.get(region_id, empty)
-            count = len(data) // self.page_size
-            lo, hi = np.searchsorted(pages, [first_page, first_page + count])
-            return pages[lo:hi] - first_page, disk_ids[lo:hi], sectors[lo:hi]
+        def candidates(runs: list, data: np.ndarray) -> Candidates:
+            found, start = [], 0
+            for region_id, first_page, count in runs:
+                pages, disk_ids, sectors = by_region.get(region_id, empty)
+                lo, hi = np.searchsorted(pages, [first_page, first_page + count])
+                found.append((pages[lo:hi] - first_page + start, disk_ids[lo:hi], sectors[lo:hi]))
+                start += count
+            rows, disk_ids, sectors = (np.concatenate(column) for column in zip(*found))
+            return rows.astype(np.int64), disk_ids.astype(np.int64), sectors.astype(np.uint64)
 
         return candidates
 
@@ -216,8 +222,9 @@ class BlockIndex:
         keep = order[first]
         self.sketches, self.sectors, self.disk_ids = sorted_sketches[first], sectors[keep], disk_ids[keep]
 
-    def lookup(self, region_id: int, first_page: int, data) -> Candidates:
-        sketches = sketch(np.frombuffer(data, np.uint64).reshape(-1, self.page_size // 8))
+    def lookup(self, runs: list, pages: np.ndarray) -> Candidates:
+        """The rows of ``pages`` (a batch of DiskPages: any runs) whose sketch a block has."""
+        sketches = sketch(pages.view(np.uint64))
         pos = np.searchsorted(self.sketches, sketches)
         nonzero = sketches != 0
         self.looked_up += int(nonzero.sum())
@@ -229,32 +236,54 @@ class BlockIndex:
 
 @dataclass
 class DiskPages:
-    """A page sink: pages of a run whose bytes equal the block ``candidates`` names for them
-    become DISK references (digest computed here), the rest go to ``inner``."""
+    """A page sink: pages whose bytes equal the block ``candidates`` names for them become DISK
+    references (digest computed here), the rest go to ``inner`` in runs, in the order given.
+    Runs are gathered into batches of BATCH_PAGES (copied: the caller may reuse its buffers) so
+    that the lookups, the disk reads (sorted, coalesced) and put_disks work on many pages at
+    once; ``flush`` writes what is gathered (the converter calls it after the last page)."""
 
     writer: LeanImageWriter
-    candidates: Callable[[int, int, memoryview], Candidates]  # PageIndex.matches() or BlockIndex.lookup
+    candidates: Callable[[list, np.ndarray], Candidates]  # PageIndex.matches() or BlockIndex.lookup
     disks: dict[int, object]  # disk id -> DiskSource
     inner: Callable | None = None  # put_data(region_id, first_page, data), set by the converter
     counts: dict[int, int] = field(default_factory=dict)  # disk id -> DISK pages written
+    _batch: list = field(default_factory=list)  # (region id, first page, count) gathered
+    _batch_pages: list = field(default_factory=list)  # their pages, (count, page size) uint8 arrays
+    _gathered: int = 0
 
     def put(self, region_id: int, first_page: int, data) -> None:
         ps = self.writer.page_size
-        data = memoryview(np.ascontiguousarray(data) if isinstance(data, np.ndarray) else data).cast("B")
-        assert self.inner is not None  # (set by the converter before any page)
-        rows, disk_ids, sectors = self.candidates(region_id, first_page, data)
-        if not len(rows):
-            self.inner(region_id, first_page, data)
+        pages = np.array(np.frombuffer(data, np.uint8) if not isinstance(data, np.ndarray) else data, np.uint8)
+        pages = pages.reshape(-1, ps)
+        self._batch.append((region_id, first_page, len(pages)))
+        self._batch_pages.append(pages)
+        self._gathered += len(pages)
+        if self._gathered >= BATCH_PAGES:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self._batch:
             return
-        pages = np.frombuffer(data, np.uint8).reshape(-1, ps)
+        assert self.inner is not None  # (set by the converter before any page)
+        runs, parts = self._batch, self._batch_pages
+        pages = np.concatenate(parts) if len(parts) > 1 else parts[0]
+        self._batch, self._batch_pages, self._gathered = [], [], 0
+        rows, disk_ids, sectors = self.candidates(runs, pages)
         confirmed = self._confirm(pages, rows, disk_ids, sectors)
         rows, disk_ids, sectors = rows[confirmed], disk_ids[confirmed], sectors[confirmed]
         is_disk = np.zeros(len(pages), bool)
         is_disk[rows] = True
-        for a, b, on_disk in _runs(is_disk):
-            if not on_disk:
-                self.inner(region_id, first_page + a, data[a * ps : b * ps])
-        self.writer.put_disks(region_id, first_page + rows, disk_ids, sectors, row_digests(pages, rows))
+        starts = np.cumsum([0] + [count for _, _, count in runs])
+        region_of_row = np.repeat([r for r, _, _ in runs], [count for _, _, count in runs])
+        page_of_row = np.concatenate([first + np.arange(count) for _, first, count in runs])
+        for (region_id, first_page, _), start, stop in zip(runs, starts[:-1].tolist(), starts[1:].tolist()):
+            for a, b, on_disk in _runs(is_disk[start:stop]):
+                if not on_disk:
+                    self.inner(region_id, first_page + a, pages[start + a : start + b])
+        digests = row_digests(pages, rows)
+        for region_id in distinct(region_of_row[rows]).tolist():
+            mine = np.flatnonzero(region_of_row[rows] == region_id)
+            self.writer.put_disks(region_id, page_of_row[rows[mine]], disk_ids[mine], sectors[mine], digests[mine])
         for disk_id, n in zip(*np.unique(disk_ids, return_counts=True)):
             self.counts[int(disk_id)] = self.counts.get(int(disk_id), 0) + int(n)
 
@@ -306,6 +335,7 @@ def classify_by_disks(
         scanned += scan_disk(index, disk, disk_id, all_phases=all_phases, progress=progress)
     sink = DiskPages(writer, index.matches(), by_id)
     feed(sink_with(sink))
+    sink.flush()
     return _summary(writer, disks, sink, scanned, len(index.sketches))
 
 

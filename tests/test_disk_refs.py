@@ -194,6 +194,33 @@ def test_streamed_and_spooled_lookups_give_the_same_references(scene, tmp_path, 
     assert refs[0] == refs[1]
 
 
+@pytest.mark.parametrize("spool", [False, True])
+def test_batches_of_any_size_give_the_same_image(scene, image, tmp_path, monkeypatch, spool):
+    """DiskPages gathers runs into batches: cut into batches of 7 pages (runs split across
+    them), the references and the stored pages are the same."""
+    from leanimg.converters import convert, diskrefs
+    from leanimg.disks import open_disk
+
+    monkeypatch.setattr(diskrefs, "BATCH_PAGES", 7)
+    options = convert.DiskOptions({"vda": open_disk(str(scene.disk), "vda")})
+    try:
+        convert.convert_file(str(scene.save), str(tmp_path / "b.lean"), disks=options, spool=spool)
+    finally:
+        options.close()
+    got = []
+    for path in (tmp_path / "b.lean", image):
+        with LeanImage.open(path, disks={"vda": open_disk(str(scene.disk), "vda")}) as img:
+            region = img.regions[0]
+            got.append(
+                (
+                    img.classes(region).tolist(),
+                    img.tables.disk_refs.sectors.tolist(),
+                    img.region_bytes(region, 0, region.num_pages),
+                )
+            )
+    assert got[0] == got[1] and got[0][2] == scene.ram
+
+
 def test_disks_too_large_to_index_are_read_twice(scene, tmp_path, monkeypatch):
     """Above MAX_INDEXED_BLOCKS the stream is spooled and its pages read twice: same image."""
     from leanimg.converters import convert, diskrefs, qemu
@@ -500,10 +527,12 @@ def test_page_index_matches_only_identical_content():
     near = ram[4].copy()
     near[0] ^= 1
     index.match_blocks(np.vstack([blocks, near[None]]), np.array([0, PS, 2 * PS]), disk_id=0)
-    rows, disk_ids, sectors = index.matches()(0, 0, ram.tobytes())
+    as_pages = ram.view(np.uint8)
+    rows, disk_ids, sectors = index.matches()([(0, 0, 16)], as_pages)
     assert rows.tolist() == [2, 9] and sectors.tolist() == [0, PS // SECTOR] and disk_ids.tolist() == [0, 0]
-    rows, _, sectors = index.matches()(0, 4, ram[4:12].tobytes())  # a run: rows count from its first page
-    assert rows.tolist() == [5] and sectors.tolist() == [PS // SECTOR]
+    # a batch of runs laid end to end: rows count from the batch's first page
+    rows, _, sectors = index.matches()([(0, 8, 4), (0, 0, 4)], np.vstack([as_pages[8:12], as_pages[0:4]]))
+    assert rows.tolist() == [1, 6] and sectors.tolist() == [PS // SECTOR, 0]
 
 
 class ListDisk:
@@ -536,8 +565,8 @@ def test_block_index_finds_what_the_page_index_finds_first_block_first():
         scan_disk(pages, disk, disk_id)
         blocks.add_disk(disk, disk_id)
     blocks.freeze()
-    want = pages.matches()(0, 0, ram.tobytes())
-    got = blocks.lookup(0, 0, ram.tobytes())
+    want = pages.matches()([(0, 0, 64)], ram.view(np.uint8))
+    got = blocks.lookup([(0, 0, 64)], ram.view(np.uint8))
     for a, b in zip(want, got):
         assert a.tolist() == b.tolist()
     assert len(want[0]) and blocks.looked_up == int((ram != 0).any(axis=1).sum())
