@@ -79,32 +79,15 @@ class DistroVM(QemuControl):
         self.proc = self.console = self.ctl = self.qmp = None
         self._ids = itertools.count(1)
 
-    def __enter__(self) -> "DistroVM":
-        try:
-            self.stderr = open(self.work / "qemu.stderr", "wb")
-            self.proc = subprocess.Popen(
-                self.args, stdin=subprocess.DEVNULL, stdout=self.stderr, stderr=subprocess.STDOUT
-            )
-            self.console = Serial(self.work / "console.sock", self.work / "console.log")
-            self.ctl = Serial(self.work / "ctl.sock", self.work / "ctl.log")
-            self.qmp = QMP(self.work / "qmp.sock")
-        except BaseException:
-            self.close()
-            raise
-        return self
+    def _start(self) -> None:
+        self.stderr = open(self.work / "qemu.stderr", "wb")
+        self.proc = subprocess.Popen(self.args, stdin=subprocess.DEVNULL, stdout=self.stderr, stderr=subprocess.STDOUT)
+        self.console = Serial(self.work / "console.sock", self.work / "console.log")
+        self.ctl = Serial(self.work / "ctl.sock", self.work / "ctl.log")
+        self.qmp = QMP(self.work / "qmp.sock")
 
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def close(self) -> None:
-        for part in (self.qmp, self.ctl, self.console):
-            if part is not None:
-                part.close()
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(timeout=30)
-        if getattr(self, "stderr", None):
-            self.stderr.close()
+    def _channels(self) -> tuple:
+        return self.qmp, self.ctl, self.console
 
     def wait_booted(self, timeout: float = 900) -> float:
         """Seconds until the agent answers (systemd reached multi-user.target)."""

@@ -184,10 +184,41 @@ class Serial:
 
 
 class QemuControl:
-    """Run state and QEMU's own save over ``self.qmp``: the test guests' (GuestVM) and the
-    benchmarks' Debian guest's (benchmarks/distro_guest.py)."""
+    """A QEMU as a context manager, its run state and its own save over ``self.qmp``: the test
+    guests' (GuestVM) and the benchmarks' Debian guest's (benchmarks/distro_guest.py)."""
 
     qmp: QMP
+
+    def __enter__(self):
+        """Start QEMU (``_start``); whatever started is closed (``close``) if the start fails."""
+        try:
+            self._start()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _start(self) -> None:
+        """Start QEMU as ``self.proc`` (its output in ``self.stderr``) and connect ``self.qmp``."""
+        raise NotImplementedError
+
+    def _channels(self) -> tuple:
+        """What ``close`` closes before QEMU is killed: QMP, serial ports (None: not opened)."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        for part in self._channels():
+            if part is not None:
+                part.close()
+        proc = getattr(self, "proc", None)
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+        if getattr(self, "stderr", None):
+            self.stderr.close()
 
     def stop(self) -> None:
         self.qmp.execute("stop")
@@ -240,17 +271,6 @@ class GuestVM(QemuControl):
         self.qmp: QMP | None = None
         self.serial: Serial | None = None
 
-    def __enter__(self) -> "GuestVM":
-        try:
-            self._start()
-        except BaseException:
-            self.close()
-            raise
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
     def _start(self) -> None:
         args = qemu_args(self.build, self.disk, self.workdir, self.mem_mib, self.qemu) + list(self.extra_args)
         if self.incoming:
@@ -260,15 +280,11 @@ class GuestVM(QemuControl):
         self.serial = Serial(self.workdir / "serial.sock", self.workdir / "serial.log")
         self.qmp = QMP(self.workdir / "qmp.sock")
 
+    def _channels(self) -> tuple:
+        return self.qmp, self.serial
+
     def close(self) -> None:
-        for part in (self.qmp, self.serial):
-            if part is not None:
-                part.close()
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(timeout=30)
-        if getattr(self, "stderr", None):
-            self.stderr.close()
+        super().close()
         if self._own_workdir:
             shutil.rmtree(self.workdir, ignore_errors=True)
 
