@@ -221,6 +221,31 @@ def test_batches_of_any_size_give_the_same_image(scene, image, tmp_path, monkeyp
     assert got[0] == got[1] and got[0][2] == scene.ram
 
 
+@pytest.mark.parametrize("spool", ["--no-spool", "--spool"])
+@pytest.mark.parametrize(
+    "damage,needle",
+    [
+        ("truncated", "offset 0x"),
+        ("magic", "offset 0x0"),
+        ("flipped", "offset 0x"),
+    ],
+)
+def test_a_damaged_save_with_disk_fails_cleanly(scene, tmp_path, spool, damage, needle):
+    """The disk lookup in front of the writer, streamed or read twice: a damaged save is one
+    clear error naming an offset, and no image is left behind."""
+    data = bytearray(scene.save.read_bytes())
+    if damage == "truncated":
+        data = data[: len(data) * 2 // 3]
+    elif damage == "magic":
+        data[0] ^= 0xFF
+    else:  # the first page entry's header (the block's name follows it) gets XBZRLE's flag
+        first = data.find(b"\x06pc.ram", data.find(b"\x06pc.ram") + 1)
+        data[first - 1] ^= 0x40
+    bad, out = tmp_path / "bad.save", tmp_path / "bad.lean"
+    bad.write_bytes(bytes(data))
+    fails(run("convert", bad, "-o", out, "--disk", f"vda={scene.disk}", spool), needle, left_out=out)
+
+
 def test_disks_too_large_to_index_are_read_twice(scene, tmp_path, monkeypatch):
     """Above MAX_INDEXED_BLOCKS the stream is spooled and its pages read twice: same image."""
     from leanimg.converters import convert, diskrefs, qemu
