@@ -38,7 +38,7 @@ import pytest
 from guest.build import READY_MARKER, build_guest
 from guest.qemus import qemu_params
 from guest.scenarios import heartbeats
-from guest.vm import GuestError, Serial, copy_disk
+from guest.vm import NUDGE_AFTER, GuestError, Serial, copy_disk
 from helpers import first_difference
 from leanimg.cli import command_line
 from leanimg.fileutil import sha256_file
@@ -185,7 +185,9 @@ class Domain:
     def connect(self, timeout: float = 60) -> None:
         self.disconnect()
         self.consoles += 1
-        self.serial = Serial(self.serial_path, self.workdir / f"console-{self.consoles}.log", timeout=timeout)
+        self.serial = Serial(
+            self.serial_path, self.workdir / f"console-{self.consoles}.log", timeout=timeout, nudge_after=NUDGE_AFTER
+        )
 
     def disconnect(self) -> None:
         if self.serial is not None:

@@ -121,14 +121,27 @@ class QMP:
         self._loop.close()
 
 
-class Serial:
-    """The guest console: a reader thread appends everything to ``text`` and a log file."""
+NUDGE_AFTER = 20.0  # seconds: see Serial
 
-    def __init__(self, path: Path, log: Path, timeout: float = 30.0):
+
+class Serial:
+    """The guest console: a reader thread appends everything to ``text`` and a log file.
+
+    ``nudge_after``: seconds of silence during a ``wait_for`` after which an empty line is sent
+    (the test guest's command loop ignores it, tests/guest/build.py). Twice (CI, 2026-11-28, and
+    once in ~160 runs of the chain scenario here) a QEMU 7.2 test guest's console went silent for
+    good right after a ``cont`` and a command: the guest idle (HLT, its timers armed, ext4 still
+    writing), QEMU running, nothing more on the console. Received bytes make the guest's 8250
+    driver look at the transmitter again; the cause was not found, so a nudge is printed."""
+
+    def __init__(self, path: Path, log: Path, timeout: float = 30.0, nudge_after: float | None = None):
+        self.nudge_after = nudge_after
+        self.nudges, self._nudged_at = 0, 0.0
         self.sock = _connect_unix(path, timeout)
         self.log = open(log, "ab")
         self._buf = bytearray()
         self._cond = threading.Condition()
+        self.last_output = time.monotonic()
         self._thread = threading.Thread(target=self._pump, daemon=True)
         self._thread.start()
 
@@ -144,11 +157,21 @@ class Serial:
                     self._cond.notify_all()
                     return
                 self._buf += chunk
+                self.last_output = time.monotonic()
+                self._cond.notify_all()
+            self._write_log(chunk)
+
+    def _write_log(self, chunk: bytes) -> None:
+        """The log is for people; a failing write (a full disk) must not stop the reading."""
+        if self.log_error is None:
+            try:
                 self.log.write(chunk)
                 self.log.flush()
-                self._cond.notify_all()
+            except OSError as exc:
+                self.log_error = exc
 
     _closed = False
+    log_error: OSError | None = None
 
     @property
     def text(self) -> str:
@@ -169,9 +192,28 @@ class Serial:
                     return m
                 left = deadline - time.monotonic()
                 if left <= 0 or self._closed:
-                    tail = self._buf[-2000:].decode(errors="replace")
-                    raise GuestError(f"timeout waiting for {pattern!r} on the serial console; last output:\n{tail}")
+                    raise GuestError(
+                        f"{self._why_not(pattern, timeout)}; last output:\n{self._buf[-2000:].decode(errors='replace')}"
+                    )
+                self._nudge_if_silent()
                 self._cond.wait(min(left, 0.5))
+
+    def _nudge_if_silent(self) -> None:
+        now = time.monotonic()
+        if self.nudge_after is not None and now - max(self.last_output, self._nudged_at) >= self.nudge_after:
+            self._nudged_at = now
+            self.nudges += 1
+            print(f"[serial] {now - self.last_output:.0f} s without output: an empty line sent", flush=True)
+            self.sock.sendall(b"\n")
+
+    def _why_not(self, pattern: str, timeout: float) -> str:
+        if self._closed:
+            return f"the serial console closed (QEMU exited?) before {pattern!r} came"
+        silent = time.monotonic() - self.last_output
+        log = f" (the serial log stopped: {self.log_error})" if self.log_error else ""
+        nudged = f", {self.nudges} empty lines sent" if self.nudges else ""
+        waited = f"{timeout:.0f} s, the last {silent:.0f} s silent{nudged}{log}"
+        return f"timeout waiting for {pattern!r} on the serial console ({waited})"
 
     def close(self) -> None:
         try:
@@ -277,7 +319,7 @@ class GuestVM(QemuControl):
             args += ([] if self.autostart else ["-S"]) + ["-incoming", self.incoming]
         self.stderr = open(self.workdir / "qemu.stderr", "wb")
         self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=self.stderr, stderr=subprocess.STDOUT)
-        self.serial = Serial(self.workdir / "serial.sock", self.workdir / "serial.log")
+        self.serial = Serial(self.workdir / "serial.sock", self.workdir / "serial.log", nudge_after=NUDGE_AFTER)
         self.qmp = QMP(self.workdir / "qmp.sock")
 
     def _channels(self) -> tuple:
