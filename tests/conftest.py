@@ -1,6 +1,7 @@
 """Shared test configuration: hypothesis profiles, markers, shared fixtures."""
 
 import os
+import shutil
 
 import pytest
 
@@ -52,3 +53,29 @@ def s3store(tmp_path_factory):
     store = SeaweedFS.start(tmp_path_factory.mktemp("seaweedfs"))
     yield store
     store.stop()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Marks a module in which a test failed (its setup included): ``module_dirs`` keeps it."""
+    outcome = yield
+    if outcome.get_result().failed:
+        item.module.__leanimg_failed__ = True
+
+
+@pytest.fixture(scope="module")
+def module_dirs(request, tmp_path_factory):
+    """``mktemp(name)`` for a module's shared fixtures (booted guests' saves, memory dumps,
+    disks): the directories are removed when the module ends with no failure, not at the end
+    of the session, so a full run holds one module's hundreds of MB to GB at a time (it peaked
+    at 28 GB otherwise). A failed module keeps them, as tmp_path_retention_policy does."""
+    made = []
+
+    def mktemp(name: str):
+        made.append(tmp_path_factory.mktemp(name))
+        return made[-1]
+
+    yield mktemp
+    if not getattr(request.module, "__leanimg_failed__", False):
+        for directory in made:
+            shutil.rmtree(directory, ignore_errors=True)

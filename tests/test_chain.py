@@ -65,8 +65,8 @@ def raw(path, parents=()) -> bytes:
 
 
 @pytest.fixture(scope="module")
-def chain(tmp_path_factory):
-    return build_chain(tmp_path_factory.mktemp("chain"), depth=12)
+def chain(module_dirs):
+    return build_chain(module_dirs("chain"), depth=12)
 
 
 def test_every_link_restores_its_own_moment(chain):
@@ -244,8 +244,8 @@ def test_modified_parent_is_refused(chain, tmp_path):
 
 # --- the CLI on the bundled real QEMU save ------------------------------------------------------
 @pytest.fixture(scope="module")
-def sample_save(tmp_path_factory):
-    path = tmp_path_factory.mktemp("sample") / "vm.save"
+def sample_save(module_dirs):
+    path = module_dirs("sample") / "vm.save"
     with open(SAMPLE, "rb") as fin, open(path, "wb") as fout:
         zstandard.ZstdDecompressor().copy_stream(fin, fout)
     return path

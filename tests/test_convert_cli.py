@@ -47,8 +47,8 @@ def run(*args, stdin: bytes | None = None) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="module")
-def sample_path(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("sample") / "vm.save"
+def sample_path(module_dirs) -> Path:
+    path = module_dirs("sample") / "vm.save"
     with open(SAMPLE_DIR / "vm.save.zst", "rb") as fin, open(path, "wb") as fout:
         zstandard.ZstdDecompressor().copy_stream(fin, fout)
     return path
@@ -349,8 +349,8 @@ def test_synthetic_truncated_everywhere(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def sample_image(sample_path, tmp_path_factory) -> Path:
-    img = tmp_path_factory.mktemp("img") / "vm.lean"
+def sample_image(sample_path, module_dirs) -> Path:
+    img = module_dirs("img") / "vm.lean"
     proc = run("convert", sample_path, "-o", img)
     assert proc.returncode == 0, proc.stderr
     return img

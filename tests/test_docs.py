@@ -62,9 +62,9 @@ def expected_pattern(line: str) -> re.Pattern:
 
 
 @pytest.fixture(scope="module")
-def tutorial_run(tmp_path_factory):
+def tutorial_run(module_dirs):
     """All of the tutorial's shell blocks run in one bash, in a fresh folder; output by block."""
-    folder = tmp_path_factory.mktemp("tutorial")
+    folder = module_dirs("tutorial")
     blocks = shell_blocks()
     script = ["set -euo pipefail", "exec 2>&1"]
     for k, (text, _) in enumerate(blocks):
@@ -159,8 +159,8 @@ def _wait_for_socket(path: Path, process: subprocess.Popen) -> None:
 
 # --- the site ---------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def site(tmp_path_factory):
-    out = tmp_path_factory.mktemp("site")
+def site(module_dirs):
+    out = module_dirs("site")
     proc = subprocess.run(
         [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(out)],
         cwd=REPO_DIR,

@@ -215,9 +215,9 @@ def test_human_output_has_one_line_per_extent(chain):
 
 
 @pytest.fixture(scope="module")
-def sample_image(tmp_path_factory):
+def sample_image(module_dirs):
     """The bundled real QEMU 7.2 save converted with its disk."""
-    directory = tmp_path_factory.mktemp("sample")
+    directory = module_dirs("sample")
     for name in ("vm.save", "disk.img"):
         with open(SAMPLE_DIR / f"{name}.zst", "rb") as fin, open(directory / name, "wb") as fout:
             zstandard.ZstdDecompressor().copy_stream(fin, fout)

@@ -286,8 +286,8 @@ def test_rules_that_need_the_save():
 
 
 @pytest.fixture(scope="module")
-def sample(tmp_path_factory):
-    d = tmp_path_factory.mktemp("sample")
+def sample(module_dirs):
+    d = module_dirs("sample")
     for name in ("vm.save", "disk.img"):
         with open(SAMPLE / f"{name}.zst", "rb") as fin, open(d / name, "wb") as fout:
             zstandard.ZstdDecompressor().copy_stream(fin, fout)

@@ -236,13 +236,13 @@ def libvirtd():
 
 
 @pytest.fixture(scope="module", params=qemu_params())
-def domain(request, libvirtd, tmp_path_factory):
+def domain(request, libvirtd, module_dirs):
     """A persistent domain on the QEMU of the param, booted, the idle workload beating;
     undefined at the end."""
     qemu = request.param
     qemu.require()
     build = build_guest()
-    workdir = tmp_path_factory.mktemp("libvirt")
+    workdir = module_dirs("libvirt")
     name = f"leanimg-test-{os.getpid()}-{qemu.version}"
     disk = copy_disk(build.disk, workdir / "disk.img")
     serial = workdir / "serial.sock"

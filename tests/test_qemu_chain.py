@@ -68,19 +68,19 @@ def inspect_json(image: Path, *extra) -> dict:
 
 
 @pytest.fixture(scope="module", params=qemu_params())
-def checkpoints(request, tmp_path_factory) -> list[Checkpoint]:
+def checkpoints(request, module_dirs) -> list[Checkpoint]:
     request.param.require()
     return run_chain_scenario(
-        tmp_path_factory.mktemp(f"chain-{request.param.id}"),
+        module_dirs(f"chain-{request.param.id}"),
         qemu=request.param,
         log=lambda msg: print(f"[chain guest] {msg}"),
     )
 
 
 @pytest.fixture(scope="module")
-def chain(checkpoints, tmp_path_factory) -> list[Path]:
+def chain(checkpoints, module_dirs) -> list[Path]:
     """cp1 plain, cpk against cp(k-1): one directory, parents found beside each image."""
-    out = tmp_path_factory.mktemp("chain")
+    out = module_dirs("chain")
     images: list[Path] = []
     for cp in checkpoints:
         img = out / f"{cp.name}.lean"
@@ -91,10 +91,10 @@ def chain(checkpoints, tmp_path_factory) -> list[Path]:
 
 
 @pytest.fixture(scope="module")
-def sizes(checkpoints, chain, tmp_path_factory) -> list[dict]:
+def sizes(checkpoints, chain, module_dirs) -> list[dict]:
     """Per checkpoint: QEMU save, full lean image, PARENT-only and PARENT+DELTA bytes."""
-    full_dir = tmp_path_factory.mktemp("chain-full")
-    page_dir = tmp_path_factory.mktemp("chain-parent-only")
+    full_dir = module_dirs("chain-full")
+    page_dir = module_dirs("chain-parent-only")
     rows = []
     for i, cp in enumerate(checkpoints):
         if i == 0:

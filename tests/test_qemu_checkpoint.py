@@ -69,8 +69,8 @@ def checkpoint(guest: Guest, image: Path, *args) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="module", params=qemu_params())
-def guest(request, tmp_path_factory):
-    work = tmp_path_factory.mktemp(f"checkpoint-{request.param.id}")
+def guest(request, module_dirs):
+    work = module_dirs(f"checkpoint-{request.param.id}")
     with running_guest_with_qmp(work, mem_mib=MEM_MIB, devices=DEVICES, freed_mib=96, qemu=request.param) as (
         vm,
         disk,

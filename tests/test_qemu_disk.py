@@ -35,19 +35,17 @@ def cli(*args) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="module", params=qemu_params())
-def saved(request, tmp_path_factory) -> SavePoint:
+def saved(request, module_dirs) -> SavePoint:
     request.param.require()
     if shutil.which("qemu-img") is None:
         pytest.skip("qemu-img is not installed")
     steps = (("pagecache", ("pagecache", "/mnt")),)
-    return run_scenario(tmp_path_factory.mktemp(f"disk-{request.param.id}"), steps, mem_mib=128, qemu=request.param)[
-        "pagecache"
-    ]
+    return run_scenario(module_dirs(f"disk-{request.param.id}"), steps, mem_mib=128, qemu=request.param)["pagecache"]
 
 
 @pytest.fixture(scope="module")
-def image(saved, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("disk-image") / "vm.lean"
+def image(saved, module_dirs) -> Path:
+    out = module_dirs("disk-image") / "vm.lean"
     cli("convert", saved.save, "-o", out, "--disk", f"vda={saved.disk}")
     return out
 

@@ -64,15 +64,15 @@ def cli(*args, input_file=None, check: bool = True) -> subprocess.CompletedProce
 
 
 @pytest.fixture(scope="module", params=qemu_params(("pc", "q35")))
-def saves(request, tmp_path_factory) -> dict[str, SavePoint]:
+def saves(request, module_dirs) -> dict[str, SavePoint]:
     request.param.require()
-    return run_scenario(tmp_path_factory.mktemp(f"e2e-{request.param.id}"), E2E_STEPS, mem_mib=128, qemu=request.param)
+    return run_scenario(module_dirs(f"e2e-{request.param.id}"), E2E_STEPS, mem_mib=128, qemu=request.param)
 
 
 @pytest.fixture(scope="module")
-def images(saves, tmp_path_factory) -> dict[str, Path]:
+def images(saves, module_dirs) -> dict[str, Path]:
     """`leanimg convert` of every save (through the CLI)."""
-    out = tmp_path_factory.mktemp("e2e-images")
+    out = module_dirs("e2e-images")
     result = {}
     for name, sp in saves.items():
         img = out / f"{name}.lean"
@@ -83,8 +83,8 @@ def images(saves, tmp_path_factory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="module")
-def Leanimg(tmp_path_factory):
-    return ks.generated_parser_for_tests(tmp_path_factory.mktemp("e2e-kaitai")).Leanimg
+def Leanimg(module_dirs):
+    return ks.generated_parser_for_tests(module_dirs("e2e-kaitai")).Leanimg
 
 
 # ------------------------------------------------------------------ helpers

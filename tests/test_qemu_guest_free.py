@@ -132,8 +132,8 @@ class Guest:
 
 
 @pytest.fixture(scope="module", params=qemu_params())
-def guest(request, tmp_path_factory):
-    work = tmp_path_factory.mktemp(f"guestfree-{request.param.id}")
+def guest(request, module_dirs):
+    work = module_dirs(f"guestfree-{request.param.id}")
     port = work / "free.sock"
     devices = port_args(port) + ["-trace", "virtio_serial_throttle_port"]
     with running_guest_with_qmp(work, mem_mib=MEM_MIB, devices=devices, freed_mib=200, qemu=request.param) as (

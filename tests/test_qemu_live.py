@@ -25,10 +25,10 @@ MEM_MIB = 128
 
 
 @pytest.fixture(scope="module", params=qemu_params())
-def live_save(request, tmp_path_factory):
+def live_save(request, module_dirs):
     qemu = request.param
     qemu.require()
-    work = tmp_path_factory.mktemp(f"live-{qemu.id}")
+    work = module_dirs(f"live-{qemu.id}")
     build = build_guest()
     with GuestVM(build, copy_disk(build.disk, work / "disk.img"), mem_mib=MEM_MIB, qemu=qemu) as vm:
         vm.wait_ready()

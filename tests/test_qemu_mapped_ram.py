@@ -84,9 +84,9 @@ def save_as(vm: GuestVM, work: Path, name: str, capabilities: dict) -> Save:
 
 
 @pytest.fixture(scope="module")
-def saves(tmp_path_factory) -> dict[str, Save]:
+def saves(module_dirs) -> dict[str, Save]:
     QEMU_10_0.require()
-    work = tmp_path_factory.mktemp("mapped-ram")
+    work = module_dirs("mapped-ram")
     build = build_guest()
     (work / "source").mkdir()
     with GuestVM(
@@ -103,8 +103,8 @@ def saves(tmp_path_factory) -> dict[str, Save]:
 
 
 @pytest.fixture(scope="module")
-def images(saves, tmp_path_factory) -> dict[str, Path]:
-    out = tmp_path_factory.mktemp("mapped-ram-images")
+def images(saves, module_dirs) -> dict[str, Path]:
+    out = module_dirs("mapped-ram-images")
     result = {}
     for name, s in saves.items():
         result[name] = out / f"{name}.lean"

@@ -69,10 +69,10 @@ def cli(*args) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="module", params=qemu_params())
-def saves(request, tmp_path_factory) -> dict[str, SavePoint]:
+def saves(request, module_dirs) -> dict[str, SavePoint]:
     request.param.require()
     points = run_scenario(
-        tmp_path_factory.mktemp(f"postcopy-{request.param.id}"),
+        module_dirs(f"postcopy-{request.param.id}"),
         STEPS,
         mem_mib=128,
         save_after={"check", "words"},
@@ -85,9 +85,9 @@ IMAGE_KINDS = ("inline", "disk", "chain", "free")
 
 
 @pytest.fixture(scope="module")
-def images(saves, tmp_path_factory) -> dict[str, tuple[Path, SavePoint, tuple[str, ...]]]:
+def images(saves, module_dirs) -> dict[str, tuple[Path, SavePoint, tuple[str, ...]]]:
     """kind -> (image, its checkpoint, the options serve and restore need for it)."""
-    out = tmp_path_factory.mktemp("postcopy-images")
+    out = module_dirs("postcopy-images")
     base, nxt = saves["base"], saves["next"]
     inline, disk, chain, free = (out / f"{k}.lean" for k in IMAGE_KINDS)
     cli("convert", base.save, "-o", inline)
