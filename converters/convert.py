@@ -100,12 +100,24 @@ def _page_sink(writer: LeanImageWriter, parent, names: dict[int, str], disk_stag
     if parent is None:
         if disk_stage is None:
             return writer.put_pages
-        disk_stage.inner = writer.put_pages
+        disk_stage.inner = writer.put_pages_at
         return disk_stage.put
     feeder = AgainstParent(writer, parent)
     if disk_stage is not None:
-        disk_stage.inner, feeder.changed = feeder.put_changed, disk_stage.put
+        disk_stage.inner, feeder.changed = _in_runs(feeder.put_changed), disk_stage.put
     return lambda region, first, data: feeder.put_pages(region, names[region], first, _contiguous(data))
+
+
+def _in_runs(put_run):
+    """A put_pages_at(region, page numbers, rows) made of put_run(region, first page, data)
+    calls, one for each run of consecutive page numbers."""
+
+    def put_pages_at(region_id: int, pages: np.ndarray, rows: np.ndarray) -> None:
+        edges = np.flatnonzero(np.diff(pages) != 1) + 1
+        for a, b in zip([0, *edges.tolist()], [*edges.tolist(), len(pages)]):
+            put_run(region_id, int(pages[a]), rows[a:b])
+
+    return put_pages_at
 
 
 def _contiguous(data):

@@ -1,21 +1,23 @@
 """Pages that duplicate the VM's disk become DISK references (spec §6.4), for any converter.
 
-A page becomes a DISK reference to the first block, in scan order, whose bytes equal it: the
-disks in turn, each read by ``disk_blocks`` (its data ranges at each partition's phase). Two
-ways to find that block, one rule:
+A page becomes a DISK reference to the first block, in scan order, whose digest (the format's
+xxh3-128, spec §6.5) equals the page's: the disks in turn, each read by ``disk_blocks`` (its
+data ranges at each partition's phase). The digest is computed from the bytes the scan read,
+which is what LI-DSK-005 asks of a reference (a reader checks the same digest); the block is
+not read a second time. Two ways to find that block, one rule:
 
 - pages that can be read twice (a spooled stream, a Xen file): ``PageIndex``, bounded by the
   guest's pages. 1. ``PageIndex.add`` over the guest's pages: a 64-bit sketch (numpy, every
-  page at once) and the xxh3-128 digest of every non-zero page. 2. ``scan_disk``: sketch every
-  block read, hash only the blocks whose sketch a guest page has; a digest match records
-  (disk, sector) for the page. 3. ``DiskPages.put`` over the guest's pages again.
+  page at once) and the digest of every non-zero page. 2. ``scan_disk``: sketch every block
+  read, hash only the blocks whose sketch a guest page has; a digest match records (disk,
+  sector) for the page. 3. ``DiskPages.put`` over the guest's pages again.
 - pages seen once as they stream past (``convert`` of a QEMU stream, ``checkpoint`` in stop
-  or background mode): ``BlockIndex``, the disks' blocks by sketch (16 bytes a block, bounded
-  by the disks' data: ``BlockIndex.fits``), built before the pages come; ``DiskPages.put``
-  looks each page up as it arrives.
+  or background mode): ``BlockIndex``, the digests of the disks' non-zero blocks (28 bytes a
+  block, bounded by the disks' data: ``BlockIndex.fits``), built before the pages come;
+  ``DiskPages.put`` looks each page's digest up as it arrives.
 
-Either way ``DiskPages`` compares a page byte for byte with its block before it becomes a DISK
-reference; anything else goes to the next sink.
+Either way ``DiskPages`` writes the pages found as DISK references; anything else goes to the
+next sink.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from leanimg.writer import LeanImageWriter
 
 SCAN_CHUNK = 8 << 20
 BATCH_PAGES = 4096  # DiskPages: pages looked up, read from the disks and written at once
-MAX_INDEXED_BLOCKS = 16 << 20  # BlockIndex: 64 GiB of scanned disk data, ~320 MiB while built
+MAX_INDEXED_BLOCKS = 16 << 20  # BlockIndex: 64 GiB of scanned disk data, ~450 MiB while built
 # odd 64-bit multipliers: a sampled word's contribution to the sketch depends on its position
 _MULTIPLIERS = np.array(
     [
@@ -74,7 +76,7 @@ def disk_blocks(disk, page_size: int, *, all_phases: bool = False, progress=None
                     progress(length)
 
 
-# (rows of the run that may be on a disk, their disk ids, their sectors)
+# (rows of the batch found on a disk, their disk ids, their sectors)
 Candidates = tuple[np.ndarray, np.ndarray, np.ndarray]
 
 
@@ -187,8 +189,8 @@ def scan_disk(index: PageIndex, disk, disk_id: int, *, all_phases: bool = False,
 
 
 class BlockIndex:
-    """Pages seen once: the disks' non-zero blocks by sketch, the first block in scan order
-    kept for each sketch; ``lookup`` gives a run's pages whose sketch a block has."""
+    """Pages seen once: the disks' non-zero blocks by digest, the first block in scan order
+    kept for each digest; ``lookup`` gives a batch's pages whose digest a block has."""
 
     def __init__(self, page_size: int):
         self.page_size = page_size
@@ -203,49 +205,49 @@ class BlockIndex:
 
     def add_disk(self, disk, disk_id: int, *, all_phases: bool = False, progress=None) -> None:
         for blocks, offsets in disk_blocks(disk, self.page_size, all_phases=all_phases, progress=progress):
-            sketches = sketch(blocks)
-            keep = np.flatnonzero(sketches)
-            self._parts.append(
-                (sketches[keep], offsets[keep] // DISK_SECTOR_SIZE, np.full(len(keep), disk_id, np.int32))
-            )
+            keep = np.flatnonzero(blocks.any(axis=1))
+            digests = row_digests(blocks.view(np.uint8), keep).view(np.uint64)  # (n, 2): the digest's halves
+            self._parts.append((digests, offsets[keep] // DISK_SECTOR_SIZE, np.full(len(keep), disk_id, np.int32)))
             self.scanned += blocks.nbytes
 
     def freeze(self) -> None:
-        """Sort by sketch, keeping the first block (in scan order) of each; ready for lookups."""
-        parts = self._parts or [(np.zeros(0, np.uint64), np.zeros(0, np.int64), np.zeros(0, np.int32))]
-        sketches, sectors, disk_ids = (np.concatenate(column) for column in zip(*parts))
+        """Sort by digest, keeping the first block (in scan order) of each; ready for lookups."""
+        parts = self._parts or [(np.zeros((0, 2), np.uint64), np.zeros(0, np.int64), np.zeros(0, np.int32))]
+        digests, sectors, disk_ids = (np.concatenate(column) for column in zip(*parts))
         self._parts = []
-        order = np.argsort(sketches, kind="stable")
-        sorted_sketches = sketches[order]
+        order = np.lexsort((digests[:, 1], digests[:, 0]))  # stable: scan order among equal digests
+        digests = digests[order]
         first = np.ones(len(order), bool)
-        first[1:] = sorted_sketches[1:] != sorted_sketches[:-1]
+        first[1:] = (digests[1:] != digests[:-1]).any(axis=1)
         keep = order[first]
-        self.sketches, self.sectors, self.disk_ids = sorted_sketches[first], sectors[keep], disk_ids[keep]
+        self.digests, self.sectors, self.disk_ids = digests[first], sectors[keep], disk_ids[keep]
 
     def lookup(self, runs: list, pages: np.ndarray) -> Candidates:
-        """The rows of ``pages`` (a batch of DiskPages: any runs) whose sketch a block has."""
-        sketches = sketch(pages.view(np.uint64))
-        pos = np.searchsorted(self.sketches, sketches)
-        nonzero = sketches != 0
-        self.looked_up += int(nonzero.sum())
-        hit = (pos < len(self.sketches)) & nonzero
-        hit[hit] = self.sketches[pos[hit]] == sketches[hit]
-        rows = np.flatnonzero(hit)
-        return rows, self.disk_ids[pos[rows]], self.sectors[pos[rows]]
+        """The rows of ``pages`` (a batch of DiskPages: any runs) whose digest a block has.
+        Searched by the digest's first half: two blocks that share it (a 64-bit coincidence)
+        can only leave a page stored."""
+        nonzero = np.flatnonzero(pages.view(np.uint64).any(axis=1))
+        self.looked_up += len(nonzero)
+        digests = row_digests(pages, nonzero).view(np.uint64)
+        pos = np.searchsorted(self.digests[:, 0], digests[:, 0])
+        hit = pos < len(self.digests)
+        hit[hit] = (self.digests[pos[hit]] == digests[hit]).all(axis=1)
+        rows, at = nonzero[hit], pos[hit]
+        return rows, self.disk_ids[at], self.sectors[at]
 
 
 @dataclass
 class DiskPages:
-    """A page sink: pages whose bytes equal the block ``candidates`` names for them become DISK
-    references (digest computed here), the rest go to ``inner`` in runs, in the order given.
-    Runs are gathered into batches of BATCH_PAGES (copied: the caller may reuse its buffers) so
-    that the lookups, the disk reads (sorted, coalesced) and put_disks work on many pages at
-    once; ``flush`` writes what is gathered (the converter calls it after the last page)."""
+    """A page sink: the pages ``found`` names a block for (a block with the page's digest)
+    become DISK references, the rest go to ``inner`` in the order given. Runs are gathered into
+    batches of BATCH_PAGES (copied: the caller may reuse its buffers) so that the lookups,
+    ``inner`` and put_disks work on many pages at once (``inner`` once for each stretch of runs
+    of one region: the pages between DISK pages come with gaps); ``flush`` writes what is
+    gathered (the converter calls it after the last page)."""
 
     writer: LeanImageWriter
-    candidates: Callable[[list, np.ndarray], Candidates]  # PageIndex.matches() or BlockIndex.lookup
-    disks: dict[int, object]  # disk id -> DiskSource
-    inner: Callable | None = None  # put_data(region_id, first_page, data), set by the converter
+    found: Callable[[list, np.ndarray], Candidates]  # PageIndex.matches() or BlockIndex.lookup
+    inner: Callable | None = None  # put_pages_at(region_id, page numbers, rows), set by the converter
     counts: dict[int, int] = field(default_factory=dict)  # disk id -> DISK pages written
     _batch: list = field(default_factory=list)  # (region id, first page, count) gathered
     _batch_pages: list = field(default_factory=list)  # their pages, (count, page size) uint8 arrays
@@ -268,18 +270,15 @@ class DiskPages:
         runs, parts = self._batch, self._batch_pages
         pages = np.concatenate(parts) if len(parts) > 1 else parts[0]
         self._batch, self._batch_pages, self._gathered = [], [], 0
-        rows, disk_ids, sectors = self.candidates(runs, pages)
-        confirmed = self._confirm(pages, rows, disk_ids, sectors)
-        rows, disk_ids, sectors = rows[confirmed], disk_ids[confirmed], sectors[confirmed]
+        rows, disk_ids, sectors = self.found(runs, pages)
         is_disk = np.zeros(len(pages), bool)
         is_disk[rows] = True
-        starts = np.cumsum([0] + [count for _, _, count in runs])
         region_of_row = np.repeat([r for r, _, _ in runs], [count for _, _, count in runs])
         page_of_row = np.concatenate([first + np.arange(count) for _, first, count in runs])
-        for (region_id, first_page, _), start, stop in zip(runs, starts[:-1].tolist(), starts[1:].tolist()):
-            for a, b, on_disk in _runs(is_disk[start:stop]):
-                if not on_disk:
-                    self.inner(region_id, first_page + a, pages[start + a : start + b])
+        for start, stop in _stretches(region_of_row):
+            kept = start + np.flatnonzero(~is_disk[start:stop])
+            if len(kept):
+                self.inner(int(region_of_row[start]), page_of_row[kept], pages[kept])
         digests = row_digests(pages, rows)
         for region_id in distinct(region_of_row[rows]).tolist():
             mine = np.flatnonzero(region_of_row[rows] == region_id)
@@ -287,22 +286,12 @@ class DiskPages:
         for disk_id, n in zip(*np.unique(disk_ids, return_counts=True)):
             self.counts[int(disk_id)] = self.counts.get(int(disk_id), 0) + int(n)
 
-    def _confirm(self, pages: np.ndarray, rows, disk_ids, sectors) -> np.ndarray:
-        """Byte comparison of each candidate page with its disk block (read sorted)."""
-        ps = self.writer.page_size
-        ok = np.zeros(len(rows), bool)
-        for disk_id in distinct(disk_ids).tolist():
-            mine = np.flatnonzero(disk_ids == disk_id)
-            on_disk = self.disks[disk_id].read_runs(sectors[mine].astype(np.int64) * DISK_SECTOR_SIZE, ps)
-            ok[mine] = (on_disk.view(np.uint64) == pages[rows[mine]].view(np.uint64)).all(axis=1)
-        return ok
 
-
-def _runs(flags: np.ndarray):
-    edges = np.flatnonzero(np.diff(flags.astype(np.int8))) + 1
-    bounds = [0, *edges.tolist(), len(flags)]
-    for a, b in zip(bounds, bounds[1:]):
-        yield a, b, bool(flags[a])
+def _stretches(values: np.ndarray):
+    """(start, stop) of each stretch of equal consecutive ``values``."""
+    edges = np.flatnonzero(values[1:] != values[:-1]) + 1
+    bounds = [0, *edges.tolist(), len(values)]
+    return zip(bounds, bounds[1:])
 
 
 @dataclass
@@ -328,12 +317,10 @@ def classify_by_disks(
     index = PageIndex(writer.page_size)
     feed(index.add)
     index.freeze()
-    by_id, scanned = {}, 0
+    scanned = 0
     for name, disk in disks.items():
-        disk_id = writer.disk_id(name)
-        by_id[disk_id] = disk
-        scanned += scan_disk(index, disk, disk_id, all_phases=all_phases, progress=progress)
-    sink = DiskPages(writer, index.matches(), by_id)
+        scanned += scan_disk(index, disk, writer.disk_id(name), all_phases=all_phases, progress=progress)
+    sink = DiskPages(writer, index.matches())
     feed(sink_with(sink))
     sink.flush()
     return _summary(writer, disks, sink, scanned, len(index.sketches))
@@ -347,12 +334,10 @@ class StreamedDiskPages:
     def __init__(self, writer: LeanImageWriter, disks: dict[str, object], *, all_phases=False, progress=None):
         self.writer, self.disks = writer, disks
         self.index = BlockIndex(writer.page_size)
-        by_id = {}
         for name, disk in disks.items():
-            by_id[writer.disk_id(name)] = disk
             self.index.add_disk(disk, writer.disk_id(name), all_phases=all_phases, progress=progress)
         self.index.freeze()
-        self.sink = DiskPages(writer, self.index.lookup, by_id)
+        self.sink = DiskPages(writer, self.index.lookup)
 
     def summary(self) -> DiskSummary:
         return _summary(self.writer, self.disks, self.sink, self.index.scanned, self.index.looked_up)

@@ -206,7 +206,7 @@ class Demo:
             counts = class_counts(image)
         click.echo(
             f"   DISK: {counts[PageClass.DISK]} pages equal a 4 KiB block of disk.img (found by scanning "
-            f"{summary.scanned_bytes / MIB:.1f} MiB of its data, each confirmed byte for byte): the image keeps "
+            f"{summary.scanned_bytes / MIB:.1f} MiB of its data, each matched by its digest): the image keeps "
             "the sector and a digest, restore reads the block and checks it"
         )
         applied = report.get("FREE", {}).get("applied", 0)

@@ -504,6 +504,41 @@ class LeanImageWriter:
         self._next_ordinal += len(stored)
         self._append_to_frames(rows if len(stored) == count else rows[stored])
 
+    def put_pages_at(self, region_id: int, pages: np.ndarray, data: np.ndarray) -> None:
+        """Pages ``pages`` (page numbers, each once, in any order) by content, ``data`` their
+        rows: as put_pages for each in turn (the stored ones take their slots in that order),
+        in one call; for a sink whose pages come with gaps (DiskPages: those not on a disk)."""
+        rows = self._page_rows(data)
+        pages = np.asarray(pages, np.int64)
+        region = self._claim_pages(region_id, pages, len(rows))
+        nonzero = _nonzero_rows(rows)
+        region.classes[pages] = PageClass.ZERO
+        stored = pages[nonzero]
+        if not len(stored):
+            return
+        region.classes[stored] = PageClass.STORED
+        region.add_slots(stored, self._next_ordinal)
+        self._next_ordinal += len(stored)
+        self._append_to_frames(rows if len(stored) == len(pages) else rows[nonzero])
+
+    def _claim_pages(self, region_id: int, pages: np.ndarray, count: int) -> _Region:
+        region = self._regions.get(region_id)
+        if region is None:
+            raise WriterUsageError(f"unknown region id {region_id}")
+        if len(pages) != count:
+            raise WriterUsageError(f"region {region.name!r}: {len(pages)} page numbers for {count} pages")
+        if len(pages) and (pages.min() < 0 or pages.max() >= region.num_pages):
+            raise WriterUsageError(f"region {region.name!r}: pages outside 0..{region.num_pages}")
+        given = region.classes[pages] != 0
+        distinct_pages, times = np.unique(pages, return_counts=True)
+        if given.any():
+            raise PageGivenTwice(f"region {region.name!r}: page {int(pages[np.argmax(given)])} given twice")
+        if len(distinct_pages) != len(pages):
+            raise PageGivenTwice(
+                f"region {region.name!r}: page {int(distinct_pages[np.argmax(times > 1)])} given twice"
+            )
+        return region
+
     def _page_rows(self, data) -> np.ndarray:
         ps = self.page_size
         if isinstance(data, np.ndarray) and data.ndim == 2:

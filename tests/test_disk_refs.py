@@ -604,6 +604,22 @@ def test_block_index_finds_what_the_page_index_finds_first_block_first():
     assert list(zip(*(a.tolist() for a in got))) == expected
 
 
+def test_block_index_matches_only_identical_content():
+    """A block one bit away from a page (or holding a page's bytes but the page's neighbour's
+    last word) is no reference: the lookup is by the whole page's digest."""
+    rng = np.random.default_rng(3)
+    ram = np.frombuffer(rng.bytes(16 * PS), np.uint64).reshape(16, PS // 8).copy()
+    near = ram[[4, 5]].copy()
+    near[0, 0] ^= 1
+    near[1, -1] = ram[6, -1]
+    blocks = BlockIndex(PS)
+    blocks.add_disk(ListDisk(np.vstack([near, ram[[9, 2, 9]]])), disk_id=1)
+    blocks.freeze()
+    rows, disk_ids, sectors = blocks.lookup([(0, 0, 16)], ram.view(np.uint8))
+    assert rows.tolist() == [2, 9] and disk_ids.tolist() == [1, 1]
+    assert sectors.tolist() == [3 * PS // SECTOR, 2 * PS // SECTOR]  # 9 at its first block
+
+
 @needs_qemu_img
 def test_sorted_and_unsorted_reads_agree_on_every_disk_kind(scene, tmp_path):
     offsets = np.array(

@@ -222,6 +222,32 @@ def test_put_delta_stores_the_entry_given(tmp_path):
 
 
 # --- usage errors ---------------------------------------------------------------------------------------
+def test_put_pages_at_writes_what_put_pages_writes_run_by_run():
+    """Pages with gaps in one call (DiskPages: those between DISK pages) give the image bytes
+    that put_pages of each run in turn gives: same classes, slots, frames."""
+    content = np.frombuffer(pages(5, 12), np.uint8).reshape(12, PS).copy()
+    content[[3, 8]] = 0
+    at = np.array([9, 10, 2, 3, 4, 0, 7, 8])
+
+    def runs(w):
+        ram = w.add_region("ram", 12 * PS)
+        for first, stop in ((9, 11), (2, 5), (0, 1), (7, 9)):
+            w.put_pages(ram, first, content[first:stop])
+        w.put_zero(ram, 1)
+        w.put_free(ram, 5, 2)
+        w.put_free(ram, 11)
+
+    def at_once(w):
+        ram = w.add_region("ram", 12 * PS)
+        w.put_pages_at(ram, at, content[at])
+        w.put_zero(ram, 1)
+        w.put_free(ram, 5, 2)
+        w.put_free(ram, 11)
+
+    same = dict(frame_pages=4, image_uuid=bytes(range(16)))
+    assert write_bytes(at_once, **same) == write_bytes(runs, **same)
+
+
 def _region_with_page_0(w):
     r = w.add_region("ram", 2 * PS)
     w.put_pages(r, 0, pages(7, 1))
@@ -237,6 +263,7 @@ def _region_with_page_0(w):
         lambda w, r: w.put_parent(r, 0, bytes(16)),
         lambda w, r: w.put_delta(r, 0, b"entry", bytes(16)),
         lambda w, r: w.put_disk(r, 0, 0, 0, bytes(16)),
+        lambda w, r: w.put_pages_at(r, np.array([1, 0]), np.frombuffer(pages(8, 2), np.uint8).reshape(2, PS)),
     ],
 )
 def test_a_page_given_twice(again):
@@ -275,6 +302,9 @@ def test_constructor_usage_errors(kw, match):
         (lambda w, r: w.put_free(r, -1), "outside"),
         (lambda w, r: w.put_pages(r, 0, b"x" * 100), "not a multiple"),
         (lambda w, r: w.put_pages(r, 0, np.zeros((1, PS), np.uint16)), "uint8"),
+        (lambda w, r: w.put_pages_at(r, np.array([1, 2]), np.zeros((2, PS), np.uint8)), "outside"),
+        (lambda w, r: w.put_pages_at(r, np.array([1]), np.zeros((2, PS), np.uint8)), "1 page numbers for 2 pages"),
+        (lambda w, r: w.put_pages_at(r, np.array([1, 1]), np.ones((2, PS), np.uint8)), "page 1 given twice"),
         (lambda w, r: w.put_parent(r, 0, bytes(16)), "PARENT pages need a parent"),
         (lambda w, r: w.put_delta(r, 0, b"entry", bytes(16)), "DELTA pages need a parent"),
         (lambda w, r: w.add_disk("vdb", 1 << 20, bytes(16)), "before any region"),
