@@ -144,7 +144,7 @@ def conversion_round(save: Path, disk: Path, work: Path) -> dict:
     }
 
 
-def convert_phase(vm: DistroVM, work: Path, disk: Path, repeat: int) -> dict:
+def convert_phase(vm: DistroVM, work: Path, disk: Path, repeat: int, keep: bool = False) -> dict:
     save = work / "vm.save"
     result = {"save": plain_save(vm, save)}
     rounds = []
@@ -156,8 +156,9 @@ def convert_phase(vm: DistroVM, work: Path, disk: Path, repeat: int) -> dict:
     result["sizes"] = {"save": save.stat().st_size, "zstd": (work / "vm.save.zst").stat().st_size}
     result["convert"] = classes_of(work / "convert.lean")
     result["convert_disk"] = classes_of(work / "convert-disk.lean")
-    for path in (save, work / "vm.save.zst", work / "convert.lean", work / "convert-disk.lean"):
-        path.unlink()
+    if not keep:
+        for path in (save, work / "vm.save.zst", work / "convert.lean", work / "convert-disk.lean"):
+            path.unlink()
     return result
 
 
@@ -406,7 +407,7 @@ def run(args) -> dict:
         results["boot_s"] = vm.wait_booted()
         log(f"booted in {results['boot_s']:.0f} s")
         results["workload"] = workload(vm, args)
-        results["convert"] = convert_phase(vm, work, disk, args.repeat)
+        results["convert"] = convert_phase(vm, work, disk, args.repeat, keep=args.keep)
         results["checkpoints"] = checkpoint_phase(vm, work, disk, args)
         results["chain"] = chain_phase(vm, work, args)
         results["load_average"] = os.getloadavg()
@@ -428,7 +429,7 @@ def main(argv=None) -> int:
     ap.add_argument("--chain", type=int, default=5, help="checkpoints in the chain")
     ap.add_argument("--chain-interval", type=int, default=60, metavar="SECONDS")
     ap.add_argument("--workdir", default="/var/tmp/leanimg-bench-distro")
-    ap.add_argument("--keep", action="store_true", help="keep the work folder (disk, overlays, images)")
+    ap.add_argument("--keep", action="store_true", help="keep the work folder (disk, overlays, save, images)")
     ap.add_argument("--json", type=Path, help="also write the results here")
     args = ap.parse_args(argv)
     require_null_device()
