@@ -33,7 +33,7 @@ from leanimg.format import DIGEST_SIZE, DISK_SECTOR_SIZE, row_digests
 from leanimg.writer import LeanImageWriter
 
 SCAN_CHUNK = 8 << 20
-BATCH_PAGES = 4096  # DiskPages: pages looked up, read from the disks and written at once
+BATCH_PAGES = 4096  # DiskPages: pages looked up and written at once
 MAX_INDEXED_BLOCKS = 16 << 20  # BlockIndex: 64 GiB of scanned disk data, ~450 MiB while built
 # odd 64-bit multipliers: a sampled word's contribution to the sketch depends on its position
 _MULTIPLIERS = np.array(
