@@ -213,8 +213,9 @@ class BlockIndex:
     def freeze(self) -> None:
         """Sort by digest, keeping the first block (in scan order) of each; ready for lookups."""
         parts = self._parts or [(np.zeros((0, 2), np.uint64), np.zeros(0, np.int64), np.zeros(0, np.int32))]
-        digests, sectors, disk_ids = (np.concatenate(column) for column in zip(*parts))
         self._parts = []
+        digests, sectors, disk_ids = (np.concatenate(column) for column in zip(*parts))
+        del parts  # (the parts are copied: let them go before the sort's copies are made)
         order = np.lexsort((digests[:, 1], digests[:, 0]))  # stable: scan order among equal digests
         digests = digests[order]
         first = np.ones(len(order), bool)
