@@ -20,6 +20,7 @@ from typing import BinaryIO
 
 import numpy as np
 
+from leanimg.arrays import stretches
 from leanimg.errors import SourceFormatError, UnsupportedError
 from leanimg.fileutil import PrefixedInput, open_input
 from leanimg.format import SourceFormat
@@ -113,8 +114,7 @@ def _in_runs(put_run):
     calls, one for each run of consecutive page numbers."""
 
     def put_pages_at(region_id: int, pages: np.ndarray, rows: np.ndarray) -> None:
-        edges = np.flatnonzero(np.diff(pages) != 1) + 1
-        for a, b in zip([0, *edges.tolist()], [*edges.tolist(), len(pages)]):
+        for a, b in stretches(pages, step=1):
             put_run(region_id, int(pages[a]), rows[a:b])
 
     return put_pages_at

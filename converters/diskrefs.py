@@ -27,7 +27,7 @@ from typing import Callable
 
 import numpy as np
 
-from leanimg.arrays import distinct
+from leanimg.arrays import distinct, stretches
 from leanimg.disks.partitions import aligned_ranges, scan_bytes, scan_segments
 from leanimg.format import DIGEST_SIZE, DISK_SECTOR_SIZE, row_digests
 from leanimg.writer import LeanImageWriter
@@ -76,8 +76,8 @@ def disk_blocks(disk, page_size: int, *, all_phases: bool = False, progress=None
                     progress(length)
 
 
-# (rows of the batch found on a disk, their disk ids, their sectors)
-Candidates = tuple[np.ndarray, np.ndarray, np.ndarray]
+# (rows of the batch found on a disk, their disk ids, their sectors, their digests: (n, 16) uint8)
+Candidates = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
 
 
 class PageIndex:
@@ -163,18 +163,23 @@ class PageIndex:
         for region in distinct(self.regions[found]).tolist():
             rows = found[self.regions[found] == region]
             rows = rows[np.argsort(self.pages[rows])]
-            by_region[region] = (self.pages[rows].astype(np.int64), self.disk_ids[rows], self.sectors[rows])
-        empty = (np.zeros(0, np.int64),) * 3
+            by_region[region] = (
+                self.pages[rows].astype(np.int64),
+                self.disk_ids[rows],
+                self.sectors[rows],
+                self.digests[rows],
+            )
+        empty = (np.zeros(0, np.int64),) * 3 + (np.zeros((0, DIGEST_SIZE), np.uint8),)
 
         def candidates(runs: list, data: np.ndarray) -> Candidates:
             found, start = [], 0
             for region_id, first_page, count in runs:
-                pages, disk_ids, sectors = by_region.get(region_id, empty)
+                pages, disk_ids, sectors, digests = by_region.get(region_id, empty)
                 lo, hi = np.searchsorted(pages, [first_page, first_page + count])
-                found.append((pages[lo:hi] - first_page + start, disk_ids[lo:hi], sectors[lo:hi]))
+                found.append((pages[lo:hi] - first_page + start, disk_ids[lo:hi], sectors[lo:hi], digests[lo:hi]))
                 start += count
-            rows, disk_ids, sectors = (np.concatenate(column) for column in zip(*found))
-            return rows.astype(np.int64), disk_ids.astype(np.int64), sectors.astype(np.uint64)
+            rows, disk_ids, sectors, digests = (np.concatenate(column) for column in zip(*found))
+            return rows.astype(np.int64), disk_ids.astype(np.int64), sectors.astype(np.uint64), digests
 
         return candidates
 
@@ -234,7 +239,7 @@ class BlockIndex:
         hit = pos < len(self.digests)
         hit[hit] = (self.digests[pos[hit]] == digests[hit]).all(axis=1)
         rows, at = nonzero[hit], pos[hit]
-        return rows, self.disk_ids[at], self.sectors[at]
+        return rows, self.disk_ids[at], self.sectors[at], digests[hit].view(np.uint8)
 
 
 @dataclass
@@ -271,28 +276,20 @@ class DiskPages:
         runs, parts = self._batch, self._batch_pages
         pages = np.concatenate(parts) if len(parts) > 1 else parts[0]
         self._batch, self._batch_pages, self._gathered = [], [], 0
-        rows, disk_ids, sectors = self.found(runs, pages)
+        rows, disk_ids, sectors, digests = self.found(runs, pages)
         is_disk = np.zeros(len(pages), bool)
         is_disk[rows] = True
         region_of_row = np.repeat([r for r, _, _ in runs], [count for _, _, count in runs])
         page_of_row = np.concatenate([first + np.arange(count) for _, first, count in runs])
-        for start, stop in _stretches(region_of_row):
+        for start, stop in stretches(region_of_row):
             kept = start + np.flatnonzero(~is_disk[start:stop])
             if len(kept):
                 self.inner(int(region_of_row[start]), page_of_row[kept], pages[kept])
-        digests = row_digests(pages, rows)
         for region_id in distinct(region_of_row[rows]).tolist():
             mine = np.flatnonzero(region_of_row[rows] == region_id)
             self.writer.put_disks(region_id, page_of_row[rows[mine]], disk_ids[mine], sectors[mine], digests[mine])
         for disk_id, n in zip(*np.unique(disk_ids, return_counts=True)):
             self.counts[int(disk_id)] = self.counts.get(int(disk_id), 0) + int(n)
-
-
-def _stretches(values: np.ndarray):
-    """(start, stop) of each stretch of equal consecutive ``values``."""
-    edges = np.flatnonzero(values[1:] != values[:-1]) + 1
-    bounds = [0, *edges.tolist(), len(values)]
-    return zip(bounds, bounds[1:])
 
 
 @dataclass

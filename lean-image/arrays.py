@@ -52,6 +52,15 @@ def distinct(values) -> np.ndarray:
     return values[np.concatenate(([True], values[1:] != values[:-1]))]
 
 
+def stretches(values: np.ndarray, step: int = 0) -> list[tuple[int, int]]:
+    """(start, stop) of each stretch of ``values`` in which every value is the one before plus
+    ``step`` (0: runs of equal values; 1: runs of consecutive numbers)."""
+    if not len(values):
+        return []
+    edges = (np.flatnonzero(np.diff(values) != step) + 1).tolist()
+    return list(zip([0, *edges], [*edges, len(values)]))
+
+
 def as_items(rows: np.ndarray) -> np.ndarray:
     """An (n, k) C-contiguous array as a view of n items of k bytes each: numpy gathers and
     scatters those with one copy per item, where rows of an (n, 16) uint8 array (digests) go

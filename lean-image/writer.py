@@ -469,10 +469,14 @@ class LeanImageWriter:
         return region_id
 
     # -- pages -------------------------------------------------------------------
-    def _claim(self, region_id: int, first_page: int, count: int) -> _Region:
+    def _region(self, region_id: int) -> _Region:
         region = self._regions.get(region_id)
         if region is None:
             raise WriterUsageError(f"unknown region id {region_id}")
+        return region
+
+    def _claim(self, region_id: int, first_page: int, count: int) -> _Region:
+        region = self._region(region_id)
         if first_page < 0 or count < 0 or first_page + count > region.num_pages:
             raise WriterUsageError(f"region {region.name!r}: pages {first_page}+{count} outside 0..{region.num_pages}")
         given = region.classes[first_page : first_page + count]
@@ -497,12 +501,10 @@ class LeanImageWriter:
         if len(stored) == count:
             region.classes[first_page : first_page + count] = PageClass.STORED
             region.add_run(first_page, count, self._next_ordinal)
+            self._next_ordinal += count
+            self._append_to_frames(rows)
         else:
-            pages = first_page + stored
-            region.classes[pages] = PageClass.STORED
-            region.add_slots(pages, self._next_ordinal)
-        self._next_ordinal += len(stored)
-        self._append_to_frames(rows if len(stored) == count else rows[stored])
+            self._store(region, first_page + stored, rows[stored])
 
     def put_pages_at(self, region_id: int, pages: np.ndarray, data: np.ndarray) -> None:
         """Pages ``pages`` (page numbers, each once, in any order) by content, ``data`` their
@@ -510,33 +512,34 @@ class LeanImageWriter:
         in one call; for a sink whose pages come with gaps (DiskPages: those not on a disk)."""
         rows = self._page_rows(data)
         pages = np.asarray(pages, np.int64)
-        region = self._claim_pages(region_id, pages, len(rows))
+        if len(pages) != len(rows):
+            raise WriterUsageError(f"put_pages_at: {len(pages)} page numbers for {len(rows)} pages")
+        region = self._claim_pages(region_id, pages, "put_pages_at")
         nonzero = _nonzero_rows(rows)
         region.classes[pages] = PageClass.ZERO
-        stored = pages[nonzero]
-        if not len(stored):
+        if not nonzero.any():
             return
-        region.classes[stored] = PageClass.STORED
-        region.add_slots(stored, self._next_ordinal)
-        self._next_ordinal += len(stored)
-        self._append_to_frames(rows if len(stored) == len(pages) else rows[nonzero])
+        if nonzero.all():
+            self._store(region, pages, rows)
+        else:
+            self._store(region, pages[nonzero], rows[nonzero])
 
-    def _claim_pages(self, region_id: int, pages: np.ndarray, count: int) -> _Region:
-        region = self._regions.get(region_id)
-        if region is None:
-            raise WriterUsageError(f"unknown region id {region_id}")
-        if len(pages) != count:
-            raise WriterUsageError(f"region {region.name!r}: {len(pages)} page numbers for {count} pages")
-        if len(pages) and (pages.min() < 0 or pages.max() >= region.num_pages):
-            raise WriterUsageError(f"region {region.name!r}: pages outside 0..{region.num_pages}")
-        given = region.classes[pages] != 0
-        distinct_pages, times = np.unique(pages, return_counts=True)
-        if given.any():
-            raise PageGivenTwice(f"region {region.name!r}: page {int(pages[np.argmax(given)])} given twice")
-        if len(distinct_pages) != len(pages):
-            raise PageGivenTwice(
-                f"region {region.name!r}: page {int(distinct_pages[np.argmax(times > 1)])} given twice"
-            )
+    def _store(self, region: _Region, pages: np.ndarray, rows: np.ndarray) -> None:
+        """STORED pages ``pages`` (page numbers, in slot order), ``rows`` their bytes: the next
+        slots, and into the frames."""
+        region.classes[pages] = PageClass.STORED
+        region.add_slots(pages, self._next_ordinal)
+        self._next_ordinal += len(pages)
+        self._append_to_frames(rows)
+
+    def _claim_pages(self, region_id: int, pages: np.ndarray, what: str) -> _Region:
+        """A region's ``pages`` (page numbers, int64), each once and none given before."""
+        region = self._region(region_id)
+        if len(pages) and (pages.min() < 0 or pages.max() >= region.num_pages or len(distinct(pages)) != len(pages)):
+            raise WriterUsageError(f"region {region.name!r}: {what} pages outside 0..{region.num_pages} or repeated")
+        taken = pages[region.classes[pages] != 0]
+        if len(taken):
+            raise PageGivenTwice(f"region {region.name!r}: page {int(taken[0])} given twice")
         return region
 
     def _page_rows(self, data) -> np.ndarray:
@@ -603,15 +606,8 @@ class LeanImageWriter:
             raise WriterUsageError(
                 f"page at sector {int(sectors[k])} runs past the end of disk {self._disks[int(disk_ids[k])]!r}"
             )
-        region = self._regions.get(region_id)
-        if region is None:
-            raise WriterUsageError(f"unknown region id {region_id}")
         pages = np.asarray(pages, np.int64)
-        if pages.min() < 0 or pages.max() >= region.num_pages or len(distinct(pages)) != len(pages):
-            raise WriterUsageError(f"region {region.name!r}: DISK pages outside 0..{region.num_pages} or repeated")
-        taken = pages[region.classes[pages] != 0]
-        if len(taken):
-            raise PageGivenTwice(f"region {region.name!r}: page {int(taken[0])} given twice")
+        region = self._claim_pages(region_id, pages, "DISK")
         region.classes[pages] = PageClass.DISK
         region.add_slots(pages, len(self._disk_refs))
         region.add_digests(pages, digests)

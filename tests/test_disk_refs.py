@@ -22,7 +22,7 @@ from leanimg.cli import command_line
 from leanimg.converters.diskrefs import BlockIndex, PageIndex, scan_disk, sketch
 from leanimg.disks import RawDisk, open_disk
 from leanimg.disks.partitions import Partition, read_partitions, scan_segments
-from leanimg.format import PageClass
+from leanimg.format import PageClass, row_digests
 from leanimg.reader import LeanImage
 
 PS = 4096
@@ -553,10 +553,11 @@ def test_page_index_matches_only_identical_content():
     near[0] ^= 1
     index.match_blocks(np.vstack([blocks, near[None]]), np.array([0, PS, 2 * PS]), disk_id=0)
     as_pages = ram.view(np.uint8)
-    rows, disk_ids, sectors = index.matches()([(0, 0, 16)], as_pages)
+    rows, disk_ids, sectors, digests = index.matches()([(0, 0, 16)], as_pages)
     assert rows.tolist() == [2, 9] and sectors.tolist() == [0, PS // SECTOR] and disk_ids.tolist() == [0, 0]
+    assert (digests == row_digests(as_pages, rows)).all()  # the pages' own: what put_disks records
     # a batch of runs laid end to end: rows count from the batch's first page
-    rows, _, sectors = index.matches()([(0, 8, 4), (0, 0, 4)], np.vstack([as_pages[8:12], as_pages[0:4]]))
+    rows, _, sectors, _ = index.matches()([(0, 8, 4), (0, 0, 4)], np.vstack([as_pages[8:12], as_pages[0:4]]))
     assert rows.tolist() == [1, 6] and sectors.tolist() == [PS // SECTOR, 0]
 
 
@@ -601,7 +602,8 @@ def test_block_index_finds_what_the_page_index_finds_first_block_first():
         for k, row in enumerate(rows):
             first.setdefault(row.tobytes(), (disk_id, k * PS // SECTOR))
     expected = [(r, *first[ram[r].tobytes()]) for r in range(64) if ram[r].any() and ram[r].tobytes() in first]
-    assert list(zip(*(a.tolist() for a in got))) == expected
+    assert list(zip(*(a.tolist() for a in got[:3]))) == expected
+    assert (got[3] == row_digests(ram.view(np.uint8), got[0])).all()
 
 
 def test_block_index_matches_only_identical_content():
@@ -615,9 +617,10 @@ def test_block_index_matches_only_identical_content():
     blocks = BlockIndex(PS)
     blocks.add_disk(ListDisk(np.vstack([near, ram[[9, 2, 9]]])), disk_id=1)
     blocks.freeze()
-    rows, disk_ids, sectors = blocks.lookup([(0, 0, 16)], ram.view(np.uint8))
+    rows, disk_ids, sectors, digests = blocks.lookup([(0, 0, 16)], ram.view(np.uint8))
     assert rows.tolist() == [2, 9] and disk_ids.tolist() == [1, 1]
     assert sectors.tolist() == [3 * PS // SECTOR, 2 * PS // SECTOR]  # 9 at its first block
+    assert (digests == row_digests(ram.view(np.uint8), rows)).all()
 
 
 @needs_qemu_img
