@@ -22,7 +22,7 @@ import numpy as np
 
 from leanimg.arrays import stretches
 from leanimg.errors import SourceFormatError, UnsupportedError
-from leanimg.fileutil import PrefixedInput, open_input
+from leanimg.fileutil import PrefixedInput, open_input, read_ahead
 from leanimg.format import SourceFormat
 from leanimg.incremental import AgainstParent, parent_link
 from leanimg.plugins import HEAD_BYTES, detect_source
@@ -42,6 +42,7 @@ from .source_state import (
 )
 
 RUN_PAGES = 256
+READ_AHEAD_WHILE_INDEXING = 1 << 30  # bytes of a saved stream read into the page cache as the disks are indexed
 
 
 class _RunBuffer:
@@ -489,6 +490,8 @@ def _convert_qemu(
     if spool or (disks and disks.scan and not BlockIndex.fits(disks.sources, writer_options.get("page_size", 4096))):
         write(spooled)
         return
+    if disks and disks.scan:  # the disks are read and indexed before the first page: read the stream meanwhile
+        read_ahead(body, READ_AHEAD_WHILE_INDEXING)
     try:
         write(lambda writer: convert_qemu(body, writer, progress, parent, hints, disks))
     except RepeatedPages as exc:

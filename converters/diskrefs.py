@@ -27,13 +27,14 @@ from typing import Callable
 
 import numpy as np
 
-from leanimg.arrays import distinct, stretches
+from leanimg.arrays import distinct, gather_rows, nonzero_rows, stretches
 from leanimg.disks.partitions import aligned_ranges, scan_bytes, scan_segments
 from leanimg.format import DIGEST_SIZE, DISK_SECTOR_SIZE, row_digests
 from leanimg.writer import LeanImageWriter
 
 SCAN_CHUNK = 8 << 20
 BATCH_PAGES = 4096  # DiskPages: pages looked up and written at once
+INDEX_THREADS = 2  # BlockIndex: disk chunks read and hashed at once
 MAX_INDEXED_BLOCKS = 16 << 20  # BlockIndex: 64 GiB of scanned disk data, ~450 MiB while built
 # odd 64-bit multipliers: a sampled word's contribution to the sketch depends on its position
 _MULTIPLIERS = np.array(
@@ -61,19 +62,53 @@ def sketch(words: np.ndarray) -> np.ndarray:
         return words.sum(axis=1, dtype=np.uint64) + (picks * _MULTIPLIERS).sum(axis=1, dtype=np.uint64)
 
 
-def disk_blocks(disk, page_size: int, *, all_phases: bool = False, progress=None):
-    """The blocks a scan reads, in scan order: (rows of uint64 words, their byte offsets),
-    SCAN_CHUNK bytes at a time; the whole disk at phase 0, each partition at its own phase
-    (disks/partitions.py), holes and unallocated clusters skipped."""
+def scan_chunks(disk, page_size: int, all_phases: bool = False):
+    """(offset, length) of the chunks a scan reads, in scan order, SCAN_CHUNK bytes at most:
+    the whole disk at phase 0, each partition at its own phase (disks/partitions.py), holes
+    and unallocated clusters skipped."""
     ranges = disk.data_ranges()
     for start, end, phase in scan_segments(disk, page_size, all_phases):
         for lo, hi in aligned_ranges(ranges, start, end, phase, page_size):
             for at in range(lo, hi, SCAN_CHUNK):
-                length = min(SCAN_CHUNK, hi - at)
-                blocks = np.frombuffer(disk.read(at, length), np.uint64).reshape(-1, page_size // 8)
-                yield blocks, at + page_size * np.arange(len(blocks), dtype=np.int64)
-                if progress:
-                    progress(length)
+                yield at, min(SCAN_CHUNK, hi - at)
+
+
+def read_blocks(disk, page_size: int, at: int, length: int) -> np.ndarray:
+    """The chunk at ``at`` as rows of uint64 words, one a block."""
+    return np.frombuffer(disk.read(at, length), np.uint64).reshape(-1, page_size // 8)
+
+
+def disk_blocks(disk, page_size: int, *, all_phases: bool = False, progress=None):
+    """The blocks a scan reads, in scan order (scan_chunks): (rows of uint64 words, their
+    byte offsets), a chunk at a time."""
+    for at, length in scan_chunks(disk, page_size, all_phases):
+        blocks = read_blocks(disk, page_size, at, length)
+        yield blocks, at + page_size * np.arange(len(blocks), dtype=np.int64)
+        if progress:
+            progress(length)
+
+
+def in_order(work: Callable, items, threads: int):
+    """(item, work(item)) for each of ``items``, in their order, with ``threads`` at work at
+    once and as many done ahead: a failure is raised at its item's turn, what is queued behind
+    it cancelled."""
+    from collections import deque
+    from concurrent.futures import ThreadPoolExecutor
+
+    pending: deque = deque()
+    with ThreadPoolExecutor(threads, thread_name_prefix="leanimg-disk-index") as pool:
+        try:
+            for item in items:
+                pending.append((item, pool.submit(work, item)))
+                if len(pending) > 2 * threads:
+                    done, future = pending.popleft()
+                    yield done, future.result()
+            while pending:
+                done, future = pending.popleft()
+                yield done, future.result()
+        finally:
+            for _, future in pending:
+                future.cancel()
 
 
 # (rows of the batch found on a disk, their disk ids, their sectors, their digests: (n, 16) uint8)
@@ -209,20 +244,34 @@ class BlockIndex:
         return blocks <= MAX_INDEXED_BLOCKS
 
     def add_disk(self, disk, disk_id: int, *, all_phases: bool = False, progress=None) -> None:
-        for blocks, offsets in disk_blocks(disk, self.page_size, all_phases=all_phases, progress=progress):
-            keep = np.flatnonzero(blocks.any(axis=1))
+        """Index the disk's non-zero blocks: its chunks read and hashed on INDEX_THREADS
+        threads (pread and the digests run without the GIL; the disk is read ahead while a
+        chunk is hashed), gathered in scan order."""
+
+        def digest_chunk(chunk: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
+            at, length = chunk
+            blocks = read_blocks(disk, self.page_size, at, length)
+            keep = np.flatnonzero(nonzero_rows(blocks))
             digests = row_digests(blocks.view(np.uint8), keep).view(np.uint64)  # (n, 2): the digest's halves
-            self._parts.append((digests, offsets[keep] // DISK_SECTOR_SIZE, np.full(len(keep), disk_id, np.int32)))
-            self.scanned += blocks.nbytes
+            return digests, (at + self.page_size * keep) // DISK_SECTOR_SIZE
+
+        chunks = scan_chunks(disk, self.page_size, all_phases)
+        for (at, length), (digests, sectors) in in_order(digest_chunk, chunks, INDEX_THREADS):
+            self._parts.append((digests, sectors, np.full(len(sectors), disk_id, np.int32)))
+            self.scanned += length
+            if progress:
+                progress(length)
 
     def freeze(self) -> None:
-        """Sort by digest, keeping the first block (in scan order) of each; ready for lookups."""
+        """Sort by digest (its first half), keeping the first block in scan order of each;
+        ready for lookups."""
         parts = self._parts or [(np.zeros((0, 2), np.uint64), np.zeros(0, np.int64), np.zeros(0, np.int32))]
         self._parts = []
         digests, sectors, disk_ids = (np.concatenate(column) for column in zip(*parts))
         del parts  # (the parts are copied: let them go before the sort's copies are made)
-        order = np.lexsort((digests[:, 1], digests[:, 0]))  # stable: scan order among equal digests
-        digests = digests[order]
+        # by the first half (lookup searches by it), stable: scan order among equal digests
+        order = np.argsort(digests[:, 0], kind="stable")
+        digests = gather_rows(digests, order)
         first = np.ones(len(order), bool)
         first[1:] = (digests[1:] != digests[:-1]).any(axis=1)
         keep = order[first]
@@ -232,7 +281,7 @@ class BlockIndex:
         """The rows of ``pages`` (a batch of DiskPages: any runs) whose digest a block has.
         Searched by the digest's first half: two blocks that share it (a 64-bit coincidence)
         can only leave a page stored."""
-        nonzero = np.flatnonzero(pages.view(np.uint64).any(axis=1))
+        nonzero = np.flatnonzero(nonzero_rows(pages))
         self.looked_up += len(nonzero)
         digests = row_digests(pages, nonzero).view(np.uint64)
         pos = np.searchsorted(self.digests[:, 0], digests[:, 0])
@@ -246,9 +295,10 @@ class BlockIndex:
 class DiskPages:
     """A page sink: the pages ``found`` names a block for (a block with the page's digest)
     become DISK references, the rest go to ``inner`` in the order given. Runs are gathered into
-    batches of BATCH_PAGES (copied: the caller may reuse its buffers) so that the lookups,
-    ``inner`` and put_disks work on many pages at once (``inner`` once for each stretch of runs
-    of one region: the pages between DISK pages come with gaps); ``flush`` writes what is
+    batches of BATCH_PAGES (copied into one reused buffer: the caller may reuse its own) so that
+    the lookups, ``inner`` and put_disks work on many pages at once (``inner`` once for each
+    stretch of runs of one region: the pages between DISK pages come with gaps); a run larger
+    than a batch is a batch of its own, looked up where it lies. ``flush`` writes what is
     gathered (the converter calls it after the last page)."""
 
     writer: LeanImageWriter
@@ -256,26 +306,33 @@ class DiskPages:
     inner: Callable | None = None  # put_pages_at(region_id, page numbers, rows), set by the converter
     counts: dict[int, int] = field(default_factory=dict)  # disk id -> DISK pages written
     _batch: list = field(default_factory=list)  # (region id, first page, count) gathered
-    _batch_pages: list = field(default_factory=list)  # their pages, (count, page size) uint8 arrays
+    _buffer: np.ndarray | None = None  # (BATCH_PAGES, page size) uint8: the gathered pages
     _gathered: int = 0
 
     def put(self, region_id: int, first_page: int, data) -> None:
         ps = self.writer.page_size
-        pages = np.array(np.frombuffer(data, np.uint8) if not isinstance(data, np.ndarray) else data, np.uint8)
-        pages = pages.reshape(-1, ps)
-        self._batch.append((region_id, first_page, len(pages)))
-        self._batch_pages.append(pages)
-        self._gathered += len(pages)
-        if self._gathered >= BATCH_PAGES:
+        rows = data if isinstance(data, np.ndarray) else np.frombuffer(data, np.uint8)
+        rows = rows.reshape(-1, ps)
+        if self._gathered + len(rows) > BATCH_PAGES:
             self.flush()
+        if len(rows) > BATCH_PAGES:
+            self._write([(region_id, first_page, len(rows))], np.ascontiguousarray(rows, np.uint8))
+            return
+        if self._buffer is None:
+            self._buffer = np.empty((BATCH_PAGES, ps), np.uint8)
+        self._buffer[self._gathered : self._gathered + len(rows)] = rows
+        self._batch.append((region_id, first_page, len(rows)))
+        self._gathered += len(rows)
 
     def flush(self) -> None:
-        if not self._batch:
-            return
+        if self._batch:
+            assert self._buffer is not None  # (allocated by the first put)
+            self._write(self._batch, self._buffer[: self._gathered])
+        self._batch, self._gathered = [], 0
+
+    def _write(self, runs: list, pages: np.ndarray) -> None:
+        """The batch ``runs`` (region id, first page, count), laid end to end in ``pages``."""
         assert self.inner is not None  # (set by the converter before any page)
-        runs, parts = self._batch, self._batch_pages
-        pages = np.concatenate(parts) if len(parts) > 1 else parts[0]
-        self._batch, self._batch_pages, self._gathered = [], [], 0
         rows, disk_ids, sectors, digests = self.found(runs, pages)
         is_disk = np.zeros(len(pages), bool)
         is_disk[rows] = True
@@ -284,7 +341,7 @@ class DiskPages:
         for start, stop in stretches(region_of_row):
             kept = start + np.flatnonzero(~is_disk[start:stop])
             if len(kept):
-                self.inner(int(region_of_row[start]), page_of_row[kept], pages[kept])
+                self.inner(int(region_of_row[start]), page_of_row[kept], gather_rows(pages, kept))
         for region_id in distinct(region_of_row[rows]).tolist():
             mine = np.flatnonzero(region_of_row[rows] == region_id)
             self.writer.put_disks(region_id, page_of_row[rows[mine]], disk_ids[mine], sectors[mine], digests[mine])

@@ -61,6 +61,18 @@ def stretches(values: np.ndarray, step: int = 0) -> list[tuple[int, int]]:
     return list(zip([0, *edges], [*edges, len(values)]))
 
 
+def nonzero_rows(rows: np.ndarray) -> np.ndarray:
+    """Which rows of an (n, k) C-contiguous array (pages) hold a non-zero byte, as a bool
+    mask: most show one in their first word, so only the others are read whole (``any`` over
+    every word casts each to bool first, ~3x the time)."""
+    words = rows.view(np.uint64)
+    nonzero = words[:, 0] != 0
+    unsure = np.flatnonzero(~nonzero)
+    if len(unsure):
+        nonzero[unsure] = words[unsure].any(axis=1)
+    return nonzero
+
+
 def as_items(rows: np.ndarray) -> np.ndarray:
     """An (n, k) C-contiguous array as a view of n items of k bytes each: numpy gathers and
     scatters those with one copy per item, where rows of an (n, 16) uint8 array (digests) go

@@ -39,6 +39,17 @@ def evict_from_page_cache(path) -> None:
         os.close(fd)
 
 
+def read_ahead(fileobj, length: int) -> None:
+    """Ask the kernel to read the next ``length`` bytes of ``fileobj`` into the page cache in
+    the background (posix_fadvise WILLNEED), where it is a regular file; else nothing."""
+    try:
+        fd, at = fileobj.fileno(), fileobj.tell()
+        if stat.S_ISREG(os.fstat(fd).st_mode):
+            os.posix_fadvise(fd, at, length, os.POSIX_FADV_WILLNEED)
+    except (AttributeError, OSError, ValueError):  # (io.UnsupportedOperation is both)
+        pass
+
+
 _FALLOC_FL_KEEP_SIZE, _FALLOC_FL_PUNCH_HOLE = 1, 2
 
 

@@ -25,7 +25,7 @@ import xxhash
 import zstandard
 
 from . import delta as deltacodec
-from .arrays import distinct
+from .arrays import as_items, distinct, nonzero_rows
 from .errors import LimitError, fits_in_memory
 from .locations import Output
 from .format import (
@@ -494,7 +494,7 @@ class LeanImageWriter:
         rows = self._page_rows(data)
         count = len(rows)
         region = self._claim(region_id, first_page, count)
-        stored = np.flatnonzero(_nonzero_rows(rows))
+        stored = np.flatnonzero(nonzero_rows(rows))
         region.classes[first_page : first_page + count] = PageClass.ZERO
         if not len(stored):
             return
@@ -504,7 +504,7 @@ class LeanImageWriter:
             self._next_ordinal += count
             self._append_to_frames(rows)
         else:
-            self._store(region, first_page + stored, rows[stored])
+            self._store(region, first_page + stored, rows, stored)
 
     def put_pages_at(self, region_id: int, pages: np.ndarray, data: np.ndarray) -> None:
         """Pages ``pages`` (page numbers, each once, in any order) by content, ``data`` their
@@ -515,22 +515,22 @@ class LeanImageWriter:
         if len(pages) != len(rows):
             raise WriterUsageError(f"put_pages_at: {len(pages)} page numbers for {len(rows)} pages")
         region = self._claim_pages(region_id, pages, "put_pages_at")
-        nonzero = _nonzero_rows(rows)
+        nonzero = nonzero_rows(rows)
         region.classes[pages] = PageClass.ZERO
         if not nonzero.any():
             return
         if nonzero.all():
             self._store(region, pages, rows)
         else:
-            self._store(region, pages[nonzero], rows[nonzero])
+            self._store(region, pages[nonzero], rows, np.flatnonzero(nonzero))
 
-    def _store(self, region: _Region, pages: np.ndarray, rows: np.ndarray) -> None:
-        """STORED pages ``pages`` (page numbers, in slot order), ``rows`` their bytes: the next
-        slots, and into the frames."""
+    def _store(self, region: _Region, pages: np.ndarray, rows: np.ndarray, at: np.ndarray | None = None) -> None:
+        """STORED pages ``pages`` (page numbers, in slot order), ``rows`` their bytes (or
+        ``rows[at]``): the next slots, and into the frames."""
         region.classes[pages] = PageClass.STORED
         region.add_slots(pages, self._next_ordinal)
         self._next_ordinal += len(pages)
-        self._append_to_frames(rows)
+        self._append_to_frames(rows, at)
 
     def _claim_pages(self, region_id: int, pages: np.ndarray, what: str) -> _Region:
         """A region's ``pages`` (page numbers, int64), each once and none given before."""
@@ -556,12 +556,20 @@ class LeanImageWriter:
             raise WriterUsageError(f"data length {len(data)} is not a multiple of {ps}")
         return np.frombuffer(data, np.uint8).reshape(-1, ps)
 
-    def _append_to_frames(self, rows: np.ndarray) -> None:
-        while len(rows):
-            n = min(len(rows), self.frame_pages - self._frame_fill)
-            self._frame[self._frame_fill : self._frame_fill + n] = rows[:n]
+    def _append_to_frames(self, rows: np.ndarray, at: np.ndarray | None = None) -> None:
+        """``rows`` (or ``rows[at]``, gathered straight into the frames) into the frames."""
+        if at is not None and not rows.flags.c_contiguous:
+            rows, at = rows[at], None
+        count, done = len(rows) if at is None else len(at), 0
+        while done < count:
+            n = min(count - done, self.frame_pages - self._frame_fill)
+            into = self._frame[self._frame_fill : self._frame_fill + n]
+            if at is None:
+                into[:] = rows[done : done + n]
+            else:
+                np.take(as_items(rows), at[done : done + n], out=as_items(into))
             self._frame_fill += n
-            rows = rows[n:]
+            done += n
             if self._frame_fill == self.frame_pages:
                 self._flush_frame()
 
@@ -834,17 +842,6 @@ class LeanImageWriter:
             self._output.commit()
         else:
             self._fileobj.flush()
-
-
-def _nonzero_rows(rows: np.ndarray) -> np.ndarray:
-    """Which pages hold a non-zero byte: most show one in their first word, so only the
-    others are read whole (a source's data pages are rarely zero)."""
-    words = rows.view(np.uint64)
-    nonzero = words[:, 0] != 0
-    unsure = np.flatnonzero(~nonzero)
-    if len(unsure):
-        nonzero[unsure] = words[unsure].any(axis=1)
-    return nonzero
 
 
 def _region_classes(name: str, num_pages: int) -> np.ndarray:

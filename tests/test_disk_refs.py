@@ -20,6 +20,7 @@ import pytest
 from helpers import qemu_save
 from leanimg.cli import command_line
 from leanimg.converters.diskrefs import BlockIndex, PageIndex, scan_disk, sketch
+from leanimg.errors import DiskError
 from leanimg.disks import RawDisk, open_disk
 from leanimg.disks.partitions import Partition, read_partitions, scan_segments
 from leanimg.format import PageClass, row_digests
@@ -575,9 +576,15 @@ class ListDisk:
         return self.data[offset : offset + length]
 
 
-def test_block_index_finds_what_the_page_index_finds_first_block_first():
+@pytest.mark.parametrize("chunk_blocks", [None, 3])
+def test_block_index_finds_what_the_page_index_finds_first_block_first(monkeypatch, chunk_blocks):
     """The two lookups of diskrefs, one rule: a page refers to the first block in scan order
-    (disks in turn, offsets ascending) with its content; zero pages and blocks are never looked up."""
+    (disks in turn, offsets ascending) with its content; zero pages and blocks are never looked
+    up. With chunks of 3 blocks, BlockIndex's threads hash many chunks at once: same result."""
+    from leanimg.converters import diskrefs
+
+    if chunk_blocks:
+        monkeypatch.setattr(diskrefs, "SCAN_CHUNK", chunk_blocks * PS)
     rng = np.random.default_rng(2)
     pool = np.frombuffer(rng.bytes(12 * PS), np.uint64).reshape(12, PS // 8).copy()
     pool[0] = 0
@@ -604,6 +611,55 @@ def test_block_index_finds_what_the_page_index_finds_first_block_first():
     expected = [(r, *first[ram[r].tobytes()]) for r in range(64) if ram[r].any() and ram[r].tobytes() in first]
     assert list(zip(*(a.tolist() for a in got[:3]))) == expected
     assert (got[3] == row_digests(ram.view(np.uint8), got[0])).all()
+
+
+def test_in_order_keeps_the_order_and_raises_a_failure_at_its_turn():
+    """diskrefs.in_order: results in the items' order whatever order the threads finish in; an
+    item's failure is raised when its turn comes, and the items queued behind it do not run."""
+    import threading
+    import time
+
+    from leanimg.converters.diskrefs import in_order
+
+    started, failing = [], set()
+    lock = threading.Lock()
+
+    def work(k):
+        with lock:
+            started.append(k)
+        time.sleep(0.002 * (2 - k % 3))  # later items often finish first
+        if k in failing:
+            raise DiskError(f"item {k}")
+        return k * k
+
+    assert list(in_order(work, range(20), 2)) == [(k, k * k) for k in range(20)]
+    started.clear()
+    failing.add(7)
+    got = []
+    with pytest.raises(DiskError, match="item 7"):
+        for k, r in in_order(work, range(1000), 2):
+            got.append(k)
+    assert got == list(range(7)) and max(started) < 7 + 2 * 2 + 2
+
+
+def test_a_disk_read_failing_while_indexed_is_raised():
+    """A read error in one of BlockIndex's threads reaches the caller as it was."""
+
+    class FailingDisk(ListDisk):
+        def read(self, offset: int, length: int) -> bytes:
+            if offset >= 5 * PS:
+                raise DiskError(f"disk 'vda': short read at {offset:#x}")
+            return super().read(offset, length)
+
+    from leanimg.converters import diskrefs
+
+    rng = np.random.default_rng(4)
+    disk = FailingDisk(np.frombuffer(rng.bytes(40 * PS), np.uint64).reshape(40, PS // 8))
+    index = BlockIndex(PS)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(diskrefs, "SCAN_CHUNK", 2 * PS)
+        with pytest.raises(DiskError, match="short read at 0x6000"):
+            index.add_disk(disk, disk_id=0)
 
 
 def test_block_index_matches_only_identical_content():
