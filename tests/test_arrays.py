@@ -9,7 +9,7 @@ import numpy as np
 from hypothesis import given, settings, strategies as st
 from hypothesis.extra import numpy as hnp
 
-from leanimg.arrays import as_items, distinct, gather_rows, joined, scatter_rows
+from leanimg.arrays import as_items, distinct, gather_rows, joined, nonzero_rows, scatter_rows
 from leanimg.format import INDEX_ENTRY
 
 
@@ -94,3 +94,34 @@ def test_as_items_is_a_view_of_one_item_per_row():
     rows = np.arange(48, dtype=np.uint8).reshape(3, 16)
     items = as_items(rows)
     assert items.shape == (3,) and items.itemsize == 16 and np.shares_memory(items, rows)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 63), st.integers(0, 255)), max_size=8), st.integers(1, 12))
+def test_nonzero_rows_finds_a_non_zero_byte_anywhere(pokes, rows):
+    """Rows zero but for a byte anywhere (first word or not) are found; zero rows are not."""
+    pages = np.zeros((rows, 64), np.uint8)
+    for k, (at, value) in enumerate(pokes):
+        pages[k % rows, at] = value
+    assert nonzero_rows(pages).tolist() == pages.any(axis=1).tolist()
+
+
+def test_read_ahead_leaves_the_position_and_ignores_what_is_no_file(tmp_path):
+    import io
+    import os
+
+    from leanimg.fileutil import read_ahead
+
+    path = tmp_path / "f"
+    path.write_bytes(bytes(range(256)) * 64)
+    with open(path, "rb") as f:
+        f.seek(100)
+        read_ahead(f, 1 << 30)
+        assert f.tell() == 100 and f.read(3) == bytes([100, 101, 102])
+    read_ahead(io.BytesIO(b"abc"), 10)
+    r, w = os.pipe()
+    with os.fdopen(r, "rb") as pipe, os.fdopen(w, "wb") as end:
+        end.write(b"xyz")
+        end.flush()
+        read_ahead(pipe, 10)
+        assert pipe.read(3) == b"xyz"
