@@ -11,7 +11,8 @@ executable (e.g. the console script of another checkout's virtualenv).
 
 An image's ancestors (found beside it) and --disk files are evicted too. Prints the median
 of each and B/A per image; with --convert SAVE, the same for converting SAVE (both given -f to
-replace their scratch output: a build from before -f existed cannot be A). The
+replace their scratch output: a build from before -f existed cannot be A; with --disk, converted
+with those disks; with --zstd, ``zstd -T0 -3 SAVE`` + fsync is timed in the same rounds). The
 checkouts behind A and B are compiled first (common.compile_checkout).
 """
 
@@ -48,13 +49,18 @@ def timed(command: list[str], inputs: list[str]) -> float:
 
 
 def compare(label: str, commands: dict, inputs: list[str], runs: int) -> None:
-    """commands: {"a": argv, "b": argv}, run alternately (A B, B A, ...)."""
-    times = {"a": [], "b": []}
+    """commands: {"a": argv, "b": argv} and perhaps {"zstd": argv}, run in turn, the order
+    reversed every other run (A B zstd, zstd B A, ...: no order bias)."""
+    times: dict[str, list[float]] = {key: [] for key in commands}
     for run in range(runs):
-        for key in ("a", "b") if run % 2 == 0 else ("b", "a"):  # ABBA: no order bias
+        for key in list(commands) if run % 2 == 0 else reversed(list(commands)):
             times[key].append(timed(commands[key], inputs))
-    a, b = statistics.median(times["a"]), statistics.median(times["b"])
-    print(f"{label}: A {a:.3f} s, B {b:.3f} s, B/A {b / a:.3f} (medians of {runs}, cold, interleaved)")
+    med = {key: statistics.median(t) for key, t in times.items()}
+    line = f"{label}: A {med['a']:.3f} s, B {med['b']:.3f} s, B/A {med['b'] / med['a']:.3f}"
+    if "zstd" in med:
+        z = med["zstd"]
+        line += f"; zstd -T0 -3 + fsync {z:.3f} s: A/zstd {med['a'] / z:.2f}, B/zstd {med['b'] / z:.2f}"
+    print(f"{line} (medians of {runs}, cold, interleaved)")
 
 
 def main(argv=None) -> int:
@@ -64,7 +70,10 @@ def main(argv=None) -> int:
     parser.add_argument("--to", default="raw", choices=["raw", "qemu", "xen"])
     parser.add_argument("--runs", type=int, default=7)
     parser.add_argument("--disk", action="append", default=[], metavar="NAME=PATH")
-    parser.add_argument("--convert", metavar="SAVE", help="also time `convert SAVE` (into a temporary file)")
+    parser.add_argument(
+        "--convert", metavar="SAVE", help="also time `convert SAVE` (into a temporary file; with the --disk files)"
+    )
+    parser.add_argument("--zstd", action="store_true", help="with --convert: time `zstd -T0 -3 SAVE` + fsync too")
     parser.add_argument("images", nargs="*")
     args = parser.parse_args(argv)
     require_null_device()
@@ -83,12 +92,11 @@ def main(argv=None) -> int:
     if args.convert:
         with tempfile.TemporaryDirectory(dir=os.path.dirname(os.path.abspath(args.convert))) as scratch:
             out = os.path.join(scratch, "out.lean")
-            compare(
-                f"convert {args.convert}",
-                {k: [getattr(args, k), "convert", args.convert, "-o", out, "-f"] for k in ("a", "b")},
-                [args.convert],
-                args.runs,
-            )
+            commands = {k: [getattr(args, k), "convert", args.convert, "-o", out, "-f", *extra] for k in ("a", "b")}
+            if args.zstd:
+                zst = os.path.join(scratch, "out.zst")
+                commands["zstd"] = ["sh", "-c", 'zstd -q -f -T0 -3 "$1" -o "$2" && sync -f "$2"', "-", args.convert, zst]
+            compare(f"convert {args.convert} {' '.join(extra)}".rstrip(), commands, [args.convert, *disks], args.runs)
     return 0
 
 
