@@ -80,9 +80,9 @@ def read_blocks(disk, page_size: int, at: int, length: int) -> np.ndarray:
 
 def disk_blocks(disk, page_size: int, *, all_phases: bool = False, progress=None):
     """The blocks a scan reads, in scan order (scan_chunks): (rows of uint64 words, their
-    byte offsets), a chunk at a time."""
-    for at, length in scan_chunks(disk, page_size, all_phases):
-        blocks = read_blocks(disk, page_size, at, length)
+    byte offsets), a chunk at a time, the next ones read meanwhile on a thread."""
+    chunks = scan_chunks(disk, page_size, all_phases)
+    for (at, length), blocks in in_order(lambda chunk: read_blocks(disk, page_size, *chunk), chunks, 1):
         yield blocks, at + page_size * np.arange(len(blocks), dtype=np.int64)
         if progress:
             progress(length)
