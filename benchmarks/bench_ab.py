@@ -95,7 +95,14 @@ def main(argv=None) -> int:
             commands = {k: [getattr(args, k), "convert", args.convert, "-o", out, "-f", *extra] for k in ("a", "b")}
             if args.zstd:
                 zst = os.path.join(scratch, "out.zst")
-                commands["zstd"] = ["sh", "-c", 'zstd -q -f -T0 -3 "$1" -o "$2" && sync -f "$2"', "-", args.convert, zst]
+                commands["zstd"] = [
+                    "sh",
+                    "-c",
+                    'zstd -q -f -T0 -3 "$1" -o "$2" && sync -f "$2"',
+                    "-",
+                    args.convert,
+                    zst,
+                ]
             compare(f"convert {args.convert} {' '.join(extra)}".rstrip(), commands, [args.convert, *disks], args.runs)
     return 0
 
