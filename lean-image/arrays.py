@@ -62,9 +62,9 @@ def stretches(values: np.ndarray, step: int = 0) -> list[tuple[int, int]]:
 
 
 def nonzero_rows(rows: np.ndarray) -> np.ndarray:
-    """Which rows of an (n, k) C-contiguous array (pages) hold a non-zero byte, as a bool
-    mask: most show one in their first word, so only the others are read whole (``any`` over
-    every word casts each to bool first, ~3x the time)."""
+    """Which rows of an (n, k) array of pages (each row's bytes contiguous, k a multiple of 8)
+    hold a non-zero byte, as a bool mask: most show one in their first word, so only the
+    others are read whole (``any`` over every word casts each to bool first, ~3x the time)."""
     words = rows.view(np.uint64)
     nonzero = words[:, 0] != 0
     unsure = np.flatnonzero(~nonzero)

@@ -567,7 +567,8 @@ class LeanImageWriter:
             if at is None:
                 into[:] = rows[done : done + n]
             else:
-                np.take(as_items(rows), at[done : done + n], out=as_items(into))
+                # mode "clip" (the indexes are the caller's row numbers): "raise" copies twice
+                np.take(as_items(rows), at[done : done + n], out=as_items(into), mode="clip")
             self._frame_fill += n
             done += n
             if self._frame_fill == self.frame_pages:

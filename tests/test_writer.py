@@ -89,6 +89,30 @@ def test_put_pages_fills_frames_of_frame_pages(tmp_path):
         assert image.tables.page_frames.counts.tolist() == [2, 2, 1]
 
 
+@pytest.mark.parametrize("strided", [False, True])
+def test_zero_pages_among_stored_ones_are_left_out_across_frames(tmp_path, strided):
+    """put_pages and put_pages_at gather the non-zero rows into frames of 2 pages (straight from
+    a contiguous buffer, through a copy from a strided one): same bytes, zero pages ZERO."""
+    buffer = np.frombuffer(pages(5, 16), np.uint8).reshape(16, PS).copy()
+    buffer[[2, 6, 7, 12]] = 0
+    rows = buffer[::2] if strided else buffer[:8]
+
+    def build(w):
+        w.put_pages(w.add_region("a", 8 * PS), 0, rows)
+        w.put_pages_at(w.add_region("b", 8 * PS), np.array([7, 0, 3, 5, 1, 2, 4, 6]), rows)
+
+    with written(tmp_path, build, frame_pages=2) as image:
+        a, b = image.region("a"), image.region("b")
+        assert bytes(image.region_bytes(a, 0, 8)) == rows.tobytes()
+        zero = ~rows.any(axis=1)
+        assert (image.classes(a) == PageClass.ZERO).tolist() == zero.tolist()
+        order = [7, 0, 3, 5, 1, 2, 4, 6]
+        want = bytearray(8 * PS)
+        for k, page in enumerate(order):
+            want[page * PS : (page + 1) * PS] = rows[k].tobytes()
+        assert bytes(image.region_bytes(b, 0, 8)) == bytes(want)
+
+
 def test_put_pages_takes_strided_rows(tmp_path):
     buffer = np.frombuffer(pages(4, 6), np.uint8).reshape(6, PS)
 
