@@ -221,6 +221,8 @@ def main(argv=None) -> int:
     require_null_device()
     if not os.path.exists(GNU_TIME):
         raise SystemExit(f"{GNU_TIME} is missing: apt-get install time")
+    if options.workdir is not None:
+        options.workdir.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="leanimg-bench-memory-", dir=options.workdir))
     table = {}
     try:

@@ -11,7 +11,9 @@ compiled first (where PYTHONDONTWRITEBYTECODE is set, a module changed since its
 compiled again by every run, as no installed copy is). The cases:
 
 - the interpreter: ``python -S -c pass`` (no site), ``python -c pass`` (site: the .pth files of
-  every site directory, e.g. an editable install's finder), ``python -c "import leanimg.cli"``;
+  every site directory, e.g. an editable install's finder), ``python -c "import numpy"`` (what
+  every command that touches pages imports: the floor of their start), ``python -c "import
+  leanimg.cli"``;
 - ``leanimg --help`` and ``leanimg CMD --help`` for every command of ``leanimg.cli.COMMANDS``:
   the command line and the command's module, nothing the command imports when it runs;
 - the commands on a small image (2 MiB of guest memory, 0.8 MiB on disk, converted from a QEMU
@@ -77,6 +79,7 @@ def cases(leanimg: str, work: Path) -> list[tuple[str, list[str], dict]]:
     rows = [
         ("python -S -c pass", [python, "-S", "-c", "pass"], quiet),
         ("python -c pass", [python, "-c", "pass"], quiet),
+        ("python -c 'import numpy'", [python, "-c", "import numpy"], quiet),
         ("python -c 'import leanimg.cli'", [python, "-c", "import leanimg.cli"], quiet),
         ("leanimg --help", [leanimg, "--help"], quiet),
     ]
