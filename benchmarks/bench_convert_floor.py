@@ -11,7 +11,7 @@ other round:
   zstd       zstd -T0 -3 SAVE -o TMP, then fsync TMP
   convert    leanimg convert SAVE -o TMP (the writer fsyncs before the rename)
 
-each timed from spawn to exit, with its CPU time (user + system, from wait4). Then, in this
+each timed from spawn to exit, with its CPU time (user + system of the child). Then, in this
 process on one thread, the CPU seconds of the work no writer of this format can skip,
 measured alone on the same save:
 
@@ -35,7 +35,6 @@ import argparse
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -44,34 +43,27 @@ from pathlib import Path
 import numpy as np
 import zstandard
 
+from common import timed
 from leanimg.arrays import nonzero_rows
 from leanimg.converters.qemu import Page, PageRun, read_qemu_stream
+from leanimg.fileutil import fsync_path
 from leanimg.format import DEFAULT_FRAME_BYTES, DEFAULT_ZSTD_LEVEL, page_digests
 
 LEANIMG = Path(sys.executable).with_name("leanimg")
 
 
-def timed(argv: list[str]) -> tuple[float, float]:
-    """Wall seconds from spawn to exit, and the CPU seconds (user + system) the process used."""
-    start = time.perf_counter()
-    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL)
-    _, status, usage = os.wait4(proc.pid, 0)
-    elapsed = time.perf_counter() - start
-    if os.waitstatus_to_exitcode(status) != 0:
-        raise SystemExit(f"{' '.join(map(str, argv))} failed")
-    return elapsed, usage.ru_utime + usage.ru_stime
-
-
 def rounds(save: Path, work: Path, runs: int) -> dict[str, list[tuple[float, float]]]:
     out = work / "out"
     commands = {
-        "zstd": ["sh", "-c", 'zstd -q -T0 -3 -f "$0" -o "$1" && sync "$1"', str(save), str(out)],
-        "convert": [str(LEANIMG), "convert", str(save), "-o", str(out), "-f"],
+        "zstd": (["zstd", "-q", "-T0", "-3", "-f", save, "-o", out], lambda: fsync_path(str(out))),
+        "convert": ([LEANIMG, "convert", save, "-o", out, "-f"], None),
     }
     times: dict[str, list[tuple[float, float]]] = {name: [] for name in commands}
     for i in range(runs):
         for name in list(commands)[:: 1 if i % 2 == 0 else -1]:
-            times[name].append(timed(commands[name]))
+            argv, after = commands[name]
+            result = timed(argv, after=after)
+            times[name].append((result["wall"], result["cpu"]))
             out.unlink()
     return times
 
