@@ -43,11 +43,12 @@ def evict_from_page_cache(path) -> None:
 def read_ahead(fileobj, length: int) -> None:
     """Ask the kernel to read the next ``length`` bytes of ``fileobj`` into the page cache in
     the background (posix_fadvise WILLNEED), where it is a regular file; else nothing."""
+    fd = _regular_fd(fileobj)
+    if fd is None:
+        return
     try:
-        fd, at = fileobj.fileno(), fileobj.tell()
-        if stat.S_ISREG(os.fstat(fd).st_mode):
-            os.posix_fadvise(fd, at, length, os.POSIX_FADV_WILLNEED)
-    except (AttributeError, OSError, ValueError):  # (io.UnsupportedOperation is both)
+        os.posix_fadvise(fd, fileobj.tell(), length, os.POSIX_FADV_WILLNEED)
+    except (OSError, ValueError):  # a hint: never a reason to fail
         pass
 
 
@@ -95,6 +96,7 @@ def writing_behind(fileobj, progress=None):
 
 
 def _regular_fd(fileobj) -> int | None:
+    """The descriptor of ``fileobj`` where it is a regular file; else None."""
     try:
         fd = fileobj.fileno()
         return fd if stat.S_ISREG(os.fstat(fd).st_mode) else None
