@@ -98,7 +98,7 @@ def main(argv=None) -> int:
                 commands["zstd"] = [
                     "sh",
                     "-c",
-                    'zstd -q -f -T0 -3 "$1" -o "$2" && sync -f "$2"',
+                    'zstd -q -f -T0 -3 "$1" -o "$2" && sync "$2"',  # sync FILE: that file's fsync
                     "-",
                     args.convert,
                     zst,
