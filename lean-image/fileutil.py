@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import atexit
 import fcntl
-import functools
 import os
 import stat
 import sys
@@ -43,83 +42,12 @@ def evict_from_page_cache(path) -> None:
 def read_ahead(fileobj, length: int) -> None:
     """Ask the kernel to read the next ``length`` bytes of ``fileobj`` into the page cache in
     the background (posix_fadvise WILLNEED), where it is a regular file; else nothing."""
-    fd = _regular_fd(fileobj)
-    if fd is None:
-        return
     try:
-        os.posix_fadvise(fd, fileobj.tell(), length, os.POSIX_FADV_WILLNEED)
-    except (OSError, ValueError):  # a hint: never a reason to fail
-        pass
-
-
-WRITE_BEHIND_BYTES = 32 << 20
-_SYNC_FILE_RANGE_WRITE = 2
-
-
-class WriteBehind:
-    """Starts the kernel writing a file's bytes to its device as they are written, every
-    WRITE_BEHIND_BYTES, so that the fsync making the file durable at its end waits for the
-    last few MiB instead of all of them (sync_file_range SYNC_FILE_RANGE_WRITE, as dpkg and
-    git do before their fsync). Durability is still the fsync's alone: this waits for
-    nothing and reports nothing (a write error stays for the fsync to report). Inert where
-    the file is not a regular file or the system lacks the call."""
-
-    def __init__(self, fileobj):
-        self._fd = _regular_fd(fileobj)
-        self.started = os.lseek(self._fd, 0, os.SEEK_CUR) if self._fd is not None else 0
-
-    def advance(self) -> None:
-        """Start the writeback of what has reached the file since the last start, once that
-        is WRITE_BEHIND_BYTES or more (what a buffered writer still holds has not)."""
-        if self._fd is None:
-            return
-        written = os.lseek(self._fd, 0, os.SEEK_CUR)
-        if written - self.started < WRITE_BEHIND_BYTES:
-            return
-        if _sync_file_range(self._fd, self.started, written - self.started, _SYNC_FILE_RANGE_WRITE):
-            self.started = written
-        else:
-            self._fd = None
-
-
-def writing_behind(fileobj, progress=None):
-    """A progress callback for a writer into ``fileobj`` that starts the file's writeback
-    (WriteBehind) at each call, and calls ``progress`` (if any) too."""
-    behind = WriteBehind(fileobj)
-
-    def advance(*args) -> None:
-        if progress is not None:
-            progress(*args)
-        behind.advance()
-
-    return advance
-
-
-def _regular_fd(fileobj) -> int | None:
-    """The descriptor of ``fileobj`` where it is a regular file; else None."""
-    try:
-        fd = fileobj.fileno()
-        return fd if stat.S_ISREG(os.fstat(fd).st_mode) else None
+        fd, at = fileobj.fileno(), fileobj.tell()
+        if stat.S_ISREG(os.fstat(fd).st_mode):
+            os.posix_fadvise(fd, at, length, os.POSIX_FADV_WILLNEED)
     except (AttributeError, OSError, ValueError):  # (io.UnsupportedOperation is both)
-        return None
-
-
-def _sync_file_range(fd: int, offset: int, length: int, flags: int) -> bool:
-    import ctypes
-
-    call = getattr(_libc(), "sync_file_range", None)
-    if call is None:
-        return False
-    call.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-    return call(fd, offset, length, flags) == 0
-
-
-@functools.cache
-def _libc():
-    """The C library, for the calls os does not offer (Linux fallocate, sync_file_range)."""
-    import ctypes
-
-    return ctypes.CDLL(None, use_errno=True)
+        pass
 
 
 _FALLOC_FL_KEEP_SIZE, _FALLOC_FL_PUNCH_HOLE = 1, 2
@@ -131,7 +59,7 @@ def punch_hole(fd: int, offset: int, length: int) -> bool:
     file system or system cannot."""
     import ctypes
 
-    libc = _libc()
+    libc = ctypes.CDLL(None, use_errno=True)
     libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
     return libc.fallocate(fd, _FALLOC_FL_KEEP_SIZE | _FALLOC_FL_PUNCH_HOLE, offset, length) == 0
 

@@ -27,7 +27,6 @@ import zstandard
 from . import delta as deltacodec
 from .arrays import as_items, distinct, nonzero_rows
 from .errors import LimitError, fits_in_memory
-from .fileutil import WriteBehind
 from .locations import Output
 from .format import (
     DEFAULT_FRAME_BYTES,
@@ -147,14 +146,12 @@ class _Region:
 
 
 class _Sink:
-    """The output: counts bytes and hashes everything for the footer digest; a file's bytes
-    go to its device as they come (WriteBehind: the fsync at the end waits for little)."""
+    """The output: counts bytes and hashes everything for the footer digest."""
 
     def __init__(self, fileobj):
         self.fileobj = fileobj
         self.offset = 0
         self.hasher = xxhash.xxh3_128()
-        self.behind = WriteBehind(fileobj)
 
     def write(self, data) -> None:
         self.fileobj.write(data)
@@ -380,7 +377,6 @@ class LeanImageWriter:
         self._index.append((self._sink.offset, record.record_type, key, first, count))
         for part in record.parts:
             self._sink.write(part)
-        self._sink.behind.advance()
 
     # -- declarations ----------------------------------------------------------
     def add_disk(self, name: str, size_bytes: int, fingerprint: bytes) -> int:

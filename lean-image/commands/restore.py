@@ -66,7 +66,7 @@ def restore(image, target, output, as_json, parents, disks, sort_blocks, any_dis
     """
     import time
 
-    from ..fileutil import write_atomically, writing_behind
+    from ..fileutil import write_atomically
     from ..plugins import target as restore_target
     from ..results import restore_line, restore_result
 
@@ -84,7 +84,7 @@ def restore(image, target, output, as_json, parents, disks, sort_blocks, any_dis
             if output == "-":
                 produce(img, sys.stdout.buffer, advance)
             else:
-                write_atomically(output, lambda out: produce(img, out, writing_behind(out, advance)))
+                write_atomically(output, lambda out: produce(img, out, advance))
         result = restore_result(img, output, target, time.monotonic() - started)
     if as_json:
         ui.emit_json(result)
