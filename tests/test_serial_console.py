@@ -8,7 +8,8 @@ import socket
 
 import pytest
 
-from guest.vm import GuestError, Serial
+from guest import chain_scenarios
+from guest.vm import RECONNECT_AFTER, ConsoleSilent, GuestError, Serial
 
 
 @pytest.fixture
@@ -27,9 +28,18 @@ def console(tmp_path):
         opened.append((serial, guest))
         return serial, guest
 
+    def accept_again() -> socket.socket:
+        server.settimeout(5)
+        guest, _ = server.accept()
+        guest.settimeout(5)
+        opened.append((None, guest))
+        return guest
+
+    connect.accept_again = accept_again
     yield connect
     for serial, guest in opened:
-        serial.close()
+        if serial is not None:
+            serial.close()
         guest.close()
     server.close()
 
@@ -88,3 +98,54 @@ def test_a_log_that_cannot_be_written_does_not_stop_the_reading(console):
     assert serial.log_error is not None and serial.log_error.errno == errno.ENOSPC
     with pytest.raises(GuestError, match="the serial log stopped: .*No space left"):
         serial.wait_for("third", 0.5)
+
+
+def test_a_console_silent_after_heartbeats_connects_again_and_reads_on(console):
+    serial, guest = console(nudge_after=0.3)
+    guest.sendall(b"HB words 3\n")
+    serial.wait_for("HB words 3", 5)
+    with pytest.raises(ConsoleSilent, match=r"\d nudges \(1 reconnects\)"):  # the second at 6 x 0.3 s
+        serial.wait_for("HB words 4", 0.3 * RECONNECT_AFTER + 0.45)
+    assert guest.recv(64) == b"\n" * (RECONNECT_AFTER - 1)
+    assert guest.recv(64) == b"", "the first connection is closed"
+    again = console.accept_again()
+    again.sendall(b"HB words 4\n")
+    assert serial.wait_for(r"HB words \d+", 5, len("HB words 3\n")).group(0) == "HB words 4"
+    assert serial.reconnects == 1
+
+
+def test_a_console_silent_before_any_heartbeat_is_only_sent_empty_lines(console):
+    serial, guest = console(nudge_after=0.1)
+    with pytest.raises(ConsoleSilent):
+        serial.wait_for("LEANIMG-READY", 0.1 * RECONNECT_AFTER + 0.5)
+    assert serial.nudges >= RECONNECT_AFTER and serial.reconnects == 0
+    guest.sendall(b"LEANIMG-READY\n")
+    serial.wait_for("LEANIMG-READY", 5)
+
+
+def test_the_chain_scenario_runs_again_on_a_fresh_guest_only_when_its_console_went_silent(monkeypatch, tmp_path):
+    calls, said = [], []
+
+    def once(workdir, *args):
+        calls.append(workdir.exists())
+        (workdir / "cp1.save").parent.mkdir(parents=True, exist_ok=True)
+        (workdir / "cp1.save").write_bytes(b"half a save")
+        if len(calls) == 1:
+            raise ConsoleSilent("timeout waiting for 'WORKLOAD-DONE' (300 s, the last 300 s silent)")
+        return ["checkpoints"]
+
+    monkeypatch.setattr(chain_scenarios, "_run_chain_scenario_once", once)
+    work = tmp_path / "chain"
+    assert chain_scenarios.run_chain_scenario(work, build=object(), log=said.append) == ["checkpoints"]
+    assert calls == [False, False], "the second attempt starts from an empty directory"
+    assert said == [
+        "attempt 1 given up, its console silent: timeout waiting for 'WORKLOAD-DONE' (300 s, the last 300 s silent)"
+    ]
+
+    def broken(workdir, *args):
+        raise GuestError("workload failed: WORKLOAD-ERROR mmap 24 MiB")
+
+    monkeypatch.setattr(chain_scenarios, "_run_chain_scenario_once", broken)
+    with pytest.raises(GuestError, match="WORKLOAD-ERROR"):
+        chain_scenarios.run_chain_scenario(work, build=object(), log=said.append)
+    assert len(said) == 1, "any other failure is not retried"

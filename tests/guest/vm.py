@@ -34,6 +34,11 @@ class GuestError(RuntimeError):
     """The guest or QEMU did not do what the test asked in time."""
 
 
+class ConsoleSilent(GuestError):
+    """A wait ended with the guest's console silent for longer than a heartbeat workload ever is
+    (see Serial): QEMU's serial port stalled, not what the test checks."""
+
+
 def disk_format(disk: Path) -> str:
     with open(disk, "rb") as f:
         return "qcow2" if f.read(4) == b"QFI\xfb" else "raw"
@@ -122,6 +127,8 @@ class QMP:
 
 
 NUDGE_AFTER = 20.0  # seconds: see Serial
+RECONNECT_AFTER = 3  # nudges: see Serial
+_HEARTBEAT = re.compile(rb"(?m)^HB ")
 
 
 class Serial:
@@ -132,26 +139,34 @@ class Serial:
     once in ~160 runs of the chain scenario here) a QEMU 7.2 test guest's console went silent for
     good right after a ``cont`` and a command: the guest idle (HLT, its timers armed, ext4 still
     writing), QEMU running, nothing more on the console. Received bytes make the guest's 8250
-    driver look at the transmitter again; the cause was not found, so a nudge is printed."""
+    driver look at the transmitter again; the cause was not found, so a nudge is printed. QEMU's
+    serial port stops sending for good if the watch it sets on a full socket never fires (its
+    ``tsr_retry``): once a heartbeat workload has printed, every RECONNECT_AFTER-th nudge closes
+    the socket and connects again, which ends that wait (output written in between is lost; the
+    console was silent anyway). A wait
+    that still times out with the console silent raises ConsoleSilent."""
 
     def __init__(self, path: Path, log: Path, timeout: float = 30.0, nudge_after: float | None = None):
+        self.path, self.connect_timeout = path, timeout
         self.nudge_after = nudge_after
-        self.nudges, self._nudged_at = 0, 0.0
+        self.nudges, self.reconnects, self._nudged_at = 0, 0, 0.0
         self.sock = _connect_unix(path, timeout)
         self.log = open(log, "ab")
         self._buf = bytearray()
         self._cond = threading.Condition()
         self.last_output = time.monotonic()
-        self._thread = threading.Thread(target=self._pump, daemon=True)
+        self._thread = threading.Thread(target=self._pump, args=(self.sock,), daemon=True)
         self._thread.start()
 
-    def _pump(self) -> None:
+    def _pump(self, sock: socket.socket) -> None:
         while True:
             try:
-                chunk = self.sock.recv(65536)
+                chunk = sock.recv(65536)
             except OSError:
                 chunk = b""
             with self._cond:
+                if sock is not self.sock:  # replaced by _reconnect
+                    return
                 if not chunk:
                     self._closed = True
                     self._cond.notify_all()
@@ -192,26 +207,50 @@ class Serial:
                     return m
                 left = deadline - time.monotonic()
                 if left <= 0 or self._closed:
-                    raise GuestError(
+                    error = ConsoleSilent if self.silent_too_long() else GuestError
+                    raise error(
                         f"{self._why_not(pattern, timeout)}; last output:\n{self._buf[-2000:].decode(errors='replace')}"
                     )
-                self._nudge_if_silent()
-                self._cond.wait(min(left, 0.5))
+                self.nudge_if_silent()
+                self._cond.wait(min(left, 0.5, self.nudge_after or 0.5))
 
-    def _nudge_if_silent(self) -> None:
-        now = time.monotonic()
-        if self.nudge_after is not None and now - max(self.last_output, self._nudged_at) >= self.nudge_after:
+    def silent_too_long(self) -> bool:
+        """Silent for longer than nudging allows (never, without ``nudge_after``)."""
+        if self.nudge_after is None or self._closed:
+            return False
+        return time.monotonic() - self.last_output >= self.nudge_after
+
+    def nudge_if_silent(self) -> None:
+        """For a wait that polls: an empty line, or every RECONNECT_AFTER-th time a new
+        connection, once the console has been silent ``nudge_after`` seconds since the last."""
+        with self._cond:
+            now = time.monotonic()
+            if self.nudge_after is None or now - max(self.last_output, self._nudged_at) < self.nudge_after:
+                return
             self._nudged_at = now
             self.nudges += 1
-            print(f"[serial] {now - self.last_output:.0f} s without output: an empty line sent", flush=True)
-            self.sock.sendall(b"\n")
+            silent = now - self.last_output
+            if self.nudges % RECONNECT_AFTER == 0 and _HEARTBEAT.search(self._buf):
+                print(f"[serial] {silent:.0f} s without output: the console socket connected again", flush=True)
+                self._reconnect()
+            else:
+                print(f"[serial] {silent:.0f} s without output: an empty line sent", flush=True)
+                self.sock.sendall(b"\n")
+
+    def _reconnect(self) -> None:
+        """Close the socket and connect again (QEMU listens again at once); _cond held."""
+        old, self.sock = self.sock, _connect_after_close(self.sock, self.path, self.connect_timeout)
+        self.reconnects += 1
+        self._thread = threading.Thread(target=self._pump, args=(self.sock,), daemon=True)
+        self._thread.start()
+        old.close()
 
     def _why_not(self, pattern: str, timeout: float) -> str:
         if self._closed:
             return f"the serial console closed (QEMU exited?) before {pattern!r} came"
         silent = time.monotonic() - self.last_output
         log = f" (the serial log stopped: {self.log_error})" if self.log_error else ""
-        nudged = f", {self.nudges} empty lines sent" if self.nudges else ""
+        nudged = f", {self.nudges} nudges ({self.reconnects} reconnects)" if self.nudges else ""
         waited = f"{timeout:.0f} s, the last {silent:.0f} s silent{nudged}{log}"
         return f"timeout waiting for {pattern!r} on the serial console ({waited})"
 
@@ -364,8 +403,10 @@ class GuestVM(QemuControl):
         while time.monotonic() < deadline:
             if self.last_heartbeat() > n:
                 return self.last_heartbeat()
+            self.serial.nudge_if_silent()
             time.sleep(0.2)
-        raise GuestError(f"no heartbeat after HB {n} within {timeout}s; last output:\n{self.serial.text[-1000:]}")
+        error = ConsoleSilent if self.serial.silent_too_long() else GuestError
+        raise error(f"no heartbeat after HB {n} within {timeout}s; last output:\n{self.serial.text[-1000:]}")
 
     # --- QMP operations ---------------------------------------------------------------
 
@@ -414,6 +455,16 @@ def _connect_unix(path: Path, timeout: float) -> socket.socket:
             if time.monotonic() > deadline:
                 raise GuestError(f"QEMU did not create {path} within {timeout}s")
             time.sleep(0.05)
+
+
+def _connect_after_close(old: socket.socket, path: Path, timeout: float) -> socket.socket:
+    """A new connection to a QEMU ``server=on`` socket chardev once ``old`` is shut down:
+    QEMU accepts one client at a time, and listens again when it sees the first one go."""
+    try:
+        old.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    return _connect_unix(path, timeout)
 
 
 def copy_disk(src: Path, dst: Path) -> Path:
