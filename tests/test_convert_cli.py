@@ -378,6 +378,25 @@ def test_restore_to_qemu_without_qemu_state(tmp_path):
     assert run("restore", img, "--to", "raw", "-o", outdir / "mem.raw").returncode == 0
 
 
+def _damage_that_decompresses(data: bytearray, frame_at: int, frame_length: int, start: int) -> int:
+    """The first offset from ``start`` on where flipping two bytes (^0x5A, ^0xA5) leaves a zstd
+    frame that decompresses to as many bytes, other ones (a literal, say): which offsets do
+    depends on the compressor's output, not on the format."""
+    frame = bytes(data[frame_at : frame_at + frame_length])
+    content = zstandard.ZstdDecompressor().decompress(frame)
+    for at in range(start - frame_at, frame_length - 1):
+        damaged = bytearray(frame)
+        damaged[at] ^= 0x5A
+        damaged[at + 1] ^= 0xA5
+        try:
+            other = zstandard.ZstdDecompressor().decompress(bytes(damaged), max_output_size=len(content))
+        except zstandard.ZstdError:
+            continue
+        if len(other) == len(content) and other != content:
+            return frame_at + at
+    raise AssertionError("no two bytes of the frame decompress to other content when flipped")
+
+
 def _page_frame_in_the_middle(img: Path) -> dict:
     frames = [r for r in dump_structure(img)["records"] if r["record_type"] == RecordType.PAGE_FRAME]
     assert len(frames) > 10
@@ -389,12 +408,15 @@ def _page_frame_in_the_middle(img: Path) -> dict:
 def test_restore_corrupt_midway_leaves_nothing(target, fix_checksum, sample_image, tmp_path):
     """A page frame in the middle is damaged: restore fails part-way, no output is left.
 
-    With ``fix_checksum`` the record checksum is recomputed, so only decompression or the
-    page digests can catch it."""
+    With ``fix_checksum`` the record checksum is recomputed and the damage is two bytes of
+    the zstd frame that still decompress (to other bytes), so only the page digests can
+    catch it; without, two bytes in the middle of the frame."""
     data = bytearray(sample_image.read_bytes())
     rec = _page_frame_in_the_middle(sample_image)
     body_at = rec["offset"] + 16
     at = body_at + rec["body_length"] // 2
+    if fix_checksum:
+        at = _damage_that_decompresses(data, body_at + 16, rec["body_length"] - 16, at)
     data[at] ^= 0x5A
     data[at + 1] ^= 0xA5
     if fix_checksum:
