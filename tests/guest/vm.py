@@ -139,12 +139,13 @@ class Serial:
     once in ~160 runs of the chain scenario here) a QEMU 7.2 test guest's console went silent for
     good right after a ``cont`` and a command: the guest idle (HLT, its timers armed, ext4 still
     writing), QEMU running, nothing more on the console. Received bytes make the guest's 8250
-    driver look at the transmitter again; the cause was not found, so a nudge is printed. QEMU's
-    serial port stops sending for good if the watch it sets on a full socket never fires (its
-    ``tsr_retry``): once a heartbeat workload has printed, every RECONNECT_AFTER-th nudge closes
-    the socket and connects again, which ends that wait (output written in between is lost; the
-    console was silent anyway). A wait
-    that still times out with the console silent raises ConsoleSilent."""
+    driver look at the transmitter again; the cause was not found, so a nudge is printed. The
+    nudges did not revive it in CI (2026-11-28, again). One way QEMU's serial port would stop
+    sending for good (a guess, not reproduced) is a watch set on a full socket that never fires
+    (its ``tsr_retry``); closing the connection ends such a watch. So once a heartbeat workload
+    has printed, every RECONNECT_AFTER-th nudge connects again (output written in between is
+    lost; the console was silent anyway). A wait that still times out with the console silent
+    raises ConsoleSilent."""
 
     def __init__(self, path: Path, log: Path, timeout: float = 30.0, nudge_after: float | None = None):
         self.path, self.connect_timeout = path, timeout
