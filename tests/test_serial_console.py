@@ -9,7 +9,7 @@ import socket
 import pytest
 
 from guest import chain_scenarios
-from guest.vm import RECONNECT_AFTER, ConsoleSilent, GuestError, Serial
+from guest.vm import RECONNECT_AFTER, ConsoleSilent, ConsoleStall, GuestError, Serial
 
 
 @pytest.fixture
@@ -105,7 +105,8 @@ def test_a_console_silent_after_heartbeats_connects_again_and_reads_on(console):
     guest.sendall(b"HB words 3\n")
     serial.wait_for("HB words 3", 5)
     with pytest.raises(ConsoleSilent, match=r"\d nudges \(1 reconnects\)"):  # the second at 6 x 0.3 s
-        serial.wait_for("HB words 4", 0.3 * RECONNECT_AFTER + 0.45)
+        with pytest.warns(ConsoleStall, match="after heartbeats: connected again"):
+            serial.wait_for("HB words 4", 0.3 * RECONNECT_AFTER + 0.45)
     assert guest.recv(64) == b"\n" * (RECONNECT_AFTER - 1)
     assert guest.recv(64) == b"", "the first connection is closed"
     again = console.accept_again()
@@ -136,7 +137,8 @@ def test_the_chain_scenario_runs_again_on_a_fresh_guest_only_when_its_console_we
 
     monkeypatch.setattr(chain_scenarios, "_run_chain_scenario_once", once)
     work = tmp_path / "chain"
-    assert chain_scenarios.run_chain_scenario(work, build=object(), log=said.append) == ["checkpoints"]
+    with pytest.warns(ConsoleStall, match="chain scenario run again: timeout waiting for 'WORKLOAD-DONE'"):
+        assert chain_scenarios.run_chain_scenario(work, build=object(), log=said.append) == ["checkpoints"]
     assert calls == [False, False], "the second attempt starts from an empty directory"
     assert said == [
         "attempt 1 given up, its console silent: timeout waiting for 'WORKLOAD-DONE' (300 s, the last 300 s silent)"

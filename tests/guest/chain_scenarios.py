@@ -25,12 +25,13 @@ from __future__ import annotations
 import dataclasses
 import shutil
 import time
+import warnings
 from pathlib import Path
 
 from .build import GuestBuild, build_guest
 from .qemus import QEMU_7_2, Qemu
 from .scenarios import SavePoint, save_point, wait_heartbeat
-from .vm import ConsoleSilent, GuestVM, copy_disk
+from .vm import ConsoleSilent, ConsoleStall, GuestVM, copy_disk
 
 # The legacy VGA window: pmemsave reads the VGA device's MMIO here, not pc.ram, so a raw
 # restore of pc.ram and a pmemsave differ in these bytes by design.
@@ -99,6 +100,7 @@ def run_chain_scenario(
             return _run_chain_scenario_once(workdir, phases, mem_mib, build, say, limit_rounds, qemu)
         except ConsoleSilent as exc:
             say(f"attempt {attempt} given up, its console silent: {str(exc).splitlines()[0]}")
+            warnings.warn(f"chain scenario run again: {str(exc).splitlines()[0]}", ConsoleStall)
             shutil.rmtree(workdir, ignore_errors=True)
     return _run_chain_scenario_once(workdir, phases, mem_mib, build, say, limit_rounds, qemu)
 

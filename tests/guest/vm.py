@@ -20,6 +20,7 @@ import subprocess
 import tempfile
 import threading
 import time
+import warnings
 from pathlib import Path
 
 from qemu.qmp import ExecuteError, QMPClient
@@ -32,6 +33,11 @@ QEMU = QEMU_7_2.binary
 
 class GuestError(RuntimeError):
     """The guest or QEMU did not do what the test asked in time."""
+
+
+class ConsoleStall(UserWarning):
+    """A stalled console worked around (a reconnect, a scenario run again): pytest's warnings
+    summary shows it even when every test passes."""
 
 
 class ConsoleSilent(GuestError):
@@ -144,8 +150,8 @@ class Serial:
     sending for good (a guess, not reproduced) is a watch set on a full socket that never fires
     (its ``tsr_retry``); closing the connection ends such a watch. So once a heartbeat workload
     has printed, every RECONNECT_AFTER-th nudge connects again (output written in between is
-    lost; the console was silent anyway). A wait that still times out with the console silent
-    raises ConsoleSilent."""
+    lost; the console was silent anyway) and warns (ConsoleStall). A wait that still times out
+    with the console silent raises ConsoleSilent."""
 
     def __init__(self, path: Path, log: Path, timeout: float = 30.0, nudge_after: float | None = None):
         self.path, self.connect_timeout = path, timeout
@@ -233,6 +239,7 @@ class Serial:
             silent = now - self.last_output
             if self.nudges % RECONNECT_AFTER == 0 and _HEARTBEAT.search(self._buf):
                 print(f"[serial] {silent:.0f} s without output: the console socket connected again", flush=True)
+                warnings.warn(f"guest console silent {silent:.0f} s after heartbeats: connected again", ConsoleStall)
                 self._reconnect()
             else:
                 print(f"[serial] {silent:.0f} s without output: an empty line sent", flush=True)
