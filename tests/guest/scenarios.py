@@ -23,7 +23,7 @@ from pathlib import Path
 
 from .build import DiskSpec, GuestBuild, build_guest
 from .qemus import QEMU_7_2, Qemu
-from .vm import ConsoleSilent, GuestError, GuestVM, copy_disk
+from .vm import GuestVM, copy_disk
 
 # name, workload arguments.  "dirty" writes without sync: its data sits in the guest's
 # page cache (writeback may or may not have started when the save is taken).
@@ -81,7 +81,7 @@ def wait_heartbeat(vm: GuestVM, mode: str, after: int, timeout: float = 60.0) ->
             break
         vm.serial.nudge_if_silent()
         time.sleep(0.1)
-    raise (ConsoleSilent if vm.serial.silent_too_long() else GuestError)(
+    raise vm.serial.timed_out(
         f"no 'HB {mode} n' with n > {after} within {timeout}s; last output:\n"
         f"{vm.serial.text[-1500:]}\nQEMU:\n{vm.qemu_output()[-1500:]}"
     )

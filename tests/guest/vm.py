@@ -214,18 +214,21 @@ class Serial:
                     return m
                 left = deadline - time.monotonic()
                 if left <= 0 or self._closed:
-                    error = ConsoleSilent if self.silent_too_long() else GuestError
-                    raise error(
+                    raise self.timed_out(
                         f"{self._why_not(pattern, timeout)}; last output:\n{self._buf[-2000:].decode(errors='replace')}"
                     )
                 self.nudge_if_silent()
                 self._cond.wait(min(left, 0.5, self.nudge_after or 0.5))
 
-    def silent_too_long(self) -> bool:
-        """Silent for longer than nudging allows (never, without ``nudge_after``)."""
-        if self.nudge_after is None or self._closed:
-            return False
-        return time.monotonic() - self.last_output >= self.nudge_after
+    def timed_out(self, message: str) -> GuestError:
+        """The error of a wait that timed out: ConsoleSilent when the console has been silent
+        for longer than nudging allows (never without ``nudge_after``, nor once closed)."""
+        silent = (
+            self.nudge_after is not None
+            and not self._closed
+            and time.monotonic() - self.last_output >= self.nudge_after
+        )
+        return (ConsoleSilent if silent else GuestError)(message)
 
     def nudge_if_silent(self) -> None:
         """For a wait that polls: an empty line, or every RECONNECT_AFTER-th time a new
@@ -413,8 +416,9 @@ class GuestVM(QemuControl):
                 return self.last_heartbeat()
             self.serial.nudge_if_silent()
             time.sleep(0.2)
-        error = ConsoleSilent if self.serial.silent_too_long() else GuestError
-        raise error(f"no heartbeat after HB {n} within {timeout}s; last output:\n{self.serial.text[-1000:]}")
+        raise self.serial.timed_out(
+            f"no heartbeat after HB {n} within {timeout}s; last output:\n{self.serial.text[-1000:]}"
+        )
 
     # --- QMP operations ---------------------------------------------------------------
 
